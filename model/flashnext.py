@@ -1,0 +1,107 @@
+"""The Flash Next text model: embeddings, the decoder stack, the final mixer and lm_head, and the MTP layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model.config import FlashNextConfig
+from model.hyper import GatedResidual, linear
+from model.layers import DecoderLayer, ForwardBatch, Segment
+from model.mtp import MTPLayer
+from model.state import LaneState
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """Logits of the requested rows and every row's pre-mixer wide state (the MTP layer's input)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class FlashNextModel(nn.Module):
+    """The reference forward over batches of lane segments.
+
+    It folds rows in one at a time: on the CPU, PyTorch's vectorised elementwise kernels round a value differently
+    in a vector body than in a scalar tail, so only single-row tensors give each row the bits it would have alone
+    (the exactness contract). Layers still take any number of rows, the seam a batched GPU path plugs into."""
+
+    def __init__(self, cfg: FlashNextConfig, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, kind, cfg.ple_layers.index(i) if i in cfg.ple_layers else None)
+            for i, kind in enumerate(cfg.layer_types)
+        )
+        self.hyper_connection_mixer = GatedResidual(cfg, inject=False)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = MTPLayer(cfg) if with_mtp and cfg.mtp_num_hidden_layers else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_lane(self) -> LaneState:
+        """A lane with zeroed state and an n-gram history of eos."""
+        lane = LaneState()
+        for layer in self.layers:
+            layer.init_lane(lane, self.dtype, self.device)
+        if self.mtp is not None:
+            self.mtp.layers[0].init_lane(lane, self.dtype, self.device)
+        lane.ngram_history = torch.full((self.cfg.ngram_size - 1,), self.cfg.eos_token_id, device=self.device)
+        return lane
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head logits of pre-mixer wide rows [N, wide], one row at a time."""
+        return torch.cat([self.lm_head(self.hyper_connection_mixer.read(row[None])[0]) for row in hidden])
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> ForwardOutput:
+        """Fold every segment's rows into its lane; logits for `logit_rows` (all rows if None)."""
+        hidden = torch.empty(batch.token_ids.shape[0], self.cfg.wide_size, dtype=self.dtype, device=self.device)
+        for seg in batch.segments:
+            lane = seg.lane
+            first = int(batch.positions[seg.start])
+            if first != lane.length:
+                raise ValueError(f"segment starts at position {first} but its lane holds {lane.length} tokens")
+            for r in range(seg.start, seg.start + seg.length):
+                row = ForwardBatch(batch.token_ids[r : r + 1], batch.positions[r : r + 1], [Segment(lane, 0, 1)])
+                wide = self.embed_tokens(row.token_ids).repeat(1, self.cfg.hc_count)
+                for layer in self.layers:
+                    wide = layer(wide, row)
+                hidden[r] = wide[0]
+                lane.ngram_history = torch.cat((lane.ngram_history[1:], row.token_ids))
+                lane.length += 1
+        rows = hidden if logit_rows is None else hidden[logit_rows]
+        return ForwardOutput(logits=self.logits(rows), hidden=hidden)
+
+    @torch.no_grad()
+    def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits for position p+2 from rows (token p+1 at position p, trunk wide state at p), and the MTP's
+        own pre-mixer wide states for chaining."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer")
+        logits, wides = [], []
+        for seg in batch.segments:
+            for r in range(seg.start, seg.start + seg.length):
+                row = ForwardBatch(batch.token_ids[r : r + 1], batch.positions[r : r + 1], [Segment(seg.lane, 0, 1)])
+                mixed, wide = self.mtp(self.embed_tokens(row.token_ids), hidden[r : r + 1], row)
+                logits.append(self.lm_head(mixed))
+                wides.append(wide)
+                seg.lane.mtp_length = int(batch.positions[r]) + 1
+        return torch.cat(logits), torch.cat(wides)
+
+
+def single_lane_batch(lane: LaneState, token_ids: torch.Tensor, start: int) -> ForwardBatch:
+    """A batch of one lane's consecutive rows from absolute position `start`."""
+    positions = torch.arange(start, start + token_ids.shape[0], device=token_ids.device)
+    return ForwardBatch(token_ids=token_ids, positions=positions, segments=[Segment(lane, 0, token_ids.shape[0])])

@@ -1,0 +1,93 @@
+"""The sparse MoE: fp32 softmax router with top-k, routed SwiGLU experts, and the gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import FlashNextConfig
+from model.hyper import linear
+from model.ops import swiglu
+from model.quant import dequantize_nvfp4
+
+
+class ExpertBank(nn.Module):
+    """Routed experts' weights, dense ([E, 2I, d] gate rows then up rows; [E, d, I]) or NVFP4-packed."""
+
+    def __init__(self, cfg: FlashNextConfig) -> None:
+        super().__init__()
+        e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.zeros(e, d, i), requires_grad=False)
+        self.nvfp4: dict[str, torch.Tensor] | None = None
+
+    def use_nvfp4(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold NVFP4 weights: `{gate_up,down}_{packed,scale,scale_2}` (scale_2 [E, 2] for gate/up, [E] for down)."""
+        self.nvfp4 = tensors
+        self.gate_up_proj = None
+        self.down_proj = None
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, d], down [d, I]) in the compute dtype; NVFP4 dequantized by the formula."""
+        if self.nvfp4 is None:
+            return self.gate_up_proj[e].to(dtype), self.down_proj[e].to(dtype)
+        w = self.nvfp4
+        half = w["gate_up_packed"].shape[1] // 2
+        gate = dequantize_nvfp4(w["gate_up_packed"][e, :half], w["gate_up_scale"][e, :half], w["gate_up_scale_2"][e, 0])
+        up = dequantize_nvfp4(w["gate_up_packed"][e, half:], w["gate_up_scale"][e, half:], w["gate_up_scale_2"][e, 1])
+        down = dequantize_nvfp4(w["down_packed"][e], w["down_scale"][e], w["down_scale_2"][e])
+        return torch.cat((gate, up)).to(dtype), down.to(dtype)
+
+
+class SharedExpert(nn.Module):
+    """The always-on SwiGLU expert."""
+
+    def __init__(self, d: int, width: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = linear(d, width), linear(d, width), linear(width, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Softmax over expert logits in fp32, top-k with ties to the lower expert id, renormalised."""
+
+    def __init__(self, cfg: FlashNextConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size), requires_grad=False)
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] in x's dtype, expert ids [N, k])."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        weights, ids = order.values[:, : self.top_k], order.indices[:, : self.top_k]
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus the sigmoid-gated shared expert (checkpoint module `mlp`)."""
+
+    def __init__(self, cfg: FlashNextConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = ExpertBank(cfg)
+        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = linear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x [N, d] -> [N, d]; each row's expert sum runs in ascending expert id, whatever the batch."""
+        shared = self.shared_expert(x)
+        weights, ids = self.gate(x)
+        routed = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            gate_up, down = self.experts.expert(e, x.dtype)
+            out = swiglu(x[rows], gate_up, down) * weights[rows, slot, None]
+            routed[rows] = routed[rows] + out.to(x.dtype)  # a row meets each expert at most once
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
