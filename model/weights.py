@@ -160,7 +160,7 @@ class WeightLoader:
         if not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise CheckpointError(f"tensor {key}: dtype {tensor.dtype}, expected bfloat16 or float32")
         _check_shape(key, tensor, tuple(shape))
-        return tensor.to(device=device, dtype=dtype)
+        return _own(tensor, device, dtype)
 
     def _experts(self, moe: str, which: str, bank, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         base = self.key(f"{moe}.experts")
@@ -194,7 +194,7 @@ class WeightLoader:
         tensor = self.index.get(f"{key}.weight")
         if not tensor.is_floating_point() or tensor.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"tensor {key}.weight: dtype {tensor.dtype}, expected bfloat16 or float32")
-        return tensor.to(device=device, dtype=dtype)
+        return _own(tensor, device, dtype)
 
     def _nvfp4_bank(self, base: str, device: torch.device) -> dict[str, torch.Tensor]:
         e, d, i = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
@@ -250,10 +250,16 @@ class WeightLoader:
             if tensor.dtype != torch.float8_e4m3fn:
                 raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected float8_e4m3fn (FP8)")
             module.weight_scale = self.index.get(f"{base}.weight_scale").float().reshape(()).to(device)
-            return tensor.to(device)
+            return _own(tensor, device, tensor.dtype)
         if not tensor.is_floating_point() or tensor.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected bfloat16 or float32")
-        return tensor.to(device=device, dtype=dtype)
+        return _own(tensor, device, dtype)
+
+
+def _own(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh, allocator-aligned copy: a memory-mapped tensor's offset in its file would otherwise change CPU
+    kernels' vector paths, and so the bits, from one load (or one rank) to the next."""
+    return tensor.to(device=device, dtype=dtype, copy=True)
 
 
 def _check_shape(key: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:

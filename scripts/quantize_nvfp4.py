@@ -29,8 +29,16 @@ log = logging.getLogger("quantize_nvfp4")
 TEXT_TYPES = ("qwen4_exp_text", "qwen3_8_flash_next_text")
 TRUNK = "model.language_model."
 ALWAYS_IGNORED = ("lm_head", TRUNK + "embed_tokens")
-COPY_PATTERNS = ("tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
-                 "chat_template*", "generation_config.json", "preprocessor_config.json")
+COPY_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template*",
+    "generation_config.json",
+    "preprocessor_config.json",
+)
 EXPERTS = re.compile(
     r"^(?P<mod>(?:model\.language_model|mtp)\.layers\.\d+\.mlp\.experts)\."
     r"(?:(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight|(?P<fused>gate_up_proj|down_proj))$"
@@ -209,12 +217,17 @@ def convert_checkpoint(src: Path, dst: Path, shards: int = 2) -> None:
             log.info("[%d/%d] %s: %d tensors, %.1f MiB", k + 1, shards, file, len(tensors), size / 2**20)
     quantized = dict(sorted(conv.quantized.items(), key=lambda kv: natural(kv[0])))
     ignore = ignore_list(unquantized, list(quantized))
-    quant_config = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": quantized,
-                    "ignore": ignore}
+    quant_config = {
+        "quant_method": "modelopt",
+        "quant_algo": "MIXED_PRECISION",
+        "quantized_layers": quantized,
+        "ignore": ignore,
+    }
     hf_layers = {k: dict(v, quant_algo="FP8_BLOCK_SCALES") if v == FP8_BLOCKS else v for k, v in quantized.items()}
-    hf_quant = {"producer": {"name": "modelopt", "version": "flashnext"},
-                "quantization": {"quant_algo": "MIXED_PRECISION", "exclude_modules": ignore,
-                                 "quantized_layers": hf_layers}}
+    hf_quant = {
+        "producer": {"name": "modelopt", "version": "flashnext"},
+        "quantization": {"quant_algo": "MIXED_PRECISION", "exclude_modules": ignore, "quantized_layers": hf_layers},
+    }
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (dst / "config.json").write_text(json.dumps(full_config(cfg, text_only, quant_config), indent=2) + "\n")

@@ -48,12 +48,34 @@ def tiny_text_config() -> object:
     from transformers import Qwen4ExpTextConfig
 
     return Qwen4ExpTextConfig(
-        vocab_size=300, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=EXPERTS, num_experts_per_tok=2,
-        full_attention_interval=2, hc_count=2, hc_lowrank=8, ple_layer_ids=[1], heads_per_ngram=2,
-        ngram_vocab_size_base=31, split_ngram_parts=TABLE_SHARDS, indexer_n_heads=2, indexer_kv_heads=1,
-        indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2, eos_token_id=5, output_gate_type="sigmoid",
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        full_attention_interval=2,
+        hc_count=2,
+        hc_lowrank=8,
+        ple_layer_ids=[1],
+        heads_per_ngram=2,
+        ngram_vocab_size_base=31,
+        split_ngram_parts=TABLE_SHARDS,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=8,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        eos_token_id=5,
+        output_gate_type="sigmoid",
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         max_position_embeddings=512,
     )
@@ -126,8 +148,11 @@ def test_config_is_the_full_quantized_layout(converted: Converted) -> None:
         assert not any(fnmatch.fnmatchcase(m, pattern) for m in expect), pattern
     hf = json.loads((dst / "hf_quant_config.json").read_text())
     assert hf["producer"] == {"name": "modelopt", "version": "flashnext"}
-    assert hf["quantization"] == {"quant_algo": "MIXED_PRECISION", "exclude_modules": q["ignore"],
-                                  "quantized_layers": expect}
+    assert hf["quantization"] == {
+        "quant_algo": "MIXED_PRECISION",
+        "exclude_modules": q["ignore"],
+        "quantized_layers": expect,
+    }
 
 
 def test_experts_are_nvfp4_grid_projections(converted: Converted) -> None:
@@ -190,8 +215,10 @@ def test_full_layout_fused_experts_and_mtp(converted: Converted, tmp_path: Path)
         if not EXPERT.match(key):
             tensors[key if key.startswith("lm_head.") else TRUNK + key.removeprefix("model.")] = w.bfloat16()
     for layer in range(LAYERS):
-        e = [[orig[f"model.layers.{layer}.mlp.experts.{i}.{p}.weight"] for i in range(EXPERTS)] for p in
-             ("gate_proj", "up_proj", "down_proj")]
+        e = [
+            [orig[f"model.layers.{layer}.mlp.experts.{i}.{p}.weight"] for i in range(EXPERTS)]
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ]
         tensors[f"{TRUNK}layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat([gw, uw]) for gw, uw in zip(e[0], e[1], strict=True)]
         ).bfloat16()
@@ -212,8 +239,12 @@ def test_full_layout_fused_experts_and_mtp(converted: Converted, tmp_path: Path)
     weight_map = {k: f for f, keys in halves.items() for k in keys}
     (full / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     text = json.loads((src / "config.json").read_text())
-    cfg = {"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForConditionalGeneration"], "image_token_id": 7,
-           "text_config": text}
+    cfg = {
+        "model_type": "qwen4_exp",
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "image_token_id": 7,
+        "text_config": text,
+    }
     (full / "config.json").write_text(json.dumps(cfg))
     dst = tmp_path / "dst"
     quantize_script.convert_checkpoint(full, dst, shards=3)
@@ -276,7 +307,10 @@ def test_cli_prints_a_line_per_shard(converted: Converted, tmp_path: Path) -> No
     src = converted[0]
     run = subprocess.run(
         [sys.executable, str(SCRIPT), str(src), str(tmp_path / "cli"), "--shards", "3"],
-        capture_output=True, text=True, check=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
     )
     lines = [line for line in (run.stdout + run.stderr).splitlines() if "-of-00003.safetensors" in line]
     assert [line.split()[0] for line in lines] == ["[1/3]", "[2/3]", "[3/3]"]

@@ -1,0 +1,114 @@
+"""The `flashnext` command: `generate` (offline, one prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from model.shipped import SHIPPED_MODEL
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be in [0, 100], got {value}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from exc
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
+    return ids
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags every command that loads a model shares."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        type=Path,
+        default=SHIPPED_MODEL,
+        help="checkpoint folder (default: the small model that ships with flashnext)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="compute dtype; auto is float32 on cpu and the checkpoint's dtype on cuda (default auto)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashnext", description="Flash Next inference server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate from one prompt offline; the last stdout line is JSON")
+    add_model_flags(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer, no chat template)")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens to generate at most (default 16)")
+    gen.add_argument("--temperature", type=_temperature, default=1.0, help="0 is greedy (default 1.0)")
+    gen.add_argument("--seed", type=int, help="sampling seed (default: a fresh random seed)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Load, tokenize, generate, print one JSON line."""
+    from model.weights import load_model
+    from server.generate import GenerateParams, generate
+    from server.sampling import fresh_seed
+    from server.tokenizer import eos_token_ids, load_tokenizer
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    if args.prompt is not None:
+        if tokenizer is None:
+            print(f"--prompt: {args.model} has no tokenizer; pass --prompt-ids", file=sys.stderr)
+            return 2
+        prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = args.prompt_ids
+    vocab = model.cfg.vocab_size
+    if not prompt_ids or max(prompt_ids) >= vocab:
+        print(f"--prompt-ids: ids must be in [0, {vocab}), got {prompt_ids}", file=sys.stderr)
+        return 2
+    params = GenerateParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed if args.seed is not None else fresh_seed(),
+        eos_ids=eos_token_ids(args.model, tokenizer, model.cfg.eos_token_id),
+        ignore_eos=args.ignore_eos,
+    )
+    tokens = generate(model, prompt_ids, params)
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
+    print(json.dumps({"token_ids": tokens, "text": text}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if not (args.model / "config.json").is_file():
+        print(f"model: no config.json in {args.model}", file=sys.stderr)
+        return 2
+    return run_generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

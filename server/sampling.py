@@ -1,0 +1,63 @@
+"""Token draws keyed by (seed, absolute position), so a row's token never depends on its batch, rank or device."""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+import torch
+
+MASK64 = (1 << 64) - 1
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """One splitmix64 step: advance the state by the golden gamma and scramble it into 64 well-mixed bits."""
+    z = (z + GOLDEN_GAMMA) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def draw_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) from (seed, position), each taken modulo 2**64, in pure integer arithmetic."""
+    z = _mix64(_mix64(seed & MASK64) ^ (position & MASK64))
+    return (z >> 11) * 2.0**-53
+
+
+def fresh_seed() -> int:
+    """A random 63-bit seed for a request that did not bring one."""
+    return secrets.randbits(63)
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, seed: int, position: int
+) -> int:
+    """Draw one token id from one row of logits [V]; greedy when temperature is 0."""
+    if logits.dim() != 1:
+        raise ValueError(f"sample_token takes one row of logits [V], got shape {tuple(logits.shape)}")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p <= 1:
+        raise ValueError(f"bad sampling parameters: {temperature=} {top_k=} {top_p=} {min_p=}")
+    row = logits.float()
+    best = row.max()
+    if not torch.isfinite(best):
+        raise ValueError("logits need a finite maximum (NaN or +inf found, or every logit is -inf)")
+    if temperature == 0:
+        # Ties go to the lower id explicitly, as the router does, rather than relying on argmax's tie rule.
+        return int(torch.nonzero(row == best)[0, 0])
+    probs = torch.softmax(row / temperature, dim=-1)
+    # A stable sort keeps equal probabilities in ascending id order, so tied candidates have one fixed order.
+    sorted_probs, sorted_ids = torch.sort(probs, descending=True, stable=True)
+    keep = min(top_k, sorted_probs.numel()) if top_k > 0 else sorted_probs.numel()
+    mass = sorted_probs[:keep].to(device="cpu", dtype=torch.float64)
+    if not math.isfinite(mass[0].item()):
+        raise ValueError(f"temperature {temperature} overflows these logits")
+    cdf = torch.cumsum(mass, dim=0)
+    if top_p < 1:
+        # Mass is measured after top_k, as if the dropped tokens had never been candidates.
+        keep = min(keep, int(torch.searchsorted(cdf, top_p * cdf[-1].item())) + 1)
+    if min_p > 0:
+        keep = min(keep, int(torch.count_nonzero(mass[:keep] >= min_p * mass[0].item())))
+    target = draw_uniform(seed, position) * cdf[keep - 1].item()
+    index = min(int(torch.searchsorted(cdf[:keep], target, right=True)), keep - 1)
+    return int(sorted_ids[index])

@@ -1,0 +1,97 @@
+"""Config parsing: every spelling of the architecture, the real shape, and refusals that name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from make_checkpoint import hf_text_config
+
+from model.config import LINEAR, QSA, ConfigError, load_config, parse_config
+from tests.tiny import text_config
+
+REAL = Path(__file__).resolve().parents[2] / "configs" / "qwen3.8-flash-next"
+
+
+def real_text() -> dict:
+    return json.loads((REAL / "config.json").read_text())["text_config"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen4_exp", "qwen3_8_flash_next"])
+def test_wrapper_spellings_parse_their_text_config(model_type):
+    text = {**text_config(), "model_type": model_type + "_text"}
+    wrapped = parse_config({"model_type": model_type, "text_config": text})
+    direct = parse_config(text)
+    assert wrapped == direct
+    assert wrapped.layer_types == (LINEAR, QSA, LINEAR, QSA)
+
+
+@pytest.mark.parametrize("spelling", ["full_attention", "indexed_attention", "qwen_sparse_attention"])
+def test_every_qsa_spelling_means_qsa(spelling):
+    cfg = parse_config({**text_config(), "layer_types": ["linear_attention", spelling] * 2})
+    assert cfg.qsa_layers == (1, 3)
+
+
+def test_layer_types_from_the_interval_match_transformers():
+    cfg = parse_config(text_config("gqa12-hc4"))
+    hf_types = hf_text_config(text_config("gqa12-hc4")).layer_types
+    assert [LINEAR if t == "linear_attention" else QSA for t in hf_types] == list(cfg.layer_types)
+    assert cfg.ple_layers == (1,)  # ple_layer_ids are 1-based
+
+
+def test_real_config_parses_with_the_model_card_shape():
+    cfg = load_config(REAL)
+    assert cfg.qsa_layers == tuple(range(3, 48, 4))
+    assert (cfg.hidden_size, cfg.wide_size, cfg.rotary_dim) == (2560, 10240, 64)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (24, 2, 256)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 48)
+    assert cfg.ple_layers == (1,) and cfg.ngram_heads == 16 and cfg.eos_token_id == 248044
+    assert cfg.indexer_block_topk == 512 and cfg.mtp_num_hidden_layers == 1
+
+
+def test_real_parameter_counts_match_the_model_card_and_transformers():
+    cfg = load_config(REAL)
+    counts = cfg.parameter_counts()
+    assert counts["ngram_table"] == 320_001_536 * 160  # 51.2B: 16 prime-sized heads padded to 128 rows
+    assert 124e9 < counts["main"] < 127e9  # "about 125B"
+    assert 2.5e9 < counts["mtp"] < 4e9
+    from transformers import Qwen4ExpForCausalLM
+
+    with torch.device("meta"):
+        hf = Qwen4ExpForCausalLM(hf_text_config(real_text()))
+    table = sum(p.numel() for n, p in hf.named_parameters() if "ngram_embedding" in n)
+    assert table == counts["ngram_table"]
+    assert sum(p.numel() for p in hf.parameters()) - table == counts["main"]
+
+
+def refuse(data: dict, field: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert field in str(err.value)
+    return str(err.value)
+
+
+def test_refusals_name_the_field():
+    base = text_config()
+    refuse({**base, "model_type": "llama"}, "model_type")
+    refuse({"model_type": "qwen4_exp"}, "text_config")
+    refuse({"model_type": "qwen4_exp", "text_config": {**base, "model_type": "bert"}}, "text_config.model_type")
+    refuse({**base, "layer_types": ["linear_attention", "hybrid_indexed"] * 2}, "layer_types[1]")
+    refuse({**base, "layer_types": ["linear_attention"] * 3}, "layer_types")
+    refuse({**base, "hidden_size": "32"}, "hidden_size")
+    refuse({**base, "num_hidden_layers": 0}, "num_hidden_layers")
+    refuse({**base, "num_key_value_heads": 3}, "num_key_value_heads")
+    refuse({**base, "linear_num_value_heads": 5}, "linear_num_value_heads")
+    refuse({**base, "num_experts_per_tok": 9}, "num_experts_per_tok")
+    refuse({**base, "indexer_budget": None}, "indexer_budget")
+    refuse({**base, "indexer_kv_heads": 2}, "indexer_kv_heads")
+    refuse({**base, "indexer_budget": 7}, "indexer_budget")
+    refuse({**base, "ple_layer_ids": [2]}, "ple_layer_ids")  # layer 2 is a QSA layer
+    refuse({**base, "ple_layer_ids": [9]}, "ple_layer_ids")
+    refuse({**base, "output_gate_type": "tanh"}, "output_gate_type")
+    refuse({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type")
+    refuse({**base, "eos_token_id": None}, "eos_token_id")
+    refuse({**base, "mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers")
+    refuse({"model_type": "qwen4_exp", "text_config": {**base, "hc_count": 1}}, "text_config.hc_count")
