@@ -1,0 +1,308 @@
+"""Request bodies of the OpenAI-compatible API, their 400 errors, and the sampling parameters they carry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_STOP_STRINGS = 8
+MAX_SEED = 2**63 - 1
+# Longest offending value, written as JSON, that an error message quotes back to the client.
+_MAX_QUOTED_CHARS = 60
+# Values of fields we cannot honour yet that mean the same as leaving the field out.
+_HARMLESS: dict[str, Any] = {"logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the engine draws and stops one request's tokens (top_k 0 means off, max_tokens None means the context)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    draft: bool = True
+
+
+class ApiError(Exception):
+    """An error answered to the client with an HTTP status and OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _not_supported(message: str) -> PydanticCustomError:
+    """A validation error for a feature the server refuses rather than silently ignores."""
+    return PydanticCustomError("not_supported", message)
+
+
+def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
+    """Refuse a field we cannot honour unless its value means the same as leaving it out."""
+    if value != _HARMLESS[info.field_name]:
+        raise _not_supported("not supported yet")
+    return value
+
+
+class _StrictModel(BaseModel):
+    """JSON types taken as they are (no "0.5" for a number, no 1 for a bool); unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_StrictModel):
+    """`stream_options`: whether the last streamed chunk carries usage."""
+
+    include_usage: bool = False
+
+
+class ChatTemplateKwargs(_StrictModel):
+    """`chat_template_kwargs`: the known switches are checked, any other key goes to the template as given."""
+
+    model_config = ConfigDict(extra="allow")
+
+    enable_thinking: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high", "xhigh"] | None = None
+
+
+class ChatMessage(_StrictModel):
+    """One chat turn; a list of text parts is joined into one string with newlines."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("role") == "assistant":
+            return ""
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for index, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise PydanticCustomError(
+                    "content_part", f"part {index} has type {kind!r}; only 'text' content parts are supported"
+                )
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError("content_part", f"text part {index} needs a string 'text'")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class _SamplingRequest(_StrictModel):
+    """Fields shared by chat and text completions; JSON null reads as 'not given'."""
+
+    default_max_tokens: ClassVar[int | None] = None
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    draft: bool = True
+    n: int = Field(1, ge=1)
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, Any] | None = None
+
+    _check_logit_bias = field_validator("logit_bias")(_refuse_unless_harmless)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _same_as_max_tokens(cls, value: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and max_tokens != value:
+            raise PydanticCustomError(
+                "conflict", f"must equal max_tokens ({max_tokens}) when both are given; send only one"
+            )
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions, info: ValidationInfo) -> StreamOptions:
+        if info.data.get("stream") is not True:
+            raise PydanticCustomError("conflict", "only allowed when stream is true")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value > 1:
+            raise _not_supported("more than one choice per request is not supported yet")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise _not_supported("penalties other than 0 are not supported yet")
+        return value
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's view of this request."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=self.max_completion_tokens or self.max_tokens or self.default_max_tokens,
+            stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            draft=self.draft,
+        )
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=ChatTemplateKwargs)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+    _check_unhonoured = field_validator("response_format", "tools", "tool_choice")(_refuse_unless_harmless)
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int) -> bool | int:
+        if value is not False:
+            raise _not_supported("not supported yet")
+        return value
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the chat template: the given switches and pass-through keys."""
+        return self.chat_template_kwargs.model_dump(exclude_none=True)
+
+
+class CompletionRequest(_SamplingRequest):
+    """Body of POST /v1/completions; `prompt` ends as one text or one list of token ids."""
+
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's default for text completions
+
+    prompt: str | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int = Field(1, ge=1)
+    logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(item, str | list) for item in value):
+            if len(value) > 1:
+                raise _not_supported(f"a batch of {len(value)} prompts is not supported yet; send one per request")
+            value = value[0]
+        if not isinstance(value, str | list):
+            raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
+        if not value:
+            raise PydanticCustomError("empty_prompt", "must not be empty")
+        if isinstance(value, list):
+            for index, token in enumerate(value):
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise PydanticCustomError(
+                        "token_id", f"token ids must be integers >= 0; item {index} is {json.dumps(token)}"
+                    )
+        return value
+
+    @field_validator("echo", "logprobs")
+    @classmethod
+    def _no_echo_or_logprobs(cls, value: bool | int) -> bool | int:
+        if value is not False:
+            raise _not_supported("not supported yet")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str) -> str:
+        if value:
+            raise _not_supported("not supported yet")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, value: int) -> int:
+        if value > 1:
+            raise _not_supported("best_of above 1 is not supported yet")
+        return value
+
+
+def validation_error_to_api_error(exc: ValidationError) -> ApiError:
+    """A 400 naming the first bad field by its dotted path, saying what was wrong and quoting a short bad value."""
+    error = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in error["loc"]) or None
+    message = f"{param or 'request body'}: {error['msg']}"
+    if param is not None and error["type"] != "missing":
+        quoted = json.dumps(error["input"], default=repr, skipkeys=True)
+        if len(quoted) <= _MAX_QUOTED_CHARS:
+            message += f" (got {quoted})"
+    code = "unsupported_parameter" if error["type"] == "not_supported" else None
+    return ApiError(message, param=param, code=code)
+
+
+def parse_request(model: type[RequestT], body: bytes | str | dict[str, Any]) -> RequestT:
+    """Validate a request body, raw JSON or already decoded, raising ApiError on bad input."""
+    try:
+        return model.model_validate(body) if isinstance(body, dict) else model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error_to_api_error(exc) from None
+
+
+def token_sha(token_ids: list[int]) -> str:
+    """SHA-256 hex of the ids written in decimal and joined by commas ("17,4,99")."""
+    return hashlib.sha256(",".join(str(token) for token in token_ids).encode()).hexdigest()

@@ -1,0 +1,255 @@
+"""Tests for scripts/openai_stream.py and the bench scripts against an in-process fake SSE server."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+TOKENS_PER_PIECE = 2
+
+
+def load_script(name: str) -> ModuleType:
+    """Import a script by path, registered under its own name (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+openai_stream = load_script("openai_stream")
+
+
+def sha_of(ids: list[int]) -> str:
+    """SHA-256 of the ids joined by commas, written out here independently of the client."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+
+
+def fake_ids(body: dict[str, Any], salt: int) -> list[int]:
+    """The fake model's completion: a function of the seed and max_tokens (and of salt)."""
+    base = int(body.get("seed") or 0) + 7 * salt
+    return [(base * 31 + 7 * i) % 500 for i in range(int(body["max_tokens"]))]
+
+
+class FakeServer(ThreadingHTTPServer):
+    """Streams fixed chat completions; with vary=True every request gets a different completion."""
+
+    daemon_threads = True
+
+    def __init__(self, vary: bool) -> None:
+        super().__init__(("127.0.0.1", 0), FakeHandler)
+        self.vary = vary
+        self.lock = threading.Lock()
+        self.requests: list[tuple[dict[str, Any], str | None]] = []
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class FakeHandler(BaseHTTPRequestHandler):
+    """GET /v1/models and a streaming POST /v1/chat/completions in the server's SSE format."""
+
+    protocol_version = "HTTP/1.0"
+    server: FakeServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Keep the test output quiet."""
+
+    def send_json(self, status: int, payload: dict[str, Any]) -> None:
+        """A plain JSON response."""
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def event(self, payload: dict[str, Any] | str) -> None:
+        """Write one SSE data event and flush it."""
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    def do_GET(self) -> None:
+        """The model list."""
+        self.send_json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        """Stream a completion: role chunk, content chunks with token_ids, finish chunk, usage chunk, [DONE]."""
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.server.lock:
+            self.server.requests.append((body, self.headers.get("Authorization")))
+            salt = len(self.server.requests) if self.server.vary else 0
+        if body["max_tokens"] < 1:
+            self.send_json(400, {"error": {"message": "max_tokens must be at least 1", "code": "bad_request"}})
+            return
+        ids = fake_ids(body, salt)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "fake-model"}
+        self.event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        self.wfile.write(b": keep-alive\n\n")
+        for start in range(0, len(ids), TOKENS_PER_PIECE):
+            piece = ids[start : start + TOKENS_PER_PIECE]
+            text = "".join(f" t{t}" for t in piece)
+            self.event({**head, "choices": [{"index": 0, "delta": {"content": text}, "token_ids": piece}]})
+            time.sleep(0.002)
+        self.event({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        usage = {"prompt_tokens": 11, "completion_tokens": len(ids), "total_tokens": 11 + len(ids)}
+        self.event({**head, "choices": [], "usage": usage, "token_sha": sha_of(ids)})
+        self.event("[DONE]")
+
+
+def serve(vary: bool) -> Iterator[FakeServer]:
+    """Run a fake server in a thread for one test."""
+    server = FakeServer(vary)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServer]:
+    """A fake server that answers the same request with the same completion."""
+    yield from serve(vary=False)
+
+
+@pytest.fixture
+def drifting() -> Iterator[FakeServer]:
+    """A fake server whose completion changes with every request."""
+    yield from serve(vary=True)
+
+
+def run_script(name: str, server: FakeServer, *flags: str) -> subprocess.CompletedProcess[str]:
+    """Run a bench script against the server as a subprocess."""
+    command = [sys.executable, str(SCRIPTS / f"{name}.py"), "--base-url", server.url, *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_token_sha_matches_the_server_rule() -> None:
+    """token_sha hashes the ids joined by commas."""
+    assert openai_stream.token_sha([1, 22, 333]) == sha_of([1, 22, 333])
+    assert openai_stream.token_sha([]) == hashlib.sha256(b"").hexdigest()
+
+
+def test_stream_chat_parses_the_stream(fake: FakeServer) -> None:
+    """stream_chat collects token ids, text, token_sha, usage, finish_reason and piece times."""
+    body = openai_stream.chat_body("fake-model", "Hello", 5, 1.0, seed=77, top_k=20, top_p=0.95)
+    result = openai_stream.stream_chat(fake.url, body, api_key="secret")
+    ids = fake_ids(body, 0)
+    assert result.token_ids == ids
+    assert result.text == "".join(f" t{t}" for t in ids)
+    assert result.token_sha == sha_of(ids)
+    assert result.usage == {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+    assert result.finish_reason == "length"
+    assert result.tokens == 5
+    assert len(result.piece_times) == 3
+    assert result.ttft is not None and result.ttft > 0
+    assert result.decode_tok_s is not None and result.decode_tok_s > 0
+    sent, authorization = fake.requests[0]
+    assert authorization == "Bearer secret"
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["ignore_eos"] is True and sent["return_token_ids"] is True
+    assert (sent["seed"], sent["top_k"], sent["top_p"]) == (77, 20, 0.95)
+
+
+def test_greedy_body_has_no_seed(fake: FakeServer) -> None:
+    """A temperature-0 request sends no seed, top_k or top_p; the model name comes from /v1/models."""
+    model = openai_stream.resolve_model(fake.url)
+    assert model == "fake-model"
+    body = openai_stream.chat_body(model, "Hello", 3, 0.0, seed=5, top_k=20, top_p=0.95)
+    assert not {"seed", "top_k", "top_p"} & body.keys()
+    assert openai_stream.stream_chat(fake.url, body).token_ids == fake_ids(body, 0)
+
+
+def test_stream_chat_raises_on_http_error(fake: FakeServer) -> None:
+    """A refused request raises StreamError with the server's message."""
+    body = openai_stream.chat_body("fake-model", "Hello", 0, 0.0)
+    with pytest.raises(openai_stream.StreamError, match=r"HTTP 400.*max_tokens"):
+        openai_stream.stream_chat(fake.url, body)
+
+
+def test_bench_concurrent_alone_matches(fake: FakeServer) -> None:
+    """--alone against a deterministic server: two concurrent streams, one alone run of the shared body, exit 0."""
+    done = run_script(
+        "bench_concurrent", fake, "--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--alone"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "MISMATCH" not in done.stdout
+    assert "comparisons: 2, mismatches: 0" in done.stdout
+    assert len(fake.requests) == 4  # warm-up, two concurrent, one alone
+
+
+def test_bench_concurrent_alone_mismatch_exits_1(drifting: FakeServer) -> None:
+    """--alone against a server whose output drifts prints MISMATCH lines and exits 1."""
+    done = run_script(
+        "bench_concurrent", drifting, "--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--alone"
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.count("MISMATCH") == 2
+
+
+def test_bench_concurrent_serial_sampled(fake: FakeServer) -> None:
+    """--serial with sampling: stream i gets seed + i, and the alone runs are repeated with draft off."""
+    done = run_script(
+        "bench_concurrent",
+        fake,
+        "--levels",
+        "2",
+        "--tokens",
+        "4",
+        "--reps",
+        "1",
+        "--temperatures",
+        "1.0",
+        "--serial",
+        "--json",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["comparisons"] == 4 and summary["mismatches"] == 0
+    streams = summary["runs"][0]["streams"]
+    assert [s["seed"] for s in streams] == [1234, 1235]
+    assert [s["token_sha"] for s in streams] == [
+        sha_of(fake_ids({"seed": seed, "max_tokens": 4}, 0)) for seed in (1234, 1235)
+    ]
+    assert sum(body.get("draft") is False for body, _ in fake.requests) == 2
+
+
+def test_bench_openai_json(fake: FakeServer) -> None:
+    """bench_openai runs a warm-up and the reps per cell and ends with a JSON summary."""
+    done = run_script("bench_openai", fake, "--tokens", "4", "--reps", "2", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert [(c["prompt"], c["temperature"]) for c in summary["cells"]] == [
+        ("code", 1.0),
+        ("code", 0.0),
+        ("chat", 1.0),
+        ("chat", 0.0),
+    ]
+    sampled, greedy = summary["cells"][0], summary["cells"][1]
+    assert [r["seed"] for r in sampled["reps"]] == [1234, 1235]
+    assert all(r["tokens"] == 4 and r["token_sha"] for r in sampled["reps"])
+    assert len({r["token_sha"] for r in greedy["reps"]}) == 1
+    assert sampled["decode_tok_s_median"] > 0
+    assert len(fake.requests) == 12  # 4 cells x (1 warm-up + 2 reps)

@@ -1,0 +1,310 @@
+"""Request validation: every bad input is a 400 naming its field; good inputs give the expected SamplingParams."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingParams,
+    parse_request,
+    token_sha,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat_error(**fields: Any) -> dict[str, Any]:
+    """The error object of a chat request with `messages` defaulted to one user turn."""
+    body = {"messages": USER, **fields}
+    with pytest.raises(ApiError) as caught:
+        parse_request(ChatCompletionRequest, body)
+    assert caught.value.status == 400
+    return caught.value.body()["error"]
+
+
+def completion_error(**fields: Any) -> dict[str, Any]:
+    """The error object of a text completion request."""
+    with pytest.raises(ApiError) as caught:
+        parse_request(CompletionRequest, fields)
+    assert caught.value.status == 400
+    return caught.value.body()["error"]
+
+
+def assert_names(error: dict[str, Any], param: str, *words: str) -> None:
+    """The error is an invalid request naming `param` first in its message and containing `words`."""
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: ")
+    for word in words:
+        assert word in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"temperature": -0.5}, "temperature", ("-0.5",)),
+        ({"temperature": 2.5}, "temperature", ("2.5",)),
+        ({"top_p": 0}, "top_p", ("greater than 0",)),
+        ({"top_p": 1.5}, "top_p", ("1.5",)),
+        ({"top_k": -2}, "top_k", ("-2",)),
+        ({"min_p": 2}, "min_p", ("2",)),
+        ({"seed": -1}, "seed", ("-1",)),
+        ({"seed": 2**63}, "seed", ()),
+        ({"max_tokens": 0}, "max_tokens", ("0",)),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", ()),
+        ({"stop": [f"s{i}" for i in range(9)]}, "stop", ("at most 8",)),
+        ({"stop": ["ok", ""]}, "stop.1", ()),
+        ({"stop_token_ids": [1, -3]}, "stop_token_ids.1", ("-3",)),
+        ({"chat_template_kwargs": {"reasoning_effort": "max"}}, "chat_template_kwargs.reasoning_effort", ("max",)),
+        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking", ()),
+    ],
+)
+def test_out_of_range_values_name_the_field(fields: dict[str, Any], param: str, words: tuple[str, ...]) -> None:
+    assert_names(chat_error(**fields), param, *words)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"stream": "true"}, "stream"),
+        ({"top_k": True}, "top_k"),
+        ({"messages": "hi"}, "messages"),
+        ({"stop": 5}, "stop"),
+    ],
+)
+def test_wrong_json_types_name_the_field(fields: dict[str, Any], param: str) -> None:
+    assert_names(chat_error(**fields), param)
+
+
+def test_wrong_type_in_raw_json_names_the_field() -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_request(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}')
+    assert_names(caught.value.body()["error"], "temperature", '"hot"')
+
+
+def test_body_that_is_not_a_json_object() -> None:
+    for raw in (b'{"messages": ', b"[]"):
+        with pytest.raises(ApiError) as caught:
+            parse_request(ChatCompletionRequest, raw)
+        error = caught.value.body()["error"]
+        assert error["param"] is None
+        assert error["message"].startswith("request body: ")
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "words"),
+    [
+        ([{"content": "hi"}], "messages.0.role", ("required",)),
+        ([{"role": "robot", "content": "hi"}], "messages.0.role", ('"robot"',)),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages.0.content",
+            ("image_url",),
+        ),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content", ("'text'",)),
+        ([{"role": "user", "content": 7}], "messages.0.content", ()),
+        ([{"role": "user"}], "messages.0.content", ("required",)),
+        ([], "messages", ("at least 1",)),
+    ],
+)
+def test_malformed_messages(messages: list[Any], param: str, words: tuple[str, ...]) -> None:
+    assert_names(chat_error(messages=messages), param, *words)
+
+
+def test_missing_messages() -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_request(ChatCompletionRequest, {"model": "m"})
+    assert_names(caught.value.body()["error"], "messages", "required")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 0}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ],
+)
+def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) -> None:
+    error = chat_error(**fields)
+    assert_names(error, param, "not supported yet")
+    assert error["code"] == "unsupported_parameter"
+
+
+def test_stream_options_need_stream() -> None:
+    assert_names(chat_error(stream_options={"include_usage": True}), "stream_options", "stream is true")
+    assert_names(chat_error(stream=False, stream_options={"include_usage": True}), "stream_options")
+    request = parse_request(ChatCompletionRequest, {"messages": USER, "stream": True, "stream_options": {}})
+    assert request.stream_options is not None and not request.stream_options.include_usage
+
+
+def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
+    assert_names(chat_error(max_tokens=10, max_completion_tokens=20), "max_completion_tokens", "max_tokens", "20")
+    request = parse_request(ChatCompletionRequest, {"messages": USER, "max_tokens": 10, "max_completion_tokens": 10})
+    assert request.sampling_params().max_tokens == 10
+    request = parse_request(ChatCompletionRequest, {"messages": USER, "max_completion_tokens": 7})
+    assert request.sampling_params().max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"prompt": ""}, "prompt", ("empty",)),
+        ({"prompt": []}, "prompt", ("empty",)),
+        ({"prompt": [""]}, "prompt", ("empty",)),
+        ({"prompt": [[]]}, "prompt", ("empty",)),
+        ({"prompt": ["a", "b"]}, "prompt", ("not supported yet",)),
+        ({"prompt": [[1, 2], [3]]}, "prompt", ("not supported yet",)),
+        ({"prompt": [5, -1]}, "prompt", ("item 1 is -1",)),
+        ({"prompt": [5, "x"]}, "prompt", ('item 1 is "x"',)),
+        ({"prompt": [5, True]}, "prompt", ("item 1 is true",)),
+        ({"prompt": 5}, "prompt", ()),
+        ({"prompt": "hi", "echo": True}, "echo", ("not supported yet",)),
+        ({"prompt": "hi", "suffix": "end"}, "suffix", ("not supported yet",)),
+        ({"prompt": "hi", "best_of": 2}, "best_of", ("not supported yet",)),
+        ({"prompt": "hi", "logprobs": 1}, "logprobs", ("not supported yet",)),
+        ({"prompt": "hi", "n": 3}, "n", ("not supported yet",)),
+        ({"prompt": "hi", "top_p": 0}, "top_p", ()),
+    ],
+)
+def test_bad_completion_requests(fields: dict[str, Any], param: str, words: tuple[str, ...]) -> None:
+    assert_names(completion_error(**fields), param, *words)
+
+
+def test_missing_prompt() -> None:
+    assert_names(completion_error(max_tokens=3), "prompt", "required")
+
+
+def test_chat_defaults() -> None:
+    request = parse_request(ChatCompletionRequest, {"model": "flash-next", "messages": USER})
+    assert request.sampling_params() == SamplingParams(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        seed=None,
+        max_tokens=None,
+        stop=(),
+        stop_token_ids=(),
+        ignore_eos=False,
+        draft=True,
+    )
+    assert not request.stream and not request.return_token_ids
+    assert request.template_kwargs() == {}
+
+
+def test_chat_fields_reach_sampling_params() -> None:
+    body = {
+        "messages": USER,
+        "temperature": 0,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "seed": 2**63 - 1,
+        "max_tokens": 32,
+        "stop": "\n\n",
+        "stop_token_ids": [7, 0],
+        "ignore_eos": True,
+        "draft": False,
+    }
+    params = parse_request(ChatCompletionRequest, body).sampling_params()
+    assert params == SamplingParams(0.0, 0.9, 40, 0.05, 2**63 - 1, 32, ("\n\n",), (7, 0), True, False)
+    with pytest.raises(AttributeError):
+        params.temperature = 1.0  # type: ignore[misc]
+
+
+def test_top_k_minus_one_means_off() -> None:
+    assert parse_request(ChatCompletionRequest, {"messages": USER, "top_k": -1}).sampling_params().top_k == 0
+
+
+def test_nulls_and_harmless_values_read_as_not_given() -> None:
+    body = {
+        "messages": USER,
+        "temperature": None,
+        "seed": None,
+        "stop": None,
+        "n": 1,
+        "logprobs": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "user": "u-1",
+        "some_client_extra": {"x": 1},
+    }
+    request = parse_request(ChatCompletionRequest, body)
+    assert request.sampling_params() == SamplingParams()
+    assert request.user == "u-1"
+
+
+def test_content_parts_are_joined() -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]},
+        {"role": "assistant", "content": None},
+        {"role": "developer", "content": [], "name": "dev"},
+        {"role": "tool", "content": "42"},
+    ]
+    request = parse_request(ChatCompletionRequest, {"messages": messages})
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "be brief"),
+        ("user", "first\nsecond"),
+        ("assistant", ""),
+        ("developer", ""),
+        ("tool", "42"),
+    ]
+
+
+def test_chat_template_kwargs_pass_through() -> None:
+    kwargs = {"enable_thinking": False, "reasoning_effort": "xhigh", "custom_flag": [1, 2]}
+    request = parse_request(ChatCompletionRequest, {"messages": USER, "chat_template_kwargs": kwargs})
+    assert request.template_kwargs() == kwargs
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[0, 9]], [0, 9])],
+)
+def test_completion_prompts(prompt: Any, expected: str | list[int]) -> None:
+    request = parse_request(CompletionRequest, {"prompt": prompt})
+    assert request.prompt == expected
+    assert request.sampling_params().max_tokens == 16
+
+
+def test_completion_sampling_fields() -> None:
+    body = {"prompt": "x", "max_tokens": 5, "temperature": 0.7, "top_k": 0, "stop": ["a", "b"], "seed": 3}
+    params = parse_request(CompletionRequest, body).sampling_params()
+    assert (params.max_tokens, params.temperature, params.top_k, params.stop, params.seed) == (5, 0.7, 0, ("a", "b"), 3)
+
+
+def test_parse_raw_json_bytes() -> None:
+    request = parse_request(CompletionRequest, b'{"prompt": [4, 5], "stream": true, "unknown": 1}')
+    assert request.prompt == [4, 5] and request.stream
+
+
+def test_api_error_body() -> None:
+    error = ApiError("no", status=503, type="server_error", param="x", code="busy")
+    assert error.body() == {"error": {"message": "no", "type": "server_error", "param": "x", "code": "busy"}}
+    assert str(error) == "no"
+
+
+def test_token_sha() -> None:
+    assert token_sha([17, 4, 99]) == hashlib.sha256(b"17,4,99").hexdigest()
+    assert token_sha([]) == hashlib.sha256(b"").hexdigest()
