@@ -63,3 +63,17 @@ class LaneState:
     mtp_attention: AttentionCache | None = None
     length: int = 0
     mtp_length: int = 0
+
+
+def lane_state_bytes(cfg, context: int, dtype_bytes: int) -> int:
+    """Memory one lane holds at `context` tokens: QSA keys/values/index keys (trunk and MTP) plus fixed states."""
+    qsa_layers = len(cfg.qsa_layers) + cfg.mtp_num_hidden_layers
+    per_token = qsa_layers * (2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim) * dtype_bytes
+    gdn_layers = len(cfg.layer_types) - len(cfg.qsa_layers)
+    conv_dim = (
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    )
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    fixed = gdn_layers * (recurrent + (cfg.linear_conv_kernel_dim - 1) * conv_dim * dtype_bytes)
+    fixed += len(cfg.ple_layers) * (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size * cfg.wide_size * dtype_bytes
+    return fixed + context * per_token

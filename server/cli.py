@@ -1,10 +1,11 @@
-"""The `flashnext` command: `generate` (offline, one prompt)."""
+"""The `flashnext` command: `serve` (the OpenAI-compatible server) and `generate` (offline, one prompt)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -53,9 +54,44 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The serve command's flags (also `python -m server`)."""
+    add_model_flags(parser)
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument(
+        "--context",
+        type=_positive_int,
+        default=None,
+        help="tokens per request, prompt and output (default: the model's max_position_embeddings, "
+        "lowered with a log line only if one lane of it does not fit in memory)",
+    )
+    parser.add_argument(
+        "--max-lanes",
+        type=_positive_int,
+        default=64,
+        help="requests served at once, one lane each; more wait (default 64)",
+    )
+    parser.add_argument(
+        "--prompt-budget",
+        type=_positive_int,
+        default=256,
+        help="prompt tokens a round may fill, so live lanes keep decoding (default 256)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("FLASHNEXT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $FLASHNEXT_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model id in the API (default: the checkpoint folder's name)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashnext", description="Flash Next inference server")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_flags(commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API"))
     gen = commands.add_parser("generate", help="generate from one prompt offline; the last stdout line is JSON")
     add_model_flags(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
@@ -107,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").is_file():
         print(f"model: no config.json in {args.model}", file=sys.stderr)
         return 2
+    if args.command == "serve":
+        from server.serve import run_serve
+
+        return run_serve(args)
     return run_generate(args)
 
 

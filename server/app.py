@@ -1,0 +1,327 @@
+"""The OpenAI-compatible HTTP front end: routes, auth, response shapes and SSE streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server.engine import ContextLengthError, Engine
+from server.generation import Generation, Outcome
+from server.metrics import EngineMetrics
+from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
+from server.textout import prompt_opens_thinking
+
+PUBLIC_PATHS = ("/health", "/metrics")
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the routes need: the engine, the tokenizer and the model's limits."""
+
+    engine: Engine
+    tokenizer: Any | None
+    model_name: str
+    context: int
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    metrics: EngineMetrics
+    api_key: str | None = None
+
+
+def usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a started-on-startup engine."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        yield
+        state.engine.stop()
+
+    app = FastAPI(title="flashnext", lifespan=lifespan)
+    state.metrics.track_counts(state.engine.counts)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        key_ok = request.headers.get("authorization", "") == f"Bearer {state.api_key}"
+        if state.api_key and request.url.path not in PUBLIC_PATHS and not key_ok:
+            error = ApiError(
+                "missing or wrong API key", status=401, type="authentication_error", code="invalid_api_key"
+            )
+            return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise ApiError(
+                f"model: {name!r} is not served here; this server serves {state.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def need_tokenizer(param: str) -> Any:
+        if state.tokenizer is None:
+            raise ApiError(f"{param}: this model has no tokenizer; send token ids to /v1/completions", param=param)
+        return state.tokenizer
+
+    def render_chat(body: ChatCompletionRequest) -> str:
+        tokenizer = need_tokenizer("messages")
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        try:
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **body.template_kwargs()
+            )
+        except Exception as exc:
+            raise ApiError(
+                f"chat_template_kwargs: the chat template refused this request: {exc}", param="chat_template_kwargs"
+            ) from exc
+
+    def start(prompt_ids: list[int], body, param: str, thinking_open: bool | None) -> Generation:
+        if not prompt_ids:
+            raise ApiError(f"{param}: the prompt is empty", param=param)
+        bad = [t for t in prompt_ids if t >= state.vocab_size]
+        if bad:
+            raise ApiError(
+                f"{param}: token id {bad[0]} is outside the vocabulary (size {state.vocab_size})", param=param
+            )
+        params = body.sampling_params()
+        room = state.context - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                f"{param}: the prompt has {len(prompt_ids)} tokens; this model's context is {state.context}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        generation = Generation(
+            state.engine, state.tokenizer, prompt_ids, params, params.max_tokens or room, state.eos_ids, thinking_open
+        )
+        try:
+            generation.submit()
+        except ContextLengthError as exc:
+            raise ApiError(str(exc), param="max_tokens", code="context_length_exceeded") from exc
+        return generation
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = parse_request(ChatCompletionRequest, await request.body())
+        check_model(body.model)
+        text = render_chat(body)
+        prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
+        generation = start(prompt_ids, body, "messages", prompt_opens_thinking(text))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse(chat_chunks(generation, body.return_token_ids, include_usage))
+        outcome = await wait(request, generation)
+        message = {
+            "role": "assistant",
+            "content": outcome.content,
+            "reasoning_content": outcome.reasoning or None,
+            "reasoning": outcome.reasoning or None,
+        }
+        choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": None}
+        return respond("chatcmpl", "chat.completion", choice, outcome, prompt_ids, body.return_token_ids)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_request(CompletionRequest, await request.body())
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = need_tokenizer("prompt")(body.prompt, add_special_tokens=False)["input_ids"]
+        else:
+            prompt_ids = list(body.prompt)
+        generation = start(prompt_ids, body, "prompt", None)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse(completion_chunks(generation, body.return_token_ids, include_usage))
+        outcome = await wait(request, generation)
+        choice = {"index": 0, "text": outcome.content, "finish_reason": outcome.finish_reason, "logprobs": None}
+        return respond("cmpl", "text_completion", choice, outcome, prompt_ids, body.return_token_ids)
+
+    def respond(prefix, kind, choice, outcome: Outcome, prompt_ids, with_ids: bool) -> dict[str, Any]:
+        if with_ids:
+            choice["token_ids"] = outcome.token_ids
+            choice["prompt_token_ids"] = prompt_ids
+        return {
+            "id": f"{prefix}-{time.time_ns():x}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": [choice],
+            "usage": usage(len(prompt_ids), len(outcome.token_ids)),
+            "token_sha": token_sha(outcome.token_ids),
+        }
+
+    async def wait(request: Request, generation: Generation) -> Outcome:
+        """Collect a non-streamed result, aborting if the client goes away first."""
+        task = asyncio.ensure_future(generation.collect())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                generation.abort()
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+                raise ApiError("the client disconnected", status=499)
+        return task.result()
+
+    async def stream(generation: Generation, frame, include_usage: bool) -> AsyncIterator[str]:
+        """SSE events: `frame(piece)` chunks, then usage and [DONE]; the engine is told when the client leaves."""
+        tokens: list[int] = []
+        try:
+            yield frame(None)
+            async for piece in generation.pieces():
+                tokens += piece.token_ids
+                chunk = frame(piece)
+                if piece.finish_reason is not None:
+                    chunk["token_sha"] = token_sha(tokens)
+                yield chunk
+            if include_usage:
+                yield {
+                    **frame(None),
+                    "choices": [],
+                    "usage": usage(len(generation.prompt_ids), len(tokens)),
+                    "token_sha": token_sha(tokens),
+                }
+        except ApiError as exc:
+            yield exc.body()
+        finally:
+            generation.abort()
+
+    def chat_chunks(generation: Generation, with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
+        created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
+
+        def frame(piece) -> dict[str, Any]:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+            if piece is not None:
+                if piece.content or not piece.reasoning:
+                    delta["content"] = piece.content
+                if piece.reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
+                choice["finish_reason"] = piece.finish_reason
+                if with_ids:
+                    choice["token_ids"] = piece.token_ids
+            return {
+                "id": chunk_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": state.model_name,
+                "choices": [choice],
+            }
+
+        return stream(generation, frame, include_usage)
+
+    def completion_chunks(generation: Generation, with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
+        created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
+
+        def frame(piece) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
+            if piece is not None:
+                choice.update(text=piece.content, finish_reason=piece.finish_reason)
+                if with_ids:
+                    choice["token_ids"] = piece.token_ids
+            return {
+                "id": chunk_id,
+                "object": "text_completion",
+                "created": created,
+                "model": state.model_name,
+                "choices": [choice],
+            }
+
+        return stream(generation, frame, include_usage)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "flashnext",
+            "max_model_len": state.context,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        running, waiting = state.engine.counts()
+        return {
+            "status": "ok",
+            "model": state.model_name,
+            "requests_running": running,
+            "requests_waiting": waiting,
+            "lanes": state.engine.max_lanes,
+            "context": state.context,
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await json_body(request)
+        tokenizer = need_tokenizer("prompt")
+        if "messages" in body:
+            chat = parse_request(
+                ChatCompletionRequest,
+                {"messages": body["messages"], "chat_template_kwargs": body.get("chat_template_kwargs")},
+            )
+            ids = tokenizer(render_chat(chat), add_special_tokens=False)["input_ids"]
+        elif isinstance(body.get("prompt"), str):
+            ids = tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"]
+        else:
+            raise ApiError("prompt: expected a string (or send messages)", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await json_body(request)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < state.vocab_size for t in ids):
+            raise ApiError(f"tokens: expected a list of token ids in [0, {state.vocab_size})", param="tokens")
+        return {"prompt": need_tokenizer("tokens").decode(ids)}
+
+    return app
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except json.JSONDecodeError as exc:
+        raise ApiError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError("the body must be a JSON object")
+    return body
+
+
+def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events, one JSON object per `data:` line, closed by [DONE]."""
+
+    async def lines() -> AsyncIterator[str]:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")

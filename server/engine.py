@@ -1,0 +1,186 @@
+"""The engine: admission, lanes and rounds, on a thread of its own so the HTTP side never blocks it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from server.metrics import EngineMetrics
+from server.plan import DrawSpec, LaneRows, RoundPlan
+from server.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus the tokens asked for can never fit the context."""
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """New tokens for a request, and why it ended (stop, length, abort, error) when it did."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A generation request as the engine sees it; `sink` is called on the engine thread and must not block."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    draw: DrawSpec
+    stop_ids: frozenset[int]
+    sink: Callable[[Update], None]
+    arrival: float = field(default_factory=time.monotonic)
+    slot: int | None = None
+    prefilled: int = 0
+    output: list[int] = field(default_factory=list)
+    last_token_time: float = 0.0
+
+
+class Engine:
+    """Rounds over lanes: each round decodes every live lane and fills prompts within a per-round token budget."""
+
+    def __init__(
+        self, runner: ModelRunner, context: int, prompt_budget: int, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
+        self.metrics = metrics
+        self.max_lanes = len(runner.slots)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.aborted: set[str] = set()
+        self.to_free: list[int] = []
+        self.cond = threading.Condition()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+        self.thread.join(timeout=10)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; one that can never fit the context is refused at once."""
+        need = len(request.prompt_ids) + request.max_tokens
+        if need > self.context:
+            raise ContextLengthError(
+                f"this model's context is {self.context} tokens; the prompt has {len(request.prompt_ids)} and "
+                f"max_tokens asks for {request.max_tokens} more ({need} in all)"
+            )
+        with self.cond:
+            self.waiting.append(request)
+            self.cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        """End a request (its client went away, or a stop string matched); its lane is freed next round."""
+        with self.cond:
+            self.aborted.add(request_id)
+            self.cond.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(requests running, requests waiting)."""
+        with self.cond:
+            return len(self.running), len(self.waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopped and not self.running and not self.waiting and not self.to_free:
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                plan = self._plan()
+            self._run(plan)
+
+    def _plan(self) -> RoundPlan:
+        """Drop aborted requests, admit waiting ones to free lanes, and lay out this round's rows (lock held)."""
+        for request in [r for r in self.running if r.request_id in self.aborted]:
+            self._finish(request, Update((), "abort"))
+        self.waiting = deque(r for r in self.waiting if r.request_id not in self.aborted)
+        self.aborted.clear()
+        used = {r.slot for r in self.running}
+        free_slots = [s for s in range(self.max_lanes) if s not in used]
+        allocate = []
+        while self.waiting and free_slots:
+            request = self.waiting.popleft()
+            request.slot = free_slots.pop(0)
+            allocate.append(request.slot)
+            self.running.append(request)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        rows, budget = [], self.prompt_budget
+        for request in self.running:
+            prompt = request.prompt_ids
+            if request.prefilled == len(prompt):
+                start = len(prompt) + len(request.output) - 1
+                rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw))
+            elif budget > 0:
+                take = min(budget, len(prompt) - request.prefilled)
+                chunk = tuple(prompt[request.prefilled : request.prefilled + take])
+                done = request.prefilled + take == len(prompt)
+                rows.append(LaneRows(request.slot, chunk, request.prefilled, request.draw if done else None))
+                budget -= take
+        free, self.to_free = tuple(self.to_free), []
+        return RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows))
+
+    def _run(self, plan: RoundPlan) -> None:
+        """Execute a plan and hand each lane's drawn token to its request."""
+        by_slot = {r.slot: r for r in self.running}
+        try:
+            drawn = self.runner.execute(plan)
+        except Exception as exc:
+            log.exception("round failed")
+            with self.cond:
+                for rows in plan.rows:
+                    self._finish(by_slot[rows.slot], Update((), "error", f"the round failed: {exc}"))
+            return
+        now = time.monotonic()
+        with self.cond:
+            for rows, token in zip(plan.rows, drawn, strict=True):
+                request = by_slot[rows.slot]
+                if request not in self.running:
+                    continue
+                if rows.draw is None or token is None:
+                    request.prefilled += len(rows.token_ids)
+                    continue
+                if request.prefilled < len(request.prompt_ids):
+                    request.prefilled = len(request.prompt_ids)
+                self._record_token(request, now)
+                request.output.append(token)
+                if token in request.stop_ids:
+                    self._finish(request, Update((token,), "stop"))
+                elif len(request.output) >= request.max_tokens:
+                    self._finish(request, Update((token,), "length"))
+                else:
+                    request.sink(Update((token,)))
+
+    def _record_token(self, request: Request, now: float) -> None:
+        if self.metrics is None:
+            return
+        if request.output:
+            self.metrics.inter_token_latency.observe(now - request.last_token_time)
+        else:
+            self.metrics.time_to_first_token.observe(now - request.arrival)
+        self.metrics.generation_tokens.inc()
+        request.last_token_time = now
+
+    def _finish(self, request: Request, update: Update) -> None:
+        """Send the last update, release the lane (next round's plan frees the slot on every rank)."""
+        self.running.remove(request)
+        self.to_free.append(request.slot)
+        if self.metrics is not None:
+            self.metrics.finished.labels(finished_reason=update.finish_reason).inc()
+        request.sink(update)

@@ -1,0 +1,124 @@
+"""One request's trip through the engine seen from the HTTP side: tokens in, text pieces out, stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.engine import Engine, Request, Update
+from server.plan import DrawSpec
+from server.protocol import ApiError, SamplingParams
+from server.sampling import fresh_seed
+from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
+
+THINK_TAGS = ("<think>", "</think>")
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one engine update adds to a response."""
+
+    token_ids: list[int]
+    content: str = ""
+    reasoning: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """Everything a finished request produced."""
+
+    token_ids: list[int] = field(default_factory=list)
+    content: str = ""
+    reasoning: str = ""
+    finish_reason: str | None = None
+
+
+class Generation:
+    """Submits one request and turns the engine's updates into text pieces (reasoning split, stop strings cut)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_ids: tuple[int, ...],
+        thinking_open: bool | None,
+    ) -> None:
+        self.engine, self.prompt_ids = engine, prompt_ids
+        self.request_id = uuid.uuid4().hex
+        self.seed = params.seed if params.seed is not None else fresh_seed()
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
+        draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, self.seed)
+        self.request = Request(
+            self.request_id,
+            prompt_ids,
+            max_tokens,
+            draw,
+            stop_ids,
+            sink=lambda update: loop.call_soon_threadsafe(self.queue.put_nowait, update),
+        )
+        keep = THINK_TAGS if thinking_open is not None else ()
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None
+        self.stops = StopMatcher(params.stop)
+        self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
+        self.done = False
+
+    def submit(self) -> None:
+        self.engine.submit(self.request)
+
+    def abort(self) -> None:
+        """Stop the engine's work on this request (the client left)."""
+        if not self.done:
+            self.engine.abort(self.request_id)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text pieces until the request finishes; the last piece carries the finish reason."""
+        while not self.done:
+            update = await self.queue.get()
+            if update.error is not None:
+                self.done = True
+                raise ApiError(update.error, status=500, type="server_error")
+            piece = self._piece(update)
+            if piece.finish_reason is not None:
+                self.done = True
+            yield piece
+
+    async def collect(self) -> Outcome:
+        """Run to the end and gather everything."""
+        outcome = Outcome()
+        async for piece in self.pieces():
+            outcome.token_ids += piece.token_ids
+            outcome.content += piece.content
+            outcome.reasoning += piece.reasoning
+            outcome.finish_reason = piece.finish_reason
+        return outcome
+
+    def _piece(self, update: Update) -> Piece:
+        text = self.detok.add(update.token_ids) if self.detok else ""
+        finish = update.finish_reason
+        if finish is not None and self.detok:
+            text += self.detok.flush()
+        emit, stopped = self.stops.feed(text)
+        if stopped:
+            self.engine.abort(self.request_id)
+            finish = "stop"
+        elif finish is not None:
+            emit += self.stops.flush()
+        piece = Piece(list(update.token_ids), finish_reason=finish)
+        if self.splitter is None:
+            piece.content = emit
+            return piece
+        piece.reasoning, piece.content = self.splitter.feed(emit)
+        if finish is not None:
+            reasoning, content = self.splitter.flush()
+            piece.reasoning += reasoning
+            piece.content += content
+        return piece

@@ -1,0 +1,46 @@
+"""Prometheus metrics, named like vLLM's with a `flashnext:` prefix, in a registry per server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineMetrics:
+    """The counters and histograms the engine and the front end update."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.running = Gauge("flashnext:num_requests_running", "Requests holding a lane", registry=self.registry)
+        self.waiting = Gauge("flashnext:num_requests_waiting", "Requests waiting for a lane", registry=self.registry)
+        self.prompt_tokens = Counter("flashnext:prompt_tokens", "Prompt tokens admitted", registry=self.registry)
+        self.generation_tokens = Counter("flashnext:generation_tokens", "Tokens generated", registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "flashnext:time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "flashnext:inter_token_latency_seconds",
+            "Time between a request's tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "flashnext:request_success", "Requests ended, by reason", ["finished_reason"], registry=self.registry
+        )
+        self.model_info = Gauge("flashnext:model_info", "The served model", list(labels), registry=self.registry)
+        self.model_info.labels(**labels).set(1)
+
+    def track_counts(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Read running/waiting from the engine at scrape time."""
+        self.running.set_function(lambda: counts()[0])
+        self.waiting.set_function(lambda: counts()[1])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

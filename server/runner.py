@@ -1,0 +1,56 @@
+"""The model runner: owns the weights and the lane slots, executes round plans, draws the tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from model.flashnext import FlashNextModel
+from model.layers import ForwardBatch, Segment
+from model.state import LaneState
+from server.plan import RoundPlan
+from server.sampling import sample_token
+
+
+class ModelRunner:
+    """Executes a RoundPlan on this rank's model; every rank given the same plan draws the same tokens."""
+
+    def __init__(self, model: FlashNextModel, max_lanes: int) -> None:
+        self.model = model
+        self.slots: list[LaneState | None] = [None] * max_lanes
+
+    def execute(self, plan: RoundPlan) -> list[int | None]:
+        """Apply the lane operations, run the rows, and return one drawn token per LaneRows (None where no draw)."""
+        for slot in plan.free:
+            self.slots[slot] = None
+        for slot in plan.allocate:
+            self.slots[slot] = self.model.new_lane()
+        if not plan.rows:
+            return []
+        device = self.model.device
+        tokens, positions, segments, logit_rows = [], [], [], []
+        for rows in plan.rows:
+            lane = self.slots[rows.slot]
+            if lane is None:
+                raise RuntimeError(f"round plan uses lane slot {rows.slot}, which is not allocated")
+            segments.append(Segment(lane, len(tokens), len(rows.token_ids)))
+            tokens.extend(rows.token_ids)
+            positions.extend(range(rows.start, rows.start + len(rows.token_ids)))
+            if rows.draw is not None:
+                logit_rows.append(len(tokens) - 1)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(tokens, device=device),
+            positions=torch.tensor(positions, device=device),
+            segments=segments,
+        )
+        logits = self.model(batch, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device)).logits
+        drawn: list[int | None] = []
+        next_logit = 0
+        for rows in plan.rows:
+            if rows.draw is None:
+                drawn.append(None)
+                continue
+            spec, position = rows.draw, rows.start + len(rows.token_ids)
+            row = logits[next_logit]
+            next_logit += 1
+            drawn.append(sample_token(row, spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.seed, position))
+        return drawn

@@ -1,0 +1,171 @@
+"""Per-request text output: incremental detokenization, stop strings and the reasoning/content split."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+# Prompt tokens decoded ahead of the first generated ones, so tokenizers that shape a piece by its left
+# neighbour (sentencepiece's leading space) decode the first generated piece as they would in the full text.
+PROMPT_CONTEXT = 4
+REPLACEMENT = "\ufffd"
+
+
+def _partial_len(text: str, patterns: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `patterns`."""
+    for n in range(min(len(text), max((len(p) for p in patterns), default=1) - 1), 0, -1):
+        tail = text[-n:]
+        if any(p.startswith(tail) for p in patterns):
+            return n
+    return 0
+
+
+class IncrementalDetokenizer:
+    """Turn token ids, given a few at a time, into text deltas that never end inside a UTF-8 character."""
+
+    __slots__ = ("_ids", "_pieces", "_read", "_skip", "_tokenizer")
+
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Iterable[int] | None = None, keep_tokens: tuple[str, ...] = ()
+    ) -> None:
+        """Skip special tokens except `keep_tokens` (rendered as their text); `prompt_ids` give left context."""
+        keep = {
+            tid
+            for token in keep_tokens
+            if (tid := tokenizer.convert_tokens_to_ids(token)) is not None
+            and tokenizer.convert_ids_to_tokens(tid) == token
+        }
+        special = {tid for tid, added in tokenizer.added_tokens_decoder.items() if added.special}
+        self._tokenizer = tokenizer
+        self._skip = (special | set(tokenizer.all_special_ids)) - keep
+        # The window: ids[:read] were already turned into text and only give context; ids[read:] are pending.
+        self._ids = [i for i in prompt_ids or () if i not in self._skip][-PROMPT_CONTEXT:]
+        self._read = len(self._ids)
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text handed out so far."""
+        return "".join(self._pieces)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Text of the new tokens; empty while the decoded window ends in an unfinished character."""
+        self._ids.extend(i for i in token_ids if i not in self._skip)
+        return self._advance(finished=False)
+
+    def flush(self) -> str:
+        """Text still held back (an unfinished character shows as U+FFFD), for when the generation has ended."""
+        return self._advance(finished=True)
+
+    def _advance(self, finished: bool) -> str:
+        """Decode context plus pending ids, hand out what follows the context's text, and slide the window."""
+        if self._read == len(self._ids):
+            return ""
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=False)
+        if full.endswith(REPLACEMENT) and not finished:
+            return ""
+        delta = full[len(self._tokenizer.decode(self._ids[: self._read], skip_special_tokens=False)) :]
+        del self._ids[: self._read]
+        self._read = len(self._ids)
+        self._pieces.append(delta)
+        return delta
+
+
+class StopMatcher:
+    """Cut generated text at the first stop string, holding back text that may be the start of one."""
+
+    __slots__ = ("_held", "_stops", "stopped")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        """Empty stop strings are ignored."""
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was reached); the stop string itself is never emitted."""
+        if self.stopped:
+            return "", True
+        text = self._held + text
+        hits = [i for stop in self._stops if (i := text.find(stop)) >= 0]
+        if hits:
+            self._held, self.stopped = "", True
+            return text[: min(hits)], True
+        cut = len(text) - _partial_len(text, self._stops)
+        self._held = text[cut:]
+        return text[:cut], False
+
+    def flush(self) -> str:
+        """The held-back text, for when the generation ends for another reason."""
+        held, self._held = self._held, ""
+        return held
+
+
+class _Phase(enum.Enum):
+    """Where a ReasoningSplitter is in the generated text."""
+
+    BEFORE = enum.auto()  # nothing but whitespace yet: a start tag may still open a think block
+    REASONING = enum.auto()
+    CONTENT = enum.auto()
+
+
+class ReasoningSplitter:
+    """Split generated text into reasoning (inside a Qwen-style think block) and content (after it)."""
+
+    __slots__ = ("_end", "_held", "_phase", "_start", "_strip")
+
+    def __init__(self, thinking_open: bool, start: str = "<think>", end: str = "</think>") -> None:
+        """`thinking_open`: the rendered prompt ends inside a think block."""
+        self._start, self._end = start, end
+        self._phase = _Phase.REASONING if thinking_open else _Phase.BEFORE
+        self._held = ""
+        self._strip = 0  # newlines still to drop right after a tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning delta, content delta); tags are dropped, and text that may be part of one is held back."""
+        reasoning: list[str] = []
+        content: list[str] = []
+        text, self._held = self._held + text, ""
+        while text:
+            if self._strip:
+                newlines = len(text) - len(text.lstrip("\n"))
+                if newlines == len(text) < self._strip:
+                    self._held = text
+                    break
+                text, self._strip = text[min(newlines, self._strip) :], 0
+            elif self._phase is _Phase.BEFORE:
+                body = text.lstrip()
+                if body.startswith(self._start):
+                    text, self._phase, self._strip = body[len(self._start) :], _Phase.REASONING, 1
+                elif self._start.startswith(body):
+                    self._held = text
+                    break
+                else:
+                    self._phase = _Phase.CONTENT
+            elif self._phase is _Phase.REASONING:
+                at = text.find(self._end)
+                if at >= 0:
+                    reasoning.append(text[:at])
+                    text, self._phase, self._strip = text[at + len(self._end) :], _Phase.CONTENT, 2
+                else:
+                    cut = len(text) - _partial_len(text, (self._end,))
+                    reasoning.append(text[:cut])
+                    self._held = text[cut:]
+                    break
+            else:
+                content.append(text)
+                break
+        return "".join(reasoning), "".join(content)
+
+    def flush(self) -> tuple[str, str]:
+        """The held-back text as (reasoning, content), for when the generation ends; held newlines are dropped."""
+        held, self._held = self._held, ""
+        if self._strip:
+            return "", ""
+        return (held, "") if self._phase is _Phase.REASONING else ("", held)
+
+
+def prompt_opens_thinking(prompt_text: str, start: str = "<think>", end: str = "</think>") -> bool:
+    """True when the rendered prompt's last start tag comes after its last end tag."""
+    return prompt_text.rfind(start) > prompt_text.rfind(end)

@@ -1,0 +1,71 @@
+"""A live server on 127.0.0.1 inside the test process (uvicorn on a thread), and tiny checkpoints with tokenizers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from make_checkpoint import hf_model, make_checkpoint
+
+from server.app import build_app
+from server.cli import build_parser
+from server.serve import create_state
+from tests.tiny import text_config
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A running server."""
+
+    url: str
+    model: str
+    path: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_chat_checkpoint(path: Path, name: str = "base", seed: int = 0) -> Path:
+    """A tiny fp32 checkpoint with a tokenizer and chat template."""
+    return make_checkpoint(text_config(name), path, fmt="fp32", seed=seed, tokenizer=True)
+
+
+def oracle(path: Path, seed: int = 0):
+    """transformers' model with the trunk of a checkpoint written by tiny_chat_checkpoint."""
+    return hf_model(json.loads((path / "config.json").read_text()), seed)
+
+
+@contextlib.contextmanager
+def serve(path: Path, *flags: str) -> Iterator[Live]:
+    """Serve a checkpoint until the block ends."""
+    port = free_port()
+    args = build_parser().parse_args(["serve", str(path), "--host", "127.0.0.1", "--port", str(port), *flags])
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(create_state(args)), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield Live(f"http://127.0.0.1:{port}", path.name, path)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

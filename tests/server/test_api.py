@@ -1,0 +1,261 @@
+"""The OpenAI-compatible API through the official openai client, against a live server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.server.live import Live, oracle, serve, tiny_chat_checkpoint
+from tests.tiny import ties_to_lower_index
+
+PROMPT = [7, 19, 40, 33, 2, 91, 12, 44, 8, 13, 21, 60]
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list, please."}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return tiny_chat_checkpoint(tmp_path_factory.mktemp("api") / "tiny-chat")
+
+
+@pytest.fixture(scope="module")
+def live(ckpt) -> Live:
+    with serve(ckpt, "--max-lanes", "40") as running:
+        yield running
+
+
+def client(live: Live, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=live.v1, api_key=kwargs.pop("api_key", "unused"), max_retries=0, timeout=120, **kwargs
+    )
+
+
+def sha(ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+
+
+def test_completions_with_token_ids_reproduce_transformers_greedy(live, ckpt):
+    hf = oracle(ckpt)
+    with torch.no_grad(), ties_to_lower_index():
+        expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    expected = expected[0, len(PROMPT) :].tolist()
+    out = (
+        client(live)
+        .completions.create(
+            model=live.model,
+            prompt=PROMPT,
+            max_tokens=20,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        .to_dict()
+    )
+    assert out["choices"][0]["token_ids"] == expected
+    assert out["choices"][0]["prompt_token_ids"] == PROMPT
+    assert out["token_sha"] == sha(expected)
+    assert out["usage"]["prompt_tokens"] == len(PROMPT) and out["usage"]["completion_tokens"] == 20
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def chat_ids(live: Live, messages, **extra) -> dict:
+    """A greedy 12-token chat completion with the extension fields in `extra`."""
+    return (
+        client(live)
+        .chat.completions.create(
+            model=live.model,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True, **extra},
+        )
+        .to_dict()
+    )
+
+
+def test_chat_usage_finish_reason_and_stop_token(live):
+    prompt_tokens = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT}).json()["count"]
+    out = chat_ids(live, CHAT)
+    tokens = out["choices"][0]["token_ids"]
+    assert out["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 12,
+        "total_tokens": prompt_tokens + 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert out["choices"][0]["finish_reason"] == "length"
+    stopped = chat_ids(live, CHAT, stop_token_ids=[tokens[3]])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["token_ids"] == tokens[: tokens.index(tokens[3]) + 1]
+    assert stopped["usage"]["completion_tokens"] == tokens.index(tokens[3]) + 1
+
+
+def test_thinking_goes_to_reasoning_content(live):
+    thinking = chat_ids(live, CHAT)
+    plain = chat_ids(live, CHAT, chat_template_kwargs={"enable_thinking": False})
+    text = httpx.post(f"{live.url}/detokenize", json={"tokens": thinking["choices"][0]["token_ids"]}).json()["prompt"]
+    message = thinking["choices"][0]["message"]
+    # random weights never close the think block: everything is reasoning, as a thinking model's unfinished draft
+    assert "</think>" not in text
+    assert message["reasoning_content"] == message["reasoning"] and message["content"] == ""
+    assert message["reasoning_content"] and message["reasoning_content"].strip() in text
+    assert plain["choices"][0]["message"]["reasoning_content"] is None
+    assert plain["choices"][0]["message"]["content"]
+
+
+def test_streaming_equals_non_streaming(live):
+    whole = chat_ids(live, CHAT)
+    chunks = list(
+        client(live).chat.completions.create(
+            model=live.model,
+            messages=CHAT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    )
+    chunks = [c.to_dict() for c in chunks]
+    ids = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids", [])]
+    reasoning = "".join(ch["delta"].get("reasoning_content") or "" for c in chunks for ch in c["choices"])
+    assert ids == whole["choices"][0]["token_ids"]
+    assert reasoning == whole["choices"][0]["message"]["reasoning_content"]
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-1]["token_sha"] == whole["token_sha"]
+
+
+def seeded(live: Live, seed: int, prompt: list[int] = PROMPT, tokens: int = 16) -> str:
+    out = (
+        client(live)
+        .completions.create(
+            model=live.model,
+            prompt=prompt,
+            max_tokens=tokens,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        .to_dict()
+    )
+    assert out["usage"]["completion_tokens"] == tokens
+    return out["token_sha"]
+
+
+def test_a_seeded_request_is_the_same_alone_and_among_eight(live):
+    alone = seeded(live, 1234)
+    others = [(1234 + i, [5 + i, *PROMPT[i:]]) for i in range(1, 8)]
+    barrier = threading.Barrier(8)
+
+    def run(seed_prompt):
+        barrier.wait()
+        return seeded(live, *seed_prompt)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, [(1234, PROMPT), *others]))
+    assert results[0] == alone
+    assert seeded(live, 4321) != alone
+
+
+def error_of(response: httpx.Response) -> dict:
+    return response.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+        ({"messages": []}, "messages"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"model": "gpt-4"}, "model"),
+    ],
+)
+def test_bad_chat_fields_get_400s_naming_them(live, body, param):
+    request = {"model": live.model, "messages": CHAT, "max_tokens": 4, **body}
+    response = httpx.post(f"{live.v1}/chat/completions", json=request)
+    assert response.status_code == (404 if param == "model" else 400)
+    error = error_of(response)
+    assert error["param"] == param and param.split(".")[0] in error["message"]
+
+
+def test_context_overflow_is_refused_with_its_code(live):
+    response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 100_000})
+    assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
+    response = httpx.post(f"{live.v1}/completions", json={"prompt": [7] * 5000, "max_tokens": 1})
+    assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
+    response = httpx.post(f"{live.v1}/completions", json={"prompt": [7, 99999]})
+    assert response.status_code == 400 and error_of(response)["param"] == "prompt"
+
+
+def test_bad_requests_lose_nothing_in_flight(live):
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(seeded, live, 99, PROMPT, 48)
+        for _ in range(10):
+            assert httpx.post(f"{live.v1}/chat/completions", json={"messages": "x"}).status_code == 400
+        assert len(long.result()) == 64
+
+
+def test_thirty_two_streams_all_complete(live):
+    def stream(i: int) -> int:
+        chunks = client(live).chat.completions.create(
+            model=live.model,
+            messages=[{"role": "user", "content": f"count to {i}"}],
+            max_tokens=10,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        return [c for c in chunks][-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(stream, range(32))) == [10] * 32
+
+
+def test_models_metrics_tokenize_detokenize(live):
+    assert [m.id for m in client(live).models.list()] == [live.model]
+    ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "def add(a, b):"}).json()["tokens"]
+    assert httpx.post(f"{live.url}/detokenize", json={"tokens": ids}).json()["prompt"] == "def add(a, b):"
+    metrics = httpx.get(f"{live.url}/metrics").text
+    for name in (
+        "flashnext:num_requests_running",
+        "flashnext:num_requests_waiting",
+        "flashnext:prompt_tokens_total",
+        "flashnext:generation_tokens_total",
+        "flashnext:time_to_first_token_seconds_bucket",
+        "flashnext:inter_token_latency_seconds_bucket",
+    ):
+        assert name in metrics
+    assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+
+
+def test_a_client_that_disconnects_frees_its_lane(ckpt):
+    with serve(ckpt, "--max-lanes", "1") as one_lane:
+        body = {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{one_lane.v1}/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert [next(lines) for _ in range(4)]
+        # the only lane was held by a 3000-token request; the next request gets it once the client has gone
+        assert len(seeded(one_lane, 5, PROMPT, 4)) == 64
+        assert httpx.get(f"{one_lane.url}/health").json()["requests_running"] == 0
+
+
+def test_api_key_is_required_when_set(ckpt):
+    with serve(ckpt, "--api-key", "sesame") as keyed:
+        with pytest.raises(openai.AuthenticationError):
+            client(keyed, api_key="wrong").models.list()
+        assert [m.id for m in client(keyed, api_key="sesame").models.list()] == [keyed.model]
+        assert httpx.get(f"{keyed.url}/health").status_code == 200

@@ -1,0 +1,63 @@
+"""`python -m server` / `flashnext serve`: starts with no model (the shipped one) and answers a chat request."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server.cli import build_parser
+from tests.server.live import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_with_no_model_answers_a_chat_request():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = api.chat.completions.create(
+            model="flashnext-tiny", max_tokens=8, messages=[{"role": "user", "content": "Write a Python function."}]
+        )
+        assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_help_explains_every_flag_and_its_default():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = serve.format_help()
+    for action in serve._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.option_strings[-1] in text
+            assert action.help and ("default" in action.help or action.choices), action.dest
+
+
+def test_a_bad_flag_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--max-lanes", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-lanes" in capsys.readouterr().err
