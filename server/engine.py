@@ -9,8 +9,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rankwire.header import DrawSpec, LaneRows, RoundPlan
 from server.metrics import EngineMetrics
-from server.plan import DrawSpec, LaneRows, RoundPlan
 from server.runner import ModelRunner
 
 log = logging.getLogger(__name__)

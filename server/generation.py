@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankwire.header import DrawSpec
 from server.engine import Engine, Request, Update
-from server.plan import DrawSpec
 from server.protocol import ApiError, SamplingParams
 from server.sampling import fresh_seed
 from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher

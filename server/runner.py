@@ -7,7 +7,7 @@ import torch
 from model.flashnext import FlashNextModel
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState
-from server.plan import RoundPlan
+from rankwire.header import RoundPlan
 from server.sampling import sample_token
 
 

@@ -1,0 +1,62 @@
+"""The round header: what rank 0 tells every rank to do in one round, as plain dataclasses (codec in codec.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RoundKind(IntEnum):
+    """What a header asks for."""
+
+    ROUND = 1  # run the lane operations and the rows
+    STOP = 2  # shut down cleanly
+
+
+class LaneOpCode(IntEnum):
+    """Lane operations beyond allocate and free (the prompt cache's keep and restore)."""
+
+    KEEP = 1
+    RESTORE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DrawSpec:
+    """How a lane's next token is drawn (temperature 0 is greedy)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRows:
+    """A lane's rows this round: tokens from absolute position `start`, then its drafts; draw if `draw` is set."""
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+    draw: DrawSpec | None
+    drafts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LaneOp:
+    """A lane operation with one integer argument (e.g. keep the state of `slot` under handle `arg`)."""
+
+    code: LaneOpCode
+    slot: int
+    arg: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """Reset (`allocate`) or release (`free`) lane slots, apply `ops`, then run the rows as one forward."""
+
+    kind: RoundKind = RoundKind.ROUND
+    allocate: tuple[int, ...] = ()
+    free: tuple[int, ...] = ()
+    rows: tuple[LaneRows, ...] = field(default_factory=tuple)
+    ops: tuple[LaneOp, ...] = ()
