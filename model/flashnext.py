@@ -62,7 +62,8 @@ class FlashNextModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head logits of pre-mixer wide rows [N, wide], one row at a time."""
-        return torch.cat([self.lm_head(self.hyper_connection_mixer.read(row[None])[0]) for row in hidden])
+        rows = [self.lm_head(self.hyper_connection_mixer.read(row[None])[0]) for row in hidden]
+        return torch.cat(rows) if rows else hidden.new_zeros(0, self.cfg.vocab_size)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> ForwardOutput:

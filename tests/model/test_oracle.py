@@ -70,3 +70,10 @@ def test_a_segment_must_continue_its_lane(tmp_path):
     ours(single_lane_batch(lane, torch.tensor([7, 8, 9]), 0))
     with pytest.raises(ValueError, match="starts at position 5 but its lane holds 3 tokens"):
         ours(single_lane_batch(lane, torch.tensor([10]), 5))
+
+
+def test_a_prompt_chunk_without_logit_rows_gives_no_logits(tmp_path):
+    ours = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    lane = ours.new_lane()
+    out = ours(single_lane_batch(lane, torch.tensor([7, 8, 9]), 0), logit_rows=torch.tensor([], dtype=torch.long))
+    assert out.logits.shape == (0, ours.cfg.vocab_size) and lane.length == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -259,3 +260,40 @@ def test_api_key_is_required_when_set(ckpt):
             client(keyed, api_key="wrong").models.list()
         assert [m.id for m in client(keyed, api_key="sesame").models.list()] == [keyed.model]
         assert httpx.get(f"{keyed.url}/health").status_code == 200
+
+
+def test_live_lanes_keep_decoding_while_a_long_prompt_fills_in_chunks(ckpt, live):
+    long_prompt = [(7 * i) % 300 + 6 for i in range(160)]
+    whole = seeded(live, 77, long_prompt, 6)  # the default budget reads this prompt in one round
+    with serve(ckpt, "--prompt-budget", "8") as chunked:
+        events: list[str] = []
+        started = threading.Event()
+
+        def short_stream() -> None:
+            body = {"prompt": PROMPT, "max_tokens": 60, "stream": True, "ignore_eos": True, "temperature": 0}
+            with httpx.stream("POST", f"{chunked.v1}/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if '"text"' in line:
+                        events.append("short")
+                        started.set()
+
+        reader = threading.Thread(target=short_stream)
+        reader.start()
+        assert started.wait(60)
+        events.append("long submitted")
+        body = {
+            "prompt": long_prompt,
+            "max_tokens": 6,
+            "temperature": 1.0,
+            "seed": 77,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", f"{chunked.v1}/completions", json=body, timeout=120) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+            events.append("long first token")
+        reader.join(120)
+    between = events[events.index("long submitted") : events.index("long first token")]
+    assert between.count("short") >= 10  # 160 prompt tokens at 8 a round: the short stream kept its tokens coming
+    assert json.loads(lines[-1][len("data: ") :])["token_sha"] == whole  # chunking does not change the bits
