@@ -11,6 +11,7 @@ from model.config import FlashNextConfig
 from model.hyper import GatedResidual, linear
 from model.layers import DecoderLayer, ForwardBatch, Segment
 from model.mtp import MTPLayer
+from model.parallel import ShardPlan, TensorParallel
 from model.state import LaneState
 
 
@@ -29,18 +30,21 @@ class FlashNextModel(nn.Module):
     in a vector body than in a scalar tail, so only single-row tensors give each row the bits it would have alone
     (the exactness contract). Layers still take any number of rows, the seam a batched GPU path plugs into."""
 
-    def __init__(self, cfg: FlashNextConfig, with_mtp: bool = True) -> None:
+    def __init__(self, cfg: FlashNextConfig, with_mtp: bool = True, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp or TensorParallel()
+        self.plan = ShardPlan(cfg, self.tp)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, kind, cfg.ple_layers.index(i) if i in cfg.ple_layers else None)
+            DecoderLayer(cfg, self.plan, i, kind, cfg.ple_layers.index(i) if i in cfg.ple_layers else None)
             for i, kind in enumerate(cfg.layer_types)
         )
         self.hyper_connection_mixer = GatedResidual(cfg, inject=False)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
-        self.mtp = MTPLayer(cfg) if with_mtp and cfg.mtp_num_hidden_layers else None
+        vocab = self.plan.vocab
+        self.lm_head = linear(cfg.hidden_size, vocab[1] - vocab[0])
+        self.mtp = MTPLayer(cfg, self.plan) if with_mtp and cfg.mtp_num_hidden_layers else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,8 +66,12 @@ class FlashNextModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head logits of pre-mixer wide rows [N, wide], one row at a time."""
-        rows = [self.lm_head(self.hyper_connection_mixer.read(row[None])[0]) for row in hidden]
+        rows = [self.vocab_logits(self.hyper_connection_mixer.read(row[None])[0]) for row in hidden]
         return torch.cat(rows) if rows else hidden.new_zeros(0, self.cfg.vocab_size)
+
+    def vocab_logits(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary: each rank's lm_head rows, gathered in rank order."""
+        return self.tp.gather(self.lm_head(mixed), dim=-1)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> ForwardOutput:
@@ -96,7 +104,7 @@ class FlashNextModel(nn.Module):
             for r in range(seg.start, seg.start + seg.length):
                 row = ForwardBatch(batch.token_ids[r : r + 1], batch.positions[r : r + 1], [Segment(seg.lane, 0, 1)])
                 mixed, wide = self.mtp(self.embed_tokens(row.token_ids), hidden[r : r + 1], row)
-                logits.append(self.lm_head(mixed))
+                logits.append(self.vocab_logits(mixed))
                 wides.append(wide)
                 seg.lane.mtp_length = int(batch.positions[r]) + 1
         return torch.cat(logits), torch.cat(wides)

@@ -9,15 +9,20 @@ from torch import nn
 from model.config import FlashNextConfig
 from model.hyper import ConvWeight, linear
 from model.ops import causal_conv, gated_delta_rule, gated_rms_norm
+from model.parallel import ShardPlan
 
 
 class GatedDeltaNet(nn.Module):
-    """Projections, causal conv, gated delta recurrence (fp32 state) and the gated output norm."""
+    """Projections, causal conv, gated delta recurrence (fp32 state) and the gated output norm, on this rank's
+    heads; the output projection's partial sums are combined across ranks."""
 
-    def __init__(self, cfg: FlashNextConfig) -> None:
+    def __init__(self, cfg: FlashNextConfig, plan: ShardPlan) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.key_heads, self.value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.tp = plan.tp
+        self.key_heads, self.value_heads = plan.gdn_key_heads, plan.gdn_value_heads
+        if self.value_heads % self.key_heads:
+            raise ValueError("linear_num_value_heads: a rank's value heads must share whole key heads")
         self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.qk_width = self.key_heads * self.key_dim
         self.v_width = self.value_heads * self.value_dim
@@ -57,4 +62,4 @@ class GatedDeltaNet(nn.Module):
         out, state = gated_delta_rule(q, k, v, g, beta, state)
         z = self.in_proj_z(x).reshape(seq, self.value_heads, self.value_dim)
         out = gated_rms_norm(out.to(x.dtype), z, self.norm.weight, self.eps, self.gate_act)
-        return self.out_proj(out.reshape(seq, self.v_width)), tail, state
+        return self.tp.combine(self.out_proj(out.reshape(seq, self.v_width))), tail, state

@@ -11,6 +11,7 @@ from model.config import LINEAR, FlashNextConfig
 from model.gdn import GatedDeltaNet
 from model.hyper import GatedResidual
 from model.moe import SparseMoE
+from model.parallel import ShardPlan
 from model.ple import PLELayer
 from model.qsa import QSAttention
 from model.state import AttentionCache, LaneState
@@ -41,15 +42,17 @@ class ForwardBatch:
 class DecoderLayer(nn.Module):
     """Layer `index` of the trunk (or the MTP layer when `mtp` is set)."""
 
-    def __init__(self, cfg: FlashNextConfig, index: int, kind: str, ple_index: int | None, mtp: bool = False) -> None:
+    def __init__(
+        self, cfg: FlashNextConfig, plan: ShardPlan, index: int, kind: str, ple_index: int | None, mtp: bool = False
+    ) -> None:
         super().__init__()
         self.index, self.kind, self.is_mtp = index, kind, mtp
         if kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, plan)
         else:
-            self.self_attn = QSAttention(cfg)
-        self.mlp = SparseMoE(cfg)
-        self.ple = PLELayer(cfg, ple_index) if ple_index is not None else None
+            self.self_attn = QSAttention(cfg, plan)
+        self.mlp = SparseMoE(cfg, plan)
+        self.ple = PLELayer(cfg, ple_index, plan) if ple_index is not None else None
         self.attn_hyper_connection = GatedResidual(cfg)
         self.mlp_hyper_connection = GatedResidual(cfg)
 

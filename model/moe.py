@@ -9,15 +9,16 @@ from torch import nn
 from model.config import FlashNextConfig
 from model.hyper import linear
 from model.ops import swiglu
+from model.parallel import ShardPlan
 from model.quant import dequantize_nvfp4
 
 
 class ExpertBank(nn.Module):
     """Routed experts' weights, dense ([E, 2I, d] gate rows then up rows; [E, d, I]) or NVFP4-packed."""
 
-    def __init__(self, cfg: FlashNextConfig) -> None:
+    def __init__(self, cfg: FlashNextConfig, width: int) -> None:
         super().__init__()
-        e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, d, i = cfg.num_experts, cfg.hidden_size, width
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(e, d, i), requires_grad=False)
         self.nvfp4: dict[str, torch.Tensor] | None = None
@@ -71,13 +72,15 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Routed experts plus the sigmoid-gated shared expert (checkpoint module `mlp`)."""
+    """Routed experts plus the sigmoid-gated shared expert (checkpoint module `mlp`), each on this rank's share
+    of the intermediate width; the router is replicated and the partial outputs are combined once."""
 
-    def __init__(self, cfg: FlashNextConfig) -> None:
+    def __init__(self, cfg: FlashNextConfig, plan: ShardPlan) -> None:
         super().__init__()
+        self.tp = plan.tp
         self.gate = Router(cfg)
-        self.experts = ExpertBank(cfg)
-        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.experts = ExpertBank(cfg, plan.expert_cols[1] - plan.expert_cols[0])
+        self.shared_expert = SharedExpert(cfg.hidden_size, plan.shared_cols[1] - plan.shared_cols[0])
         self.shared_expert_gate = linear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,4 +93,4 @@ class SparseMoE(nn.Module):
             gate_up, down = self.experts.expert(e, x.dtype)
             out = swiglu(x[rows], gate_up, down) * weights[rows, slot, None]
             routed[rows] = routed[rows] + out.to(x.dtype)  # a row meets each expert at most once
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.combine(routed + torch.sigmoid(self.shared_expert_gate(x)) * shared)

@@ -8,12 +8,13 @@ from torch import nn
 from model.config import QSA, FlashNextConfig
 from model.hyper import GatedResidual, ZCRMSNorm, linear
 from model.layers import DecoderLayer, ForwardBatch
+from model.parallel import ShardPlan
 
 
 class MTPLayer(nn.Module):
     """fc of the normed embedding plus fc of each normed stream, one QSA+MoE layer, its own mixer."""
 
-    def __init__(self, cfg: FlashNextConfig) -> None:
+    def __init__(self, cfg: FlashNextConfig, plan: ShardPlan) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.hc, self.d = cfg.hc_count, d
@@ -21,7 +22,7 @@ class MTPLayer(nn.Module):
         self.fc_hidden = linear(d, d)
         self.pre_fc_norm_embedding = ZCRMSNorm(d, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = ZCRMSNorm(cfg.wide_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, cfg.num_hidden_layers, QSA, None, mtp=True)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, plan, cfg.num_hidden_layers, QSA, None, mtp=True)])
         self.hyper_connection_mixer = GatedResidual(cfg, inject=False)
 
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:

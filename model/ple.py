@@ -12,6 +12,7 @@ from torch import nn
 from model.config import FlashNextConfig
 from model.hyper import ConvWeight, ZCRMSNorm, linear
 from model.ops import causal_conv, zc_rms_norm
+from model.parallel import ShardPlan
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -92,9 +93,10 @@ def ngram_row_ids(
 class NGramTable(nn.Module):
     """The hashed table; dense, or FP8 with one per-tensor scale (rows dequantized as they are gathered)."""
 
-    def __init__(self, rows: int, dim: int) -> None:
+    def __init__(self, local_rows: tuple[int, int], dim: int, rows_total: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(rows, dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(local_rows[1] - local_rows[0], dim), requires_grad=False)
+        self.local_rows, self.rows_total = local_rows, rows_total
         self.weight_scale: torch.Tensor | None = None
 
     def lookup(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -106,17 +108,27 @@ class NGramTable(nn.Module):
 
 
 class NGramEmbedding(nn.Module):
-    """Hashes n-grams of token ids to table rows (the module named `ple_embedding` in checkpoints)."""
+    """Hashes n-grams of token ids to table rows (the module named `ple_embedding` in checkpoints); a rank holds
+    the rows of its own heads and the ranks' head embeddings are gathered."""
 
-    def __init__(self, cfg: FlashNextConfig, ple_index: int) -> None:
+    def __init__(self, cfg: FlashNextConfig, ple_index: int, plan: ShardPlan) -> None:
         super().__init__()
+        self.tp = plan.tp
         self.moduli_list = head_moduli(cfg, ple_index)
         self.offsets_list = [sum(self.moduli_list[:i]) for i in range(len(self.moduli_list))]
         self.multipliers = hash_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.ngram_seed)
         self.register_buffer("moduli", torch.tensor(self.moduli_list), persistent=False)
         self.register_buffer("offsets", torch.tensor(self.offsets_list), persistent=False)
         self.eos, self.heads_per_ngram = cfg.eos_token_id, cfg.heads_per_ngram
-        self.ngram_embedding = NGramTable(ngram_table_rows(cfg, ple_index), cfg.ple_embed_dim // cfg.ngram_heads)
+        self.local_heads = plan.ngram_heads
+        lo, hi = plan.ngram_heads
+        total = ngram_table_rows(cfg, ple_index)
+        local_rows = (
+            (self.offsets_list[lo], self.offsets_list[hi - 1] + self.moduli_list[hi - 1])
+            if plan.tp.world > 1
+            else (0, total)
+        )
+        self.ngram_embedding = NGramTable(local_rows, cfg.ple_embed_dim // cfg.ngram_heads, total)
 
     def reset_buffers(self, device: torch.device) -> None:
         """Rebuild the hash constants on `device` (after the module was built on the meta device)."""
@@ -126,17 +138,19 @@ class NGramEmbedding(nn.Module):
     def forward(self, history: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Concatenated head embeddings [T, ple_embed_dim]."""
         rows = ngram_row_ids(history, ids, self.eos, self.multipliers, self.moduli, self.offsets, self.heads_per_ngram)
-        return self.ngram_embedding.lookup(rows, dtype).flatten(-2)
+        lo, hi = self.local_heads
+        local = self.ngram_embedding.lookup(rows[:, lo:hi] - self.ngram_embedding.local_rows[0], dtype).flatten(-2)
+        return self.tp.gather(local, dim=-1)
 
 
 class PLELayer(nn.Module):
     """Gates the n-gram embedding into each stream and adds a dilated causal conv of it."""
 
-    def __init__(self, cfg: FlashNextConfig, ple_index: int) -> None:
+    def __init__(self, cfg: FlashNextConfig, ple_index: int, plan: ShardPlan) -> None:
         super().__init__()
         self.hc, self.d, self.eps = cfg.hc_count, cfg.hidden_size, cfg.rms_norm_eps
         wide = cfg.wide_size
-        self.ple_embedding = NGramEmbedding(cfg, ple_index)
+        self.ple_embedding = NGramEmbedding(cfg, ple_index, plan)
         self.key_proj = linear(cfg.ple_embed_dim, wide)
         self.value_proj = linear(cfg.ple_embed_dim, cfg.hidden_size)
         self.norm_key = ZCRMSNorm(wide, cfg.rms_norm_eps, group=cfg.hidden_size)

@@ -10,6 +10,7 @@ from torch import nn
 from model.config import FlashNextConfig
 from model.hyper import ZCRMSNorm, linear
 from model.ops import apply_rope, masked_attention, rope_cos_sin, zc_rms_norm
+from model.parallel import ShardPlan
 from model.state import AttentionCache
 
 
@@ -61,12 +62,16 @@ class QSAIndexer(nn.Module):
 
 
 class QSAttention(nn.Module):
-    """Gated GQA attention with q/k norms and partial RoPE, restricted to the indexer's selection."""
+    """Gated GQA attention with q/k norms and partial RoPE, restricted to the indexer's selection, on this rank's
+    query heads (and the KV heads they use); the indexer is replicated so every rank picks the same blocks."""
 
-    def __init__(self, cfg: FlashNextConfig) -> None:
+    def __init__(self, cfg: FlashNextConfig, plan: ShardPlan) -> None:
         super().__init__()
         d, self.head_dim = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.tp = plan.tp
+        self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
+        if self.heads % self.kv_heads:
+            raise ValueError("num_key_value_heads: a rank's query heads must share whole KV heads")
         self.rotary_dim, self.theta, self.eps = cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps
         self.q_proj = linear(d, self.heads * self.head_dim * 2)
         self.k_proj = linear(d, self.kv_heads * self.head_dim)
@@ -96,4 +101,4 @@ class QSAttention(nn.Module):
         mask = self.indexer.select(index_q, block_keys, positions, length)
         out = masked_attention(q, cache.keys[:length], cache.values[:length], mask, self.head_dim**-0.5, positions + 1)
         out = out.reshape(seq, -1) * torch.sigmoid(gate.reshape(seq, -1))
-        return self.o_proj(out)
+        return self.tp.combine(self.o_proj(out))

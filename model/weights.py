@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from model.config import FlashNextConfig, load_config
 from model.flashnext import FlashNextModel
+from model.parallel import Shard, TensorParallel
 from model.ple import NGramEmbedding
 from model.quant import dequantize_fp8_block
 
@@ -23,6 +24,7 @@ TRUNK_PREFIXES = ("model.language_model.", "model.")
 EXPERT_PARAM = re.compile(r"^(?P<moe>.*\.mlp)\.experts\.(?P<which>gate_up_proj|down_proj)$")
 NGRAM_PARAM = re.compile(r"^(?P<table>.*\.ngram_embedding)\.weight$")
 KNOWN_ALGOS = {"NVFP4", "FP8", "FP8_PB_WO", "FP8_BLOCK_SCALES"}
+FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
 class CheckpointError(ValueError):
@@ -52,8 +54,7 @@ class TensorIndex:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str) -> torch.Tensor:
-        """The named tensor, or a refusal naming it."""
+    def _handle(self, name: str):
         path = self.files.get(name)
         if path is None:
             raise CheckpointError(f"missing tensor {name}")
@@ -61,10 +62,27 @@ class TensorIndex:
             if not path.is_file():
                 raise CheckpointError(f"tensor {name}: its file {path.name} is missing")
             self._open[path] = safe_open(path, "pt")
+        return self._open[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """The named tensor, or a refusal naming it."""
         try:
-            return self._open[path].get_tensor(name)
+            return self._handle(name).get_tensor(name)
+        except CheckpointError:
+            raise
         except Exception as exc:
-            raise CheckpointError(f"tensor {name}: not in {path.name} ({exc})") from exc
+            raise CheckpointError(f"tensor {name}: unreadable ({exc})") from exc
+
+    def read(self, name: str, shard: Shard | None) -> torch.Tensor:
+        """The whole tensor, or only this rank's pieces of it (the other rank's bytes are never read)."""
+        if shard is None:
+            return self.get(name)
+        view = self._handle(name).get_slice(name)
+        lead = (slice(None),) * shard.dim
+        return torch.cat([view[(*lead, slice(lo, hi))] for lo, hi in shard.ranges], dim=shard.dim)
 
 
 @dataclass(slots=True)
@@ -102,12 +120,13 @@ def read_quant_plan(model_dir: Path, quantization_config: dict | None) -> QuantP
 
 
 class WeightLoader:
-    """Fills a FlashNextModel from a checkpoint, checking every tensor's presence, shape and dtype."""
+    """Fills a FlashNextModel from a checkpoint, checking every tensor's presence, shape and dtype; at tensor
+    parallel each rank reads only its shard (ShardPlan)."""
 
     def __init__(self, model_dir: Path, cfg: FlashNextConfig) -> None:
         self.dir, self.cfg = model_dir, cfg
         self.index = TensorIndex(model_dir)
-        self.plan = read_quant_plan(model_dir, cfg.quantization_config)
+        self.quant = read_quant_plan(model_dir, cfg.quantization_config)
         self.prefix = next((p for p in TRUNK_PREFIXES if f"{p}embed_tokens.weight" in self.index), None)
         if self.prefix is None:
             raise CheckpointError(
@@ -123,6 +142,7 @@ class WeightLoader:
 
     def fill(self, model: FlashNextModel, dtype: torch.dtype, device: torch.device) -> None:
         """Load every parameter of `model` in `dtype` on `device`."""
+        self.shards = model.plan
         params = dict(model.named_parameters())
         for name, param in tqdm(params.items(), desc="loading weights", unit="tensor", leave=False):
             tensor = self._load(name, param, model, dtype, device)
@@ -147,113 +167,154 @@ class WeightLoader:
                 )
 
     def _load(self, name: str, param: torch.Tensor, model: FlashNextModel, dtype: torch.dtype, device: torch.device):
+        shard = self.shards.shard(name)
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings and "lm_head.weight" not in self.index:
-            return self._float(self.key("embed_tokens.weight"), param.shape, dtype, device)
+            return self._float(self.key("embed_tokens.weight"), param.shape, shard, dtype, device)
         if m := EXPERT_PARAM.match(name):
             return self._experts(m["moe"], m["which"], model.get_submodule(m["moe"] + ".experts"), dtype, device)
         if m := NGRAM_PARAM.match(name):
-            return self._ngram_table(m["table"], model.get_submodule(m["table"]), param.shape, dtype, device)
-        return self._float(self.key(name), param.shape, dtype, device)
+            return self._ngram_table(m["table"], model.get_submodule(m["table"]), dtype, device)
+        return self._float(self.key(name), param.shape, shard, dtype, device)
 
-    def _float(self, key: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        tensor = self.index.get(key)
-        if not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise CheckpointError(f"tensor {key}: dtype {tensor.dtype}, expected bfloat16 or float32")
-        _check_shape(key, tensor, tuple(shape))
-        return _own(tensor, device, dtype)
+    def _read(self, key: str, local: tuple[int, ...], shard: Shard | None, dtypes: tuple[torch.dtype, ...]):
+        """Check the checkpoint tensor's full shape and dtype, then read this rank's part of it."""
+        full = list(local)
+        if shard is not None:
+            full[shard.dim] = shard.full
+        _check_shape(key, _Shape(self.index.shape(key)), tuple(full))
+        tensor = self.index.read(key, shard)
+        if tensor.dtype not in dtypes:
+            expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise CheckpointError(f"tensor {key}: dtype {tensor.dtype}, expected {expected}")
+        return tensor
+
+    def _float(self, key: str, local, shard: Shard | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return _own(self._read(key, tuple(local), shard, FLOAT_DTYPES), device, dtype)
 
     def _experts(self, moe: str, which: str, bank, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         base = self.key(f"{moe}.experts")
-        algo = self.plan.algo(base)
-        e, d, i = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        algo = self.quant.algo(base)
+        e, d = self.cfg.num_experts, self.cfg.hidden_size
+        i = bank.gate_up_proj.shape[1] // 2 if bank.gate_up_proj is not None else None
         if algo == "NVFP4":
             if which == "gate_up_proj":
                 bank.use_nvfp4(self._nvfp4_bank(base, device))
             return None
-        projections = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
-        shape = (2 * i, d) if which == "gate_up_proj" else (d, i)
+        local = (2 * i, d) if which == "gate_up_proj" else (d, i)
         if f"{base}.{which}" in self.index:
-            return self._float(f"{base}.{which}", (e, *shape), dtype, device)
+            return self._float(
+                f"{base}.{which}", (e, *local), self.shards.shard(f"{moe}.experts.{which}"), dtype, device
+            )
+        projections = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
         rows = []
         for expert in range(e):
-            parts = [self._expert_matrix(f"{base}.{expert}.{p}", algo, dtype, device) for p in projections]
+            parts = [self._expert_matrix(f"{base}.{expert}.{p}", p, algo, dtype, device) for p in projections]
             rows.append(torch.cat(parts))
-            _check_shape(f"{base}.{expert}.{which}", rows[-1], shape)
+            _check_shape(f"{base}.{expert}.{which}", rows[-1], local)
         return torch.stack(rows)
 
-    def _expert_matrix(self, key: str, algo: str | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if algo in ("FP8_PB_WO", "FP8_BLOCK_SCALES"):
-            weight = self.index.get(f"{key}.weight")
-            if weight.dtype != torch.float8_e4m3fn:
-                raise CheckpointError(f"tensor {key}.weight: dtype {weight.dtype}, expected float8_e4m3fn")
-            scale_key = f"{key}.weight_scale_inv" if f"{key}.weight_scale_inv" in self.index else f"{key}.weight_scale"
-            scale = self.index.get(scale_key)
-            blocks = (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
-            _check_shape(scale_key, scale, blocks)
-            return dequantize_fp8_block(weight.to(device), scale.to(device), dtype=torch.float32).to(dtype)
-        tensor = self.index.get(f"{key}.weight")
-        if not tensor.is_floating_point() or tensor.dtype == torch.float8_e4m3fn:
-            raise CheckpointError(f"tensor {key}.weight: dtype {tensor.dtype}, expected bfloat16 or float32")
-        return _own(tensor, device, dtype)
+    def _expert_matrix(self, key: str, proj: str, algo: str | None, dtype, device: torch.device) -> torch.Tensor:
+        """One expert projection in `dtype`: BF16/FP32 read as this rank's shard, FP8 blocks dequantized whole."""
+        shard = self.shards.expert_shard(proj)
+        d, i = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        whole = (d, i) if proj == "down_proj" else (i, d)
+        if algo not in ("FP8_PB_WO", "FP8_BLOCK_SCALES"):
+            local = list(whole)
+            if shard is not None:
+                local[shard.dim] = sum(hi - lo for lo, hi in shard.ranges)
+            return _own(self._read(f"{key}.weight", tuple(local), shard, FLOAT_DTYPES), device, dtype)
+        weight = self._read(f"{key}.weight", whole, None, (torch.float8_e4m3fn,))
+        scale_key = f"{key}.weight_scale_inv" if f"{key}.weight_scale_inv" in self.index else f"{key}.weight_scale"
+        blocks = (-(-whole[0] // 128), -(-whole[1] // 128))
+        scale = self._read(scale_key, blocks, None, (torch.float32, torch.bfloat16))
+        # 128x128 blocks do not follow a rank's share (320 of 640 is 2.5 blocks): dequantize, then take the share
+        full = dequantize_fp8_block(weight.to(device), scale.float().to(device), dtype=torch.float32).to(dtype)
+        return full if shard is None else shard.take(full).clone()
 
     def _nvfp4_bank(self, base: str, device: torch.device) -> dict[str, torch.Tensor]:
-        e, d, i = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
-        packed = {"gate_up": [], "down": []}
-        scales = {"gate_up": [], "down": []}
-        scale_2 = {"gate_up": [], "down": []}
-        shapes = {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
+        """All experts' NVFP4 codes and scales, this rank's share of each expert's width."""
+        e, d = self.cfg.num_experts, self.cfg.hidden_size
+        lo, hi = self.shards.expert_cols
+        i = hi - lo
+        groups: dict[str, list[list[torch.Tensor]]] = {"gate_up": [[], [], []], "down": [[], [], []]}
         for expert in tqdm(range(e), desc=f"{base} (NVFP4)", unit="expert", leave=False):
-            pair = []
-            for proj, (rows, cols) in shapes.items():
+            parts = []
+            for proj in ("gate_proj", "up_proj", "down_proj"):
                 key = f"{base}.{expert}.{proj}"
-                weight, scale, s2 = (self.index.get(f"{key}.{s}") for s in ("weight", "weight_scale", "weight_scale_2"))
-                _check(f"{key}.weight", weight, (rows, cols // 2), torch.uint8)
-                _check(f"{key}.weight_scale", scale, (rows, cols // 16), torch.float8_e4m3fn)
-                _check(f"{key}.weight_scale_2", s2.reshape(()), (), torch.float32)
-                group = "down" if proj == "down_proj" else "gate_up"
-                if group == "gate_up":
-                    pair.append((weight, scale, s2.reshape(())))
-                else:
-                    packed[group].append(weight)
-                    scales[group].append(scale)
-                    scale_2[group].append(s2.reshape(()))
-            packed["gate_up"].append(torch.cat([p[0] for p in pair]))
-            scales["gate_up"].append(torch.cat([p[1] for p in pair]))
-            scale_2["gate_up"].append(torch.stack([p[2] for p in pair]))
+                down = proj == "down_proj"
+                rows, cols = (d, i) if down else (i, d)
+                weight = self._read(
+                    f"{key}.weight", (rows, cols // 2), self.shards.expert_shard(proj, 2), (torch.uint8,)
+                )
+                scale = self._read(
+                    f"{key}.weight_scale",
+                    (rows, cols // 16),
+                    self.shards.expert_shard(proj, 16),
+                    (torch.float8_e4m3fn,),
+                )
+                scale_2 = self.index.get(f"{key}.weight_scale_2")
+                _check(f"{key}.weight_scale_2", scale_2.reshape(()), (), torch.float32)
+                parts.append((weight, scale, scale_2.reshape(())))
+            gate, up, down = parts
+            for slot, tensors in enumerate(((gate[0], up[0]), (gate[1], up[1]))):
+                groups["gate_up"][slot].append(torch.cat(tensors))
+            groups["gate_up"][2].append(torch.stack((gate[2], up[2])))
+            for slot in range(3):
+                groups["down"][slot].append(down[slot])
         out = {}
-        for group in ("gate_up", "down"):
-            out[f"{group}_packed"] = torch.stack(packed[group]).to(device)
-            out[f"{group}_scale"] = torch.stack(scales[group]).to(device)
-            out[f"{group}_scale_2"] = torch.stack(scale_2[group]).to(device)
+        for group, (packed, scales, scale_2) in groups.items():
+            out[f"{group}_packed"] = torch.stack(packed).to(device)
+            out[f"{group}_scale"] = torch.stack(scales).to(device)
+            out[f"{group}_scale_2"] = torch.stack(scale_2).to(device)
         return out
 
-    def _ngram_table(self, table: str, module, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    def _ngram_table(self, table: str, module, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This rank's heads' rows of the n-gram table, read across the on-disk shards; FP8 keeps its scale."""
         base = self.key(table)
-        algo = self.plan.algo(base)
+        lo, hi = module.local_rows
         if f"{base}.weight" in self.index:
-            tensor = self.index.get(f"{base}.weight")
+            pieces = [(f"{base}.weight", 0)]
         else:
-            shards = sorted(
+            numbered = sorted(
                 (int(m[1]), k)
                 for k in self.index.files
                 if (m := re.fullmatch(re.escape(base) + r"\.shard_(\d+)\.weight", k))
             )
-            if not shards:
+            if not numbered:
                 raise CheckpointError(f"missing tensor {base}.weight (or its shards {base}.shard_N.weight)")
-            if [n for n, _ in shards] != list(range(len(shards))):
+            if [n for n, _ in numbered] != list(range(len(numbered))):
                 raise CheckpointError(
-                    f"tensor {base}.shard_N.weight: shard numbers {[n for n, _ in shards]} have a gap"
+                    f"tensor {base}.shard_N.weight: shard numbers {[n for n, _ in numbered]} have a gap"
                 )
-            tensor = torch.cat([self.index.get(k) for _, k in shards])
-        _check_shape(f"{base}.weight", tensor, tuple(shape))
-        if algo == "FP8":
+            pieces, start = [], 0
+            for _, key in numbered:
+                pieces.append((key, start))
+                start += self.index.shape(key)[0]
+        dim = module.weight.shape[1]
+        total = sum(self.index.shape(key)[0] for key, _ in pieces)
+        _check_shape(f"{base}.weight", _Shape((total, *self.index.shape(pieces[0][0])[1:])), (module.rows_total, dim))
+        parts = []
+        for key, start in pieces:
+            rows = self.index.shape(key)[0]
+            a, b = max(lo, start), min(hi, start + rows)
+            if a < b:
+                parts.append(self.index.read(key, Shard(0, ((a - start, b - start),), rows)))
+        tensor = torch.cat(parts)
+        if self.quant.algo(base) == "FP8":
             if tensor.dtype != torch.float8_e4m3fn:
                 raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected float8_e4m3fn (FP8)")
             module.weight_scale = self.index.get(f"{base}.weight_scale").float().reshape(()).to(device)
             return _own(tensor, device, tensor.dtype)
-        if not tensor.is_floating_point() or tensor.dtype == torch.float8_e4m3fn:
+        if tensor.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected bfloat16 or float32")
         return _own(tensor, device, dtype)
+
+
+class _Shape:
+    """A shape standing in for a tensor in shape checks."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
 
 
 def _own(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -282,8 +343,10 @@ def resolve_dtype(name: str, cfg: FlashNextConfig, device: torch.device) -> torc
     return getattr(torch, name)
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "auto") -> FlashNextModel:
-    """Parse the config, build the model on `device` and fill it from the checkpoint."""
+def load_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "auto", tp: TensorParallel | None = None
+) -> FlashNextModel:
+    """Parse the config, build this rank's part of the model on `device` and fill it from the checkpoint."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -292,7 +355,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     if cfg.mtp_num_hidden_layers and not with_mtp:
         log.warning("%s has no mtp.* tensors: drafting is off", model_dir)
     with torch.device("meta"):
-        model = FlashNextModel(cfg, with_mtp=with_mtp)
+        model = FlashNextModel(cfg, with_mtp=with_mtp, tp=tp)
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, NGramEmbedding):

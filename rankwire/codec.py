@@ -1,0 +1,211 @@
+"""The round header's versioned binary codec: encode_header(plan) -> bytes, decode_header(data) -> RoundPlan."""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+from itertools import accumulate, chain, pairwise
+from typing import Any
+
+from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
+
+MAGIC = b"FNRH"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
+_COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
+_SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
+_SIGNED = frozenset("iq")  # columns read as signed, where a negative value (a set top bit) is refused
+_KINDS = frozenset(RoundKind)
+_CODES = frozenset(LaneOpCode)
+_MAX_FINITE = math.nextafter(math.inf, 0.0)
+
+
+class HeaderError(ValueError):
+    """A round header that cannot be encoded or decoded; the message names what is wrong."""
+
+
+def encode_header(plan: RoundPlan) -> bytes:
+    """Encode a plan; raise HeaderError for a value the format cannot carry."""
+    rows = plan.rows
+    draws = [row.draw for row in rows if row.draw is not None]
+    _check_draws([d.temperature for d in draws], [d.top_p for d in draws], [d.min_p for d in draws])
+    unknown = {op.code for op in plan.ops} - _CODES
+    if unknown:
+        raise HeaderError(f"cannot encode unknown lane op code {min(unknown)}")
+    body = b"".join(
+        (
+            _pack_counts(plan, len(rows)),
+            _pack("H", plan.allocate, "allocate slots"),
+            _pack("H", plan.free, "free slots"),
+            _pack("H", [row.slot for row in rows], "row slots"),
+            _pack("q", [row.start for row in rows], "row starts"),
+            _pack("I", [len(row.token_ids) for row in rows], "token counts"),
+            _pack("I", [len(row.drafts) for row in rows], "draft counts"),
+            _pack("B", [row.draw is not None for row in rows], "draw flags"),
+            _pack("i", chain.from_iterable(row.token_ids for row in rows), "token ids"),
+            _pack("i", chain.from_iterable(row.drafts for row in rows), "draft ids"),
+            _pack("d", [draw.temperature for draw in draws], "temperatures"),
+            _pack("i", [draw.top_k for draw in draws], "top_k values"),
+            _pack("d", [draw.top_p for draw in draws], "top_p values"),
+            _pack("d", [draw.min_p for draw in draws], "min_p values"),
+            _pack("q", [draw.seed for draw in draws], "seeds"),
+            _pack("B", [op.code for op in plan.ops], "lane op codes"),
+            _pack("H", [op.slot for op in plan.ops], "lane op slots"),
+            _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
+        )
+    )
+    return _PREFIX.pack(MAGIC, VERSION, _PREFIX.size + len(body), zlib.crc32(body)) + body
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> RoundPlan:
+    """Decode a header, raising HeaderError (naming the fault) for anything but a well-formed one."""
+    if len(data) < _PREFIX.size + _COUNTS.size:
+        raise HeaderError(f"truncated header: {len(data)} bytes, the fixed part alone is {_PREFIX.size + _COUNTS.size}")
+    magic, version, length, crc = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise HeaderError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise HeaderError(f"unknown header version {version}, this build reads version {VERSION}")
+    if length < _PREFIX.size + _COUNTS.size:
+        raise HeaderError(f"declared length {length} is shorter than the fixed part")
+    if len(data) < length:
+        raise HeaderError(f"truncated header: {len(data)} of its declared {length} bytes")
+    if len(data) > length:
+        raise HeaderError(f"{len(data) - length} trailing bytes after the header's declared {length}")
+    if zlib.crc32(memoryview(data)[_PREFIX.size :]) != crc:
+        raise HeaderError(f"checksum mismatch: the header says {crc:#010x}")
+    return _Reader(bytes(data)).plan()
+
+
+class _Reader:
+    """A cursor over a header's body that refuses to read past its end."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = _PREFIX.size
+
+    def take(self, code: str, count: int, what: str) -> tuple[Any, ...]:
+        """Read `count` little-endian values of struct type `code`."""
+        size = _SIZES[code] * count
+        left = len(self.data) - self.pos
+        if size > left:
+            raise HeaderError(f"{what}: {count} values need {size} bytes but {left} remain")
+        values = struct.unpack_from(f"<{count}{code}", self.data, self.pos)
+        _check_non_negative(code, self.data[self.pos : self.pos + size], values, what)
+        self.pos += size
+        return values
+
+    def plan(self) -> RoundPlan:
+        """Read the whole body as a RoundPlan."""
+        kind, n_allocate, n_free, n_rows, n_ops = _COUNTS.unpack_from(self.data, self.pos)
+        self.pos += _COUNTS.size
+        if kind not in _KINDS:
+            raise HeaderError(f"unknown round kind {kind}")
+        allocate = self.take("H", n_allocate, "allocate slots")
+        free = self.take("H", n_free, "free slots")
+        slots = self.take("H", n_rows, "row slots")
+        starts = self.take("q", n_rows, "row starts")
+        token_counts = self.take("I", n_rows, "token counts")
+        draft_counts = self.take("I", n_rows, "draft counts")
+        flags = self.take("B", n_rows, "draw flags")
+        if max(flags, default=0) > 1:
+            raise HeaderError(f"draw flag {max(flags)} is neither 0 nor 1")
+        token_ids = self.take("i", sum(token_counts), "token ids")
+        draft_ids = self.take("i", sum(draft_counts), "draft ids")
+        draws = self._draws(sum(flags))
+        ops = self._ops(n_ops)
+        if self.pos != len(self.data):
+            raise HeaderError(f"{len(self.data) - self.pos} trailing bytes inside the header's body")
+        return RoundPlan(
+            kind=RoundKind(kind),
+            allocate=allocate,
+            free=free,
+            rows=_rows(slots, starts, token_counts, draft_counts, flags, token_ids, draft_ids, draws),
+            ops=ops,
+        )
+
+    def _draws(self, count: int) -> list[DrawSpec]:
+        """Read the draw columns of the rows that draw."""
+        temperatures = self.take("d", count, "temperatures")
+        top_ks = self.take("i", count, "top_k values")
+        top_ps = self.take("d", count, "top_p values")
+        min_ps = self.take("d", count, "min_p values")
+        seeds = self.take("q", count, "seeds")
+        _check_draws(temperatures, top_ps, min_ps)
+        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds))
+
+    def _ops(self, count: int) -> tuple[LaneOp, ...]:
+        """Read the lane operations."""
+        codes = self.take("B", count, "lane op codes")
+        unknown = set(codes) - _CODES
+        if unknown:
+            raise HeaderError(f"unknown lane op code {min(unknown)}")
+        slots = self.take("H", count, "lane op slots")
+        args = self.take("q", count, "lane op arguments")
+        return tuple(LaneOp(LaneOpCode(code), slot, arg) for code, slot, arg in zip(codes, slots, args, strict=True))
+
+
+def _rows(
+    slots: tuple[int, ...],
+    starts: tuple[int, ...],
+    token_counts: tuple[int, ...],
+    draft_counts: tuple[int, ...],
+    flags: tuple[int, ...],
+    token_ids: tuple[int, ...],
+    draft_ids: tuple[int, ...],
+    draws: list[DrawSpec],
+) -> tuple[LaneRows, ...]:
+    """Cut the flat token, draft and draw columns back into per-lane rows."""
+    token_bounds = pairwise(accumulate(token_counts, initial=0))
+    draft_bounds = pairwise(accumulate(draft_counts, initial=0))
+    next_draw = iter(draws)
+    return tuple(
+        map(
+            LaneRows,
+            slots,
+            [token_ids[a:b] for a, b in token_bounds],
+            starts,
+            [next(next_draw) if flag else None for flag in flags],
+            [draft_ids[a:b] for a, b in draft_bounds],
+        )
+    )
+
+
+def _pack_counts(plan: RoundPlan, n_rows: int) -> bytes:
+    """Pack the kind and the section counts."""
+    try:
+        return _COUNTS.pack(RoundKind(plan.kind), len(plan.allocate), len(plan.free), n_rows, len(plan.ops))
+    except (struct.error, ValueError) as exc:
+        raise HeaderError(f"cannot encode the round kind or a count: {exc}") from None
+
+
+def _pack(code: str, values: Iterable[Any], what: str) -> bytes:
+    """Pack a whole column of little-endian values, naming the column if one does not fit."""
+    items = tuple(values)
+    try:
+        packed = struct.pack(f"<{len(items)}{code}", *items)
+    except struct.error as exc:
+        raise HeaderError(f"cannot encode {what}: {exc}") from None
+    _check_non_negative(code, packed, items, what)
+    return packed
+
+
+def _check_non_negative(code: str, packed: bytes, values: tuple[Any, ...], what: str) -> None:
+    """Refuse a negative value in a signed column (checked on the packed bytes' sign bits)."""
+    width = _SIZES[code]
+    if code in _SIGNED and not packed[width - 1 :: width].isascii():
+        raise HeaderError(f"{what}: {min(values)} is negative")
+
+
+def _check_draws(temperatures: Sequence[float], top_ps: Sequence[float], min_ps: Sequence[float]) -> None:
+    """Refuse sampling values no draw can have: a NaN, a negative or infinite temperature, p outside [0, 1]."""
+    for name, values, low, high, wanted in (
+        ("temperature", temperatures, 0.0, _MAX_FINITE, "a finite number >= 0"),
+        ("top_p", top_ps, 0.0, 1.0, "in [0, 1]"),
+        ("min_p", min_ps, 0.0, 1.0, "in [0, 1]"),
+    ):
+        bad = next((index for index, value in enumerate(values) if not low <= value <= high), None)
+        if bad is not None:
+            raise HeaderError(f"draw {bad}: {name} {values[bad]} is not {wanted}")

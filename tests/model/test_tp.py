@@ -1,0 +1,80 @@
+"""Tensor parallel 2 on CPU (gloo): each rank holds half the weights; both ranks end with identical bits."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model.flashnext import single_lane_batch
+from model.layers import ForwardBatch, Segment
+from model.parallel import TensorParallel
+from model.weights import load_model
+from tests.server.live import free_port
+from tests.tiny import checkpoint, hf_model, ties_to_lower_index
+
+PROMPT = torch.tensor([7, 19, 5, 33, 2, 91, 5, 44, 8, 13, 21, 60, 17, 3, 99, 12, 40, 41, 42, 5, 6, 70])
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def rank_main(rank: int, port: int, path: str, steps: int, results) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        model = load_model(path, dtype="float32", tp=TensorParallel(rank, 2))
+        lane = model.new_lane()
+        out = model(single_lane_batch(lane, PROMPT, 0))
+        tokens, last = [], out.logits[-1]
+        for _ in range(steps):
+            tokens.append(int(last.argmax()))
+            last = model(single_lane_batch(lane, torch.tensor(tokens[-1:]), lane.length)).logits[0]
+        mtp, _ = model.mtp_forward(
+            ForwardBatch(PROMPT[1:], torch.arange(len(PROMPT) - 1), [Segment(lane, 0, len(PROMPT) - 1)]),
+            out.hidden[:-1],
+        )
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        results[rank] = (digest(out.hidden), digest(out.logits), digest(mtp), tokens, out.logits, shapes)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(path: str, steps: int) -> dict:
+    results = mp.Manager().dict()
+    mp.start_processes(rank_main, args=(free_port(), path, steps, results), nprocs=2, start_method="spawn")
+    return dict(results)
+
+
+@pytest.mark.parametrize("variant", ["base", "gqa12-hc4"])
+def test_two_ranks_hold_identical_bits_and_match_transformers(variant, tmp_path):
+    path = checkpoint(tmp_path / variant, variant, fmt="nvfp4" if variant == "base" else "fp32")
+    results = run_two_ranks(str(path), 12)
+    (h0, l0, m0, t0, logits, shapes0), (h1, l1, m1, t1, _, shapes1) = results[0], results[1]
+    assert (h0, l0, m0, t0) == (h1, l1, m1, t1)  # hidden states, logits and MTP logits: the same bits on both
+    whole = load_model(path, dtype="float32")
+    expected_logits = whole(single_lane_batch(whole.new_lane(), PROMPT, 0)).logits
+    assert ((logits - expected_logits).norm() / expected_logits.norm()).item() <= 1e-5
+    hf = hf_model(variant) if variant != "base" else None
+    if hf is not None:
+        with torch.no_grad(), ties_to_lower_index():
+            expected = hf.generate(PROMPT[None], max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert t0 == expected[0, len(PROMPT) :].tolist()
+    full = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+    assert shapes0["lm_head.weight"][0] * 2 == full["lm_head.weight"][0]
+    assert (
+        shapes0["layers.0.linear_attn.in_proj_qkv.weight"][0] * 2 == full["layers.0.linear_attn.in_proj_qkv.weight"][0]
+    )
+    table = (
+        "layers.0.ple.ple_embedding.ngram_embedding.weight"
+        if variant == "base"
+        else "layers.1.ple.ple_embedding.ngram_embedding.weight"
+    )
+    assert shapes0[table][0] + shapes1[table][0] <= full[table][0]  # each rank holds only its heads' rows
+    assert {n: s for n, s in shapes0.items() if n != table} == {n: s for n, s in shapes1.items() if n != table}

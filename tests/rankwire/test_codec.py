@@ -1,0 +1,251 @@
+"""The round header codec: exact round trips, a pinned byte layout, and refusal (HeaderError, naming the fault) of
+anything malformed: random bytes, truncations, corruptions."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+import zlib
+
+import pytest
+
+from rankwire.codec import HeaderError, decode_header, encode_header
+from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
+
+PREFIX = struct.Struct("<4sHII")
+COUNTS = struct.Struct("<BIIII")
+
+
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 1) -> bytes:
+    """A header around `body` with a correct length and checksum, written from the documented layout."""
+    return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
+
+
+def random_draw(rng: random.Random) -> DrawSpec:
+    return DrawSpec(
+        temperature=rng.choice([0.0, 1.0, rng.uniform(0, 2), rng.uniform(0, 1e300)]),
+        top_k=rng.choice([0, 1, rng.randrange(2**31)]),
+        top_p=rng.choice([0.0, 1.0, rng.random()]),
+        min_p=rng.choice([0.0, 1.0, rng.random()]),
+        seed=rng.choice([0, 2**63 - 1, rng.randrange(2**63)]),
+    )
+
+
+def random_ids(rng: random.Random, most: int) -> tuple[int, ...]:
+    return tuple(rng.choice([0, 2**31 - 1, rng.randrange(200_000)]) for _ in range(rng.randrange(most + 1)))
+
+
+def random_plan(rng: random.Random) -> RoundPlan:
+    rows = tuple(
+        LaneRows(
+            slot=rng.randrange(2**16),
+            token_ids=random_ids(rng, 12),
+            start=rng.choice([0, 2**63 - 1, rng.randrange(1 << 20)]),
+            draw=random_draw(rng) if rng.random() < 0.7 else None,
+            drafts=random_ids(rng, 4),
+        )
+        for _ in range(rng.randrange(9))
+    )
+    ops = tuple(
+        LaneOp(rng.choice(list(LaneOpCode)), rng.randrange(2**16), rng.choice([0, 2**63 - 1, rng.randrange(1000)]))
+        for _ in range(rng.randrange(4))
+    )
+    return RoundPlan(
+        kind=rng.choice(list(RoundKind)),
+        allocate=tuple(rng.randrange(2**16) for _ in range(rng.randrange(4))),
+        free=tuple(rng.randrange(2**16) for _ in range(rng.randrange(4))),
+        rows=rows,
+        ops=ops,
+    )
+
+
+SAMPLE = RoundPlan(
+    allocate=(3,),
+    free=(1, 2),
+    rows=(
+        LaneRows(3, (11, 12, 13), 0, None),
+        LaneRows(0, (7,), 40, DrawSpec(0.7, 20, 0.95, 0.05, 1234), drafts=(8, 9)),
+    ),
+    ops=(LaneOp(LaneOpCode.KEEP, 0, 99),),
+)
+EXAMPLES = [
+    SAMPLE,
+    RoundPlan(),
+    RoundPlan(kind=RoundKind.STOP),
+    *(random_plan(random.Random(seed)) for seed in range(5)),
+]
+
+
+def test_random_plans_round_trip_exactly() -> None:
+    rng = random.Random(2024)
+    for _ in range(1000):
+        plan = random_plan(rng)
+        data = encode_header(plan)
+        assert decode_header(data) == plan
+        assert decode_header(bytearray(data)) == plan
+        assert decode_header(memoryview(data)) == plan
+
+
+def test_the_byte_layout_is_pinned() -> None:
+    body = b"".join(
+        (
+            COUNTS.pack(1, 1, 2, 2, 1),  # kind ROUND; 1 allocate, 2 free, 2 rows, 1 lane op
+            struct.pack("<H", 3),  # allocate
+            struct.pack("<2H", 1, 2),  # free
+            struct.pack("<2H", 3, 0),  # row slots
+            struct.pack("<2q", 0, 40),  # row starts
+            struct.pack("<2I", 3, 1),  # token counts
+            struct.pack("<2I", 0, 2),  # draft counts
+            struct.pack("<2B", 0, 1),  # draw flags
+            struct.pack("<4i", 11, 12, 13, 7),  # token ids, row after row
+            struct.pack("<2i", 8, 9),  # draft ids
+            struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234),  # one drawing row: temperature, top_k, top_p, min_p, seed
+            struct.pack("<BHq", 1, 0, 99),  # lane op: KEEP slot 0 handle 99
+        )
+    )
+    assert encode_header(SAMPLE) == seal(body)
+    assert decode_header(seal(body)) == SAMPLE
+
+
+@pytest.mark.parametrize("plan", EXAMPLES, ids=range(len(EXAMPLES)))
+def test_every_truncation_and_any_trailing_byte_is_refused(plan: RoundPlan) -> None:
+    data = encode_header(plan)
+    for end in range(len(data)):
+        with pytest.raises(HeaderError, match="truncated"):
+            decode_header(data[:end])
+    with pytest.raises(HeaderError, match="1 trailing bytes"):
+        decode_header(data + b"\0")
+
+
+@pytest.mark.parametrize("plan", EXAMPLES, ids=range(len(EXAMPLES)))
+def test_every_single_byte_corruption_is_refused(plan: RoundPlan) -> None:
+    data = encode_header(plan)
+    rng = random.Random(len(data))
+    for position in range(len(data)):
+        for flip in {1, 0x80, 0xFF, rng.randrange(1, 256)}:
+            corrupt = bytearray(data)
+            corrupt[position] ^= flip
+            with pytest.raises(HeaderError):
+                decode_header(bytes(corrupt))
+
+
+def test_random_bytes_are_refused() -> None:
+    rng = random.Random(7)
+    for _ in range(5000):
+        data = rng.randbytes(rng.randrange(80))
+        if rng.random() < 0.5:
+            data = b"FNRH\x01\x00" + data
+        with pytest.raises(HeaderError):
+            decode_header(data)
+
+
+def structural_offsets(plan: RoundPlan) -> set[int]:
+    """Offsets of the bytes that give the layout: section counts, per-row token and draft counts, draw flags."""
+    n = len(plan.rows)
+    counts = PREFIX.size + 1
+    rows = counts + 16 + 2 * (len(plan.allocate) + len(plan.free)) + 10 * n  # past the slots and starts columns
+    return set(range(counts, counts + 16)) | set(range(rows, rows + 9 * n))
+
+
+@pytest.mark.parametrize("plan", EXAMPLES, ids=range(len(EXAMPLES)))
+def test_resealed_corruptions_never_decode_to_a_guess(plan: RoundPlan) -> None:
+    """With the checksum recomputed, a corrupt body either is refused or decodes to the plan it exactly encodes."""
+    data = encode_header(plan)
+    structural = structural_offsets(plan)
+    rng = random.Random(len(data))
+    for position in range(PREFIX.size, len(data)):
+        for flip in {1, 0x80, 0xFF, rng.randrange(1, 256)}:
+            body = bytearray(data[PREFIX.size :])
+            body[position - PREFIX.size] ^= flip
+            corrupt = seal(bytes(body))
+            try:
+                decoded = decode_header(corrupt)
+            except HeaderError:
+                continue
+            assert position not in structural, f"a corrupt count or flag at offset {position} was accepted"
+            assert encode_header(decoded) == corrupt
+
+
+def test_resealed_random_bodies_are_refused_or_exact() -> None:
+    rng = random.Random(11)
+    accepted = 0
+    for _ in range(5000):
+        counts = [rng.randrange(3) for _ in range(4)]
+        body = COUNTS.pack(rng.choice([0, 1, 2, 3]), *counts)
+        size = 2 * counts[0] + 2 * counts[1] + 19 * counts[2] + 11 * counts[3] + rng.randrange(-2, 3)
+        body += rng.randbytes(max(0, size))
+        try:
+            plan = decode_header(seal(body))
+        except HeaderError:
+            continue
+        accepted += 1
+        assert encode_header(plan) == seal(body)
+    assert accepted > 20
+
+
+def body_of(plan: RoundPlan) -> bytearray:
+    return bytearray(encode_header(plan)[PREFIX.size :])
+
+
+def test_faults_are_named() -> None:
+    sample = encode_header(SAMPLE)
+    body = body_of(SAMPLE)
+    cases: list[tuple[bytes, str]] = [
+        (b"XXXX" + sample[4:], "bad magic b'XXXX'"),
+        (seal(bytes(body), version=2), "unknown header version 2"),
+        (sample[:-1], f"truncated header: {len(sample) - 1} of its declared {len(sample)} bytes"),
+        (sample[:5], "truncated header: 5 bytes"),
+        (sample + b"xy", "2 trailing bytes"),
+        (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
+        (PREFIX.pack(b"FNRH", 1, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
+        (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
+        (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
+    ]
+    flags = 17 + 2 * 3 + 2 * 2 + 8 * 2 + 4 * 2 + 4 * 2  # offset of the draw flags in the body
+    corrupt = body.copy()
+    corrupt[flags + 1] = 2
+    cases.append((seal(bytes(corrupt)), "draw flag 2 is neither 0 nor 1"))
+    tokens = flags + 2
+    corrupt = body.copy()
+    corrupt[tokens : tokens + 4] = struct.pack("<i", -5)
+    cases.append((seal(bytes(corrupt)), "token ids: -5 is negative"))
+    corrupt = body.copy()
+    corrupt[-11] = 7
+    cases.append((seal(bytes(corrupt)), "unknown lane op code 7"))
+    temperature = tokens + 4 * 4 + 4 * 2
+    for value, message in [
+        (math.nan, "temperature nan is not a finite number >= 0"),
+        (-0.5, "temperature -0.5 is not a finite number >= 0"),
+        (math.inf, "temperature inf is not a finite number >= 0"),
+    ]:
+        corrupt = body.copy()
+        corrupt[temperature : temperature + 8] = struct.pack("<d", value)
+        cases.append((seal(bytes(corrupt)), message))
+    corrupt = body.copy()
+    corrupt[temperature + 12 : temperature + 20] = struct.pack("<d", 1.5)
+    cases.append((seal(bytes(corrupt)), "top_p 1.5 is not in"))
+    for data, message in cases:
+        with pytest.raises(HeaderError) as caught:
+            decode_header(data)
+        assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (RoundPlan(allocate=(70_000,)), "cannot encode allocate slots"),
+        (RoundPlan(rows=(LaneRows(0, (-1,), 0, None),)), "token ids: -1 is negative"),
+        (RoundPlan(rows=(LaneRows(0, (2**31,), 0, None),)), "cannot encode token ids"),
+        (RoundPlan(rows=(LaneRows(0, (), 2**63, None),)), "cannot encode row starts"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(math.nan, 0, 1.0, 0.0, 1)),)), "temperature nan"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 2.0, 1)),)), "min_p 2.0 is not in"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, -1, 1.0, 0.0, 1)),)), "top_k values: -1 is negative"),
+        (RoundPlan(ops=(LaneOp(7, 0, 0),)), "unknown lane op code 7"),  # type: ignore[arg-type]
+        (RoundPlan(kind=5), "cannot encode the round kind"),  # type: ignore[arg-type]
+    ],
+)
+def test_the_encoder_refuses_what_the_format_cannot_carry(plan: RoundPlan, message: str) -> None:
+    with pytest.raises(HeaderError, match=message.replace("(", r"\(")):
+        encode_header(plan)
