@@ -29,8 +29,8 @@ class ControlLink:
         self.sock = sock
         self.rank = rank
 
-    @classmethod
-    def listen(cls, host: str, port: int) -> Listener:
+    @staticmethod
+    def listen(host: str, port: int) -> Listener:
         """Rank 0: listen on (host, port) for rank 1 (port 0 picks a free one)."""
         return Listener(socket.create_server((host, port)))
 

@@ -14,7 +14,7 @@ POLLIN = select.POLLIN
 POLLRDHUP = getattr(select, "POLLRDHUP", 0)
 HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | POLLRDHUP
 
-PollFn = Callable[[int, "float | None", int], int]
+PollFn = Callable[[int, float | None, int], int]
 
 
 class _PollFd(ctypes.Structure):
@@ -42,7 +42,7 @@ def _ppoll(fd: int, timeout_s: float | None, events: int = POLLIN) -> int:
     return entry.revents
 
 
-def _poll_ms(fd: int, timeout_s: float | None, events: int = POLLIN) -> int:
+def poll_ms(fd: int, timeout_s: float | None, events: int = POLLIN) -> int:
     """One poll(2) of `fd` where ppoll is missing (timeouts round up to whole milliseconds); return revents."""
     poller = select.poll()
     poller.register(fd, events)
@@ -55,7 +55,7 @@ if hasattr(_libc, "ppoll"):
     _libc.ppoll.restype = ctypes.c_int
     poll_fd: PollFn = _ppoll
 else:
-    poll_fd = _poll_ms
+    poll_fd = poll_ms
 
 
 def wait_readable(
@@ -72,12 +72,13 @@ def wait_readable(
     window_end = time.monotonic() + poll_window_s
     while True:
         now = time.monotonic()
-        left = None if deadline is None else max(0.0, deadline - now)
-        timeout = left if now >= window_end else poll_timeout_s if left is None else min(poll_timeout_s, left)
+        timeout = None if deadline is None else max(0.0, deadline - now)  # the blocking poll's
+        if now < window_end:
+            timeout = poll_timeout_s if timeout is None else min(poll_timeout_s, timeout)
         try:
             if poll(fd, timeout, POLLIN):
                 return True
         except InterruptedError:
-            pass
-        if left is not None and time.monotonic() >= deadline:
+            pass  # an interrupted poll counts as an empty one
+        if deadline is not None and time.monotonic() >= deadline:
             return False

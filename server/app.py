@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.engine import ContextLengthError, Engine
+from server.engine import ContextLengthError, Engine, EngineStopped
 from server.generation import Generation, Outcome
 from server.metrics import EngineMetrics
 from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
@@ -121,6 +121,8 @@ def build_app(state: ServerState) -> FastAPI:
             generation.submit()
         except ContextLengthError as exc:
             raise ApiError(str(exc), param="max_tokens", code="context_length_exceeded") from exc
+        except EngineStopped as exc:
+            raise ApiError(str(exc), status=503, type="server_error") from exc
         return generation
 
     @app.post("/v1/chat/completions")

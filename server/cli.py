@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -80,8 +79,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("FLASHNEXT_API_KEY"),
+        default=None,
         help="require 'Authorization: Bearer KEY' (default: $FLASHNEXT_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="tensor parallel ranks; 2 starts both ranks itself (default: WORLD_SIZE under torchrun, else 1)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the model id in the API (default: the checkpoint folder's name)"
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from server.serve import run_serve
 
-        return run_serve(args)
+        return run_serve(args, list(argv if argv is not None else sys.argv[1:])[1:])
     return run_generate(args)
 
 

@@ -20,6 +20,10 @@ class ContextLengthError(ValueError):
     """The prompt plus the tokens asked for can never fit the context."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine takes no more work (shutting down, or a rank failed)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Update:
     """New tokens for a request, and why it ended (stop, length, abort, error) when it did."""
@@ -50,11 +54,17 @@ class Engine:
     """Rounds over lanes: each round decodes every live lane and fills prompts within a per-round token budget."""
 
     def __init__(
-        self, runner: ModelRunner, context: int, prompt_budget: int, metrics: EngineMetrics | None = None
+        self,
+        runner: ModelRunner,
+        context: int,
+        prompt_budget: int,
+        metrics: EngineMetrics | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
         self.metrics = metrics
-        self.max_lanes = len(runner.slots)
+        self.on_fatal = on_fatal
+        self.max_lanes = runner.max_lanes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.aborted: set[str] = set()
@@ -71,6 +81,23 @@ class Engine:
             self.stopped = True
             self.cond.notify()
         self.thread.join(timeout=10)
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
+    def fail(self, message: str) -> None:
+        """A failure the ranks cannot recover from: end every request with the error and stop taking work."""
+        with self.cond:
+            if self.stopped:
+                return
+            for request in list(self.running):
+                self._finish(request, Update((), "error", message))
+            while self.waiting:
+                self.waiting.popleft().sink(Update((), "error", message))
+            self.stopped = True
+            self.cond.notify()
+        log.error("stopping: %s", message)
+        if self.on_fatal is not None:
+            self.on_fatal(message)
 
     def submit(self, request: Request) -> None:
         """Queue a request; one that can never fit the context is refused at once."""
@@ -81,6 +108,8 @@ class Engine:
                 f"max_tokens asks for {request.max_tokens} more ({need} in all)"
             )
         with self.cond:
+            if self.stopped:
+                raise EngineStopped("the server is shutting down")
             self.waiting.append(request)
             self.cond.notify()
 
@@ -143,6 +172,9 @@ class Engine:
             drawn = self.runner.execute(plan)
         except Exception as exc:
             log.exception("round failed")
+            if self.on_fatal is not None:  # with several ranks a failed round leaves their states unknown
+                self.fail(f"the round failed: {exc}")
+                return
             with self.cond:
                 for rows in plan.rows:
                     self._finish(by_slot[rows.slot], Update((), "error", f"the round failed: {exc}"))

@@ -1,21 +1,31 @@
-"""`flashnext serve`: load the model, size the context, start the engine and the HTTP server."""
+"""`flashnext serve`: settings, ranks, the model, the engine and the HTTP server (rank 0) or the follower (rank 1)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 
 import torch
 
+from model.parallel import TensorParallel
 from model.state import lane_state_bytes
 from model.weights import load_model
+from rankwire.errors import SettingsMismatch
+from rankwire.link import ControlLink
 from server.app import ServerState, build_app
 from server.engine import Engine
 from server.metrics import EngineMetrics
+from server.ranks import RankEnv, init_group, launch, rank_env
 from server.runner import ModelRunner
+from server.settings import EnvSettings, read_environment
 from server.tokenizer import eos_token_ids, load_tokenizer
+from server.tp import LinkedRunner, follow, watch_peer
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +50,24 @@ def choose_context(requested: int | None, model_max: int, lane_bytes, free: int)
     return context
 
 
-def create_state(args: argparse.Namespace) -> ServerState:
-    """Everything the app needs, from the serve flags."""
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object]:
+    """What both ranks must agree on; the handshake compares these."""
+    config = (args.model / "config.json").read_bytes()
+    return {
+        "model": args.model.name,
+        "config_sha256": hashlib.sha256(config).hexdigest(),
+        "tp": world,
+        "device": args.device,
+        "dtype": args.dtype,
+        "context": args.context or "auto",
+        "max_lanes": args.max_lanes,
+        "prompt_budget": args.prompt_budget,
+    }
+
+
+def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=None) -> ServerState:
+    """Everything rank 0's app needs, from the serve flags (a model and runner may be given)."""
+    model = model or load_model(args.model, device=args.device, dtype=args.dtype)
     cfg = model.cfg
     if args.context is not None and args.context > cfg.max_position_embeddings:
         raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
@@ -56,14 +81,15 @@ def create_state(args: argparse.Namespace) -> ServerState:
     tokenizer = load_tokenizer(args.model)
     name = args.served_model_name or args.model.name
     metrics = EngineMetrics(name)
-    engine = Engine(ModelRunner(model, args.max_lanes), context, args.prompt_budget, metrics)
+    engine = Engine(runner or ModelRunner(model, args.max_lanes), context, args.prompt_budget, metrics, on_fatal)
     log.info(
-        "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round",
+        "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round, tp %d",
         args.model,
         name,
         context,
         args.max_lanes,
         args.prompt_budget,
+        model.tp.world,
     )
     return ServerState(
         engine=engine,
@@ -77,9 +103,79 @@ def create_state(args: argparse.Namespace) -> ServerState:
     )
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> ControlLink:
+    """Open the control link (rank 0 listens, rank 1 connects) and compare settings."""
+    port = env.link_port or ranks.master_port + 1
+    if ranks.rank == 0:
+        listener = ControlLink.listen("0.0.0.0", port)
+        try:
+            link = listener.accept(timeout=env.tp_timeout_s * 10)
+        finally:
+            listener.close()
+    else:
+        link = ControlLink.connect(ranks.master_addr, port, timeout=env.tp_timeout_s * 10)
+    link.handshake(canonical_settings(args, ranks.world))
+    return link
+
+
+def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
+    """Serve at tp 1, start both ranks for `--tp 2`, or be one rank under torchrun."""
+    try:
+        env = read_environment(os.environ)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    if args.api_key is None:
+        args.api_key = env.api_key
+    ranks = rank_env(args.tp)
+    if ranks.world > 1 and "WORLD_SIZE" not in os.environ:
+        return launch(argv, ranks.world)
+    link = None
+    if ranks.world > 1:
+        try:
+            link = connect_ranks(args, ranks, env)
+        except SettingsMismatch as exc:
+            log.error("the ranks disagree: %s", exc)
+            return 1
+    device = init_group(ranks, args.device, env.tp_timeout_s)
+    model = load_model(args.model, device=device, dtype=args.dtype, tp=TensorParallel(ranks.rank, ranks.world))
+    runner = ModelRunner(model, args.max_lanes)
+    if ranks.rank == 1:
+        return follow(link, runner)
+    return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link)
+
+
+def serve_http(args: argparse.Namespace, model, runner, link: ControlLink | None) -> int:
+    """Rank 0: the HTTP server; SIGTERM/SIGINT shut it down cleanly (exit 0), a fatal failure ends every request
+    with an error and exits 1."""
     import uvicorn
 
-    app = build_app(create_state(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # uvicorn re-raises the signal after shutdown; a clean stop should exit 0
+            def shut_down(_signum, _frame) -> None:
+                self.should_exit = True
+
+            previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    exit_code = [0]
+    server: uvicorn.Server | None = None
+
+    def fatal(message: str) -> None:
+        exit_code[0] = 1
+        if server is not None:
+            server.should_exit = True
+        threading.Timer(15, os._exit, (1,)).start()  # a shutdown that hangs still ends the process
+
+    state = create_state(args, model, runner, fatal if link is not None else None)
+    server = Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
+    stop_watch = threading.Event()
+    if link is not None:
+        threading.Thread(target=watch_peer, args=(link, state.engine.fail, stop_watch), daemon=True).start()
+    server.run()
+    stop_watch.set()
+    return exit_code[0]

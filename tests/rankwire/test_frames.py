@@ -69,7 +69,7 @@ def test_eof_is_peer_gone_at_a_frame_boundary_or_inside_one(pair: tuple[socket.s
         recv_frame(a)
     c, d = socket.socketpair()
     d.close()
-    with pytest.raises(PeerGone, match="closed the link while reading the frame prefix$"):
+    with pytest.raises(PeerGone, match=r"closed the link while reading the frame prefix$"):
         recv_frame(c)
     c.close()
 

@@ -17,7 +17,7 @@ import pytest
 
 from rankwire.errors import PeerGone
 from rankwire.frames import recv_frame
-from rankwire.wait import POLLIN, _poll_ms, poll_fd, wait_readable
+from rankwire.wait import POLLIN, PollFn, poll_fd, poll_ms, wait_readable
 
 WINDOW_S = 0.05
 SHORT_S = 50e-6
@@ -27,7 +27,7 @@ MODES = {"hybrid": WINDOW_S, "plain_blocking": 0.0, "never_stops": math.inf}
 class CountingPoll:
     """Wraps a poll function, recording when each call started (relative to `t0`), its timeout and EINTRs."""
 
-    def __init__(self, inner: Callable[[int, float | None, int], int] = poll_fd) -> None:
+    def __init__(self, inner: PollFn = poll_fd) -> None:
         self.inner = inner
         self.t0 = time.monotonic()
         self.calls: list[tuple[float, float | None, int]] = []
@@ -137,7 +137,7 @@ def alarms() -> Iterator[list[int]]:
 
 
 def _wait_under_signals(
-    a: socket.socket, b: socket.socket, window: float, inner: Callable[[int, float | None, int], int]
+    a: socket.socket, b: socket.socket, window: float, inner: PollFn
 ) -> tuple[bool, float, float, CountingPoll]:
     """Wait for data sent after 0.3 s; return (ready, when it returned, when the data was sent, the poll record)."""
     sent_at: list[float] = []
@@ -174,7 +174,7 @@ def test_c_a_signal_does_not_end_a_wait_before_its_deadline(
     assert len(alarms) >= 10 and poll.interrupted >= 1
 
 
-POLLS = {"ppoll": poll_fd, "poll_ms": _poll_ms}
+POLLS = {"ppoll": poll_fd, "poll_ms": poll_ms}
 
 
 @pytest.mark.parametrize("poll", POLLS)

@@ -1,0 +1,114 @@
+"""The ranks: torchrun's environment, the process group, and `--tp 2` starting both ranks itself."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RankEnv:
+    """Where this process sits among the ranks, as torchrun describes it."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+def rank_env(tp: int | None, environ: dict[str, str] | None = None) -> RankEnv:
+    """Read RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; `--tp` must agree with WORLD_SIZE."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env:
+        return RankEnv(world=1) if tp in (None, 1) else RankEnv(world=tp)
+    try:
+        world, rank = int(env["WORLD_SIZE"]), int(env.get("RANK", "0"))
+        local = int(env.get("LOCAL_RANK", str(rank)))
+        port = int(env.get("MASTER_PORT", "29500"))
+    except ValueError as exc:
+        raise SystemExit(f"RANK/LOCAL_RANK/WORLD_SIZE/MASTER_PORT: not integers ({exc})") from exc
+    if tp is not None and tp != world:
+        raise SystemExit(f"--tp: {tp} differs from WORLD_SIZE {world}")
+    if world not in (1, 2) or not 0 <= rank < world:
+        raise SystemExit(f"WORLD_SIZE/RANK: tensor parallel 1 or 2 is supported, got world {world}, rank {rank}")
+    return RankEnv(rank, local, world, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def init_group(env: RankEnv, device: str, timeout_s: float) -> torch.device:
+    """Join the process group (NCCL on CUDA, gloo on CPU); returns this rank's device."""
+    if device == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        where = torch.device("cuda", env.local_rank)
+    else:
+        where = torch.device("cpu")
+    if env.world > 1:
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return where
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], world: int) -> int:
+    """Start `world` rank processes of `python -m server ARGV` with torchrun's variables; stop all when one fails."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(subprocess.Popen([sys.executable, "-m", "server", *argv], env=env))
+
+    def forward(signum: int, _frame) -> None:
+        # rank 0 shuts down gracefully and tells rank 1 to stop over the control link
+        if procs[0].poll() is None:
+            procs[0].send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed and code == 0:
+            code = failed[0].returncode
+            log.error("a rank exited with %d: stopping the others", code)
+            deadline = time.monotonic() + 10
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        time.sleep(0.05)
+    return code or next((p.returncode for p in procs if p.returncode), 0)

@@ -1,0 +1,56 @@
+"""FLASHNEXT_* settings from the environment, validated by name before any device work."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise ValueError(f"{value} is not a TCP port")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{value} is not a positive number of seconds")
+    return value
+
+
+KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
+    "FLASHNEXT_API_KEY": (str, "the API key, as --api-key"),
+    "FLASHNEXT_LINK_PORT": (_port, "the control link's port on rank 0 (default: MASTER_PORT + 1)"),
+    "FLASHNEXT_TP_TIMEOUT_S": (_seconds, "seconds a collective may take before the ranks give up (default 60)"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSettings:
+    """The parsed FLASHNEXT_* settings."""
+
+    api_key: str | None = None
+    link_port: int | None = None
+    tp_timeout_s: float = 60.0
+
+
+def read_environment(environ: Mapping[str, str]) -> EnvSettings:
+    """Parse every FLASHNEXT_* variable; an unknown name or a malformed value is refused by name."""
+    values: dict[str, object] = {}
+    for name, text in environ.items():
+        if not name.startswith("FLASHNEXT_"):
+            continue
+        if name not in KNOWN:
+            raise ValueError(f"{name}: unknown setting; known ones are {', '.join(sorted(KNOWN))}")
+        parse, _ = KNOWN[name]
+        try:
+            values[name] = parse(text)
+        except ValueError as exc:
+            raise ValueError(f"{name}: malformed value {text!r} ({exc})") from exc
+    return EnvSettings(
+        api_key=values.get("FLASHNEXT_API_KEY"),
+        link_port=values.get("FLASHNEXT_LINK_PORT"),
+        tp_timeout_s=values.get("FLASHNEXT_TP_TIMEOUT_S", 60.0),
+    )

@@ -1,0 +1,69 @@
+"""The two-rank glue: rank 0's runner sends each plan over the control link first; rank 1 follows the plans."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+
+from rankwire.errors import LinkError, PeerFailed, PeerGone
+from rankwire.header import RoundKind, RoundPlan
+from rankwire.link import ControlLink
+from server.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class LinkedRunner:
+    """Rank 0's runner: every plan goes to rank 1 before this rank runs it, so both enter the same collectives."""
+
+    def __init__(self, runner: ModelRunner, link: ControlLink) -> None:
+        self.runner, self.link = runner, link
+        self.lock = threading.Lock()
+
+    @property
+    def max_lanes(self) -> int:
+        return self.runner.max_lanes
+
+    def execute(self, plan: RoundPlan) -> list[int | None]:
+        with self.lock:
+            self.link.send_header(plan)
+        return self.runner.execute(plan)
+
+    def close(self) -> None:
+        """Tell rank 1 to stop, if it is still there."""
+        with contextlib.suppress(OSError, LinkError), self.lock:
+            self.link.send_header(RoundPlan(kind=RoundKind.STOP))
+        self.link.close()
+
+
+def watch_peer(link: ControlLink, on_gone: Callable[[str], None], stop: threading.Event, every_s: float = 0.2) -> None:
+    """Rank 0: notice a rank 1 that died or reported a failure between rounds, and say so once."""
+    while not stop.wait(every_s):
+        if link.watch_for_hangup():
+            on_gone("rank 1 hung up or failed")
+            return
+
+
+def follow(link: ControlLink, runner: ModelRunner) -> int:
+    """Rank 1: run every plan rank 0 sends until STOP (exit 0) or rank 0 goes away (exit 1)."""
+    while True:
+        try:
+            plan = link.recv_header()
+        except PeerGone:
+            log.error("rank 0 went away: exiting")
+            return 1
+        except PeerFailed as exc:
+            log.error("rank 0 failed: %s", exc.message)
+            return 1
+        if plan.kind is RoundKind.STOP:
+            log.info("rank 0 asked to stop")
+            return 0
+        try:
+            runner.execute(plan)
+        except Exception as exc:
+            log.exception("round failed on rank 1")
+            with contextlib.suppress(OSError):
+                link.send_error(f"rank 1: {exc}")
+            return 1

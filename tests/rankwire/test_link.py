@@ -1,0 +1,211 @@
+"""The control link: connect and accept, the settings handshake, headers, and every way a peer can fail or leave."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from rankwire.errors import FrameError, PeerFailed, PeerGone, SettingsMismatch
+from rankwire.frames import Tag, send_frame
+from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
+from rankwire.link import ControlLink
+
+SETTINGS = {"model": "flash-next", "context": 4096, "lanes": 8, "shapes": {"hidden": 2048, "layers": 48}}
+PLAN = RoundPlan(
+    allocate=(1,),
+    rows=(LaneRows(1, (5, 6, 7), 0, DrawSpec(0.8, 40, 0.9, 0.0, 42), drafts=(8,)),),
+    ops=(LaneOp(LaneOpCode.RESTORE, 1, 3),),
+)
+
+
+@pytest.fixture
+def links() -> Iterator[tuple[ControlLink, ControlLink]]:
+    a, b = socket.socketpair()
+    rank0, rank1 = ControlLink(a, rank=0), ControlLink(b, rank=1)
+    yield rank0, rank1
+    rank0.close()
+    rank1.close()
+
+
+def both(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
+    """Run two calls at once; return each one's result or the exception it raised."""
+    results: list[Any] = [None, None]
+
+    def run(index: int, call: Callable[[], Any]) -> None:
+        try:
+            results[index] = call()
+        except Exception as exc:
+            results[index] = exc
+
+    thread = threading.Thread(target=run, args=(1, second))
+    thread.start()
+    run(0, first)
+    thread.join(timeout=10)
+    return results[0], results[1]
+
+
+def test_the_handshake_passes_on_equal_settings(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    reordered = dict(reversed(SETTINGS.items()))
+    assert both(lambda: rank0.handshake(SETTINGS), lambda: rank1.handshake(reordered)) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("rank1_settings", "message"),
+    [
+        ({**SETTINGS, "context": 2048}, "setting 'context' differs: rank 0 has 4096, rank 1 has 2048"),
+        ({**SETTINGS, "shapes": {"hidden": 2048, "layers": 40}}, "setting 'shapes.layers' differs: rank 0 has 48"),
+        ({**SETTINGS, "drafts": 3}, "setting 'drafts' differs: rank 0 has (unset), rank 1 has 3"),
+        ({**SETTINGS, "model": "other"}, 'setting \'model\' differs: rank 0 has "flash-next", rank 1 has "other"'),
+        ({**SETTINGS, "context": 4096.0}, "setting 'context' differs: rank 0 has 4096, rank 1 has 4096.0"),
+    ],
+)
+def test_a_mismatch_stops_both_ranks_naming_the_setting(
+    links: tuple[ControlLink, ControlLink], rank1_settings: dict[str, Any], message: str
+) -> None:
+    rank0, rank1 = links
+    errors = both(lambda: rank0.handshake(SETTINGS), lambda: rank1.handshake(rank1_settings))
+    for error in errors:
+        assert isinstance(error, SettingsMismatch)
+        assert str(error).startswith(message)
+    assert str(errors[0]) == str(errors[1])
+
+
+def test_headers_cross_in_order(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    plans = [PLAN, RoundPlan(free=(1,)), RoundPlan(kind=RoundKind.STOP)]
+    for plan in plans:
+        rank0.send_header(plan)
+    assert [rank1.recv_header(time.monotonic() + 5) for _ in plans] == plans
+
+
+def test_a_peer_that_closes_is_peer_gone(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    rank0.sock.close()
+    with pytest.raises(PeerGone, match="closed the link"):
+        rank1.recv_header(time.monotonic() + 5)
+
+
+def test_a_bye_is_peer_gone(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    rank0.close()
+    with pytest.raises(PeerGone, match="rank 0 closed the link"):
+        rank1.recv_header()
+
+
+def test_an_error_frame_is_peer_failed_with_its_message(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    rank0.send_error("round 12 failed: CUDA out of memory — 2 GiB short")
+    with pytest.raises(PeerFailed) as caught:
+        rank1.recv_header(time.monotonic() + 5)
+    assert caught.value.message == "round 12 failed: CUDA out of memory — 2 GiB short"
+
+
+def test_an_error_frame_during_the_handshake_is_peer_failed(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    rank1.send_error("could not load the checkpoint")
+    with pytest.raises(PeerFailed, match="could not load the checkpoint"):
+        rank0.handshake(SETTINGS, timeout=5)
+
+
+def test_a_frame_out_of_place_is_refused(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    send_frame(rank0.sock, Tag.HELLO, b"")
+    with pytest.raises(FrameError, match="expected a round header from rank 0, got HELLO"):
+        rank1.recv_header(time.monotonic() + 5)
+
+
+def test_the_deadline_is_a_timeout(links: tuple[ControlLink, ControlLink]) -> None:
+    _, rank1 = links
+    deadline = time.monotonic() + 0.2
+    with pytest.raises(TimeoutError, match="no round header from rank 0 by the deadline"):
+        rank1.recv_header(deadline)
+    assert deadline <= time.monotonic() < deadline + 0.5
+
+
+def test_a_handshake_with_a_silent_peer_times_out(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, _ = links
+    with pytest.raises(TimeoutError, match="no HELLO from rank 1"):
+        rank0.handshake(SETTINGS, timeout=0.2)
+
+
+def test_watch_for_hangup_sees_a_hangup_without_taking_a_frame(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    assert not rank0.watch_for_hangup()
+    rank1.send_error("rank 1 failed")
+    assert not rank0.watch_for_hangup()  # a pending frame is not a hang-up
+    rank1.sock.close()
+    assert rank0.watch_for_hangup()
+    with pytest.raises(PeerFailed, match="rank 1 failed"):  # the frame is still there
+        rank0.recv_header(time.monotonic() + 5)
+
+
+def test_tcp_connect_retries_until_rank_0_listens() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    connected: list[ControlLink] = []
+    connector = threading.Thread(target=lambda: connected.append(ControlLink.connect("127.0.0.1", port, timeout=5)))
+    connector.start()
+    time.sleep(0.5)  # rank 1 is already retrying
+    listener = ControlLink.listen("127.0.0.1", port)
+    rank0 = listener.accept(timeout=5)
+    connector.join(timeout=5)
+    rank1 = connected[0]
+    for link in (rank0, rank1):
+        assert link.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    assert (rank0.rank, rank1.rank) == (0, 1)
+    assert both(lambda: rank0.handshake(SETTINGS), lambda: rank1.handshake(SETTINGS)) == (None, None)
+    rank0.send_header(PLAN)
+    assert rank1.recv_header(time.monotonic() + 5) == PLAN
+    rank0.close()
+    rank1.close()
+
+
+def test_tcp_connect_and_accept_time_out() -> None:
+    listener = ControlLink.listen("127.0.0.1", 0)
+    with pytest.raises(TimeoutError, match=f"rank 1 did not connect to port {listener.port} within 0.2 s"):
+        listener.accept(timeout=0.2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"rank 0 at 127.0.0.1:{port} did not accept within 0.5 s"):
+        ControlLink.connect("127.0.0.1", port, timeout=0.5)
+    assert 0.5 <= time.monotonic() - started < 1.5
+
+
+def _rank1_child(port: int) -> None:
+    """A rank 1 process that connects, passes the handshake and then hangs until it is killed."""
+    link = ControlLink.connect("127.0.0.1", port, timeout=10)
+    link.handshake(SETTINGS, timeout=10)
+    time.sleep(60)
+
+
+def test_a_killed_peer_process_is_noticed() -> None:
+    listener = ControlLink.listen("127.0.0.1", 0)
+    child = multiprocessing.get_context("spawn").Process(target=_rank1_child, args=(listener.port,), daemon=True)
+    child.start()
+    try:
+        rank0 = listener.accept(timeout=20)
+        rank0.handshake(SETTINGS, timeout=20)
+        assert not rank0.watch_for_hangup()
+        child.kill()
+        child.join(timeout=10)
+        deadline = time.monotonic() + 5
+        while not rank0.watch_for_hangup():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(PeerGone):
+            rank0.recv_header(time.monotonic() + 5)
+        rank0.close()
+    finally:
+        child.kill()
+        child.join(timeout=10)

@@ -1,0 +1,185 @@
+"""The server at --tp 2 on CPU (gloo): launch paths, exact output, and what happens when a rank fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.server.live import free_port, oracle, tiny_chat_checkpoint
+from tests.tiny import ties_to_lower_index
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [7, 19, 40, 33, 2, 91, 12, 44, 8, 13, 21, 60]
+QUIET = {"TQDM_DISABLE": "1"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return tiny_chat_checkpoint(tmp_path_factory.mktemp("tp") / "tiny-chat")
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for proc in procs:
+            assert proc.poll() is None, f"a process exited with {proc.returncode}: {proc.stderr.read()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not come up")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def start_rank(rank: int, master_port: int, http_port: int, ckpt: Path, *flags: str) -> subprocess.Popen:
+    """One rank as torchrun would start it."""
+    env = {
+        **os.environ,
+        **QUIET,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    }
+    argv = [sys.executable, "-m", "server", str(ckpt), "--host", "127.0.0.1", "--port", str(http_port), *flags]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def greedy_ids(url: str, tokens: int = 16) -> list[int]:
+    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+
+
+def expected_greedy(ckpt: Path, tokens: int = 16) -> list[int]:
+    hf = oracle(ckpt)
+    with torch.no_grad(), ties_to_lower_index():
+        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def test_serve_tp2_reproduces_transformers_greedy(ckpt):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", str(ckpt), "--tp", "2", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        env={**os.environ, **QUIET},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        assert greedy_ids(f"http://127.0.0.1:{port}") == expected_greedy(ckpt)
+    finally:
+        stop([proc])
+    assert proc.returncode == 0  # SIGTERM shuts both ranks down cleanly
+
+
+def test_torchrun_launch_serves_the_same_tokens(ckpt):
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "server",
+        str(ckpt),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env={**os.environ, **QUIET}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        assert greedy_ids(f"http://127.0.0.1:{port}") == expected_greedy(ckpt)
+    finally:
+        stop([proc])
+
+
+def test_killing_rank_1_ends_the_request_with_an_error_and_rank_0_exits(ckpt):
+    master, port = free_port(), free_port()
+    ranks = [start_rank(r, master, port, ckpt) for r in (0, 1)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, ranks)
+        body = {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert any('"text"' in next(lines) for _ in range(6))
+            ranks[1].send_signal(signal.SIGKILL)
+            rest = list(lines)
+        assert any('"error"' in line for line in rest)
+        assert rest[-1] == "data: [DONE]" or rest[-2] == "data: [DONE]"
+        ranks[0].wait(timeout=20)
+        assert ranks[0].returncode != 0
+    finally:
+        stop(ranks)
+
+
+def test_killing_rank_0_makes_rank_1_exit(ckpt):
+    master, port = free_port(), free_port()
+    ranks = [start_rank(r, master, port, ckpt) for r in (0, 1)]
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", ranks)
+        ranks[0].send_signal(signal.SIGKILL)
+        ranks[1].wait(timeout=20)
+        assert ranks[1].returncode == 1
+    finally:
+        stop(ranks)
+
+
+def test_a_settings_mismatch_stops_both_ranks_naming_the_setting(ckpt):
+    master, port = free_port(), free_port()
+    ranks = [start_rank(0, master, port, ckpt, "--context", "2048"), start_rank(1, master, port, ckpt)]
+    try:
+        for proc in ranks:
+            proc.wait(timeout=60)
+            assert proc.returncode == 1
+            assert "'context' differs" in proc.stderr.read()
+    finally:
+        stop(ranks)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("FLASHNEXT_TP_TIMEOUT_S", "soon"), ("FLASHNEXT_LINK_PORT", "99999"), ("FLASHNEXT_TYPO", "1")]
+)
+def test_flashnext_settings_are_refused_by_name_before_any_device_work(ckpt, name, value):
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", str(ckpt), "--tp", "2"],
+        cwd=ROOT,
+        env={**os.environ, name: value},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert name in proc.stderr
+    assert "loading weights" not in proc.stderr
