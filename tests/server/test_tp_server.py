@@ -183,3 +183,15 @@ def test_flashnext_settings_are_refused_by_name_before_any_device_work(ckpt, nam
     assert proc.returncode != 0
     assert name in proc.stderr
     assert "loading weights" not in proc.stderr
+
+
+def test_rank_0_exits_when_an_idle_rank_1_dies(ckpt):
+    master, port = free_port(), free_port()
+    ranks = [start_rank(r, master, port, ckpt) for r in (0, 1)]
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", ranks)
+        ranks[1].send_signal(signal.SIGKILL)
+        ranks[0].wait(timeout=20)  # the link watcher notices between rounds, with no request to fail
+        assert ranks[0].returncode == 1
+    finally:
+        stop(ranks)
