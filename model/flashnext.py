@@ -12,15 +12,17 @@ from model.hyper import GatedResidual, linear
 from model.layers import DecoderLayer, ForwardBatch, Segment
 from model.mtp import MTPLayer
 from model.parallel import ShardPlan, TensorParallel
-from model.state import LaneState
+from model.state import LaneSnapshot, LaneState, snapshot
 
 
 @dataclass(slots=True)
 class ForwardOutput:
-    """Logits of the requested rows and every row's pre-mixer wide state (the MTP layer's input)."""
+    """Logits of the requested rows, every row's pre-mixer wide state (the MTP layer's input), and for the
+    segments asked for, the lane's snapshot after each of its rows (to keep a prefix of a verify window)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    snapshots: dict[int, list[LaneSnapshot]]
 
 
 class FlashNextModel(nn.Module):
@@ -74,10 +76,16 @@ class FlashNextModel(nn.Module):
         return self.tp.gather(self.lm_head(mixed), dim=-1)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None) -> ForwardOutput:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        logit_rows: torch.Tensor | None = None,
+        snapshot_segments: frozenset[int] = frozenset(),
+    ) -> ForwardOutput:
         """Fold every segment's rows into its lane; logits for `logit_rows` (all rows if None)."""
         hidden = torch.empty(batch.token_ids.shape[0], self.cfg.wide_size, dtype=self.dtype, device=self.device)
-        for seg in batch.segments:
+        snapshots: dict[int, list[LaneSnapshot]] = {i: [] for i in snapshot_segments}
+        for index, seg in enumerate(batch.segments):
             lane = seg.lane
             first = int(batch.positions[seg.start])
             if first != lane.length:
@@ -90,8 +98,10 @@ class FlashNextModel(nn.Module):
                 hidden[r] = wide[0]
                 lane.ngram_history = torch.cat((lane.ngram_history[1:], row.token_ids))
                 lane.length += 1
+                if index in snapshots:
+                    snapshots[index].append(snapshot(lane))
         rows = hidden if logit_rows is None else hidden[logit_rows]
-        return ForwardOutput(logits=self.logits(rows), hidden=hidden)
+        return ForwardOutput(logits=self.logits(rows), hidden=hidden, snapshots=snapshots)
 
     @torch.no_grad()
     def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

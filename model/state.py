@@ -63,6 +63,44 @@ class LaneState:
     mtp_attention: AttentionCache | None = None
     length: int = 0
     mtp_length: int = 0
+    mtp_pending: torch.Tensor | None = None  # the last folded row's wide state, until its next token is known
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSnapshot:
+    """The part of a lane's state that cannot be cut back by position: recurrent and conv states, the n-gram
+    history, and the token count (QSA caches are truncated to it on restore)."""
+
+    gdn_conv: dict[int, torch.Tensor]
+    gdn_recurrent: dict[int, torch.Tensor]
+    ple_conv: dict[int, torch.Tensor]
+    ngram_history: torch.Tensor
+    length: int
+
+
+def snapshot(lane: LaneState) -> LaneSnapshot:
+    """Copy what a restore needs (the states are replaced, never written in place, so references would do;
+    copies keep that an implementation detail of the forward)."""
+    return LaneSnapshot(
+        gdn_conv=dict(lane.gdn_conv),
+        gdn_recurrent=dict(lane.gdn_recurrent),
+        ple_conv=dict(lane.ple_conv),
+        ngram_history=lane.ngram_history,
+        length=lane.length,
+    )
+
+
+def restore(lane: LaneState, snap: LaneSnapshot) -> None:
+    """Put a lane back to a snapshot: rows folded after it leave no trace."""
+    lane.gdn_conv, lane.gdn_recurrent, lane.ple_conv = (
+        dict(snap.gdn_conv),
+        dict(snap.gdn_recurrent),
+        dict(snap.ple_conv),
+    )
+    lane.ngram_history = snap.ngram_history
+    lane.length = snap.length
+    for cache in lane.attention.values():
+        cache.length = min(cache.length, snap.length)
 
 
 def lane_state_bytes(cfg, context: int, dtype_bytes: int) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 1
+VERSION = 2
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -44,6 +44,7 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("I", [len(row.token_ids) for row in rows], "token counts"),
             _pack("I", [len(row.drafts) for row in rows], "draft counts"),
             _pack("B", [row.draw is not None for row in rows], "draw flags"),
+            _pack("B", [row.draft_depth for row in rows], "draft depths"),
             _pack("i", chain.from_iterable(row.token_ids for row in rows), "token ids"),
             _pack("i", chain.from_iterable(row.drafts for row in rows), "draft ids"),
             _pack("d", [draw.temperature for draw in draws], "temperatures"),
@@ -112,6 +113,7 @@ class _Reader:
         flags = self.take("B", n_rows, "draw flags")
         if max(flags, default=0) > 1:
             raise HeaderError(f"draw flag {max(flags)} is neither 0 nor 1")
+        depths = self.take("B", n_rows, "draft depths")
         token_ids = self.take("i", sum(token_counts), "token ids")
         draft_ids = self.take("i", sum(draft_counts), "draft ids")
         draws = self._draws(sum(flags))
@@ -122,7 +124,7 @@ class _Reader:
             kind=RoundKind(kind),
             allocate=allocate,
             free=free,
-            rows=_rows(slots, starts, token_counts, draft_counts, flags, token_ids, draft_ids, draws),
+            rows=_rows(slots, starts, token_counts, draft_counts, flags, depths, token_ids, draft_ids, draws),
             ops=ops,
         )
 
@@ -153,6 +155,7 @@ def _rows(
     token_counts: tuple[int, ...],
     draft_counts: tuple[int, ...],
     flags: tuple[int, ...],
+    depths: tuple[int, ...],
     token_ids: tuple[int, ...],
     draft_ids: tuple[int, ...],
     draws: list[DrawSpec],
@@ -169,6 +172,7 @@ def _rows(
             starts,
             [next(next_draw) if flag else None for flag in flags],
             [draft_ids[a:b] for a, b in draft_bounds],
+            depths,
         )
     )
 

@@ -33,13 +33,15 @@ class DrawSpec:
 
 @dataclass(frozen=True, slots=True)
 class LaneRows:
-    """A lane's rows this round: tokens from absolute position `start`, then its drafts; draw if `draw` is set."""
+    """A lane's rows this round: tokens from absolute position `start`, then the drafts to verify; draw after them
+    if `draw` is set, and chain `draft_depth` new MTP drafts for the next round."""
 
     slot: int
     token_ids: tuple[int, ...]
     start: int
     draw: DrawSpec | None
     drafts: tuple[int, ...] = ()
+    draft_depth: int = 0
 
 
 @dataclass(frozen=True, slots=True)

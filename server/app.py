@@ -268,13 +268,18 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         running, waiting = state.engine.counts()
+        engine = state.engine
         return {
             "status": "ok",
             "model": state.model_name,
             "requests_running": running,
             "requests_waiting": waiting,
-            "lanes": state.engine.max_lanes,
+            "lanes": engine.max_lanes,
             "context": state.context,
+            "draft_depth": engine.draft_depth,
+            "draft_tokens": engine.drafted,
+            "accepted_draft_tokens": engine.accepted,
+            "draft_acceptance": engine.accepted / engine.drafted if engine.drafted else None,
         }
 
     @app.get("/metrics")

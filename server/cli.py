@@ -83,6 +83,21 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (default: $FLASHNEXT_API_KEY, else none)",
     )
     parser.add_argument(
+        "--drafts",
+        type=int,
+        choices=range(0, 16),
+        metavar="{0..15}",
+        default=3,
+        help="draft tokens verified per round and lane; 0 turns drafting off (default 3)",
+    )
+    parser.add_argument(
+        "--drafter",
+        choices=("copy", "mtp"),
+        default="copy",
+        help="copy: the continuation of repeated text when there is one, else the MTP chain; mtp: the MTP chain "
+        "only (default copy)",
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         choices=(1, 2),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from server.drafters import Drafter, MtpDrafter
 from server.metrics import EngineMetrics
 from server.runner import ModelRunner
 
@@ -43,10 +44,12 @@ class Request:
     draw: DrawSpec
     stop_ids: frozenset[int]
     sink: Callable[[Update], None]
+    draft: bool = True
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
+    drafts: tuple[int, ...] = ()
     last_token_time: float = 0.0
 
 
@@ -60,11 +63,17 @@ class Engine:
         prompt_budget: int,
         metrics: EngineMetrics | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        draft_depth: int = 0,
+        drafter: Drafter | None = None,
     ) -> None:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
         self.metrics = metrics
         self.on_fatal = on_fatal
         self.max_lanes = runner.max_lanes
+        self.draft_depth = draft_depth
+        self.mtp_depth = draft_depth if runner.can_draft else 0
+        self.drafter = drafter or MtpDrafter()
+        self.drafted = self.accepted = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.aborted: set[str] = set()
@@ -153,23 +162,27 @@ class Engine:
         rows, budget = [], self.prompt_budget
         for request in self.running:
             prompt = request.prompt_ids
+            depth = self.mtp_depth if request.draft else 0
             if request.prefilled == len(prompt):
                 start = len(prompt) + len(request.output) - 1
-                rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw))
+                room = min(request.max_tokens - len(request.output), self.context - start) - 1
+                drafts = request.drafts[: max(room, 0)]
+                rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
             elif budget > 0:
                 take = min(budget, len(prompt) - request.prefilled)
                 chunk = tuple(prompt[request.prefilled : request.prefilled + take])
                 done = request.prefilled + take == len(prompt)
-                rows.append(LaneRows(request.slot, chunk, request.prefilled, request.draw if done else None))
+                draw = request.draw if done else None
+                rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth))
                 budget -= take
         free, self.to_free = tuple(self.to_free), []
         return RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows))
 
     def _run(self, plan: RoundPlan) -> None:
-        """Execute a plan and hand each lane's drawn token to its request."""
+        """Execute a plan and hand each lane's kept tokens to its request."""
         by_slot = {r.slot: r for r in self.running}
         try:
-            drawn = self.runner.execute(plan)
+            results = self.runner.execute(plan)
         except Exception as exc:
             log.exception("round failed")
             if self.on_fatal is not None:  # with several ranks a failed round leaves their states unknown
@@ -181,23 +194,41 @@ class Engine:
             return
         now = time.monotonic()
         with self.cond:
-            for rows, token in zip(plan.rows, drawn, strict=True):
+            for rows, result in zip(plan.rows, results, strict=True):
                 request = by_slot[rows.slot]
                 if request not in self.running:
                     continue
-                if rows.draw is None or token is None:
+                if not result.tokens:
                     request.prefilled += len(rows.token_ids)
                     continue
-                if request.prefilled < len(request.prompt_ids):
-                    request.prefilled = len(request.prompt_ids)
-                self._record_token(request, now)
-                request.output.append(token)
-                if token in request.stop_ids:
-                    self._finish(request, Update((token,), "stop"))
-                elif len(request.output) >= request.max_tokens:
-                    self._finish(request, Update((token,), "length"))
-                else:
-                    request.sink(Update((token,)))
+                request.prefilled = len(request.prompt_ids)
+                self._count_drafts(len(rows.drafts), result.accepted)
+                self._keep(request, result.tokens, result.drafts, now)
+
+    def _keep(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...], now: float) -> None:
+        """Append a round's tokens, stopping at a stop token or max_tokens; plan the lane's next drafts."""
+        taken: list[int] = []
+        for token in tokens:
+            self._record_token(request, now)
+            request.output.append(token)
+            taken.append(token)
+            if token in request.stop_ids:
+                self._finish(request, Update(tuple(taken), "stop"))
+                return
+            if len(request.output) >= request.max_tokens:
+                self._finish(request, Update(tuple(taken), "length"))
+                return
+        if request.draft and self.draft_depth:
+            history = [*request.prompt_ids, *request.output]
+            request.drafts = self.drafter.propose(history, self.draft_depth, mtp)
+        request.sink(Update(tuple(taken)))
+
+    def _count_drafts(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.metrics is not None and drafted:
+            self.metrics.draft_tokens.inc(drafted)
+            self.metrics.accepted_tokens.inc(accepted)
 
     def _record_token(self, request: Request, now: float) -> None:
         if self.metrics is None:

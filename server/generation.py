@@ -64,6 +64,7 @@ class Generation:
             draw,
             stop_ids,
             sink=lambda update: loop.call_soon_threadsafe(self.queue.put_nowait, update),
+            draft=params.draft,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None

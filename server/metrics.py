@@ -31,6 +31,12 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.draft_tokens = Counter(
+            "flashnext:spec_decode_num_draft_tokens", "Draft tokens verified", registry=self.registry
+        )
+        self.accepted_tokens = Counter(
+            "flashnext:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=self.registry
+        )
         self.finished = Counter(
             "flashnext:request_success", "Requests ended, by reason", ["finished_reason"], registry=self.registry
         )

@@ -1,13 +1,15 @@
-"""The model runner: owns the weights and the lane slots, executes round plans, draws the tokens."""
+"""The model runner: owns the weights and the lane slots, executes round plans: verify, keep, draft."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from model.flashnext import FlashNextModel
 from model.layers import ForwardBatch, Segment
-from model.state import LaneState
-from rankwire.header import RoundPlan
+from model.state import LaneState, restore
+from rankwire.header import LaneRows, RoundPlan
 from server.sampling import sample_token
 
 
@@ -15,8 +17,31 @@ class RoundRefused(RuntimeError):
     """A rank found a round plan it cannot run; every rank refuses it before any collective."""
 
 
+@dataclass(frozen=True, slots=True)
+class LaneResult:
+    """What a lane's rows gave: the tokens kept (each the target's own draw) and MTP drafts for the next round."""
+
+    tokens: tuple[int, ...] = ()
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def accepted(self) -> int:
+        """Drafts kept: every token after the first."""
+        return max(len(self.tokens) - 1, 0)
+
+
+@dataclass(slots=True)
+class _MtpRows:
+    """One lane's rows for the MTP layer: (hidden [n, wide], next tokens, first position)."""
+
+    slot: int
+    hidden: torch.Tensor
+    tokens: list[int]
+    start: int
+
+
 class ModelRunner:
-    """Executes a RoundPlan on this rank's model; every rank given the same plan draws the same tokens."""
+    """Executes a RoundPlan on this rank's model; every rank given the same plan draws the same tokens and drafts."""
 
     def __init__(self, model: FlashNextModel, max_lanes: int) -> None:
         self.model = model
@@ -26,6 +51,10 @@ class ModelRunner:
     def max_lanes(self) -> int:
         return len(self.slots)
 
+    @property
+    def can_draft(self) -> bool:
+        return self.model.mtp is not None
+
     def _problem(self, plan: RoundPlan) -> str | None:
         """Why this rank cannot run the plan (after its lane operations), or None."""
         for rows in plan.rows:
@@ -33,6 +62,8 @@ class ModelRunner:
                 return f"round plan uses lane slot {rows.slot}, which is not allocated"
             if rows.start != self.slots[rows.slot].length:
                 return f"lane {rows.slot} holds {self.slots[rows.slot].length} tokens, the plan writes at {rows.start}"
+            if rows.draft_depth and not self.can_draft:
+                return "the plan asks for MTP drafts but this checkpoint has no MTP layer"
         return None
 
     def _agree(self, problem: str | None) -> None:
@@ -46,8 +77,9 @@ class ModelRunner:
         if problem or int(flags.sum()):
             raise RoundRefused(problem or f"rank {int(flags.argmax())} refused the round")
 
-    def execute(self, plan: RoundPlan) -> list[int | None]:
-        """Apply the lane operations, run the rows, and return one drawn token per LaneRows (None where no draw)."""
+    def execute(self, plan: RoundPlan) -> list[LaneResult]:
+        """Apply the lane operations; run every lane's rows and drafts as one verify forward; keep each lane's
+        accepted prefix; then absorb the kept rows into the MTP layer and chain new drafts."""
         for slot in plan.free:
             self.slots[slot] = None
         for slot in plan.allocate:
@@ -56,28 +88,106 @@ class ModelRunner:
         if not plan.rows:
             return []
         device = self.model.device
-        tokens, positions, segments, logit_rows = [], [], [], []
-        for rows in plan.rows:
-            lane = self.slots[rows.slot]
-            segments.append(Segment(lane, len(tokens), len(rows.token_ids)))
-            tokens.extend(rows.token_ids)
-            positions.extend(range(rows.start, rows.start + len(rows.token_ids)))
+        tokens, positions, segments, logit_rows, windows = [], [], [], [], set()
+        for index, rows in enumerate(plan.rows):
+            window = (*rows.token_ids, *rows.drafts)
+            segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
+            tokens.extend(window)
+            positions.extend(range(rows.start, rows.start + len(window)))
             if rows.draw is not None:
-                logit_rows.append(len(tokens) - 1)
-        batch = ForwardBatch(
-            token_ids=torch.tensor(tokens, device=device),
-            positions=torch.tensor(positions, device=device),
-            segments=segments,
+                logit_rows.extend(range(len(tokens) - len(rows.drafts) - 1, len(tokens)))
+            if rows.drafts:
+                windows.add(index)
+        out = self.model(
+            ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments),
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+            snapshot_segments=frozenset(windows),
         )
-        logits = self.model(batch, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device)).logits
-        drawn: list[int | None] = []
-        next_logit = 0
-        for rows in plan.rows:
-            if rows.draw is None:
-                drawn.append(None)
-                continue
-            spec, position = rows.draw, rows.start + len(rows.token_ids)
-            row = logits[next_logit]
-            next_logit += 1
-            drawn.append(sample_token(row, spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.seed, position))
-        return drawn
+        results, mtp_rows, next_logit = [], [], 0
+        for index, (rows, seg) in enumerate(zip(plan.rows, segments, strict=True)):
+            kept = self._verify(rows, out.logits[next_logit : next_logit + len(rows.drafts) + 1])
+            if rows.draw is not None:
+                next_logit += len(rows.drafts) + 1
+            if rows.drafts and len(kept) - 1 < len(rows.drafts):
+                restore(seg.lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2])
+            folded = len(rows.token_ids) + max(len(kept) - 1, 0)
+            if rows.draft_depth:
+                mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
+            results.append(LaneResult(tokens=tuple(kept)))
+        if mtp_rows:
+            drafts = self._draft(plan.rows, mtp_rows)
+            results = [
+                LaneResult(r.tokens, drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)
+            ]
+        return results
+
+    def _verify(self, rows: LaneRows, logits: torch.Tensor) -> list[int]:
+        """The target's draws after the window, each keyed by its absolute position, up to the first draft that
+        differs from the draw at its position (that draw is kept instead)."""
+        if rows.draw is None:
+            return []
+        spec, kept = rows.draw, []
+        first = rows.start + len(rows.token_ids)
+        for i in range(len(rows.drafts) + 1):
+            token = sample_token(logits[i], spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.seed, first + i)
+            kept.append(token)
+            if i == len(rows.drafts) or rows.drafts[i] != token:
+                break
+        return kept
+
+    def _mtp_rows(self, rows: LaneRows, lane: LaneState, hidden: torch.Tensor, kept: list[int]) -> _MtpRows:
+        """The MTP layer's rows for what this lane folded: each row pairs a position's wide state with the next
+        token; a row whose next token is not known yet waits in the lane (mid-prompt chunks)."""
+        folded = [*rows.token_ids, *kept[:-1]] if kept else list(rows.token_ids)
+        start = rows.start
+        if lane.mtp_pending is not None:
+            hidden = torch.cat((lane.mtp_pending[None], hidden))
+            start -= 1
+        next_tokens = folded[1:] + kept[-1:] if lane.mtp_pending is None else folded + kept[-1:]
+        lane.mtp_pending = None
+        if not kept:
+            lane.mtp_pending = hidden[-1].clone()
+            hidden = hidden[:-1]
+        return _MtpRows(rows.slot, hidden, next_tokens, start)
+
+    def _draft(self, plan_rows: tuple[LaneRows, ...], mtp_rows: list[_MtpRows]) -> dict[int, tuple[int, ...]]:
+        """Absorb every lane's rows into the MTP layer, then chain greedy drafts to each lane's depth."""
+        device = self.model.device
+        depth = {rows.slot: rows.draft_depth if rows.draw is not None else 0 for rows in plan_rows}
+        live = [m for m in mtp_rows if m.tokens]
+        if not live:
+            return {}
+        tokens, positions, segments, hidden = [], [], [], []
+        for m in live:
+            segments.append(Segment(self.slots[m.slot], len(tokens), len(m.tokens)))
+            tokens.extend(m.tokens)
+            positions.extend(range(m.start, m.start + len(m.tokens)))
+            hidden.append(m.hidden)
+        batch = ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)
+        logits, wide = self.model.mtp_forward(batch, torch.cat(hidden))
+        drafts: dict[int, list[int]] = {}
+        state = {}
+        for m, seg in zip(live, segments, strict=True):
+            if depth[m.slot]:
+                last = seg.start + seg.length - 1
+                drafts[m.slot] = [_argmax(logits[last])]
+                state[m.slot] = (wide[last], positions[last])
+        for step in range(1, max(depth.values(), default=0)):
+            chained = [s for s in drafts if depth[s] > step]
+            if not chained:
+                break
+            batch = ForwardBatch(
+                torch.tensor([drafts[s][-1] for s in chained], device=device),
+                torch.tensor([state[s][1] + 1 for s in chained], device=device),
+                [Segment(self.slots[s], i, 1) for i, s in enumerate(chained)],
+            )
+            logits, wide = self.model.mtp_forward(batch, torch.stack([state[s][0] for s in chained]))
+            for i, s in enumerate(chained):
+                drafts[s].append(_argmax(logits[i]))
+                state[s] = (wide[i], state[s][1] + 1)
+        return {s: tuple(d) for s, d in drafts.items()}
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The most likely token, ties to the lower id."""
+    return int(torch.nonzero(logits == logits.max())[0, 0])

@@ -19,6 +19,7 @@ from model.weights import load_model
 from rankwire.errors import SettingsMismatch
 from rankwire.link import ControlLink
 from server.app import ServerState, build_app
+from server.drafters import DRAFTERS
 from server.engine import Engine
 from server.metrics import EngineMetrics
 from server.ranks import RankEnv, init_group, launch, rank_env
@@ -62,6 +63,7 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
         "context": args.context or "auto",
         "max_lanes": args.max_lanes,
         "prompt_budget": args.prompt_budget,
+        "drafts": args.drafts,
     }
 
 
@@ -81,7 +83,10 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
     tokenizer = load_tokenizer(args.model)
     name = args.served_model_name or args.model.name
     metrics = EngineMetrics(name)
-    engine = Engine(runner or ModelRunner(model, args.max_lanes), context, args.prompt_budget, metrics, on_fatal)
+    runner = runner or ModelRunner(model, args.max_lanes)
+    if args.drafts and not runner.can_draft:
+        log.warning("%s has no MTP layer: only copy drafts are proposed", args.model)
+    engine = Engine(runner, context, args.prompt_budget, metrics, on_fatal, args.drafts, DRAFTERS[args.drafter]())
     log.info(
         "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round, tp %d",
         args.model,

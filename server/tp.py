@@ -10,7 +10,7 @@ from collections.abc import Callable
 from rankwire.errors import LinkError, PeerFailed, PeerGone
 from rankwire.header import RoundKind, RoundPlan
 from rankwire.link import ControlLink
-from server.runner import ModelRunner
+from server.runner import LaneResult, ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,11 @@ class LinkedRunner:
     def max_lanes(self) -> int:
         return self.runner.max_lanes
 
-    def execute(self, plan: RoundPlan) -> list[int | None]:
+    @property
+    def can_draft(self) -> bool:
+        return self.runner.can_draft
+
+    def execute(self, plan: RoundPlan) -> list[LaneResult]:
         with self.lock:
             self.link.send_header(plan)
         return self.runner.execute(plan)

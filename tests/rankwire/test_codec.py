@@ -17,7 +17,7 @@ PREFIX = struct.Struct("<4sHII")
 COUNTS = struct.Struct("<BIIII")
 
 
-def seal(body: bytes, magic: bytes = b"FNRH", version: int = 1) -> bytes:
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 2) -> bytes:
     """A header around `body` with a correct length and checksum, written from the documented layout."""
     return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
 
@@ -44,6 +44,7 @@ def random_plan(rng: random.Random) -> RoundPlan:
             start=rng.choice([0, 2**63 - 1, rng.randrange(1 << 20)]),
             draw=random_draw(rng) if rng.random() < 0.7 else None,
             drafts=random_ids(rng, 4),
+            draft_depth=rng.randrange(16),
         )
         for _ in range(rng.randrange(9))
     )
@@ -65,7 +66,7 @@ SAMPLE = RoundPlan(
     free=(1, 2),
     rows=(
         LaneRows(3, (11, 12, 13), 0, None),
-        LaneRows(0, (7,), 40, DrawSpec(0.7, 20, 0.95, 0.05, 1234), drafts=(8, 9)),
+        LaneRows(0, (7,), 40, DrawSpec(0.7, 20, 0.95, 0.05, 1234), drafts=(8, 9), draft_depth=3),
     ),
     ops=(LaneOp(LaneOpCode.KEEP, 0, 99),),
 )
@@ -98,6 +99,7 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<2I", 3, 1),  # token counts
             struct.pack("<2I", 0, 2),  # draft counts
             struct.pack("<2B", 0, 1),  # draw flags
+            struct.pack("<2B", 0, 3),  # draft depths
             struct.pack("<4i", 11, 12, 13, 7),  # token ids, row after row
             struct.pack("<2i", 8, 9),  # draft ids
             struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234),  # one drawing row: temperature, top_k, top_p, min_p, seed
@@ -193,12 +195,12 @@ def test_faults_are_named() -> None:
     body = body_of(SAMPLE)
     cases: list[tuple[bytes, str]] = [
         (b"XXXX" + sample[4:], "bad magic b'XXXX'"),
-        (seal(bytes(body), version=2), "unknown header version 2"),
+        (seal(bytes(body), version=3), "unknown header version 3"),
         (sample[:-1], f"truncated header: {len(sample) - 1} of its declared {len(sample)} bytes"),
         (sample[:5], "truncated header: 5 bytes"),
         (sample + b"xy", "2 trailing bytes"),
         (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
-        (PREFIX.pack(b"FNRH", 1, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (PREFIX.pack(b"FNRH", 2, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
         (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
         (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
         (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
@@ -207,7 +209,7 @@ def test_faults_are_named() -> None:
     corrupt = body.copy()
     corrupt[flags + 1] = 2
     cases.append((seal(bytes(corrupt)), "draw flag 2 is neither 0 nor 1"))
-    tokens = flags + 2
+    tokens = flags + 2 + 2  # past the draw flags and the draft depths
     corrupt = body.copy()
     corrupt[tokens : tokens + 4] = struct.pack("<i", -5)
     cases.append((seal(bytes(corrupt)), "token ids: -5 is negative"))

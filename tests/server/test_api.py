@@ -297,3 +297,21 @@ def test_live_lanes_keep_decoding_while_a_long_prompt_fills_in_chunks(ckpt, live
     between = events[events.index("long submitted") : events.index("long first token")]
     assert between.count("short") >= 10  # 160 prompt tokens at 8 a round: the short stream kept its tokens coming
     assert json.loads(lines[-1][len("data: ") :])["token_sha"] == whole  # chunking does not change the bits
+
+
+def test_drafted_equals_draft_false_and_drafting_shows_in_metrics(live):
+    for body in ({"temperature": 0}, {"temperature": 1.0, "seed": 9}):
+        outs = [
+            httpx.post(
+                f"{live.v1}/completions",
+                json={"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "draft": draft, **body},
+            ).json()
+            for draft in (True, False)
+        ]
+        assert outs[0]["token_sha"] == outs[1]["token_sha"]
+    health = httpx.get(f"{live.url}/health").json()
+    assert health["draft_depth"] == 3 and health["draft_tokens"] > 0
+    metrics = httpx.get(f"{live.url}/metrics").text
+    drafted = [line for line in metrics.splitlines() if line.startswith("flashnext:spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0
+    assert "flashnext:spec_decode_num_accepted_tokens_total" in metrics

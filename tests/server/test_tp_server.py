@@ -66,9 +66,9 @@ def start_rank(rank: int, master_port: int, http_port: int, ckpt: Path, *flags: 
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def greedy_ids(url: str, tokens: int = 16) -> list[int]:
+def greedy_ids(url: str, tokens: int = 16, **extra) -> list[int]:
     body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    return httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120).json()["choices"][0]["token_ids"]
 
 
 def expected_greedy(ckpt: Path, tokens: int = 16) -> list[int]:
@@ -89,8 +89,12 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
         text=True,
     )
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", [proc])
-        assert greedy_ids(f"http://127.0.0.1:{port}") == expected_greedy(ckpt)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, [proc])
+        assert greedy_ids(url) == greedy_ids(url, draft=False) == expected_greedy(ckpt)
+        sampled = {"temperature": 1.0, "seed": 5}
+        assert greedy_ids(url, 24, **sampled) == greedy_ids(url, 24, draft=False, **sampled)
+        assert httpx.get(f"{url}/health").json()["draft_tokens"] > 0
     finally:
         stop([proc])
     assert proc.returncode == 0  # SIGTERM shuts both ranks down cleanly

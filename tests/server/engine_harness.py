@@ -1,0 +1,66 @@
+"""Drive the engine directly (no HTTP): submit requests, wait for them, read their tokens and round results."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from model.flashnext import FlashNextModel
+from rankwire.header import DrawSpec
+from server.drafters import Drafter
+from server.engine import Engine, Request, Update
+from server.runner import LaneResult, ModelRunner
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request's tokens and how it ended."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def sink(self, update: Update) -> None:
+        self.tokens.extend(update.token_ids)
+        if update.finish_reason is not None:
+            self.finish = update.finish_reason
+            self.done.set()
+
+
+class RecordingRunner(ModelRunner):
+    """A runner that keeps every round's results (accept lengths, drafts)."""
+
+    def __init__(self, model: FlashNextModel, max_lanes: int) -> None:
+        super().__init__(model, max_lanes)
+        self.rounds: list[list[LaneResult]] = []
+
+    def execute(self, plan):
+        results = super().execute(plan)
+        self.rounds.append(results)
+        return results
+
+
+def run(
+    model: FlashNextModel,
+    prompts: list[list[int]],
+    tokens: int,
+    draws: list[DrawSpec],
+    depth: int = 3,
+    drafter: Drafter | None = None,
+    draft: bool = True,
+    budget: int = 64,
+) -> tuple[list[list[int]], RecordingRunner]:
+    """Serve the prompts together (ignoring EOS) and return each one's tokens."""
+    runner = RecordingRunner(model, max(len(prompts), 1))
+    engine = Engine(runner, context=4096, prompt_budget=budget, draft_depth=depth, drafter=drafter)
+    outcomes = [Outcome() for _ in prompts]
+    engine.start()
+    try:
+        for i, (prompt, draw, outcome) in enumerate(zip(prompts, draws, outcomes, strict=True)):
+            engine.submit(Request(f"r{i}", prompt, tokens, draw, frozenset(), outcome.sink, draft=draft))
+        for outcome in outcomes:
+            assert outcome.done.wait(300), "a request did not finish"
+    finally:
+        engine.stop()
+    assert all(o.finish == "length" for o in outcomes), [o.finish for o in outcomes]
+    return [o.tokens for o in outcomes], runner

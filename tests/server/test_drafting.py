@@ -1,0 +1,136 @@
+"""Drafting never changes a token: drafted = undrafted, concurrent = solo, rejected drafts leave no state behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from make_checkpoint import write_safetensors
+
+from model.weights import TensorIndex, load_model
+from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from server.drafters import CopyDrafter, MtpDrafter, ScriptedDrafter, copy_continuation
+from server.runner import ModelRunner
+from tests.server.engine_harness import run
+from tests.tiny import checkpoint
+
+PROMPT = [7, 19, 40, 33, 2, 91, 12, 44, 8, 13]
+GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
+SAMPLED = DrawSpec(0.9, 40, 0.95, 0.0, 4321)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(checkpoint(tmp_path_factory.mktemp("draft") / "m"), dtype="float32")
+
+
+def accept_lengths(runner) -> set[int]:
+    return {r.accepted for results in runner.rounds for r in results if r.tokens}
+
+
+@pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_scripted_drafts_reach_every_accept_length_and_change_nothing(model, draw):
+    depth = 3
+    (reference,), _ = run(model, [PROMPT], 40, [draw], depth=depth, draft=False)
+
+    calls = []
+
+    def script(history, wanted):
+        done = len(history) - len(PROMPT)  # the pending token is the last of history; drafts follow it
+        proposal = list(reference[done : done + wanted])
+        wrong = len(calls) % (depth + 1)  # round by round, the first wrong draft in every slot, then none
+        calls.append(done)
+        if wrong < len(proposal):
+            proposal[wrong] = (proposal[wrong] + 1) % model.cfg.vocab_size
+        return tuple(proposal)
+
+    (drafted,), runner = run(model, [PROMPT], 40, [draw], depth=depth, drafter=ScriptedDrafter(script))
+    assert drafted == reference
+    assert accept_lengths(runner) == set(range(depth + 1))
+
+
+def state_bits(lane) -> dict[str, torch.Tensor]:
+    bits = {"ngram": lane.ngram_history, "length": torch.tensor(lane.length)}
+    for name, states in (("conv", lane.gdn_conv), ("recurrent", lane.gdn_recurrent), ("ple", lane.ple_conv)):
+        bits.update({f"{name}{i}": t for i, t in states.items()})
+    for i, cache in lane.attention.items():
+        bits[f"kv{i}"] = torch.cat((cache.keys[: cache.length].flatten(), cache.values[: cache.length].flatten()))
+        bits[f"index{i}"] = cache.index_keys[: cache.length]
+    return bits
+
+
+def test_a_round_with_rejected_drafts_leaves_the_serial_state(model):
+    serial, drafted = ModelRunner(model, 1), ModelRunner(model, 1)
+    first = serial.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT), 0, GREEDY),)))[0].tokens[0]
+    reference = [first]
+    for _ in range(3):
+        start = len(PROMPT) + len(reference) - 1
+        reference += serial.execute(RoundPlan(rows=(LaneRows(0, (reference[-1],), start, GREEDY),)))[0].tokens
+    drafted.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT), 0, GREEDY),)))
+    wrong = (reference[2] + 1) % model.cfg.vocab_size
+    window = LaneRows(0, (first,), len(PROMPT), GREEDY, drafts=(reference[1], wrong, reference[3]))
+    result = drafted.execute(RoundPlan(rows=(window,)))[0]
+    assert result.tokens == (reference[1], reference[2]) and result.accepted == 1
+    # the serial lane has folded `first` and reference[1] and drawn reference[2]; it has also folded reference[2]
+    # and reference[3] since, so compare with a serial lane stopped at the same point
+    again = ModelRunner(model, 1)
+    again.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT), 0, GREEDY),)))
+    for i in range(2):
+        again.execute(RoundPlan(rows=(LaneRows(0, (reference[i],), len(PROMPT) + i, GREEDY),)))
+    expected, got = state_bits(again.slots[0]), state_bits(drafted.slots[0])
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected), [
+        k for k in expected if not torch.equal(expected[k], got[k])
+    ]
+
+
+@pytest.mark.parametrize("drafter", [MtpDrafter(), CopyDrafter()], ids=["mtp", "copy"])
+@pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_mtp_and_copy_drafts_equal_undrafted(model, drafter, draw):
+    (reference,), _ = run(model, [PROMPT], 30, [draw], draft=False)
+    (drafted,), runner = run(model, [PROMPT], 30, [draw], drafter=drafter)
+    assert drafted == reference
+    assert any(r.drafts for results in runner.rounds for r in results)  # drafts really were proposed
+
+
+def test_eight_concurrent_drafted_requests_each_equal_their_solo_run(model):
+    prompts = [[(p + 11 * i) % 300 + 6 for p in PROMPT][: 4 + i] for i in range(8)]
+    draws = [DrawSpec(0.0 if i % 2 else 1.0, 0, 1.0, 0.0, 100 + i) for i in range(8)]
+    together, _ = run(model, prompts, 20, draws, drafter=CopyDrafter(), budget=16)
+    for prompt, draw, tokens in zip(prompts, draws, together, strict=True):
+        (alone,), _ = run(model, [prompt], 20, [draw], drafter=CopyDrafter())
+        (serial,), _ = run(model, [prompt], 20, [draw], draft=False)
+        assert tokens == alone == serial
+
+
+@pytest.fixture(scope="module")
+def cycling(tmp_path_factory) -> Path:
+    """A checkpoint whose blocks add nothing: the next token is a function of the current one, so greedy output
+    falls into a cycle, the repetition copy drafts are for."""
+    path = checkpoint(tmp_path_factory.mktemp("cycle") / "m")
+    index = TensorIndex(path)
+    tensors = {name: index.get(name) for name in index.files}
+    silent = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "ple.value_proj.weight", "experts.down_proj")
+    for name in tensors:
+        if name.startswith("model.") and name.endswith(silent):
+            tensors[name] = torch.zeros_like(tensors[name])
+    (path / "model.safetensors").unlink()
+    write_safetensors(tensors, path, 1)
+    return path
+
+
+def test_copy_drafts_are_accepted_on_repetitive_output(cycling):
+    repetitive = load_model(cycling, dtype="float32")
+    (reference,), _ = run(repetitive, [PROMPT], 60, [GREEDY], draft=False)
+    (drafted,), runner = run(repetitive, [PROMPT], 60, [GREEDY], drafter=CopyDrafter())
+    assert drafted == reference
+    accepted = sum(r.accepted for results in runner.rounds for r in results)
+    assert accepted >= 20  # once the cycle repeats, whole windows are kept
+    assert len(runner.rounds) < 60
+
+
+def test_copy_continuation_takes_the_longest_latest_match():
+    assert copy_continuation([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == (7, 5)
+    assert copy_continuation([4, 5, 6, 1, 2], 3) == ()
+    assert copy_continuation([8, 1, 2, 3, 4, 0, 1, 2, 3], 4) == (4, 0, 1, 2)
