@@ -1,4 +1,5 @@
-"""Serve a tiny checkpoint on CPU and on the GPUs at --tp 1 and 2 and compare every request's tokens.
+"""Serve a tiny checkpoint on CPU and on the GPUs at --tp 1 and 2 and compare every request's tokens: across
+servers, drafted against `"draft": false`, and eight concurrent requests against each alone.
 
 python3 scripts/gpu_tp_check.py --out DIR        # writes DIR/tp_check.json and prints a table
 """
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -68,6 +70,7 @@ def run_server(ckpt: Path, device: str, tp: int, dtype: str, log: Path) -> dict[
                 if time.monotonic() > deadline:
                     raise RuntimeError("server did not come up")
                 time.sleep(0.25)
+            bodies = {}
             for i, prompt in enumerate(PROMPTS):
                 for temperature, seed in ((0.0, None), (1.0, 1234 + i)):
                     body = {
@@ -79,13 +82,31 @@ def run_server(ckpt: Path, device: str, tp: int, dtype: str, log: Path) -> dict[
                     }
                     if seed is not None:
                         body["seed"] = seed
-                    start = time.monotonic()
-                    out = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
-                    results[f"prompt{i}_T{temperature:g}"] = {
-                        "token_sha": out["token_sha"],
-                        "token_ids": out["choices"][0]["token_ids"],
-                        "seconds": round(time.monotonic() - start, 3),
-                    }
+                    bodies[f"prompt{i}_T{temperature:g}"] = body
+            for name, body in bodies.items():
+                start = time.monotonic()
+                out = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
+                seconds = round(time.monotonic() - start, 3)
+                serial = httpx.post(f"{url}/v1/completions", json={**body, "draft": False}, timeout=300).json()
+                results[name] = {
+                    "token_sha": out["token_sha"],
+                    "token_ids": out["choices"][0]["token_ids"],
+                    "seconds": seconds,
+                    "draft_false_same": serial["token_sha"] == out["token_sha"],
+                }
+            names = [*bodies, *list(bodies)[:2]]
+            with ThreadPoolExecutor(len(names)) as pool:
+                together = list(
+                    pool.map(
+                        lambda n: httpx.post(f"{url}/v1/completions", json=bodies[n], timeout=300).json()["token_sha"],
+                        names,
+                    )
+                )
+            results["concurrent_same_as_alone"] = sum(
+                sha == results[n]["token_sha"] for n, sha in zip(names, together, strict=True)
+            )
+            results["concurrent_requests"] = len(names)
+            results["health"] = httpx.get(f"{url}/health").json()
         finally:
             proc.terminate()
             try:
@@ -126,13 +147,20 @@ def main() -> int:
             k: run.get(k, {}).get("token_sha") == reference[k]["token_sha"] for k in keys
         }
     (args.out / "tp_check.json").write_text(json.dumps(report, indent=1))
+    ok = True
     for name, same in report["same_as_cpu_tp1"].items():
+        run = runs[name]
+        serial = sum(bool(v.get("draft_false_same")) for k, v in run.items() if k.startswith("prompt"))
+        health = run.get("health", {})
         print(
-            f"{name:22s} exit={runs[name].get('exit_code', runs[name].get('error'))} same tokens as cpu tp1: "
-            f"{sum(same.values())}/{len(same)}"
+            f"{name:22s} exit={run.get('exit_code', run.get('error'))} same tokens as cpu tp1: "
+            f"{sum(same.values())}/{len(same)}; drafted = draft:false {serial}/{len(same)}; "
+            f"concurrent = alone {run.get('concurrent_same_as_alone')}/{run.get('concurrent_requests')}; "
+            f"drafts {health.get('draft_tokens')}, accepted {health.get('accepted_draft_tokens')}"
         )
-    fp32 = [n for n in runs if n.endswith("float32")]
-    return 0 if all(all(report["same_as_cpu_tp1"][n].values()) for n in fp32) else 1
+        ok &= serial == len(same) and run.get("concurrent_same_as_alone") == run.get("concurrent_requests")
+        ok &= not name.endswith("float32") or all(same.values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
