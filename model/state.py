@@ -115,3 +115,35 @@ def lane_state_bytes(cfg, context: int, dtype_bytes: int) -> int:
     fixed = gdn_layers * (recurrent + (cfg.linear_conv_kernel_dim - 1) * conv_dim * dtype_bytes)
     fixed += len(cfg.ple_layers) * (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size * cfg.wide_size * dtype_bytes
     return fixed + context * per_token
+
+
+def _copy_cache(cache: AttentionCache | None) -> AttentionCache | None:
+    if cache is None:
+        return None
+    n = cache.length
+    return AttentionCache(cache.keys[:n].clone(), cache.values[:n].clone(), cache.index_keys[:n].clone(), n)
+
+
+def copy_lane(lane: LaneState) -> LaneState:
+    """A deep copy holding exactly the lane's folded prefix (a kept prompt state, or a restore of one)."""
+    return LaneState(
+        gdn_conv={i: t.clone() for i, t in lane.gdn_conv.items()},
+        gdn_recurrent={i: t.clone() for i, t in lane.gdn_recurrent.items()},
+        ple_conv={i: t.clone() for i, t in lane.ple_conv.items()},
+        ngram_history=lane.ngram_history.clone(),
+        attention={i: _copy_cache(c) for i, c in lane.attention.items()},
+        mtp_attention=_copy_cache(lane.mtp_attention),
+        length=lane.length,
+        mtp_length=lane.mtp_length,
+        mtp_pending=None if lane.mtp_pending is None else lane.mtp_pending.clone(),
+    )
+
+
+def lane_bytes(lane: LaneState) -> int:
+    """Bytes a lane's tensors take."""
+    tensors = [*lane.gdn_conv.values(), *lane.gdn_recurrent.values(), *lane.ple_conv.values(), lane.ngram_history]
+    caches = [*lane.attention.values(), lane.mtp_attention]
+    tensors += [t for c in caches if c is not None for t in (c.keys, c.values, c.index_keys)]
+    if lane.mtp_pending is not None:
+        tensors.append(lane.mtp_pending)
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -14,10 +14,12 @@ class RoundKind(IntEnum):
 
 
 class LaneOpCode(IntEnum):
-    """Lane operations beyond allocate and free (the prompt cache's keep and restore)."""
+    """Lane operations beyond allocate and free: the prompt cache keeps a lane's state under a handle, restores a
+    kept state into a lane, and drops a kept state (the slot is unused)."""
 
     KEEP = 1
     RESTORE = 2
+    DROP = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,12 +37,12 @@ class ServerState:
     api_key: str | None = None
 
 
-def usage(prompt: int, completion: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -98,7 +98,23 @@ def build_app(state: ServerState) -> FastAPI:
                 f"chat_template_kwargs: the chat template refused this request: {exc}", param="chat_template_kwargs"
             ) from exc
 
-    def start(prompt_ids: list[int], body, param: str, thinking_open: bool | None) -> Generation:
+    def message_ends(body: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[int, ...]:
+        """Token positions where each message of the rendered chat ends (prompt cache boundaries)."""
+        ends = []
+        for i in range(1, len(body.messages)):
+            part = [{"role": m.role, "content": m.content} for m in body.messages[:i]]
+            try:
+                text = state.tokenizer.apply_chat_template(part, tokenize=False, **body.template_kwargs())
+            except Exception:
+                continue
+            ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ids == prompt_ids[: len(ids)]:
+                ends.append(len(ids))
+        return tuple(ends)
+
+    def start(
+        prompt_ids: list[int], body, param: str, thinking_open: bool | None, keep_at: tuple[int, ...] = ()
+    ) -> Generation:
         if not prompt_ids:
             raise ApiError(f"{param}: the prompt is empty", param=param)
         bad = [t for t in prompt_ids if t >= state.vocab_size]
@@ -115,7 +131,14 @@ def build_app(state: ServerState) -> FastAPI:
                 code="context_length_exceeded",
             )
         generation = Generation(
-            state.engine, state.tokenizer, prompt_ids, params, params.max_tokens or room, state.eos_ids, thinking_open
+            state.engine,
+            state.tokenizer,
+            prompt_ids,
+            params,
+            params.max_tokens or room,
+            state.eos_ids,
+            thinking_open,
+            keep_at,
         )
         try:
             generation.submit()
@@ -131,7 +154,8 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         text = render_chat(body)
         prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
-        generation = start(prompt_ids, body, "messages", prompt_opens_thinking(text))
+        keep_at = message_ends(body, prompt_ids) if state.engine.cache.enabled else ()
+        generation = start(prompt_ids, body, "messages", prompt_opens_thinking(text), keep_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(chat_chunks(generation, body.return_token_ids, include_usage))
@@ -171,7 +195,7 @@ def build_app(state: ServerState) -> FastAPI:
             "created": int(time.time()),
             "model": state.model_name,
             "choices": [choice],
-            "usage": usage(len(prompt_ids), len(outcome.token_ids)),
+            "usage": usage(len(prompt_ids), len(outcome.token_ids), outcome.cached_tokens),
             "token_sha": token_sha(outcome.token_ids),
         }
 
@@ -203,7 +227,7 @@ def build_app(state: ServerState) -> FastAPI:
                 yield {
                     **frame(None),
                     "choices": [],
-                    "usage": usage(len(generation.prompt_ids), len(tokens)),
+                    "usage": usage(len(generation.prompt_ids), len(tokens), generation.request.cached),
                     "token_sha": token_sha(tokens),
                 }
         except ApiError as exc:
@@ -280,6 +304,14 @@ def build_app(state: ServerState) -> FastAPI:
             "draft_tokens": engine.drafted,
             "accepted_draft_tokens": engine.accepted,
             "draft_acceptance": engine.accepted / engine.drafted if engine.drafted else None,
+            "prompt_cache": {
+                "budget_bytes": engine.cache.budget,
+                "bytes": engine.cache.nbytes,
+                "entries": len(engine.cache.entries),
+                "queries": engine.cache.queries,
+                "hits": engine.cache.hits,
+                "cached_tokens": engine.cache.cached_tokens,
+            },
         }
 
     @app.get("/metrics")

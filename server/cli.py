@@ -98,6 +98,19 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "only (default copy)",
     )
     parser.add_argument(
+        "--prompt-cache-gib",
+        type=float,
+        default=None,
+        help="memory for kept prompt states; 0 turns the prompt cache off (default: 1 GiB on cpu, a quarter of the "
+        "free GPU memory after loading on cuda)",
+    )
+    parser.add_argument(
+        "--prompt-cache-grid",
+        type=_positive_int,
+        default=512,
+        help="a prompt pass keeps its state every this many tokens, besides message ends (default 512)",
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         choices=(1, 2),

@@ -9,9 +9,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.drafters import Drafter, MtpDrafter
 from server.metrics import EngineMetrics
+from server.prompt_cache import Kept, PromptCache, prefix_digests
 from server.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,10 @@ class Request:
     stop_ids: frozenset[int]
     sink: Callable[[Update], None]
     draft: bool = True
+    keep_at: tuple[int, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
+    cached: int = 0
+    keeps: list[int] = field(default_factory=list)
     slot: int | None = None
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
@@ -65,6 +69,8 @@ class Engine:
         on_fatal: Callable[[str], None] | None = None,
         draft_depth: int = 0,
         drafter: Drafter | None = None,
+        prompt_cache: PromptCache | None = None,
+        cache_grid: int = 512,
     ) -> None:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
         self.metrics = metrics
@@ -74,6 +80,10 @@ class Engine:
         self.mtp_depth = draft_depth if runner.can_draft else 0
         self.drafter = drafter or MtpDrafter()
         self.drafted = self.accepted = 0
+        self.cache = prompt_cache or PromptCache(0)
+        self.cache_grid = cache_grid
+        self.ops: list[LaneOp] = []
+        self.new_keeps: list[tuple[bytes, Kept]] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.aborted: set[str] = set()
@@ -151,12 +161,14 @@ class Engine:
         self.aborted.clear()
         used = {r.slot for r in self.running}
         free_slots = [s for s in range(self.max_lanes) if s not in used]
-        allocate = []
+        allocate, ops = [], self.ops
+        self.ops = []
         while self.waiting and free_slots:
             request = self.waiting.popleft()
             request.slot = free_slots.pop(0)
             allocate.append(request.slot)
             self.running.append(request)
+            self._admit(request, ops)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         rows, budget = [], self.prompt_budget
@@ -169,14 +181,39 @@ class Engine:
                 drafts = request.drafts[: max(room, 0)]
                 rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
             elif budget > 0:
-                take = min(budget, len(prompt) - request.prefilled)
+                if request.keeps and request.keeps[0] == request.prefilled:
+                    self._keep_state(request, ops)
+                ahead = [k for k in request.keeps if k > request.prefilled]
+                take = min(budget, (ahead[0] if ahead else len(prompt)) - request.prefilled)
                 chunk = tuple(prompt[request.prefilled : request.prefilled + take])
                 done = request.prefilled + take == len(prompt)
                 draw = request.draw if done else None
                 rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth))
                 budget -= take
         free, self.to_free = tuple(self.to_free), []
-        return RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows))
+        return RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
+
+    def _admit(self, request: Request, ops: list[LaneOp]) -> None:
+        """Resume the longest kept prefix of the prompt, and plan where its prompt pass keeps states: a grid of
+        positions, the given message boundaries, and one token before the end."""
+        prompt = request.prompt_ids
+        hit = self.cache.lookup(prompt)
+        if hit is not None:
+            ops.append(LaneOp(LaneOpCode.RESTORE, request.slot, hit.handle))
+            request.prefilled = request.cached = hit.length
+        if self.cache.enabled:
+            grid = range(self.cache_grid, len(prompt) - 1, self.cache_grid)
+            marks = {*grid, *request.keep_at, len(prompt) - 1}
+            request.keeps = sorted(k for k in marks if request.prefilled < k < len(prompt))
+
+    def _keep_state(self, request: Request, ops: list[LaneOp]) -> None:
+        """Keep the lane's state at this boundary (before this round's rows), unless that prefix is kept already."""
+        position = request.keeps.pop(0)
+        digest = prefix_digests(request.prompt_ids, [position])[position]
+        if self.cache.wants(digest) and all(d != digest for d, _ in self.new_keeps):
+            handle = self.cache.new_handle()
+            ops.append(LaneOp(LaneOpCode.KEEP, request.slot, handle))
+            self.new_keeps.append((digest, Kept(handle, position, 0)))
 
     def _run(self, plan: RoundPlan) -> None:
         """Execute a plan and hand each lane's kept tokens to its request."""
@@ -194,6 +231,10 @@ class Engine:
             return
         now = time.monotonic()
         with self.cond:
+            for digest, kept in self.new_keeps:
+                kept.nbytes = self.runner.kept_bytes(kept.handle)
+                self.ops += [LaneOp(LaneOpCode.DROP, 0, h) for h in self.cache.add(digest, kept)]
+            self.new_keeps = []
             for rows, result in zip(plan.rows, results, strict=True):
                 request = by_slot[rows.slot]
                 if request not in self.running:

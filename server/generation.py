@@ -35,6 +35,7 @@ class Outcome:
     content: str = ""
     reasoning: str = ""
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
 
 class Generation:
@@ -49,6 +50,7 @@ class Generation:
         max_tokens: int,
         eos_ids: tuple[int, ...],
         thinking_open: bool | None,
+        keep_at: tuple[int, ...] = (),
     ) -> None:
         self.engine, self.prompt_ids = engine, prompt_ids
         self.request_id = uuid.uuid4().hex
@@ -65,6 +67,7 @@ class Generation:
             stop_ids,
             sink=lambda update: loop.call_soon_threadsafe(self.queue.put_nowait, update),
             draft=params.draft,
+            keep_at=keep_at,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None
@@ -100,6 +103,7 @@ class Generation:
             outcome.content += piece.content
             outcome.reasoning += piece.reasoning
             outcome.finish_reason = piece.finish_reason
+        outcome.cached_tokens = self.request.cached
         return outcome
 
     def _piece(self, update: Update) -> Piece:

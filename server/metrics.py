@@ -43,6 +43,17 @@ class EngineMetrics:
         self.model_info = Gauge("flashnext:model_info", "The served model", list(labels), registry=self.registry)
         self.model_info.labels(**labels).set(1)
 
+    def track_cache(self, cache) -> None:
+        """Read the prompt cache's figures at scrape time."""
+        for name, what, read in (
+            ("queries", "Prompt cache lookups", lambda: cache.queries),
+            ("hits", "Prompt cache lookups that resumed a kept state", lambda: cache.hits),
+            ("cached_tokens", "Prompt tokens served from kept states", lambda: cache.cached_tokens),
+            ("bytes", "Memory held by kept prompt states on rank 0", lambda: cache.nbytes),
+            ("entries", "Kept prompt states", lambda: len(cache.entries)),
+        ):
+            Gauge(f"flashnext:prefix_cache_{name}", what, registry=self.registry).set_function(read)
+
     def track_counts(self, counts: Callable[[], tuple[int, int]]) -> None:
         """Read running/waiting from the engine at scrape time."""
         self.running.set_function(lambda: counts()[0])

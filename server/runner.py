@@ -8,8 +8,8 @@ import torch
 
 from model.flashnext import FlashNextModel
 from model.layers import ForwardBatch, Segment
-from model.state import LaneState, restore
-from rankwire.header import LaneRows, RoundPlan
+from model.state import LaneState, copy_lane, lane_bytes, restore
+from rankwire.header import LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.sampling import sample_token
 
 
@@ -46,6 +46,11 @@ class ModelRunner:
     def __init__(self, model: FlashNextModel, max_lanes: int) -> None:
         self.model = model
         self.slots: list[LaneState | None] = [None] * max_lanes
+        self.kept: dict[int, LaneState] = {}
+
+    def kept_bytes(self, handle: int) -> int:
+        """Bytes a kept state takes on this rank."""
+        return lane_bytes(self.kept[handle])
 
     @property
     def max_lanes(self) -> int:
@@ -55,8 +60,29 @@ class ModelRunner:
     def can_draft(self) -> bool:
         return self.model.mtp is not None
 
-    def _problem(self, plan: RoundPlan) -> str | None:
-        """Why this rank cannot run the plan (after its lane operations), or None."""
+    def _apply(self, op: LaneOp) -> str | None:
+        """Keep, restore or drop a prompt state; a reason when this rank cannot."""
+        if op.code is LaneOpCode.DROP:
+            self.kept.pop(op.arg, None)
+            return None
+        if not 0 <= op.slot < len(self.slots):
+            return f"lane op on slot {op.slot}, outside the {len(self.slots)} lanes"
+        if op.code is LaneOpCode.KEEP:
+            if self.slots[op.slot] is None:
+                return f"keep asked of lane slot {op.slot}, which is not allocated"
+            self.kept[op.arg] = copy_lane(self.slots[op.slot])
+        elif op.code is LaneOpCode.RESTORE:
+            if op.arg not in self.kept:
+                return f"restore of kept state {op.arg}, which this rank does not hold"
+            self.slots[op.slot] = copy_lane(self.kept[op.arg])
+        return None
+
+    def _prepare(self, plan: RoundPlan) -> str | None:
+        """Apply the plan's lane operations; then why this rank cannot run its rows, or None."""
+        for op in plan.ops:
+            problem = self._apply(op)
+            if problem:
+                return problem
         for rows in plan.rows:
             if not 0 <= rows.slot < len(self.slots) or self.slots[rows.slot] is None:
                 return f"round plan uses lane slot {rows.slot}, which is not allocated"
@@ -84,7 +110,7 @@ class ModelRunner:
             self.slots[slot] = None
         for slot in plan.allocate:
             self.slots[slot] = self.model.new_lane()
-        self._agree(self._problem(plan))
+        self._agree(self._prepare(plan))
         if not plan.rows:
             return []
         device = self.model.device

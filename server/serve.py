@@ -22,6 +22,7 @@ from server.app import ServerState, build_app
 from server.drafters import DRAFTERS
 from server.engine import Engine
 from server.metrics import EngineMetrics
+from server.prompt_cache import PromptCache
 from server.ranks import RankEnv, init_group, launch, rank_env
 from server.runner import ModelRunner
 from server.settings import EnvSettings, read_environment
@@ -64,6 +65,8 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
         "max_lanes": args.max_lanes,
         "prompt_budget": args.prompt_budget,
         "drafts": args.drafts,
+        "prompt_cache_gib": args.prompt_cache_gib if args.prompt_cache_gib is not None else "auto",
+        "prompt_cache_grid": args.prompt_cache_grid,
     }
 
 
@@ -86,7 +89,26 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
     runner = runner or ModelRunner(model, args.max_lanes)
     if args.drafts and not runner.can_draft:
         log.warning("%s has no MTP layer: only copy drafts are proposed", args.model)
-    engine = Engine(runner, context, args.prompt_budget, metrics, on_fatal, args.drafts, DRAFTERS[args.drafter]())
+    if args.prompt_cache_gib is not None and args.prompt_cache_gib < 0:
+        raise SystemExit(f"--prompt-cache-gib: must be >= 0, got {args.prompt_cache_gib}")
+    cache_bytes = (
+        int(args.prompt_cache_gib * 2**30)
+        if args.prompt_cache_gib is not None
+        else (free_memory(model.device) // 4 if model.device.type == "cuda" else 2**30)
+    )
+    cache = PromptCache(cache_bytes)
+    engine = Engine(
+        runner,
+        context,
+        args.prompt_budget,
+        metrics,
+        on_fatal,
+        args.drafts,
+        DRAFTERS[args.drafter](),
+        cache,
+        args.prompt_cache_grid,
+    )
+    metrics.track_cache(cache)
     log.info(
         "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round, tp %d",
         args.model,

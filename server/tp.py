@@ -30,6 +30,9 @@ class LinkedRunner:
     def can_draft(self) -> bool:
         return self.runner.can_draft
 
+    def kept_bytes(self, handle: int) -> int:
+        return self.runner.kept_bytes(handle)
+
     def execute(self, plan: RoundPlan) -> list[LaneResult]:
         with self.lock:
             self.link.send_header(plan)

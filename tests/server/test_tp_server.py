@@ -71,17 +71,30 @@ def greedy_ids(url: str, tokens: int = 16, **extra) -> list[int]:
     return httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120).json()["choices"][0]["token_ids"]
 
 
-def expected_greedy(ckpt: Path, tokens: int = 16) -> list[int]:
+def expected_greedy(ckpt: Path, tokens: int = 16, prompt: list[int] = PROMPT) -> list[int]:
     hf = oracle(ckpt)
     with torch.no_grad(), ties_to_lower_index():
-        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-    return out[0, len(PROMPT) :].tolist()
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
 
 
 def test_serve_tp2_reproduces_transformers_greedy(ckpt):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", str(ckpt), "--tp", "2", "--host", "127.0.0.1", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "server",
+            str(ckpt),
+            "--prompt-cache-grid",
+            "4",
+            "--tp",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
         cwd=ROOT,
         env={**os.environ, **QUIET},
         stdout=subprocess.DEVNULL,
@@ -95,6 +108,12 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
         sampled = {"temperature": 1.0, "seed": 5}
         assert greedy_ids(url, 24, **sampled) == greedy_ids(url, 24, draft=False, **sampled)
         assert httpx.get(f"{url}/health").json()["draft_tokens"] > 0
+        # the prompt cache at tp=2: rank 0 decides, both ranks keep and restore; a resumed prompt equals fresh
+        branch = [*PROMPT[:9], 250, 251, 252]
+        body = {"prompt": branch, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
+        assert out["choices"][0]["token_ids"] == expected_greedy(ckpt, prompt=branch)
     finally:
         stop([proc])
     assert proc.returncode == 0  # SIGTERM shuts both ranks down cleanly

@@ -1,0 +1,113 @@
+"""Prompt-cache check: a first request, repeats of it, then concurrent streams of it; time to first token for each.
+
+    python scripts/bench_cache.py --prompt-file long.txt --repeats 3 --streams 4 --require-cold --require-reuse
+
+Exits 0 only if every request succeeded and the --require-* conditions hold (the run qualifies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def one(base_url: str, body: dict, api_key: str | None, timeout: float) -> dict:
+    """Stream one completion; its time to first token, cached tokens and token_sha."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    start, first, usage, sha = time.monotonic(), None, None, None
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers, timeout=timeout) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if event.get("choices") and first is None:
+                first = time.monotonic()
+            usage = event.get("usage") or usage
+            sha = event.get("token_sha") or sha
+    if usage is None or first is None:
+        raise RuntimeError("the stream ended without tokens or usage")
+    return {
+        "ttft_ms": round((first - start) * 1000, 1),
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        "prompt_tokens": usage["prompt_tokens"],
+        "token_sha": sha,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server (default http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", default=None, help="bearer key (default none)")
+    parser.add_argument(
+        "--prompt",
+        default="The quick brown fox jumps over the lazy dog. " * 40,
+        help="prompt text (default: a repeated sentence)",
+    )
+    parser.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from a file (default none)")
+    parser.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids (default none)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per request (default 16)")
+    parser.add_argument("--repeats", type=int, default=2, help="identical requests after the first (default 2)")
+    parser.add_argument("--streams", type=int, default=4, help="concurrent identical requests at the end (default 4)")
+    parser.add_argument("--require-cold", action="store_true", help="the first request must report 0 cached tokens")
+    parser.add_argument("--require-reuse", action="store_true", help="every repeat must report cached tokens > 0")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per request (default 600)")
+    args = parser.parse_args(argv)
+    if args.prompt_ids:
+        prompt: str | list[int] = [int(t) for t in args.prompt_ids.split(",")]
+    else:
+        prompt = args.prompt_file.read_text() if args.prompt_file else args.prompt
+    body = {
+        "prompt": prompt,
+        "max_tokens": args.tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        first = one(args.base_url, body, args.api_key, args.timeout)
+        repeats = [one(args.base_url, body, args.api_key, args.timeout) for _ in range(args.repeats)]
+        results: list[dict] = [{}] * args.streams
+        barrier = threading.Barrier(args.streams) if args.streams else None
+
+        def stream(i: int) -> None:
+            barrier.wait()
+            results[i] = one(args.base_url, body, args.api_key, args.timeout)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(args.streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"FAILED: {exc}")
+        return 2
+    print(f"first:   TTFT {first['ttft_ms']} ms, cached {first['cached_tokens']}/{first['prompt_tokens']}")
+    for i, r in enumerate(repeats, 1):
+        print(f"repeat {i}: TTFT {r['ttft_ms']} ms, cached {r['cached_tokens']}/{r['prompt_tokens']}")
+    for i, r in enumerate(results):
+        print(f"stream {i}: TTFT {r.get('ttft_ms')} ms, cached {r.get('cached_tokens')}/{r.get('prompt_tokens')}")
+    same = all(r.get("token_sha") == first["token_sha"] for r in [*repeats, *results])
+    print(f"every token_sha equals the first request's: {same}")
+    ok = same and len([r for r in results if r]) == args.streams
+    if args.require_cold and first["cached_tokens"] != 0:
+        print("--require-cold: the first request reported cached tokens")
+        ok = False
+    if args.require_reuse and not all(r["cached_tokens"] > 0 for r in repeats):
+        print("--require-reuse: a repeat reported no cached tokens")
+        ok = False
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The prompt cache: a resumed prompt equals the same prompt served fresh, at any kept boundary."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.prompt_cache import Kept, PromptCache, prefix_digests
+from tests.server.live import Live, serve, tiny_chat_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+LONG = [(13 * i) % 300 + 6 for i in range(40)]
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return tiny_chat_checkpoint(tmp_path_factory.mktemp("cache") / "tiny-chat")
+
+
+@pytest.fixture(scope="module")
+def servers(ckpt):
+    """A server keeping states every 8 tokens, and a fresh reference with the cache off."""
+    with serve(ckpt, "--prompt-cache-grid", "8") as cached, serve(ckpt, "--prompt-cache-gib", "0") as fresh:
+        yield cached, fresh
+
+
+def complete(live: Live, prompt, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(f"{live.v1}/completions", json=body, timeout=120).json()
+
+
+def chat(live: Live, messages, **extra) -> dict:
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(f"{live.v1}/chat/completions", json=body, timeout=120).json()
+
+
+def cached(out: dict) -> int:
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 77}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("draft", [True, False], ids=["drafted", "serial"])
+def test_a_prompt_resumed_at_a_grid_boundary_equals_it_fresh(servers, sampling, draft):
+    on, off = servers
+    complete(on, LONG, draft=draft, **sampling)
+    # shares 21 tokens with LONG (the grid kept 8 and 16 of them); the tail is this case's own
+    branch = [*LONG[:21], 7 + 2 * len(sampling) + int(draft), 8, 9, 10, 11]
+    resumed, fresh = complete(on, branch, draft=draft, **sampling), complete(off, branch, draft=draft, **sampling)
+    assert cached(resumed) == 16 and cached(fresh) == 0
+    assert resumed["token_sha"] == fresh["token_sha"]
+
+
+def test_the_same_prompt_again_resumes_one_token_before_its_end(servers):
+    on, off = servers
+    prompt = [5, *LONG[3:30]]
+    first, again = complete(on, prompt), complete(on, prompt)
+    assert cached(first) < cached(again) == len(prompt) - 1
+    assert again["token_sha"] == first["token_sha"] == complete(off, prompt)["token_sha"]
+
+
+def test_multi_turn_chat_reports_growing_cached_tokens_and_fresh_output(servers):
+    on, off = servers
+    messages, previous = list(CHAT), -1
+    for turn in range(3):
+        out = chat(on, messages)
+        assert out["choices"][0]["message"] == chat(off, messages)["choices"][0]["message"]
+        assert out["token_sha"] == chat(off, messages)["token_sha"]
+        if turn:
+            assert cached(out) > previous
+        previous = cached(out)
+        reply = out["choices"][0]["message"]["content"] or "ok"
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And then {turn}?"}]
+    # edit the last user message: it resumes just before it
+    edited = [*messages[:-1], {"role": "user", "content": "Something else entirely."}]
+    out = chat(on, edited)
+    assert cached(out) > 0 and out["token_sha"] == chat(off, edited)["token_sha"]
+
+
+def test_two_concurrent_requests_sharing_a_prefix_equal_their_fresh_runs(servers):
+    on, off = servers
+    complete(on, LONG[:33])
+    prompts = [[*LONG[:25], 100, 101], [*LONG[:26], 200]]
+    results = [None, None]
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = complete(on, prompts[i], temperature=1.0, seed=i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for prompt, out in zip(prompts, results, strict=True):
+        assert cached(out) == 24
+        assert out["token_sha"] == complete(off, prompt, temperature=1.0, seed=prompts.index(prompt))["token_sha"]
+
+
+def test_a_tiny_budget_evicts_and_keeps_serving_correct_output(ckpt, servers):
+    _, off = servers
+    with serve(ckpt, "--prompt-cache-gib", "0.00003", "--prompt-cache-grid", "4") as tiny:
+        outs = [complete(tiny, LONG[: 20 + i]) for i in range(6)]
+        health = httpx.get(f"{tiny.url}/health").json()["prompt_cache"]
+        assert 0 < health["bytes"] <= health["budget_bytes"]
+        assert health["entries"] < 6 * 5  # most of the states kept along the way were evicted
+        for i, out in enumerate(outs):
+            assert out["token_sha"] == complete(off, LONG[: 20 + i])["token_sha"]
+
+
+def test_cache_figures_in_health_and_metrics(servers):
+    on, _ = servers
+    health = httpx.get(f"{on.url}/health").json()["prompt_cache"]
+    assert health["hits"] > 0 and health["queries"] >= health["hits"] and health["cached_tokens"] > 0
+    metrics = httpx.get(f"{on.url}/metrics").text
+    for name in ("queries", "hits", "cached_tokens", "bytes"):
+        assert f"flashnext:prefix_cache_{name} " in metrics
+
+
+def test_bench_cache_qualifies_a_reusing_server(servers):
+    on, off = servers
+    spec = importlib.util.spec_from_file_location("bench_cache", ROOT / "scripts" / "bench_cache.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ids = ",".join(map(str, [9, *LONG[5:35]]))
+    common = ["--prompt-ids", ids, "--tokens", "4", "--repeats", "2", "--streams", "2"]
+    assert bench.main(["--base-url", on.url, *common, "--require-cold", "--require-reuse"]) == 0
+    assert bench.main(["--base-url", off.url, *common, "--require-reuse"]) == 1
+
+
+def test_the_index_takes_the_longest_kept_prefix_and_evicts_least_recent():
+    cache = PromptCache(300)
+    prompt = list(range(50, 90))
+    digests = prefix_digests(prompt, [10, 20, 30])
+    assert cache.add(digests[10], Kept(1, 10, 100)) == []
+    assert cache.add(digests[20], Kept(2, 20, 100)) == []
+    assert cache.lookup(prompt).handle == 2
+    assert cache.lookup(prompt[:20]).handle == 1  # a prefix must leave one token to run
+    assert cache.add(digests[30], Kept(3, 30, 150)) == [2]  # handle 1 was used last, so 2 goes
+    assert cache.lookup([*prompt[:15], 0, 0, 0, 0, 0, 0]).handle == 1
+    assert PromptCache(0).lookup(prompt) is None
