@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from make_checkpoint import hf_model, make_checkpoint
 
 from server.app import build_app
 from server.cli import build_parser
+from server.ranks import free_port
 from server.serve import create_state
 from tests.tiny import text_config
 
@@ -31,12 +31,6 @@ class Live:
     @property
     def v1(self) -> str:
         return f"{self.url}/v1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_chat_checkpoint(path: Path, name: str = "base", seed: int = 0) -> Path:
