@@ -1,0 +1,573 @@
+"""Routed MoE experts as grouped GEMMs (NVFP4 weight-only W4A16, or BF16), with the routing plan read on the GPU.
+
+`moe_forward(x, expert_ids, weights, bank)` computes, for each row and each of its k (row, expert) pairs,
+`h = bf16(silu(x·Wgᵀ) * (x·Wuᵀ))` and `y = h·Wdᵀ`, then `out = Σ weight·y` over the row's experts in ascending
+expert id, in fp32, rounded once to the output dtype. Four launches, no host synchronisation, so one CUDA graph
+replays any routing: a plan (pairs grouped by expert, expert and tile bounds), the gate-up kernel (writes h per
+pair), the down kernel (writes fp32 y per pair) and the combine kernel (the ordered weighted sum per row).
+
+Reduction order (the exactness contract). Every dot accumulates in fp32 through tensor-core MMA steps 16 wide, in
+increasing index order over the reduced axis, starting from zero: the gate/up sums run over d, the down sum over I.
+A row never shares a sum with another row: tiles group the rows of one expert only to share weight reads. Tile
+sizes change with the batch, but on CUDA every config keeps Triton on mma.sync (MMAv2: tile height not a multiple
+of 64, or fewer than four warps), whose per-element result depends only on that 16-wide step order, so a row's bits
+do not depend on the batch. NVFP4 weights are dequantized in registers to bf16 as fp4(code)·block_scale, which is
+exact in bf16 (at most 6 significant bits); the fp32 global scale_2 multiplies the fp32 sum afterwards (gate and
+up each by their own), the same W = fp4·block_scale·scale_2 with one rounding fewer than scaling each weight.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+NVFP4_GROUP = 16
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+PLAN_MAX_PAIRS = 4096  # up to this many (row, expert) pairs one program sorts them; beyond, torch ops do
+FP4_KEYS = ("gate_up_packed", "gate_up_scale", "gate_up_scale_2", "down_packed", "down_scale", "down_scale_2")
+BF16_KEYS = ("gate_up", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeTiles:
+    """Launch shape of one call: row tile (shared by both GEMMs), column/reduction tiles, warps, stages."""
+
+    block_m: int
+    gate_up_n: int
+    gate_up_k: int
+    down_n: int
+    down_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class MoePlan:
+    """Routing plan on the device: `pairs` [P] int32 are pair ids (row*k + slot) grouped by ascending expert;
+    `bounds` [E+1] int32 the cumulative pair counts; `tile_bounds` [E+1] int32 the cumulative row-tile counts."""
+
+    pairs: torch.Tensor
+    bounds: torch.Tensor
+    tile_bounds: torch.Tensor
+    block_m: int
+    max_tiles: int
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs under its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def moe_tiles(num_rows: int, top_k: int, num_experts: int) -> MoeTiles:
+    """Tiles for a batch: small row tiles while each expert sees few rows, taller ones for prefill."""
+    if _interpreting():
+        return MoeTiles(16, 32, 32, 32, 32, 4, 1)
+    if num_rows * top_k <= 16 * num_experts:
+        return MoeTiles(16, 32, 256, 64, 64, 4, 4)
+    return MoeTiles(32, 64, 128, 128, 64, 4, 3)
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on Σ_e ceil(count_e / block_m) over any routing of `num_pairs` pairs."""
+    used = min(num_experts, num_pairs)
+    return max(1, min(num_pairs, (num_pairs + used * (block_m - 1)) // block_m))
+
+
+@triton.jit(do_not_specialize=["P"])
+def _plan_kernel(
+    ids_ptr,
+    pairs_ptr,
+    bounds_ptr,
+    tile_bounds_ptr,
+    P,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    P_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """One program: stable sort of the pairs by expert, per-expert pair and tile counts, cumulated."""
+    q = tl.arange(0, P_POW2)
+    valid = q < P
+    ids = tl.load(ids_ptr + q, mask=valid, other=E)
+    keys = tl.sort(ids * P_POW2 + q)
+    tl.store(pairs_ptr + q, keys & (P_POW2 - 1), mask=valid)
+    counts = tl.histogram(ids, E_POW2, mask=valid)
+    e = tl.arange(0, E_POW2)
+    tl.store(bounds_ptr + 1 + e, tl.cumsum(counts, 0), mask=e < E)
+    tl.store(tile_bounds_ptr + 1 + e, tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0), mask=e < E)
+    tl.store(bounds_ptr, 0)
+    tl.store(tile_bounds_ptr, 0)
+
+
+def moe_plan_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
+    """The routing plan with torch ops on the ids' device (no host synchronisation)."""
+    flat = expert_ids.reshape(-1)
+    pairs = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.index_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
+    bounds = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+    tile_bounds = F.pad(torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32), (1, 0))
+    return MoePlan(pairs, bounds, tile_bounds, block_m, max_tiles(flat.numel(), num_experts, block_m))
+
+
+def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
+    """The routing plan of expert_ids [N, k]: one Triton program for decode-sized batches, torch ops beyond."""
+    num_pairs = expert_ids.numel()
+    if num_pairs > PLAN_MAX_PAIRS:
+        return moe_plan_reference(expert_ids, num_experts, block_m)
+    dev = expert_ids.device
+    pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
+    bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    tile_bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    _plan_kernel[(1,)](
+        expert_ids.reshape(-1).to(torch.int32),
+        pairs,
+        bounds,
+        tile_bounds,
+        num_pairs,
+        E=num_experts,
+        E_POW2=triton.next_power_of_2(num_experts),
+        P_POW2=triton.next_power_of_2(num_pairs),
+        BLOCK_M=block_m,
+        num_warps=4,
+    )
+    return MoePlan(pairs, bounds, tile_bounds, block_m, max_tiles(num_pairs, num_experts, block_m))
+
+
+@triton.jit
+def _tile_rows(pairs_ptr, bounds_ptr, tile_bounds_ptr, t, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile t of the plan: (expert, sorted positions [BLOCK_M], their mask, pair ids); expert == E past the end."""
+    es = tl.arange(0, E_POW2)
+    ends = tl.load(tile_bounds_ptr + 1 + es, mask=es < E, other=2147483647)
+    e = tl.sum((ends <= t).to(tl.int32), 0)
+    e_safe = tl.minimum(e, E - 1)
+    first = tl.load(bounds_ptr + e_safe) + (t - tl.load(tile_bounds_ptr + e_safe)) * BLOCK_M
+    pos = first + tl.arange(0, BLOCK_M)
+    last = tl.where(e < E, tl.load(bounds_ptr + e_safe + 1), 0)
+    ok = pos < last
+    pair = tl.load(pairs_ptr + pos, mask=ok, other=0)
+    return e, pos, ok, pair
+
+
+@triton.jit
+def _fp4_pair(words, i: tl.constexpr):
+    """Codes i and i+4 of int32 words of 8 E2M1 codes as bf16 bit patterns [.., 2] (uint16) of fp4(code) * 2^-126.
+
+    Each code's sign and 3 magnitude bits go to the sign, two lowest exponent bits and top mantissa bit of a bf16
+    (code 1 lands on the subnormal 2^-127), for both 16-bit halves of a word at once."""
+    w = words.to(tl.uint32, bitcast=True)
+    if i == 0:
+        mag = w << 6
+    elif i == 1:
+        mag = w << 2
+    elif i == 2:
+        mag = w >> 2
+    else:
+        mag = w >> 6
+    halves = (mag & 0x01C001C0) | ((w << (12 - 4 * i)) & 0x80008000)
+    return tl.join((halves & 0xFFFF).to(tl.uint16), (halves >> 16).to(tl.uint16))
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr,
+    s_ptr,
+    rows,
+    row_ok,
+    k0,
+    K,
+    stride_wn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP4: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Weight rows [BLOCK_N] x columns [k0, k0+BLOCK_K) as bf16; NVFP4 codes (int32 words of 8) times block
+    scales, exact in bf16 (at most 6 significant bits)."""
+    if FP4:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        kg = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        w_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kw < K // 8)[None, :]
+        s_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kg < K // 16)[None, :]
+        words = tl.load(w_ptr + rows[:, None] * stride_wn + kw[None, :], mask=w_mask, other=0)
+        scale = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=s_mask, other=0.0)
+        # code j of word m is element 8m + j: nest the joins so the flat index is 8m + 4*b2 + 2*b1 + b0
+        even = tl.join(_fp4_pair(words, 0), _fp4_pair(words, 2))
+        odd = tl.join(_fp4_pair(words, 1), _fp4_pair(words, 3))
+        bits = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K // 16, 16)
+        if INTERPRET:  # the interpreter flushes bf16 subnormals: take the bits through fp32
+            w = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True) * 8.507059e37
+            w = w * scale.to(tl.float32)[:, :, None]
+        else:  # 2^126 then the block scale, in packed bf16 multiplies, both exact
+            w = bits.to(tl.bfloat16, bitcast=True) * 8.507059e37
+            w = w * scale.to(tl.bfloat16)[:, :, None]
+        return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kk < K)[None, :]
+        return tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _round_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, round to nearest even (done on the bits under the interpreter, whose cast truncates)."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _mma(a, w, acc, INTERPRET: tl.constexpr):
+    """acc + a·wᵀ in fp32 (operands upcast under the interpreter, whose bf16 dot is wrong)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    pairs_ptr,
+    bounds_ptr,
+    tile_bounds_ptr,
+    w_ptr,
+    s_ptr,
+    s2_ptr,
+    h_ptr,
+    D,
+    INTER,
+    stride_xn,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    TOP_K: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP4: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """h [BLOCK_M pairs, BLOCK_N] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for one tile of one expert's pairs."""
+    n_blocks = tl.cdiv(INTER, BLOCK_N)
+    t = tl.program_id(0) // n_blocks
+    nb = tl.program_id(0) % n_blocks
+    e, pos, ok, pair = _tile_rows(pairs_ptr, bounds_ptr, tile_bounds_ptr, t, E, E_POW2, BLOCK_M)
+    if e >= E:
+        return
+    x_rows = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_xn
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < D)[None, :]
+        a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
+        wg = _weight_tile(w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET)
+        gate = _mma(a, wg, gate, INTERPRET)
+        wu = _weight_tile(
+            w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+        )
+        up = _mma(a, wu, up, INTERPRET)
+    if FP4:
+        gate = gate * tl.load(s2_ptr + e * 2)
+        up = up * tl.load(s2_ptr + e * 2 + 1)
+    h = gate * tl.sigmoid(gate) * up
+    h_ptrs = h_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :]
+    tl.store(h_ptrs, _round_bf16(h, INTERPRET), mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    pairs_ptr,
+    bounds_ptr,
+    tile_bounds_ptr,
+    w_ptr,
+    s_ptr,
+    s2_ptr,
+    y_ptr,
+    D,
+    INTER,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP4: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """y [BLOCK_M pairs, BLOCK_N] = h·Wdᵀ in fp32 for one tile of one expert's pairs, stored by pair id."""
+    n_blocks = tl.cdiv(D, BLOCK_N)
+    t = tl.program_id(0) // n_blocks
+    nb = tl.program_id(0) % n_blocks
+    e, pos, ok, pair = _tile_rows(pairs_ptr, bounds_ptr, tile_bounds_ptr, t, E, E_POW2, BLOCK_M)
+    if e >= E:
+        return
+    h_rows = h_ptr + pos.to(tl.int64)[:, None] * INTER
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
+        a = tl.load(h_rows + kk[None, :], mask=a_mask, other=0.0)
+        w = _weight_tile(
+            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+        )
+        acc = _mma(a, w, acc, INTERPRET)
+    if FP4:
+        acc = acc * tl.load(s2_ptr + e)
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * D + cols[None, :]
+    tl.store(y_ptrs, acc, mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    ids_ptr,
+    wts_ptr,
+    out_ptr,
+    D,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[row] = Σ weight·y over the row's pairs in ascending expert id (ties by slot), fp32, one rounding."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    slots = tl.arange(0, K_POW2)
+    slot_ok = slots < TOP_K
+    ids = tl.load(ids_ptr + row * TOP_K + slots, mask=slot_ok, other=2147483647)
+    wts = tl.load(wts_ptr + row * TOP_K + slots, mask=slot_ok, other=0.0)
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None]))
+    rank = tl.sum(before.to(tl.int32), 1)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(TOP_K):
+        chosen = rank == j
+        slot = tl.sum(tl.where(chosen, slots, 0), 0)
+        w = tl.sum(tl.where(chosen, wts, 0.0), 0)
+        y = tl.load(y_ptr + (row * TOP_K + slot).to(tl.int64) * D + cols, mask=col_ok, other=0.0)
+        acc = acc + w * y
+    if OUT_BF16:
+        tl.store(out_ptr + row.to(tl.int64) * D + cols, _round_bf16(acc, INTERPRET), mask=col_ok)
+    else:
+        tl.store(out_ptr + row.to(tl.int64) * D + cols, acc, mask=col_ok)
+
+
+def _bank_layout(bank: Mapping[str, torch.Tensor]) -> tuple[bool, int, int, int]:
+    """(is NVFP4, experts E, hidden d, intermediate I) of a bank, checking its tensors' shapes and dtypes."""
+    if all(key in bank for key in FP4_KEYS):
+        gu, gs, gs2 = bank["gate_up_packed"], bank["gate_up_scale"], bank["gate_up_scale_2"]
+        dp, ds, ds2 = bank["down_packed"], bank["down_scale"], bank["down_scale_2"]
+        e, two_i, half_d = gu.shape
+        d, inter = 2 * half_d, two_i // 2
+        want = {
+            "gate_up_packed": ((e, two_i, half_d), torch.uint8),
+            "gate_up_scale": ((e, two_i, d // NVFP4_GROUP), torch.float8_e4m3fn),
+            "gate_up_scale_2": ((e, 2), torch.float32),
+            "down_packed": ((e, d, inter // 2), torch.uint8),
+            "down_scale": ((e, d, inter // NVFP4_GROUP), torch.float8_e4m3fn),
+            "down_scale_2": ((e,), torch.float32),
+        }
+        fp4 = True
+        if d % NVFP4_GROUP or inter % NVFP4_GROUP:
+            raise ValueError(f"NVFP4 bank: d={d} and I={inter} must be multiples of {NVFP4_GROUP}")
+        tensors = dict(zip(FP4_KEYS, (gu, gs, gs2, dp, ds, ds2), strict=True))
+    elif all(key in bank for key in BF16_KEYS):
+        gu, dn = bank["gate_up"], bank["down"]
+        e, two_i, d = gu.shape
+        inter = two_i // 2
+        want = {"gate_up": ((e, two_i, d), torch.bfloat16), "down": ((e, d, inter), torch.bfloat16)}
+        fp4 = False
+        tensors = {"gate_up": gu, "down": dn}
+    else:
+        raise ValueError(f"bank needs keys {FP4_KEYS} (NVFP4) or {BF16_KEYS} (BF16), got {sorted(bank)}")
+    for key, (shape, dtype) in want.items():
+        t = tensors[key]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"bank[{key!r}]: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"bank[{key!r}] must be contiguous in its last dimension")
+    if two_i % 2:
+        raise ValueError(f"bank gate_up rows must be 2*I, got {two_i}")
+    return fp4, e, d, inter
+
+
+def moe_forward(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    bank: Mapping[str, torch.Tensor],
+    out_dtype: torch.dtype = torch.bfloat16,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
+    """Routed experts of x [N, d] bf16 with expert_ids [N, k] and weights [N, k] -> [N, d] out_dtype (bf16/fp32)."""
+    fp4, num_experts, d, inter = _bank_layout(bank)
+    n, top_k = expert_ids.shape
+    if x.shape != (n, d) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        raise ValueError(f"x: expected ({n}, {d}) bf16 contiguous rows, got {tuple(x.shape)} {x.dtype}")
+    if weights.shape != (n, top_k):
+        raise ValueError(f"weights: expected {(n, top_k)}, got {tuple(weights.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    out = torch.empty(n, d, dtype=out_dtype, device=x.device)
+    if n == 0:
+        return out
+    tiles = tiles or moe_tiles(n, top_k, num_experts)
+    interpret = _interpreting()
+    ids = expert_ids.to(torch.int32).contiguous()
+    plan = moe_plan(ids, num_experts, tiles.block_m)
+    num_pairs = n * top_k
+    e_pow2 = triton.next_power_of_2(num_experts)
+    if fp4:
+        gu_w, gu_s, gu_s2 = bank["gate_up_packed"].view(torch.int32), bank["gate_up_scale"], bank["gate_up_scale_2"]
+        dn_w, dn_s, dn_s2 = bank["down_packed"].view(torch.int32), bank["down_scale"], bank["down_scale_2"]
+    else:
+        gu_w, dn_w = bank["gate_up"], bank["down"]
+        gu_s, gu_s2, dn_s, dn_s2 = gu_w, gu_w, dn_w, dn_w  # unread placeholders
+    h = torch.empty(num_pairs, inter, dtype=torch.bfloat16, device=x.device)
+    grid = (plan.max_tiles * triton.cdiv(inter, tiles.gate_up_n),)
+    _gate_up_kernel[grid](
+        x,
+        plan.pairs,
+        plan.bounds,
+        plan.tile_bounds,
+        gu_w,
+        gu_s,
+        gu_s2,
+        h,
+        d,
+        inter,
+        x.stride(0),
+        gu_w.stride(0),
+        gu_w.stride(1),
+        gu_s.stride(0),
+        gu_s.stride(1),
+        TOP_K=top_k,
+        E=num_experts,
+        E_POW2=e_pow2,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.gate_up_n,
+        BLOCK_K=tiles.gate_up_k,
+        EVEN_K=d % tiles.gate_up_k == 0,
+        FP4=fp4,
+        INTERPRET=interpret,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    y = torch.empty(num_pairs, d, dtype=torch.float32, device=x.device)
+    grid = (plan.max_tiles * triton.cdiv(d, tiles.down_n),)
+    _down_kernel[grid](
+        h,
+        plan.pairs,
+        plan.bounds,
+        plan.tile_bounds,
+        dn_w,
+        dn_s,
+        dn_s2,
+        y,
+        d,
+        inter,
+        dn_w.stride(0),
+        dn_w.stride(1),
+        dn_s.stride(0),
+        dn_s.stride(1),
+        E=num_experts,
+        E_POW2=e_pow2,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.down_n,
+        BLOCK_K=tiles.down_k,
+        EVEN_K=inter % tiles.down_k == 0,
+        FP4=fp4,
+        INTERPRET=interpret,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    block_d = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(n, triton.cdiv(d, block_d))](
+        y,
+        ids,
+        weights.to(torch.float32).contiguous(),
+        out,
+        d,
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        BLOCK_D=block_d,
+        OUT_BF16=out_dtype == torch.bfloat16,
+        INTERPRET=interpret,
+        num_warps=4,
+    )
+    return out
+
+
+def fp4_lut(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16 signed E2M1 values indexed by code: codes 8..15 are the negatives of 0..7."""
+    mags = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """fp32 W [out, in] = fp4(code) * e4m3 block scale * scale_2; element 2j is the low nibble of byte j."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+    values = fp4_lut(packed.device)[codes.long()].unflatten(-1, (-1, NVFP4_GROUP))
+    return (values * block_scale.float().unsqueeze(-1)).flatten(-2) * scale_2.float()
+
+
+def expert_weights(bank: Mapping[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert e's (gate [I, d], up [I, d], down [d, I]) in fp32, dequantized by the NVFP4 formula if packed."""
+    fp4, _, _, inter = _bank_layout(bank)
+    if not fp4:
+        gate_up = bank["gate_up"][e].float()
+        return gate_up[:inter], gate_up[inter:], bank["down"][e].float()
+    packed, scale, s2 = bank["gate_up_packed"][e], bank["gate_up_scale"][e], bank["gate_up_scale_2"][e]
+    gate = dequantize_nvfp4(packed[:inter], scale[:inter], s2[0])
+    up = dequantize_nvfp4(packed[inter:], scale[inter:], s2[1])
+    down = dequantize_nvfp4(bank["down_packed"][e], bank["down_scale"][e], bank["down_scale_2"][e])
+    return gate, up, down
+
+
+def moe_forward_reference(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    bank: Mapping[str, torch.Tensor],
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Plain PyTorch moe_forward: per expert in ascending id, fp32 dots, h rounded to bf16, fp32 weighted sum."""
+    xf = x.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    wts = weights.float()
+    for e in torch.unique(expert_ids).tolist():
+        rows, slot = torch.where(expert_ids == e)
+        gate, up, down = expert_weights(bank, e)
+        g = xf[rows] @ gate.T
+        h = (F.silu(g) * (xf[rows] @ up.T)).to(torch.bfloat16).float()
+        out[rows] = out[rows] + wts[rows, slot, None] * (h @ down.T)
+    return out.to(out_dtype)
