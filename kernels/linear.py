@@ -1,0 +1,216 @@
+"""Dense BF16 linear y = x·wᵀ for decode and verify rows, each row computed exactly as it would be alone.
+
+Reduction order (the exactness contract). For a weight [N, K] the K axis is cut into `split` ranges of `k_split`
+elements; both come from (N, K) alone (`k_ranges`), never from M; `k_split` is a multiple of BLOCK_K = 128 and the
+last range ends at K. Within range s, each output element's fp32 accumulator starts at zero and takes the range's
+K tiles of BLOCK_K in increasing k, each through one tensor-core dot `acc = dot(x_tile, w_tileᵀ, acc)` (on the GPU
+a chain of 16-deep MMA steps in increasing k; under the interpreter a tile matmul added to acc). With split = 1 that
+sum, rounded once to the output dtype, is the result. With split > 1 the range sums P_s land in an fp32 workspace
+and are added as ((P_0 + P_1) + P_2) + ... in range order, then rounded once: with 16-row tiles by the program of
+the tile's last range to finish (an arrival counter picks it; it reloads every P_s, its own too, so the order is
+the same whichever range arrives last), with wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
+that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an element,
+never how its sum is formed; on the H200 every tile shape (mma.sync and wgmma alike) gave identical bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_K = 128
+MAX_SPLIT = 16
+MIN_RANGE_TILES = 5
+MIN_PROGRAMS = 66
+SUM_BLOCK = 1024
+MAX_TILES = 4096
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one call: the row tile, the column tile, warps and pipeline depth."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    stride_xm,
+    stride_wn,
+    FUSED_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
+    k_start = pid_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + ks
+        if EVEN_K:
+            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
+            b = tl.load(w_cols + kk[:, None], mask=col_ok[None, :], other=0.0)
+        else:
+            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk[:, None] < K), other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mn = M.to(tl.int64) * N
+    if FUSED_SPLIT == 0:
+        tl.store(out_ptr + pid_s * mn + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + pid_s * mn + offs, acc, mask=ok)
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == FUSED_SPLIT - 1:
+            total = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, FUSED_SPLIT):
+                total += tl.load(part_ptr + s * mn + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Add the K-range partials [SPLIT, M·N] in range order and round once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Arrival counters per (device, stream); graphs captured on one stream share a set, so replay them on one stream.
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the current stream of `device`; every launch leaves them zero."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"linear: {tiles} 16-row output tiles exceed the {MAX_TILES} arrival counters")
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+@functools.cache
+def k_ranges(n: int, k: int) -> tuple[int, int]:
+    """(split, k_split) for a weight [n, k], from its shape alone: split K only when 16-wide column tiles are few."""
+    tiles_k = triton.cdiv(k, BLOCK_K)
+    split = 1
+    if triton.cdiv(n, 16) < 256:
+        while split * 2 <= MAX_SPLIT and tiles_k >= MIN_RANGE_TILES * split * 2:
+            split *= 2
+    k_split = triton.cdiv(tiles_k, split) * BLOCK_K
+    return triton.cdiv(k, k_split), k_split
+
+
+def pick_tiles(m: int, n: int, split: int) -> Tiles:
+    """Tiles for m rows: 16-row tiles (one pass over w) for few rows, else the first wide tile that fills the GPU."""
+    if m <= 16 or (m <= 32 and n < 4096):
+        return Tiles(16, 16 if n < 16384 else 32, 2, 6 if split == 1 else 4)
+    wide = (Tiles(128, 128, 8, 3), Tiles(64, 128, 4, 3)) if m > 64 else (Tiles(64, 128, 4, 3),)
+    for tiles in wide:
+        if triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n) * split >= MIN_PROGRAMS:
+            return tiles
+    return Tiles(64, 64, 4, 4)
+
+
+def launch(
+    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: Tiles, split: int, k_split: int
+) -> torch.Tensor:
+    """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
+        raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
+    out = torch.empty((m, n), dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
+    if m == 0:
+        return out.to(out_dtype)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
+    fused = split > 1 and tiles.block_m == 16
+    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else out
+    _linear_kernel[grid](
+        x,
+        w,
+        part if split > 1 and not fused else out,
+        part,
+        counters,
+        m,
+        n,
+        k,
+        k_split,
+        x.stride(0),
+        w.stride(0),
+        FUSED_SPLIT=split if fused else 0,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=BLOCK_K,
+        EVEN_K=k % BLOCK_K == 0,
+        INTERPRET=INTERPRET,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    if split > 1 and not fused:
+        _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](part, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK)
+    return out.to(out_dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y[M, N] = x[M, K] · w[N, K]ᵀ in bf16 with fp32 sums in the fixed K order above, rounded once to out_dtype."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not match as [M, K], [N, K]")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"linear: x and w must be bf16, got {x.dtype} and {w.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"linear: out_dtype must be bf16 or fp32, got {out_dtype}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    n, k = w.shape
+    split, k_split = k_ranges(n, k)
+    return launch(x, w, out_dtype, pick_tiles(x.shape[0], n, split), split, k_split)
+
+
+def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Plain PyTorch: fp32 matmul of the upcast inputs, rounded once to out_dtype."""
+    return (x.float() @ w.float().T).to(out_dtype)

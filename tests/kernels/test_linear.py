@@ -1,0 +1,124 @@
+"""The dense BF16 linear kernel against its reference, and its rows bit-identical whatever the batch or tiles."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from kernels.linear import BLOCK_K, Tiles, arrival_counters, k_ranges, launch, linear, linear_reference, pick_tiles
+
+N = 48
+SMALL = Tiles(16, 16, 2, 6)
+WIDE = (Tiles(64, 64, 4, 4), Tiles(64, 128, 4, 3), Tiles(128, 128, 8, 3))
+
+
+def inputs(m: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 activations [m, k] and weights [N, k]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, k, generator=g) / k**0.5).to(torch.bfloat16)
+    return x, w
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "k"), [(1, 96), (3, 96), (7, 300)])
+def test_matches_reference(m: int, k: int, out_dtype: torch.dtype) -> None:
+    x, w = inputs(m, k)
+    out = linear(x, w, out_dtype)
+    ref = linear_reference(x, w, out_dtype)
+    assert out.shape == (m, N) and out.dtype == out_dtype
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= (1e-2 if out_dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_rows_identical_across_batch_sizes(out_dtype: torch.dtype) -> None:
+    x, w = inputs(40, 300, seed=1)
+    alone = torch.cat([linear(x[i : i + 1], w, out_dtype) for i in range(7)])
+    for batch in (2, 5, 7, 40):
+        assert torch.equal(linear(x[:batch], w, out_dtype)[:7], alone[:batch])
+    assert pick_tiles(40, N, 1) != pick_tiles(1, N, 1), "batch 40 should take the wide-tile path"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("split", [1, 3])
+def test_small_and_wide_tiles_agree(split: int, out_dtype: torch.dtype) -> None:
+    x, w = inputs(5, 300, seed=2)
+    k_split = 384 if split == 1 else BLOCK_K
+    one = torch.cat([launch(x[i : i + 1], w, out_dtype, SMALL, split, k_split) for i in range(5)])
+    assert torch.equal(launch(x, w, out_dtype, SMALL, split, k_split), one)
+    for tiles in WIDE:
+        assert torch.equal(launch(x, w, out_dtype, tiles, split, k_split), one), tiles
+
+
+@pytest.mark.parametrize("tiles", [SMALL, WIDE[0]], ids=["fused-sum", "sum-kernel"])
+def test_split_adds_range_sums_in_order(tiles: Tiles) -> None:
+    x, w = inputs(3, 300, seed=3)
+    ranges = [(x[:, s : s + BLOCK_K], w[:, s : s + BLOCK_K]) for s in (0, BLOCK_K, 2 * BLOCK_K)]
+    parts = [launch(xs, ws, torch.float32, SMALL, 1, BLOCK_K) for xs, ws in ranges]
+    expect = (parts[0] + parts[1]) + parts[2]
+    assert torch.equal(launch(x, w, torch.float32, tiles, 3, BLOCK_K), expect)
+    assert torch.equal(launch(x, w, torch.bfloat16, tiles, 3, BLOCK_K), expect.to(torch.bfloat16))
+    assert not arrival_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize(
+    ("n", "k"), [(5120, 2560), (256, 2560), (2560, 3072), (124160, 2560), (320, 10240), (10240, 320), (48, 96)]
+)
+def test_k_ranges_tile_k(n: int, k: int) -> None:
+    split, k_split = k_ranges(n, k)
+    assert k_split % BLOCK_K == 0 and 1 <= split <= 16
+    assert (split - 1) * k_split < k <= split * k_split
+
+
+def test_k_ranges_split_few_columns() -> None:
+    assert k_ranges(320, 10240)[0] > 1
+    assert k_ranges(124160, 2560)[0] == 1
+
+
+def test_empty_and_strided_inputs() -> None:
+    x, w = inputs(4, 96, seed=4)
+    assert linear(x[:0], w).shape == (0, N)
+    wide = torch.cat([x, x], dim=1)[:, :96]
+    assert torch.equal(linear(wide, w), linear(x, w))
+
+
+def test_rejects_bad_inputs() -> None:
+    x, w = inputs(2, 96)
+    with pytest.raises(ValueError):
+        linear(x, w[:, :64])
+    with pytest.raises(TypeError):
+        linear(x.float(), w)
+    with pytest.raises(TypeError):
+        linear(x, w, torch.float16)
+    with pytest.raises(ValueError):
+        launch(x, w, torch.bfloat16, SMALL, 2, 100)
+    many, wide = torch.zeros(16 * 1400, 256, dtype=torch.bfloat16), torch.zeros(N, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        launch(many, wide, torch.bfloat16, SMALL, 2, BLOCK_K)
+
+
+def test_gpu_script_cpu_parts(tmp_path: Path) -> None:
+    import gpu_check_linear as script
+
+    args = script.parse_args(["--out", str(tmp_path), "--only", "o_proj", "lm_head"])
+    assert args.out == tmp_path and args.only == ["o_proj", "lm_head"]
+    names = [(c[0], c[3]) for c in script.cases(args.only)]
+    assert names == [("o_proj", torch.bfloat16), ("o_proj", torch.float32), ("lm_head", torch.bfloat16)]
+    mem, flop = script.floor_us(1, 124160, 2560, torch.bfloat16)
+    assert abs(mem - (124160 * 2560 * 2 + 2560 * 2 + 124160 * 2) / 4.27e6) < 1e-6 and flop < mem
+    x, w = inputs(2, 96)
+    assert script.rel_err(script.linear_reference(x, w, torch.float32), x.float() @ w.float().T) == 0.0
+    row = {"out_dtype": "fp32", "nan": False, "row_invariant": True, "rel_err": 2e-5}
+    assert not script.passed(row) and script.passed({**row, "rel_err": 1e-6})
+    assert "ERROR" in script.line({"name": "q_proj", "m": 1, "n": 6144, "k": 2560, "out_dtype": "bf16", "error": "x"})
