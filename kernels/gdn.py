@@ -1,0 +1,195 @@
+"""Gated DeltaNet recurrence over lanes of consecutive rows, one fp32 state per lane updated in place."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.conv import exp_f32, lane_run_end, lane_runs
+
+L2_EPS = 1e-6
+BLOCK_V = 16
+NUM_WARPS = 1
+SCAN = 128
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """Scale the last dim to unit L2 norm (`sum`, not mean), as the model does."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def gdn_recurrent_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lane_of_row: torch.Tensor,
+    keep_states: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain-PyTorch `gdn_recurrent`: the model's gated delta rule, one row at a time in fp32, per lane."""
+    _check_gdn(q, k, v, g, beta, state, lane_of_row)
+    ratio = v.shape[1] // q.shape[1]
+    q = _l2norm(q.float().repeat_interleave(ratio, dim=1)) / (q.shape[-1] ** 0.5)
+    k = _l2norm(k.float().repeat_interleave(ratio, dim=1))
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=out_dtype, device=v.device)
+    states = state.new_empty((v.shape[0], *state.shape[1:])) if keep_states else None
+    for lane, start, end in lane_runs(lane_of_row):
+        s = state[lane]
+        for t in range(start, end):
+            s = s * g[t].exp()[:, None, None]
+            kv_mem = (s * k[t][:, :, None]).sum(-2)
+            delta = (v[t] - kv_mem) * beta[t][:, None]
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            out[t] = (s * q[t][:, :, None]).sum(-2).to(out_dtype)
+            if states is not None:
+                states[t] = s
+        state[lane] = s
+    return out, states
+
+
+def _check_gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lane_of_row: torch.Tensor,
+) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or layout does not fit."""
+    if v.dim() != 3 or v.stride(2) != 1:
+        raise ValueError(f"v: expected [T, H, Dv] with contiguous Dv, got shape {tuple(v.shape)}")
+    seq, heads, dv = v.shape
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 3 or t.shape[0] != seq or t.stride(2) != 1 or heads % max(t.shape[1], 1):
+            raise ValueError(f"{name}: expected [{seq}, Hk | {heads}, Dk] with contiguous Dk, got {tuple(t.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"k: shape {tuple(k.shape)} differs from q's {tuple(q.shape)}")
+    dk = q.shape[2]
+    for name, size in (("Dk", dk), ("Dv", dv)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {size}")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (seq, heads):
+            raise ValueError(f"{name}: expected [{seq}, {heads}], got {tuple(t.shape)}")
+    if state.dtype != torch.float32 or state.dim() != 4 or state.shape[1:] != (heads, dk, dv):
+        raise ValueError(f"state: expected fp32 [L, {heads}, {dk}, {dv}], got {state.dtype} {tuple(state.shape)}")
+    if not state.is_contiguous():
+        raise ValueError("state: expected a contiguous tensor")
+    if lane_of_row.shape != (seq,) or lane_of_row.dtype not in (torch.int32, torch.int64):
+        got = f"{lane_of_row.dtype} {tuple(lane_of_row.shape)}"
+        raise ValueError(f"lane_of_row: expected int32 or int64 [{seq}], got {got}")
+    if len({t.device for t in (q, k, v, g, beta, state, lane_of_row)}) != 1:
+        raise ValueError("q, k, v, g, beta, state and lane_of_row must be on one device")
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, lane_ptr, out_ptr, states_ptr, T, H, RATIO, SCALE,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr, KEEP: tl.constexpr,
+    SCAN: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One program per (row, value head, Dv tile); only a lane's first row works, looping over the lane's rows."""
+    pid = tl.program_id(0)
+    tiles = DV // BV
+    row = pid // (H * tiles)
+    head = (pid // tiles) % H
+    dk = tl.arange(0, DK)
+    dv = (pid % tiles) * BV + tl.arange(0, BV)
+    # Columns of the state are independent, so a Dv tile carries its own [Dk, BV] part of S in registers.
+    tile = dk[:, None] * DV + dv[None, :]
+    # Scalar row pointers, advanced per row, keep the live registers of the row loop few.
+    row64 = row.to(tl.int64)
+    q_at = q_ptr + row64 * stride_qt + (head // RATIO) * stride_qh
+    k_at = k_ptr + row64 * stride_kt + (head // RATIO) * stride_kh
+    v_at = v_ptr + row64 * stride_vt + head * stride_vh
+    g_at = g_ptr + row64 * stride_gt + head * stride_gh
+    beta_at = beta_ptr + row64 * stride_bt + head * stride_bh
+    out_at = out_ptr + row64 * stride_ot + head * stride_oh
+    states_at = states_ptr + (row64 * H + head) * DK * DV
+    # Issue every independent load before the first wait: the lane ids, this row's inputs, the state.
+    lane = tl.load(lane_ptr + row)
+    first = lane != tl.load(lane_ptr + row - 1, mask=row > 0, other=-1)
+    idx = row + tl.arange(0, SCAN)
+    ids = tl.load(lane_ptr + idx, mask=idx < tl.where(first, T, 0), other=-1)
+    q, k, v, g, beta = _row_inputs(q_at, k_at, v_at, g_at, beta_at, dk, dv, first, DK, DV)
+    if first:
+        slot = state_ptr + (lane.to(tl.int64) * H + head) * DK * DV
+        s = tl.load(slot + tile)
+        end = lane_run_end(lane_ptr, ids, row, lane, T, SCAN)
+        for t in tl.range(row, end):
+            q_next, k_next, v_next, g_next, beta_next = _row_inputs(
+                q_at + stride_qt, k_at + stride_kt, v_at + stride_vt, g_at + stride_gt, beta_at + stride_bt,
+                dk, dv, t + 1 < end, DK, DV,
+            )
+            q = tl.div_rn(q * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(q * q, axis=0) + EPS)), SCALE)
+            k = k * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(k * k, axis=0) + EPS))
+            s = s * exp_f32(g, INTERPRET)
+            delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+            s = s + k[:, None] * delta[None, :]
+            tl.store(out_at + dv, tl.sum(s * q[:, None], axis=0).to(out_ptr.dtype.element_ty))
+            if KEEP:
+                tl.store(states_at + tile, s)
+            q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+            q_at += stride_qt
+            k_at += stride_kt
+            v_at += stride_vt
+            g_at += stride_gt
+            beta_at += stride_bt
+            out_at += stride_ot
+            states_at += H * DK * DV
+        tl.store(slot + tile, s)
+
+
+@triton.jit
+def _row_inputs(q_at, k_at, v_at, g_at, beta_at, dk, dv, mask, DK: tl.constexpr, DV: tl.constexpr):
+    """One row's q, k, v, g and beta of this head in fp32 (zeros where the scalar `mask` is false)."""
+    # `x < where(mask, N, 0)` rather than `mask & ...`: the interpreter mistypes a scalar bool broadcast by `&`.
+    q = tl.load(q_at + dk, mask=dk < tl.where(mask, DK, 0), other=0.0).to(tl.float32)
+    k = tl.load(k_at + dk, mask=dk < tl.where(mask, DK, 0), other=0.0).to(tl.float32)
+    v = tl.load(v_at + dv, mask=dv < tl.where(mask, DV, 0), other=0.0).to(tl.float32)
+    g = tl.load(g_at, mask=mask, other=0.0).to(tl.float32)
+    beta = tl.load(beta_at, mask=mask, other=0.0).to(tl.float32)
+    return q, k, v, g, beta
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lane_of_row: torch.Tensor,
+    keep_states: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states after each row or None)."""
+    _check_gdn(q, k, v, g, beta, state, lane_of_row)
+    seq, heads, dv = v.shape
+    dk = q.shape[2]
+    out = torch.empty((seq, heads, dv), dtype=out_dtype, device=v.device)
+    states = state.new_empty((seq, heads, dk, dv)) if keep_states else None
+    if seq == 0:
+        return out, states
+    block_v = min(BLOCK_V, dv)
+    _gdn_recurrent_kernel[(seq * heads * (dv // block_v),)](
+        q, k, v, g, beta, state, lane_of_row, out, state if states is None else states,
+        seq, heads, heads // q.shape[1], dk**0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        DK=dk, DV=dv, BV=block_v, EPS=L2_EPS, KEEP=keep_states, SCAN=SCAN,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=True,
+    )
+    return out, states

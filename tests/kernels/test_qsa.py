@@ -1,0 +1,169 @@
+"""QSA indexer and sparse attention kernels against their torch references and the model's math, in the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels.qsa as qsa
+from model.ops import masked_attention
+from model.qsa import QSAIndexer
+
+HQ, HKV, D, HI, DI, RATIO, TOP = 4, 2, 16, 2, 8, 2, 3
+LANES, CONTEXT = 3, 40
+
+
+def _grid_values(shape: tuple[int, ...], gen: torch.Generator, steps: int = 2) -> torch.Tensor:
+    """bf16 values on a coarse grid (multiples of 1/steps in [-1, 1]): exact fp32 scores and many ties."""
+    return (torch.randint(-steps, steps + 1, shape, generator=gen) / steps).bfloat16()
+
+
+def _index_inputs(gen: torch.Generator, rows: int) -> tuple[torch.Tensor, ...]:
+    """Index queries, block keys with deliberate ties (lane 2: all keys equal), lanes and positions."""
+    q = _grid_values((rows, HI, DI), gen)
+    keys = _grid_values((LANES, CONTEXT // RATIO, DI), gen)
+    keys[0, 7] = keys[0, 2]
+    keys[0, 11] = keys[0, 2]
+    keys[1, 4:] = keys[1, 3]
+    keys[2] = keys[2, 0]
+    lanes = torch.arange(rows) % LANES
+    positions = torch.randint(0, CONTEXT, (rows,), generator=gen)
+    positions[:4] = torch.tensor([0, 1, 6, 7])
+    return q, keys, lanes, positions
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def test_index_matches_reference_and_ties_go_to_the_lower_block() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, keys, lanes, positions = _index_inputs(gen, 9)
+    positions[6:9] = torch.tensor([39, 38, 30])
+    idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, TOP)
+    ref, ref_counts = qsa.qsa_index_reference(q, keys, lanes, positions, RATIO, TOP)
+    assert idx.dtype == torch.int32 and idx.shape == (9, TOP * RATIO + RATIO - 1)
+    assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
+    # lane 2 has one key repeated: every score ties, so the first TOP blocks win, then the tail
+    assert idx[8].tolist() == [0, 1, 2, 3, 4, 5, 30]
+    for t in range(9):
+        end = int(positions[t]) + 1
+        n = int(counts[t])
+        assert n == min(end // RATIO, TOP) * RATIO + end % RATIO
+        assert (idx[t, n:] == -1).all() and (idx[t, :n].diff() > 0).all() and int(idx[t, n - 1]) <= end - 1
+
+
+def test_index_ties_at_the_cut_keep_the_lowest_indices() -> None:
+    q = torch.ones(1, HI, DI, dtype=torch.bfloat16)
+    keys = torch.zeros(1, 10, DI, dtype=torch.bfloat16)
+    keys[0, :, 0] = torch.tensor([1.0, 3.0, 2.0, 2.0, 3.0, 2.0, 0.5, 2.0, 3.0, 2.0]).bfloat16()
+    idx, _ = qsa.qsa_index(q, keys, torch.zeros(1), torch.tensor([19]), RATIO, 5)
+    # three 3.0s (blocks 1, 4, 8) then the two lowest of the 2.0 ties (blocks 2, 3)
+    assert idx[0].tolist()[:10] == [2, 3, 4, 5, 6, 7, 8, 9, 16, 17]
+    ref, _ = qsa.qsa_index_reference(q, keys, torch.zeros(1), torch.tensor([19]), RATIO, 5)
+    assert torch.equal(idx, ref)
+
+
+def test_index_across_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(qsa, "SELECT_TILE", 4)
+    monkeypatch.setattr(qsa, "SCORE_TILE", 4)
+    gen = torch.Generator().manual_seed(1)
+    q, keys, lanes, positions = _index_inputs(gen, 6)
+    keys[0, 8:] = torch.randn(CONTEXT // RATIO - 8, DI, generator=gen).bfloat16()
+    positions[4:] = torch.tensor([39, 33])
+    idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, 5)
+    ref, ref_counts = qsa.qsa_index_reference(q, keys, lanes, positions, RATIO, 5)
+    assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
+
+
+def test_index_matches_the_model_selection_mask() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(4, HI, DI, generator=gen).bfloat16()
+    length = 37
+    keys = torch.randn(length // RATIO, DI, generator=gen).bfloat16()
+    positions = torch.arange(length - 4, length)
+    indexer = SimpleNamespace(ratio=RATIO, top_blocks=TOP, dim=DI)
+    mask = QSAIndexer.select(indexer, q, keys, positions, length)
+    idx, counts = qsa.qsa_index(q, keys[None], torch.zeros(4), positions, RATIO, TOP)
+    ours = torch.zeros_like(mask)
+    for t in range(4):
+        ours[t, idx[t, : int(counts[t])].long()] = True
+    assert torch.equal(ours, mask)
+
+
+def test_index_rows_are_batch_invariant() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q, keys, lanes, positions = _index_inputs(gen, 5)
+    positions[4] = 35
+    idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, TOP)
+    for t in range(5):
+        one, one_count = qsa.qsa_index(q[t : t + 1], keys, lanes[t : t + 1], positions[t : t + 1], RATIO, TOP)
+        assert torch.equal(one[0], idx[t]) and int(one_count[0]) == int(counts[t])
+
+
+def _attention_inputs(gen: torch.Generator, rows: int, top: int, context: int) -> tuple[torch.Tensor, ...]:
+    """Queries, per-lane K/V caches and the kernel indexer's selection for random rows."""
+    q = torch.randn(rows, HQ, D, generator=gen).bfloat16()
+    k_cache = torch.randn(LANES, context, HKV, D, generator=gen).bfloat16()
+    v_cache = torch.randn(LANES, context, HKV, D, generator=gen).bfloat16()
+    q_idx = torch.randn(rows, HI, DI, generator=gen).bfloat16()
+    keys = torch.randn(LANES, context // RATIO, DI, generator=gen).bfloat16()
+    lanes = torch.arange(rows) % LANES
+    positions = torch.randint(0, context, (rows,), generator=gen)
+    positions[0] = 0
+    idx, counts = qsa.qsa_index(q_idx, keys, lanes, positions, RATIO, top)
+    return q, k_cache, v_cache, lanes, idx, counts
+
+
+def test_attention_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(4)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 6, TOP, CONTEXT)
+    out = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts)
+    ref = qsa.qsa_sparse_attention_reference(q, k_cache, v_cache, lanes, idx, counts)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert not out.isnan().any()
+    assert _rel(out, ref) <= 1e-2
+    assert torch.allclose(out[0].float(), v_cache[0, 0].float().repeat_interleave(HQ // HKV, 0), atol=1e-2)
+
+
+def test_attention_over_several_chunks() -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 4, 20, 64)
+    assert int(counts.max()) > 32
+    out = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, split=16, block_n=16)
+    ref = qsa.qsa_sparse_attention_reference(q, k_cache, v_cache, lanes, idx, counts)
+    assert not out.isnan().any() and _rel(out, ref) <= 1e-2
+
+
+def test_attention_matches_the_model_masked_attention() -> None:
+    gen = torch.Generator().manual_seed(6)
+    length = CONTEXT
+    q = torch.randn(4, HQ, D, generator=gen).bfloat16()
+    k = torch.randn(length, HKV, D, generator=gen).bfloat16()
+    v = torch.randn(length, HKV, D, generator=gen).bfloat16()
+    q_idx = torch.randn(4, HI, DI, generator=gen).bfloat16()
+    keys = torch.randn(length // RATIO, DI, generator=gen).bfloat16()
+    positions = torch.arange(length - 4, length)
+    mask = QSAIndexer.select(SimpleNamespace(ratio=RATIO, top_blocks=TOP, dim=DI), q_idx, keys, positions, length)
+    ref = masked_attention(q, k, v, mask, D**-0.5, positions + 1)
+    lanes = torch.zeros(4)
+    idx, counts = qsa.qsa_index(q_idx, keys[None], lanes, positions, RATIO, TOP)
+    out = qsa.qsa_sparse_attention(q, k[None], v[None], lanes, idx, counts)
+    assert _rel(out, ref) <= 1e-2
+
+
+def test_attention_rows_are_batch_invariant() -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 5, TOP, CONTEXT)
+    out = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts)
+    for t in range(5):
+        one = qsa.qsa_sparse_attention(
+            q[t : t + 1], k_cache, v_cache, lanes[t : t + 1], idx[t : t + 1], counts[t : t + 1]
+        )
+        assert torch.equal(one[0].view(torch.int16), out[t].view(torch.int16))
