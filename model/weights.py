@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from model.config import FlashNextConfig, load_config
+from model.dummy import fill_dummy
 from model.flashnext import FlashNextModel
 from model.parallel import Shard, TensorParallel
 from model.ple import NGramEmbedding
@@ -344,14 +345,21 @@ def resolve_dtype(name: str, cfg: FlashNextConfig, device: torch.device) -> torc
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "auto", tp: TensorParallel | None = None
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: str = "auto",
+    tp: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> FlashNextModel:
-    """Parse the config, build this rank's part of the model on `device` and fill it from the checkpoint."""
+    """Parse the config, build this rank's part of the model on `device` and fill it from the checkpoint (or, with
+    load_format "dummy", with random weights of the real shapes and formats)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    loader = WeightLoader(model_dir, cfg)
-    with_mtp = bool(cfg.mtp_num_hidden_layers) and loader.has_mtp()
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"--load-format: unknown value {load_format!r}; expected auto or dummy")
+    loader = WeightLoader(model_dir, cfg) if load_format == "auto" else None
+    with_mtp = bool(cfg.mtp_num_hidden_layers) and (loader is None or loader.has_mtp())
     if cfg.mtp_num_hidden_layers and not with_mtp:
         log.warning("%s has no mtp.* tensors: drafting is off", model_dir)
     with torch.device("meta"):
@@ -360,7 +368,10 @@ def load_model(
     for module in model.modules():
         if isinstance(module, NGramEmbedding):
             module.reset_buffers(device)
-    loader.fill(model, torch_dtype, device)
+    if loader is None:
+        fill_dummy(model, torch_dtype, device)
+    else:
+        loader.fill(model, torch_dtype, device)
     model.eval()
     log.info(
         "loaded %s: %d layers, dtype %s, device %s, MTP %s",

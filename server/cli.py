@@ -83,6 +83,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (default: $FLASHNEXT_API_KEY, else none)",
     )
     parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default="auto",
+        help="auto reads the checkpoint; dummy makes random weights of the config's real shapes and formats on the "
+        "device, each rank only its half, for benchmarks (default auto)",
+    )
+    parser.add_argument(
         "--drafts",
         type=int,
         choices=range(0, 16),

@@ -1,0 +1,67 @@
+"""Random weights of the real shapes and formats, made on the device (`--load-format dummy`, for benchmarks)."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from model.flashnext import FlashNextModel
+from model.moe import ExpertBank
+from model.ple import NGramTable
+
+WEIGHT_STD = 0.02
+
+
+def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
+    """A generator seeded by the tensor's name: replicated weights come out the same on every rank."""
+    return torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
+
+
+def fill_dummy(model: FlashNextModel, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+    """Fill every parameter in place: BF16 (or `dtype`) dense weights, NVFP4 routed experts, an FP8 n-gram table;
+    each rank makes only its own shard."""
+    for name, param in model.named_parameters():
+        gen = _generator(name, seed, device)
+        if name.endswith("linear_attn.norm.weight"):  # the GDN output norm is ones-centred
+            param.data = torch.ones(param.shape, dtype=dtype, device=device)
+        elif "norm" in name:  # every other norm is zero-centred: zero is unit scale
+            param.data = torch.zeros(param.shape, dtype=dtype, device=device)
+        elif name.endswith("A_log"):
+            param.data = torch.rand(param.shape, generator=gen, device=device).mul(3).sub(2).to(dtype)
+        elif name.endswith("dt_bias"):
+            param.data = torch.ones(param.shape, dtype=dtype, device=device)
+        elif param.dim() >= 2:
+            param.data = (torch.randn(param.shape, generator=gen, device=device) * WEIGHT_STD).to(dtype)
+        else:
+            param.data = torch.zeros(param.shape, dtype=dtype, device=device)
+    for name, module in model.named_modules():
+        gen = _generator(name, seed, device)
+        if isinstance(module, ExpertBank):
+            module.use_nvfp4(_nvfp4_bank(module, gen, device))
+        elif isinstance(module, NGramTable):
+            rows = (torch.randn(module.weight.shape, generator=gen, device=device) * 200).clamp(-448, 448)
+            module.weight.data = rows.to(torch.float8_e4m3fn)
+            module.weight_scale = torch.tensor(WEIGHT_STD / 200, device=device)
+
+
+def _nvfp4_bank(bank: ExpertBank, gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random FP4 codes with e4m3 block scales near 1 and a global scale giving weights of about WEIGHT_STD."""
+    experts, rows2, d = bank.gate_up_proj.shape
+    _, _, width = bank.down_proj.shape
+
+    def codes(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+
+    def scales(*shape: int) -> torch.Tensor:
+        return (0.5 + torch.rand(shape, generator=gen, device=device)).to(torch.float8_e4m3fn)
+
+    scale_2 = WEIGHT_STD / 3.0
+    return {
+        "gate_up_packed": codes(experts, rows2, d // 2),
+        "gate_up_scale": scales(experts, rows2, d // 16),
+        "gate_up_scale_2": torch.full((experts, 2), scale_2, device=device),
+        "down_packed": codes(experts, d, width // 2),
+        "down_scale": scales(experts, d, width // 16),
+        "down_scale_2": torch.full((experts,), scale_2, device=device),
+    }

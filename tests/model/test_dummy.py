@@ -1,0 +1,38 @@
+"""`--load-format dummy`: random weights of the config's shapes and formats, the same replicated bits on every rank."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from model.flashnext import single_lane_batch
+from model.parallel import TensorParallel
+from model.weights import load_model
+from tests.tiny import text_config
+
+
+def test_dummy_weights_have_the_released_formats_and_give_finite_logits(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(text_config()))
+    model = load_model(tmp_path, dtype="float32", load_format="dummy")
+    bank = model.layers[0].mlp.experts.nvfp4
+    assert bank["gate_up_packed"].dtype == torch.uint8 and bank["down_scale"].dtype == torch.float8_e4m3fn
+    assert model.layers[0].ple.ple_embedding.ngram_embedding.weight.dtype == torch.float8_e4m3fn
+    logits = model(single_lane_batch(model.new_lane(), torch.tensor([7, 8, 9, 5, 11]), 0)).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    again = load_model(tmp_path, dtype="float32", load_format="dummy")
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)  # seeded: every load makes the same weights
+
+
+def test_ranks_make_the_same_replicated_weights_and_their_own_shards(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(text_config()))
+    ranks = [load_model(tmp_path, dtype="float32", tp=TensorParallel(r, 2), load_format="dummy") for r in (0, 1)]
+    replicated = (
+        "embed_tokens.weight",
+        "layers.0.mlp.gate.weight",
+        "hyper_connection_mixer.input_mix_weight_up.weight",
+    )
+    for name in replicated:
+        assert torch.equal(ranks[0].get_parameter(name), ranks[1].get_parameter(name))
+    full = load_model(tmp_path, dtype="float32", load_format="dummy")
+    assert ranks[0].lm_head.weight.shape[0] * 2 == full.lm_head.weight.shape[0]
