@@ -6,46 +6,63 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+COPY_MATCH = 4  # how many last tokens must repeat earlier text for a copy draft
+
+
+class History:
+    """A request's tokens so far (prompt, then output), indexed by where each COPY_MATCH-gram last ended, so a copy
+    lookup costs O(1) per round whatever the length."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            # index the gram ending at the current end before moving past it: the last gram stays unindexed, so a
+            # lookup of it finds an earlier occurrence
+            end = len(self.tokens)
+            if end >= COPY_MATCH:
+                self.ends[tuple(self.tokens[end - COPY_MATCH : end])] = end
+            self.tokens.append(token)
+
+    def copy_continuation(self, depth: int) -> tuple[int, ...]:
+        """If the last COPY_MATCH tokens occurred before, what followed their latest earlier occurrence."""
+        if len(self.tokens) < COPY_MATCH:
+            return ()
+        end = self.ends.get(tuple(self.tokens[-COPY_MATCH:]))
+        return () if end is None else tuple(self.tokens[end : end + depth])
+
 
 class Drafter(Protocol):
     """Proposes up to `depth` tokens to follow `history`, given the MTP layer's chain for this lane."""
 
-    def propose(self, history: Sequence[int], depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]: ...
+    def propose(self, history: History, depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]: ...
 
 
 class MtpDrafter:
     """The MTP layer's greedy chain."""
 
-    def propose(self, history: Sequence[int], depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
+    def propose(self, history: History, depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
         return mtp[:depth]
-
-
-def copy_continuation(history: Sequence[int], depth: int, longest: int = 8, shortest: int = 3) -> tuple[int, ...]:
-    """If the last tokens repeat earlier text, what followed that text (the longest, then latest, match wins)."""
-    size = len(history)
-    for n in range(min(longest, size - 1), shortest - 1, -1):
-        suffix = list(history[size - n :])
-        for start in range(size - n - 1, -1, -1):
-            if list(history[start : start + n]) == suffix:
-                return tuple(history[start + n : start + n + depth])
-    return ()
 
 
 class CopyDrafter:
     """Copies the continuation of repeated text (code, quotes, lists), else falls back to the MTP chain."""
 
-    def propose(self, history: Sequence[int], depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
-        return copy_continuation(history, depth) or mtp[:depth]
+    def propose(self, history: History, depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
+        return history.copy_continuation(depth) or mtp[:depth]
 
 
 class ScriptedDrafter:
-    """Proposes whatever a script returns for the history (tests use it to force every accept length)."""
+    """Proposes whatever a script returns for the tokens so far (tests use it to force every accept length)."""
 
     def __init__(self, script: Callable[[Sequence[int], int], tuple[int, ...]]) -> None:
         self.script = script
 
-    def propose(self, history: Sequence[int], depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(self.script(history, depth))[:depth]
+    def propose(self, history: History, depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.script(history.tokens, depth))[:depth]
 
 
 DRAFTERS: dict[str, Callable[[], Drafter]] = {"mtp": MtpDrafter, "copy": CopyDrafter}

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
-from server.drafters import Drafter, MtpDrafter
+from server.drafters import Drafter, History, MtpDrafter
 from server.metrics import EngineMetrics
 from server.prompt_cache import Kept, PromptCache, prefix_digests
 from server.runner import ModelRunner
@@ -54,6 +54,7 @@ class Request:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     drafts: tuple[int, ...] = ()
+    history: History | None = None
     last_token_time: float = 0.0
 
 
@@ -260,8 +261,10 @@ class Engine:
                 self._finish(request, Update(tuple(taken), "length"))
                 return
         if request.draft and self.draft_depth:
-            history = [*request.prompt_ids, *request.output]
-            request.drafts = self.drafter.propose(history, self.draft_depth, mtp)
+            if request.history is None:
+                request.history = History(request.prompt_ids)
+            request.history.extend(taken)
+            request.drafts = self.drafter.propose(request.history, self.draft_depth, mtp)
         request.sink(Update(tuple(taken)))
 
     def _count_drafts(self, drafted: int, accepted: int) -> None:

@@ -10,7 +10,7 @@ from make_checkpoint import write_safetensors
 
 from model.weights import TensorIndex, load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
-from server.drafters import CopyDrafter, MtpDrafter, ScriptedDrafter, copy_continuation
+from server.drafters import CopyDrafter, History, MtpDrafter, ScriptedDrafter
 from server.runner import ModelRunner
 from tests.server.engine_harness import run
 from tests.tiny import checkpoint
@@ -130,7 +130,12 @@ def test_copy_drafts_are_accepted_on_repetitive_output(cycling):
     assert len(runner.rounds) < 60
 
 
-def test_copy_continuation_takes_the_longest_latest_match():
-    assert copy_continuation([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == (7, 5)
-    assert copy_continuation([4, 5, 6, 1, 2], 3) == ()
-    assert copy_continuation([8, 1, 2, 3, 4, 0, 1, 2, 3], 4) == (4, 0, 1, 2)
+def test_copy_continuation_follows_the_latest_earlier_occurrence():
+    history = History([1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 5])
+    assert history.copy_continuation(2) == ()  # the last four tokens never occurred before
+    history.extend([1, 2, 3, 4])
+    assert history.copy_continuation(2) == (7, 5)  # the latest of the two earlier occurrences wins
+    assert History([4, 5, 6, 1, 2]).copy_continuation(3) == ()
+    grown = History([8, 1, 2, 3])
+    grown.extend([4, 0, 1, 2, 3, 4])
+    assert grown.copy_continuation(4) == (0, 1, 2, 3)
