@@ -18,7 +18,13 @@ def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
 
 
-def fill_dummy(model: FlashNextModel, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+def fill_dummy(
+    model: FlashNextModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    table_device: torch.device | None = None,
+) -> None:
     """Fill every parameter in place: BF16 (or `dtype`) dense weights, NVFP4 routed experts, an FP8 n-gram table;
     each rank makes only its own shard."""
     for name, param in model.named_parameters():
@@ -40,9 +46,11 @@ def fill_dummy(model: FlashNextModel, dtype: torch.dtype, device: torch.device, 
         if isinstance(module, ExpertBank):
             module.use_nvfp4(_nvfp4_bank(module, gen, device))
         elif isinstance(module, NGramTable):
-            rows = (torch.randn(module.weight.shape, generator=gen, device=device) * 200).clamp(-448, 448)
+            where = table_device or device
+            gen = _generator(name, seed, where)
+            rows = (torch.randn(module.weight.shape, generator=gen, device=where) * 200).clamp(-448, 448)
             module.weight.data = rows.to(torch.float8_e4m3fn)
-            module.weight_scale = torch.tensor(WEIGHT_STD / 200, device=device)
+            module.weight_scale = torch.tensor(WEIGHT_STD / 200, device=where)
 
 
 def _nvfp4_bank(bank: ExpertBank, gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:

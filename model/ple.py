@@ -100,11 +100,12 @@ class NGramTable(nn.Module):
         self.weight_scale: torch.Tensor | None = None
 
     def lookup(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [T, heads, dim] for row ids [T, heads]."""
-        rows = F.embedding(row_ids, self.weight)
+        """Rows [T, heads, dim] for row ids [T, heads], gathered where the table lives (the GPU, or host memory
+        when it does not fit there) and returned on the ids' device."""
+        rows = F.embedding(row_ids.to(self.weight.device), self.weight)
         if self.weight_scale is not None:
-            return (rows.float() * self.weight_scale.float()).to(dtype)
-        return rows.to(dtype)
+            rows = rows.float() * self.weight_scale.float()
+        return rows.to(device=row_ids.device, dtype=dtype, non_blocking=True)
 
 
 class NGramEmbedding(nn.Module):

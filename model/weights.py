@@ -141,9 +141,12 @@ class WeightLoader:
         """Checkpoint key of a model parameter name."""
         return name if name.startswith(("lm_head.", "mtp.")) else self.prefix + name
 
-    def fill(self, model: FlashNextModel, dtype: torch.dtype, device: torch.device) -> None:
-        """Load every parameter of `model` in `dtype` on `device`."""
+    def fill(
+        self, model: FlashNextModel, dtype: torch.dtype, device: torch.device, table_device: torch.device | None = None
+    ) -> None:
+        """Load every parameter of `model` in `dtype` on `device` (the n-gram table on `table_device`)."""
         self.shards = model.plan
+        self.table_device = table_device or device
         params = dict(model.named_parameters())
         for name, param in tqdm(params.items(), desc="loading weights", unit="tensor", leave=False):
             tensor = self._load(name, param, model, dtype, device)
@@ -304,11 +307,11 @@ class WeightLoader:
         if self.quant.algo(base) == "FP8":
             if tensor.dtype != torch.float8_e4m3fn:
                 raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected float8_e4m3fn (FP8)")
-            module.weight_scale = self.index.get(f"{base}.weight_scale").float().reshape(()).to(device)
-            return _own(tensor, device, tensor.dtype)
+            module.weight_scale = self.index.get(f"{base}.weight_scale").float().reshape(()).to(self.table_device)
+            return _host_or_device(tensor, self.table_device, tensor.dtype)
         if tensor.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected bfloat16 or float32")
-        return _own(tensor, device, dtype)
+        return _host_or_device(tensor, self.table_device, dtype)
 
 
 class _Shape:
@@ -316,6 +319,12 @@ class _Shape:
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape = shape
+
+
+def _host_or_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The n-gram table where it was asked to live; in host memory it is pinned when a GPU will read it."""
+    table = _own(tensor, device, dtype)
+    return table.pin_memory() if device.type == "cpu" and torch.cuda.is_available() else table
 
 
 def _own(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -350,6 +359,7 @@ def load_model(
     dtype: str = "auto",
     tp: TensorParallel | None = None,
     load_format: str = "auto",
+    ngram_table: str = "device",
 ) -> FlashNextModel:
     """Parse the config, build this rank's part of the model on `device` and fill it from the checkpoint (or, with
     load_format "dummy", with random weights of the real shapes and formats)."""
@@ -358,6 +368,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, device)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format: unknown value {load_format!r}; expected auto or dummy")
+    if ngram_table not in ("device", "host"):
+        raise ValueError(f"--ngram-table: unknown value {ngram_table!r}; expected device or host")
+    table_device = torch.device("cpu") if ngram_table == "host" else device
     loader = WeightLoader(model_dir, cfg) if load_format == "auto" else None
     with_mtp = bool(cfg.mtp_num_hidden_layers) and (loader is None or loader.has_mtp())
     if cfg.mtp_num_hidden_layers and not with_mtp:
@@ -369,9 +382,9 @@ def load_model(
         if isinstance(module, NGramEmbedding):
             module.reset_buffers(device)
     if loader is None:
-        fill_dummy(model, torch_dtype, device)
+        fill_dummy(model, torch_dtype, device, table_device=table_device)
     else:
-        loader.fill(model, torch_dtype, device)
+        loader.fill(model, torch_dtype, device, table_device)
     model.eval()
     log.info(
         "loaded %s: %d layers, dtype %s, device %s, MTP %s",

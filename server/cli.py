@@ -90,6 +90,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "device, each rank only its half, for benchmarks (default auto)",
     )
     parser.add_argument(
+        "--ngram-table",
+        choices=("device", "host"),
+        default="device",
+        help="where the n-gram table lives: device (each GPU holds its ranks' heads) or host (pinned memory, rows "
+        "gathered by id) for GPUs it does not fit on (default device)",
+    )
+    parser.add_argument(
         "--drafts",
         type=int,
         choices=range(0, 16),

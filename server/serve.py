@@ -66,6 +66,7 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
         "prompt_budget": args.prompt_budget,
         "drafts": args.drafts,
         "load_format": args.load_format,
+        "ngram_table": args.ngram_table,
         "prompt_cache_gib": args.prompt_cache_gib if args.prompt_cache_gib is not None else "auto",
         "prompt_cache_grid": args.prompt_cache_grid,
     }
@@ -73,7 +74,9 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
 
 def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=None) -> ServerState:
     """Everything rank 0's app needs, from the serve flags (a model and runner may be given)."""
-    model = model or load_model(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format)
+    model = model or load_model(
+        args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, ngram_table=args.ngram_table
+    )
     cfg = model.cfg
     if args.context is not None and args.context > cfg.max_position_embeddings:
         raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
@@ -166,7 +169,9 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
             return 1
     device = init_group(ranks, args.device, env.tp_timeout_s)
     tp = TensorParallel(ranks.rank, ranks.world)
-    model = load_model(args.model, device=device, dtype=args.dtype, tp=tp, load_format=args.load_format)
+    model = load_model(
+        args.model, device=device, dtype=args.dtype, tp=tp, load_format=args.load_format, ngram_table=args.ngram_table
+    )
     runner = ModelRunner(model, args.max_lanes)
     if ranks.rank == 1:
         return follow(link, runner)

@@ -176,3 +176,12 @@ def test_nvfp4_scale_dtype_is_checked(tmp_path):
     bad = rewrite(path, tmp_path / "bad", tensors, shards=2)
     with pytest.raises(CheckpointError, match=f"tensor {key}: dtype torch.float32, expected float8_e4m3fn"):
         load_model(bad, dtype="float32")
+
+
+def test_the_ngram_table_in_host_memory_gives_the_same_logits(good):
+    on_device = load_model(good, dtype="float32")
+    on_host = load_model(good, dtype="float32", ngram_table="host")
+    assert on_host.layers[0].ple.ple_embedding.ngram_embedding.weight.device.type == "cpu"
+    assert torch.equal(logits(on_host), logits(on_device))
+    with pytest.raises(ValueError, match="--ngram-table"):
+        load_model(good, dtype="float32", ngram_table="disk")
