@@ -1,0 +1,503 @@
+"""Gated-residual hyper-connection read (norm, mix, stream mean, inject) and write-back, fused, one row at a time.
+
+`hc_read` turns the wide residual X [N, hc·d] into the sub-block input x [N, d] and the inject weights [N, hc];
+`hc_write` adds the sub-block output (or its per-rank fp32 partials, summed here) to every stream. `act` is the
+activation dtype (that of X: bf16 in the model, fp32 for exactness tests); every rounding below is round to nearest
+even, and every sum and transcendental runs in fp32 (sqrt and division correctly rounded, exp from libdevice).
+
+Read, three launches, each intermediate with its dtype and rounding:
+  1. rstd [N, hc] fp32 = 1 / sqrt(Σ x² / d + eps) per stream; lane-wise fp32 sums over BLOCK_D chunks of d in
+     increasing order, then one tree sum whose shape depends on d alone.
+  2. normed = act(x · rstd · (1 + w_norm)) (never stored: rebuilt identically wherever it is used);
+     a [N, r] and a_inj [N, hc] fp32 = normed · W_downᵀ, normed · W_injectᵀ: the K = hc·d axis is cut into
+     `split` ranges of `k_split` (from hc·d and d alone, `k_ranges`), each range a chain of tensor-core dots over
+     BLOCK_K tiles in increasing k from zero, the range sums added ((P0 + P1) + P2) + ... in range order. Either
+     one program runs all ranges in turn, or one program per range stores its sum and the tile's last arrival
+     (an arrival counter picks it; it reloads every range sum, so the order is fixed) adds them: same bits.
+     Then h [N, r] = act(silu(a / hc)) (stored: the up-projection's operand) and
+     inject [N, hc] = act(2 · sigmoid(a_inj / hc)), with silu(v) = v / (1 + exp(-v)), sigmoid(v) = 1 / (1 + exp(-v)).
+  3. u = h · W_upᵀ in fp32 (dots over BLOCK_R chunks of r in increasing order), g = sigmoid(u) fp32,
+     x [N, d] = act((g_0·normed_0 + g_1·normed_1 + ...) / hc), the stream sum in fp32 in stream order.
+Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
+  X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
+Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
+# and rounding is done on the bits.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HC_COUNT = 4
+MAX_SPLIT = 16
+INJECT_BLOCK = 16  # inject columns padded to one 16-wide dot tile, so hc <= 16
+MAX_TILES = 1024
+MIN_PROGRAMS = 264
+WRITE_BLOCK = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTiles:
+    """Launch shape of one read: row and column tiles of both GEMM kernels, whether one program runs every K range."""
+
+    down_m: int
+    down_r: int
+    up_m: int
+    up_d: int
+    in_program: bool
+    num_warps: int
+    num_stages: int
+
+
+def block_k(d: int) -> int:
+    """Down-projection K tile: the largest of 128, 64, 32, 16 dividing d (so a tile never straddles two streams)."""
+    return next(b for b in (128, 64, 32, 16) if d % b == 0)
+
+
+def block_r(r: int) -> int:
+    """Up-projection reduction chunk over r, from r alone."""
+    return 64 if r > 32 else max(16, triton.next_power_of_2(r))
+
+
+def k_ranges(k: int, d: int) -> tuple[int, int]:
+    """(split, k_split) for K = hc·d, from the shape alone: up to MAX_SPLIT ranges of at least two K tiles."""
+    tiles = k // block_k(d)
+    per_range = triton.cdiv(tiles, min(MAX_SPLIT, max(1, tiles // 2)))
+    k_split = per_range * block_k(d)
+    return triton.cdiv(k, k_split), k_split
+
+
+def read_tiles(n: int, r: int) -> ReadTiles:
+    """Tiles for n rows: mma.sync-sized tiles with K ranges across programs up to 256 rows, 64-row tiles beyond."""
+    if INTERPRET:
+        return ReadTiles(16, 16, 16, 16, False, 4, 1)
+    if n <= 16:
+        return ReadTiles(16, 32, 16, 16, False, 4, 4)
+    if n <= 256:
+        return ReadTiles(32, 32, 32, 32, False, 4, 3)
+    in_program = triton.cdiv(n, 64) * triton.cdiv(r, 64) >= MIN_PROGRAMS
+    return ReadTiles(64, 64, 64, 64, in_program, 4, 3)
+
+
+@triton.jit
+def _round(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> act, round to nearest even (on the bits under the interpreter, whose cast truncates)."""
+    if not ACT_BF16:
+        return x
+    elif INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _exp(x, INTERPRET: tl.constexpr):
+    """exp in fp32: libdevice's expf on the GPU, numpy's under the interpreter."""
+    if INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _sigmoid(x, INTERPRET: tl.constexpr):
+    """1 / (1 + exp(-x)) in fp32, correctly rounded division."""
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, INTERPRET))
+
+
+@triton.jit
+def _dot(a, b, acc, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a·b in fp32: bf16 tensor cores, IEEE fp32 for fp32 operands, fp32 operands under the interpreter."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif ACT_BF16:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _normed(wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, cols, col_ok, b, stride_w, HC: tl.constexpr,
+            COL_MASK: tl.constexpr, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """act(x · rstd_b · (1 + w)) for `rows` × wide columns `cols` of stream b (`col_ok` applied if COL_MASK)."""
+    ptrs = wide_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    if COL_MASK:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + cols).to(tl.float32)
+    rs = tl.load(rstd_ptr + rows * HC + b, mask=row_ok, other=0.0)
+    return _round(x * rs[:, None] * (1.0 + w)[None, :], ACT_BF16, INTERPRET)
+
+
+@triton.jit
+def _rstd_kernel(wide_ptr, rstd_ptr, D, stride_w, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32, lane sums then one tree sum."""
+    row = tl.program_id(0)
+    b = tl.program_id(1)
+    base = wide_ptr + row.to(tl.int64) * stride_w + b * D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(base + cols, mask=cols < D, other=0.0).to(tl.float32)
+        acc += x * x
+    mean = tl.div_rn(tl.sum(acc, axis=0), D.to(tl.float32))
+    tl.store(rstd_ptr + row * HC + b, tl.div_rn(1.0, tl.sqrt_rn(mean + eps)))
+
+
+@triton.jit
+def _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok, k_start, k_end, D,
+               stride_w, stride_wd, stride_wi, with_inject, HC: tl.constexpr, ACT_BF16: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """One K range's fp32 sums from zero, tiles in increasing k: (normed · W_downᵀ, normed · W_injectᵀ)."""
+    ks = tl.arange(0, BLOCK_K)
+    icols = tl.arange(0, BLOCK_I)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    iacc = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + ks
+        a = _normed(wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, kk, row_ok, k0 // D, stride_w, HC, False, ACT_BF16,
+                    INTERPRET)
+        w = tl.load(wd_ptr + cols.to(tl.int64)[None, :] * stride_wd + kk[:, None], mask=col_ok[None, :], other=0.0)
+        acc = _dot(a, w, acc, ACT_BF16, INTERPRET)
+        if with_inject:
+            wi = tl.load(wi_ptr + icols[None, :] * stride_wi + kk[:, None], mask=icols[None, :] < HC, other=0.0)
+            iacc = _dot(a, wi, iacc, ACT_BF16, INTERPRET)
+    return acc, iacc
+
+
+@triton.jit
+def _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, with_inject, HC: tl.constexpr,
+                 ACT_BF16: tl.constexpr, BLOCK_I: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store h = act(silu(a / hc)) and, for the first column tile, inject = act(2·sigmoid(a_inj / hc))."""
+    v = tl.div_rn(acc, tl.full(acc.shape, HC, tl.float32))
+    h = tl.div_rn(v, 1.0 + _exp(-v, INTERPRET))
+    ok = row_ok[:, None] & col_ok[None, :]
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * R + cols[None, :], _round(h, ACT_BF16, INTERPRET), mask=ok)
+    if with_inject:
+        icols = tl.arange(0, BLOCK_I)
+        iv = tl.div_rn(iacc, tl.full(iacc.shape, HC, tl.float32))
+        inj = 2.0 * _sigmoid(iv, INTERPRET)
+        tl.store(inj_ptr + rows.to(tl.int64)[:, None] * HC + icols[None, :], _round(inj, ACT_BF16, INTERPRET),
+                 mask=row_ok[:, None] & (icols[None, :] < HC))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _down_kernel(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ipart_ptr, h_ptr, inj_ptr, count_ptr,
+                 M, D, R, K_SPLIT, stride_w, stride_wd, stride_wi, HC: tl.constexpr, SPLIT: tl.constexpr,
+                 IN_PROGRAM: tl.constexpr, HAS_INJ: tl.constexpr, ACT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, INTERPRET: tl.constexpr):
+    """Norm + down (+ inject) projection of one [BLOCK_M, BLOCK_R] tile: all K ranges, or range pid_s of SPLIT."""
+    pid_j = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_j * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    col_ok = cols < R
+    K = HC * D
+    # `first`: whether this program also forms inject (a constexpr False drops that code when there is none)
+    first = pid_j == 0 if HAS_INJ else False
+    if IN_PROGRAM:
+        acc, iacc = _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok, 0,
+                               tl.minimum(K_SPLIT, K), D, stride_w, stride_wd, stride_wi, first, HC,
+                               ACT_BF16, BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_I, INTERPRET)
+        for s in range(1, SPLIT):
+            k_start = s * K_SPLIT
+            part, ipart = _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok,
+                                     k_start, tl.minimum(k_start + K_SPLIT, K), D, stride_w, stride_wd, stride_wi,
+                                     first, HC, ACT_BF16, BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_I, INTERPRET)
+            acc += part
+            iacc += ipart
+        _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC, ACT_BF16,
+                     BLOCK_I, INTERPRET)
+    else:
+        k_start = pid_s * K_SPLIT
+        acc, iacc = _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok, k_start,
+                               tl.minimum(k_start + K_SPLIT, K), D, stride_w, stride_wd, stride_wi, first, HC,
+                               ACT_BF16, BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_I, INTERPRET)
+        if SPLIT == 1:
+            _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC, ACT_BF16,
+                         BLOCK_I, INTERPRET)
+        else:
+            ok = row_ok[:, None] & col_ok[None, :]
+            offs = rows.to(tl.int64)[:, None] * R + cols[None, :]
+            ioffs = rows.to(tl.int64)[:, None] * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]
+            mr = M.to(tl.int64) * R
+            mi = M.to(tl.int64) * BLOCK_I
+            tl.store(part_ptr + pid_s * mr + offs, acc, mask=ok)
+            if first:
+                tl.store(ipart_ptr + pid_s * mi + ioffs, iacc, mask=row_ok[:, None])
+            tl.debug_barrier()
+            counter = count_ptr + pid_m * tl.num_programs(0) + pid_j
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                total = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                itotal = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+                if first:
+                    itotal = tl.load(ipart_ptr + ioffs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT):
+                    total += tl.load(part_ptr + s * mr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                    if first:
+                        itotal += tl.load(ipart_ptr + s * mi + ioffs, mask=row_ok[:, None], other=0.0,
+                                          cache_modifier=".cg")
+                _finish_down(total, itotal, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC,
+                             ACT_BF16, BLOCK_I, INTERPRET)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mix_kernel(wide_ptr, rstd_ptr, nw_ptr, h_ptr, wu_ptr, x_ptr, M, D, R, stride_w, stride_wu, HC: tl.constexpr,
+                ACT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """x tile = act(Σ_b sigmoid(h · W_up,bᵀ) · normed_b / hc), streams summed in order."""
+    pid_t = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_t * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    col_ok = cols < D
+    rks = tl.arange(0, BLOCK_R)
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
+    # -0.0 is the exact additive identity, so the stream sum starts with the first term's own bits
+    total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
+    for b in tl.static_range(HC):
+        wide_cols = b * D + cols
+        w_cols = wu_ptr + wide_cols.to(tl.int64)[None, :] * stride_wu
+        u = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            rk = r0 + rks
+            rk_ok = rk < R
+            hh = tl.load(h_rows + rk[None, :], mask=row_ok[:, None] & rk_ok[None, :], other=0.0)
+            w = tl.load(w_cols + rk[:, None], mask=rk_ok[:, None] & col_ok[None, :], other=0.0)
+            u = _dot(hh, w, u, ACT_BF16, INTERPRET)
+        normed = _normed(wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, wide_cols, col_ok, b, stride_w, HC, True,
+                         ACT_BF16, INTERPRET)
+        total = total + _sigmoid(u, INTERPRET) * normed.to(tl.float32)
+    x = _round(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
+    tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _write_kernel(wide_ptr, y_ptr, inj_ptr, out_ptr, D, stride_w, stride_o, stride_yr, stride_yn, stride_i,
+                  HC: tl.constexpr, RANKS: tl.constexpr, ACT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """out_b = act(X_b + inject_b · y) for one row and BLOCK columns; y = act(Σ partials in rank order) if RANKS."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < D
+    y_row = y_ptr + row * stride_yn + cols
+    if RANKS == 0:
+        y = tl.load(y_row, mask=ok, other=0.0).to(tl.float32)
+    else:
+        y = tl.load(y_row, mask=ok, other=0.0)
+        for rank in tl.static_range(1, RANKS):
+            y += tl.load(y_row + rank * stride_yr, mask=ok, other=0.0)
+        y = _round(y, ACT_BF16, INTERPRET).to(tl.float32)
+    for b in tl.static_range(HC):
+        s = tl.load(inj_ptr + row * stride_i + b).to(tl.float32)
+        x = tl.load(wide_ptr + row * stride_w + b * D + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + b * D + cols, _round(x + s * y, ACT_BF16, INTERPRET), mask=ok)
+
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the current stream of `device`; every launch leaves them zero."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"hc_read: {tiles} output tiles with K ranges across programs exceed {MAX_TILES} counters")
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _check_read(
+    wide: torch.Tensor,
+    hc_norm_weight: torch.Tensor,
+    w_down: torch.Tensor,
+    w_up: torch.Tensor,
+    w_inject: torch.Tensor | None,
+    hc: int,
+) -> None:
+    """Raise on shapes, dtypes, layouts or devices hc_read cannot take."""
+    if wide.dim() != 2 or wide.dtype not in (torch.bfloat16, torch.float32) or wide.stride(-1) != 1:
+        raise ValueError(f"wide: expected bf16 or fp32 [N, hc·d] with contiguous rows, got {wide.dtype} "
+                         f"{tuple(wide.shape)}")
+    k = wide.shape[1]
+    if not 1 <= hc <= INJECT_BLOCK or k % hc or (k // hc) % 16:
+        raise ValueError(f"wide: width {k} is not hc = {hc} (at most {INJECT_BLOCK}) streams of a multiple of 16")
+    r = w_down.shape[0]
+    want = {"hc_norm_weight": (hc_norm_weight, (k,)), "w_down": (w_down, (r, k)), "w_up": (w_up, (k, r))}
+    if w_inject is not None:
+        want["w_inject"] = (w_inject, (hc, k))
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape or t.stride(-1) != 1 or t.device != wide.device:
+            raise ValueError(f"{name}: expected {list(shape)} with a contiguous last dim on {wide.device}, "
+                             f"got {tuple(t.shape)} on {t.device}")
+        want_dtype = (torch.bfloat16, torch.float32) if name == "hc_norm_weight" else (wide.dtype,)
+        if t.dtype not in want_dtype:
+            raise ValueError(f"{name}: expected dtype in {want_dtype}, got {t.dtype}")
+
+
+def launch_read(
+    wide: torch.Tensor,
+    hc_norm_weight: torch.Tensor,
+    w_down: torch.Tensor,
+    w_up: torch.Tensor,
+    w_inject: torch.Tensor | None,
+    eps: float,
+    hc: int,
+    tiles: ReadTiles,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hc_read with explicit launch tiles (the knob tests and benchmarks turn)."""
+    _check_read(wide, hc_norm_weight, w_down, w_up, w_inject, hc)
+    n, k = wide.shape
+    d, r = k // hc, w_down.shape[0]
+    act, dev = wide.dtype, wide.device
+    x = torch.empty((n, d), dtype=act, device=dev)
+    inject = torch.empty((n, hc), dtype=act, device=dev) if w_inject is not None else None
+    if n == 0:
+        return x, inject
+    rstd = torch.empty((n, hc), dtype=torch.float32, device=dev)
+    h = torch.empty((n, r), dtype=act, device=dev)
+    _rstd_kernel[(n, hc)](wide, rstd, d, wide.stride(0), eps, HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)))
+    split, k_split = k_ranges(k, d)
+    grid = (triton.cdiv(r, tiles.down_r), triton.cdiv(n, tiles.down_m), 1 if tiles.in_program else split)
+    spread = split > 1 and not tiles.in_program
+    part = torch.empty((split, n, r), dtype=torch.float32, device=dev) if spread else h
+    ipart = torch.empty((split, n, INJECT_BLOCK), dtype=torch.float32, device=dev) if spread else h
+    counters = arrival_counters(dev, grid[0] * grid[1]) if spread else h
+    w_inj = w_inject if w_inject is not None else w_down
+    _down_kernel[grid](
+        wide, rstd, hc_norm_weight, w_down, w_inj, part, ipart, h, inject if inject is not None else h, counters,
+        n, d, r, k_split, wide.stride(0), w_down.stride(0), w_inj.stride(0),
+        HC=hc, SPLIT=split, IN_PROGRAM=tiles.in_program, HAS_INJ=w_inject is not None,
+        ACT_BF16=act == torch.bfloat16, BLOCK_M=tiles.down_m, BLOCK_R=tiles.down_r, BLOCK_K=block_k(d),
+        BLOCK_I=INJECT_BLOCK, INTERPRET=INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    _mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](
+        wide, rstd, hc_norm_weight, h, w_up, x, n, d, r, wide.stride(0), w_up.stride(0),
+        HC=hc, ACT_BF16=act == torch.bfloat16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d, BLOCK_R=block_r(r),
+        INTERPRET=INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return x, inject
+
+
+def hc_read(
+    wide: torch.Tensor,
+    hc_norm_weight: torch.Tensor,
+    w_down: torch.Tensor,
+    w_up: torch.Tensor,
+    w_inject: torch.Tensor | None,
+    eps: float,
+    hc: int = HC_COUNT,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sub-block input x [N, d] and inject weights [N, hc] (None without w_inject) from wide [N, hc·d], in its dtype."""
+    tiles = read_tiles(wide.shape[0], w_down.shape[0])
+    return launch_read(wide, hc_norm_weight, w_down, w_up, w_inject, eps, hc, tiles)
+
+
+def hc_read_reference(
+    wide: torch.Tensor,
+    hc_norm_weight: torch.Tensor,
+    w_down: torch.Tensor,
+    w_up: torch.Tensor,
+    w_inject: torch.Tensor | None,
+    eps: float,
+    hc: int = HC_COUNT,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain-PyTorch hc_read: fp32 math rounded to wide's dtype at the same places as the kernels."""
+    _check_read(wide, hc_norm_weight, w_down, w_up, w_inject, hc)
+    act = wide.dtype
+    xf = wide.float().unflatten(-1, (hc, -1))
+    rstd = 1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (xf * rstd * (1.0 + hc_norm_weight.float().view(hc, -1))).to(act).float()
+    flat = normed.flatten(1)
+    v = (flat @ w_down.float().T) / hc
+    h = (v / (1.0 + torch.exp(-v))).to(act).float()
+    terms = (1.0 / (1.0 + torch.exp(-(h @ w_up.float().T)))).unflatten(-1, (hc, -1)) * normed
+    total = terms[:, 0]
+    for b in range(1, hc):
+        total = total + terms[:, b]
+    x = (total / hc).to(act)
+    if w_inject is None:
+        return x, None
+    iv = (flat @ w_inject.float().T) / hc
+    return x, (2.0 * (1.0 / (1.0 + torch.exp(-iv)))).to(act)
+
+
+def _check_write(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.Tensor) -> None:
+    """Raise on shapes, dtypes, layouts or devices hc_write cannot take."""
+    if wide.dim() != 2 or wide.dtype not in (torch.bfloat16, torch.float32) or wide.stride(-1) != 1:
+        raise ValueError(f"wide: expected bf16 or fp32 [N, hc·d] with contiguous rows, got {wide.dtype} "
+                         f"{tuple(wide.shape)}")
+    n, k = wide.shape
+    if inject.dim() != 2 or inject.shape[0] != n or inject.dtype != wide.dtype or inject.stride(-1) != 1:
+        raise ValueError(f"inject: expected {wide.dtype} [{n}, hc], got {inject.dtype} {tuple(inject.shape)}")
+    hc = inject.shape[1]
+    if hc < 1 or k % hc:
+        raise ValueError(f"wide: width {k} is not {hc} streams")
+    d = k // hc
+    y = y_or_partials
+    two_d = y.dim() == 2 and y.dtype == wide.dtype and tuple(y.shape) == (n, d)
+    three_d = y.dim() == 3 and y.dtype == torch.float32 and y.shape[0] >= 1 and tuple(y.shape[1:]) == (n, d)
+    if not (two_d or three_d) or y.stride(-1) != 1:
+        raise ValueError(f"y_or_partials: expected {wide.dtype} [{n}, {d}] or fp32 partials [R, {n}, {d}], got "
+                         f"{y.dtype} {tuple(y.shape)}")
+    if len({wide.device, y.device, inject.device}) != 1:
+        raise ValueError("wide, y_or_partials and inject must be on one device")
+
+
+def hc_write(
+    wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """X_b + inject_b · y for each stream b; y [N, d] in wide's dtype, or fp32 partials [R, N, d] summed in order.
+
+    `out` (may be `wide` itself) receives the result; by default a new tensor does."""
+    _check_write(wide, y_or_partials, inject)
+    if out is None:
+        out = torch.empty_like(wide)
+    elif out.shape != wide.shape or out.dtype != wide.dtype or out.stride(-1) != 1 or out.device != wide.device:
+        raise ValueError(f"out: expected {wide.dtype} {tuple(wide.shape)} with contiguous rows, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    n, k = wide.shape
+    hc = inject.shape[1]
+    if n == 0:
+        return out
+    y = y_or_partials
+    ranks = y.shape[0] if y.dim() == 3 else 0
+    stride_yr = y.stride(0) if ranks else 0
+    block = WRITE_BLOCK if n <= 64 else 4 * WRITE_BLOCK
+    _write_kernel[(n, triton.cdiv(k // hc, block))](
+        wide, y, inject, out, k // hc, wide.stride(0), out.stride(0), stride_yr, y.stride(-2), inject.stride(0),
+        HC=hc, RANKS=ranks, ACT_BF16=wide.dtype == torch.bfloat16, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def hc_write_reference(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch hc_write: partials summed in rank order in fp32 and rounded, then act(X_b + inject_b·y) in fp32."""
+    _check_write(wide, y_or_partials, inject)
+    y = y_or_partials
+    if y.dim() == 3:
+        total = y[0]
+        for rank in range(1, y.shape[0]):
+            total = total + y[rank]
+        y = total.to(wide.dtype)
+    hc = inject.shape[1]
+    xf = wide.float().unflatten(-1, (hc, -1))
+    return (xf + inject.float()[:, :, None] * y.float()[:, None, :]).flatten(1).to(wide.dtype)

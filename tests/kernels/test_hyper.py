@@ -1,0 +1,260 @@
+"""The hyper-connection read and write-back kernels against their references, the model, and themselves by batch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from kernels.hyper import (
+    ReadTiles,
+    arrival_counters,
+    hc_read,
+    hc_read_reference,
+    hc_write,
+    hc_write_reference,
+    k_ranges,
+    launch_read,
+)
+from model.hyper import GatedResidual
+
+D, R, EPS = 32, 8, 1e-6
+TILES = (
+    ReadTiles(16, 16, 16, 16, False, 4, 1),
+    ReadTiles(16, 16, 16, 16, True, 4, 1),
+    ReadTiles(32, 16, 32, 32, False, 4, 1),
+    ReadTiles(64, 16, 64, 32, True, 4, 1),
+)
+
+
+def weights(hc: int, act: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random hyper-connection weights for hc streams of D: zero-centred norm weight, scaled projections."""
+    g = torch.Generator().manual_seed(seed)
+    k = hc * D
+    return {
+        "hc_norm_weight": (torch.randn(k, generator=g) * 0.1 - 0.06).to(torch.bfloat16),
+        "w_down": (torch.randn(R, k, generator=g) / k**0.5).to(act),
+        "w_up": (torch.randn(k, R, generator=g) * 2 / R**0.5).to(act),
+        "w_inject": (torch.randn(hc, k, generator=g) * 4 / k**0.5).to(act),
+    }
+
+
+def wide_rows(n: int, hc: int, act: torch.dtype, seed: int = 1) -> torch.Tensor:
+    """Random wide residual rows [n, hc·D] with a different scale per stream."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.arange(1, hc + 1).float().repeat_interleave(D)
+    return (torch.randn(n, hc * D, generator=g) * scale).to(act)
+
+
+def read(wide: torch.Tensor, w: dict[str, torch.Tensor], inject: bool, hc: int, fn=hc_read):
+    """Call a read function with the weights, with or without the inject projection."""
+    return fn(wide, w["hc_norm_weight"], w["w_down"], w["w_up"], w["w_inject"] if inject else None, EPS, hc)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def tol(act: torch.dtype) -> float:
+    """Tolerance: 1e-2 for bf16 outputs, 1e-5 for fp32."""
+    return 1e-2 if act == torch.bfloat16 else 1e-5
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hc", [2, 4])
+@pytest.mark.parametrize("inject", [True, False])
+def test_read_matches_reference(act: torch.dtype, hc: int, inject: bool) -> None:
+    w, wide = weights(hc, act), wide_rows(7, hc, act)
+    x, inj = read(wide, w, inject, hc)
+    x_ref, inj_ref = read(wide, w, inject, hc, hc_read_reference)
+    assert x.shape == (7, D) and x.dtype == act and not x.isnan().any()
+    assert rel_err(x, x_ref) <= tol(act)
+    if act == torch.bfloat16:  # rounded at the same places, only a sum order's last bit may flip a rounding
+        assert (x != x_ref).float().mean() <= 0.05
+    if inject:
+        assert inj.shape == (7, hc) and inj.dtype == act and not inj.isnan().any()
+        assert rel_err(inj, inj_ref) <= tol(act)
+        assert act == torch.float32 or (inj != inj_ref).float().mean() <= 0.05
+    else:
+        assert inj is None and inj_ref is None
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hc", [2, 4])
+def test_read_and_write_match_the_model(act: torch.dtype, hc: int) -> None:
+    cfg = SimpleNamespace(hc_count=hc, hidden_size=D, wide_size=hc * D, rms_norm_eps=EPS, hc_lowrank=R)
+    w, wide = weights(hc, act, seed=2), wide_rows(6, hc, act, seed=3)
+    block = GatedResidual(cfg).to(act)
+    block.hc_norm.weight.data.copy_(w["hc_norm_weight"])
+    block.input_mix_weight_down.weight.data.copy_(w["w_down"])
+    block.input_mix_weight_up.weight.data.copy_(w["w_up"])
+    block.block_inject_weight.weight.data.copy_(w["w_inject"])
+    x, inj = read(wide, w, True, hc)
+    x_model, inj_model = block.read(wide)
+    assert rel_err(x, x_model) <= tol(act)
+    assert rel_err(inj, inj_model) <= tol(act)
+    y = torch.randn(6, D, generator=torch.Generator().manual_seed(4)).to(act)
+    assert rel_err(hc_write(wide, y, inj), GatedResidual.write(wide, y, inj)) <= tol(act)
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inject", [True, False])
+def test_read_rows_identical_across_batch_sizes(act: torch.dtype, inject: bool) -> None:
+    w, wide = weights(4, act, seed=5), wide_rows(5, 4, act, seed=6)
+    alone = [read(wide[i : i + 1], w, inject, 4) for i in range(5)]
+    for batch in (2, 5):
+        x, inj = read(wide[:batch], w, inject, 4)
+        assert torch.equal(x, torch.cat([a[0] for a in alone[:batch]]))
+        if inject:
+            assert torch.equal(inj, torch.cat([a[1] for a in alone[:batch]]))
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_read_tiles_and_split_modes_agree(act: torch.dtype) -> None:
+    w, wide = weights(4, act, seed=7), wide_rows(5, 4, act, seed=8)
+    assert k_ranges(4 * D, D)[0] > 1, "the test shape should cut K into ranges"
+    one = [launch_read(wide[i : i + 1], *w.values(), EPS, 4, TILES[0]) for i in range(5)]
+    for tiles in TILES:
+        x, inj = launch_read(wide, *w.values(), EPS, 4, tiles)
+        assert torch.equal(x, torch.cat([o[0] for o in one])), tiles
+        assert torch.equal(inj, torch.cat([o[1] for o in one])), tiles
+    assert not arrival_counters(wide.device, 1).any()
+
+
+def test_read_norms_each_stream_on_its_own() -> None:
+    w, wide = weights(2, torch.float32, seed=9), wide_rows(3, 2, torch.float32, seed=10)
+    x, inj = read(wide, w, True, 2)
+    scaled = wide.clone()
+    scaled[:, D:] *= 8
+    x_scaled, inj_scaled = read(scaled, w, True, 2)
+    assert rel_err(x_scaled, x) <= 1e-5 and rel_err(inj_scaled, inj) <= 1e-5
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hc", [2, 4])
+def test_write_matches_reference(act: torch.dtype, hc: int) -> None:
+    g = torch.Generator().manual_seed(11)
+    wide = wide_rows(7, hc, act, seed=12)
+    y = torch.randn(7, D, generator=g).to(act)
+    inj = (torch.rand(7, hc, generator=g) * 2).to(act)
+    out, ref = hc_write(wide, y, inj), hc_write_reference(wide, y, inj)
+    assert out.dtype == act and not out.isnan().any()
+    if act == torch.bfloat16:
+        assert torch.equal(out, ref), "bf16 products are exact in fp32, so the write-back is bit-exact"
+    assert rel_err(out, ref) <= tol(act)
+    assert not torch.equal(out, wide)
+    in_place = wide.clone()
+    assert hc_write(in_place, y, inj, out=in_place) is in_place and torch.equal(in_place, out)
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_write_partials_equal_summing_then_writing(act: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(13)
+    wide = wide_rows(5, 4, act, seed=14)
+    parts = torch.randn(2, 5, D, generator=g)
+    inj = (torch.rand(5, 4, generator=g) * 2).to(act)
+    expect = hc_write(wide, (parts[0] + parts[1]).to(act), inj)
+    assert torch.equal(hc_write(wide, parts, inj), expect)
+    assert torch.equal(hc_write_reference(wide, parts, inj), expect)
+    assert not torch.equal(hc_write(wide, parts[:1], inj), expect)
+
+
+def test_write_partials_add_in_rank_order() -> None:
+    parts = torch.zeros(3, 1, D)
+    parts[0], parts[1], parts[2] = 2.0**24, -(2.0**24), 0.5
+    wide, inj = torch.zeros(1, 2 * D), torch.ones(1, 2)
+    out = hc_write(wide, parts, inj)
+    assert torch.equal(out, torch.full((1, 2 * D), 0.5)), "((p0 + p1) + p2), not p0 + (p1 + p2) = 0"
+    assert torch.equal(hc_write_reference(wide, parts, inj), out)
+
+
+@pytest.mark.parametrize("partials", [False, True])
+def test_write_rows_identical_across_batch_sizes(partials: bool) -> None:
+    g = torch.Generator().manual_seed(15)
+    wide = wide_rows(5, 4, torch.bfloat16, seed=16)
+    y = torch.randn(2, 5, D, generator=g) if partials else torch.randn(5, D, generator=g).to(torch.bfloat16)
+    inj = (torch.rand(5, 4, generator=g) * 2).to(torch.bfloat16)
+    batch = hc_write(wide, y, inj)
+    rows = [hc_write(wide[i : i + 1], y[..., i : i + 1, :], inj[i : i + 1]) for i in range(5)]
+    assert torch.equal(batch, torch.cat(rows))
+
+
+def test_empty_batch() -> None:
+    w = weights(4, torch.bfloat16)
+    x, inj = read(torch.zeros(0, 4 * D, dtype=torch.bfloat16), w, True, 4)
+    assert x.shape == (0, D) and inj.shape == (0, 4)
+    empty = torch.zeros(0, 4 * D, dtype=torch.bfloat16)
+    assert hc_write(empty, torch.zeros(0, D, dtype=torch.bfloat16), inj).shape == (0, 4 * D)
+
+
+def test_strided_rows() -> None:
+    w = weights(4, torch.bfloat16, seed=17)
+    wide = wide_rows(3, 4, torch.bfloat16, seed=18)
+    padded = torch.cat([wide, torch.ones(3, 16, dtype=torch.bfloat16)], dim=1)[:, : 4 * D]
+    assert padded.stride(0) != padded.shape[1]
+    x, inj = read(padded, w, True, 4)
+    x_ref, inj_ref = read(wide, w, True, 4)
+    assert torch.equal(x, x_ref) and torch.equal(inj, inj_ref)
+    y = torch.randn(3, D).to(torch.bfloat16)
+    assert torch.equal(hc_write(padded, y, inj), hc_write(wide, y, inj))
+
+
+@pytest.mark.parametrize(("k", "d"), [(10240, 2560), (128, 32), (64, 32), (192, 48), (4 * 1040, 1040)])
+def test_k_ranges_tile_k(k: int, d: int) -> None:
+    split, k_split = k_ranges(k, d)
+    assert 1 <= split <= 16 and (split - 1) * k_split < k <= split * k_split
+    assert k_ranges(10240, 2560) == (16, 640)
+
+
+def test_rejects_bad_inputs() -> None:
+    w, wide = weights(4, torch.bfloat16), wide_rows(2, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="w_down"):
+        hc_read(wide, w["hc_norm_weight"], w["w_down"].float(), w["w_up"], None, EPS, 4)
+    with pytest.raises(ValueError, match="hc_norm_weight"):
+        hc_read(wide, w["hc_norm_weight"].double(), w["w_down"], w["w_up"], None, EPS, 4)
+    with pytest.raises(ValueError, match="w_inject"):
+        hc_read(wide, w["hc_norm_weight"], w["w_down"], w["w_up"], w["w_inject"][:2], EPS, 4)
+    with pytest.raises(ValueError, match="wide"):
+        hc_read(wide[:, :-8], w["hc_norm_weight"], w["w_down"], w["w_up"], None, EPS, 4)
+    with pytest.raises(ValueError, match="wide"):
+        hc_read(wide.half(), w["hc_norm_weight"], w["w_down"], w["w_up"], None, EPS, 4)
+    inj = torch.ones(2, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="y_or_partials"):
+        hc_write(wide, torch.zeros(2, D), inj)
+    with pytest.raises(ValueError, match="y_or_partials"):
+        hc_write(wide, torch.zeros(2, 2, D, dtype=torch.bfloat16), inj)
+    with pytest.raises(ValueError, match="inject"):
+        hc_write(wide, torch.zeros(2, D, dtype=torch.bfloat16), inj.float())
+    with pytest.raises(ValueError, match="out"):
+        hc_write(wide, torch.zeros(2, D, dtype=torch.bfloat16), inj, out=wide.float())
+    with pytest.raises(ValueError, match="counters"):
+        arrival_counters(wide.device, 4096)
+
+
+def test_gpu_script_cpu_parts(tmp_path: Path) -> None:
+    import gpu_check_hyper as script
+
+    args = script.parse_args(["--out", str(tmp_path), "--only", "read", "write_tp2", "--batches", "1", "64"])
+    assert args.out == tmp_path and args.only == ["read", "write_tp2"] and args.batches == [1, 64]
+    real = script.REAL
+    mem, flop = script.floor_us("read", 1, real)
+    weight_bytes = (2 * 320 * 10240 + 4 * 10240) * 2
+    assert abs(mem - (weight_bytes + 10240 * 2 + 2560 * 2 + 4 * 2) / 4.27e6) < 1e-6 and flop < mem
+    mem, _ = script.floor_us("write_tp2", 8, real)
+    assert abs(mem - (2 * 8 * 10240 * 2 + 2 * 8 * 2560 * 4 + 8 * 4 * 2) / 4.27e6) < 1e-6
+    small = script.Shape(hc=4, d=D, r=R)
+    gen = torch.Generator().manual_seed(0)
+    for op in script.OPS:
+        row = script.run_case(op, 3, small, gen, torch.device("cpu"), timed=False, invariance_batches=(1, 3))
+        assert "error" not in row, row
+        assert script.passed(row) and row["row_invariant"] and row["rel_err"] <= 1e-2, row
+    row = {"op": "read", "n": 1, "nan": False, "row_invariant": True, "rel_err": 2e-2}
+    assert not script.passed(row) and script.passed({**row, "rel_err": 1e-3})
+    assert "ERROR" in script.line({"op": "write", "n": 8, "error": "boom"})
+    assert script.main(["--out", str(tmp_path)]) == 2
