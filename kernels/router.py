@@ -1,0 +1,103 @@
+"""MoE router: softmax over the expert logits in fp32, top-k with ties to the lower expert id, renormalised.
+
+`router_topk(logits [N, E], k)` gives (weights [N, k] fp32, ids [N, k] int32), ids in descending probability with
+equal probabilities in ascending expert id, as `model.moe.Router` does with a stable descending sort.
+
+Reduction order (the exactness contract). One program handles one row, with a block of next_pow2(E) lanes and a
+warp count taken from E alone, so a row's bits never depend on the batch. In fp32: m = max(x) (exact in any
+order); e = exp(x - m), the subtraction in fp32 and the exponential evaluated in fp64 and rounded once to fp32;
+s = Σ e as one fixed tree reduction over the block; p = e / s with IEEE division. The k picks are taken one by one
+as the maximum of the 64-bit key (bits(p) << 32 | (BLOCK_E - 1 - id)), so the larger probability wins and among
+equal ones the lower id. Renormalising divides each pick by their sum taken in pick order (descending probability)
+starting from zero. Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the
+k) the weights may differ in the last fp32 bits only, from the different exp implementation and summation orders;
+the ids are identical unless two probabilities land within such a rounding of each other. With bf16 logits that
+needs equal logits (equal x - m, so equal probabilities in both, tied to the lower id in both) or logits so small
+(|x| below about 1e-5) that neighbouring bf16 values differ by less than fp32 resolves after exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] fp32, ids [N, k] int32) by torch softmax in fp32 and a stable descending sort."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = order.values[:, :k], order.indices[:, :k]
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+@triton.jit
+def _router_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    stride_row,
+    K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALISE: tl.constexpr,
+):
+    """One row: fp32 softmax over E lanes, then K picks of the largest (probability, lower id) key."""
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_E)
+    valid = lanes < E
+    x = tl.load(logits_ptr + row * stride_row + lanes, mask=valid, other=float("-inf")).to(tl.float32)
+    shifted = x - tl.max(x, 0)
+    e = tl.exp(shifted.to(tl.float64)).to(tl.float32)
+    p = tl.math.div_rn(e, tl.sum(e, 0))
+    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - lanes).to(tl.int64)
+    keys = tl.where(valid, keys, -1)
+    slots = tl.arange(0, K_POW2)
+    picked_p = tl.zeros((K_POW2,), dtype=tl.float32)
+    picked_id = tl.zeros((K_POW2,), dtype=tl.int32)
+    total = tl.zeros((), dtype=tl.float32)
+    for j in range(K):
+        best = tl.max(keys, 0)
+        keys = tl.where(keys == best, -1, keys)
+        best_p = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        picked_p = tl.where(slots == j, best_p, picked_p)
+        picked_id = tl.where(slots == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32), picked_id)
+        total = total + best_p
+    if RENORMALISE:
+        picked_p = tl.math.div_rn(picked_p, tl.zeros((K_POW2,), dtype=tl.float32) + total)
+    out = row * K + slots
+    tl.store(weights_ptr + out, picked_p, mask=slots < K)
+    tl.store(ids_ptr + out, picked_id, mask=slots < K)
+
+
+def router_topk(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] fp32, ids [N, k] int32) of logits [N, E] in any float dtype; see the module docstring."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"router_topk takes float logits [N, E], got {logits.dtype} {tuple(logits.shape)}")
+    n, num_experts = logits.shape
+    if not 0 < k <= num_experts:
+        raise ValueError(f"router_topk needs 0 < k <= E, got k={k} with E={num_experts}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, k, dtype=torch.int32, device=logits.device)
+    if n == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(num_experts)
+    _router_kernel[(n,)](
+        logits,
+        weights,
+        ids,
+        num_experts,
+        logits.stride(0),
+        K=k,
+        K_POW2=triton.next_power_of_2(k),
+        BLOCK_E=block_e,
+        RENORMALISE=renormalise,
+        num_warps=max(1, min(8, block_e // 512)),
+        enable_fp_fusion=False,
+    )
+    return weights, ids

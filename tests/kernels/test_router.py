@@ -1,0 +1,97 @@
+"""The MoE router top-k against its PyTorch reference under the Triton interpreter: ties, renormalising, invariance."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from kernels.router import router_topk, router_topk_reference
+
+E, K = 16, 4
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def tie_order(probs: torch.Tensor, k: int) -> list[list[int]]:
+    """Each row's k ids by (probability descending, id ascending), written out independently of torch's sort."""
+    return [sorted(range(len(row)), key=lambda e, row=row: (-row[e], e))[:k] for row in probs.tolist()]
+
+
+def check(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel against reference: identical ids, fp32 weights within rounding, no NaN; returns the kernel's."""
+    weights, ids = router_topk(logits, k, renormalise)
+    ref_w, ref_ids = router_topk_reference(logits, k, renormalise)
+    assert weights.shape == ids.shape == (logits.shape[0], k)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert not weights.isnan().any()
+    assert torch.equal(ids, ref_ids)
+    assert rel_err(weights, ref_w) <= 1e-5 and (weights - ref_w).abs().max().item() <= 1e-6
+    return weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_reference(dtype: torch.dtype) -> None:
+    logits = (torch.randn(9, E, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
+    weights, _ = check(logits, K)
+    assert torch.allclose(weights.sum(-1), torch.ones(9), atol=1e-6)
+
+
+def test_ties_go_to_the_lower_id() -> None:
+    """Logits from a handful of values make exact ties, inside the k and across its edge."""
+    logits = torch.randint(-2, 3, (40, E), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits[0] = 0.0
+    logits[1, [3, 7, 11]] = 4.0
+    _, ids = check(logits, K)
+    assert ids.tolist() == tie_order(torch.softmax(logits.float(), -1), K)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    assert ids[1].tolist()[:3] == [3, 7, 11]
+
+
+def test_without_renormalising() -> None:
+    logits = torch.randn(6, E, generator=torch.Generator().manual_seed(2)) * 3
+    weights, ids = check(logits, K, renormalise=False)
+    probs = torch.softmax(logits, -1).gather(1, ids.long())
+    assert rel_err(weights, probs) <= 1e-5
+
+
+@pytest.mark.parametrize(("experts", "k"), [(12, 4), (16, 16), (5, 1)])
+def test_other_widths(experts: int, k: int) -> None:
+    """Expert counts that are not a power of two (masked lanes), k = E and k = 1."""
+    logits = torch.randn(7, experts, generator=torch.Generator().manual_seed(experts)).to(torch.bfloat16)
+    check(logits, k)
+
+
+def test_real_width() -> None:
+    """E = 512, k = 10 as the model routes."""
+    logits = (torch.randn(3, 512, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    check(logits, 10)
+
+
+def test_rows_identical_across_batch_sizes() -> None:
+    logits = (torch.randn(7, E, generator=torch.Generator().manual_seed(4)) * 2).to(torch.bfloat16)
+    alone = [router_topk(logits[i : i + 1], K) for i in range(7)]
+    for batch in (2, 5, 7):
+        weights, ids = router_topk(logits[:batch], K)
+        assert torch.equal(weights, torch.cat([w for w, _ in alone[:batch]]))
+        assert torch.equal(ids, torch.cat([i for _, i in alone[:batch]]))
+
+
+def test_strided_rows() -> None:
+    """A row view with a stride wider than E reads the same logits."""
+    wide = torch.randn(5, 2 * E, generator=torch.Generator().manual_seed(5))
+    weights, ids = router_topk(wide[:, :E], K)
+    ref = router_topk(wide[:, :E].contiguous(), K)
+    assert torch.equal(weights, ref[0]) and torch.equal(ids, ref[1])
+
+
+@pytest.mark.parametrize(("shape", "k"), [((4, E), 0), ((4, E), E + 1), ((E,), 2)])
+def test_bad_arguments(shape: tuple[int, ...], k: int) -> None:
+    with pytest.raises(ValueError):
+        router_topk(torch.zeros(shape), k)

@@ -1,0 +1,191 @@
+"""The batched keyed draws against `server.sampling.sample_token`, row by row, under the Triton interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from kernels.sample import (
+    draw_uniforms,
+    sample_rows,
+    sample_rows_reference,
+    sequential_cumsum,
+    sequential_cumsum_reference,
+)
+from server.sampling import draw_uniform, sample_token
+
+# (temperature, top_k, top_p, min_p): greedy, temperature only, each filter alone, all together, edge values
+COMBOS = (
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 5, 1.0, 0.0),
+    (1.3, 0, 0.9, 0.0),
+    (1.0, 0, 1.0, 0.1),
+    (0.8, 20, 0.95, 0.05),
+    (2.0, 0, 0.5, 0.0),
+    (1.0, 1, 1.0, 0.0),
+    (0.5, 400, 0.3, 0.0),
+    (1.0, 0, 1e-9, 1.0),
+    (0.0, 3, 0.5, 0.2),
+    (3.0, 7, 0.99, 0.02),
+)
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def params(n: int, gen: torch.Generator, combos: tuple = COMBOS) -> tuple[torch.Tensor, ...]:
+    """(temperature, top_k, top_p, min_p, seed, position) for n rows, cycling through combos, random keys."""
+    t, k, p, m = zip(*(combos[i % len(combos)] for i in range(n)), strict=True)
+    seed = torch.randint(*INT64, (n,), generator=gen)
+    position = torch.randint(0, 1 << 40, (n,), generator=gen)
+    f64 = torch.float64
+    return (
+        torch.tensor(t, dtype=f64),
+        torch.tensor(k),
+        torch.tensor(p, dtype=f64),
+        torch.tensor(m, dtype=f64),
+        seed,
+        position,
+    )
+
+
+def server_tokens(logits: torch.Tensor, args: tuple[torch.Tensor, ...]) -> list[int]:
+    """`sample_token` on each row alone, -1 where it raises."""
+    out = []
+    for i, row in enumerate(logits):
+        t, k, p, m, s, pos = (a[i].item() for a in args)
+        try:
+            out.append(sample_token(row, t, k, p, m, s, pos))
+        except ValueError:
+            out.append(-1)
+    return out
+
+
+def spread_values(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Nonnegative fp32 with exponents over the whole fp32 range, subnormals included."""
+    exponent = torch.randint(-149, 1, (rows, cols), generator=gen).double()
+    mantissa = torch.randint(0, 1 << 24, (rows, cols), generator=gen).double()
+    return (mantissa * 2.0 ** (exponent - 24)).float()
+
+
+def test_draws_match_draw_uniform() -> None:
+    gen = torch.Generator().manual_seed(0)
+    seed = torch.cat([torch.randint(*INT64, (90,), generator=gen), torch.tensor([0, -1, INT64[0], INT64[1], 1])])
+    position = torch.cat([torch.randint(*INT64, (45,), generator=gen), torch.randint(0, 1 << 20, (50,), generator=gen)])
+    out = draw_uniforms(seed, position)
+    ref = torch.tensor([draw_uniform(int(s), int(p)) for s, p in zip(seed, position, strict=True)], dtype=torch.float64)
+    assert torch.equal(out, ref)
+    assert ((out >= 0) & (out < 1)).all() and out.unique().numel() == out.numel()
+
+
+@pytest.mark.parametrize("kind", ["softmax_sorted", "spread_sorted", "spread_unsorted", "halves"])
+def test_sequential_cumsum_bit_exact(kind: str) -> None:
+    """Every running sum equals the left-to-right fp64 one, also where the order of the adds changes the bits."""
+    gen = torch.Generator().manual_seed(1)
+    if kind == "softmax_sorted":
+        values = torch.softmax(torch.randn(4, 300, generator=gen) * 4, dim=-1).sort(descending=True).values
+    elif kind == "halves":  # after 0.75 the grid is 2**-53: odd multiples of 2**-54 round half to even by parity
+        values = (torch.randint(0, 8, (4, 300), generator=gen) * 2.0**-54).float()
+        values += 2.0**-30 * (torch.rand(4, 300, generator=gen) < 0.2)
+        values[:, 0], values[:, 1] = 0.0, 0.75  # a leading zero too: the scan must start from it
+    else:
+        values = spread_values(4, 300, gen)
+        if kind == "spread_sorted":
+            values = values.sort(descending=True).values
+    out = sequential_cumsum(values)
+    ref = sequential_cumsum_reference(values)
+    assert torch.equal(out, ref)
+    row, running = values[0].double().tolist(), 0.0
+    for j, v in enumerate(row):  # the reference is the sequential sum
+        running += v
+        assert ref[0, j].item() == running
+    local = torch.cumsum(values.double().view(4, 10, 30), -1)
+    blocked = (local + (torch.cumsum(local[..., -1], -1) - local[..., -1])[..., None]).view(4, 300)
+    if kind != "softmax_sorted":  # a blocked scan differs here, so the equality above has teeth
+        assert not torch.equal(blocked, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [50, 300])
+def test_every_combination_matches_sample_token(vocab: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    n = 24
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    logits[1::3] = torch.randint(-3, 4, (len(logits[1::3]), vocab), generator=gen).float()  # many exact ties
+    logits = logits.to(dtype)
+    args = params(n, gen)
+    expected = server_tokens(logits, args)
+    assert sample_rows(logits, *args).tolist() == expected
+    assert sample_rows_reference(logits, *args).tolist() == expected
+
+
+def test_many_keys_on_one_row() -> None:
+    """One row drawn at many (seed, position) keys under every filter: each token is sample_token's."""
+    gen = torch.Generator().manual_seed(7)
+    vocab, n = 173, 36
+    logits = (torch.randn(vocab, generator=gen) * 2).expand(n, vocab).contiguous()
+    combos = ((1.0, 0, 1.0, 0.0), (0.9, 30, 0.9, 0.02), (1.5, 0, 0.8, 0.0))
+    args = params(n, gen, combos)
+    expected = server_tokens(logits, args)
+    assert sample_rows(logits, *args).tolist() == expected
+    assert len(set(expected)) > 10  # the keys do spread the draws
+
+
+def test_batch_one_equals_batch_five() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 120, generator=gen) * 3
+    args = params(5, gen, COMBOS[1:6])
+    batch = sample_rows(logits, *args)
+    alone = torch.cat([sample_rows(logits[i : i + 1], *(a[i : i + 1] for a in args)) for i in range(5)])
+    assert torch.equal(batch, alone)
+    assert batch.tolist() == server_tokens(logits, args)
+
+
+def test_cuts_on_exact_boundaries() -> None:
+    """Four equal logits (probabilities exactly 1/4) and the rest -inf: top_p 0.5 keeps the two candidates whose
+    mass reaches it, top_k 2 the two lower ids, min_p 1 all four ties; every key agrees with sample_token."""
+    logits = torch.full((3, 64), float("-inf"))
+    logits[:, [3, 10, 20, 50]] = 1.5
+    n = 30
+    combos = ((1.0, 0, 0.5, 0.0), (1.0, 2, 1.0, 0.0), (1.0, 0, 1.0, 1.0))
+    args = params(n, torch.Generator().manual_seed(11), combos)
+    rows = logits.repeat(n // 3, 1)
+    out = sample_rows(rows, *args)
+    assert out.tolist() == server_tokens(rows, args)
+    assert set(out[0::3].tolist()) == {3, 10} and set(out[1::3].tolist()) == {3, 10}
+    assert set(out[2::3].tolist()) <= {3, 10, 20, 50} and set(out[2::3].tolist()) & {20, 50}
+
+
+def test_greedy_ties_go_to_the_lower_id() -> None:
+    logits = torch.zeros(3, 64)
+    logits[0, [5, 9, 40]] = 2.0
+    logits[1, [63, 17]] = 1.0
+    args = params(3, torch.Generator().manual_seed(0), ((0.0, 0, 1.0, 0.0),))
+    assert sample_rows(logits, *args).tolist() == [5, 17, 0]
+
+
+def test_refused_rows_give_minus_one() -> None:
+    """Where sample_token raises, the row gets -1; the other rows are still drawn."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 60, generator=gen)
+    logits[1, 3] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3] = float("-inf")
+    combos = (
+        (1.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (0.0, 0, 1.0, 0.0),
+        (-1.0, 0, 1.0, 0.0),
+        (1.0, -2, 1.0, 0.0),
+        (1.0, 0, 0.0, 0.0),
+        (1.0, 0, 1.0, 1.5),
+        (1e-50, 0, 1.0, 0.0),
+    )
+    args = params(9, gen, combos)
+    expected = server_tokens(logits, args)
+    assert expected[0] >= 0 and expected[1:] == [-1] * 8
+    assert sample_rows(logits, *args).tolist() == expected
