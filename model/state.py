@@ -117,22 +117,25 @@ def lane_state_bytes(cfg, context: int, dtype_bytes: int) -> int:
     return fixed + context * per_token
 
 
-def _copy_cache(cache: AttentionCache | None) -> AttentionCache | None:
+def _copy_cache(cache: AttentionCache | None, share: bool) -> AttentionCache | None:
     if cache is None:
         return None
     n = cache.length
-    return AttentionCache(cache.keys[:n].clone(), cache.values[:n].clone(), cache.index_keys[:n].clone(), n)
+    parts = (cache.keys[:n], cache.values[:n], cache.index_keys[:n])
+    return AttentionCache(*(parts if share else (t.clone() for t in parts)), n)
 
 
-def copy_lane(lane: LaneState) -> LaneState:
-    """A deep copy holding exactly the lane's folded prefix (a kept prompt state, or a restore of one)."""
+def copy_lane(lane: LaneState, share_caches: bool = False) -> LaneState:
+    """A copy holding exactly the lane's folded prefix. With `share_caches` the QSA caches are views of the lane's
+    own rows instead of copies: a lane only ever writes at or past its length, so the prefix a kept state sees never
+    changes; whoever resumes from it copies (two lanes must never write into one buffer)."""
     return LaneState(
         gdn_conv={i: t.clone() for i, t in lane.gdn_conv.items()},
         gdn_recurrent={i: t.clone() for i, t in lane.gdn_recurrent.items()},
         ple_conv={i: t.clone() for i, t in lane.ple_conv.items()},
         ngram_history=lane.ngram_history.clone(),
-        attention={i: _copy_cache(c) for i, c in lane.attention.items()},
-        mtp_attention=_copy_cache(lane.mtp_attention),
+        attention={i: _copy_cache(c, share_caches) for i, c in lane.attention.items()},
+        mtp_attention=_copy_cache(lane.mtp_attention, share_caches),
         length=lane.length,
         mtp_length=lane.mtp_length,
         mtp_pending=None if lane.mtp_pending is None else lane.mtp_pending.clone(),
@@ -140,10 +143,11 @@ def copy_lane(lane: LaneState) -> LaneState:
 
 
 def lane_bytes(lane: LaneState) -> int:
-    """Bytes a lane's tensors take."""
+    """Bytes a lane's tensors hold; a cache counts its whole buffer (a kept state's views keep the lane's buffer
+    alive, so this errs on the side of the budget when states share one)."""
     tensors = [*lane.gdn_conv.values(), *lane.gdn_recurrent.values(), *lane.ple_conv.values(), lane.ngram_history]
-    caches = [*lane.attention.values(), lane.mtp_attention]
-    tensors += [t for c in caches if c is not None for t in (c.keys, c.values, c.index_keys)]
     if lane.mtp_pending is not None:
         tensors.append(lane.mtp_pending)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    caches = [*lane.attention.values(), lane.mtp_attention]
+    buffers = [t.untyped_storage().nbytes() for c in caches if c is not None for t in (c.keys, c.values, c.index_keys)]
+    return sum(t.numel() * t.element_size() for t in tensors) + sum(buffers)

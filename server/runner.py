@@ -70,7 +70,7 @@ class ModelRunner:
         if op.code is LaneOpCode.KEEP:
             if self.slots[op.slot] is None:
                 return f"keep asked of lane slot {op.slot}, which is not allocated"
-            self.kept[op.arg] = copy_lane(self.slots[op.slot])
+            self.kept[op.arg] = copy_lane(self.slots[op.slot], share_caches=True)
         elif op.code is LaneOpCode.RESTORE:
             if op.arg not in self.kept:
                 return f"restore of kept state {op.arg}, which this rank does not hold"

@@ -9,7 +9,7 @@ import torch
 from make_checkpoint import write_safetensors
 
 from model.weights import TensorIndex, load_model
-from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.drafters import CopyDrafter, History, MtpDrafter, ScriptedDrafter
 from server.runner import ModelRunner
 from tests.server.engine_harness import run
@@ -139,3 +139,20 @@ def test_copy_continuation_follows_the_latest_earlier_occurrence():
     grown = History([8, 1, 2, 3])
     grown.extend([4, 0, 1, 2, 3, 4])
     assert grown.copy_continuation(4) == (0, 1, 2, 3)
+
+
+def test_a_kept_state_shares_the_lanes_cache_rows_and_never_sees_later_writes(model):
+    runner = ModelRunner(model, 2)
+    runner.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT[:6]), 0, None),)))
+    runner.execute(RoundPlan(ops=(LaneOp(LaneOpCode.KEEP, 0, 7),)))
+    kept, lane = runner.kept[7], runner.slots[0]
+    layer = next(iter(lane.attention))
+    assert kept.attention[layer].keys.data_ptr() == lane.attention[layer].keys.data_ptr()  # shared, not copied
+    before = {k: v.clone() for k, v in state_bits(kept).items()}
+    # the lane goes on, drafts are rejected and rewritten: none of it reaches the kept prefix
+    window = LaneRows(0, tuple(PROMPT[6:]), 6, GREEDY, drafts=(1, 2, 3))
+    runner.execute(RoundPlan(rows=(window,)))
+    assert all(torch.equal(before[k], v) for k, v in state_bits(kept).items())
+    runner.execute(RoundPlan(allocate=(1,), ops=(LaneOp(LaneOpCode.RESTORE, 1, 7),)))
+    restored = runner.slots[1].attention[layer]
+    assert restored.keys.data_ptr() != kept.attention[layer].keys.data_ptr()  # a resumed lane writes into its own

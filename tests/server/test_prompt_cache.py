@@ -104,7 +104,7 @@ def test_two_concurrent_requests_sharing_a_prefix_equal_their_fresh_runs(servers
 
 def test_a_tiny_budget_evicts_and_keeps_serving_correct_output(ckpt, servers):
     _, off = servers
-    with serve(ckpt, "--prompt-cache-gib", "0.00003", "--prompt-cache-grid", "4") as tiny:
+    with serve(ckpt, "--prompt-cache-gib", "0.0002", "--prompt-cache-grid", "4") as tiny:
         outs = [complete(tiny, LONG[: 20 + i]) for i in range(6)]
         health = httpx.get(f"{tiny.url}/health").json()["prompt_cache"]
         assert 0 < health["bytes"] <= health["budget_bytes"]
