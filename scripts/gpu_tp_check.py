@@ -19,19 +19,13 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
 from make_checkpoint import make_checkpoint  # noqa: E402
 
+from server.ranks import free_port  # noqa: E402
+
 PROMPTS = ([7, 19, 40, 33, 2, 91, 12, 44], [100, 3, 5, 9, 250, 17], [42] * 12)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_server(ckpt: Path, device: str, tp: int, dtype: str, log: Path) -> dict[str, object]:
