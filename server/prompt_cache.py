@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 
 def prefix_digests(tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, bytes]:
     """SHA-256 of tokens[:n] for each n in `lengths`, in one pass."""
-    data = np.asarray(tokens, dtype=np.int64).tobytes()
+    data = array("q", tokens).tobytes()
     digests, hasher, done = {}, hashlib.sha256(), 0
     for n in sorted(set(lengths)):
         hasher.update(data[done * 8 : n * 8])
