@@ -127,8 +127,21 @@ def _dot(a, b, acc, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _normed(wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, cols, col_ok, b, stride_w, HC: tl.constexpr,
-            COL_MASK: tl.constexpr, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+def _normed(
+    wide_ptr,
+    rstd_ptr,
+    nw_ptr,
+    rows,
+    row_ok,
+    cols,
+    col_ok,
+    b,
+    stride_w,
+    HC: tl.constexpr,
+    COL_MASK: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """act(x · rstd_b · (1 + w)) for `rows` × wide columns `cols` of stream b (`col_ok` applied if COL_MASK)."""
     ptrs = wide_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
     if COL_MASK:
@@ -157,10 +170,31 @@ def _rstd_kernel(wide_ptr, rstd_ptr, D, stride_w, eps, HC: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok, k_start, k_end, D,
-               stride_w, stride_wd, stride_wi, with_inject, HC: tl.constexpr, ACT_BF16: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _range_dot(
+    wide_ptr,
+    rstd_ptr,
+    nw_ptr,
+    wd_ptr,
+    wi_ptr,
+    rows,
+    row_ok,
+    cols,
+    col_ok,
+    k_start,
+    k_end,
+    D,
+    stride_w,
+    stride_wd,
+    stride_wi,
+    with_inject,
+    HC: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """One K range's fp32 sums from zero, tiles in increasing k: (normed · W_downᵀ, normed · W_injectᵀ)."""
     ks = tl.arange(0, BLOCK_K)
     icols = tl.arange(0, BLOCK_I)
@@ -168,8 +202,9 @@ def _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, c
     iacc = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + ks
-        a = _normed(wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, kk, row_ok, k0 // D, stride_w, HC, False, ACT_BF16,
-                    INTERPRET)
+        a = _normed(
+            wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, kk, row_ok, k0 // D, stride_w, HC, False, ACT_BF16, INTERPRET
+        )
         w = tl.load(wd_ptr + cols.to(tl.int64)[None, :] * stride_wd + kk[:, None], mask=col_ok[None, :], other=0.0)
         acc = _dot(a, w, acc, ACT_BF16, INTERPRET)
         if with_inject:
@@ -179,8 +214,22 @@ def _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, c
 
 
 @triton.jit
-def _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, with_inject, HC: tl.constexpr,
-                 ACT_BF16: tl.constexpr, BLOCK_I: tl.constexpr, INTERPRET: tl.constexpr):
+def _finish_down(
+    acc,
+    iacc,
+    h_ptr,
+    inj_ptr,
+    rows,
+    row_ok,
+    cols,
+    col_ok,
+    R,
+    with_inject,
+    HC: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """Store h = act(silu(a / hc)) and, for the first column tile, inject = act(2·sigmoid(a_inj / hc))."""
     v = tl.div_rn(acc, tl.full(acc.shape, HC, tl.float32))
     h = tl.div_rn(v, 1.0 + _exp(-v, INTERPRET))
@@ -190,15 +239,43 @@ def _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, with_
         icols = tl.arange(0, BLOCK_I)
         iv = tl.div_rn(iacc, tl.full(iacc.shape, HC, tl.float32))
         inj = 2.0 * _sigmoid(iv, INTERPRET)
-        tl.store(inj_ptr + rows.to(tl.int64)[:, None] * HC + icols[None, :], _round(inj, ACT_BF16, INTERPRET),
-                 mask=row_ok[:, None] & (icols[None, :] < HC))
+        tl.store(
+            inj_ptr + rows.to(tl.int64)[:, None] * HC + icols[None, :],
+            _round(inj, ACT_BF16, INTERPRET),
+            mask=row_ok[:, None] & (icols[None, :] < HC),
+        )
 
 
 @triton.jit(do_not_specialize=["M"])
-def _down_kernel(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ipart_ptr, h_ptr, inj_ptr, count_ptr,
-                 M, D, R, K_SPLIT, stride_w, stride_wd, stride_wi, HC: tl.constexpr, SPLIT: tl.constexpr,
-                 IN_PROGRAM: tl.constexpr, HAS_INJ: tl.constexpr, ACT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_I: tl.constexpr, INTERPRET: tl.constexpr):
+def _down_kernel(
+    wide_ptr,
+    rstd_ptr,
+    nw_ptr,
+    wd_ptr,
+    wi_ptr,
+    part_ptr,
+    ipart_ptr,
+    h_ptr,
+    inj_ptr,
+    count_ptr,
+    M,
+    D,
+    R,
+    K_SPLIT,
+    stride_w,
+    stride_wd,
+    stride_wi,
+    HC: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IN_PROGRAM: tl.constexpr,
+    HAS_INJ: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """Norm + down (+ inject) projection of one [BLOCK_M, BLOCK_R] tile: all K ranges, or range pid_s of SPLIT."""
     pid_j = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -211,26 +288,92 @@ def _down_kernel(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ipart_ptr
     # `first`: whether this program also forms inject (a constexpr False drops that code when there is none)
     first = pid_j == 0 if HAS_INJ else False
     if IN_PROGRAM:
-        acc, iacc = _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok, 0,
-                               tl.minimum(K_SPLIT, K), D, stride_w, stride_wd, stride_wi, first, HC,
-                               ACT_BF16, BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_I, INTERPRET)
+        acc, iacc = _range_dot(
+            wide_ptr,
+            rstd_ptr,
+            nw_ptr,
+            wd_ptr,
+            wi_ptr,
+            rows,
+            row_ok,
+            cols,
+            col_ok,
+            0,
+            tl.minimum(K_SPLIT, K),
+            D,
+            stride_w,
+            stride_wd,
+            stride_wi,
+            first,
+            HC,
+            ACT_BF16,
+            BLOCK_M,
+            BLOCK_R,
+            BLOCK_K,
+            BLOCK_I,
+            INTERPRET,
+        )
         for s in range(1, SPLIT):
             k_start = s * K_SPLIT
-            part, ipart = _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok,
-                                     k_start, tl.minimum(k_start + K_SPLIT, K), D, stride_w, stride_wd, stride_wi,
-                                     first, HC, ACT_BF16, BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_I, INTERPRET)
+            part, ipart = _range_dot(
+                wide_ptr,
+                rstd_ptr,
+                nw_ptr,
+                wd_ptr,
+                wi_ptr,
+                rows,
+                row_ok,
+                cols,
+                col_ok,
+                k_start,
+                tl.minimum(k_start + K_SPLIT, K),
+                D,
+                stride_w,
+                stride_wd,
+                stride_wi,
+                first,
+                HC,
+                ACT_BF16,
+                BLOCK_M,
+                BLOCK_R,
+                BLOCK_K,
+                BLOCK_I,
+                INTERPRET,
+            )
             acc += part
             iacc += ipart
-        _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC, ACT_BF16,
-                     BLOCK_I, INTERPRET)
+        _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC, ACT_BF16, BLOCK_I, INTERPRET)
     else:
         k_start = pid_s * K_SPLIT
-        acc, iacc = _range_dot(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, rows, row_ok, cols, col_ok, k_start,
-                               tl.minimum(k_start + K_SPLIT, K), D, stride_w, stride_wd, stride_wi, first, HC,
-                               ACT_BF16, BLOCK_M, BLOCK_R, BLOCK_K, BLOCK_I, INTERPRET)
+        acc, iacc = _range_dot(
+            wide_ptr,
+            rstd_ptr,
+            nw_ptr,
+            wd_ptr,
+            wi_ptr,
+            rows,
+            row_ok,
+            cols,
+            col_ok,
+            k_start,
+            tl.minimum(k_start + K_SPLIT, K),
+            D,
+            stride_w,
+            stride_wd,
+            stride_wi,
+            first,
+            HC,
+            ACT_BF16,
+            BLOCK_M,
+            BLOCK_R,
+            BLOCK_K,
+            BLOCK_I,
+            INTERPRET,
+        )
         if SPLIT == 1:
-            _finish_down(acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC, ACT_BF16,
-                         BLOCK_I, INTERPRET)
+            _finish_down(
+                acc, iacc, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC, ACT_BF16, BLOCK_I, INTERPRET
+            )
         else:
             ok = row_ok[:, None] & col_ok[None, :]
             offs = rows.to(tl.int64)[:, None] * R + cols[None, :]
@@ -250,17 +393,48 @@ def _down_kernel(wide_ptr, rstd_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ipart_ptr
                 for s in tl.static_range(1, SPLIT):
                     total += tl.load(part_ptr + s * mr + offs, mask=ok, other=0.0, cache_modifier=".cg")
                     if first:
-                        itotal += tl.load(ipart_ptr + s * mi + ioffs, mask=row_ok[:, None], other=0.0,
-                                          cache_modifier=".cg")
-                _finish_down(total, itotal, h_ptr, inj_ptr, rows, row_ok, cols, col_ok, R, first, HC,
-                             ACT_BF16, BLOCK_I, INTERPRET)
+                        itotal += tl.load(
+                            ipart_ptr + s * mi + ioffs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+                        )
+                _finish_down(
+                    total,
+                    itotal,
+                    h_ptr,
+                    inj_ptr,
+                    rows,
+                    row_ok,
+                    cols,
+                    col_ok,
+                    R,
+                    first,
+                    HC,
+                    ACT_BF16,
+                    BLOCK_I,
+                    INTERPRET,
+                )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mix_kernel(wide_ptr, rstd_ptr, nw_ptr, h_ptr, wu_ptr, x_ptr, M, D, R, stride_w, stride_wu, HC: tl.constexpr,
-                ACT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                INTERPRET: tl.constexpr):
+def _mix_kernel(
+    wide_ptr,
+    rstd_ptr,
+    nw_ptr,
+    h_ptr,
+    wu_ptr,
+    x_ptr,
+    M,
+    D,
+    R,
+    stride_w,
+    stride_wu,
+    HC: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """x tile = act(Σ_b sigmoid(h · W_up,bᵀ) · normed_b / hc), streams summed in order."""
     pid_t = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -282,17 +456,32 @@ def _mix_kernel(wide_ptr, rstd_ptr, nw_ptr, h_ptr, wu_ptr, x_ptr, M, D, R, strid
             hh = tl.load(h_rows + rk[None, :], mask=row_ok[:, None] & rk_ok[None, :], other=0.0)
             w = tl.load(w_cols + rk[:, None], mask=rk_ok[:, None] & col_ok[None, :], other=0.0)
             u = _dot(hh, w, u, ACT_BF16, INTERPRET)
-        normed = _normed(wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, wide_cols, col_ok, b, stride_w, HC, True,
-                         ACT_BF16, INTERPRET)
+        normed = _normed(
+            wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, wide_cols, col_ok, b, stride_w, HC, True, ACT_BF16, INTERPRET
+        )
         total = total + _sigmoid(u, INTERPRET) * normed.to(tl.float32)
     x = _round(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _write_kernel(wide_ptr, y_ptr, inj_ptr, out_ptr, D, stride_w, stride_o, stride_yr, stride_yn, stride_i,
-                  HC: tl.constexpr, RANKS: tl.constexpr, ACT_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+def _write_kernel(
+    wide_ptr,
+    y_ptr,
+    inj_ptr,
+    out_ptr,
+    D,
+    stride_w,
+    stride_o,
+    stride_yr,
+    stride_yn,
+    stride_i,
+    HC: tl.constexpr,
+    RANKS: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """out_b = act(X_b + inject_b · y) for one row and BLOCK columns; y = act(Σ partials in rank order) if RANKS."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -335,8 +524,9 @@ def _check_read(
 ) -> None:
     """Raise on shapes, dtypes, layouts or devices hc_read cannot take."""
     if wide.dim() != 2 or wide.dtype not in (torch.bfloat16, torch.float32) or wide.stride(-1) != 1:
-        raise ValueError(f"wide: expected bf16 or fp32 [N, hc·d] with contiguous rows, got {wide.dtype} "
-                         f"{tuple(wide.shape)}")
+        raise ValueError(
+            f"wide: expected bf16 or fp32 [N, hc·d] with contiguous rows, got {wide.dtype} {tuple(wide.shape)}"
+        )
     k = wide.shape[1]
     if not 1 <= hc <= INJECT_BLOCK or k % hc or (k // hc) % 16:
         raise ValueError(f"wide: width {k} is not hc = {hc} (at most {INJECT_BLOCK}) streams of a multiple of 16")
@@ -346,8 +536,10 @@ def _check_read(
         want["w_inject"] = (w_inject, (hc, k))
     for name, (t, shape) in want.items():
         if tuple(t.shape) != shape or t.stride(-1) != 1 or t.device != wide.device:
-            raise ValueError(f"{name}: expected {list(shape)} with a contiguous last dim on {wide.device}, "
-                             f"got {tuple(t.shape)} on {t.device}")
+            raise ValueError(
+                f"{name}: expected {list(shape)} with a contiguous last dim on {wide.device}, "
+                f"got {tuple(t.shape)} on {t.device}"
+            )
         want_dtype = (torch.bfloat16, torch.float32) if name == "hc_norm_weight" else (wide.dtype,)
         if t.dtype not in want_dtype:
             raise ValueError(f"{name}: expected dtype in {want_dtype}, got {t.dtype}")
@@ -443,8 +635,9 @@ def hc_read_reference(
 def _check_write(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.Tensor) -> None:
     """Raise on shapes, dtypes, layouts or devices hc_write cannot take."""
     if wide.dim() != 2 or wide.dtype not in (torch.bfloat16, torch.float32) or wide.stride(-1) != 1:
-        raise ValueError(f"wide: expected bf16 or fp32 [N, hc·d] with contiguous rows, got {wide.dtype} "
-                         f"{tuple(wide.shape)}")
+        raise ValueError(
+            f"wide: expected bf16 or fp32 [N, hc·d] with contiguous rows, got {wide.dtype} {tuple(wide.shape)}"
+        )
     n, k = wide.shape
     if inject.dim() != 2 or inject.shape[0] != n or inject.dtype != wide.dtype or inject.stride(-1) != 1:
         raise ValueError(f"inject: expected {wide.dtype} [{n}, hc], got {inject.dtype} {tuple(inject.shape)}")
@@ -456,8 +649,10 @@ def _check_write(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.
     two_d = y.dim() == 2 and y.dtype == wide.dtype and tuple(y.shape) == (n, d)
     three_d = y.dim() == 3 and y.dtype == torch.float32 and y.shape[0] >= 1 and tuple(y.shape[1:]) == (n, d)
     if not (two_d or three_d) or y.stride(-1) != 1:
-        raise ValueError(f"y_or_partials: expected {wide.dtype} [{n}, {d}] or fp32 partials [R, {n}, {d}], got "
-                         f"{y.dtype} {tuple(y.shape)}")
+        raise ValueError(
+            f"y_or_partials: expected {wide.dtype} [{n}, {d}] or fp32 partials [R, {n}, {d}], got "
+            f"{y.dtype} {tuple(y.shape)}"
+        )
     if len({wide.device, y.device, inject.device}) != 1:
         raise ValueError("wide, y_or_partials and inject must be on one device")
 
@@ -472,8 +667,9 @@ def hc_write(
     if out is None:
         out = torch.empty_like(wide)
     elif out.shape != wide.shape or out.dtype != wide.dtype or out.stride(-1) != 1 or out.device != wide.device:
-        raise ValueError(f"out: expected {wide.dtype} {tuple(wide.shape)} with contiguous rows, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+        raise ValueError(
+            f"out: expected {wide.dtype} {tuple(wide.shape)} with contiguous rows, got {out.dtype} {tuple(out.shape)}"
+        )
     n, k = wide.shape
     hc = inject.shape[1]
     if n == 0:

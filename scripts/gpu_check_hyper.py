@@ -210,8 +210,7 @@ def run_case(
             per_call = mem * 1e-6 * HBM_BYTES_PER_S
             copies = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / per_call)))
             sets = [(w, rows)] + [
-                (make_weights(op, shape, device, gen), make_rows(op, n, shape, device, gen))
-                for _ in range(copies - 1)
+                (make_weights(op, shape, device, gen), make_rows(op, n, shape, device, gen)) for _ in range(copies - 1)
             ]
             t = time_us([lambda w=w, rows=rows: call(op, w, rows, shape) for w, rows in sets])
             row.update(time_us=t, ratio=t / max(mem, flop), copies=copies)
