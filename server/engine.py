@@ -54,6 +54,7 @@ class Request:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     drafts: tuple[int, ...] = ()
+    depth: int = 0  # drafts asked of this lane next round: it adapts to what the lane's windows keep
     history: History | None = None
     last_token_time: float = 0.0
 
@@ -175,7 +176,7 @@ class Engine:
         rows, budget = [], self.prompt_budget
         for request in self.running:
             prompt = request.prompt_ids
-            depth = self.mtp_depth if request.draft else 0
+            depth = min(request.depth, self.mtp_depth)
             if request.prefilled == len(prompt):
                 start = len(prompt) + len(request.output) - 1
                 room = min(request.max_tokens - len(request.output), self.context - start) - 1
@@ -198,6 +199,7 @@ class Engine:
         """Resume the longest kept prefix of the prompt, and plan where its prompt pass keeps states: a grid of
         positions, the given message boundaries, and one token before the end."""
         prompt = request.prompt_ids
+        request.depth = self.draft_depth if request.draft else 0
         hit = self.cache.lookup(prompt)
         if hit is not None:
             ops.append(LaneOp(LaneOpCode.RESTORE, request.slot, hit.handle))
@@ -245,6 +247,7 @@ class Engine:
                     continue
                 request.prefilled = len(request.prompt_ids)
                 self._count_drafts(len(rows.drafts), result.accepted)
+                self._adapt_depth(request, len(rows.drafts), result.accepted)
                 self._keep(request, result.tokens, result.drafts, now)
 
     def _keep(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...], now: float) -> None:
@@ -264,8 +267,17 @@ class Engine:
             if request.history is None:
                 request.history = History(request.prompt_ids)
             request.history.extend(taken)
-            request.drafts = self.drafter.propose(request.history, self.draft_depth, mtp)
+            request.drafts = self.drafter.propose(request.history, request.depth, mtp)
         request.sink(Update(tuple(taken)))
+
+    def _adapt_depth(self, request: Request, drafted: int, accepted: int) -> None:
+        """One more draft after a window kept whole, one fewer after a window that kept none (at least one, at most
+        --drafts): verification costs rows, and a lane that never keeps drafts should not pay for many. Output is
+        the same whatever the depth."""
+        if drafted and accepted == drafted:
+            request.depth = min(request.depth + 1, self.draft_depth)
+        elif drafted and not accepted:
+            request.depth = max(request.depth - 1, 1)
 
     def _count_drafts(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted

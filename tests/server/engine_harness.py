@@ -28,14 +28,16 @@ class Outcome:
 
 
 class RecordingRunner(ModelRunner):
-    """A runner that keeps every round's results (accept lengths, drafts)."""
+    """A runner that keeps every round's plan and results (windows, accept lengths, drafts)."""
 
     def __init__(self, model: FlashNextModel, max_lanes: int) -> None:
         super().__init__(model, max_lanes)
         self.rounds: list[list[LaneResult]] = []
+        self.plans = []
 
     def execute(self, plan):
         results = super().execute(plan)
+        self.plans.append(plan)
         self.rounds.append(results)
         return results
 

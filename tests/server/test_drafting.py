@@ -156,3 +156,22 @@ def test_a_kept_state_shares_the_lanes_cache_rows_and_never_sees_later_writes(mo
     runner.execute(RoundPlan(allocate=(1,), ops=(LaneOp(LaneOpCode.RESTORE, 1, 7),)))
     restored = runner.slots[1].attention[layer]
     assert restored.keys.data_ptr() != kept.attention[layer].keys.data_ptr()  # a resumed lane writes into its own
+
+
+def test_the_draft_depth_adapts_to_what_a_lane_keeps(model):
+    (reference,), _ = run(model, [PROMPT], 30, [GREEDY], draft=False)
+
+    def right(history, wanted):
+        done = len(history) - len(PROMPT)
+        return tuple(reference[done : done + wanted])
+
+    def wrong(history, wanted):
+        return tuple((t + 1) % model.cfg.vocab_size for t in right(history, wanted))
+
+    windows = {}
+    for name, script in (("right", right), ("wrong", wrong)):
+        (tokens,), runner = run(model, [PROMPT], 30, [GREEDY], depth=3, drafter=ScriptedDrafter(script))
+        assert tokens == reference
+        windows[name] = [len(rows.drafts) for plan in runner.plans for rows in plan.rows if rows.drafts]
+    assert max(windows["right"]) == 3 and windows["right"][0] == 3
+    assert windows["wrong"][0] == 3 and windows["wrong"][-3:] == [1, 1, 1]  # a lane that keeps nothing drafts less
