@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import graph_median_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -194,24 +194,7 @@ def floors(cfg: Config, case: Case) -> tuple[float, float]:
 
 def time_graph(fn: Callable[[], object], reps: int) -> float:
     """Median µs of one call, from CUDA-graph replays of GRAPH_CALLS calls timed with events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-    return statistics.median(times)
+    return graph_median_us([fn], GRAPH_CALLS, reps)
 
 
 def run_case(cfg: Config, case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, object]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gpu_timing import graph_median_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -177,27 +177,7 @@ def check_invariance(shape: Shape, case: Case, context: int, gen: torch.Generato
 def time_graph(fn: Callable[[], object], reps: int) -> float:
     """Median µs per call of fn, from `reps` replays of a CUDA graph holding GRAPH_COPIES calls back to back
     (so the graph's own launch latency is spread over the copies, as inside a server's step graph)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_COPIES):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / GRAPH_COPIES)
-    return statistics.median(times)
+    return graph_median_us([fn], GRAPH_COPIES, reps)
 
 
 def profile_kernels(shape: Shape, args: argparse.Namespace) -> list[dict[str, object]]:
