@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.counters import CounterPool
+
 # The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
 # and rounding is done on the bits.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -500,18 +502,12 @@ def _write_kernel(
         tl.store(out_ptr + row * stride_o + b * D + cols, _round(x + s * y, ACT_BF16, INTERPRET), mask=ok)
 
 
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+_POOL = CounterPool(MAX_TILES, "hc_read", "output tiles with K ranges across programs")
 
 
 def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the current stream of `device`; every launch leaves them zero."""
-    if tiles > MAX_TILES:
-        raise ValueError(f"hc_read: {tiles} output tiles with K ranges across programs exceed {MAX_TILES} counters")
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+    return _POOL.get(device, tiles)
 
 
 def _check_read(

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import CounterPool
+
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_K = 128
@@ -117,19 +119,12 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# Arrival counters per (device, stream); graphs captured on one stream share a set, so replay them on one stream.
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+_POOL = CounterPool(MAX_TILES, "linear", "16-row output tiles")
 
 
 def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the current stream of `device`; every launch leaves them zero."""
-    if tiles > MAX_TILES:
-        raise ValueError(f"linear: {tiles} 16-row output tiles exceed the {MAX_TILES} arrival counters")
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+    return _POOL.get(device, tiles)
 
 
 @functools.cache

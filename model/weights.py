@@ -185,7 +185,7 @@ class WeightLoader:
         full = list(local)
         if shard is not None:
             full[shard.dim] = shard.full
-        _check_shape(key, _Shape(self.index.shape(key)), tuple(full))
+        _check_shape(key, self.index.shape(key), tuple(full))
         tensor = self.index.read(key, shard)
         if tensor.dtype not in dtypes:
             expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -214,7 +214,7 @@ class WeightLoader:
         for expert in range(e):
             parts = [self._expert_matrix(f"{base}.{expert}.{p}", p, algo, dtype, device) for p in projections]
             rows.append(torch.cat(parts))
-            _check_shape(f"{base}.{expert}.{which}", rows[-1], local)
+            _check_shape(f"{base}.{expert}.{which}", tuple(rows[-1].shape), local)
         return torch.stack(rows)
 
     def _expert_matrix(self, key: str, proj: str, algo: str | None, dtype, device: torch.device) -> torch.Tensor:
@@ -296,7 +296,7 @@ class WeightLoader:
                 start += self.index.shape(key)[0]
         dim = module.weight.shape[1]
         total = sum(self.index.shape(key)[0] for key, _ in pieces)
-        _check_shape(f"{base}.weight", _Shape((total, *self.index.shape(pieces[0][0])[1:])), (module.rows_total, dim))
+        _check_shape(f"{base}.weight", (total, *self.index.shape(pieces[0][0])[1:]), (module.rows_total, dim))
         parts = []
         for key, start in pieces:
             rows = self.index.shape(key)[0]
@@ -314,13 +314,6 @@ class WeightLoader:
         return _host_or_device(tensor, self.table_device, dtype)
 
 
-class _Shape:
-    """A shape standing in for a tensor in shape checks."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.shape = shape
-
-
 def _host_or_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The n-gram table where it was asked to live; in host memory it is pinned when a GPU will read it."""
     table = _own(tensor, device, dtype)
@@ -333,13 +326,13 @@ def _own(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torc
     return tensor.to(device=device, dtype=dtype, copy=True)
 
 
-def _check_shape(key: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise CheckpointError(f"tensor {key}: shape {list(tensor.shape)}, expected {list(shape)}")
+def _check_shape(key: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(expected):
+        raise CheckpointError(f"tensor {key}: shape {list(got)}, expected {list(expected)}")
 
 
 def _check(key: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    _check_shape(key, tensor, shape)
+    _check_shape(key, tuple(tensor.shape), shape)
     if tensor.dtype != dtype:
         raise CheckpointError(f"tensor {key}: dtype {tensor.dtype}, expected {dtype}")
 

@@ -81,11 +81,12 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
     if args.context is not None and args.context > cfg.max_position_embeddings:
         raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
     dtype_bytes = torch.finfo(model.dtype).bits // 8
+    free = free_memory(model.device)
     context = choose_context(
         args.context,
         cfg.max_position_embeddings,
         lambda n: lane_state_bytes(cfg, n, dtype_bytes),
-        free_memory(model.device),
+        free,
     )
     tokenizer = load_tokenizer(args.model)
     name = args.served_model_name or args.model.name
@@ -98,7 +99,7 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
     cache_bytes = (
         int(args.prompt_cache_gib * 2**30)
         if args.prompt_cache_gib is not None
-        else (free_memory(model.device) // 4 if model.device.type == "cuda" else 2**30)
+        else (free // 4 if model.device.type == "cuda" else 2**30)
     )
     cache = PromptCache(cache_bytes)
     engine = Engine(
