@@ -304,6 +304,10 @@ def build_app(state: ServerState) -> FastAPI:
             "draft_tokens": engine.drafted,
             "accepted_draft_tokens": engine.accepted,
             "draft_acceptance": engine.accepted / engine.drafted if engine.drafted else None,
+            "draft_acceptance_per_position": [
+                accepted / drafted if drafted else None
+                for drafted, accepted in zip(engine.drafted_at, engine.accepted_at, strict=True)
+            ],
             "prompt_cache": {
                 "budget_bytes": engine.cache.budget,
                 "bytes": engine.cache.nbytes,

@@ -82,6 +82,8 @@ class Engine:
         self.mtp_depth = draft_depth if runner.can_draft else 0
         self.drafter = drafter or MtpDrafter()
         self.drafted = self.accepted = 0
+        self.drafted_at = [0] * draft_depth
+        self.accepted_at = [0] * draft_depth
         self.cache = prompt_cache or PromptCache(0)
         self.cache_grid = cache_grid
         self.ops: list[LaneOp] = []
@@ -280,11 +282,15 @@ class Engine:
             request.depth = max(request.depth - 1, 1)
 
     def _count_drafts(self, drafted: int, accepted: int) -> None:
+        """Totals and per draft position: position i was verified if the window had more than i drafts, kept if more
+        than i were accepted."""
         self.drafted += drafted
         self.accepted += accepted
+        for position in range(drafted):
+            self.drafted_at[position] += 1
+            self.accepted_at[position] += position < accepted
         if self.metrics is not None and drafted:
-            self.metrics.draft_tokens.inc(drafted)
-            self.metrics.accepted_tokens.inc(accepted)
+            self.metrics.count_drafts(drafted, accepted)
 
     def _record_token(self, request: Request, now: float) -> None:
         if self.metrics is None:

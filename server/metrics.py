@@ -37,11 +37,32 @@ class EngineMetrics:
         self.accepted_tokens = Counter(
             "flashnext:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=self.registry
         )
+        self.draft_tokens_per_pos = Counter(
+            "flashnext:spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens verified, by position in the window",
+            ["position"],
+            registry=self.registry,
+        )
+        self.accepted_tokens_per_pos = Counter(
+            "flashnext:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the window",
+            ["position"],
+            registry=self.registry,
+        )
         self.finished = Counter(
             "flashnext:request_success", "Requests ended, by reason", ["finished_reason"], registry=self.registry
         )
         self.model_info = Gauge("flashnext:model_info", "The served model", list(labels), registry=self.registry)
         self.model_info.labels(**labels).set(1)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """One verified window: `drafted` drafts, the first `accepted` of them kept."""
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        for position in range(drafted):
+            self.draft_tokens_per_pos.labels(position=str(position)).inc()
+            if position < accepted:
+                self.accepted_tokens_per_pos.labels(position=str(position)).inc()
 
     def track_cache(self, cache) -> None:
         """Read the prompt cache's figures at scrape time."""

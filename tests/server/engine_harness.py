@@ -34,6 +34,7 @@ class RecordingRunner(ModelRunner):
         super().__init__(model, max_lanes)
         self.rounds: list[list[LaneResult]] = []
         self.plans = []
+        self.engine: Engine | None = None
 
     def execute(self, plan):
         results = super().execute(plan)
@@ -55,6 +56,7 @@ def run(
     """Serve the prompts together (ignoring EOS) and return each one's tokens."""
     runner = RecordingRunner(model, max(len(prompts), 1))
     engine = Engine(runner, context=4096, prompt_budget=budget, draft_depth=depth, drafter=drafter)
+    runner.engine = engine
     outcomes = [Outcome() for _ in prompts]
     engine.start()
     try:

@@ -315,3 +315,6 @@ def test_drafted_equals_draft_false_and_drafting_shows_in_metrics(live):
     drafted = [line for line in metrics.splitlines() if line.startswith("flashnext:spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
     assert "flashnext:spec_decode_num_accepted_tokens_total" in metrics
+    first = [line for line in metrics.splitlines() if line.startswith("flashnext:spec_decode_num_draft_tokens_per_pos")]
+    assert first and first[0].startswith('flashnext:spec_decode_num_draft_tokens_per_pos_total{position="0"}')
+    assert len(health["draft_acceptance_per_position"]) == 3 and health["draft_acceptance_per_position"][0] is not None

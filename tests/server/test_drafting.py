@@ -48,6 +48,16 @@ def test_scripted_drafts_reach_every_accept_length_and_change_nothing(model, dra
     (drafted,), runner = run(model, [PROMPT], 40, [draw], depth=depth, drafter=ScriptedDrafter(script))
     assert drafted == reference
     assert accept_lengths(runner) == set(range(depth + 1))
+    windows = [
+        (len(rows.drafts), r.accepted)
+        for plan, results in zip(runner.plans, runner.rounds, strict=True)
+        for rows, r in zip(plan.rows, results, strict=True)
+        if r.tokens and rows.drafts
+    ]
+    engine = runner.engine
+    assert engine.drafted_at == [sum(n > i for n, _ in windows) for i in range(depth)]
+    assert engine.accepted_at == [sum(a > i for _, a in windows) for i in range(depth)]
+    assert engine.accepted_at[0] > engine.accepted_at[depth - 1] > 0
 
 
 def state_bits(lane) -> dict[str, torch.Tensor]:
