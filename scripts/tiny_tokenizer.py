@@ -10,7 +10,7 @@ import inspect
 import json
 import textwrap
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,8 +81,8 @@ def corpus() -> Iterator[str]:
     yield from SENTENCES
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
-    """Train the tokenizer, write tokenizer.json, tokenizer_config.json and chat_template.jinja; return special ids."""
+def build_tokenizer(out_dir: Path, vocab_size: int, texts: Iterable[str] | None = None) -> dict[str, int]:
+    """Train on texts (default: corpus()), write tokenizer.json, tokenizer_config.json and chat_template.jinja."""
     n_pieces = vocab_size - len(SPECIAL_TOKENS)
     if n_pieces < 256:
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
@@ -97,7 +97,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
     trainer = trainers.BpeTrainer(
         vocab_size=n_pieces, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() if texts is None else texts, trainer=trainer)
     if tok.get_vocab_size() != n_pieces:
         raise ValueError(f"corpus only supports {tok.get_vocab_size()} BPE pieces, {n_pieces} requested")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
