@@ -26,15 +26,18 @@ class ForwardOutput:
 
 
 class FlashNextModel(nn.Module):
-    """The reference forward over batches of lane segments.
+    """The forward over batches of lane segments: the reference, or with `kernels` the Triton kernel path.
 
-    It folds rows in one at a time: on the CPU, PyTorch's vectorised elementwise kernels round a value differently
-    in a vector body than in a scalar tail, so only single-row tensors give each row the bits it would have alone
-    (the exactness contract). Layers still take any number of rows, the seam a batched GPU path plugs into."""
+    The reference folds rows in one at a time: on the CPU, PyTorch's vectorised elementwise kernels round a value
+    differently in a vector body than in a scalar tail, so only single-row tensors give each row the bits it would
+    have alone (the exactness contract). The kernel path (model/kernel_path.py) runs all rows of a round through each
+    layer at once, on kernels whose row bits do not depend on the batch."""
 
-    def __init__(self, cfg: FlashNextConfig, with_mtp: bool = True, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, cfg: FlashNextConfig, with_mtp: bool = True, tp: TensorParallel | None = None, kernels: bool = False
+    ) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.kernels = cfg, kernels
         self.tp = tp or TensorParallel()
         self.plan = ShardPlan(cfg, self.tp)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -83,6 +86,8 @@ class FlashNextModel(nn.Module):
         snapshot_segments: frozenset[int] = frozenset(),
     ) -> ForwardOutput:
         """Fold every segment's rows into its lane; logits for `logit_rows` (all rows if None)."""
+        if self.kernels:
+            return _kernel_path().forward(self, batch, logit_rows, snapshot_segments)
         hidden = torch.empty(batch.token_ids.shape[0], self.cfg.wide_size, dtype=self.dtype, device=self.device)
         snapshots: dict[int, list[LaneSnapshot]] = {i: [] for i in snapshot_segments}
         for index, seg in enumerate(batch.segments):
@@ -109,6 +114,8 @@ class FlashNextModel(nn.Module):
         own pre-mixer wide states for chaining."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer")
+        if self.kernels:
+            return _kernel_path().mtp_forward(self, batch, hidden)
         logits, wides = [], []
         for seg in batch.segments:
             for r in range(seg.start, seg.start + seg.length):
@@ -118,6 +125,14 @@ class FlashNextModel(nn.Module):
                 wides.append(wide)
                 seg.lane.mtp_length = int(batch.positions[r]) + 1
         return torch.cat(logits), torch.cat(wides)
+
+
+def _kernel_path():
+    """The kernel path's module, imported on first use: it imports Triton, whose interpreter setting
+    (TRITON_INTERPRET) must be fixed before the kernels are defined."""
+    from model import kernel_path
+
+    return kernel_path
 
 
 def single_lane_batch(lane: LaneState, token_ids: torch.Tensor, start: int) -> ForwardBatch:

@@ -68,7 +68,8 @@ class DecoderLayer(nn.Module):
             width = self.ple.conv1d.weight.shape[0]
             lane.ple_conv[self.index] = torch.zeros(self.ple.tail_len, width, dtype=dtype, device=device)
 
-    def _cache(self, lane: LaneState) -> AttentionCache:
+    def cache_of(self, lane: LaneState) -> AttentionCache:
+        """This QSA layer's cache in a lane (the MTP layer keeps its own)."""
         return lane.mtp_attention if self.is_mtp else lane.attention[self.index]
 
     def forward(self, wide: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -91,7 +92,7 @@ class DecoderLayer(nn.Module):
                     x[rows], lane.gdn_conv[self.index], lane.gdn_recurrent[self.index]
                 )
             else:
-                out = self.self_attn(x[rows], batch.positions[rows], self._cache(lane))
+                out = self.self_attn(x[rows], batch.positions[rows], self.cache_of(lane))
             parts.append(out)
         wide = GatedResidual.write(wide, torch.cat(parts), inject)
         x, inject = self.mlp_hyper_connection.read(wide)

@@ -9,12 +9,16 @@ import torch
 
 @dataclass(slots=True)
 class AttentionCache:
-    """A QSA layer's keys (normed, RoPE'd), values and raw indexer keys, one row per absolute position."""
+    """A QSA layer's keys (normed, RoPE'd), values and raw indexer keys, one row per absolute position. The kernel
+    path also keeps the indexer's keys of the first `blocks` complete blocks; they derive from the raw keys, so a
+    copy leaves them out and the next kernel forward rebuilds them."""
 
     keys: torch.Tensor
     values: torch.Tensor
     index_keys: torch.Tensor
     length: int = 0
+    block_keys: torch.Tensor | None = None
+    blocks: int = 0
 
     @classmethod
     def empty(
@@ -42,6 +46,18 @@ class AttentionCache:
         self.values[start:end] = values
         self.index_keys[start:end] = index_keys
         self.length = end
+
+    def write_blocks(self, start: int, keys: torch.Tensor) -> None:
+        """Write block keys [B, dim] for blocks start.. (dropping any past them)."""
+        end = start + keys.shape[0]
+        if start > self.blocks:
+            raise ValueError(f"block key write at {start} leaves a gap after {self.blocks}")
+        if self.block_keys is None:
+            self.block_keys = keys.new_zeros(max(end, 16), keys.shape[1])
+        elif end > self.block_keys.shape[0]:
+            self.block_keys = _grow(self.block_keys, max(end, 2 * self.block_keys.shape[0]))
+        self.block_keys[start:end] = keys
+        self.blocks = end
 
 
 def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
@@ -148,6 +164,7 @@ def lane_bytes(lane: LaneState) -> int:
     tensors = [*lane.gdn_conv.values(), *lane.gdn_recurrent.values(), *lane.ple_conv.values(), lane.ngram_history]
     if lane.mtp_pending is not None:
         tensors.append(lane.mtp_pending)
-    caches = [*lane.attention.values(), lane.mtp_attention]
-    buffers = [t.untyped_storage().nbytes() for c in caches if c is not None for t in (c.keys, c.values, c.index_keys)]
+    caches = [c for c in (*lane.attention.values(), lane.mtp_attention) if c is not None]
+    kept = [t for c in caches for t in (c.keys, c.values, c.index_keys, c.block_keys) if t is not None]
+    buffers = [t.untyped_storage().nbytes() for t in kept]
     return sum(t.numel() * t.element_size() for t in tensors) + sum(buffers)

@@ -346,6 +346,13 @@ def resolve_dtype(name: str, cfg: FlashNextConfig, device: torch.device) -> torc
     return getattr(torch, name)
 
 
+def resolve_kernels(name: str, device: str | torch.device) -> bool:
+    """Whether the Triton kernel path runs: `auto` is on for CUDA and off for the CPU."""
+    if name not in ("auto", "on", "off"):
+        raise ValueError(f"--kernels: unknown value {name!r}; expected auto, on or off")
+    return name == "on" or (name == "auto" and torch.device(device).type == "cuda")
+
+
 def load_model(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
@@ -353,12 +360,19 @@ def load_model(
     tp: TensorParallel | None = None,
     load_format: str = "auto",
     ngram_table: str = "device",
+    kernels: str = "off",
 ) -> FlashNextModel:
     """Parse the config, build this rank's part of the model on `device` and fill it from the checkpoint (or, with
-    load_format "dummy", with random weights of the real shapes and formats)."""
+    load_format "dummy", with random weights of the real shapes and formats); `kernels` (auto, on, off) picks the
+    Triton kernel path, refused at once when the model cannot run on it."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
+    use_kernels = resolve_kernels(kernels, device)
+    if use_kernels:
+        from model.kernel_path import check  # imports Triton: only when the kernel path is asked for
+
+        check(cfg, torch_dtype, device, tp or TensorParallel())
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format: unknown value {load_format!r}; expected auto or dummy")
     if ngram_table not in ("device", "host"):
@@ -369,7 +383,7 @@ def load_model(
     if cfg.mtp_num_hidden_layers and not with_mtp:
         log.warning("%s has no mtp.* tensors: drafting is off", model_dir)
     with torch.device("meta"):
-        model = FlashNextModel(cfg, with_mtp=with_mtp, tp=tp)
+        model = FlashNextModel(cfg, with_mtp=with_mtp, tp=tp, kernels=use_kernels)
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, NGramEmbedding):
@@ -380,11 +394,12 @@ def load_model(
         loader.fill(model, torch_dtype, device, table_device)
     model.eval()
     log.info(
-        "loaded %s: %d layers, dtype %s, device %s, MTP %s",
+        "loaded %s: %d layers, dtype %s, device %s, MTP %s, kernels %s",
         model_dir,
         cfg.num_hidden_layers,
         torch_dtype,
         device,
         "on" if with_mtp else "off",
+        "on" if use_kernels else "off",
     )
     return model

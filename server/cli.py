@@ -51,6 +51,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="compute dtype; auto is float32 on cpu and the checkpoint's dtype on cuda (default auto)",
     )
+    parser.add_argument(
+        "--kernels",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each round's rows together through the Triton kernels (needs bfloat16); auto is on for cuda and "
+        "off for cpu, where the reference forward runs (default auto)",
+    )
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +166,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from server.sampling import fresh_seed
     from server.tokenizer import eos_token_ids, load_tokenizer
 
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
         if tokenizer is None:
@@ -185,11 +192,32 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_kernels(args: argparse.Namespace) -> None:
+    """Refuse a --kernels setting the model cannot run on, naming the setting, before any device work."""
+    import torch
+
+    from model.config import load_config
+    from model.parallel import TensorParallel
+    from model.weights import resolve_dtype, resolve_kernels
+
+    device = torch.device(args.device)
+    if resolve_kernels(args.kernels, device):
+        from model.kernel_path import check
+
+        cfg = load_config(args.model)
+        check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel())
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if not (args.model / "config.json").is_file():
         print(f"model: no config.json in {args.model}", file=sys.stderr)
+        return 2
+    try:
+        check_kernels(args)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     if args.command == "serve":
         from server.serve import run_serve

@@ -15,7 +15,7 @@ import torch
 
 from model.parallel import TensorParallel
 from model.state import lane_state_bytes
-from model.weights import load_model
+from model.weights import load_model, resolve_kernels
 from rankwire.errors import SettingsMismatch
 from rankwire.link import ControlLink
 from server.app import ServerState, build_app
@@ -61,6 +61,7 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
         "tp": world,
         "device": args.device,
         "dtype": args.dtype,
+        "kernels": "on" if resolve_kernels(args.kernels, args.device) else "off",
         "context": args.context or "auto",
         "max_lanes": args.max_lanes,
         "prompt_budget": args.prompt_budget,
@@ -75,7 +76,12 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
 def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=None) -> ServerState:
     """Everything rank 0's app needs, from the serve flags (a model and runner may be given)."""
     model = model or load_model(
-        args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, ngram_table=args.ngram_table
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        ngram_table=args.ngram_table,
+        kernels=args.kernels,
     )
     cfg = model.cfg
     if args.context is not None and args.context > cfg.max_position_embeddings:
@@ -171,7 +177,13 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     device = init_group(ranks, args.device, env.tp_timeout_s)
     tp = TensorParallel(ranks.rank, ranks.world)
     model = load_model(
-        args.model, device=device, dtype=args.dtype, tp=tp, load_format=args.load_format, ngram_table=args.ngram_table
+        args.model,
+        device=device,
+        dtype=args.dtype,
+        tp=tp,
+        load_format=args.load_format,
+        ngram_table=args.ngram_table,
+        kernels=args.kernels,
     )
     runner = ModelRunner(model, args.max_lanes)
     if ranks.rank == 1:

@@ -1,0 +1,229 @@
+"""The decoder layer's sub-blocks on the kernel path: every row of a round at once, through the Triton kernels.
+
+Row reductions run in kernels whose per-row bits do not depend on the batch; what torch does here is elementwise
+(the same per element whatever the batch), gathers and copies. Activations are written as fp32 formulas over exp
+(`sigmoid`, `silu`, `softplus`) rather than torch's own: on the CPU those round differently in the vector body and
+the scalar tail of a tensor, which would tie a row's bits to the batch there too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from kernels.conv import causal_conv_update
+from kernels.gdn import gdn_recurrent
+from kernels.hyper import hc_read, hc_write
+from kernels.linear import linear
+from kernels.moe import moe_forward
+from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
+from kernels.qsa import qsa_index, qsa_sparse_attention
+from kernels.router import router_topk
+from model.config import LINEAR
+from model.gdn import GatedDeltaNet
+from model.hyper import GatedResidual, Linear
+from model.layers import DecoderLayer, ForwardBatch
+from model.moe import ExpertBank, SparseMoE
+from model.ops import apply_rope, rope_cos_sin
+from model.ple import NGramEmbedding, PLELayer
+from model.qsa import QSAIndexer, QSAttention
+from model.state import AttentionCache, LaneState
+
+
+@dataclass(slots=True)
+class RowStates:
+    """Per-row states of one forward's layers (a verify window's snapshots): GDN conv tails and recurrent states,
+    PLE conv tails, each [N, ...] by layer index."""
+
+    gdn_conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    gdn_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
+    ple_conv: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Round:
+    """One forward's rows as the kernels take them: each row's lane index (its segment), the lanes, each segment's
+    first absolute position, each row's n-gram window, and whether per-row states are kept."""
+
+    batch: ForwardBatch
+    lanes: list[LaneState]
+    lane_of_row: torch.Tensor
+    starts: list[int]
+    windows: torch.Tensor | None
+    keep: bool
+    kept: RowStates = field(default_factory=RowStates)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in fp32, rounded to x's dtype."""
+    return (1.0 / (1.0 + torch.exp(-x.float()))).to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp(-x)) in fp32, rounded to x's dtype."""
+    xf = x.float()
+    return (xf / (1.0 + torch.exp(-xf))).to(x.dtype)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)) in x's dtype, x itself above 20 (torch's threshold)."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
+def project(x: torch.Tensor, proj: Linear, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [N, K] · Wᵀ by the linear kernel (fp32 sums in a fixed order, rounded once)."""
+    return linear(x, proj.weight, out_dtype)
+
+
+def hyper_read(hc: GatedResidual, wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sub-block input and inject weights of a hyper-connection (the final mixer has no inject)."""
+    inject = None if hc.block_inject_weight is None else hc.block_inject_weight.weight
+    w_down, w_up = hc.input_mix_weight_down.weight, hc.input_mix_weight_up.weight
+    return hc_read(wide, hc.hc_norm.weight, w_down, w_up, inject, hc.hc_norm.eps, hc.hc)
+
+
+def expert_bank(bank: ExpertBank) -> dict[str, torch.Tensor]:
+    """The routed experts as the MoE kernel takes them: the NVFP4 tensors, or the dense BF16 ones."""
+    return bank.nvfp4 if bank.nvfp4 is not None else {"gate_up": bank.gate_up_proj, "down": bank.down_proj}
+
+
+def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Routed experts (router logits in fp32 from the linear kernel, top-k by the router kernel) plus the gated
+    shared expert."""
+    weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
+    routed = moe_forward(x, ids, weights, expert_bank(m.experts))
+    s = m.shared_expert
+    shared = project(silu(project(x, s.gate_proj)) * project(x, s.up_proj), s.down_proj)
+    return m.tp.combine(routed + sigmoid(project(x, m.shared_expert_gate)) * shared)
+
+
+def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """Gated DeltaNet of layer `index`: the lanes' conv tails and recurrent states are stacked for the kernels
+    (which update them in place) and handed back to the lanes as views."""
+    n = x.shape[0]
+    tails = torch.stack([lane.gdn_conv[index] for lane in rnd.lanes])
+    states = torch.stack([lane.gdn_recurrent[index] for lane in rnd.lanes])
+    row_tails = tails.new_empty((n, *tails.shape[1:])) if rnd.keep else None
+    qkv = causal_conv_update(
+        project(x, m.in_proj_qkv), tails, m.conv1d.weight[:, 0], rnd.lane_of_row, row_tails=row_tails
+    )
+    q, k, v = qkv.split([m.qk_width, m.qk_width, m.v_width], dim=-1)
+    q = q.unflatten(-1, (m.key_heads, m.key_dim))
+    k = k.unflatten(-1, (m.key_heads, m.key_dim))
+    v = v.unflatten(-1, (m.value_heads, m.value_dim))
+    beta = sigmoid(project(x, m.in_proj_b))
+    g = -m.A_log.float().exp() * softplus(project(x, m.in_proj_a).float() + m.dt_bias.float())
+    out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.lane_of_row, keep_states=rnd.keep)
+    z = project(x, m.in_proj_z).unflatten(-1, (m.value_heads, m.value_dim))
+    y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
+    for j, lane in enumerate(rnd.lanes):
+        lane.gdn_conv[index], lane.gdn_recurrent[index] = tails[j], states[j]
+    if rnd.keep:
+        rnd.kept.gdn_conv[index], rnd.kept.gdn_recurrent[index] = row_tails, row_states
+    return m.tp.combine(project(y.view(n, m.v_width), m.out_proj))
+
+
+def update_block_keys(indexer: QSAIndexer, caches: list[AttentionCache], rotary_dim: int, theta: float) -> None:
+    """Pool, norm and rotate the blocks the caches completed since their last block keys, all lanes at once."""
+    ratio = indexer.ratio
+    spans = [(c, c.blocks, c.length // ratio) for c in caches if c.length // ratio > c.blocks]
+    if not spans:
+        return
+    raw = torch.cat([c.index_keys[lo * ratio : hi * ratio] for c, lo, hi in spans])
+    pooled = zc_rms_norm(block_mean(raw, ratio), indexer.k_layernorm.weight, indexer.k_layernorm.eps)
+    firsts = torch.tensor([b * ratio for _, lo, hi in spans for b in range(lo, hi)], device=raw.device)
+    cos, sin = rope_cos_sin(firsts, rotary_dim, theta, raw.dtype)
+    keys = apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
+    done = 0
+    for c, lo, hi in spans:
+        c.write_blocks(lo, keys[done : done + hi - lo])
+        done += hi - lo
+
+
+def qsa(m: QSAttention, layer: DecoderLayer, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """QSA of `layer`: rows are written into their lanes' caches, then the indexer picks blocks from the lanes'
+    block keys (padded into one [L, G, dim] tensor) and the attention reads the lanes' keys and values concatenated
+    into one sequence, each row's token indices moved by its lane's offset there."""
+    n, positions, idx = x.shape[0], rnd.batch.positions, m.indexer
+    cos, sin = rope_cos_sin(positions, m.rotary_dim, m.theta, x.dtype)
+    index_q, raw = project(x, idx.index_qk_proj).split([idx.heads * idx.dim, idx.dim], dim=-1)
+    index_q = zc_rms_norm(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps)
+    index_q = apply_rope(index_q, cos, sin)
+    q, gate = project(x, m.q_proj).unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)
+    q = apply_rope(zc_rms_norm(q, m.q_norm.weight, m.eps), cos, sin)
+    k = zc_rms_norm(project(x, m.k_proj).unflatten(-1, (m.kv_heads, m.head_dim)), m.k_norm.weight, m.eps)
+    k = apply_rope(k, cos, sin)
+    v = project(x, m.v_proj).unflatten(-1, (m.kv_heads, m.head_dim))
+    caches = [layer.cache_of(lane) for lane in rnd.lanes]
+    for seg, start, cache in zip(rnd.batch.segments, rnd.starts, caches, strict=True):
+        cache.write(start, k[seg.rows], v[seg.rows], raw[seg.rows])
+        cache.blocks = min(cache.blocks, start // idx.ratio)  # blocks that held overwritten rows are rebuilt
+    update_block_keys(idx, caches, m.rotary_dim, m.theta)
+    empty = x.new_zeros(0, idx.dim)
+    block_keys = pad_sequence([empty if c.block_keys is None else c.block_keys[: c.blocks] for c in caches], True)
+    indices, counts = qsa_index(index_q, block_keys, rnd.lane_of_row, positions, idx.ratio, idx.top_blocks)
+    offsets = torch.tensor([0] + [c.length for c in caches[:-1]], device=x.device).cumsum(0).to(torch.int32)
+    keys = torch.cat([c.keys[: c.length] for c in caches]).unsqueeze(0)
+    values = torch.cat([c.values[: c.length] for c in caches]).unsqueeze(0)
+    one_lane = torch.zeros_like(rnd.lane_of_row)
+    out = qsa_sparse_attention(q, keys, values, one_lane, indices + offsets[rnd.lane_of_row][:, None], counts)
+    out = out.reshape(n, -1) * sigmoid(gate.reshape(n, -1))
+    return m.tp.combine(project(out, m.o_proj))
+
+
+def ngram_rows(emb: NGramEmbedding, windows: torch.Tensor) -> torch.Tensor:
+    """Table rows [N, heads] of each row's n-gram window [N, n] (oldest first, the row's own token last): the hash
+    of `ple.ngram_row_ids`, where a token at or before the window's last earlier eos counts as eos."""
+    width = windows.shape[1]
+    marks = torch.where(windows[:, :-1] == emb.eos, torch.arange(width - 1, device=windows.device), -1)
+    last_eos = torch.cat((torch.full_like(windows[:, :1], -1), marks), dim=1).amax(dim=1)  # -1: no earlier eos
+    mixed, blocks = None, []
+    for shift, mult in enumerate(emb.multipliers):
+        col = width - 1 - shift
+        token = torch.where(last_eos < col, windows[:, col], emb.eos)
+        term = token * mult
+        mixed = term if mixed is None else torch.bitwise_xor(mixed, term)
+        if shift >= 1:
+            sl = slice((shift - 1) * emb.heads_per_ngram, shift * emb.heads_per_ngram)
+            blocks.append(torch.remainder(mixed[:, None], emb.moduli[None, sl]) + emb.offsets[None, sl])
+    return torch.cat(blocks, dim=-1)
+
+
+def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """The wide residual plus layer `index`'s n-gram addition; the lanes' dilated conv tails are stacked for the
+    conv kernel and handed back as views."""
+    n, dtype, emb = wide.shape[0], wide.dtype, p.ple_embedding
+    lo, hi = emb.local_heads
+    table = emb.ngram_embedding
+    rows = ngram_rows(emb, rnd.windows)[:, lo:hi] - table.local_rows[0]
+    embedded = emb.tp.gather(table.lookup(rows, dtype).flatten(-2), dim=-1)
+    key = zc_rms_norm(project(embedded, p.key_proj).view(n, p.hc, p.d), p.norm_key.weight, p.eps)
+    query = zc_rms_norm(wide.view(n, p.hc, p.d), p.norm_query.weight, p.eps)
+    gate = group_dot(key, query).to(dtype) / math.sqrt(p.d)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated = (sigmoid(gate).unsqueeze(-1) * project(embedded, p.value_proj).unsqueeze(-2)).flatten(-2)
+    normed = zc_rms_norm(gated.view(n, p.hc, p.d), p.norm_conv.weight, p.eps).view(n, -1)
+    tails = torch.stack([lane.ple_conv[index] for lane in rnd.lanes])
+    row_tails = tails.new_empty((n, *tails.shape[1:])) if rnd.keep else None
+    conv = causal_conv_update(
+        normed, tails, p.conv1d.weight[:, 0], rnd.lane_of_row, dilation=p.dilation, row_tails=row_tails
+    )
+    for j, lane in enumerate(rnd.lanes):
+        lane.ple_conv[index] = tails[j]
+    if rnd.keep:
+        rnd.kept.ple_conv[index] = row_tails
+    return wide + (gated + conv)
+
+
+def layer_forward(layer: DecoderLayer, wide: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """One decoder layer over every row of the round: optional PLE, the mixer and the MoE between hyper-connections."""
+    if layer.ple is not None:
+        wide = ple(layer.ple, layer.index, wide, rnd)
+    x, inject = hyper_read(layer.attn_hyper_connection, wide)
+    y = gdn(layer.linear_attn, layer.index, x, rnd) if layer.kind == LINEAR else qsa(layer.self_attn, layer, x, rnd)
+    wide = hc_write(wide, y, inject)
+    x, inject = hyper_read(layer.mlp_hyper_connection, wide)
+    return hc_write(wide, moe(layer.mlp, x), inject)

@@ -1,0 +1,152 @@
+"""The kernel path: a forward that runs every row of a round through each layer at once, on the Triton kernels.
+
+One launch per op covers the whole round, and every kernel gives a row the bits it would have alone (fixed
+reduction orders, per-lane state by `lane_of_row`), so a row's output does not depend on how many rows or lanes
+share the round or where its segment sits: drafted = undrafted, concurrent = solo, prompt in chunks = whole
+(design §5). Lanes keep their own tensors (model/state.py): before a layer the round's lane states are stacked into
+the kernels' [L, ...] layout, the kernels update the stack in place and the lanes take back views of it; QSA rows
+are written into each lane's cache, whose keys and values are concatenated for the attention. A persistent slot
+pool that the kernels update in place is the follow-up that removes these copies. A forward asked for snapshots
+keeps every row's GDN state and conv tails (`keep_states`, `row_tails`), so a verify window's lane restores to the
+state after any of its rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.norm import zc_rms_norm
+from model.config import FlashNextConfig
+from model.flashnext import FlashNextModel, ForwardOutput
+from model.kernel_blocks import Round, hyper_read, layer_forward, project
+from model.layers import ForwardBatch
+from model.parallel import TensorParallel
+from model.state import LaneSnapshot
+
+
+def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel) -> None:
+    """Refuse, naming the setting or config field, a model the kernels cannot run (before any weight is read)."""
+    if dtype != torch.bfloat16:
+        raise ValueError(
+            f"--kernels on: the kernels take bfloat16 weights and activations, but --dtype gives {dtype}; "
+            "pass --dtype bfloat16 or --kernels off"
+        )
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--kernels on: the Triton kernels run on --device cuda, not {device.type}; pass --kernels off"
+        )
+    powers = {
+        "linear_key_head_dim": (cfg.linear_key_head_dim, 16),
+        "linear_value_head_dim": (cfg.linear_value_head_dim, 16),
+        "head_dim": (cfg.head_dim, 16),
+        "indexer_head_dim": (cfg.indexer_head_dim, 1),
+    }
+    for name, (value, least) in powers.items():
+        if value < least or value & (value - 1):
+            raise ValueError(f"--kernels on: {name} must be a power of two >= {least} for the kernels, got {value}")
+    if cfg.hidden_size % 16 or not 1 <= cfg.hc_count <= 16:
+        raise ValueError(
+            f"--kernels on: hidden_size must be a multiple of 16 and hc_count at most 16, got {cfg.hidden_size} "
+            f"and {cfg.hc_count}"
+        )
+    lo, hi = tp.span(cfg.moe_intermediate_size, "moe_intermediate_size")
+    if (hi - lo) % 16:
+        raise ValueError(
+            f"--kernels on: a rank's share of moe_intermediate_size must be a multiple of 16, got {hi - lo}"
+        )
+
+
+def build_round(batch: ForwardBatch, keep: bool, ngram_size: int | None) -> Round:
+    """The round's row layout; refuses segments that do not tile the rows in order or share a lane."""
+    positions = batch.positions.tolist()
+    lanes, starts, end = [], [], 0
+    for i, seg in enumerate(batch.segments):
+        if seg.start != end or seg.length < 1:
+            raise ValueError(f"segment {i} does not continue the rows at {end} with at least one row")
+        first = positions[seg.start]
+        if positions[seg.rows] != list(range(first, first + seg.length)):
+            raise ValueError(f"segment {i}: its rows' positions are not consecutive")
+        lanes.append(seg.lane)
+        starts.append(first)
+        end += seg.length
+    if end != len(positions):
+        raise ValueError(f"the segments cover {end} of the batch's {len(positions)} rows")
+    if len({id(lane) for lane in lanes}) != len(lanes):
+        raise ValueError("a lane appears in two segments of one forward")
+    device = batch.token_ids.device
+    lengths = torch.tensor([seg.length for seg in batch.segments])
+    lane_of_row = torch.repeat_interleave(torch.arange(len(lanes)), lengths).to(device)
+    windows = None if ngram_size is None else ngram_windows(batch, lane_of_row, ngram_size)
+    return Round(batch, lanes, lane_of_row, starts, windows, keep)
+
+
+def ngram_windows(batch: ForwardBatch, lane_of_row: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row's last n tokens [N, n], oldest first: its lane's n-gram history, then the segment's rows."""
+    parts = [t for seg in batch.segments for t in (seg.lane.ngram_history.long(), batch.token_ids[seg.rows].long())]
+    flat = torch.cat(parts)
+    rows = torch.arange(batch.token_ids.shape[0], device=flat.device)
+    first = rows + lane_of_row * (n - 1)  # segment i's history sits before its rows, after i earlier histories
+    return flat[first[:, None] + torch.arange(n, device=flat.device)]
+
+
+def snapshots(rnd: Round, index: int) -> list[LaneSnapshot]:
+    """The lane of segment `index` after each of its rows, from the states the kernels kept per row."""
+    seg, kept = rnd.batch.segments[index], rnd.kept
+    return [
+        LaneSnapshot(
+            gdn_conv={i: t[row] for i, t in kept.gdn_conv.items()},
+            gdn_recurrent={i: t[row] for i, t in kept.gdn_recurrent.items()},
+            ple_conv={i: t[row] for i, t in kept.ple_conv.items()},
+            ngram_history=rnd.windows[row, 1:],
+            length=rnd.starts[index] + k + 1,
+        )
+        for k, row in enumerate(range(seg.start, seg.start + seg.length))
+    ]
+
+
+def vocab_logits(model: FlashNextModel, mixed: torch.Tensor) -> torch.Tensor:
+    """Logits over the whole vocabulary: each rank's lm_head rows by the linear kernel, gathered in rank order."""
+    return model.tp.gather(project(mixed, model.lm_head), dim=-1)
+
+
+def logits(model: FlashNextModel, hidden: torch.Tensor) -> torch.Tensor:
+    """lm_head logits of pre-mixer wide rows [N, wide], all at once."""
+    mixed, _ = hyper_read(model.hyper_connection_mixer, hidden.contiguous())
+    return vocab_logits(model, mixed)
+
+
+def forward(
+    model: FlashNextModel, batch: ForwardBatch, logit_rows: torch.Tensor | None, snapshot_segments: frozenset[int]
+) -> ForwardOutput:
+    """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once."""
+    rnd = build_round(batch, keep=bool(snapshot_segments), ngram_size=model.cfg.ngram_size)
+    for i, (lane, first) in enumerate(zip(rnd.lanes, rnd.starts, strict=True)):
+        if first != lane.length:
+            raise ValueError(f"segment {i} starts at position {first} but its lane holds {lane.length} tokens")
+    wide = model.embed_tokens(batch.token_ids).repeat(1, model.cfg.hc_count)
+    for layer in model.layers:
+        wide = layer_forward(layer, wide, rnd)
+    snaps = {i: snapshots(rnd, i) for i in snapshot_segments}
+    for seg, lane in zip(batch.segments, rnd.lanes, strict=True):
+        lane.ngram_history = rnd.windows[seg.start + seg.length - 1, 1:]
+        lane.length += seg.length
+    rows = wide if logit_rows is None else wide[logit_rows]
+    return ForwardOutput(logits=logits(model, rows), hidden=wide, snapshots=snaps)
+
+
+def mtp_forward(model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`FlashNextModel.mtp_forward` on the kernels: every row through the MTP layer at once."""
+    mtp = model.mtp
+    rnd = build_round(batch, keep=False, ngram_size=None)
+    n = hidden.shape[0]
+    e_norm, h_norm = mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden
+    u = project(zc_rms_norm(model.embed_tokens(batch.token_ids), e_norm.weight, e_norm.eps), mtp.fc_embedding)
+    streams = zc_rms_norm(hidden, h_norm.weight, h_norm.eps).view(n * mtp.hc, mtp.d)  # one RMS over every stream
+    wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
+    wide = layer_forward(mtp.layers[0], wide, rnd)
+    mixed, _ = hyper_read(mtp.hyper_connection_mixer, wide)
+    for seg, lane, first in zip(batch.segments, rnd.lanes, rnd.starts, strict=True):
+        lane.mtp_length = first + seg.length
+    return vocab_logits(model, mixed), wide

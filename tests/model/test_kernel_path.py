@@ -1,0 +1,230 @@
+"""The kernel path (all rows of a round at once, on the Triton kernels under the interpreter) against the reference,
+and its exactness: a lane's bits alone = in a batch = in chunks, and verify-window snapshots = the serial state."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+from make_checkpoint import make_checkpoint
+
+from model import kernel_path
+from model.flashnext import FlashNextModel, ForwardOutput, single_lane_batch
+from model.kernel_blocks import ngram_rows
+from model.layers import ForwardBatch, Segment
+from model.ple import ngram_row_ids
+from model.state import LaneState, copy_lane, restore
+from model.weights import load_model, resolve_kernels
+from tests.tiny import text_config
+
+# GDN head dims the kernels take (powers of two >= 16); an indexer budget of two 2-token blocks, so that prompts of
+# a few tokens already choose blocks. Token 5 is eos: the n-gram hash restarts after it.
+TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4}
+PROMPT = [7, 19, 5, 33, 2, 91, 5, 44]
+OTHER = [8, 13, 21, 60, 17]
+RATIO = text_config("base")["indexer_compress_ratio"]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("kernel_path")
+    text = text_config("base", **TEXT)
+    return {fmt: make_checkpoint(text, root / fmt, fmt=fmt) for fmt in ("bf16", "nvfp4")}
+
+
+@pytest.fixture(scope="module")
+def models(paths) -> tuple[FlashNextModel, FlashNextModel]:
+    """The bf16 reference and the kernel path on the same bf16 checkpoint."""
+    return load_model(paths["bf16"], dtype="bfloat16"), load_model(paths["bf16"], dtype="bfloat16", kernels="on")
+
+
+def fold(model: FlashNextModel, parts: list[tuple[LaneState, list[int]]], snap=frozenset()) -> ForwardOutput:
+    """One forward of each lane's next tokens, segments in the given order."""
+    tokens, positions, segments = [], [], []
+    for lane, ids in parts:
+        segments.append(Segment(lane, len(tokens), len(ids)))
+        tokens.extend(ids)
+        positions.extend(range(lane.length, lane.length + len(ids)))
+    return model(ForwardBatch(torch.tensor(tokens), torch.tensor(positions), segments), snapshot_segments=snap)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def assert_same_state(a: LaneState, b: LaneState) -> None:
+    """Bit-identical lane states: recurrent and conv states, n-gram history, length, QSA caches up to the length."""
+    assert a.length == b.length and torch.equal(a.ngram_history, b.ngram_history)
+    for name in ("gdn_conv", "gdn_recurrent", "ple_conv"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.keys() == y.keys() and all(torch.equal(x[i], y[i]) for i in x), name
+    blocks = a.length // RATIO
+    for i, cache in a.attention.items():
+        other = b.attention[i]
+        for field in ("keys", "values", "index_keys"):
+            assert torch.equal(getattr(cache, field)[: a.length], getattr(other, field)[: a.length]), field
+        assert cache.blocks >= blocks and other.blocks >= blocks
+        assert torch.equal(cache.block_keys[:blocks], other.block_keys[:blocks]), "block_keys"
+
+
+def greedy(model: FlashNextModel, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's logits and `steps` greedy tokens after it."""
+    lane = model.new_lane()
+    logits = model(single_lane_batch(lane, torch.tensor(PROMPT), 0)).logits
+    first, tokens = logits, []
+    for _ in range(steps):
+        tokens.append(int(logits[-1].float().argmax()))
+        logits = fold(model, [(lane, tokens[-1:])]).logits
+    return first, tokens
+
+
+def test_logits_close_and_greedy_tokens_equal_the_reference(models) -> None:
+    ref, ker = models
+    want, ref_tokens = greedy(ref, 3)
+    got, tokens = greedy(ker, 3)
+    assert rel_err(got, want) < 0.05
+    assert tokens == ref_tokens
+
+
+def test_nvfp4_experts_run_in_the_moe_kernel(paths) -> None:
+    ref = load_model(paths["nvfp4"], dtype="bfloat16")
+    ker = load_model(paths["nvfp4"], dtype="bfloat16", kernels="on")
+    assert ker.layers[0].mlp.experts.nvfp4 is not None
+    want, got = (m(single_lane_batch(m.new_lane(), torch.tensor(PROMPT[:6]), 0)).logits for m in (ref, ker))
+    assert rel_err(got, want) < 0.05
+
+
+def test_a_lane_has_the_same_bits_alone_batched_and_in_chunks(models) -> None:
+    _, ker = models
+    alone = ker.new_lane()
+    solo = fold(ker, [(alone, PROMPT)])
+    batched_lane, other = ker.new_lane(), ker.new_lane()
+    batched = fold(ker, [(other, OTHER), (batched_lane, PROMPT)])
+    n = len(OTHER)
+    assert torch.equal(batched.hidden[n:], solo.hidden) and torch.equal(batched.logits[n:], solo.logits)
+    assert_same_state(batched_lane, alone)
+    chunked_lane, other_chunked = ker.new_lane(), ker.new_lane()
+    first = fold(ker, [(chunked_lane, PROMPT[:3]), (other_chunked, OTHER[:4])])
+    second = fold(ker, [(other_chunked, OTHER[4:]), (chunked_lane, PROMPT[3:4])])
+    third = fold(ker, [(chunked_lane, PROMPT[4:])])
+    chunked = torch.cat((first.hidden[:3], second.hidden[1:], third.hidden))
+    assert torch.equal(chunked, solo.hidden) and torch.equal(third.logits, solo.logits[4:])
+    assert torch.equal(torch.cat((first.hidden[3:], second.hidden[:1])), batched.hidden[:n])
+    assert_same_state(chunked_lane, alone)
+    assert_same_state(other_chunked, other)
+
+
+def test_verify_window_snapshots_restore_the_serial_state(models) -> None:
+    _, ker = models
+    lane = ker.new_lane()
+    fold(ker, [(lane, PROMPT[:6])])
+    serial = copy_lane(lane)
+    window = fold(ker, [(ker.new_lane(), [3]), (lane, [9, 10, 11, 12])], snap=frozenset({1}))
+    assert len(window.snapshots[1]) == 4 and lane.length == 10
+    restore(lane, window.snapshots[1][0])  # keep the first row: the drafts at positions 7.. are rejected
+    decoded = fold(ker, [(serial, [9])])
+    assert torch.equal(window.logits[1], decoded.logits[0])  # a window's row = the same row decoded alone
+    assert_same_state(lane, serial)
+    # a different token at position 7 completes the 2-token block (6, 7) again: its block key must be rebuilt
+    after, expect = fold(ker, [(lane, [44])]), fold(ker, [(serial, [44])])
+    assert torch.equal(after.logits, expect.logits)
+    assert_same_state(lane, serial)
+
+
+def test_mtp_rows_batched_equal_alone_and_match_the_reference(models) -> None:
+    ref, ker = models
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(len(PROMPT) - 1, ker.cfg.wide_size, generator=g).to(torch.bfloat16)  # the trunk's wide rows
+    other_hidden = torch.randn(len(OTHER) - 1, ker.cfg.wide_size, generator=g).to(torch.bfloat16)
+
+    def mtp(model, parts):
+        tokens, positions, segments, wides = [], [], [], []
+        for lane, ids, wide in parts:
+            segments.append(Segment(lane, len(tokens), len(ids)))
+            tokens.extend(ids)
+            positions.extend(range(len(ids)))
+            wides.append(wide)
+        batch = ForwardBatch(torch.tensor(tokens), torch.tensor(positions), segments)
+        return model.mtp_forward(batch, torch.cat(wides))
+
+    alone_logits, alone_wide = mtp(ker, [(ker.new_lane(), PROMPT[1:], hidden)])
+    lane = ker.new_lane()
+    logits, wide = mtp(ker, [(ker.new_lane(), OTHER[1:], other_hidden), (lane, PROMPT[1:], hidden)])
+    n = len(OTHER) - 1
+    assert torch.equal(logits[n:], alone_logits) and torch.equal(wide[n:], alone_wide)
+    assert lane.mtp_length == len(PROMPT) - 1
+    want, _ = mtp(ref, [(ref.new_lane(), PROMPT[1:], hidden)])
+    assert rel_err(alone_logits, want) < 0.05
+
+
+def test_ngram_rows_of_windows_equal_the_reference_hash(models) -> None:
+    _, ker = models
+    emb = next(layer.ple for layer in ker.layers if layer.ple is not None).ple_embedding
+    lanes = [ker.new_lane(), ker.new_lane()]
+    lanes[1].ngram_history = torch.tensor([5, 17])
+    ids = [torch.tensor([5, 5, 8, 9, 5]), torch.tensor([3, 5, 4])]
+    batch = ForwardBatch(
+        torch.cat(ids), torch.zeros(8, dtype=torch.long), [Segment(lanes[0], 0, 5), Segment(lanes[1], 5, 3)]
+    )
+    lane_of_row = torch.tensor([0] * 5 + [1] * 3)
+    got = ngram_rows(emb, kernel_path.ngram_windows(batch, lane_of_row, ker.cfg.ngram_size))
+    want = torch.cat(
+        [
+            ngram_row_ids(lane.ngram_history, t, emb.eos, emb.multipliers, emb.moduli, emb.offsets, emb.heads_per_ngram)
+            for lane, t in zip(lanes, ids, strict=True)
+        ]
+    )
+    assert torch.equal(got, want)
+
+
+def test_bad_combinations_are_refused_by_setting(models, paths, monkeypatch) -> None:
+    _, ker = models
+    assert resolve_kernels("auto", "cuda") and not resolve_kernels("auto", "cpu")
+    assert resolve_kernels("on", "cpu") and not resolve_kernels("off", "cuda")
+    with pytest.raises(ValueError, match="--kernels"):
+        resolve_kernels("sometimes", "cpu")
+    with pytest.raises(ValueError, match="--dtype"):
+        load_model(paths["bf16"], dtype="float32", kernels="on")
+    narrow = dataclasses.replace(ker.cfg, linear_key_head_dim=8)
+    with pytest.raises(ValueError, match="linear_key_head_dim"):
+        kernel_path.check(narrow, torch.bfloat16, torch.device("cpu"), ker.tp)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="--device cuda"):
+        kernel_path.check(ker.cfg, torch.bfloat16, torch.device("cpu"), ker.tp)
+
+
+def test_the_kernels_setting_is_checked_at_start_and_agreed_by_the_ranks(paths, capsys) -> None:
+    from server.cli import build_parser, main
+    from server.serve import canonical_settings
+
+    args = build_parser().parse_args(["serve", str(paths["bf16"])])
+    assert args.kernels == "auto" and canonical_settings(args, 2)["kernels"] == "off"
+    on_gpu = build_parser().parse_args(["serve", str(paths["bf16"]), "--device", "cuda"])
+    assert canonical_settings(on_gpu, 2)["kernels"] == "on"
+    argv = ["generate", str(paths["bf16"]), "--kernels", "on", "--dtype", "float32", "--prompt-ids", "1"]
+    assert main(argv) == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_gpu_forward_check_pure_parts(tmp_path, models) -> None:
+    import gpu_forward_check as script
+
+    args = script.parse_args(["--out", str(tmp_path), "--models", "tiny"])
+    assert args.out == tmp_path and args.models == ["tiny"] and args.steps > 0
+    texts = script.prompts(64, 320, 0)
+    assert texts == script.prompts(64, 320, 0) and len(texts) == 64
+    assert all(5 <= len(t) <= 24 and min(t) >= 0 and max(t) < 320 for t in texts)
+    assert len({len(t) for t in texts}) > 10
+    assert script.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert script.first_divergence([1, 2, 3], [1, 4, 3]) == 1 and script.first_divergence([1, 2], [1, 2, 3]) == 2
+    _, ker = models
+    a, b = ker.new_lane(), ker.new_lane()
+    assert script.state_diff(a, b) is None
+    b.length += 1
+    assert script.state_diff(a, b) == "length"
+    if not torch.cuda.is_available():
+        assert script.main(["--out", str(tmp_path)]) == 2
