@@ -22,6 +22,7 @@ class ExpertBank(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(e, d, i), requires_grad=False)
         self.nvfp4: dict[str, torch.Tensor] | None = None
+        self.dequantized: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def use_nvfp4(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hold NVFP4 weights: `{gate_up,down}_{packed,scale,scale_2}` (scale_2 [E, 2] for gate/up, [E] for down)."""
@@ -30,9 +31,19 @@ class ExpertBank(nn.Module):
         self.down_proj = None
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (gate_up [2I, d], down [d, I]) in the compute dtype; NVFP4 dequantized by the formula."""
+        """Expert e's (gate_up [2I, d], down [d, I]) in the compute dtype; NVFP4 dequantized by the formula (on the
+        CPU once per expert and kept, since dequantizing dominated a decode step there)."""
         if self.nvfp4 is None:
             return self.gate_up_proj[e].to(dtype), self.down_proj[e].to(dtype)
+        if (e, dtype) in self.dequantized:
+            return self.dequantized[e, dtype]
+        weights = self._dequantize(e, dtype)
+        if weights[0].device.type == "cpu":
+            self.dequantized[e, dtype] = weights
+        return weights
+
+    def _dequantize(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's NVFP4 weights as dense (gate_up, down) in `dtype`."""
         w = self.nvfp4
         half = w["gate_up_packed"].shape[1] // 2
         gate = dequantize_nvfp4(w["gate_up_packed"][e, :half], w["gate_up_scale"][e, :half], w["gate_up_scale_2"][e, 0])

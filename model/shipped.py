@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SHIPPED_MODEL = Path(__file__).resolve().parent / "checkpoints" / "flashnext-tiny"
+SHIPPED_MODEL = Path(__file__).resolve().parent / "checkpoints" / "flashnext-small"

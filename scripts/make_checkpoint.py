@@ -1,6 +1,6 @@
 """Write a tiny Flash Next checkpoint: transformers-initialised trunk weights plus an MTP layer, BF16/FP32 or NVFP4.
 
-python scripts/make_checkpoint.py configs/tiny/shipped.json OUT --format nvfp4 --tokenizer
+python scripts/make_checkpoint.py configs/tiny/base.json OUT --format nvfp4 --tokenizer
 """
 
 from __future__ import annotations

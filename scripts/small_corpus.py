@@ -22,7 +22,7 @@ import numpy as np
 from jinja2 import Template
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from tiny_tokenizer import NO_THINKING_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def chat_template() -> Template:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(CHAT_TEMPLATE)
+    return env.from_string(NO_THINKING_TEMPLATE)
 
 
 def render_chat(template: Template, question: str, answer: str) -> str:
@@ -241,7 +241,7 @@ def build_corpus(out: Path, vocab_size: int, sources: list[Path], heldout_percen
             raise ValueError(f"--source {root} is not a directory")
     docs, files = split_documents(sources, heldout_percent)
     log.info("documents: %s", {name: len(d) for name, d in docs.items()})
-    special_ids = build_tokenizer(out / "tokenizer", vocab_size, tokenizer_texts(docs["train"]))
+    special_ids = build_tokenizer(out / "tokenizer", vocab_size, tokenizer_texts(docs["train"]), NO_THINKING_TEMPLATE)
     tok = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
     splits = {}
     for name in SPLITS:

@@ -63,6 +63,11 @@ CHAT_TEMPLATE = """\
 {%- endif -%}
 {%- endif -%}
 """
+# The same template for a model never trained to think: the empty think block unless enable_thinking is true.
+NO_THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false -%}",
+    "{%- if not (enable_thinking is defined and enable_thinking is true) -%}",
+)
 
 
 def corpus() -> Iterator[str]:
@@ -81,7 +86,9 @@ def corpus() -> Iterator[str]:
     yield from SENTENCES
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int, texts: Iterable[str] | None = None) -> dict[str, int]:
+def build_tokenizer(
+    out_dir: Path, vocab_size: int, texts: Iterable[str] | None = None, template: str = CHAT_TEMPLATE
+) -> dict[str, int]:
     """Train on texts (default: corpus()), write tokenizer.json, tokenizer_config.json and chat_template.jinja."""
     n_pieces = vocab_size - len(SPECIAL_TOKENS)
     if n_pieces < 256:
@@ -117,10 +124,10 @@ def build_tokenizer(out_dir: Path, vocab_size: int, texts: Iterable[str] | None 
         "add_eos_token": False,
         "model_max_length": MODEL_MAX_LENGTH,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
     return ids
 
 

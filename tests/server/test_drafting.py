@@ -8,6 +8,7 @@ import pytest
 import torch
 from make_checkpoint import write_safetensors
 
+from model.shipped import SHIPPED_MODEL
 from model.weights import TensorIndex, load_model
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.drafters import CopyDrafter, History, MtpDrafter, ScriptedDrafter
@@ -23,6 +24,24 @@ SAMPLED = DrawSpec(0.9, 40, 0.95, 0.0, 4321)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return load_model(checkpoint(tmp_path_factory.mktemp("draft") / "m"), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_model(SHIPPED_MODEL, dtype="float32")
+
+
+def shipped_prompts() -> list[list[int]]:
+    """Python-looking prompts in the shipped model's tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_MODEL))
+    texts = (
+        "def read_config(path):\n    ",
+        "import os\n\n\nclass Cache:\n    def __init__(self",
+        "for item in items:\n",
+    )
+    return [tokenizer.encode(text) for text in texts]
 
 
 def accept_lengths(runner) -> set[int]:
@@ -185,3 +204,14 @@ def test_the_draft_depth_adapts_to_what_a_lane_keeps(model):
         windows[name] = [len(rows.drafts) for plan in runner.plans for rows in plan.rows if rows.drafts]
     assert max(windows["right"]) == 3 and windows["right"][0] == 3
     assert windows["wrong"][0] == 3 and windows["wrong"][-3:] == [1, 1, 1]  # a lane that keeps nothing drafts less
+
+
+@pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_shipped_models_mtp_drafts_are_accepted_and_change_nothing(shipped, draw):
+    prompts = shipped_prompts()
+    draws = [draw] * len(prompts)
+    alone = [run(shipped, [p], 24, [draw], draft=False)[0][0] for p in prompts]
+    together, runner = run(shipped, prompts, 24, draws, drafter=MtpDrafter())
+    assert together == alone  # drafted = undrafted, concurrent = solo
+    engine = runner.engine
+    assert engine.accepted_at[0] >= engine.drafted_at[0] // 3 > 0  # a trained MTP: first drafts really kept
