@@ -11,6 +11,7 @@ from model.moe import ExpertBank
 from model.ple import NGramTable
 
 WEIGHT_STD = 0.02
+TABLE_CHUNK_ROWS = 1 << 20  # the n-gram table is drawn in slices: a full fp32 draw would not fit beside it
 
 
 def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
@@ -26,8 +27,13 @@ def fill_dummy(
     table_device: torch.device | None = None,
 ) -> None:
     """Fill every parameter in place: BF16 (or `dtype`) dense weights, NVFP4 routed experts, an FP8 n-gram table;
-    each rank makes only its own shard."""
+    each rank makes only its own shard, and no dense copy of the experts or the table is ever made."""
+    packed = {
+        id(p) for m in model.modules() if isinstance(m, (ExpertBank, NGramTable)) for p in m.parameters(recurse=False)
+    }
     for name, param in model.named_parameters():
+        if id(param) in packed:
+            continue
         gen = _generator(name, seed, device)
         if name.endswith("linear_attn.norm.weight"):  # the GDN output norm is ones-centred
             param.data = torch.ones(param.shape, dtype=dtype, device=device)
@@ -47,10 +53,18 @@ def fill_dummy(
             module.use_nvfp4(_nvfp4_bank(module, gen, device))
         elif isinstance(module, NGramTable):
             where = table_device or device
-            gen = _generator(name, seed, where)
-            rows = (torch.randn(module.weight.shape, generator=gen, device=where) * 200).clamp(-448, 448)
-            module.weight.data = rows.to(torch.float8_e4m3fn)
+            module.weight.data = _fp8_table(module.weight.shape, _generator(name, seed, where), where)
             module.weight_scale = torch.tensor(WEIGHT_STD / 200, device=where)
+
+
+def _fp8_table(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """FP8 rows of about WEIGHT_STD * 200 before the scale, drawn TABLE_CHUNK_ROWS rows at a time."""
+    table = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    for start in range(0, shape[0], TABLE_CHUNK_ROWS):
+        rows = table[start : start + TABLE_CHUNK_ROWS]
+        draw = torch.randn(rows.shape, generator=gen, device=device) * 200
+        rows.copy_(draw.clamp(-448, 448).to(torch.float8_e4m3fn))
+    return table
 
 
 def _nvfp4_bank(bank: ExpertBank, gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:

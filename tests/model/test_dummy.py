@@ -36,3 +36,26 @@ def test_ranks_make_the_same_replicated_weights_and_their_own_shards(tmp_path):
         assert torch.equal(ranks[0].get_parameter(name), ranks[1].get_parameter(name))
     full = load_model(tmp_path, dtype="float32", load_format="dummy")
     assert ranks[0].lm_head.weight.shape[0] * 2 == full.lm_head.weight.shape[0]
+
+
+def test_no_dense_copy_of_the_experts_or_the_table_is_drawn(tmp_path, monkeypatch):
+    import model.dummy as dummy
+
+    config = text_config() | {"ngram_vocab_size_base": 20011, "num_experts": 64}  # table and experts the largest
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(dummy, "TABLE_CHUNK_ROWS", 1024)
+    largest = {"draw": 0}
+    randn = torch.randn
+
+    def recording_randn(*shape, **kwargs):
+        out = randn(*shape, **kwargs)
+        largest["draw"] = max(largest["draw"], out.numel())
+        return out
+
+    monkeypatch.setattr(dummy.torch, "randn", recording_randn)
+    model = load_model(tmp_path, dtype="float32", load_format="dummy")
+    table = next(layer.ple for layer in model.layers if layer.ple is not None).ple_embedding.ngram_embedding.weight
+    dense_experts = model.layers[0].mlp.experts.nvfp4["gate_up_packed"].numel() * 2  # two FP4 codes a byte
+    assert table.dtype == torch.float8_e4m3fn and torch.isfinite(table.float()).all() and table.float().std() > 0
+    assert largest["draw"] <= max(1024 * table.shape[1], model.lm_head.weight.numel())
+    assert largest["draw"] < min(table.numel(), dense_experts) / 4
