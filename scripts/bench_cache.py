@@ -1,6 +1,9 @@
 """Prompt-cache check: a first request, repeats of it, then concurrent streams of it; time to first token for each.
 
     python scripts/bench_cache.py --prompt-file long.txt --repeats 3 --streams 4 --require-cold --require-reuse
+    python scripts/bench_cache.py --random-prompt 32768 --extend 64 --repeats 1 --streams 0 --tokens 1
+
+With --extend N the repeats and streams send the first prompt followed by N more tokens (a next turn resuming it).
 
 Exits 0 only if every request succeeded and the --require-* conditions hold (the run qualifies).
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import threading
 import time
@@ -55,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from a file (default none)")
     parser.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids (default none)")
+    parser.add_argument(
+        "--random-prompt", type=int, default=None, help="a prompt of this many seeded random token ids (default none)"
+    )
+    parser.add_argument("--vocab", type=int, default=4096, help="random ids are below this (default 4096)")
+    parser.add_argument(
+        "--extend", type=int, default=0, help="repeats and streams add this many random ids (default 0)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here (default none)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per request (default 16)")
     parser.add_argument("--repeats", type=int, default=2, help="identical requests after the first (default 2)")
     parser.add_argument("--streams", type=int, default=4, help="concurrent identical requests at the end (default 4)")
@@ -62,11 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require-reuse", action="store_true", help="every repeat must report cached tokens > 0")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request (default 600)")
     args = parser.parse_args(argv)
-    if args.prompt_ids:
-        prompt: str | list[int] = [int(t) for t in args.prompt_ids.split(",")]
+    draw = random.Random(0)
+    if args.random_prompt:
+        prompt: str | list[int] = [draw.randrange(args.vocab) for _ in range(args.random_prompt)]
+    elif args.prompt_ids:
+        prompt = [int(t) for t in args.prompt_ids.split(",")]
     else:
         prompt = args.prompt_file.read_text() if args.prompt_file else args.prompt
-    body = {
+    if args.extend and not isinstance(prompt, list):
+        parser.error("--extend needs a token-id prompt (--prompt-ids or --random-prompt)")
+    first_body = {
         "prompt": prompt,
         "max_tokens": args.tokens,
         "temperature": 0,
@@ -74,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    extended = [*prompt, *(draw.randrange(args.vocab) for _ in range(args.extend))] if args.extend else prompt
+    body = first_body | {"prompt": extended}
     try:
-        first = one(args.base_url, body, args.api_key, args.timeout)
+        first = one(args.base_url, first_body, args.api_key, args.timeout)
         repeats = [one(args.base_url, body, args.api_key, args.timeout) for _ in range(args.repeats)]
         results: list[dict] = [{}] * args.streams
         barrier = threading.Barrier(args.streams) if args.streams else None
@@ -97,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"repeat {i}: TTFT {r['ttft_ms']} ms, cached {r['cached_tokens']}/{r['prompt_tokens']}")
     for i, r in enumerate(results):
         print(f"stream {i}: TTFT {r.get('ttft_ms')} ms, cached {r.get('cached_tokens')}/{r.get('prompt_tokens')}")
-    same = all(r.get("token_sha") == first["token_sha"] for r in [*repeats, *results])
-    print(f"every token_sha equals the first request's: {same}")
+    reference = repeats[0] if args.extend and repeats else first
+    same = all(r.get("token_sha") == reference["token_sha"] for r in [*repeats, *results])
+    print(f"every token_sha equals the {'first repeat' if reference is not first else 'first request'}'s: {same}")
+    if args.json:
+        args.json.write_text(json.dumps({"first": first, "repeats": repeats, "streams": results}, indent=2) + "\n")
     ok = same and len([r for r in results if r]) == args.streams
     if args.require_cold and first["cached_tokens"] != 0:
         print("--require-cold: the first request reported cached tokens")

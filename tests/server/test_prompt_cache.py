@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def test_cache_figures_in_health_and_metrics(servers):
         assert f"flashnext:prefix_cache_{name} " in metrics
 
 
-def test_bench_cache_qualifies_a_reusing_server(servers):
+def test_bench_cache_qualifies_a_reusing_server(servers, tmp_path):
     on, off = servers
     spec = importlib.util.spec_from_file_location("bench_cache", ROOT / "scripts" / "bench_cache.py")
     bench = importlib.util.module_from_spec(spec)
@@ -131,6 +132,12 @@ def test_bench_cache_qualifies_a_reusing_server(servers):
     common = ["--prompt-ids", ids, "--tokens", "4", "--repeats", "2", "--streams", "2"]
     assert bench.main(["--base-url", on.url, *common, "--require-cold", "--require-reuse"]) == 0
     assert bench.main(["--base-url", off.url, *common, "--require-reuse"]) == 1
+    report = tmp_path / "extend.json"
+    extend = ["--random-prompt", "40", "--vocab", "300", "--extend", "6", "--tokens", "3", "--repeats", "2"]
+    assert bench.main(["--base-url", on.url, *extend, "--streams", "1", "--json", str(report), "--require-reuse"]) == 0
+    runs = json.loads(report.read_text())
+    assert runs["first"]["prompt_tokens"] == 40 and runs["repeats"][0]["prompt_tokens"] == 46
+    assert runs["repeats"][0]["cached_tokens"] >= 39  # the next turn resumed the first prompt's kept state
 
 
 def test_the_index_takes_the_longest_kept_prefix_and_evicts_least_recent():
