@@ -7,6 +7,7 @@ import zlib
 import torch
 
 from model.flashnext import FlashNextModel
+from model.hyper import set_parameter
 from model.moe import ExpertBank
 from model.ple import NGramTable
 
@@ -34,27 +35,32 @@ def fill_dummy(
     for name, param in model.named_parameters():
         if id(param) in packed:
             continue
-        gen = _generator(name, seed, device)
-        if name.endswith("linear_attn.norm.weight"):  # the GDN output norm is ones-centred
-            param.data = torch.ones(param.shape, dtype=dtype, device=device)
-        elif "norm" in name:  # every other norm is zero-centred: zero is unit scale
-            param.data = torch.zeros(param.shape, dtype=dtype, device=device)
-        elif name.endswith("A_log"):
-            param.data = torch.rand(param.shape, generator=gen, device=device).mul(3).sub(2).to(dtype)
-        elif name.endswith("dt_bias"):
-            param.data = torch.ones(param.shape, dtype=dtype, device=device)
-        elif param.dim() >= 2:
-            param.data = (torch.randn(param.shape, generator=gen, device=device) * WEIGHT_STD).to(dtype)
-        else:
-            param.data = torch.zeros(param.shape, dtype=dtype, device=device)
+        set_parameter(model, name, _dense(name, param.shape, dtype, _generator(name, seed, device), device))
     for name, module in model.named_modules():
         gen = _generator(name, seed, device)
         if isinstance(module, ExpertBank):
             module.use_nvfp4(_nvfp4_bank(module, gen, device))
         elif isinstance(module, NGramTable):
             where = table_device or device
-            module.weight.data = _fp8_table(module.weight.shape, _generator(name, seed, where), where)
+            set_parameter(module, "weight", _fp8_table(module.weight.shape, _generator(name, seed, where), where))
             module.weight_scale = torch.tensor(WEIGHT_STD / 200, device=where)
+
+
+def _dense(
+    name: str, shape: torch.Size, dtype: torch.dtype, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """A dense weight: unit-scale norms, the GDN decay and step parameters in their ranges, small random matrices."""
+    if name.endswith("linear_attn.norm.weight"):  # the GDN output norm is ones-centred
+        return torch.ones(shape, dtype=dtype, device=device)
+    if "norm" in name:  # every other norm is zero-centred: zero is unit scale
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if name.endswith("A_log"):
+        return torch.rand(shape, generator=gen, device=device).mul(3).sub(2).to(dtype)
+    if name.endswith("dt_bias"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if len(shape) >= 2:
+        return (torch.randn(shape, generator=gen, device=device) * WEIGHT_STD).to(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _fp8_table(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:

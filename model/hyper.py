@@ -41,6 +41,12 @@ class ConvWeight(nn.Module):
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel), requires_grad=False)
 
 
+def set_parameter(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` the parameter `name` under `root` (a parameter built on the meta device cannot take it as data)."""
+    owner, _, attr = name.rpartition(".")
+    root.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
 def linear(in_features: int, out_features: int) -> Linear:
     """A bias-free projection."""
     return Linear(in_features, out_features)

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from model.config import FlashNextConfig, load_config
 from model.dummy import fill_dummy
 from model.flashnext import FlashNextModel
+from model.hyper import set_parameter
 from model.parallel import Shard, TensorParallel
 from model.ple import NGramEmbedding
 from model.quant import dequantize_fp8_block
@@ -151,7 +152,7 @@ class WeightLoader:
         for name, param in tqdm(params.items(), desc="loading weights", unit="tensor", leave=False):
             tensor = self._load(name, param, model, dtype, device)
             if tensor is not None:
-                param.data = tensor
+                set_parameter(model, name, tensor)
         for name, module in model.named_modules():
             if isinstance(module, NGramEmbedding):
                 self._check_hash_constants(name, module)
@@ -384,14 +385,16 @@ def load_model(
         log.warning("%s has no mtp.* tensors: drafting is off", model_dir)
     with torch.device("meta"):
         model = FlashNextModel(cfg, with_mtp=with_mtp, tp=tp, kernels=use_kernels)
-    model.to_empty(device=device)
-    for module in model.modules():
+    for module in model.modules():  # parameters stay on meta until filled: no dense copy of experts or table
         if isinstance(module, NGramEmbedding):
             module.reset_buffers(device)
     if loader is None:
         fill_dummy(model, torch_dtype, device, table_device=table_device)
     else:
         loader.fill(model, torch_dtype, device, table_device)
+    unfilled = [name for name, p in model.named_parameters() if p.is_meta]
+    if unfilled:
+        raise CheckpointError(f"{model_dir}: no weights were made for {', '.join(unfilled[:5])}")
     model.eval()
     log.info(
         "loaded %s: %d layers, dtype %s, device %s, MTP %s, kernels %s",

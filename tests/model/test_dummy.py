@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from model.dummy import fill_dummy
 from model.flashnext import single_lane_batch
 from model.parallel import TensorParallel
 from model.weights import load_model
@@ -59,3 +60,23 @@ def test_no_dense_copy_of_the_experts_or_the_table_is_drawn(tmp_path, monkeypatc
     assert table.dtype == torch.float8_e4m3fn and torch.isfinite(table.float()).all() and table.float().std() > 0
     assert largest["draw"] <= max(1024 * table.shape[1], model.lm_head.weight.numel())
     assert largest["draw"] < min(table.numel(), dense_experts) / 4
+
+
+def test_loading_leaves_experts_and_table_unallocated_until_they_are_filled(tmp_path, monkeypatch):
+    import model.weights as weights
+    from model.moe import ExpertBank
+    from model.ple import NGramTable
+
+    (tmp_path / "config.json").write_text(json.dumps(text_config()))
+    seen = []
+
+    def inspecting_fill(model, *args, **kwargs):
+        for module in model.modules():
+            if isinstance(module, (ExpertBank, NGramTable)):
+                seen.extend(p.is_meta for p in module.parameters(recurse=False))
+        return fill_dummy(model, *args, **kwargs)
+
+    monkeypatch.setattr(weights, "fill_dummy", inspecting_fill)
+    model = load_model(tmp_path, dtype="float32", load_format="dummy")
+    assert seen and all(seen)  # a dense real-shape copy of these would not fit on a GPU
+    assert not any(p.is_meta for p in model.parameters())
