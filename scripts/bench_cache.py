@@ -34,14 +34,17 @@ def one(base_url: str, body: dict, api_key: str | None, timeout: float) -> dict:
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(f"stream error: {event['error']}")
-            if event.get("choices") and first is None:
-                first = time.monotonic()
+            if first is None and any(choice.get("token_ids") for choice in event.get("choices", [])):
+                first = time.monotonic()  # the first chunk carrying a token (the stream opens with an empty one)
             usage = event.get("usage") or usage
             sha = event.get("token_sha") or sha
+    end = time.monotonic()
     if usage is None or first is None:
         raise RuntimeError("the stream ended without tokens or usage")
     return {
         "ttft_ms": round((first - start) * 1000, 1),
+        "total_ms": round((end - start) * 1000, 1),
+        "completion_tokens": usage["completion_tokens"],
         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
         "prompt_tokens": usage["prompt_tokens"],
         "token_sha": sha,
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "--random-prompt", type=int, default=None, help="a prompt of this many seeded random token ids (default none)"
     )
     parser.add_argument("--vocab", type=int, default=4096, help="random ids are below this (default 4096)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
     parser.add_argument(
         "--extend", type=int, default=0, help="repeats and streams add this many random ids (default 0)"
     )
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require-reuse", action="store_true", help="every repeat must report cached tokens > 0")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request (default 600)")
     args = parser.parse_args(argv)
-    draw = random.Random(0)
+    draw = random.Random(args.seed)
     if args.random_prompt:
         prompt: str | list[int] = [draw.randrange(args.vocab) for _ in range(args.random_prompt)]
     elif args.prompt_ids:
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }
     extended = [*prompt, *(draw.randrange(args.vocab) for _ in range(args.extend))] if args.extend else prompt
     body = first_body | {"prompt": extended}
