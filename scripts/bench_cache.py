@@ -21,6 +21,11 @@ from pathlib import Path
 import httpx
 
 
+def carries_tokens(event: dict) -> bool:
+    """Whether an SSE chunk carries generated tokens (the stream opens with an empty chunk, which does not)."""
+    return any(choice.get("token_ids") for choice in event.get("choices") or [])
+
+
 def one(base_url: str, body: dict, api_key: str | None, timeout: float) -> dict:
     """Stream one completion; its time to first token, cached tokens and token_sha."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -34,8 +39,8 @@ def one(base_url: str, body: dict, api_key: str | None, timeout: float) -> dict:
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(f"stream error: {event['error']}")
-            if first is None and any(choice.get("token_ids") for choice in event.get("choices", [])):
-                first = time.monotonic()  # the first chunk carrying a token (the stream opens with an empty one)
+            if first is None and carries_tokens(event):
+                first = time.monotonic()
             usage = event.get("usage") or usage
             sha = event.get("token_sha") or sha
     end = time.monotonic()

@@ -136,6 +136,9 @@ def test_bench_cache_qualifies_a_reusing_server(servers, tmp_path):
     extend = ["--random-prompt", "40", "--vocab", "300", "--extend", "6", "--tokens", "3", "--repeats", "2"]
     assert bench.main(["--base-url", on.url, *extend, "--streams", "1", "--json", str(report), "--require-reuse"]) == 0
     runs = json.loads(report.read_text())
+    opening = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}  # the stream's first, empty chunk
+    assert not bench.carries_tokens(opening) and not bench.carries_tokens({"choices": [], "usage": {}})
+    assert bench.carries_tokens({"choices": [{"index": 0, "text": "", "token_ids": [17]}]})
     assert runs["first"]["prompt_tokens"] == 40 and runs["repeats"][0]["prompt_tokens"] == 46
     assert runs["repeats"][0]["cached_tokens"] >= 39  # the next turn resumed the first prompt's kept state
 
