@@ -12,7 +12,7 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 2
+VERSION = 3
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -55,6 +55,7 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("B", [op.code for op in plan.ops], "lane op codes"),
             _pack("H", [op.slot for op in plan.ops], "lane op slots"),
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
+            _pack("I", [op.after for op in plan.ops], "lane op row offsets"),
         )
     )
     return _PREFIX.pack(MAGIC, VERSION, _PREFIX.size + len(body), zlib.crc32(body)) + body
@@ -146,7 +147,8 @@ class _Reader:
             raise HeaderError(f"unknown lane op code {min(unknown)}")
         slots = self.take("H", count, "lane op slots")
         args = self.take("q", count, "lane op arguments")
-        return tuple(LaneOp(LaneOpCode(code), slot, arg) for code, slot, arg in zip(codes, slots, args, strict=True))
+        afters = self.take("I", count, "lane op row offsets")
+        return tuple(map(LaneOp, map(LaneOpCode, codes), slots, args, afters))
 
 
 def _rows(

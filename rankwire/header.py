@@ -48,11 +48,14 @@ class LaneRows:
 
 @dataclass(frozen=True, slots=True)
 class LaneOp:
-    """A lane operation with one integer argument (e.g. keep the state of `slot` under handle `arg`)."""
+    """A lane operation with one integer argument (e.g. keep the state of `slot` under handle `arg`), applied before
+    the round's rows, or for a KEEP `after` that many of the slot's rows this round (a prompt pass need not stop
+    where a state is kept)."""
 
     code: LaneOpCode
     slot: int
     arg: int
+    after: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ PREFIX = struct.Struct("<4sHII")
 COUNTS = struct.Struct("<BIIII")
 
 
-def seal(body: bytes, magic: bytes = b"FNRH", version: int = 2) -> bytes:
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 3) -> bytes:
     """A header around `body` with a correct length and checksum, written from the documented layout."""
     return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
 
@@ -49,7 +49,12 @@ def random_plan(rng: random.Random) -> RoundPlan:
         for _ in range(rng.randrange(9))
     )
     ops = tuple(
-        LaneOp(rng.choice(list(LaneOpCode)), rng.randrange(2**16), rng.choice([0, 2**63 - 1, rng.randrange(1000)]))
+        LaneOp(
+            rng.choice(list(LaneOpCode)),
+            rng.randrange(2**16),
+            rng.choice([0, 2**63 - 1, rng.randrange(1000)]),
+            rng.choice([0, 2**32 - 1, rng.randrange(300)]),
+        )
         for _ in range(rng.randrange(4))
     )
     return RoundPlan(
@@ -68,7 +73,7 @@ SAMPLE = RoundPlan(
         LaneRows(3, (11, 12, 13), 0, None),
         LaneRows(0, (7,), 40, DrawSpec(0.7, 20, 0.95, 0.05, 1234), drafts=(8, 9), draft_depth=3),
     ),
-    ops=(LaneOp(LaneOpCode.KEEP, 0, 99),),
+    ops=(LaneOp(LaneOpCode.KEEP, 0, 99, after=3),),
 )
 EXAMPLES = [
     SAMPLE,
@@ -103,7 +108,7 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<4i", 11, 12, 13, 7),  # token ids, row after row
             struct.pack("<2i", 8, 9),  # draft ids
             struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234),  # one drawing row: temperature, top_k, top_p, min_p, seed
-            struct.pack("<BHq", 1, 0, 99),  # lane op: KEEP slot 0 handle 99
+            struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
         )
     )
     assert encode_header(SAMPLE) == seal(body)
@@ -175,7 +180,7 @@ def test_resealed_random_bodies_are_refused_or_exact() -> None:
     for _ in range(5000):
         counts = [rng.randrange(3) for _ in range(4)]
         body = COUNTS.pack(rng.choice([0, 1, 2, 3]), *counts)
-        size = 2 * counts[0] + 2 * counts[1] + 19 * counts[2] + 11 * counts[3] + rng.randrange(-2, 3)
+        size = 2 * counts[0] + 2 * counts[1] + 19 * counts[2] + 15 * counts[3] + rng.randrange(-2, 3)
         body += rng.randbytes(max(0, size))
         try:
             plan = decode_header(seal(body))
@@ -195,12 +200,12 @@ def test_faults_are_named() -> None:
     body = body_of(SAMPLE)
     cases: list[tuple[bytes, str]] = [
         (b"XXXX" + sample[4:], "bad magic b'XXXX'"),
-        (seal(bytes(body), version=3), "unknown header version 3"),
+        (seal(bytes(body), version=2), "unknown header version 2"),
         (sample[:-1], f"truncated header: {len(sample) - 1} of its declared {len(sample)} bytes"),
         (sample[:5], "truncated header: 5 bytes"),
         (sample + b"xy", "2 trailing bytes"),
         (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
-        (PREFIX.pack(b"FNRH", 2, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (PREFIX.pack(b"FNRH", 3, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
         (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
         (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
         (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
@@ -214,7 +219,7 @@ def test_faults_are_named() -> None:
     corrupt[tokens : tokens + 4] = struct.pack("<i", -5)
     cases.append((seal(bytes(corrupt)), "token ids: -5 is negative"))
     corrupt = body.copy()
-    corrupt[-11] = 7
+    corrupt[-15] = 7
     cases.append((seal(bytes(corrupt)), "unknown lane op code 7"))
     temperature = tokens + 4 * 4 + 4 * 2
     for value, message in [
