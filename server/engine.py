@@ -185,10 +185,9 @@ class Engine:
                 drafts = request.drafts[: max(room, 0)]
                 rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
             elif budget > 0:
-                if request.keeps and request.keeps[0] == request.prefilled:
-                    self._keep_state(request, ops)
-                ahead = [k for k in request.keeps if k > request.prefilled]
-                take = min(budget, (ahead[0] if ahead else len(prompt)) - request.prefilled)
+                take = min(budget, len(prompt) - request.prefilled)
+                while request.keeps and request.keeps[0] <= request.prefilled + take:  # kept inside this round
+                    self._keep_state(request, ops, request.keeps[0] - request.prefilled)
                 chunk = tuple(prompt[request.prefilled : request.prefilled + take])
                 done = request.prefilled + take == len(prompt)
                 draw = request.draw if done else None
@@ -211,13 +210,14 @@ class Engine:
             marks = {*grid, *request.keep_at, len(prompt) - 1}
             request.keeps = sorted(k for k in marks if request.prefilled < k < len(prompt))
 
-    def _keep_state(self, request: Request, ops: list[LaneOp]) -> None:
-        """Keep the lane's state at this boundary (before this round's rows), unless that prefix is kept already."""
+    def _keep_state(self, request: Request, ops: list[LaneOp], after: int) -> None:
+        """Keep the lane's state at its next boundary, `after` rows into this round (a prompt pass runs through its
+        boundaries: the forward snapshots each row), unless that prefix is kept already."""
         position = request.keeps.pop(0)
         digest = prefix_digests(request.prompt_ids, [position])[position]
         if self.cache.wants(digest) and all(d != digest for d, _ in self.new_keeps):
             handle = self.cache.new_handle()
-            ops.append(LaneOp(LaneOpCode.KEEP, request.slot, handle))
+            ops.append(LaneOp(LaneOpCode.KEEP, request.slot, handle, after))
             self.new_keeps.append((digest, Kept(handle, position, 0)))
 
     def _run(self, plan: RoundPlan) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.flashnext import FlashNextModel
+from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, copy_lane, lane_bytes, restore
 from rankwire.header import LaneOp, LaneOpCode, LaneRows, RoundPlan
@@ -78,11 +78,17 @@ class ModelRunner:
         return None
 
     def _prepare(self, plan: RoundPlan) -> str | None:
-        """Apply the plan's lane operations; then why this rank cannot run its rows, or None."""
+        """Apply the plan's lane operations that come before the rows; then why this rank cannot run the round (its
+        rows, or a keep after rows it does not have), or None."""
         for op in plan.ops:
-            problem = self._apply(op)
+            problem = self._apply(op) if not op.after else None
             if problem:
                 return problem
+        counts = {rows.slot: len(rows.token_ids) for rows in plan.rows}
+        for op in plan.ops:
+            rows_here = counts.get(op.slot, 0)
+            if op.after and (op.code is not LaneOpCode.KEEP or op.after > rows_here):
+                return f"lane op {op.code.name} after {op.after} rows of lane slot {op.slot}, which has {rows_here}"
         for rows in plan.rows:
             if not 0 <= rows.slot < len(self.slots) or self.slots[rows.slot] is None:
                 return f"round plan uses lane slot {rows.slot}, which is not allocated"
@@ -115,6 +121,7 @@ class ModelRunner:
             return []
         device = self.model.device
         tokens, positions, segments, logit_rows, windows = [], [], [], [], set()
+        keeping = {op.slot for op in plan.ops if op.after}
         for index, rows in enumerate(plan.rows):
             window = (*rows.token_ids, *rows.drafts)
             segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
@@ -122,7 +129,7 @@ class ModelRunner:
             positions.extend(range(rows.start, rows.start + len(window)))
             if rows.draw is not None:
                 logit_rows.extend(range(len(tokens) - len(rows.drafts) - 1, len(tokens)))
-            if rows.drafts:
+            if rows.drafts or rows.slot in keeping:
                 windows.add(index)
         out = self.model(
             ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments),
@@ -145,7 +152,26 @@ class ModelRunner:
             results = [
                 LaneResult(r.tokens, drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)
             ]
+        by_slot = {rows.slot: index for index, rows in enumerate(plan.rows)}
+        for op in plan.ops:
+            if op.after:
+                index = by_slot[op.slot]
+                self.kept[op.arg] = self._kept_after(plan.rows[index], segments[index], out, index, op.after)
         return results
+
+    def _kept_after(self, rows: LaneRows, seg: Segment, out: ForwardOutput, index: int, after: int) -> LaneState:
+        """The lane's state after its first `after` rows of this round, as a keep before the next row would hold
+        it: the forward's snapshot of that row, the QSA caches' prefix, and the MTP layer's prefix and pending row."""
+        lane, position = seg.lane, rows.start + after
+        kept = copy_lane(lane, share_caches=True)
+        restore(kept, out.snapshots[index][after - 1])
+        kept = copy_lane(kept, share_caches=True)  # its own copies of the snapshot's states
+        if kept.mtp_attention is not None:
+            kept.mtp_attention.length = min(kept.mtp_attention.length, position - 1)
+        kept.mtp_length = min(lane.mtp_length, position - 1)
+        if rows.draft_depth:  # the MTP layer absorbs rows one behind: this one still waits for its next token
+            kept.mtp_pending = out.hidden[seg.start + after - 1].clone()
+        return kept
 
     def _verify(self, rows: LaneRows, logits: torch.Tensor) -> list[int]:
         """The target's draws after the window, each keyed by its absolute position, up to the first draft that

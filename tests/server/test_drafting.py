@@ -12,7 +12,7 @@ from model.shipped import SHIPPED_MODEL
 from model.weights import TensorIndex, load_model
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.drafters import CopyDrafter, History, MtpDrafter, ScriptedDrafter
-from server.runner import ModelRunner
+from server.runner import ModelRunner, RoundRefused
 from tests.server.engine_harness import run
 from tests.tiny import checkpoint
 
@@ -215,3 +215,32 @@ def test_the_shipped_models_mtp_drafts_are_accepted_and_change_nothing(shipped, 
     assert together == alone  # drafted = undrafted, concurrent = solo
     engine = runner.engine
     assert engine.accepted_at[0] >= engine.drafted_at[0] // 3 > 0  # a trained MTP: first drafts really kept
+
+
+def kept_bits(lane) -> dict[str, torch.Tensor]:
+    """Every part of a kept state a resume reads, the MTP layer's included."""
+    bits = state_bits(lane) | {"mtp_length": torch.tensor(lane.mtp_length)}
+    if lane.mtp_attention is not None:
+        n = lane.mtp_attention.length
+        bits["mtp_kv"] = torch.cat((lane.mtp_attention.keys[:n].flatten(), lane.mtp_attention.values[:n].flatten()))
+        bits["mtp_index"] = lane.mtp_attention.index_keys[:n]
+    if lane.mtp_pending is not None:
+        bits["mtp_pending"] = lane.mtp_pending
+    return bits
+
+
+@pytest.mark.parametrize("depth", [0, 3], ids=["no-mtp", "mtp"])
+def test_a_state_kept_inside_a_round_equals_one_kept_between_rounds(model, depth):
+    whole, split = ModelRunner(model, 1), ModelRunner(model, 1)
+    rows = LaneRows(0, tuple(PROMPT), 0, GREEDY, draft_depth=depth)
+    whole.execute(RoundPlan(allocate=(0,), rows=(rows,), ops=(LaneOp(LaneOpCode.KEEP, 0, 5, after=6),)))
+    split.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT[:6]), 0, None, draft_depth=depth),)))
+    rest = LaneRows(0, tuple(PROMPT[6:]), 6, GREEDY, draft_depth=depth)
+    split.execute(RoundPlan(rows=(rest,), ops=(LaneOp(LaneOpCode.KEEP, 0, 5),)))
+    ours, theirs = kept_bits(whole.kept[5]), kept_bits(split.kept[5])
+    assert ours.keys() == theirs.keys() and ("mtp_pending" in ours) == bool(depth)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    with pytest.raises(RoundRefused, match="after 11 rows of lane slot 0, which has 10"):
+        ModelRunner(model, 1).execute(
+            RoundPlan(allocate=(0,), rows=(rows,), ops=(LaneOp(LaneOpCode.KEEP, 0, 5, after=11),))
+        )

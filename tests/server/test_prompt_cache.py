@@ -154,3 +154,27 @@ def test_the_index_takes_the_longest_kept_prefix_and_evicts_least_recent():
     assert cache.add(digests[30], Kept(3, 30, 150)) == [2]  # handle 1 was used last, so 2 goes
     assert cache.lookup([*prompt[:15], 0, 0, 0, 0, 0, 0]).handle == 1
     assert PromptCache(0).lookup(prompt) is None
+
+
+def test_a_resumed_prompt_reaches_its_first_token_in_one_round(ckpt):
+    from model.weights import load_model
+    from rankwire.header import DrawSpec
+    from server.engine import Engine, Request
+    from tests.server.engine_harness import Outcome, RecordingRunner
+
+    runner = RecordingRunner(load_model(ckpt, dtype="float32"), 1)
+    engine = Engine(runner, 4096, 64, prompt_cache=PromptCache(1 << 30), cache_grid=8)
+    engine.start()
+    try:
+        for i, prompt in enumerate((LONG[:20], LONG[:25])):
+            outcome = Outcome()
+            engine.submit(Request(f"r{i}", prompt, 2, DrawSpec(0.0, 0, 1.0, 0.0, 1), frozenset(), outcome.sink))
+            assert outcome.done.wait(120)
+            if i == 0:
+                first_round = len(runner.rounds)
+    finally:
+        engine.stop()
+    second = [p for p in runner.plans[first_round:] if p.rows]
+    assert second[0].rows[0].start == 19 and second[0].rows[0].draw is not None  # resumed, then one pass to the draw
+    keeps = [op for op in second[0].ops if op.code.name == "KEEP"]
+    assert [op.after for op in keeps] == [5]  # the grid boundary at 24, one before the end, kept inside the round
