@@ -90,7 +90,7 @@ def read_tiles(n: int, r: int) -> ReadTiles:
 
 
 @triton.jit
-def _round(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+def round_to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> act, round to nearest even (on the bits under the interpreter, whose cast truncates)."""
     if not ACT_BF16:
         return x
@@ -153,7 +153,7 @@ def _normed(
         x = tl.load(ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         w = tl.load(nw_ptr + cols).to(tl.float32)
     rs = tl.load(rstd_ptr + rows * HC + b, mask=row_ok, other=0.0)
-    return _round(x * rs[:, None] * (1.0 + w)[None, :], ACT_BF16, INTERPRET)
+    return round_to_act(x * rs[:, None] * (1.0 + w)[None, :], ACT_BF16, INTERPRET)
 
 
 @triton.jit
@@ -236,14 +236,14 @@ def _finish_down(
     v = tl.div_rn(acc, tl.full(acc.shape, HC, tl.float32))
     h = tl.div_rn(v, 1.0 + _exp(-v, INTERPRET))
     ok = row_ok[:, None] & col_ok[None, :]
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * R + cols[None, :], _round(h, ACT_BF16, INTERPRET), mask=ok)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * R + cols[None, :], round_to_act(h, ACT_BF16, INTERPRET), mask=ok)
     if with_inject:
         icols = tl.arange(0, BLOCK_I)
         iv = tl.div_rn(iacc, tl.full(iacc.shape, HC, tl.float32))
         inj = 2.0 * _sigmoid(iv, INTERPRET)
         tl.store(
             inj_ptr + rows.to(tl.int64)[:, None] * HC + icols[None, :],
-            _round(inj, ACT_BF16, INTERPRET),
+            round_to_act(inj, ACT_BF16, INTERPRET),
             mask=row_ok[:, None] & (icols[None, :] < HC),
         )
 
@@ -462,7 +462,7 @@ def _mix_kernel(
             wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, wide_cols, col_ok, b, stride_w, HC, True, ACT_BF16, INTERPRET
         )
         total = total + _sigmoid(u, INTERPRET) * normed.to(tl.float32)
-    x = _round(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
+    x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -495,11 +495,11 @@ def _write_kernel(
         y = tl.load(y_row, mask=ok, other=0.0)
         for rank in tl.static_range(1, RANKS):
             y += tl.load(y_row + rank * stride_yr, mask=ok, other=0.0)
-        y = _round(y, ACT_BF16, INTERPRET).to(tl.float32)
+        y = round_to_act(y, ACT_BF16, INTERPRET).to(tl.float32)
     for b in tl.static_range(HC):
         s = tl.load(inj_ptr + row * stride_i + b).to(tl.float32)
         x = tl.load(wide_ptr + row * stride_w + b * D + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + b * D + cols, _round(x + s * y, ACT_BF16, INTERPRET), mask=ok)
+        tl.store(out_ptr + row * stride_o + b * D + cols, round_to_act(x + s * y, ACT_BF16, INTERPRET), mask=ok)
 
 
 _POOL = CounterPool(MAX_TILES, "hc_read", "output tiles with K ranges across programs")

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.conv import exp_f32
+from kernels.hyper import round_to_act
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,19 +40,6 @@ def block_c(c: int) -> int:
 def block_r(c: int) -> int:
     """(row, group) pairs one program reduces, from the width alone (a tile of TILE elements)."""
     return max(1, TILE // block_c(c))
-
-
-@triton.jit
-def _to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> the activation dtype, round to nearest even (on the bits under the interpreter); fp32 stays."""
-    if not ACT_BF16:
-        return x
-    elif INTERPRET:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -80,7 +68,7 @@ def _sum_squares(
         x = tl.load(x_ptr + offs[:, None] + cols[None, :], mask=ok[:, None] & (cols < C)[None, :], other=0.0)
         x = x.to(tl.float32)
         if ROUND_IN:
-            x = _to_act(x, ACT_BF16, INTERPRET).to(tl.float32)
+            x = round_to_act(x, ACT_BF16, INTERPRET).to(tl.float32)
         acc += x * x
     return tl.sum(acc, axis=1)
 
@@ -116,7 +104,7 @@ def _zc_norm_kernel(
         mask = ok[:, None] & (cols < C)[None, :]
         x = tl.load(x_ptr + offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + grp[:, None] * stride_wg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        out = _to_act(x * rstd[:, None] * (1.0 + w), ACT_BF16, INTERPRET)
+        out = round_to_act(x * rstd[:, None] * (1.0 + w), ACT_BF16, INTERPRET)
         tl.store(out_ptr + r[:, None] * C + cols[None, :], out, mask=mask)
 
 
@@ -148,16 +136,16 @@ def _gated_norm_kernel(
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = ok[:, None] & (cols < C)[None, :]
         x = tl.load(x_ptr + offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = _to_act(x, ACT_BF16, INTERPRET).to(tl.float32)
+        x = round_to_act(x, ACT_BF16, INTERPRET).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
-        normed = _to_act(x * rstd[:, None], ACT_BF16, INTERPRET).to(tl.float32)
-        scaled = _to_act(w[None, :] * normed, ACT_BF16, INTERPRET).to(tl.float32)
+        normed = round_to_act(x * rstd[:, None], ACT_BF16, INTERPRET).to(tl.float32)
+        scaled = round_to_act(w[None, :] * normed, ACT_BF16, INTERPRET).to(tl.float32)
         z = tl.load(z_ptr + z_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if SILU:
             gate = tl.div_rn(z, 1.0 + exp_f32(-z, INTERPRET))
         else:
             gate = tl.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + exp_f32(-z, INTERPRET))
-        tl.store(out_ptr + r[:, None] * C + cols[None, :], _to_act(scaled * gate, ACT_BF16, INTERPRET), mask=mask)
+        tl.store(out_ptr + r[:, None] * C + cols[None, :], round_to_act(scaled * gate, ACT_BF16, INTERPRET), mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -208,7 +196,7 @@ def _block_mean_kernel(
     for r in tl.static_range(1, RATIO):
         acc += tl.load(first + r * stride_x, mask=ok, other=0.0).to(tl.float32)
     mean = tl.div_rn(acc, tl.full(acc.shape, RATIO, tl.float32))
-    tl.store(out_ptr + blk * C + cols, _to_act(mean, ACT_BF16, INTERPRET), mask=ok)
+    tl.store(out_ptr + blk * C + cols, round_to_act(mean, ACT_BF16, INTERPRET), mask=ok)
 
 
 def _groups(x: torch.Tensor, name: str) -> torch.Tensor:
