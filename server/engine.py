@@ -191,7 +191,8 @@ class Engine:
                 chunk = tuple(prompt[request.prefilled : request.prefilled + take])
                 done = request.prefilled + take == len(prompt)
                 draw = request.draw if done else None
-                rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth))
+                # every prompt pass feeds the MTP layer, drafting or not: its kept states may resume a drafting lane
+                rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=self.mtp_depth))
                 budget -= take
         free, self.to_free = tuple(self.to_free), []
         return RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
@@ -231,6 +232,9 @@ class Engine:
                 self.fail(f"the round failed: {exc}")
                 return
             with self.cond:
+                # the round's keeps were never made (or not all): drop their handles wherever they exist
+                self.ops += [LaneOp(LaneOpCode.DROP, 0, kept.handle) for _, kept in self.new_keeps]
+                self.new_keeps = []
                 for rows in plan.rows:
                     self._finish(by_slot[rows.slot], Update((), "error", f"the round failed: {exc}"))
             return

@@ -156,25 +156,61 @@ def test_the_index_takes_the_longest_kept_prefix_and_evicts_least_recent():
     assert PromptCache(0).lookup(prompt) is None
 
 
-def test_a_resumed_prompt_reaches_its_first_token_in_one_round(ckpt):
-    from model.weights import load_model
+def serve_in_turn(model, requests, prompt_cache: PromptCache, runner_class=None) -> tuple[list, object]:
+    """Run (prompt, draft) requests one after another on one engine; each one's Outcome, and the runner."""
     from rankwire.header import DrawSpec
     from server.engine import Engine, Request
     from tests.server.engine_harness import Outcome, RecordingRunner
 
-    runner = RecordingRunner(load_model(ckpt, dtype="float32"), 1)
-    engine = Engine(runner, 4096, 64, prompt_cache=PromptCache(1 << 30), cache_grid=8)
+    runner = (runner_class or RecordingRunner)(model, 1)
+    engine = Engine(runner, 4096, 64, draft_depth=3, prompt_cache=prompt_cache, cache_grid=8)
     engine.start()
+    outcomes = []
     try:
-        for i, prompt in enumerate((LONG[:20], LONG[:25])):
-            outcome = Outcome()
-            engine.submit(Request(f"r{i}", prompt, 2, DrawSpec(0.0, 0, 1.0, 0.0, 1), frozenset(), outcome.sink))
-            assert outcome.done.wait(120)
-            if i == 0:
-                first_round = len(runner.rounds)
+        for i, (prompt, draft) in enumerate(requests):
+            outcomes.append(Outcome())
+            draw = DrawSpec(0.0, 0, 1.0, 0.0, 1)
+            engine.submit(Request(f"r{i}", prompt, 6, draw, frozenset(), outcomes[-1].sink, draft=draft))
+            assert outcomes[-1].done.wait(120)
     finally:
         engine.stop()
-    second = [p for p in runner.plans[first_round:] if p.rows]
-    assert second[0].rows[0].start == 19 and second[0].rows[0].draw is not None  # resumed, then one pass to the draw
-    keeps = [op for op in second[0].ops if op.code.name == "KEEP"]
+    return outcomes, runner
+
+
+def test_a_drafting_request_resumes_a_state_kept_by_an_undrafted_one(ckpt):
+    from model.weights import load_model
+
+    model = load_model(ckpt, dtype="float32")
+    cached, _ = serve_in_turn(model, [(LONG[:20], False), (LONG[:25], True)], PromptCache(1 << 30))
+    (fresh,), _ = serve_in_turn(model, [(LONG[:25], True)], PromptCache(0))
+    assert [o.finish for o in cached] == ["length", "length"]
+    assert cached[1].tokens == fresh.tokens
+
+
+def test_a_failed_round_loses_its_keeps_and_the_engine_goes_on(ckpt):
+    from model.weights import load_model
+    from tests.server.engine_harness import RecordingRunner
+
+    class FailsOnce(RecordingRunner):
+        failed = False
+
+        def execute(self, plan):
+            if not self.failed and any(op.after for op in plan.ops):
+                self.failed = True
+                raise RuntimeError("injected")
+            return super().execute(plan)
+
+    model = load_model(ckpt, dtype="float32")
+    outcomes, _ = serve_in_turn(model, [(LONG[:20], True), (LONG[:20], True)], PromptCache(1 << 30), FailsOnce)
+    assert [o.finish for o in outcomes] == ["error", "length"]
+
+
+def test_a_resumed_prompt_reaches_its_first_token_in_one_round(ckpt):
+    from model.weights import load_model
+
+    model = load_model(ckpt, dtype="float32")
+    _, runner = serve_in_turn(model, [(LONG[:20], False), (LONG[:25], False)], PromptCache(1 << 30))
+    second = [plan for plan in runner.plans if plan.allocate][1]  # the second request's first round
+    assert second.rows[0].start == 19 and second.rows[0].draw is not None  # resumed, then one pass to the draw
+    keeps = [op for op in second.ops if op.code.name == "KEEP"]
     assert [op.after for op in keeps] == [5]  # the grid boundary at 24, one before the end, kept inside the round
