@@ -27,8 +27,8 @@ def fill_dummy(
     seed: int = 0,
     table_device: torch.device | None = None,
 ) -> None:
-    """Fill every parameter in place: BF16 (or `dtype`) dense weights, NVFP4 routed experts, an FP8 n-gram table;
-    each rank makes only its own shard, and no dense copy of the experts or the table is ever made."""
+    """Make every parameter, replacing its meta placeholder: BF16 (or `dtype`) dense weights, NVFP4 routed experts,
+    an FP8 n-gram table; each rank makes only its own shard, and no dense copy of the experts or the table is made."""
     packed = {
         id(p) for m in model.modules() if isinstance(m, (ExpertBank, NGramTable)) for p in m.parameters(recurse=False)
     }

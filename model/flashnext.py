@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -17,12 +19,12 @@ from model.state import LaneSnapshot, LaneState, snapshot
 
 @dataclass(slots=True)
 class ForwardOutput:
-    """Logits of the requested rows, every row's pre-mixer wide state (the MTP layer's input), and for the
-    segments asked for, the lane's snapshot after each of its rows (to keep a prefix of a verify window)."""
+    """Logits of the requested rows, every row's pre-mixer wide state (the MTP layer's input), and by segment index
+    and row offset the lane's snapshots asked for (to keep a prefix of a verify window, or a state mid-chunk)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
-    snapshots: dict[int, list[LaneSnapshot]]
+    snapshots: dict[int, dict[int, LaneSnapshot]]
 
 
 class FlashNextModel(nn.Module):
@@ -83,13 +85,15 @@ class FlashNextModel(nn.Module):
         self,
         batch: ForwardBatch,
         logit_rows: torch.Tensor | None = None,
-        snapshot_segments: frozenset[int] = frozenset(),
+        snapshot_rows: Mapping[int, Collection[int]] | None = None,
     ) -> ForwardOutput:
-        """Fold every segment's rows into its lane; logits for `logit_rows` (all rows if None)."""
+        """Fold every segment's rows into its lane; logits for `logit_rows` (all rows if None); the lane's snapshot
+        after each row offset that `snapshot_rows` lists for a segment index."""
+        wanted = snapshot_rows or {}
         if self.kernels:
-            return _kernel_path().forward(self, batch, logit_rows, snapshot_segments)
+            return _kernel_path().forward(self, batch, logit_rows, wanted)
         hidden = torch.empty(batch.token_ids.shape[0], self.cfg.wide_size, dtype=self.dtype, device=self.device)
-        snapshots: dict[int, list[LaneSnapshot]] = {i: [] for i in snapshot_segments}
+        snapshots: dict[int, dict[int, LaneSnapshot]] = {i: {} for i in wanted}
         for index, seg in enumerate(batch.segments):
             lane = seg.lane
             first = int(batch.positions[seg.start])
@@ -103,8 +107,8 @@ class FlashNextModel(nn.Module):
                 hidden[r] = wide[0]
                 lane.ngram_history = torch.cat((lane.ngram_history[1:], row.token_ids))
                 lane.length += 1
-                if index in snapshots:
-                    snapshots[index].append(snapshot(lane))
+                if r - seg.start in wanted.get(index, ()):
+                    snapshots[index][r - seg.start] = snapshot(lane)
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return ForwardOutput(logits=self.logits(rows), hidden=hidden, snapshots=snapshots)
 
@@ -127,7 +131,7 @@ class FlashNextModel(nn.Module):
         return torch.cat(logits), torch.cat(wides)
 
 
-def _kernel_path():
+def _kernel_path() -> ModuleType:
     """The kernel path's module, imported on first use: it imports Triton, whose interpreter setting
     (TRITON_INTERPRET) must be fixed before the kernels are defined."""
     from model import kernel_path

@@ -35,8 +35,8 @@ from model.state import AttentionCache, LaneState
 
 @dataclass(slots=True)
 class RowStates:
-    """Per-row states of one forward's layers (a verify window's snapshots): GDN conv tails and recurrent states,
-    PLE conv tails, each [N, ...] by layer index."""
+    """The states after the rows a forward snapshots, by layer index: GDN conv tails and recurrent states, PLE conv
+    tails, each [K, ...] for the K rows of `Round.keep_rows` in order."""
 
     gdn_conv: dict[int, torch.Tensor] = field(default_factory=dict)
     gdn_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -46,14 +46,14 @@ class RowStates:
 @dataclass(slots=True)
 class Round:
     """One forward's rows as the kernels take them: each row's lane index (its segment), the lanes, each segment's
-    first absolute position, each row's n-gram window, and whether per-row states are kept."""
+    first absolute position, each row's n-gram window, and the rows whose states are kept (None: none)."""
 
     batch: ForwardBatch
     lanes: list[LaneState]
     lane_of_row: torch.Tensor
     starts: list[int]
     windows: torch.Tensor | None
-    keep: bool
+    keep_rows: torch.Tensor | None
     kept: RowStates = field(default_factory=RowStates)
 
 
@@ -106,7 +106,8 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     n = x.shape[0]
     tails = torch.stack([lane.gdn_conv[index] for lane in rnd.lanes])
     states = torch.stack([lane.gdn_recurrent[index] for lane in rnd.lanes])
-    row_tails = tails.new_empty((n, *tails.shape[1:])) if rnd.keep else None
+    keep = rnd.keep_rows is not None
+    row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
     qkv = causal_conv_update(
         project(x, m.in_proj_qkv), tails, m.conv1d.weight[:, 0], rnd.lane_of_row, row_tails=row_tails
     )
@@ -116,13 +117,14 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
     beta = sigmoid(project(x, m.in_proj_b))
     g = -m.A_log.float().exp() * softplus(project(x, m.in_proj_a).float() + m.dt_bias.float())
-    out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.lane_of_row, keep_states=rnd.keep)
+    out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.lane_of_row, keep_states=keep)
     z = project(x, m.in_proj_z).unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
     for j, lane in enumerate(rnd.lanes):
         lane.gdn_conv[index], lane.gdn_recurrent[index] = tails[j], states[j]
-    if rnd.keep:
-        rnd.kept.gdn_conv[index], rnd.kept.gdn_recurrent[index] = row_tails, row_states
+    if keep:  # only the rows asked for outlive the layer
+        rnd.kept.gdn_conv[index] = row_tails.index_select(0, rnd.keep_rows)
+        rnd.kept.gdn_recurrent[index] = row_states.index_select(0, rnd.keep_rows)
     return m.tp.combine(project(y.view(n, m.v_width), m.out_proj))
 
 
@@ -207,14 +209,15 @@ def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor
     gated = (sigmoid(gate).unsqueeze(-1) * project(embedded, p.value_proj).unsqueeze(-2)).flatten(-2)
     normed = zc_rms_norm(gated.view(n, p.hc, p.d), p.norm_conv.weight, p.eps).view(n, -1)
     tails = torch.stack([lane.ple_conv[index] for lane in rnd.lanes])
-    row_tails = tails.new_empty((n, *tails.shape[1:])) if rnd.keep else None
+    keep = rnd.keep_rows is not None
+    row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
     conv = causal_conv_update(
         normed, tails, p.conv1d.weight[:, 0], rnd.lane_of_row, dilation=p.dilation, row_tails=row_tails
     )
     for j, lane in enumerate(rnd.lanes):
         lane.ple_conv[index] = tails[j]
-    if rnd.keep:
-        rnd.kept.ple_conv[index] = row_tails
+    if keep:
+        rnd.kept.ple_conv[index] = row_tails.index_select(0, rnd.keep_rows)
     return wide + (gated + conv)
 
 

@@ -13,7 +13,9 @@ state after any of its rows.
 
 from __future__ import annotations
 
+import bisect
 import os
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -58,8 +60,9 @@ def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: Te
         )
 
 
-def build_round(batch: ForwardBatch, keep: bool, ngram_size: int | None) -> Round:
-    """The round's row layout; refuses segments that do not tile the rows in order or share a lane."""
+def build_round(batch: ForwardBatch, keep_rows: list[int] | None, ngram_size: int | None) -> Round:
+    """The round's row layout, keeping the states after `keep_rows` (batch row indices, ascending); refuses segments
+    that do not tile the rows in order or share a lane."""
     positions = batch.positions.tolist()
     lanes, starts, end = [], [], 0
     for i, seg in enumerate(batch.segments):
@@ -79,7 +82,8 @@ def build_round(batch: ForwardBatch, keep: bool, ngram_size: int | None) -> Roun
     lengths = torch.tensor([seg.length for seg in batch.segments])
     lane_of_row = torch.repeat_interleave(torch.arange(len(lanes)), lengths).to(device)
     windows = None if ngram_size is None else ngram_windows(batch, lane_of_row, ngram_size)
-    return Round(batch, lanes, lane_of_row, starts, windows, keep)
+    kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
+    return Round(batch, lanes, lane_of_row, starts, windows, kept)
 
 
 def ngram_windows(batch: ForwardBatch, lane_of_row: torch.Tensor, n: int) -> torch.Tensor:
@@ -91,19 +95,21 @@ def ngram_windows(batch: ForwardBatch, lane_of_row: torch.Tensor, n: int) -> tor
     return flat[first[:, None] + torch.arange(n, device=flat.device)]
 
 
-def snapshots(rnd: Round, index: int) -> list[LaneSnapshot]:
-    """The lane of segment `index` after each of its rows, from the states the kernels kept per row."""
-    seg, kept = rnd.batch.segments[index], rnd.kept
-    return [
-        LaneSnapshot(
-            gdn_conv={i: t[row] for i, t in kept.gdn_conv.items()},
-            gdn_recurrent={i: t[row] for i, t in kept.gdn_recurrent.items()},
-            ple_conv={i: t[row] for i, t in kept.ple_conv.items()},
+def snapshots(rnd: Round, rows: list[int]) -> dict[int, dict[int, LaneSnapshot]]:
+    """By segment index and row offset, the lane after each of the kept `rows` (batch row indices, ascending)."""
+    kept, out = rnd.kept, {}
+    firsts = [seg.start for seg in rnd.batch.segments]
+    for k, row in enumerate(rows):
+        index = bisect.bisect_right(firsts, row) - 1
+        offset = row - firsts[index]
+        out.setdefault(index, {})[offset] = LaneSnapshot(
+            gdn_conv={i: t[k] for i, t in kept.gdn_conv.items()},
+            gdn_recurrent={i: t[k] for i, t in kept.gdn_recurrent.items()},
+            ple_conv={i: t[k] for i, t in kept.ple_conv.items()},
             ngram_history=rnd.windows[row, 1:],
-            length=rnd.starts[index] + k + 1,
+            length=rnd.starts[index] + offset + 1,
         )
-        for k, row in enumerate(range(seg.start, seg.start + seg.length))
-    ]
+    return out
 
 
 def vocab_logits(model: FlashNextModel, mixed: torch.Tensor) -> torch.Tensor:
@@ -118,17 +124,22 @@ def logits(model: FlashNextModel, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def forward(
-    model: FlashNextModel, batch: ForwardBatch, logit_rows: torch.Tensor | None, snapshot_segments: frozenset[int]
+    model: FlashNextModel,
+    batch: ForwardBatch,
+    logit_rows: torch.Tensor | None,
+    snapshot_rows: Mapping[int, Collection[int]],
 ) -> ForwardOutput:
-    """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once."""
-    rnd = build_round(batch, keep=bool(snapshot_segments), ngram_size=model.cfg.ngram_size)
+    """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once; states are kept
+    only after the rows snapshot (a verify window's rows, a kept prompt boundary)."""
+    keep_rows = sorted(batch.segments[i].start + k for i, offsets in snapshot_rows.items() for k in offsets)
+    rnd = build_round(batch, keep_rows or None, ngram_size=model.cfg.ngram_size)
     for i, (lane, first) in enumerate(zip(rnd.lanes, rnd.starts, strict=True)):
         if first != lane.length:
             raise ValueError(f"segment {i} starts at position {first} but its lane holds {lane.length} tokens")
     wide = model.embed_tokens(batch.token_ids).repeat(1, model.cfg.hc_count)
     for layer in model.layers:
         wide = layer_forward(layer, wide, rnd)
-    snaps = {i: snapshots(rnd, i) for i in snapshot_segments}
+    snaps = {i: {} for i in snapshot_rows} | snapshots(rnd, keep_rows)
     for seg, lane in zip(batch.segments, rnd.lanes, strict=True):
         lane.ngram_history = rnd.windows[seg.start + seg.length - 1, 1:]
         lane.length += seg.length
@@ -139,7 +150,7 @@ def forward(
 def mtp_forward(model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`FlashNextModel.mtp_forward` on the kernels: every row through the MTP layer at once."""
     mtp = model.mtp
-    rnd = build_round(batch, keep=False, ngram_size=None)
+    rnd = build_round(batch, None, ngram_size=None)
     n = hidden.shape[0]
     e_norm, h_norm = mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden
     u = project(zc_rms_norm(model.embed_tokens(batch.token_ids), e_norm.weight, e_norm.eps), mtp.fc_embedding)

@@ -87,7 +87,7 @@ def fold(model: FlashNextModel, parts: list[tuple[LaneState, list[int]]], snap: 
         positions.extend(range(lane.length, lane.length + len(ids)))
     device = model.device
     batch = ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)
-    return model(batch, snapshot_segments=frozenset(range(len(parts))) if snap else frozenset())
+    return model(batch, snapshot_rows={i: range(seg.length) for i, seg in enumerate(segments)} if snap else None)
 
 
 def state_diff(a: LaneState, b: LaneState) -> str | None:

@@ -120,8 +120,9 @@ class ModelRunner:
         if not plan.rows:
             return []
         device = self.model.device
-        tokens, positions, segments, logit_rows, windows = [], [], [], [], set()
-        keeping = {op.slot for op in plan.ops if op.after}
+        tokens, positions, segments, logit_rows = [], [], [], []
+        snapshot_rows: dict[int, set[int]] = {}
+        keeps_after = {(op.slot, op.after) for op in plan.ops if op.after}
         for index, rows in enumerate(plan.rows):
             window = (*rows.token_ids, *rows.drafts)
             segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
@@ -129,12 +130,15 @@ class ModelRunner:
             positions.extend(range(rows.start, rows.start + len(window)))
             if rows.draw is not None:
                 logit_rows.extend(range(len(tokens) - len(rows.drafts) - 1, len(tokens)))
-            if rows.drafts or rows.slot in keeping:
-                windows.add(index)
+            wanted = {after - 1 for slot, after in keeps_after if slot == rows.slot}
+            if rows.drafts:  # what a rejection restores: the state after the last token row or after a kept draft
+                wanted |= set(range(len(rows.token_ids) - 1, len(window) - 1))
+            if wanted:
+                snapshot_rows[index] = wanted
         out = self.model(
             ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-            snapshot_segments=frozenset(windows),
+            snapshot_rows=snapshot_rows,
         )
         results, mtp_rows, next_logit = [], [], 0
         for index, (rows, seg) in enumerate(zip(plan.rows, segments, strict=True)):

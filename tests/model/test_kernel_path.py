@@ -43,13 +43,15 @@ def models(paths) -> tuple[FlashNextModel, FlashNextModel]:
 
 
 def fold(model: FlashNextModel, parts: list[tuple[LaneState, list[int]]], snap=frozenset()) -> ForwardOutput:
-    """One forward of each lane's next tokens, segments in the given order."""
+    """One forward of each lane's next tokens, segments in the given order; snapshots after every row of the
+    segments in `snap`."""
     tokens, positions, segments = [], [], []
     for lane, ids in parts:
         segments.append(Segment(lane, len(tokens), len(ids)))
         tokens.extend(ids)
         positions.extend(range(lane.length, lane.length + len(ids)))
-    return model(ForwardBatch(torch.tensor(tokens), torch.tensor(positions), segments), snapshot_segments=snap)
+    rows = {i: range(segments[i].length) for i in snap}
+    return model(ForwardBatch(torch.tensor(tokens), torch.tensor(positions), segments), snapshot_rows=rows)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,6 +135,30 @@ def test_verify_window_snapshots_restore_the_serial_state(models) -> None:
     after, expect = fold(ker, [(lane, [44])]), fold(ker, [(serial, [44])])
     assert torch.equal(after.logits, expect.logits)
     assert_same_state(lane, serial)
+
+
+def test_only_the_rows_asked_for_keep_their_states(models, monkeypatch) -> None:
+    _, ker = models
+    lanes = [ker.new_lane() for _ in range(4)]
+    for lane in lanes:
+        fold(ker, [(lane, PROMPT[:6])])
+    kept_rows = []
+    build_round = kernel_path.build_round
+    monkeypatch.setattr(
+        kernel_path, "build_round", lambda batch, rows, **kw: kept_rows.append(rows) or build_round(batch, rows, **kw)
+    )
+    batch = [(lanes[0], [3]), (lanes[1], [9, 10, 11, 12])]
+    every = fold(ker, batch, snap=frozenset({1}))
+    segments = [Segment(lanes[2], 0, 1), Segment(lanes[3], 1, 4)]
+    rows = ForwardBatch(torch.tensor([3, 9, 10, 11, 12]), torch.tensor([6, 6, 7, 8, 9]), segments)
+    one = ker(rows, snapshot_rows={1: {2}})
+    assert kept_rows[-2] == [1, 2, 3, 4] and kept_rows[-1] == [3]  # batch rows, not every row of the forward
+    assert list(one.snapshots) == [1] and list(one.snapshots[1]) == [2]
+    a, b = one.snapshots[1][2], every.snapshots[1][2]
+    assert a.length == b.length == 9 and torch.equal(a.ngram_history, b.ngram_history)
+    for part in ("gdn_conv", "gdn_recurrent", "ple_conv"):
+        theirs = getattr(b, part)
+        assert all(torch.equal(t, theirs[i]) for i, t in getattr(a, part).items()) and getattr(a, part)
 
 
 def test_mtp_rows_batched_equal_alone_and_match_the_reference(models) -> None:
