@@ -133,26 +133,29 @@ def lane_state_bytes(cfg, context: int, dtype_bytes: int) -> int:
     return fixed + context * per_token
 
 
-def _copy_cache(cache: AttentionCache | None, share: bool) -> AttentionCache | None:
+def _copy_cache(cache: AttentionCache | None, share: bool, limit: int | None = None) -> AttentionCache | None:
     if cache is None:
         return None
-    n = cache.length
+    n = cache.length if limit is None else min(cache.length, limit)
     parts = (cache.keys[:n], cache.values[:n], cache.index_keys[:n])
     return AttentionCache(*(parts if share else (t.clone() for t in parts)), n)
 
 
-def copy_lane(lane: LaneState, share_caches: bool = False) -> LaneState:
-    """A copy holding exactly the lane's folded prefix. With `share_caches` the QSA caches are views of the lane's
-    own rows instead of copies: a lane only ever writes at or past its length, so the prefix a kept state sees never
-    changes; whoever resumes from it copies (two lanes must never write into one buffer)."""
+def copy_lane(lane: LaneState, share_caches: bool = False, at: LaneSnapshot | None = None) -> LaneState:
+    """A copy holding exactly the lane's folded prefix, or with `at` the prefix up to that snapshot of it (its
+    states, the QSA caches cut to its length). With `share_caches` the QSA caches are views of the lane's own rows
+    instead of copies: a lane only ever writes at or past its length, so the prefix a kept state sees never changes;
+    whoever resumes from it copies (two lanes must never write into one buffer)."""
+    states = at or lane
+    limit = None if at is None else at.length
     return LaneState(
-        gdn_conv={i: t.clone() for i, t in lane.gdn_conv.items()},
-        gdn_recurrent={i: t.clone() for i, t in lane.gdn_recurrent.items()},
-        ple_conv={i: t.clone() for i, t in lane.ple_conv.items()},
-        ngram_history=lane.ngram_history.clone(),
-        attention={i: _copy_cache(c, share_caches) for i, c in lane.attention.items()},
+        gdn_conv={i: t.clone() for i, t in states.gdn_conv.items()},
+        gdn_recurrent={i: t.clone() for i, t in states.gdn_recurrent.items()},
+        ple_conv={i: t.clone() for i, t in states.ple_conv.items()},
+        ngram_history=states.ngram_history.clone(),
+        attention={i: _copy_cache(c, share_caches, limit) for i, c in lane.attention.items()},
         mtp_attention=_copy_cache(lane.mtp_attention, share_caches),
-        length=lane.length,
+        length=states.length,
         mtp_length=lane.mtp_length,
         mtp_pending=None if lane.mtp_pending is None else lane.mtp_pending.clone(),
     )

@@ -167,9 +167,7 @@ class ModelRunner:
         """The lane's state after its first `after` rows of this round, as a keep before the next row would hold
         it: the forward's snapshot of that row, the QSA caches' prefix, and the MTP layer's prefix and pending row."""
         lane, position = seg.lane, rows.start + after
-        kept = copy_lane(lane, share_caches=True)
-        restore(kept, out.snapshots[index][after - 1])
-        kept = copy_lane(kept, share_caches=True)  # its own copies of the snapshot's states
+        kept = copy_lane(lane, share_caches=True, at=out.snapshots[index][after - 1])
         if kept.mtp_attention is not None:
             kept.mtp_attention.length = min(kept.mtp_attention.length, position - 1)
         kept.mtp_length = min(lane.mtp_length, position - 1)
