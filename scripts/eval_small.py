@@ -22,7 +22,11 @@ import torch
 import torch.nn.functional as F
 
 SPLITS = ("eval_code", "eval_chat")
-DOCUMENT_END = "<|endoftext|>"  # the corpus ends every document with it
+DOCUMENT_END = "<|endoftext|>"
+DRAFTED, ACCEPTED = (
+    "spec_decode_num_draft_tokens_per_pos",
+    "spec_decode_num_accepted_tokens_per_pos",
+)  # the corpus ends every document with it
 TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)<\|im_end\|>", re.S)
 EMPTY_THINK = re.compile(r"^<think>\s*</think>\s*", re.S)
 
@@ -130,12 +134,6 @@ def post(client: httpx.Client, base: str, body: dict[str, Any], draft: bool) -> 
     return response.json()
 
 
-def draft_counts(client: httpx.Client, base: str) -> tuple[list[float | None], int, int]:
-    """The server's acceptance per position and its draft and accepted totals."""
-    health = client.get(f"{base}/health").json()
-    return health["draft_acceptance_per_position"], health["draft_tokens"], health["accepted_draft_tokens"]
-
-
 def run_level(client: httpx.Client, base: str, bodies: list[dict[str, Any]], streams: int, draft: bool) -> dict:
     """Send the bodies `streams` at a time; aggregate completion tok/s and every output's token_sha."""
     shas: list[str | None] = [None] * len(bodies)
@@ -174,17 +172,14 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
     with httpx.Client(timeout=args.timeout) as client:
         for split in SPLITS:
             bodies = request_bodies(args, split, tokenizer)
-            _, drafted0, accepted0 = draft_counts(client, base)
             before = client.get(f"{base}/metrics").text
             drafted_run = run_level(client, base, bodies, 1, True)
-            after = client.get(f"{base}/metrics").text
-            _, drafted1, accepted1 = draft_counts(client, base)
+            per_position = per_position_delta(before, client.get(f"{base}/metrics").text)
             plain_run = run_level(client, base, bodies, 1, False)
-            per_position = per_position_delta(before, after)
             report[split] = {
                 "acceptance_per_position": per_position,
-                "draft_tokens": drafted1 - drafted0,
-                "accepted_tokens": accepted1 - accepted0,
+                "draft_tokens": sum(row["drafted"] for row in per_position),
+                "accepted_tokens": sum(row["accepted"] for row in per_position),
                 "drafted_equals_undrafted": drafted_run["shas"] == plain_run["shas"],
             }
             print(split, json.dumps(report[split]), flush=True)
@@ -206,24 +201,20 @@ def per_position_delta(before: str, after: str) -> list[dict[str, float]]:
         pattern = re.compile(rf'^flashnext:{name}_total\{{position="(\d+)"\}} (\S+)$', re.M)
         return {int(p): float(v) for p, v in pattern.findall(text)}
 
-    drafted_a, drafted_b = (
-        counts(before, "spec_decode_num_draft_tokens_per_pos"),
-        counts(after, "spec_decode_num_draft_tokens_per_pos"),
-    )
-    accepted_a, accepted_b = (
-        counts(before, "spec_decode_num_accepted_tokens_per_pos"),
-        counts(after, "spec_decode_num_accepted_tokens_per_pos"),
-    )
+    def delta(name: str) -> dict[int, float]:
+        earlier = counts(before, name)
+        return {p: n - earlier.get(p, 0) for p, n in counts(after, name).items()}
+
+    drafted, accepted = delta(DRAFTED), delta(ACCEPTED)
     rows = []
-    for position in sorted(drafted_b):
-        drafted = drafted_b[position] - drafted_a.get(position, 0)
-        accepted = accepted_b.get(position, 0) - accepted_a.get(position, 0)
+    for position in sorted(drafted):
+        kept = accepted.get(position, 0)
         rows.append(
             {
                 "position": position,
-                "drafted": drafted,
-                "accepted": accepted,
-                "acceptance": accepted / drafted if drafted else None,
+                "drafted": drafted[position],
+                "accepted": kept,
+                "acceptance": kept / drafted[position] if drafted[position] else None,
             }
         )
     return rows

@@ -5,24 +5,13 @@
 # Usage, from the repo root there (carry .whl):  bash scripts/gpu_real_check.sh   # logs and JSON under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:.
+source scripts/gpu_serve.sh
 port=8200
 url=http://127.0.0.1:$port
 start=$(date +%s)
-timeout "${SERVE_S:-520}" python3 -m server configs/qwen3.8-flash-next --load-format dummy --tp 2 --device cuda \
-  --host 127.0.0.1 --port $port --context 40000 --max-lanes 8 --drafts 0 > "$OUT/serve_real.log" 2>&1 &
-server=$!
 up=0
-for _ in $(seq 1 300); do
-  if python3 -c "import httpx,sys; sys.exit(httpx.get('$url/health').status_code != 200)" 2>/dev/null; then
-    up=1; break
-  fi
-  kill -0 $server 2>/dev/null || break
-  sleep 1
-done
+serve_until_up "${SERVE_S:-520}" $port "$OUT/serve_real.log" configs/qwen3.8-flash-next --load-format dummy --tp 2 \
+  --device cuda --context 40000 --max-lanes 8 --drafts 0 && up=1
 echo "server up=$up after $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
 if [ $up = 1 ]; then
@@ -41,7 +30,5 @@ if [ $up = 1 ]; then
     bench ${pass}_cold8k --seed $((base + 4)) --random-prompt 8192 --tokens 1 --repeats 0
   done
 fi
-kill $server 2>/dev/null
-sleep 5
-pkill -9 -f "m server" 2>/dev/null
+stop_server
 grep -v "it/s\]\|tensor/s\]\|expert/s\]" "$OUT/serve_real.log" | tail -25

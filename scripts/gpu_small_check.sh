@@ -7,10 +7,7 @@
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 KERNELS=${1:-"on off"}
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:.
+source scripts/gpu_serve.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
 
@@ -24,25 +21,14 @@ fi
 port=8100
 for kernels in $KERNELS; do
   port=$((port + 1))
-  timeout 280 python3 -m server --tp 2 --device cuda --kernels "$kernels" --drafter mtp --host 127.0.0.1 \
-    --port "$port" > "$OUT/serve_$kernels.log" 2>&1 &
-  server=$!
   up=0
-  for _ in $(seq 1 120); do
-    if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
-      2>/dev/null; then up=1; break; fi
-    kill -0 $server 2>/dev/null || break
-    sleep 1
-  done
+  serve_until_up 280 "$port" "$OUT/serve_$kernels.log" --tp 2 --device cuda --kernels "$kernels" --drafter mtp && up=1
   echo "kernels=$kernels server up=$up"
   if [ $up = 1 ]; then
     timeout 220 python3 scripts/eval_small.py serve --data build/small/data --base-url "http://127.0.0.1:$port" \
       --prompts 6 --tokens 48 --streams 1,8 --json "$OUT/eval_tp2_$kernels.json" 2>&1 | tail -8
     echo "eval rc=${PIPESTATUS[0]}"
   fi
-  kill $server 2>/dev/null
-  sleep 3
-  kill -9 $server 2>/dev/null
-  pkill -9 -f "m server" 2>/dev/null
+  stop_server
   tail -4 "$OUT/serve_$kernels.log"
 done

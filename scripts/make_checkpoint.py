@@ -94,6 +94,12 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, shards: int) 
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def write_generation_config(out: Path, specials: dict[str, int]) -> None:
+    """generation_config.json: stop at <|im_end|> (a chat turn's end) and at <|endoftext|> (a document's end)."""
+    eos = [specials[t] for t in ("<|im_end|>", "<|endoftext|>") if t in specials]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": None}, indent=2))
+
+
 def make_checkpoint(
     text: dict[str, Any],
     out: Path,
@@ -111,8 +117,7 @@ def make_checkpoint(
     if tokenizer:
         specials = build_tokenizer(out, text["vocab_size"])
         text["eos_token_id"] = specials["<|endoftext|>"]
-        generation = {"eos_token_id": [specials["<|im_end|>"], specials["<|endoftext|>"]], "pad_token_id": None}
-        (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        write_generation_config(out, specials)
     if fmt == "nvfp4":
         with tempfile.TemporaryDirectory() as tmp:
             src = make_checkpoint(text, Path(tmp), fmt="bf16", seed=seed, with_mtp=with_mtp)

@@ -38,7 +38,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_checkpoint import hf_text_config, write_safetensors
+from make_checkpoint import hf_text_config, write_generation_config, write_safetensors
 from quantize_nvfp4 import convert_checkpoint
 
 log = logging.getLogger("train_small")
@@ -310,11 +310,10 @@ def evaluate(model: SmallFlashNext, tokens: torch.Tensor, seq: int, batch: int, 
 
 
 def write_tokenizer(src: Path, dst: Path, specials: dict[str, int]) -> None:
-    """The data's tokenizer files and generation_config.json (eos <|im_end|> then <|endoftext|>, as make_checkpoint)."""
+    """The data's tokenizer files and generation_config.json."""
     for name in TOKENIZER_FILES:
         shutil.copy2(src / name, dst / name)
-    eos = [specials[t] for t in ("<|im_end|>", "<|endoftext|>") if t in specials]
-    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": None}, indent=2))
+    write_generation_config(dst, specials)
 
 
 def save_bf16(model: SmallFlashNext, text: dict[str, Any], folder: Path) -> None:
