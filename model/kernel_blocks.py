@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from kernels.conv import causal_conv_update
 from kernels.gdn import gdn_recurrent
@@ -25,12 +24,12 @@ from kernels.router import router_topk
 from model.config import LINEAR
 from model.gdn import GatedDeltaNet
 from model.hyper import GatedResidual, Linear
-from model.layers import DecoderLayer, ForwardBatch
+from model.lane_pool import MTP, LanePool
+from model.layers import DecoderLayer
 from model.moe import ExpertBank, SparseMoE
 from model.ops import apply_rope, rope_cos_sin
 from model.ple import NGramEmbedding, PLELayer
 from model.qsa import QSAIndexer, QSAttention
-from model.state import AttentionCache, LaneState
 
 
 @dataclass(slots=True)
@@ -45,14 +44,16 @@ class RowStates:
 
 @dataclass(slots=True)
 class Round:
-    """One forward's rows as the kernels take them: each row's lane index (its segment), the lanes, each segment's
-    first absolute position, each row's n-gram window, and the rows whose states are kept (None: none)."""
+    """One forward's rows as the kernels take them, all on the GPU (so a CUDA graph can capture the layers): each
+    row's lane-pool slot and absolute position, its n-gram window (None: no PLE), the rows that complete an
+    indexer block with the block index their key goes to, and the rows whose states are kept (None: none)."""
 
-    batch: ForwardBatch
-    lanes: list[LaneState]
-    lane_of_row: torch.Tensor
-    starts: list[int]
+    pool: LanePool
+    slot_of_row: torch.Tensor
+    positions: torch.Tensor
     windows: torch.Tensor | None
+    block_rows: torch.Tensor
+    block_dest: torch.Tensor
     keep_rows: torch.Tensor | None
     kept: RowStates = field(default_factory=RowStates)
 
@@ -101,15 +102,14 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
-    """Gated DeltaNet of layer `index`: the lanes' conv tails and recurrent states are stacked for the kernels
-    (which update them in place) and handed back to the lanes as views."""
+    """Gated DeltaNet of layer `index`: the kernels update the rows' slots of the pool's conv tails and recurrent
+    states in place."""
     n = x.shape[0]
-    tails = torch.stack([lane.gdn_conv[index] for lane in rnd.lanes])
-    states = torch.stack([lane.gdn_recurrent[index] for lane in rnd.lanes])
+    tails, states = rnd.pool.gdn_conv[index], rnd.pool.gdn_recurrent[index]
     keep = rnd.keep_rows is not None
     row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
     qkv = causal_conv_update(
-        project(x, m.in_proj_qkv), tails, m.conv1d.weight[:, 0], rnd.lane_of_row, row_tails=row_tails
+        project(x, m.in_proj_qkv), tails, m.conv1d.weight[:, 0], rnd.slot_of_row, row_tails=row_tails
     )
     q, k, v = qkv.split([m.qk_width, m.qk_width, m.v_width], dim=-1)
     q = q.unflatten(-1, (m.key_heads, m.key_dim))
@@ -117,39 +117,29 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
     beta = sigmoid(project(x, m.in_proj_b))
     g = -m.A_log.float().exp() * softplus(project(x, m.in_proj_a).float() + m.dt_bias.float())
-    out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.lane_of_row, keep_states=keep)
+    out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.slot_of_row, keep_states=keep)
     z = project(x, m.in_proj_z).unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
-    for j, lane in enumerate(rnd.lanes):
-        lane.gdn_conv[index], lane.gdn_recurrent[index] = tails[j], states[j]
     if keep:  # only the rows asked for outlive the layer
         rnd.kept.gdn_conv[index] = row_tails.index_select(0, rnd.keep_rows)
         rnd.kept.gdn_recurrent[index] = row_states.index_select(0, rnd.keep_rows)
     return m.tp.combine(project(y.view(n, m.v_width), m.out_proj))
 
 
-def update_block_keys(indexer: QSAIndexer, caches: list[AttentionCache], rotary_dim: int, theta: float) -> None:
-    """Pool, norm and rotate the blocks the caches completed since their last block keys, all lanes at once."""
-    ratio = indexer.ratio
-    spans = [(c, c.blocks, c.length // ratio) for c in caches if c.length // ratio > c.blocks]
-    if not spans:
-        return
-    raw = torch.cat([c.index_keys[lo * ratio : hi * ratio] for c, lo, hi in spans])
-    pooled = zc_rms_norm(block_mean(raw, ratio), indexer.k_layernorm.weight, indexer.k_layernorm.eps)
-    firsts = torch.tensor([b * ratio for _, lo, hi in spans for b in range(lo, hi)], device=raw.device)
+def block_keys_of(
+    indexer: QSAIndexer, raw: torch.Tensor, firsts: torch.Tensor, rotary_dim: int, theta: float
+) -> torch.Tensor:
+    """The keys [B, Di] of B complete blocks from their raw index keys [B*ratio, Di] and first positions [B]:
+    pooled, normed and RoPE'd."""
+    pooled = zc_rms_norm(block_mean(raw, indexer.ratio), indexer.k_layernorm.weight, indexer.k_layernorm.eps)
     cos, sin = rope_cos_sin(firsts, rotary_dim, theta, raw.dtype)
-    keys = apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
-    done = 0
-    for c, lo, hi in spans:
-        c.write_blocks(lo, keys[done : done + hi - lo])
-        done += hi - lo
+    return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
 
 
-def qsa(m: QSAttention, layer: DecoderLayer, x: torch.Tensor, rnd: Round) -> torch.Tensor:
-    """QSA of `layer`: rows are written into their lanes' caches, then the indexer picks blocks from the lanes'
-    block keys (padded into one [L, G, dim] tensor) and the attention reads the lanes' keys and values concatenated
-    into one sequence, each row's token indices moved by its lane's offset there."""
-    n, positions, idx = x.shape[0], rnd.batch.positions, m.indexer
+def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """QSA of the layer whose cache key is `key`: rows are written into their slots of the pool's caches, the
+    rows that complete a block write its key, then the indexer picks blocks and the attention reads the slots."""
+    positions, idx, pool = rnd.positions, m.indexer, rnd.pool
     cos, sin = rope_cos_sin(positions, m.rotary_dim, m.theta, x.dtype)
     index_q, raw = project(x, idx.index_qk_proj).split([idx.heads * idx.dim, idx.dim], dim=-1)
     index_q = zc_rms_norm(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps)
@@ -159,19 +149,19 @@ def qsa(m: QSAttention, layer: DecoderLayer, x: torch.Tensor, rnd: Round) -> tor
     k = zc_rms_norm(project(x, m.k_proj).unflatten(-1, (m.kv_heads, m.head_dim)), m.k_norm.weight, m.eps)
     k = apply_rope(k, cos, sin)
     v = project(x, m.v_proj).unflatten(-1, (m.kv_heads, m.head_dim))
-    caches = [layer.cache_of(lane) for lane in rnd.lanes]
-    for seg, start, cache in zip(rnd.batch.segments, rnd.starts, caches, strict=True):
-        cache.write(start, k[seg.rows], v[seg.rows], raw[seg.rows])
-        cache.blocks = min(cache.blocks, start // idx.ratio)  # blocks that held overwritten rows are rebuilt
-    update_block_keys(idx, caches, m.rotary_dim, m.theta)
-    empty = x.new_zeros(0, idx.dim)
-    block_keys = pad_sequence([empty if c.block_keys is None else c.block_keys[: c.blocks] for c in caches], True)
-    indices, counts = qsa_index(index_q, block_keys, rnd.lane_of_row, positions, idx.ratio, idx.top_blocks)
-    offsets = torch.tensor([0] + [c.length for c in caches[:-1]], device=x.device).cumsum(0).to(torch.int32)
-    keys = torch.cat([c.keys[: c.length] for c in caches]).unsqueeze(0)
-    values = torch.cat([c.values[: c.length] for c in caches]).unsqueeze(0)
-    one_lane = torch.zeros_like(rnd.lane_of_row)
-    out = qsa_sparse_attention(q, keys, values, one_lane, indices + offsets[rnd.lane_of_row][:, None], counts)
+    keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
+    keys[rnd.slot_of_row, positions] = k
+    values[rnd.slot_of_row, positions] = v
+    raw_keys[rnd.slot_of_row, positions] = raw
+    if rnd.block_rows.numel():
+        slots = rnd.slot_of_row[rnd.block_rows]
+        firsts = positions[rnd.block_rows] // idx.ratio * idx.ratio
+        spans = firsts[:, None] + torch.arange(idx.ratio, device=x.device)
+        completed = raw_keys[slots[:, None], spans].flatten(0, 1)
+        block_keys[slots, rnd.block_dest] = block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta)
+    indices, counts = qsa_index(index_q, block_keys, rnd.slot_of_row, positions, idx.ratio, idx.top_blocks)
+    out = qsa_sparse_attention(q, keys, values, rnd.slot_of_row, indices, counts)
+    n = x.shape[0]
     out = out.reshape(n, -1) * sigmoid(gate.reshape(n, -1))
     return m.tp.combine(project(out, m.o_proj))
 
@@ -195,8 +185,8 @@ def ngram_rows(emb: NGramEmbedding, windows: torch.Tensor) -> torch.Tensor:
 
 
 def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor:
-    """The wide residual plus layer `index`'s n-gram addition; the lanes' dilated conv tails are stacked for the
-    conv kernel and handed back as views."""
+    """The wide residual plus layer `index`'s n-gram addition; the conv kernel updates the rows' slots of the
+    pool's dilated conv tails in place."""
     n, dtype, emb = wide.shape[0], wide.dtype, p.ple_embedding
     lo, hi = emb.local_heads
     table = emb.ngram_embedding
@@ -208,14 +198,12 @@ def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gated = (sigmoid(gate).unsqueeze(-1) * project(embedded, p.value_proj).unsqueeze(-2)).flatten(-2)
     normed = zc_rms_norm(gated.view(n, p.hc, p.d), p.norm_conv.weight, p.eps).view(n, -1)
-    tails = torch.stack([lane.ple_conv[index] for lane in rnd.lanes])
+    tails = rnd.pool.ple_conv[index]
     keep = rnd.keep_rows is not None
     row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
     conv = causal_conv_update(
-        normed, tails, p.conv1d.weight[:, 0], rnd.lane_of_row, dilation=p.dilation, row_tails=row_tails
+        normed, tails, p.conv1d.weight[:, 0], rnd.slot_of_row, dilation=p.dilation, row_tails=row_tails
     )
-    for j, lane in enumerate(rnd.lanes):
-        lane.ple_conv[index] = tails[j]
     if keep:
         rnd.kept.ple_conv[index] = row_tails.index_select(0, rnd.keep_rows)
     return wide + (gated + conv)
@@ -226,7 +214,10 @@ def layer_forward(layer: DecoderLayer, wide: torch.Tensor, rnd: Round) -> torch.
     if layer.ple is not None:
         wide = ple(layer.ple, layer.index, wide, rnd)
     x, inject = hyper_read(layer.attn_hyper_connection, wide)
-    y = gdn(layer.linear_attn, layer.index, x, rnd) if layer.kind == LINEAR else qsa(layer.self_attn, layer, x, rnd)
+    if layer.kind == LINEAR:
+        y = gdn(layer.linear_attn, layer.index, x, rnd)
+    else:
+        y = qsa(layer.self_attn, MTP if layer.is_mtp else layer.index, x, rnd)
     wide = hc_write(wide, y, inject)
     x, inject = hyper_read(layer.mlp_hyper_connection, wide)
     return hc_write(wide, moe(layer.mlp, x), inject)

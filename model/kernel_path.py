@@ -14,15 +14,18 @@ state after any of its rows.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from collections.abc import Collection, Mapping
 
 import torch
 
 from kernels.norm import zc_rms_norm
-from model.config import FlashNextConfig
+from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
-from model.kernel_blocks import Round, hyper_read, layer_forward, project
+from model.graphs import DecodeGraphs
+from model.kernel_blocks import Round, block_keys_of, hyper_read, layer_forward, project
+from model.lane_pool import MTP, LanePool
 from model.layers import ForwardBatch
 from model.parallel import TensorParallel
 from model.state import LaneSnapshot
@@ -60,30 +63,67 @@ def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: Te
         )
 
 
-def build_round(batch: ForwardBatch, keep_rows: list[int] | None, ngram_size: int | None) -> Round:
-    """The round's row layout, keeping the states after `keep_rows` (batch row indices, ascending); refuses segments
-    that do not tile the rows in order or share a lane."""
+def lane_pool(model: FlashNextModel, slots: int = 16, context: int = 4096) -> LanePool:
+    """The model's lane pool, made on first use with `slots` slots of `context` positions (it grows on demand;
+    the server sizes it at start)."""
+    if model.lane_pool is None:
+        idx_of = {MTP if layer.is_mtp else layer.index: layer.self_attn for layer in qsa_layers(model)}
+        block_keys = {
+            key: functools.partial(block_keys_of, m.indexer, rotary_dim=m.rotary_dim, theta=m.theta)
+            for key, m in idx_of.items()
+        }
+        ratio = model.cfg.indexer_compress_ratio
+        model.lane_pool = LanePool(model.new_lane(), slots, context, ratio, block_keys)
+    return model.lane_pool
+
+
+def qsa_layers(model: FlashNextModel) -> list:
+    """The QSA decoder layers of the trunk and the MTP layer."""
+    layers = list(model.layers) + ([] if model.mtp is None else list(model.mtp.layers))
+    return [layer for layer in layers if layer.kind != LINEAR]
+
+
+def segment_starts(batch: ForwardBatch) -> list[int]:
+    """Each segment's first absolute position; refuses segments that do not tile the rows in order, rows whose
+    positions are not consecutive, or a lane in two segments."""
     positions = batch.positions.tolist()
-    lanes, starts, end = [], [], 0
+    starts, end = [], 0
     for i, seg in enumerate(batch.segments):
         if seg.start != end or seg.length < 1:
             raise ValueError(f"segment {i} does not continue the rows at {end} with at least one row")
         first = positions[seg.start]
         if positions[seg.rows] != list(range(first, first + seg.length)):
             raise ValueError(f"segment {i}: its rows' positions are not consecutive")
-        lanes.append(seg.lane)
         starts.append(first)
         end += seg.length
     if end != len(positions):
         raise ValueError(f"the segments cover {end} of the batch's {len(positions)} rows")
-    if len({id(lane) for lane in lanes}) != len(lanes):
+    if len({id(seg.lane) for seg in batch.segments}) != len(batch.segments):
         raise ValueError("a lane appears in two segments of one forward")
+    return starts
+
+
+def build_round(
+    pool: LanePool, batch: ForwardBatch, starts: list[int], keep_rows: list[int] | None, ngram_size: int | None
+) -> Round:
+    """The round's rows as the kernels take them (the lanes placed in the pool), keeping the states after
+    `keep_rows` (batch row indices, ascending)."""
     device = batch.token_ids.device
     lengths = torch.tensor([seg.length for seg in batch.segments])
-    lane_of_row = torch.repeat_interleave(torch.arange(len(lanes)), lengths).to(device)
+    lane_of_row = torch.repeat_interleave(torch.arange(len(batch.segments)), lengths).to(device)
+    slot_of_row = torch.repeat_interleave(torch.tensor([seg.lane.slot for seg in batch.segments]), lengths)
     windows = None if ngram_size is None else ngram_windows(batch, lane_of_row, ngram_size)
+    ratio = pool.ratio
+    completing = [
+        (seg.start + p - first, p // ratio)
+        for seg, first in zip(batch.segments, starts, strict=True)
+        for p in range(first, first + seg.length)
+        if (p + 1) % ratio == 0
+    ]
+    block_rows = torch.tensor([r for r, _ in completing], dtype=torch.long, device=device)
+    block_dest = torch.tensor([b for _, b in completing], dtype=torch.long, device=device)
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
-    return Round(batch, lanes, lane_of_row, starts, windows, kept)
+    return Round(pool, slot_of_row.to(device), batch.positions, windows, block_rows, block_dest, kept)
 
 
 def ngram_windows(batch: ForwardBatch, lane_of_row: torch.Tensor, n: int) -> torch.Tensor:
@@ -95,10 +135,12 @@ def ngram_windows(batch: ForwardBatch, lane_of_row: torch.Tensor, n: int) -> tor
     return flat[first[:, None] + torch.arange(n, device=flat.device)]
 
 
-def snapshots(rnd: Round, rows: list[int]) -> dict[int, dict[int, LaneSnapshot]]:
+def snapshots(
+    rnd: Round, batch: ForwardBatch, starts: list[int], rows: list[int]
+) -> dict[int, dict[int, LaneSnapshot]]:
     """By segment index and row offset, the lane after each of the kept `rows` (batch row indices, ascending)."""
     kept, out = rnd.kept, {}
-    firsts = [seg.start for seg in rnd.batch.segments]
+    firsts = [seg.start for seg in batch.segments]
     for k, row in enumerate(rows):
         index = bisect.bisect_right(firsts, row) - 1
         offset = row - firsts[index]
@@ -107,9 +149,23 @@ def snapshots(rnd: Round, rows: list[int]) -> dict[int, dict[int, LaneSnapshot]]
             gdn_recurrent={i: t[k] for i, t in kept.gdn_recurrent.items()},
             ple_conv={i: t[k] for i, t in kept.ple_conv.items()},
             ngram_history=rnd.windows[row, 1:],
-            length=rnd.starts[index] + offset + 1,
+            length=starts[index] + offset + 1,
         )
     return out
+
+
+def place(model: FlashNextModel, batch: ForwardBatch, starts: list[int]) -> LanePool:
+    """Give the batch's lanes pool slots with room for its rows."""
+    pool = lane_pool(model)
+    end = max(first + seg.length for seg, first in zip(batch.segments, starts, strict=True))
+    pool.place([seg.lane for seg in batch.segments], end)
+    return pool
+
+
+def fold_caches(lane_caches: list, end: int, ratio: int) -> None:
+    """Host bookkeeping after rows up to position `end` were written: the caches hold exactly that prefix."""
+    for cache in lane_caches:
+        cache.length, cache.blocks = end, end // ratio
 
 
 def vocab_logits(model: FlashNextModel, mixed: torch.Tensor) -> torch.Tensor:
@@ -123,26 +179,63 @@ def logits(model: FlashNextModel, hidden: torch.Tensor) -> torch.Tensor:
     return vocab_logits(model, mixed)
 
 
+def run_layers(model: FlashNextModel, token_ids: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """Embed the rows and run them through every decoder layer: the round's GPU work before the logits."""
+    wide = model.embed_tokens(token_ids).repeat(1, model.cfg.hc_count)
+    for layer in model.layers:
+        wide = layer_forward(layer, wide, rnd)
+    return wide
+
+
+def enable_graphs(model: FlashNextModel, max_rows: int) -> DecodeGraphs:
+    """Capture the model's decode rounds for up to `max_rows` lanes (on CUDA; elsewhere replays run eagerly)."""
+    cfg = model.cfg
+
+    def body(token_ids: torch.Tensor, rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
+        wide = run_layers(model, token_ids, rnd)
+        return logits(model, wide), wide
+
+    graphs = DecodeGraphs(lane_pool(model), body, cfg.ngram_size, cfg.eos_token_id, max_rows, model.device)
+    graphs.capture_all()
+    model.decode_graphs = graphs
+    return graphs
+
+
 def forward(
     model: FlashNextModel,
     batch: ForwardBatch,
     logit_rows: torch.Tensor | None,
     snapshot_rows: Mapping[int, Collection[int]],
 ) -> ForwardOutput:
-    """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once; states are kept
-    only after the rows snapshot (a verify window's rows, a kept prompt boundary)."""
+    """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once (one decode row
+    per lane replays a captured CUDA graph when the model has them); states are kept only after the rows
+    snapshot (a verify window's rows, a kept prompt boundary)."""
     keep_rows = sorted(batch.segments[i].start + k for i, offsets in snapshot_rows.items() for k in offsets)
-    rnd = build_round(batch, keep_rows or None, ngram_size=model.cfg.ngram_size)
-    for i, (lane, first) in enumerate(zip(rnd.lanes, rnd.starts, strict=True)):
-        if first != lane.length:
-            raise ValueError(f"segment {i} starts at position {first} but its lane holds {lane.length} tokens")
-    wide = model.embed_tokens(batch.token_ids).repeat(1, model.cfg.hc_count)
-    for layer in model.layers:
-        wide = layer_forward(layer, wide, rnd)
-    snaps = {i: {} for i in snapshot_rows} | snapshots(rnd, keep_rows)
-    for seg, lane in zip(batch.segments, rnd.lanes, strict=True):
-        lane.ngram_history = rnd.windows[seg.start + seg.length - 1, 1:]
+    starts = segment_starts(batch)
+    for i, (seg, first) in enumerate(zip(batch.segments, starts, strict=True)):
+        if first != seg.lane.length:
+            raise ValueError(f"segment {i} starts at position {first} but its lane holds {seg.lane.length} tokens")
+    pool = place(model, batch, starts)
+    graphs = model.decode_graphs
+    if graphs is not None and not keep_rows and graphs.covers(batch):
+        slots = torch.tensor([seg.lane.slot for seg in batch.segments])
+        lane_of_row = torch.arange(len(batch.segments), device=batch.token_ids.device)
+        windows = ngram_windows(batch, lane_of_row, model.cfg.ngram_size)
+        all_logits, wide = graphs.run(batch.token_ids, batch.positions, slots, windows)
+        rnd = None
+    else:
+        rnd = build_round(pool, batch, starts, keep_rows or None, ngram_size=model.cfg.ngram_size)
+        windows = rnd.windows
+        wide = run_layers(model, batch.token_ids, rnd)
+        all_logits = None
+    snaps = {i: {} for i in snapshot_rows} | ({} if rnd is None else snapshots(rnd, batch, starts, keep_rows))
+    for seg in batch.segments:
+        lane = seg.lane
+        lane.ngram_history = windows[seg.start + seg.length - 1, 1:]
         lane.length += seg.length
+        fold_caches(list(lane.attention.values()), lane.length, pool.ratio)
+    if all_logits is not None:
+        return ForwardOutput(all_logits if logit_rows is None else all_logits[logit_rows], wide, snaps)
     rows = wide if logit_rows is None else wide[logit_rows]
     return ForwardOutput(logits=logits(model, rows), hidden=wide, snapshots=snaps)
 
@@ -150,7 +243,9 @@ def forward(
 def mtp_forward(model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`FlashNextModel.mtp_forward` on the kernels: every row through the MTP layer at once."""
     mtp = model.mtp
-    rnd = build_round(batch, None, ngram_size=None)
+    starts = segment_starts(batch)
+    pool = place(model, batch, starts)
+    rnd = build_round(pool, batch, starts, None, ngram_size=None)
     n = hidden.shape[0]
     e_norm, h_norm = mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden
     u = project(zc_rms_norm(model.embed_tokens(batch.token_ids), e_norm.weight, e_norm.eps), mtp.fc_embedding)
@@ -158,6 +253,7 @@ def mtp_forward(model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor
     wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
     wide = layer_forward(mtp.layers[0], wide, rnd)
     mixed, _ = hyper_read(mtp.hyper_connection_mixer, wide)
-    for seg, lane, first in zip(batch.segments, rnd.lanes, rnd.starts, strict=True):
-        lane.mtp_length = first + seg.length
+    for seg, first in zip(batch.segments, starts, strict=True):
+        seg.lane.mtp_length = first + seg.length
+        fold_caches([seg.lane.mtp_attention], seg.lane.mtp_length, pool.ratio)
     return vocab_logits(model, mixed), wide

@@ -19,6 +19,7 @@ class AttentionCache:
     length: int = 0
     block_keys: torch.Tensor | None = None
     blocks: int = 0
+    fixed: bool = False  # a lane pool's slot: its buffers never move, so it cannot grow
 
     @classmethod
     def empty(
@@ -38,6 +39,8 @@ class AttentionCache:
         if start > self.length:
             raise ValueError(f"attention cache write at {start} leaves a gap after {self.length}")
         if end > self.keys.shape[0]:
+            if self.fixed:
+                raise ValueError(f"attention cache write up to {end} exceeds its slot's {self.keys.shape[0]} positions")
             cap = max(end, 2 * self.keys.shape[0])
             self.keys = _grow(self.keys, cap)
             self.values = _grow(self.values, cap)
@@ -66,10 +69,11 @@ def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
     return out
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class LaneState:
     """One sequence's state: GDN conv tails and fp32 recurrent states, PLE conv tails and n-gram history,
-    QSA caches of the trunk and of the MTP layer, and the number of tokens folded in."""
+    QSA caches of the trunk and of the MTP layer, and the number of tokens folded in. On the kernel path a lane
+    holds a lane-pool slot (`slot`) and its tensors are views of it, updated in place."""
 
     gdn_conv: dict[int, torch.Tensor] = field(default_factory=dict)
     gdn_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -80,6 +84,7 @@ class LaneState:
     length: int = 0
     mtp_length: int = 0
     mtp_pending: torch.Tensor | None = None  # the last folded row's wide state, until its next token is known
+    slot: int | None = None  # the lane-pool slot its tensors view (kernel path), or None: tensors of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,24 +100,34 @@ class LaneSnapshot:
 
 
 def snapshot(lane: LaneState) -> LaneSnapshot:
-    """Copy what a restore needs (the states are replaced, never written in place, so references would do;
-    copies keep that an implementation detail of the forward)."""
+    """What a restore needs: references to a lane's own tensors (the reference forward replaces them, never writes
+    in place), copies of a pooled lane's (the kernels update its slot in place)."""
+    take = dict if lane.slot is None else (lambda states: {i: t.clone() for i, t in states.items()})
     return LaneSnapshot(
-        gdn_conv=dict(lane.gdn_conv),
-        gdn_recurrent=dict(lane.gdn_recurrent),
-        ple_conv=dict(lane.ple_conv),
+        gdn_conv=take(lane.gdn_conv),
+        gdn_recurrent=take(lane.gdn_recurrent),
+        ple_conv=take(lane.ple_conv),
         ngram_history=lane.ngram_history,
         length=lane.length,
     )
 
 
 def restore(lane: LaneState, snap: LaneSnapshot) -> None:
-    """Put a lane back to a snapshot: rows folded after it leave no trace."""
-    lane.gdn_conv, lane.gdn_recurrent, lane.ple_conv = (
-        dict(snap.gdn_conv),
-        dict(snap.gdn_recurrent),
-        dict(snap.ple_conv),
-    )
+    """Put a lane back to a snapshot: rows folded after it leave no trace (a pooled lane's slot is written over)."""
+    if lane.slot is None:
+        lane.gdn_conv, lane.gdn_recurrent, lane.ple_conv = (
+            dict(snap.gdn_conv),
+            dict(snap.gdn_recurrent),
+            dict(snap.ple_conv),
+        )
+    else:
+        for ours, theirs in (
+            (lane.gdn_conv, snap.gdn_conv),
+            (lane.gdn_recurrent, snap.gdn_recurrent),
+            (lane.ple_conv, snap.ple_conv),
+        ):
+            for i, t in theirs.items():
+                ours[i].copy_(t)
     lane.ngram_history = snap.ngram_history
     lane.length = snap.length
     for cache in lane.attention.values():
@@ -145,9 +160,11 @@ def copy_lane(lane: LaneState, share_caches: bool = False, at: LaneSnapshot | No
     """A copy holding exactly the lane's folded prefix, or with `at` the prefix up to that snapshot of it (its
     states, the QSA caches cut to its length). With `share_caches` the QSA caches are views of the lane's own rows
     instead of copies: a lane only ever writes at or past its length, so the prefix a kept state sees never changes;
-    whoever resumes from it copies (two lanes must never write into one buffer)."""
+    whoever resumes from it copies (two lanes must never write into one buffer). A pooled lane's caches are always
+    copied: its slot goes to another lane once it is gone."""
     states = at or lane
     limit = None if at is None else at.length
+    share_caches = share_caches and lane.slot is None
     return LaneState(
         gdn_conv={i: t.clone() for i, t in states.gdn_conv.items()},
         gdn_recurrent={i: t.clone() for i, t in states.gdn_recurrent.items()},

@@ -145,7 +145,9 @@ def test_only_the_rows_asked_for_keep_their_states(models, monkeypatch) -> None:
     kept_rows = []
     build_round = kernel_path.build_round
     monkeypatch.setattr(
-        kernel_path, "build_round", lambda batch, rows, **kw: kept_rows.append(rows) or build_round(batch, rows, **kw)
+        kernel_path,
+        "build_round",
+        lambda pool, batch, starts, rows, **kw: kept_rows.append(rows) or build_round(pool, batch, starts, rows, **kw),
     )
     batch = [(lanes[0], [3]), (lanes[1], [9, 10, 11, 12])]
     every = fold(ker, batch, snap=frozenset({1}))

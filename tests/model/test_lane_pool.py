@@ -1,0 +1,115 @@
+"""The kernel path's lane pool and captured decode rounds (under the Triton interpreter, where a replay runs the
+padded bucket eagerly): padding rows leave real lanes' bits alone, a grown pool keeps every lane, a freed slot
+serves a new lane as if fresh."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+from make_checkpoint import make_checkpoint
+
+from model import kernel_path
+from model.flashnext import FlashNextModel, single_lane_batch
+from model.graphs import buckets_for
+from model.layers import ForwardBatch, Segment
+from model.state import LaneState
+from model.weights import load_model
+from tests.tiny import text_config
+
+TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4}
+PROMPTS = ([7, 19, 5, 33, 2, 91], [8, 13, 21], [4, 4, 4, 4, 4])
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_checkpoint(text_config("base", **TEXT), tmp_path_factory.mktemp("lane_pool"), fmt="bf16")
+
+
+def decode(model: FlashNextModel, lanes: list[LaneState]) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill each prompt alone, then STEPS greedy decode rounds of every lane together."""
+    for lane, prompt in zip(lanes, PROMPTS, strict=True):
+        model(single_lane_batch(lane, torch.tensor(prompt), 0))
+    tokens, logits = [[1], [2], [3]], []
+    for _ in range(STEPS):
+        segments = [Segment(lane, i, 1) for i, lane in enumerate(lanes)]
+        batch = ForwardBatch(torch.tensor([t[-1] for t in tokens]), torch.tensor([x.length for x in lanes]), segments)
+        out = model(batch)
+        logits.append(out.logits)
+        for t, row in zip(tokens, out.logits, strict=True):
+            t.append(int(row.argmax()))
+    return logits, tokens
+
+
+def assert_same_lanes(a: list[LaneState], b: list[LaneState]) -> None:
+    """Bit-identical recurrent and conv states and QSA rows up to each lane's length."""
+    for x, y in zip(a, b, strict=True):
+        assert x.length == y.length
+        for name in ("gdn_conv", "gdn_recurrent", "ple_conv"):
+            assert all(torch.equal(t, getattr(y, name)[i]) for i, t in getattr(x, name).items()), name
+        for i, cache in x.attention.items():
+            other = y.attention[i]
+            assert torch.equal(cache.keys[: x.length], other.keys[: x.length])
+            assert torch.equal(cache.index_keys[: x.length], other.index_keys[: x.length])
+
+
+@pytest.fixture(scope="module")
+def eager(path):
+    """Decode rounds on the kernel path without graphs, in a pool with room for every lane."""
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    kernel_path.lane_pool(model, slots=4, context=16)
+    lanes = [model.new_lane() for _ in PROMPTS]
+    return model, lanes, *decode(model, lanes)
+
+
+def test_buckets_cover_every_batch_size() -> None:
+    assert buckets_for(1) == (1,)
+    assert buckets_for(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert buckets_for(48) == (1, 2, 4, 8, 16, 32, 48)
+
+
+def test_replayed_decode_rounds_equal_the_eager_ones_bit_for_bit(path, eager) -> None:
+    _, eager_lanes, eager_logits, eager_tokens = eager
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    kernel_path.lane_pool(model, slots=4, context=16)
+    graphs = kernel_path.enable_graphs(model, max_rows=4)
+    lanes = [model.new_lane() for _ in PROMPTS]
+    logits, tokens = decode(model, lanes)
+    assert graphs.replays == STEPS  # 3 lanes in the bucket of 4: one padding row a round
+    assert tokens == eager_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits, strict=True))
+    assert_same_lanes(lanes, eager_lanes)
+
+
+def test_a_grown_pool_keeps_every_lane_and_stops_replaying(path, eager) -> None:
+    _, eager_lanes, eager_logits, _ = eager
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    pool = kernel_path.lane_pool(model, slots=2, context=4)  # too few slots and positions for the prompts
+    graphs = kernel_path.enable_graphs(model, max_rows=4)
+    lanes = [model.new_lane() for _ in PROMPTS]
+    logits, _ = decode(model, lanes)
+    assert pool.slots >= 3 and pool.context >= 9 and pool.generation >= 2
+    assert graphs.replays == 0  # the graphs point at the old tensors
+    assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits, strict=True))
+    assert_same_lanes(lanes, eager_lanes)
+
+
+def test_a_freed_slot_serves_a_new_lane_as_if_fresh(path, eager) -> None:
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    pool = kernel_path.lane_pool(model, slots=1, context=16)
+    used = model.new_lane()
+    model(single_lane_batch(used, torch.tensor(PROMPTS[0]), 0))
+    slot = used.slot
+    del used
+    gc.collect()
+    lane = model.new_lane()
+    out = model(single_lane_batch(lane, torch.tensor(PROMPTS[1]), 0))
+    assert lane.slot == slot and pool.slots == 1  # the slot came back and was reused, stale rows and all
+    fresh = load_model(path, dtype="bfloat16", kernels="on")
+    expected = fresh(single_lane_batch(fresh.new_lane(), torch.tensor(PROMPTS[1]), 0))
+    assert torch.equal(out.logits, expected.logits)
