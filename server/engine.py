@@ -154,8 +154,11 @@ class Engine:
                     self.cond.wait()
                 if self.stopped:
                     return
+                start = time.perf_counter()
                 plan = self._plan()
             self._run(plan)
+            if self.metrics is not None:
+                self.metrics.round_seconds.observe(time.perf_counter() - start)
 
     def _plan(self) -> RoundPlan:
         """Drop aborted requests, admit waiting ones to free lanes, and lay out this round's rows (lock held)."""

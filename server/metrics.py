@@ -7,6 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROUND_BUCKETS = tuple(round(0.001 * 1.25**i, 6) for i in range(42))  # 1 ms to 9.4 s, 25% apart
 
 
 class EngineMetrics:
@@ -29,6 +30,12 @@ class EngineMetrics:
             "flashnext:inter_token_latency_seconds",
             "Time between a request's tokens",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.round_seconds = Histogram(
+            "flashnext:round_seconds",
+            "Wall time of one engine round on rank 0: plan, forward, tokens handed out",
+            buckets=ROUND_BUCKETS,
             registry=self.registry,
         )
         self.draft_tokens = Counter(
