@@ -3,20 +3,36 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from model.config import FlashNextConfig
 
+COLLECTIVES = ("combine", "gather")
+
+
+@dataclass(slots=True)
+class CollectiveCounts:
+    """Per collective: calls made and bytes of this rank's data its peers received (payload times world - 1)."""
+
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
+
+    def add(self, op: str, payload: torch.Tensor, world: int) -> None:
+        """Count one call of `op` that sent `payload` to each of the other ranks."""
+        self.calls[op] += 1
+        self.bytes[op] += payload.numel() * payload.element_size() * (world - 1)
+
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """This rank's place in the tensor-parallel group (world 1: no collectives at all)."""
+    """This rank's place in the tensor-parallel group (world 1: no collectives at all), and its collective counts."""
 
     rank: int = 0
     world: int = 1
+    counts: CollectiveCounts = field(default_factory=CollectiveCounts, compare=False, repr=False)
 
     def span(self, total: int, what: str) -> tuple[int, int]:
         """This rank's contiguous share [lo, hi) of `total` units."""
@@ -26,11 +42,23 @@ class TensorParallel:
         return self.rank * size, (self.rank + 1) * size
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' partial outputs in fp32, rank 0's first, rounded once: every rank gets the same bits."""
+        """Sum the ranks' partial outputs in fp32, rounded once: every rank gets the bits of `combine_ordered`."""
         if self.world == 1:
             return partial
-        parts = [torch.empty_like(partial, dtype=torch.float32) for _ in range(self.world)]
-        dist.all_gather(parts, partial.float().contiguous())
+        if self.world > 2:  # three or more fp32 terms round differently in different orders: fix the order
+            return self.combine_ordered(partial)
+        # two terms: p0 + p1 is one IEEE addition, the same bits in either order, whatever the reduction's algorithm
+        total = partial.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        self.counts.add("combine", total, self.world)
+        dist.all_reduce(total)
+        return total.to(partial.dtype)
+
+    def combine_ordered(self, partial: torch.Tensor) -> torch.Tensor:
+        """Gather the ranks' partials in fp32 and sum them rank 0's first, rounded once."""
+        local = partial.float().contiguous()
+        self.counts.add("combine", local, self.world)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local)
         total = parts[0]
         for part in parts[1:]:
             total = total + part
@@ -40,8 +68,10 @@ class TensorParallel:
         """Concatenate the ranks' slices along `dim`, in rank order."""
         if self.world == 1:
             return local
+        local = local.contiguous()
+        self.counts.add("gather", local, self.world)
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local.contiguous())
+        dist.all_gather(parts, local)
         return torch.cat(parts, dim=dim)
 
 

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from model.parallel import CollectiveCounts
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROUND_BUCKETS = tuple(round(0.001 * 1.25**i, 6) for i in range(42))  # 1 ms to 9.4 s, 25% apart
+
+
+class CollectiveCollector(Collector):
+    """This rank's tensor-parallel collectives, read at scrape time: calls and bytes sent to peers, by op."""
+
+    def __init__(self, counts: CollectiveCounts) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        calls = CounterMetricFamily("flashnext:collectives", "Tensor-parallel collectives on this rank", labels=["op"])
+        sent = CounterMetricFamily(
+            "flashnext:collective_bytes", "Bytes of this rank's data sent to its peers by collectives", labels=["op"]
+        )
+        for op, count in self.counts.calls.items():
+            calls.add_metric([op], count)
+            sent.add_metric([op], self.counts.bytes[op])
+        yield calls
+        yield sent
 
 
 class EngineMetrics:
@@ -81,6 +105,10 @@ class EngineMetrics:
             ("entries", "Kept prompt states", lambda: len(cache.entries)),
         ):
             Gauge(f"flashnext:prefix_cache_{name}", what, registry=self.registry).set_function(read)
+
+    def track_collectives(self, counts: CollectiveCounts) -> None:
+        """Read the model's collective counts at scrape time."""
+        self.registry.register(CollectiveCollector(counts))
 
     def track_counts(self, counts: Callable[[], tuple[int, int]]) -> None:
         """Read running/waiting from the engine at scrape time."""

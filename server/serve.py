@@ -120,6 +120,7 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
         args.prompt_cache_grid,
     )
     metrics.track_cache(cache)
+    metrics.track_collectives(model.tp.counts)
     log.info(
         "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round, tp %d",
         args.model,

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from model.config import load_config
 from model.flashnext import single_lane_batch
 from model.layers import ForwardBatch, Segment
 from model.parallel import TensorParallel
@@ -18,6 +19,7 @@ from tests.server.live import free_port
 from tests.tiny import checkpoint, hf_model, ties_to_lower_index
 
 PROMPT = torch.tensor([7, 19, 5, 33, 2, 91, 5, 44, 8, 13, 21, 60, 17, 3, 99, 12, 40, 41, 42, 5, 6, 70])
+EDGES = ([1e8, 1.0, -1e8, 3.0], [1.0, 1e8, 1.0, -3e-8])  # per rank: sums that lose the small term, or cancel
 
 
 def digest(t: torch.Tensor) -> str:
@@ -78,3 +80,69 @@ def test_two_ranks_hold_identical_bits_and_match_transformers(variant, tmp_path)
     )
     assert shapes0[table][0] + shapes1[table][0] <= full[table][0]  # each rank holds only its heads' rows
     assert {n: s for n, s in shapes0.items() if n != table} == {n: s for n, s in shapes1.items() if n != table}
+
+
+def count_rank_main(rank: int, port: int, path: str, results) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        tp = TensorParallel(rank, 2)
+        model = load_model(path, dtype="bfloat16", tp=tp)
+        before = (dict(tp.counts.calls), dict(tp.counts.bytes))
+        model(single_lane_batch(model.new_lane(), PROMPT[:1], 0))
+        results[rank] = (before, dict(tp.counts.calls), dict(tp.counts.bytes))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_row_counts_a_combine_after_every_mixer_and_moe_on_both_ranks(tmp_path):
+    path = checkpoint(tmp_path / "base", "base")
+    results = mp.Manager().dict()
+    mp.start_processes(count_rank_main, args=(free_port(), str(path), results), nprocs=2, start_method="spawn")
+    cfg = load_config(path)
+    (before, calls, sent), other = results[0], results[1]
+    assert (before, calls, sent) == other  # both ranks count the same collectives
+    assert before == ({"combine": 0, "gather": 0}, {"combine": 0, "gather": 0})
+    assert calls["combine"] == 2 * cfg.num_hidden_layers  # one after the mixer, one after the MoE, per layer
+    assert sent["combine"] == calls["combine"] * cfg.hidden_size * 4  # bf16 model, fp32 partials, one peer
+    assert calls["gather"] == len(cfg.ple_layers) + 1  # each PLE layer's n-gram heads, then the logits
+
+
+def exact_rank_main(rank: int, port: int, results) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        tp, out = TensorParallel(rank, 2), {}
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows, width in ((1, 2560), (7, 33), (64, 256)):
+                gen = torch.Generator().manual_seed(1000 * rank + rows)
+                scale = 10.0 ** torch.randint(-8, 9, (rows, width), generator=gen)  # magnitudes 1e-8 to 1e8
+                partial = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+                partial[0, :4] = torch.tensor(EDGES[rank])
+                kept = partial.clone()
+                fast, ordered = tp.combine(partial), tp.combine_ordered(partial)
+                both = [torch.empty_like(partial, dtype=torch.float32) for _ in range(2)]
+                dist.all_gather(both, partial.float())
+                rounded = int(((both[0] + both[1]).double() != both[0].double() + both[1].double()).sum())
+                out[f"{dtype}-{rows}x{width}"] = (
+                    digest(fast),
+                    digest(ordered),
+                    fast.dtype == dtype,
+                    torch.equal(partial.view(torch.uint8), kept.view(torch.uint8)),
+                    rounded,
+                )
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_two_all_reduce_gives_the_ordered_sums_bits_on_both_ranks():
+    results = mp.Manager().dict()
+    mp.start_processes(exact_rank_main, args=(free_port(), results), nprocs=2, start_method="spawn")
+    assert results[0] == results[1]  # both ranks end with the same bits
+    for case, (fast, ordered, same_dtype, untouched, rounded) in results[0].items():
+        assert fast == ordered, case  # all_reduce equals gather + sum in rank order, bit for bit
+        assert same_dtype and untouched, case  # rounded once to the input dtype; the caller's partial is kept
+        assert rounded > 0, case  # the fp32 sums round: the inputs do exercise the addition's rounding

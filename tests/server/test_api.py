@@ -238,6 +238,8 @@ def test_models_metrics_tokenize_detokenize(live):
         "flashnext:generation_tokens_total",
         "flashnext:time_to_first_token_seconds_bucket",
         "flashnext:inter_token_latency_seconds_bucket",
+        'flashnext:collectives_total{op="combine"} 0.0',  # tp 1 makes no collectives
+        'flashnext:collective_bytes_total{op="gather"} 0.0',
     ):
         assert name in metrics
     assert httpx.get(f"{live.url}/health").json()["status"] == "ok"

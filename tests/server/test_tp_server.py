@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from model.config import load_config
 from tests.server.live import free_port, oracle, tiny_chat_checkpoint
 from tests.tiny import ties_to_lower_index
 
@@ -71,6 +73,16 @@ def greedy_ids(url: str, tokens: int = 16, **extra) -> list[int]:
     return httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120).json()["choices"][0]["token_ids"]
 
 
+def collectives(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Rank 0's collective calls and bytes sent, by op, from /metrics."""
+    found: dict[str, dict[str, float]] = {"flashnext:collectives_total": {}, "flashnext:collective_bytes_total": {}}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name][sample.labels["op"]] = sample.value
+    return found["flashnext:collectives_total"], found["flashnext:collective_bytes_total"]
+
+
 def expected_greedy(ckpt: Path, tokens: int = 16, prompt: list[int] = PROMPT) -> list[int]:
     hf = oracle(ckpt)
     with torch.no_grad(), ties_to_lower_index():
@@ -108,6 +120,10 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
         sampled = {"temperature": 1.0, "seed": 5}
         assert greedy_ids(url, 24, **sampled) == greedy_ids(url, 24, draft=False, **sampled)
         assert httpx.get(f"{url}/health").json()["draft_tokens"] > 0
+        calls, sent = collectives(url)
+        assert calls["combine"] > 0 and calls["gather"] > 0
+        row_bytes = load_config(ckpt).hidden_size * 4
+        assert sent["combine"] == calls["combine"] * row_bytes  # each combine sends the peer one fp32 row of partials
         # the prompt cache at tp=2: rank 0 decides, both ranks keep and restore; a resumed prompt equals fresh
         branch = [*PROMPT[:9], 250, 251, 252]
         body = {"prompt": branch, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
