@@ -1,4 +1,4 @@
-"""A small streaming client for /v1/chat/completions that reads SSE and keeps token ids, token_sha and timings."""
+"""A small streaming client for /v1/chat/completions and /v1/completions: one SSE reader keeps ids, sha and times."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class StreamResult:
     finish_reason: str | None = None
     started: float = 0.0
     piece_times: list[float] = field(default_factory=list)
+    piece_tokens: list[int] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
@@ -49,6 +50,15 @@ class StreamResult:
         if self.tokens < 2 or len(self.piece_times) < 2 or self.piece_times[-1] <= self.piece_times[0]:
             return None
         return (self.tokens - 1) / (self.piece_times[-1] - self.piece_times[0])
+
+    @property
+    def token_gaps(self) -> list[float]:
+        """Inter-token latencies: each piece after the first spreads its gap over the token ids it carried."""
+        gaps: list[float] = []
+        for before, now, count in zip(self.piece_times[:-1], self.piece_times[1:], self.piece_tokens[1:], strict=True):
+            if count:
+                gaps += [(now - before) / count] * count
+        return gaps
 
 
 def float_list(text: str) -> list[float]:
@@ -86,6 +96,22 @@ def resolve_model(base_url: str, api_key: str | None = None, timeout: float = DE
     return str(models[0]["id"])
 
 
+def bench_fields(
+    model: str, max_tokens: int, temperature: float, seed: int | None, top_k: int, top_p: float
+) -> dict[str, Any]:
+    """Fields of every benchmark request: ignore_eos, token ids on; top_k, top_p and seed only when sampling."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if temperature > 0:
+        body.update(top_k=top_k, top_p=top_p, seed=seed)
+    return body
+
+
 def chat_body(
     model: str,
     prompt: str,
@@ -96,19 +122,25 @@ def chat_body(
     top_p: float = 1.0,
     thinking: bool = False,
 ) -> dict[str, Any]:
-    """A benchmark request: one user message, ignore_eos, token ids on; top_k, top_p and seed only when sampling."""
-    body: dict[str, Any] = {
-        "model": model,
+    """A benchmark chat request: one user message, with the thinking switch of the chat template."""
+    return {
+        **bench_fields(model, max_tokens, temperature, seed, top_k, top_p),
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "ignore_eos": True,
-        "return_token_ids": True,
         "chat_template_kwargs": {"enable_thinking": thinking},
     }
-    if temperature > 0:
-        body.update(top_k=top_k, top_p=top_p, seed=seed)
-    return body
+
+
+def completion_body(
+    model: str,
+    prompt_ids: list[int],
+    max_tokens: int,
+    temperature: float,
+    seed: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> dict[str, Any]:
+    """A benchmark text-completion request whose prompt is token ids (no tokenizer needed on the server)."""
+    return {**bench_fields(model, max_tokens, temperature, seed, top_k, top_p), "prompt": prompt_ids}
 
 
 def _read_chunk(chunk: dict[str, Any], result: StreamResult) -> None:
@@ -119,26 +151,40 @@ def _read_chunk(chunk: dict[str, Any], result: StreamResult) -> None:
         result.token_sha = str(chunk["token_sha"])
     if chunk.get("usage"):
         result.usage = chunk["usage"]
-    carried = False
+    carried, count = False, 0
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
         ids = choice.get("token_ids") or []
+        text = (delta.get("content") or "") + (choice.get("text") or "")
         result.token_ids.extend(int(t) for t in ids)
-        result.text += delta.get("content") or ""
+        result.text += text
         result.reasoning += delta.get("reasoning_content") or ""
-        carried = carried or bool(ids or delta.get("content") or delta.get("reasoning_content"))
+        carried = carried or bool(ids or text or delta.get("reasoning_content"))
+        count += len(ids)
         if choice.get("finish_reason"):
             result.finish_reason = str(choice["finish_reason"])
     if carried:
         result.piece_times.append(time.perf_counter())
+        result.piece_tokens.append(count)
 
 
 def stream_chat(
     base_url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
 ) -> StreamResult:
-    """POST body to /v1/chat/completions as a stream with usage and read its SSE chunks until [DONE]."""
+    """Stream body from /v1/chat/completions."""
+    return _stream(f"{base_url.rstrip('/')}/v1/chat/completions", body, api_key, timeout)
+
+
+def stream_completion(
+    base_url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
+) -> StreamResult:
+    """Stream body from /v1/completions."""
+    return _stream(f"{base_url.rstrip('/')}/v1/completions", body, api_key, timeout)
+
+
+def _stream(url: str, body: dict[str, Any], api_key: str | None, timeout: float) -> StreamResult:
+    """POST body to url as a stream with usage and read its SSE chunks until [DONE]."""
     request = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    url = f"{base_url.rstrip('/')}/v1/chat/completions"
     result = StreamResult()
     try:
         with httpx.Client(timeout=timeout, trust_env=False) as client:

@@ -1,10 +1,11 @@
-"""Tests for scripts/openai_stream.py and the bench scripts against an in-process fake SSE server."""
+"""Tests for scripts/openai_stream.py and the bench scripts against an in-process fake SSE server and a tiny server."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -15,7 +16,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
+
+from tests.server.live import serve as serve_checkpoint
+from tests.tiny import checkpoint
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 TOKENS_PER_PIECE = 2
@@ -40,13 +45,13 @@ def sha_of(ids: list[int]) -> str:
 
 
 def fake_ids(body: dict[str, Any], salt: int) -> list[int]:
-    """The fake model's completion: a function of the seed and max_tokens (and of salt)."""
-    base = int(body.get("seed") or 0) + 7 * salt
+    """The fake model's completion: a function of the seed, a token-id prompt and max_tokens (and of salt)."""
+    base = int(body.get("seed") or 0) + sum(body.get("prompt") or []) + 7 * salt
     return [(base * 31 + 7 * i) % 500 for i in range(int(body["max_tokens"]))]
 
 
 class FakeServer(ThreadingHTTPServer):
-    """Streams fixed chat completions; with vary=True every request gets a different completion."""
+    """Streams fixed completions; with vary=True every request gets a different completion."""
 
     daemon_threads = True
 
@@ -54,7 +59,7 @@ class FakeServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), FakeHandler)
         self.vary = vary
         self.lock = threading.Lock()
-        self.requests: list[tuple[dict[str, Any], str | None]] = []
+        self.requests: list[tuple[str, dict[str, Any], str | None]] = []
 
     @property
     def url(self) -> str:
@@ -63,7 +68,7 @@ class FakeServer(ThreadingHTTPServer):
 
 
 class FakeHandler(BaseHTTPRequestHandler):
-    """GET /v1/models and a streaming POST /v1/chat/completions in the server's SSE format."""
+    """GET /v1/models and streaming POSTs to /v1/chat/completions and /v1/completions in the server's SSE format."""
 
     protocol_version = "HTTP/1.0"
     server: FakeServer
@@ -91,10 +96,10 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.send_json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     def do_POST(self) -> None:
-        """Stream a completion: role chunk, content chunks with token_ids, finish chunk, usage chunk, [DONE]."""
+        """Stream a completion: opening chunk, text chunks with token_ids, finish chunk, usage chunk, [DONE]."""
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
-            self.server.requests.append((body, self.headers.get("Authorization")))
+            self.server.requests.append((self.path, body, self.headers.get("Authorization")))
             salt = len(self.server.requests) if self.server.vary else 0
         if body["max_tokens"] < 1:
             self.send_json(400, {"error": {"message": "max_tokens must be at least 1", "code": "bad_request"}})
@@ -103,16 +108,28 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "fake-model"}
-        self.event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        chat = self.path == "/v1/chat/completions"
+        head = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion", "model": "fake-model"}
+
+        def choice(text: str, **extra: Any) -> dict[str, Any]:
+            """One choice carrying text the way this endpoint does (a chat delta or a completion's text)."""
+            return {"index": 0, **({"delta": {"content": text}} if chat else {"text": text}), **extra}
+
+        self.event(
+            {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}} if chat else choice("")]}
+        )
         self.wfile.write(b": keep-alive\n\n")
         for start in range(0, len(ids), TOKENS_PER_PIECE):
             piece = ids[start : start + TOKENS_PER_PIECE]
-            text = "".join(f" t{t}" for t in piece)
-            self.event({**head, "choices": [{"index": 0, "delta": {"content": text}, "token_ids": piece}]})
+            self.event({**head, "choices": [choice("".join(f" t{t}" for t in piece), token_ids=piece)]})
             time.sleep(0.002)
-        self.event({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-        usage = {"prompt_tokens": 11, "completion_tokens": len(ids), "total_tokens": 11 + len(ids)}
+        self.event({**head, "choices": [choice("", finish_reason="length")]})
+        prompt_tokens = len(body["prompt"]) if "prompt" in body else 11
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ids),
+            "total_tokens": prompt_tokens + len(ids),
+        }
         self.event({**head, "choices": [], "usage": usage, "token_sha": sha_of(ids)})
         self.event("[DONE]")
 
@@ -140,9 +157,9 @@ def drifting() -> Iterator[FakeServer]:
     yield from serve(vary=True)
 
 
-def run_script(name: str, server: FakeServer, *flags: str) -> subprocess.CompletedProcess[str]:
-    """Run a bench script against the server as a subprocess."""
-    command = [sys.executable, str(SCRIPTS / f"{name}.py"), "--base-url", server.url, *flags]
+def run_script(name: str, url: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """Run a bench script against the server at url as a subprocess."""
+    command = [sys.executable, str(SCRIPTS / f"{name}.py"), "--base-url", url, *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -166,7 +183,8 @@ def test_stream_chat_parses_the_stream(fake: FakeServer) -> None:
     assert len(result.piece_times) == 3
     assert result.ttft is not None and result.ttft > 0
     assert result.decode_tok_s is not None and result.decode_tok_s > 0
-    sent, authorization = fake.requests[0]
+    path, sent, authorization = fake.requests[0]
+    assert path == "/v1/chat/completions"
     assert authorization == "Bearer secret"
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["ignore_eos"] is True and sent["return_token_ids"] is True
@@ -189,10 +207,28 @@ def test_stream_chat_raises_on_http_error(fake: FakeServer) -> None:
         openai_stream.stream_chat(fake.url, body)
 
 
+def test_stream_completion_reads_token_id_prompts(fake: FakeServer) -> None:
+    """stream_completion posts a token-id prompt to /v1/completions and reads text, ids and per-piece token counts."""
+    body = openai_stream.completion_body("fake-model", [5, 6, 7], 5, 0.0, seed=9, top_k=20, top_p=0.95)
+    result = openai_stream.stream_completion(fake.url, body)
+    ids = fake_ids(body, 0)
+    assert result.token_ids == ids
+    assert result.text == "".join(f" t{t}" for t in ids)
+    assert result.token_sha == sha_of(ids)
+    assert result.usage is not None and result.usage["prompt_tokens"] == 3
+    assert result.piece_tokens == [2, 2, 1]
+    assert len(result.token_gaps) == 3 and all(gap > 0 for gap in result.token_gaps)
+    path, sent, _ = fake.requests[0]
+    assert path == "/v1/completions" and "messages" not in sent
+    assert sent["prompt"] == [5, 6, 7] and sent["ignore_eos"] is True and sent["return_token_ids"] is True
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert not {"seed", "top_k", "top_p"} & sent.keys()
+
+
 def test_bench_concurrent_alone_matches(fake: FakeServer) -> None:
     """--alone against a deterministic server: two concurrent streams, one alone run of the shared body, exit 0."""
     done = run_script(
-        "bench_concurrent", fake, "--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--alone"
+        "bench_concurrent", fake.url, "--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--alone"
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MISMATCH" not in done.stdout
@@ -203,7 +239,17 @@ def test_bench_concurrent_alone_matches(fake: FakeServer) -> None:
 def test_bench_concurrent_alone_mismatch_exits_1(drifting: FakeServer) -> None:
     """--alone against a server whose output drifts prints MISMATCH lines and exits 1."""
     done = run_script(
-        "bench_concurrent", drifting, "--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--alone"
+        "bench_concurrent",
+        drifting.url,
+        "--levels",
+        "2",
+        "--tokens",
+        "4",
+        "--reps",
+        "1",
+        "--temperatures",
+        "0",
+        "--alone",
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.count("MISMATCH") == 2
@@ -213,7 +259,7 @@ def test_bench_concurrent_serial_sampled(fake: FakeServer) -> None:
     """--serial with sampling: stream i gets seed + i, and the alone runs are repeated with draft off."""
     done = run_script(
         "bench_concurrent",
-        fake,
+        fake.url,
         "--levels",
         "2",
         "--tokens",
@@ -233,12 +279,12 @@ def test_bench_concurrent_serial_sampled(fake: FakeServer) -> None:
     assert [s["token_sha"] for s in streams] == [
         sha_of(fake_ids({"seed": seed, "max_tokens": 4}, 0)) for seed in (1234, 1235)
     ]
-    assert sum(body.get("draft") is False for body, _ in fake.requests) == 2
+    assert sum(body.get("draft") is False for _, body, _ in fake.requests) == 2
 
 
 def test_bench_openai_json(fake: FakeServer) -> None:
     """bench_openai runs a warm-up and the reps per cell and ends with a JSON summary."""
-    done = run_script("bench_openai", fake, "--tokens", "4", "--reps", "2", "--json")
+    done = run_script("bench_openai", fake.url, "--tokens", "4", "--reps", "2", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(done.stdout.splitlines()[-1])
     assert [(c["prompt"], c["temperature"]) for c in summary["cells"]] == [
@@ -253,3 +299,63 @@ def test_bench_openai_json(fake: FakeServer) -> None:
     assert len({r["token_sha"] for r in greedy["reps"]}) == 1
     assert sampled["decode_tok_s_median"] > 0
     assert len(fake.requests) == 12  # 4 cells x (1 warm-up + 2 reps)
+
+
+RANDOM_PROMPT_FLAGS = ("--random-prompt", "8", "--tokens", "4", "--levels", "1,2", "--reps", "1", "--drafts", "both")
+
+
+def cells(summary: dict[str, Any]) -> set[tuple[float, str, int]]:
+    """The (temperature, drafts, level) cells a JSON summary reports."""
+    return {(c["temperature"], c["drafts"], c["level"]) for c in summary["summary"]}
+
+
+def test_bench_concurrent_random_prompt_drafts_both(fake: FakeServer) -> None:
+    """--random-prompt sends each stream its own seeded ids to /v1/completions; --drafts both reports both settings."""
+    done = run_script("bench_concurrent", fake.url, *RANDOM_PROMPT_FLAGS, "--vocab", "50", "--serial", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["random_prompt"] == 8
+    assert cells(summary) == {(t, d, n) for t in (1.0, 0.0) for d in ("on", "off") for n in (1, 2)}
+    for cell in summary["summary"]:
+        figures = ("aggregate_tok_s", "stream_tok_s_median", "ttft_s_median", "ttft_s_p90", "itl_s_median")
+        assert all(cell[name] is not None and cell[name] > 0 for name in figures), cell
+        assert cell["ttft_s_p90"] >= cell["ttft_s_median"]
+    streams = [s for run in summary["runs"] for s in run["streams"]]
+    assert len(streams) == 12 and all(s["tokens"] == 4 and s["prompt_tokens"] == 8 for s in streams)
+    assert {run["drafts"] for run in summary["runs"]} == {"on", "off"}
+    # 4 warm-ups, 12 concurrent streams, 8 distinct bodies alone; the serial runs are the alone draft-off bodies
+    assert len(fake.requests) == 24
+    assert summary["comparisons"] == 16 and summary["mismatches"] == 0
+    prompts = {json.dumps(body["prompt"]) for _, body, _ in fake.requests}
+    assert len(prompts) == 2  # stream 0 and stream 1, each its own ids at every level, temperature and setting
+    for path, body, _ in fake.requests:
+        assert path == "/v1/completions" and "messages" not in body
+        assert len(body["prompt"]) == 8 and all(0 <= t < 50 for t in body["prompt"])
+        assert body["ignore_eos"] is True and body["max_tokens"] == 4
+        assert body.get("draft") in (None, False)
+    assert sum(body.get("draft") is False for _, body, _ in fake.requests) == 12
+    sampled = [body for _, body, _ in fake.requests if body["temperature"] > 0]
+    assert {(body["seed"], body["top_k"], body["top_p"]) for body in sampled} == {(1234, 20, 0.95), (1235, 20, 0.95)}
+
+
+def metric(url: str, name: str) -> float:
+    """One counter read from the server's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert found is not None, f"{name} missing from /metrics"
+    return float(found.group(1))
+
+
+def test_bench_concurrent_random_prompt_on_a_server_without_tokenizer(tmp_path: Path) -> None:
+    """On a tiny server with no tokenizer every stream runs exactly 4 tokens from an 8-id prompt, drafted or not."""
+    with serve_checkpoint(checkpoint(tmp_path / "no-tokenizer")) as live:
+        done = run_script("bench_concurrent", live.url, *RANDOM_PROMPT_FLAGS, "--vocab", "320", "--alone", "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        summary = json.loads(done.stdout.splitlines()[-1])
+        assert cells(summary) == {(t, d, n) for t in (1.0, 0.0) for d in ("on", "off") for n in (1, 2)}
+        streams = [s for run in summary["runs"] for s in run["streams"]]
+        assert len(streams) == 12 and all(s["tokens"] == 4 and s["prompt_tokens"] == 8 for s in streams)
+        assert summary["comparisons"] == 12 and summary["mismatches"] == 0
+        requests = 4 + 12 + 8  # warm-ups, concurrent streams, distinct bodies alone
+        assert metric(live.url, "flashnext:prompt_tokens_total") == 8 * requests
+        assert metric(live.url, "flashnext:generation_tokens_total") == 4 * requests
