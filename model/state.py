@@ -148,6 +148,16 @@ def lane_state_bytes(cfg, context: int, dtype_bytes: int) -> int:
     return fixed + context * per_token
 
 
+def slot_state_bytes(template: LaneState, context: int, ratio: int) -> int:
+    """Bytes one lane-pool slot of `context` positions takes, from a fresh lane's tensors (this rank's shapes):
+    fixed states, then per position QSA keys, values and raw index keys, and per block an index key."""
+    fixed = [*template.gdn_conv.values(), *template.gdn_recurrent.values(), *template.ple_conv.values()]
+    caches = [c for c in (*template.attention.values(), template.mtp_attention) if c is not None]
+    row = sum(t[0].numel() * t.element_size() for c in caches for t in (c.keys, c.values, c.index_keys))
+    block = sum(c.index_keys[0].numel() * c.index_keys.element_size() for c in caches)
+    return sum(t.numel() * t.element_size() for t in fixed) + context * row + (context // ratio + 1) * block
+
+
 def _copy_cache(cache: AttentionCache | None, share: bool, limit: int | None = None) -> AttentionCache | None:
     if cache is None:
         return None

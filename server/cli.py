@@ -97,6 +97,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "device, each rank only its half, for benchmarks (default auto)",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="replay decode rounds (one row per lane) from CUDA graphs captured at start per batch bucket; needs "
+        "--kernels on and --device cuda (default auto: on when both hold)",
+    )
+    parser.add_argument(
         "--ngram-table",
         choices=("device", "host"),
         default="device",

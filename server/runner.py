@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,10 +45,12 @@ class _MtpRows:
 class ModelRunner:
     """Executes a RoundPlan on this rank's model; every rank given the same plan draws the same tokens and drafts."""
 
-    def __init__(self, model: FlashNextModel, max_lanes: int) -> None:
+    def __init__(self, model: FlashNextModel, max_lanes: int, digests: Path | None = None) -> None:
         self.model = model
         self.slots: list[LaneState | None] = [None] * max_lanes
         self.kept: dict[int, LaneState] = {}
+        self.digests = digests  # a file that gets a line per round: a digest of its logits and tokens
+        self.rounds = 0
 
     def kept_bytes(self, handle: int) -> int:
         """Bytes a kept state takes on this rank."""
@@ -156,12 +160,22 @@ class ModelRunner:
             results = [
                 LaneResult(r.tokens, drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)
             ]
+        if self.digests is not None:
+            self._write_digest(out.logits, results)
         by_slot = {rows.slot: index for index, rows in enumerate(plan.rows)}
         for op in plan.ops:
             if op.after:
                 index = by_slot[op.slot]
                 self.kept[op.arg] = self._kept_after(plan.rows[index], segments[index], out, index, op.after)
         return results
+
+    def _write_digest(self, logits: torch.Tensor, results: list[LaneResult]) -> None:
+        """Append this round's digest: two ranks that computed the same bits write the same lines."""
+        digest = hashlib.sha256(logits.float().cpu().numpy().tobytes())
+        digest.update(repr([(r.tokens, r.drafts) for r in results]).encode())
+        with self.digests.open("a") as out:
+            out.write(f"{self.rounds} {digest.hexdigest()}\n")
+        self.rounds += 1
 
     def _kept_after(self, rows: LaneRows, seg: Segment, out: ForwardOutput, index: int, after: int) -> LaneState:
         """The lane's state after its first `after` rows of this round, as a keep before the next row would hold

@@ -9,12 +9,13 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from model.parallel import TensorParallel
-from model.state import lane_state_bytes
+from model.state import lane_state_bytes, slot_state_bytes
 from model.weights import load_model, resolve_kernels
 from rankwire.errors import SettingsMismatch
 from rankwire.link import ControlLink
@@ -52,6 +53,66 @@ def choose_context(requested: int | None, model_max: int, lane_bytes, free: int)
     return context
 
 
+POOL_SHARE = 0.5  # of the memory free after loading: the rest holds the prompt cache (a quarter) and activations
+
+
+def pool_context(requested: int | None, model_max: int, slot_bytes, lanes: int, free: int) -> int:
+    """The context of every lane-pool slot: as asked (refused, naming the flags, if the pool would not fit), else the
+    model's, or the longest multiple of 256 for which --max-lanes slots and the scratch slot fit in
+    POOL_SHARE of the free memory."""
+    budget = POOL_SHARE * free
+    fits = lambda n: (lanes + 1) * slot_bytes(n) <= budget  # noqa: E731
+    context = requested or (model_max if fits(model_max) else None)
+    if context is None:
+        lo, hi = 0, model_max // 256  # in units of 256 positions: the longest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(256 * mid) else (lo, mid - 1)
+        context = max(256 * lo, min(256, model_max))
+    if not fits(context):
+        need = (lanes + 1) * slot_bytes(context)
+        raise SystemExit(
+            f"--context {context} with --max-lanes {lanes}: the lane pool needs {need / 2**30:.1f} GiB, more than "
+            f"{POOL_SHARE:.0%} of the {free / 2**30:.1f} GiB free; lower --context or --max-lanes"
+        )
+    if requested is None and context < model_max:
+        log.warning("--context: %d lanes of %d tokens do not fit; serving %d tokens a lane", lanes, model_max, context)
+    return context
+
+
+def resolve_graphs(name: str, kernels: bool, device: str | torch.device) -> bool:
+    """Whether decode rounds replay CUDA graphs: --cuda-graphs auto, on or off, refused without their needs."""
+    usable = kernels and torch.device(device).type == "cuda"
+    if name == "on" and not usable:
+        raise SystemExit("--cuda-graphs on: needs --kernels on and --device cuda")
+    return usable and name != "off"
+
+
+def plan_lanes(args: argparse.Namespace, model) -> int:
+    """The context per lane. On the kernel path also the lane pool (--max-lanes slots of that context, made now)
+    and, with --cuda-graphs, the decode rounds captured for up to --max-lanes lanes; both are reported."""
+    cfg = model.cfg
+    if args.context is not None and args.context > cfg.max_position_embeddings:
+        raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
+    free = free_memory(model.device)
+    if not model.kernels:
+        dtype_bytes = torch.finfo(model.dtype).bits // 8
+        lane_bytes = lambda n: lane_state_bytes(cfg, n, dtype_bytes)  # noqa: E731
+        return choose_context(args.context, cfg.max_position_embeddings, lane_bytes, free)
+    from model import kernel_path
+
+    template = model.new_lane()
+    slot_bytes = lambda n: slot_state_bytes(template, n, cfg.indexer_compress_ratio)  # noqa: E731
+    context = pool_context(args.context, cfg.max_position_embeddings, slot_bytes, args.max_lanes, free)
+    pool = kernel_path.lane_pool(model, slots=args.max_lanes, context=context)
+    log.info("lane pool: %d slots of %d positions, %.2f GiB", pool.slots, pool.context, pool.nbytes() / 2**30)
+    if resolve_graphs(args.cuda_graphs, model.kernels, model.device):
+        started = time.monotonic()
+        graphs = kernel_path.enable_graphs(model, args.max_lanes)
+        log.info("CUDA graphs: decode buckets %s captured in %.1f s", graphs.buckets, time.monotonic() - started)
+    return context
+
+
 def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object]:
     """What both ranks must agree on; the handshake compares these."""
     config = (args.model / "config.json").read_bytes()
@@ -62,6 +123,7 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
         "device": args.device,
         "dtype": args.dtype,
         "kernels": "on" if resolve_kernels(args.kernels, args.device) else "off",
+        "cuda_graphs": args.cuda_graphs,
         "context": args.context or "auto",
         "max_lanes": args.max_lanes,
         "prompt_budget": args.prompt_budget,
@@ -84,16 +146,8 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
         kernels=args.kernels,
     )
     cfg = model.cfg
-    if args.context is not None and args.context > cfg.max_position_embeddings:
-        raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
-    dtype_bytes = torch.finfo(model.dtype).bits // 8
+    context = plan_lanes(args, model)
     free = free_memory(model.device)
-    context = choose_context(
-        args.context,
-        cfg.max_position_embeddings,
-        lambda n: lane_state_bytes(cfg, n, dtype_bytes),
-        free,
-    )
     tokenizer = load_tokenizer(args.model)
     name = args.served_model_name or args.model.name
     metrics = EngineMetrics(name)
@@ -186,8 +240,10 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
         ngram_table=args.ngram_table,
         kernels=args.kernels,
     )
-    runner = ModelRunner(model, args.max_lanes)
+    digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{ranks.rank}.digests"
+    runner = ModelRunner(model, args.max_lanes, digests)
     if ranks.rank == 1:
+        plan_lanes(args, model)  # rank 0 plans in create_state: the same pool, graphs captured in the same order
         return follow(link, runner)
     return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link)
 

@@ -113,3 +113,12 @@ def test_a_freed_slot_serves_a_new_lane_as_if_fresh(path, eager) -> None:
     fresh = load_model(path, dtype="bfloat16", kernels="on")
     expected = fresh(single_lane_batch(fresh.new_lane(), torch.tensor(PROMPTS[1]), 0))
     assert torch.equal(out.logits, expected.logits)
+
+
+def test_a_slot_takes_the_bytes_the_server_plans_for(path) -> None:
+    from model.state import slot_state_bytes
+
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    pool = kernel_path.lane_pool(model, slots=3, context=40)
+    ratio = model.cfg.indexer_compress_ratio
+    assert pool.nbytes() == 4 * slot_state_bytes(model.new_lane(), pool.context, ratio)  # 3 slots and the scratch

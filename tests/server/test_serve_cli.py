@@ -63,3 +63,30 @@ def test_a_bad_flag_is_refused_by_name(capsys):
         build_parser().parse_args(["serve", "--max-lanes", "0"])
     assert exit_info.value.code == 2
     assert "--max-lanes" in capsys.readouterr().err
+
+
+def test_the_lane_pool_is_sized_from_free_memory_and_a_pool_that_cannot_fit_is_refused_by_flag():
+    from server.serve import POOL_SHARE, pool_context
+
+    per_position = 1000
+    slot_bytes = lambda n: per_position * n  # noqa: E731
+    free = int(9 * 4096 * per_position / POOL_SHARE)  # room for 8 slots and the scratch slot of 4096 positions
+    assert pool_context(None, 65536, slot_bytes, 8, free) == 4096
+    assert pool_context(None, 65536, slot_bytes, 8, free + 9 * 300 * per_position // POOL_SHARE) == 4352
+    assert pool_context(None, 3000, slot_bytes, 8, free) == 3000  # the model's own when it fits
+    assert pool_context(2000, 65536, slot_bytes, 8, free) == 2000
+    with pytest.raises(SystemExit, match=r"--context 8192 with --max-lanes 8: .*lower --context or --max-lanes"):
+        pool_context(8192, 65536, slot_bytes, 8, free)
+    with pytest.raises(SystemExit, match="--max-lanes 100000"):
+        pool_context(None, 65536, slot_bytes, 100000, free)
+
+
+def test_cuda_graphs_on_without_their_needs_is_refused_by_flag():
+    from server.serve import resolve_graphs
+
+    assert resolve_graphs("auto", True, "cuda") and not resolve_graphs("auto", True, "cpu")
+    assert not resolve_graphs("auto", False, "cuda") and not resolve_graphs("off", True, "cuda")
+    with pytest.raises(SystemExit, match="--cuda-graphs on: needs --kernels on and --device cuda"):
+        resolve_graphs("on", False, "cuda")
+    with pytest.raises(SystemExit, match="--cuda-graphs on"):
+        resolve_graphs("on", True, "cpu")

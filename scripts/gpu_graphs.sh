@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# CUDA graphs on the 2xH200 machine in one call: the eager-against-replayed check on GPU 0 (bits and round times,
+# the shipped model), then the shipped model served at --tp 2 with --cuda-graphs on and off, measured by
+# eval_small.py (drafted = "draft": false by token_sha, speed at 1 and 8 streams), each rank writing a digest of
+# every round (FLASHNEXT_ROUND_DIGESTS) that must match the other rank's line for line.
+# Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_graphs.sh  # logs under $OUT
+set -u
+: "${OUT:?set OUT to the folder for logs}"
+source scripts/gpu_serve.sh
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+git log --oneline -1 2>/dev/null || true
+
+CUDA_VISIBLE_DEVICES=0 timeout 240 python3 scripts/gpu_graph_check.py --out "$OUT" > "$OUT/graph_check.out" 2>&1
+echo "graph check rc=$?"
+tail -8 "$OUT/graph_check.out"
+
+port=8300
+for graphs in ${GRAPHS:-on off}; do
+  port=$((port + 1))
+  digests=$(mktemp -d)
+  up=0
+  FLASHNEXT_ROUND_DIGESTS=$digests serve_until_up 260 "$port" "$OUT/serve_graphs_$graphs.log" --tp 2 --device cuda \
+    --cuda-graphs "$graphs" --drafter mtp && up=1
+  echo "graphs=$graphs server up=$up"
+  if [ $up = 1 ]; then
+    timeout 200 python3 scripts/eval_small.py serve --data build/small/data --base-url "http://127.0.0.1:$port" \
+      --prompts 6 --tokens 48 --streams 1,8 --json "$OUT/eval_graphs_$graphs.json" 2>&1 | tail -8
+    echo "eval rc=${PIPESTATUS[0]}"
+  fi
+  stop_server
+  echo "rounds digested: rank0 $(wc -l < "$digests/rank0.digests") rank1 $(wc -l < "$digests/rank1.digests")"
+  cmp "$digests/rank0.digests" "$digests/rank1.digests" && echo "ranks identical: yes" || echo "ranks identical: NO"
+  grep -v "it/s\]\|tensor/s\]" "$OUT/serve_graphs_$graphs.log" | grep -i "graph\|pool\|error\|Traceback" | head -8
+done
