@@ -53,7 +53,7 @@ class FlashNextModel(nn.Module):
         self.lm_head = linear(cfg.hidden_size, vocab[1] - vocab[0])
         self.mtp = MTPLayer(cfg, self.plan) if with_mtp and cfg.mtp_num_hidden_layers else None
         self.lane_pool = None  # the kernel path's lane states (model/lane_pool.py), made on its first forward
-        self.decode_graphs = None  # the kernel path's captured decode rounds (model/graphs.py), when enabled
+        self.round_graphs = None  # the kernel path's captured forwards (model/graphs.py), when enabled
 
     @property
     def dtype(self) -> torch.dtype:

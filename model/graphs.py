@@ -1,23 +1,27 @@
-"""CUDA graphs of the kernel path's decode round: one row per lane, captured once per batch bucket.
+"""CUDA graphs of the kernel path's forwards, captured once per kind and batch bucket.
 
-A round of n single-row segments replays the graph of the smallest bucket >= n: its rows are copied into the
-graph's static inputs (token, position, lane-pool slot, n-gram window) and the rest of the bucket is padding that
-writes only the pool's scratch slot. The kernels give a row the same bits whatever the batch, so a replayed round
-equals the eager one bit for bit. The graphs are captured once, at start, on every rank in the same order (their
-collectives must pair up); if the pool later grows, its tensors move and the graphs are no longer used.
+Three kinds: `trunk` (any rows: decode rows, prompt chunks, drafts' windows whose states are not kept), `verify`
+(the trunk keeping every row's state, for verify windows) and `mtp` (the MTP layer's rows). A forward of n rows
+replays the graph of the smallest bucket >= n: its rows are copied into the graph's static inputs (token, position,
+lane-pool slot, n-gram window, MTP hidden row) and the rest of the bucket is padding that writes only the pool's
+scratch slot. The kernels index state by each row's slot and give a row the same bits whatever the batch, so a
+replay equals the eager forward bit for bit whatever the rows' layout. The graphs are captured once, at start, on
+every rank in the same order (their collectives must pair up); if the pool later grows, its tensors move and the
+graphs are no longer used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from model.kernel_blocks import Round
 from model.lane_pool import LanePool
-from model.layers import ForwardBatch
 
-Body = Callable[[torch.Tensor, Round], tuple[torch.Tensor, torch.Tensor]]
+# (round, token ids, hidden rows or None) -> (logits, pre-mixer wide states)
+Body = Callable[[Round, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+KINDS = ("trunk", "verify", "mtp")
 
 
 def buckets_for(max_rows: int) -> tuple[int, ...]:
@@ -29,83 +33,107 @@ def buckets_for(max_rows: int) -> tuple[int, ...]:
     return (*sizes, max_rows)
 
 
-class DecodeGraphs:
-    """The captured decode rounds of one model, by bucket. Off CUDA (the Triton interpreter in tests) a replay
+class RoundGraphs:
+    """The captured forwards of one model, by kind and bucket. Off CUDA (the Triton interpreter in tests) a replay
     runs the same padded body eagerly."""
 
     def __init__(
-        self, pool: LanePool, body: Body, ngram_size: int, eos: int, max_rows: int, device: torch.device
+        self,
+        pool: LanePool,
+        bodies: Mapping[str, Body],
+        max_rows: Mapping[str, int],
+        ngram_size: int,
+        eos: int,
+        wide: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        self.pool, self.body, self.capture = pool, body, device.type == "cuda"
+        self.pool, self.bodies, self.capture = pool, dict(bodies), device.type == "cuda"
         self.generation = pool.generation
-        self.buckets = buckets_for(max_rows)
-        top = self.buckets[-1]
+        self.buckets = {kind: buckets_for(rows) for kind, rows in max_rows.items()}
+        top = max(rows for rows in max_rows.values())
         self.tokens = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         self.slots = torch.full((top,), pool.scratch, dtype=torch.long, device=device)
         self.windows = torch.full((top, ngram_size), eos, dtype=torch.long, device=device)
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.replays = 0
+        self.hidden = torch.zeros(top, wide, dtype=dtype, device=device)
+        self.rounds: dict[tuple[str, int], Round] = {}
+        self.outputs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.replays = dict.fromkeys(self.buckets, 0)
 
-    def covers(self, batch: ForwardBatch) -> bool:
-        """Whether a graph runs this batch: one row per lane, within the largest bucket, pool unmoved."""
-        n = batch.token_ids.shape[0]
-        one_row_each = len(batch.segments) == n
-        return one_row_each and n <= self.buckets[-1] and self.pool.generation == self.generation
+    def covers(self, kind: str, rows: int) -> bool:
+        """Whether a graph of `kind` runs `rows` rows: within its largest bucket, the pool unmoved."""
+        buckets = self.buckets.get(kind)
+        return bool(buckets) and rows <= buckets[-1] and self.pool.generation == self.generation
 
-    def bucket_of(self, n: int) -> int:
-        """The smallest bucket holding n rows."""
-        return next(b for b in self.buckets if b >= n)
+    def bucket_of(self, kind: str, rows: int) -> int:
+        """The smallest bucket of `kind` holding `rows` rows."""
+        return next(b for b in self.buckets[kind] if b >= rows)
 
-    def _round(self, size: int) -> Round:
-        """The static inputs of a bucket as a Round: every row may complete a block (padding's keys go to the
-        scratch block row)."""
+    def _round(self, kind: str, size: int) -> Round:
+        """A bucket's static inputs as a Round: every row may complete an indexer block (padding's keys go to the
+        scratch block row); `verify` keeps every row's state."""
         positions, pool = self.positions[:size], self.pool
         completes = (positions + 1) % pool.ratio == 0
         dest = torch.where(completes, (positions + 1) // pool.ratio - 1, pool.block_capacity - 1)
         rows = torch.arange(size, device=positions.device)
-        return Round(pool, self.slots[:size], positions, self.windows[:size], rows, dest, None)
+        windows = None if kind == "mtp" else self.windows[:size]
+        keep = rows if kind == "verify" else None
+        return Round(pool, self.slots[:size], positions, windows, rows, dest, keep)
 
-    def _run_body(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.body(self.tokens[:size], self._round(size))
+    def _run_body(self, kind: str, size: int) -> tuple[Round, tuple[torch.Tensor, torch.Tensor]]:
+        rnd = self._round(kind, size)
+        hidden = self.hidden[:size] if kind == "mtp" else None
+        return rnd, self.bodies[kind](rnd, self.tokens[:size], hidden)
 
     def capture_all(self) -> None:
-        """Capture every bucket, largest first (they share one memory pool), on padding rows only."""
+        """Capture every kind's buckets, largest first (they share one memory pool), on padding rows only."""
         if not self.capture:
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         mempool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.buckets, reverse=True):
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the kernels and make this stream's counters before capturing
-                    self._run_body(size)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                self.outputs[size] = self._run_body(size)
-            self.graphs[size] = graph
+        for kind, buckets in self.buckets.items():
+            for size in sorted(buckets, reverse=True):
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compile the kernels and make this stream's counters before capturing
+                        self._run_body(kind, size)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                    self.rounds[kind, size], self.outputs[kind, size] = self._run_body(kind, size)
+                self.graphs[kind, size] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
     def run(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and pre-mixer wide states of n decode rows, by replaying their bucket's graph."""
+        self,
+        kind: str,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        windows: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Round]:
+        """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are the
+        graph's outputs: read them before the next replay), by replaying the graph of their bucket."""
         n = token_ids.shape[0]
-        size = self.bucket_of(n)
+        size = self.bucket_of(kind, n)
         self.tokens[:n].copy_(token_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
-        self.windows[:n].copy_(windows)
+        if windows is not None:
+            self.windows[:n].copy_(windows)
+        if hidden is not None:
+            self.hidden[:n].copy_(hidden)
         self.tokens[n:size].zero_()
         self.positions[n:size].zero_()
         self.slots[n:size].fill_(self.pool.scratch)
         if self.capture:
-            self.graphs[size].replay()
-            logits, wide = self.outputs[size]
+            self.graphs[kind, size].replay()
+            rnd, (logits, wide) = self.rounds[kind, size], self.outputs[kind, size]
         else:
-            logits, wide = self._run_body(size)
-        self.replays += 1
-        return logits[:n].clone(), wide[:n].clone()
+            rnd, (logits, wide) = self._run_body(kind, size)
+        self.replays[kind] += 1
+        return logits[:n].clone(), wide[:n].clone(), rnd

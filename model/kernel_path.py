@@ -23,7 +23,7 @@ import torch
 from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
-from model.graphs import DecodeGraphs
+from model.graphs import RoundGraphs
 from model.kernel_blocks import Round, block_keys_of, hyper_read, layer_forward, project
 from model.lane_pool import MTP, LanePool
 from model.layers import ForwardBatch
@@ -111,7 +111,7 @@ def build_round(
     device = batch.token_ids.device
     lengths = torch.tensor([seg.length for seg in batch.segments])
     lane_of_row = torch.repeat_interleave(torch.arange(len(batch.segments)), lengths).to(device)
-    slot_of_row = torch.repeat_interleave(torch.tensor([seg.lane.slot for seg in batch.segments]), lengths)
+    slot_of_row = row_slots(batch)
     windows = None if ngram_size is None else ngram_windows(batch, lane_of_row, ngram_size)
     ratio = pool.ratio
     completing = [
@@ -136,19 +136,22 @@ def ngram_windows(batch: ForwardBatch, lane_of_row: torch.Tensor, n: int) -> tor
 
 
 def snapshots(
-    rnd: Round, batch: ForwardBatch, starts: list[int], rows: list[int]
+    rnd: Round, windows: torch.Tensor, batch: ForwardBatch, starts: list[int], rows: list[int], by_row: bool = False
 ) -> dict[int, dict[int, LaneSnapshot]]:
-    """By segment index and row offset, the lane after each of the kept `rows` (batch row indices, ascending)."""
+    """By segment index and row offset, the lane after each of the kept `rows` (batch row indices, ascending);
+    the round kept the states of those rows in order, or with `by_row` of every row; `windows` are the rows'
+    n-gram windows."""
     kept, out = rnd.kept, {}
     firsts = [seg.start for seg in batch.segments]
     for k, row in enumerate(rows):
+        k = row if by_row else k
         index = bisect.bisect_right(firsts, row) - 1
         offset = row - firsts[index]
         out.setdefault(index, {})[offset] = LaneSnapshot(
             gdn_conv={i: t[k] for i, t in kept.gdn_conv.items()},
             gdn_recurrent={i: t[k] for i, t in kept.gdn_recurrent.items()},
             ple_conv={i: t[k] for i, t in kept.ple_conv.items()},
-            ngram_history=rnd.windows[row, 1:],
+            ngram_history=windows[row, 1:],
             length=starts[index] + offset + 1,
         )
     return out
@@ -187,18 +190,31 @@ def run_layers(model: FlashNextModel, token_ids: torch.Tensor, rnd: Round) -> to
     return wide
 
 
-def enable_graphs(model: FlashNextModel, max_rows: int) -> DecodeGraphs:
-    """Capture the model's decode rounds for up to `max_rows` lanes (on CUDA; elsewhere replays run eagerly)."""
+def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGraphs:
+    """Capture the model's forwards for up to `max_rows` rows of each kind (trunk, verify, mtp) on CUDA; elsewhere
+    replays run eagerly."""
     cfg = model.cfg
 
-    def body(token_ids: torch.Tensor, rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
+    def trunk(rnd: Round, token_ids: torch.Tensor, _hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         wide = run_layers(model, token_ids, rnd)
         return logits(model, wide), wide
 
-    graphs = DecodeGraphs(lane_pool(model), body, cfg.ngram_size, cfg.eos_token_id, max_rows, model.device)
+    def mtp(rnd: Round, token_ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return mtp_rows(model, token_ids, hidden, rnd)
+
+    bodies = {"trunk": trunk, "verify": trunk} | ({} if model.mtp is None else {"mtp": mtp})
+    rows = {kind: max_rows[kind] for kind in bodies if max_rows.get(kind)}
+    pool = lane_pool(model)
+    graphs = RoundGraphs(pool, bodies, rows, cfg.ngram_size, cfg.eos_token_id, cfg.wide_size, model.dtype, model.device)
     graphs.capture_all()
-    model.decode_graphs = graphs
+    model.round_graphs = graphs
     return graphs
+
+
+def row_slots(batch: ForwardBatch) -> torch.Tensor:
+    """Each row's lane-pool slot (on the host)."""
+    lengths = torch.tensor([seg.length for seg in batch.segments])
+    return torch.repeat_interleave(torch.tensor([seg.lane.slot for seg in batch.segments]), lengths)
 
 
 def forward(
@@ -216,19 +232,19 @@ def forward(
         if first != seg.lane.length:
             raise ValueError(f"segment {i} starts at position {first} but its lane holds {seg.lane.length} tokens")
     pool = place(model, batch, starts)
-    graphs = model.decode_graphs
-    if graphs is not None and not keep_rows and graphs.covers(batch):
-        slots = torch.tensor([seg.lane.slot for seg in batch.segments])
-        lane_of_row = torch.arange(len(batch.segments), device=batch.token_ids.device)
+    graphs, kind = model.round_graphs, "verify" if keep_rows else "trunk"
+    replay = graphs is not None and graphs.covers(kind, batch.token_ids.shape[0])
+    if replay:
+        lengths = torch.tensor([seg.length for seg in batch.segments])
+        lane_of_row = torch.repeat_interleave(torch.arange(len(batch.segments)), lengths).to(batch.token_ids.device)
         windows = ngram_windows(batch, lane_of_row, model.cfg.ngram_size)
-        all_logits, wide = graphs.run(batch.token_ids, batch.positions, slots, windows)
-        rnd = None
+        all_logits, wide, rnd = graphs.run(kind, batch.token_ids, batch.positions, row_slots(batch), windows)
     else:
         rnd = build_round(pool, batch, starts, keep_rows or None, ngram_size=model.cfg.ngram_size)
         windows = rnd.windows
         wide = run_layers(model, batch.token_ids, rnd)
         all_logits = None
-    snaps = {i: {} for i in snapshot_rows} | ({} if rnd is None else snapshots(rnd, batch, starts, keep_rows))
+    snaps = {i: {} for i in snapshot_rows} | snapshots(rnd, windows, batch, starts, keep_rows, by_row=replay)
     for seg in batch.segments:
         lane = seg.lane
         lane.ngram_history = windows[seg.start + seg.length - 1, 1:]
@@ -240,20 +256,33 @@ def forward(
     return ForwardOutput(logits=logits(model, rows), hidden=wide, snapshots=snaps)
 
 
-def mtp_forward(model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`FlashNextModel.mtp_forward` on the kernels: every row through the MTP layer at once."""
+def mtp_rows(
+    model: FlashNextModel, token_ids: torch.Tensor, hidden: torch.Tensor, rnd: Round
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP layer over every row at once: (draft logits, the MTP's pre-mixer wide states)."""
     mtp = model.mtp
-    starts = segment_starts(batch)
-    pool = place(model, batch, starts)
-    rnd = build_round(pool, batch, starts, None, ngram_size=None)
     n = hidden.shape[0]
     e_norm, h_norm = mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden
-    u = project(zc_rms_norm(model.embed_tokens(batch.token_ids), e_norm.weight, e_norm.eps), mtp.fc_embedding)
+    u = project(zc_rms_norm(model.embed_tokens(token_ids), e_norm.weight, e_norm.eps), mtp.fc_embedding)
     streams = zc_rms_norm(hidden, h_norm.weight, h_norm.eps).view(n * mtp.hc, mtp.d)  # one RMS over every stream
     wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
     wide = layer_forward(mtp.layers[0], wide, rnd)
     mixed, _ = hyper_read(mtp.hyper_connection_mixer, wide)
+    return vocab_logits(model, mixed), wide
+
+
+def mtp_forward(model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`FlashNextModel.mtp_forward` on the kernels: every row through the MTP layer at once (a replay of a
+    captured graph when the model has one for these rows)."""
+    starts = segment_starts(batch)
+    pool = place(model, batch, starts)
+    graphs = model.round_graphs
+    if graphs is not None and graphs.covers("mtp", batch.token_ids.shape[0]):
+        logits, wide, _ = graphs.run("mtp", batch.token_ids, batch.positions, row_slots(batch), hidden=hidden)
+    else:
+        rnd = build_round(pool, batch, starts, None, ngram_size=None)
+        logits, wide = mtp_rows(model, batch.token_ids, hidden, rnd)
     for seg, first in zip(batch.segments, starts, strict=True):
         seg.lane.mtp_length = first + seg.length
         fold_caches([seg.lane.mtp_attention], seg.lane.mtp_length, pool.ratio)
-    return vocab_logits(model, mixed), wide
+    return logits, wide

@@ -44,7 +44,7 @@ def model_with(path: Path, lanes: int, context: int, graphs: bool) -> FlashNextM
     model = load_model(path, device="cuda", dtype="bfloat16", kernels="on")
     kernel_path.lane_pool(model, slots=lanes, context=context)
     if graphs:
-        kernel_path.enable_graphs(model, lanes)
+        kernel_path.enable_graphs(model, {"trunk": lanes})
     return model
 
 
@@ -85,7 +85,7 @@ def check(args: argparse.Namespace, count: int) -> dict:
         diff = state_diff(a, b)
         if diff:
             failures.append(f"{count} lanes: lane {i}'s {diff} differs")
-    replays = graphed.decode_graphs.replays
+    replays = graphed.round_graphs.replays["trunk"]
     if replays != args.steps:
         failures.append(f"{count} lanes: {replays} replays for {args.steps} decode rounds")
     return {

@@ -26,9 +26,9 @@ if [ $up = 1 ]; then
     tail -1 "$OUT/$name.out" > "$OUT/$name.json"
     grep -v "^{" "$OUT/$name.out" | tail -14
   }
-  conc warm --levels 1,64 --tokens 16 --temperatures 0 --drafts both
-  conc decode_off --levels 1,4,8,32,64 --tokens 128 --temperatures 0,1.0 --drafts off
-  conc decode_drafted --levels 1,64 --tokens 128 --temperatures 0 --drafts on
+  conc warm --levels 1 --tokens 8 --temperatures 0 --drafts both
+  conc decode_off --levels 1,4,8,32,64 --tokens ${TOKENS:-64} --temperatures 0,1.0 --drafts off
+  conc decode_drafted --levels 1,64 --tokens ${TOKENS:-64} --temperatures 0 --drafts on
   curl -s $url/metrics | grep -E "^flashnext:(round_seconds_(sum|count)|collective|spec_decode_num)" > "$OUT/metrics.txt"
   cat "$OUT/metrics.txt"
   for n in 1024 2048 8192; do

@@ -54,6 +54,7 @@ def choose_context(requested: int | None, model_max: int, lane_bytes, free: int)
 
 
 POOL_SHARE = 0.5  # of the memory free after loading: the rest holds the prompt cache (a quarter) and activations
+VERIFY_ROWS = 64  # rows of the largest verify graph: it keeps every row's GDN state (a MiB a row and layer at 2 ranks)
 
 
 def pool_context(requested: int | None, model_max: int, slot_bytes, lanes: int, free: int) -> int:
@@ -108,8 +109,10 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
     log.info("lane pool: %d slots of %d positions, %.2f GiB", pool.slots, pool.context, pool.nbytes() / 2**30)
     if resolve_graphs(args.cuda_graphs, model.kernels, model.device):
         started = time.monotonic()
-        graphs = kernel_path.enable_graphs(model, args.max_lanes)
-        log.info("CUDA graphs: decode buckets %s captured in %.1f s", graphs.buckets, time.monotonic() - started)
+        round_rows = args.prompt_budget + args.max_lanes * (args.drafts + 1)  # prompt chunks beside every window
+        rows = {"trunk": round_rows, "verify": min(args.max_lanes * (args.drafts + 1), VERIFY_ROWS), "mtp": round_rows}
+        graphs = kernel_path.enable_graphs(model, rows)
+        log.info("CUDA graphs: buckets %s captured in %.1f s", graphs.buckets, time.monotonic() - started)
     return context
 
 

@@ -17,7 +17,7 @@ from model import kernel_path
 from model.flashnext import FlashNextModel, single_lane_batch
 from model.graphs import buckets_for
 from model.layers import ForwardBatch, Segment
-from model.state import LaneState
+from model.state import LaneState, restore
 from model.weights import load_model
 from tests.tiny import text_config
 
@@ -77,24 +77,76 @@ def test_replayed_decode_rounds_equal_the_eager_ones_bit_for_bit(path, eager) ->
     _, eager_lanes, eager_logits, eager_tokens = eager
     model = load_model(path, dtype="bfloat16", kernels="on")
     kernel_path.lane_pool(model, slots=4, context=16)
-    graphs = kernel_path.enable_graphs(model, max_rows=4)
+    graphs = kernel_path.enable_graphs(model, {"trunk": 4})
     lanes = [model.new_lane() for _ in PROMPTS]
     logits, tokens = decode(model, lanes)
-    assert graphs.replays == STEPS  # 3 lanes in the bucket of 4: one padding row a round
+    assert graphs.replays["trunk"] == STEPS + 1  # 3 lanes in the bucket of 4, and the 3-token prompt
     assert tokens == eager_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits, strict=True))
     assert_same_lanes(lanes, eager_lanes)
+
+
+def drafted_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneState]]:
+    """Prompts in chunks of different lengths side by side, a verify window per lane with every row's state kept
+    and a rejection restoring each lane after its first row, then MTP rows of both lanes at once."""
+    lanes = [model.new_lane() for _ in PROMPTS[:2]]
+    outs = [
+        model(
+            ForwardBatch(
+                torch.tensor(PROMPTS[0] + PROMPTS[1]),
+                torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2]),
+                [Segment(lanes[0], 0, 6), Segment(lanes[1], 6, 3)],
+            )
+        ).logits
+    ]
+    window = ForwardBatch(
+        torch.tensor([9, 10, 11, 12, 13]),
+        torch.tensor([6, 7, 8, 3, 4]),
+        [Segment(lanes[0], 0, 3), Segment(lanes[1], 3, 2)],
+    )
+    out = model(window, snapshot_rows={0: {0, 1}, 1: {0}})
+    outs.append(out.logits)
+    restore(lanes[0], out.snapshots[0][0])
+    restore(lanes[1], out.snapshots[1][0])
+    rows = ForwardBatch(
+        torch.tensor([10, 13, 14]), torch.tensor([6, 3, 4]), [Segment(lanes[0], 0, 1), Segment(lanes[1], 1, 2)]
+    )
+    outs.extend(model.mtp_forward(rows, out.hidden[[0, 3, 4]]))
+    outs.append(
+        model(
+            ForwardBatch(
+                torch.tensor([21, 22]), torch.tensor([7, 4]), [Segment(lanes[0], 0, 1), Segment(lanes[1], 1, 1)]
+            )
+        ).logits
+    )
+    return outs, lanes
+
+
+def test_replayed_prompt_verify_and_mtp_rows_equal_the_eager_ones_bit_for_bit(path) -> None:
+    eager = load_model(path, dtype="bfloat16", kernels="on")
+    kernel_path.lane_pool(eager, slots=4, context=16)
+    expected, expected_lanes = drafted_rounds(eager)
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    kernel_path.lane_pool(model, slots=4, context=16)
+    graphs = kernel_path.enable_graphs(model, {"trunk": 16, "verify": 8, "mtp": 4})
+    got, lanes = drafted_rounds(model)
+    assert graphs.replays == {"trunk": 2, "verify": 1, "mtp": 1}
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert_same_lanes(lanes, expected_lanes)
+    for a, b in zip(lanes, expected_lanes, strict=True):
+        assert a.mtp_length == b.mtp_length
+        assert torch.equal(a.mtp_attention.keys[: a.mtp_length], b.mtp_attention.keys[: b.mtp_length])
 
 
 def test_a_grown_pool_keeps_every_lane_and_stops_replaying(path, eager) -> None:
     _, eager_lanes, eager_logits, _ = eager
     model = load_model(path, dtype="bfloat16", kernels="on")
     pool = kernel_path.lane_pool(model, slots=2, context=4)  # too few slots and positions for the prompts
-    graphs = kernel_path.enable_graphs(model, max_rows=4)
+    graphs = kernel_path.enable_graphs(model, {"trunk": 4})
     lanes = [model.new_lane() for _ in PROMPTS]
     logits, _ = decode(model, lanes)
     assert pool.slots >= 3 and pool.context >= 9 and pool.generation >= 2
-    assert graphs.replays == 0  # the graphs point at the old tensors
+    assert graphs.replays["trunk"] == 0  # the graphs point at the old tensors
     assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits, strict=True))
     assert_same_lanes(lanes, eager_lanes)
 
