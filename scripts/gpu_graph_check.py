@@ -86,7 +86,7 @@ def check(args: argparse.Namespace, count: int) -> dict:
         if diff:
             failures.append(f"{count} lanes: lane {i}'s {diff} differs")
     replays = graphed.round_graphs.replays["trunk"]
-    if replays != args.steps:
+    if replays < args.steps:  # every decode round replays (and prompts that fit a bucket do too)
         failures.append(f"{count} lanes: {replays} replays for {args.steps} decode rounds")
     return {
         "lanes": count,

@@ -1,0 +1,99 @@
+"""Where a step's time goes at the real shapes, tp=2, dummy weights: decode rounds of 1, 4, 8 and 64 lanes through
+the model with CUDA graphs, timed on the host (wall time of a forward, synchronised) and on the GPU (CUDA events
+over the graph's replay alone), then torch.profiler's kernel table for one lane's replayed rounds on rank 0.
+
+timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR   # DIR/step_profile.{json,txt}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
+
+from gpu_profile_round import decode_batch  # noqa: E402
+
+from model import kernel_path  # noqa: E402
+from model.parallel import TensorParallel  # noqa: E402
+from model.weights import load_model  # noqa: E402
+
+LANES = (1, 4, 8, 64)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for step_profile.json and step_profile.txt")
+    ap.add_argument("--model", type=Path, default=ROOT / "configs/qwen3.8-flash-next", help="config folder")
+    ap.add_argument("--rounds", type=int, default=20, help="timed decode rounds per lane count")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    model = load_model(
+        args.model, device=device, dtype="bfloat16", tp=TensorParallel(rank, 2), load_format="dummy", kernels="on"
+    )
+    kernel_path.lane_pool(model, slots=max(LANES), context=1024)
+    graphs = kernel_path.enable_graphs(model, {"trunk": max(LANES)})
+    rows, vocab = [], model.cfg.vocab_size
+    for count in LANES:
+        lanes = [model.new_lane() for _ in range(count)]
+        for lane in lanes:  # a short prompt each, within the graphs' buckets
+            model(decode_batch([lane], 16, vocab))
+        host, gpu = [], []
+        for i in range(args.rounds + 3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(decode_batch(lanes, 1, vocab))
+            torch.cuda.synchronize()
+            if i >= 3:
+                host.append((time.perf_counter() - start) * 1e3)
+        graph = graphs.graphs["trunk", graphs.bucket_of("trunk", count)]
+        for _ in range(args.rounds):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            gpu.append(begin.elapsed_time(end))
+        rows.append({"lanes": count, "forward_wall_ms": statistics.median(host), "replay_ms": statistics.median(gpu)})
+        if rank == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    lanes = [model.new_lane()]
+    model(decode_batch(lanes, 16, vocab))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            model(decode_batch(lanes, 1, vocab))
+        torch.cuda.synchronize()
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+        (args.out / "step_profile.txt").write_text(table)
+        report = {"rows": rows, "profiled_rounds": 5}
+        (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
+        print(table[:9000])
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
