@@ -145,8 +145,9 @@ class ModelRunner:
             snapshot_rows=snapshot_rows,
         )
         results, mtp_rows, next_logit = [], [], 0
+        draws = self._draw(plan.rows, out.logits)
         for index, (rows, seg) in enumerate(zip(plan.rows, segments, strict=True)):
-            kept = self._verify(rows, out.logits[next_logit : next_logit + len(rows.drafts) + 1])
+            kept = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
             if rows.draw is not None:
                 next_logit += len(rows.drafts) + 1
             if rows.drafts and len(kept) - 1 < len(rows.drafts):
@@ -189,15 +190,46 @@ class ModelRunner:
             kept.mtp_pending = out.hidden[seg.start + after - 1].clone()
         return kept
 
-    def _verify(self, rows: LaneRows, logits: torch.Tensor) -> list[int]:
-        """The target's draws after the window, each keyed by its absolute position, up to the first draft that
-        differs from the draw at its position (that draw is kept instead)."""
+    def _draw(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor) -> list[int]:
+        """The target's draw at every logit row, keyed by (seed, absolute position): on the kernel path one batched
+        draw for the round (`sample_rows`, which gives each row `sample_token`'s token), else row by row."""
+        keys = [
+            (rows.draw, rows.start + len(rows.token_ids) + i)
+            for rows in plan_rows
+            if rows.draw is not None
+            for i in range(len(rows.drafts) + 1)
+        ]
+        if not keys:
+            return []
+        if self.model.kernels:
+            from kernels.sample import sample_rows
+
+            def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+                return torch.tensor(values, dtype=dtype, device=logits.device)
+
+            tokens = sample_rows(
+                logits,
+                column([s.temperature for s, _ in keys], torch.float64),
+                column([s.top_k for s, _ in keys], torch.int64),
+                column([s.top_p for s, _ in keys], torch.float64),
+                column([s.min_p for s, _ in keys], torch.float64),
+                column([s.seed for s, _ in keys], torch.int64),
+                column([p for _, p in keys], torch.int64),
+            ).tolist()
+            if -1 not in tokens:
+                return tokens
+        return [  # the reference path, or a row sample_rows refused: sample_token names what is wrong
+            sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
+            for i, (s, position) in enumerate(keys)
+        ]
+
+    def _verify(self, rows: LaneRows, draws: list[int]) -> list[int]:
+        """The target's draws after the window, up to the first draft that differs from the draw at its position
+        (that draw is kept instead)."""
         if rows.draw is None:
             return []
-        spec, kept = rows.draw, []
-        first = rows.start + len(rows.token_ids)
-        for i in range(len(rows.drafts) + 1):
-            token = sample_token(logits[i], spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.seed, first + i)
+        kept = []
+        for i, token in enumerate(draws):
             kept.append(token)
             if i == len(rows.drafts) or rows.drafts[i] != token:
                 break
