@@ -204,18 +204,10 @@ class ModelRunner:
         if self.model.kernels:
             from kernels.sample import sample_rows
 
-            def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-                return torch.tensor(values, dtype=dtype, device=logits.device)
-
-            tokens = sample_rows(
-                logits,
-                column([s.temperature for s, _ in keys], torch.float64),
-                column([s.top_k for s, _ in keys], torch.int64),
-                column([s.top_p for s, _ in keys], torch.float64),
-                column([s.min_p for s, _ in keys], torch.float64),
-                column([s.seed for s, _ in keys], torch.int64),
-                column([p for _, p in keys], torch.int64),
-            ).tolist()
+            floats = _on(logits.device, [[s.temperature, s.top_p, s.min_p] for s, _ in keys], torch.float64)
+            ints = _on(logits.device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
+            tokens = sample_rows(logits, floats[:, 0], ints[:, 0], floats[:, 1], floats[:, 2], ints[:, 1], ints[:, 2])
+            tokens = tokens.tolist()
             if -1 not in tokens:
                 return tokens
         return [  # the reference path, or a row sample_rows refused: sample_token names what is wrong
@@ -265,13 +257,11 @@ class ModelRunner:
             hidden.append(m.hidden)
         batch = ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)
         logits, wide = self.model.mtp_forward(batch, torch.cat(hidden))
-        drafts: dict[int, list[int]] = {}
-        state = {}
-        for m, seg in zip(live, segments, strict=True):
-            if depth[m.slot]:
-                last = seg.start + seg.length - 1
-                drafts[m.slot] = [_argmax(logits[last])]
-                state[m.slot] = (wide[last], positions[last])
+        ends = [(m.slot, seg.start + seg.length - 1) for m, seg in zip(live, segments, strict=True)]
+        drafting = [(slot, last) for slot, last in ends if depth[slot]]
+        firsts = _argmaxes(logits[[last for _, last in drafting]]) if drafting else []
+        drafts = {slot: [token] for (slot, _), token in zip(drafting, firsts, strict=True)}
+        state = {slot: (wide[last], positions[last]) for slot, last in drafting}
         for step in range(1, max(depth.values(), default=0)):
             chained = [s for s in drafts if depth[s] > step]
             if not chained:
@@ -282,12 +272,19 @@ class ModelRunner:
                 [Segment(self.slots[s], i, 1) for i, s in enumerate(chained)],
             )
             logits, wide = self.model.mtp_forward(batch, torch.stack([state[s][0] for s in chained]))
-            for i, s in enumerate(chained):
-                drafts[s].append(_argmax(logits[i]))
+            for i, (s, token) in enumerate(zip(chained, _argmaxes(logits), strict=True)):
+                drafts[s].append(token)
                 state[s] = (wide[i], state[s][1] + 1)
         return {s: tuple(d) for s, d in drafts.items()}
 
 
-def _argmax(logits: torch.Tensor) -> int:
-    """The most likely token, ties to the lower id."""
-    return int(torch.nonzero(logits == logits.max())[0, 0])
+def _on(device: torch.device, rows: list[list], dtype: torch.dtype) -> torch.Tensor:
+    """A host table [N, C] on `device` in one copy that does not wait for the GPU (pinned memory on CUDA)."""
+    table = torch.tensor(rows, dtype=dtype)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
+def _argmaxes(logits: torch.Tensor) -> list[int]:
+    """Each row's most likely token, ties to the lower id (torch.argmax returns the first maximal index), in one
+    copy to the host."""
+    return torch.argmax(logits.float(), dim=-1).tolist()
