@@ -81,12 +81,15 @@ def pool_context(requested: int | None, model_max: int, slot_bytes, lanes: int, 
     return context
 
 
-def resolve_graphs(name: str, kernels: bool, device: str | torch.device) -> bool:
-    """Whether decode rounds replay CUDA graphs: --cuda-graphs auto, on or off, refused without their needs."""
+def resolve_graphs(name: str, kernels: bool, device: str | torch.device, ngram_table: str = "device") -> bool:
+    """Whether rounds replay CUDA graphs: --cuda-graphs auto, on or off, refused without their needs (the kernel
+    path on CUDA, and the n-gram table on the GPUs: a graph cannot gather rows from host memory)."""
     usable = kernels and torch.device(device).type == "cuda"
     if name == "on" and not usable:
         raise SystemExit("--cuda-graphs on: needs --kernels on and --device cuda")
-    return usable and name != "off"
+    if name == "on" and ngram_table != "device":
+        raise SystemExit(f"--cuda-graphs on: needs --ngram-table device, not {ngram_table}")
+    return usable and name != "off" and ngram_table == "device"
 
 
 def plan_lanes(args: argparse.Namespace, model) -> int:
@@ -105,9 +108,11 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
     template = model.new_lane()
     slot_bytes = lambda n: slot_state_bytes(template, n, cfg.indexer_compress_ratio)  # noqa: E731
     context = pool_context(args.context, cfg.max_position_embeddings, slot_bytes, args.max_lanes, free)
+    if model.tp.world > 1:  # every rank serves the shortest: a rank whose pool grew mid-serving would leave its graphs
+        context = int(model.tp.gather(torch.tensor([context], device=model.device), dim=0).min())
     pool = kernel_path.lane_pool(model, slots=args.max_lanes, context=context)
     log.info("lane pool: %d slots of %d positions, %.2f GiB", pool.slots, pool.context, pool.nbytes() / 2**30)
-    if resolve_graphs(args.cuda_graphs, model.kernels, model.device):
+    if resolve_graphs(args.cuda_graphs, model.kernels, model.device, args.ngram_table):
         started = time.monotonic()
         round_rows = args.prompt_budget + args.max_lanes * (args.drafts + 1)  # prompt chunks beside every window
         rows = {"trunk": round_rows, "verify": min(args.max_lanes * (args.drafts + 1), VERIFY_ROWS), "mtp": round_rows}

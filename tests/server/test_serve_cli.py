@@ -90,3 +90,6 @@ def test_cuda_graphs_on_without_their_needs_is_refused_by_flag():
         resolve_graphs("on", False, "cuda")
     with pytest.raises(SystemExit, match="--cuda-graphs on"):
         resolve_graphs("on", True, "cpu")
+    assert not resolve_graphs("auto", True, "cuda", "host")  # a graph cannot gather table rows from host memory
+    with pytest.raises(SystemExit, match="--cuda-graphs on: needs --ngram-table device, not host"):
+        resolve_graphs("on", True, "cuda", "host")
