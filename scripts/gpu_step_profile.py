@@ -1,6 +1,7 @@
 """Where a step's time goes at the real shapes, tp=2, dummy weights: decode rounds of 1, 4, 8 and 64 lanes through
 the model with CUDA graphs, timed on the host (wall time of a forward, synchronised) and on the GPU (CUDA events
-over the graph's replay alone), then torch.profiler's kernel table for one lane's replayed rounds on rank 0.
+over the graph's replay alone); one lane's verify round with 0..3 drafts (every row's state kept); then
+torch.profiler's kernel table for one lane's replayed rounds on rank 0.
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR   # DIR/step_profile.{json,txt}
 """
@@ -28,9 +29,11 @@ from gpu_profile_round import decode_batch  # noqa: E402
 
 from model import kernel_path  # noqa: E402
 from model.parallel import TensorParallel  # noqa: E402
+from model.state import LaneState  # noqa: E402
 from model.weights import load_model  # noqa: E402
 
 LANES = (1, 4, 8, 64)
+WINDOW = 4  # a verify window's rows: the pending token and up to three drafts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=ROOT / "configs/qwen3.8-flash-next", help="config folder")
     ap.add_argument("--rounds", type=int, default=20, help="timed decode rounds per lane count")
     return ap.parse_args(argv)
+
+
+def restore_length(lane: LaneState, length: int) -> None:
+    """Cut a lane's caches back to `length` tokens (its recurrent states keep the rows: timing only)."""
+    lane.length = length
+    for cache in lane.attention.values():
+        cache.length = min(cache.length, length)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model, device=device, dtype="bfloat16", tp=TensorParallel(rank, 2), load_format="dummy", kernels="on"
     )
     kernel_path.lane_pool(model, slots=max(LANES), context=1024)
-    graphs = kernel_path.enable_graphs(model, {"trunk": max(LANES)})
-    rows, vocab = [], model.cfg.vocab_size
+    graphs = kernel_path.enable_graphs(model, {"trunk": max(LANES), "verify": WINDOW})
+    rows, rows_report, vocab = [], [], model.cfg.vocab_size
     for count in LANES:
         lanes = [model.new_lane() for _ in range(count)]
         for lane in lanes:  # a short prompt each, within the graphs' buckets
@@ -79,6 +89,20 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))
+    for rows in range(1, WINDOW + 1):  # one lane's verify round with 0..3 drafts: every row's state kept
+        times = []
+        for i in range(args.rounds + 3):
+            batch = decode_batch(lanes, rows, vocab)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(batch, snapshot_rows={0: range(rows)})
+            torch.cuda.synchronize()
+            restore_length(lanes[0], lanes[0].length - rows)
+            if i >= 3:
+                times.append((time.perf_counter() - start) * 1e3)
+        rows_report.append({"drafts": rows - 1, "verify_wall_ms": statistics.median(times)})
+        if rank == 0:
+            print(json.dumps(rows_report[-1]), flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             model(decode_batch(lanes, 1, vocab))
@@ -87,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
         (args.out / "step_profile.txt").write_text(table)
-        report = {"rows": rows, "profiled_rounds": 5}
+        report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5}
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
         print(table[:9000])
     dist.barrier()
