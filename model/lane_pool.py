@@ -100,7 +100,11 @@ class LanePool:
         lane.slot = slot
         self._bind(lane)
         self.lanes[slot] = lane
-        weakref.finalize(lane, self.free.append, slot)
+        weakref.finalize(lane, self._release, slot)
+
+    def _release(self, slot: int) -> None:
+        """A collected lane's slot is free again."""
+        self.free.append(slot)
 
     def _bind(self, lane: LaneState) -> None:
         """Point a placed lane's states at its slot."""

@@ -151,6 +151,20 @@ def test_a_grown_pool_keeps_every_lane_and_stops_replaying(path, eager) -> None:
     assert_same_lanes(lanes, eager_lanes)
 
 
+def test_a_lane_collected_after_the_pool_grew_gives_its_slot_back(path) -> None:
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    pool = kernel_path.lane_pool(model, slots=1, context=16)
+    first = model.new_lane()
+    model(single_lane_batch(first, torch.tensor(PROMPTS[1]), 0))
+    second = model.new_lane()
+    model(single_lane_batch(second, torch.tensor(PROMPTS[1]), 0))  # no free slot: the pool grows
+    assert pool.generation == 1 and first.slot != second.slot
+    slot = first.slot
+    del first
+    gc.collect()
+    assert slot in pool.free
+
+
 def test_a_freed_slot_serves_a_new_lane_as_if_fresh(path, eager) -> None:
     model = load_model(path, dtype="bfloat16", kernels="on")
     pool = kernel_path.lane_pool(model, slots=1, context=16)
