@@ -21,7 +21,6 @@ from model.lane_pool import LanePool
 
 # (round, token ids, hidden rows or None) -> (logits, pre-mixer wide states)
 Body = Callable[[Round, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
-KINDS = ("trunk", "verify", "mtp")
 
 
 def buckets_for(max_rows: int) -> tuple[int, ...]:
