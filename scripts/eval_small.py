@@ -1,5 +1,6 @@
 """Evaluate a small trained Flash Next: held-out loss and accuracy through our own forward, and through a running
-server the MTP acceptance per draft position and drafted against `"draft": false` speed.
+server the MTP acceptance per draft position and drafted against `"draft": false` speed (with, per stream count,
+whether every output equals the first stream count's: concurrent = solo).
 
 python scripts/eval_small.py offline --data build/small/data --model model/checkpoints/flashnext-small
 python scripts/eval_small.py serve --data build/small/data --base-url http://127.0.0.1:8000 --streams 1,8
@@ -184,11 +185,13 @@ def serve(args: argparse.Namespace) -> dict[str, Any]:
             }
             print(split, json.dumps(report[split]), flush=True)
         bodies = request_bodies(args, "eval_code", tokenizer)
-        speed = []
+        speed, solo = [], {}
         for streams in args.streams:
             for draft in (False, True):
                 level = run_level(client, base, bodies, streams, draft)
+                solo.setdefault(draft, level["shas"])  # the first level's outputs, every level compared with them
                 speed.append({k: v for k, v in level.items() if k != "shas"})
+                speed[-1]["equals_first_level"] = level["shas"] == solo[draft]
                 print(json.dumps(speed[-1]), flush=True)
         report["speed"] = speed
     return report

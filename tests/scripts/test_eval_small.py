@@ -104,3 +104,4 @@ def test_offline_and_serve_reports(checkpoint, data, tmp_path):
         assert report[split]["draft_tokens"] > 0 and report[split]["acceptance_per_position"][0]["drafted"] > 0
     assert [(s["streams"], s["draft"]) for s in report["speed"]] == [(1, False), (1, True), (2, False), (2, True)]
     assert all(s["tokens"] == 12 for s in report["speed"])
+    assert all(s["equals_first_level"] for s in report["speed"])  # 2 concurrent streams = the same requests alone
