@@ -33,20 +33,22 @@ class LanePool:
         if slots < 1 or context < 1:
             raise ValueError(f"a lane pool needs at least one slot and one position, got {slots} and {context}")
         self.slots, self.ratio, self.generation = slots, ratio, 0
-        self.context = -(-context // ratio) * ratio  # whole blocks: a row's block never reaches past its slot
+        self.context = self._whole_blocks(context)
         self._block_keys = block_keys  # by cache key: (raw index keys [B*ratio, Di], first positions [B]) -> [B, Di]
         self.gdn_conv = {i: _slots_of(t, slots) for i, t in template.gdn_conv.items()}
         self.gdn_recurrent = {i: _slots_of(t, slots) for i, t in template.gdn_recurrent.items()}
         self.ple_conv = {i: _slots_of(t, slots) for i, t in template.ple_conv.items()}
-        caches = dict(template.attention)
-        if template.mtp_attention is not None:
-            caches[MTP] = template.mtp_attention
-        self.keys = {i: _rows_of(c.keys, slots, context) for i, c in caches.items()}
-        self.values = {i: _rows_of(c.values, slots, context) for i, c in caches.items()}
-        self.index_keys = {i: _rows_of(c.index_keys, slots, context) for i, c in caches.items()}
+        caches = _caches(template)
+        self.keys = {i: _rows_of(c.keys, slots, self.context) for i, c in caches.items()}
+        self.values = {i: _rows_of(c.values, slots, self.context) for i, c in caches.items()}
+        self.index_keys = {i: _rows_of(c.index_keys, slots, self.context) for i, c in caches.items()}
         self.block_keys = {i: _rows_of(c.index_keys, slots, self.block_capacity) for i, c in caches.items()}
         self.free = list(range(slots - 1, -1, -1))
         self.lanes: weakref.WeakValueDictionary[int, LaneState] = weakref.WeakValueDictionary()
+
+    def _whole_blocks(self, context: int) -> int:
+        """`context` rounded up to whole indexer blocks: a row's block never reaches past its slot."""
+        return -(-context // self.ratio) * self.ratio
 
     @property
     def scratch(self) -> int:
@@ -130,13 +132,13 @@ class LanePool:
     def _grow(self, slots: int, context: int) -> None:
         """Reallocate every tensor for `slots` slots of `context` positions, keeping what the slots hold."""
         old_slots, old_blocks = self.slots, self.block_capacity
-        self.slots, self.context = slots, -(-context // self.ratio) * self.ratio
+        self.slots, self.context = slots, self._whole_blocks(context)
         for group in (self.gdn_conv, self.gdn_recurrent, self.ple_conv):
             for i, t in group.items():
                 group[i] = _resized(t, slots + 1, None, old_slots)
         for group in (self.keys, self.values, self.index_keys):
             for i, t in group.items():
-                group[i] = _resized(t, slots + 1, context, old_slots)
+                group[i] = _resized(t, slots + 1, self.context, old_slots)
         for i, t in self.block_keys.items():
             self.block_keys[i] = _resized(t, slots + 1, self.block_capacity, old_slots, old_blocks - 1)
         self.free = list(range(slots - 1, old_slots - 1, -1)) + self.free

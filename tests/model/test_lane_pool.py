@@ -185,6 +185,6 @@ def test_a_slot_takes_the_bytes_the_server_plans_for(path) -> None:
     from model.state import slot_state_bytes
 
     model = load_model(path, dtype="bfloat16", kernels="on")
-    pool = kernel_path.lane_pool(model, slots=3, context=40)
+    pool = kernel_path.lane_pool(model, slots=3, context=41)  # rounded up to whole blocks, tensors included
     ratio = model.cfg.indexer_compress_ratio
     assert pool.nbytes() == 4 * slot_state_bytes(model.new_lane(), pool.context, ratio)  # 3 slots and the scratch
