@@ -109,10 +109,7 @@ def build_round(
     """The round's rows as the kernels take them (the lanes placed in the pool), keeping the states after
     `keep_rows` (batch row indices, ascending)."""
     device = batch.token_ids.device
-    lengths = torch.tensor([seg.length for seg in batch.segments])
-    lane_of_row = torch.repeat_interleave(torch.arange(len(batch.segments)), lengths).to(device)
-    slot_of_row = row_slots(batch)
-    windows = None if ngram_size is None else ngram_windows(batch, lane_of_row, ngram_size)
+    windows = None if ngram_size is None else ngram_windows(batch, ngram_size)
     ratio = pool.ratio
     completing = [
         (seg.start + p - first, p // ratio)
@@ -123,11 +120,23 @@ def build_round(
     block_rows = torch.tensor([r for r, _ in completing], dtype=torch.long, device=device)
     block_dest = torch.tensor([b for _, b in completing], dtype=torch.long, device=device)
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
-    return Round(pool, slot_of_row.to(device), batch.positions, windows, block_rows, block_dest, kept)
+    return Round(pool, row_slots(batch).to(device), batch.positions, windows, block_rows, block_dest, kept)
 
 
-def ngram_windows(batch: ForwardBatch, lane_of_row: torch.Tensor, n: int) -> torch.Tensor:
+def per_row(batch: ForwardBatch, values: list[int]) -> torch.Tensor:
+    """Each segment's value repeated for each of its rows (on the host)."""
+    lengths = torch.tensor([seg.length for seg in batch.segments])
+    return torch.repeat_interleave(torch.tensor(values), lengths)
+
+
+def row_slots(batch: ForwardBatch) -> torch.Tensor:
+    """Each row's lane-pool slot (on the host)."""
+    return per_row(batch, [seg.lane.slot for seg in batch.segments])
+
+
+def ngram_windows(batch: ForwardBatch, n: int) -> torch.Tensor:
     """Each row's last n tokens [N, n], oldest first: its lane's n-gram history, then the segment's rows."""
+    lane_of_row = per_row(batch, list(range(len(batch.segments)))).to(batch.token_ids.device)
     parts = [t for seg in batch.segments for t in (seg.lane.ngram_history.long(), batch.token_ids[seg.rows].long())]
     flat = torch.cat(parts)
     rows = torch.arange(batch.token_ids.shape[0], device=flat.device)
@@ -143,8 +152,8 @@ def snapshots(
     n-gram windows."""
     kept, out = rnd.kept, {}
     firsts = [seg.start for seg in batch.segments]
-    for k, row in enumerate(rows):
-        k = row if by_row else k
+    for order, row in enumerate(rows):
+        k = row if by_row else order
         index = bisect.bisect_right(firsts, row) - 1
         offset = row - firsts[index]
         out.setdefault(index, {})[offset] = LaneSnapshot(
@@ -211,21 +220,15 @@ def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGr
     return graphs
 
 
-def row_slots(batch: ForwardBatch) -> torch.Tensor:
-    """Each row's lane-pool slot (on the host)."""
-    lengths = torch.tensor([seg.length for seg in batch.segments])
-    return torch.repeat_interleave(torch.tensor([seg.lane.slot for seg in batch.segments]), lengths)
-
-
 def forward(
     model: FlashNextModel,
     batch: ForwardBatch,
     logit_rows: torch.Tensor | None,
     snapshot_rows: Mapping[int, Collection[int]],
 ) -> ForwardOutput:
-    """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once (one decode row
-    per lane replays a captured CUDA graph when the model has them); states are kept only after the rows
-    snapshot (a verify window's rows, a kept prompt boundary)."""
+    """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once (a replay of a
+    captured graph when the model has one for this many rows); states are kept only after the rows snapshot (a
+    verify window's rows, a kept prompt boundary)."""
     keep_rows = sorted(batch.segments[i].start + k for i, offsets in snapshot_rows.items() for k in offsets)
     starts = segment_starts(batch)
     for i, (seg, first) in enumerate(zip(batch.segments, starts, strict=True)):
@@ -235,9 +238,7 @@ def forward(
     graphs, kind = model.round_graphs, "verify" if keep_rows else "trunk"
     replay = graphs is not None and graphs.covers(kind, batch.token_ids.shape[0])
     if replay:
-        lengths = torch.tensor([seg.length for seg in batch.segments])
-        lane_of_row = torch.repeat_interleave(torch.arange(len(batch.segments)), lengths).to(batch.token_ids.device)
-        windows = ngram_windows(batch, lane_of_row, model.cfg.ngram_size)
+        windows = ngram_windows(batch, model.cfg.ngram_size)
         all_logits, wide, rnd = graphs.run(kind, batch.token_ids, batch.positions, row_slots(batch), windows)
     else:
         rnd = build_round(pool, batch, starts, keep_rows or None, ngram_size=model.cfg.ngram_size)

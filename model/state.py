@@ -134,23 +134,10 @@ def restore(lane: LaneState, snap: LaneSnapshot) -> None:
         cache.length = min(cache.length, snap.length)
 
 
-def lane_state_bytes(cfg, context: int, dtype_bytes: int) -> int:
-    """Memory one lane holds at `context` tokens: QSA keys/values/index keys (trunk and MTP) plus fixed states."""
-    qsa_layers = len(cfg.qsa_layers) + cfg.mtp_num_hidden_layers
-    per_token = qsa_layers * (2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim) * dtype_bytes
-    gdn_layers = len(cfg.layer_types) - len(cfg.qsa_layers)
-    conv_dim = (
-        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    )
-    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    fixed = gdn_layers * (recurrent + (cfg.linear_conv_kernel_dim - 1) * conv_dim * dtype_bytes)
-    fixed += len(cfg.ple_layers) * (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size * cfg.wide_size * dtype_bytes
-    return fixed + context * per_token
-
-
 def slot_state_bytes(template: LaneState, context: int, ratio: int) -> int:
-    """Bytes one lane-pool slot of `context` positions takes, from a fresh lane's tensors (this rank's shapes):
-    fixed states, then per position QSA keys, values and raw index keys, and per block an index key."""
+    """Bytes one lane of `context` positions takes (a lane-pool slot exactly; the reference path keeps no block
+    keys), from a fresh lane's tensors (this rank's shapes): fixed states, then per position QSA keys, values and
+    raw index keys, and per block an index key."""
     fixed = [*template.gdn_conv.values(), *template.gdn_recurrent.values(), *template.ple_conv.values()]
     caches = [c for c in (*template.attention.values(), template.mtp_attention) if c is not None]
     row = sum(t[0].numel() * t.element_size() for c in caches for t in (c.keys, c.values, c.index_keys))

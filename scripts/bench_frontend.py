@@ -39,14 +39,11 @@ sys.path.insert(0, str(ROOT))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from model.config import load_config  # noqa: E402
-from model.parallel import TensorParallel  # noqa: E402
-from model.weights import load_model  # noqa: E402
 from rankwire.header import DrawSpec  # noqa: E402
 from server.cli import build_parser  # noqa: E402
 from server.engine import Engine, Request, Update  # noqa: E402
-from server.ranks import free_port, init_group, rank_env  # noqa: E402
-from server.runner import ModelRunner  # noqa: E402
-from server.serve import connect_ranks, create_state  # noqa: E402
+from server.ranks import free_port, rank_env  # noqa: E402
+from server.serve import connect_ranks, create_state, load_rank  # noqa: E402
 from server.settings import read_environment  # noqa: E402
 from server.tp import LinkedRunner  # noqa: E402
 
@@ -229,19 +226,8 @@ def engine_phase(args: argparse.Namespace) -> dict[str, float]:
     env = read_environment(os.environ)
     ranks = rank_env(serve.tp)
     link = connect_ranks(serve, ranks, env) if ranks.world > 1 else None
-    device = init_group(ranks, serve.device, env.tp_timeout_s)
-    tp = TensorParallel(ranks.rank, ranks.world)
-    model = load_model(
-        serve.model,
-        device=device,
-        dtype=serve.dtype,
-        tp=tp,
-        load_format=serve.load_format,
-        ngram_table=serve.ngram_table,
-        kernels=serve.kernels,
-    )
-    runner = ModelRunner(model, serve.max_lanes)
-    state = create_state(serve, model, LinkedRunner(runner, link) if link else runner)
+    runner = load_rank(serve, ranks, env)
+    state = create_state(serve, runner.model, LinkedRunner(runner, link) if link else runner)
     state.engine.start()
     try:
         for run, prompts in enumerate(workloads(args)):  # the last run is the measured one

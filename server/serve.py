@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from model.parallel import TensorParallel
-from model.state import lane_state_bytes, slot_state_bytes
+from model.state import slot_state_bytes
 from model.weights import load_model, resolve_kernels
 from rankwire.errors import SettingsMismatch
 from rankwire.link import ControlLink
@@ -99,14 +99,12 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
     if args.context is not None and args.context > cfg.max_position_embeddings:
         raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
     free = free_memory(model.device)
-    if not model.kernels:
-        dtype_bytes = torch.finfo(model.dtype).bits // 8
-        lane_bytes = lambda n: lane_state_bytes(cfg, n, dtype_bytes)  # noqa: E731
-        return choose_context(args.context, cfg.max_position_embeddings, lane_bytes, free)
-    from model import kernel_path
-
     template = model.new_lane()
     slot_bytes = lambda n: slot_state_bytes(template, n, cfg.indexer_compress_ratio)  # noqa: E731
+    if not model.kernels:
+        return choose_context(args.context, cfg.max_position_embeddings, slot_bytes, free)
+    from model import kernel_path
+
     context = pool_context(args.context, cfg.max_position_embeddings, slot_bytes, args.max_lanes, free)
     if model.tp.world > 1:  # every rank serves the shortest: a rank whose pool grew mid-serving would leave its graphs
         context = int(model.tp.gather(torch.tensor([context], device=model.device), dim=0).min())
@@ -219,6 +217,22 @@ def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) ->
     return link
 
 
+def load_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> ModelRunner:
+    """Join the process group and build this rank's model (its shard of the weights) and runner from the flags."""
+    device = init_group(ranks, args.device, env.tp_timeout_s)
+    model = load_model(
+        args.model,
+        device=device,
+        dtype=args.dtype,
+        tp=TensorParallel(ranks.rank, ranks.world),
+        load_format=args.load_format,
+        ngram_table=args.ngram_table,
+        kernels=args.kernels,
+    )
+    digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{ranks.rank}.digests"
+    return ModelRunner(model, args.max_lanes, digests)
+
+
 def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     """Serve at tp 1, start both ranks for `--tp 2`, or be one rank under torchrun."""
     try:
@@ -237,19 +251,8 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
         except SettingsMismatch as exc:
             log.error("the ranks disagree: %s", exc)
             return 1
-    device = init_group(ranks, args.device, env.tp_timeout_s)
-    tp = TensorParallel(ranks.rank, ranks.world)
-    model = load_model(
-        args.model,
-        device=device,
-        dtype=args.dtype,
-        tp=tp,
-        load_format=args.load_format,
-        ngram_table=args.ngram_table,
-        kernels=args.kernels,
-    )
-    digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{ranks.rank}.digests"
-    runner = ModelRunner(model, args.max_lanes, digests)
+    runner = load_rank(args, ranks, env)
+    model = runner.model
     if ranks.rank == 1:
         plan_lanes(args, model)  # rank 0 plans in create_state: the same pool, graphs captured in the same order
         return follow(link, runner)

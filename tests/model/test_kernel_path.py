@@ -198,8 +198,7 @@ def test_ngram_rows_of_windows_equal_the_reference_hash(models) -> None:
     batch = ForwardBatch(
         torch.cat(ids), torch.zeros(8, dtype=torch.long), [Segment(lanes[0], 0, 5), Segment(lanes[1], 5, 3)]
     )
-    lane_of_row = torch.tensor([0] * 5 + [1] * 3)
-    got = ngram_rows(emb, kernel_path.ngram_windows(batch, lane_of_row, ker.cfg.ngram_size))
+    got = ngram_rows(emb, kernel_path.ngram_windows(batch, ker.cfg.ngram_size))
     want = torch.cat(
         [
             ngram_row_ids(lane.ngram_history, t, emb.eos, emb.multipliers, emb.moduli, emb.offsets, emb.heads_per_ngram)
