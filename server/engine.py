@@ -155,8 +155,13 @@ class Engine:
                 if self.stopped:
                     return
                 start = time.perf_counter()
+                trace = self.runner.trace
+                trace.start()
                 plan = self._plan()
+                trace.mark("plan")
             self._run(plan)
+            trace.mark("post")
+            trace.write()
             if self.metrics is not None:
                 self.metrics.round_seconds.observe(time.perf_counter() - start)
 

@@ -12,6 +12,7 @@ from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, copy_lane, lane_bytes, restore
 from rankwire.header import LaneOp, LaneOpCode, LaneRows, RoundPlan
+from server.round_trace import RoundTrace
 from server.sampling import sample_token
 
 
@@ -45,11 +46,14 @@ class _MtpRows:
 class ModelRunner:
     """Executes a RoundPlan on this rank's model; every rank given the same plan draws the same tokens and drafts."""
 
-    def __init__(self, model: FlashNextModel, max_lanes: int, digests: Path | None = None) -> None:
+    def __init__(
+        self, model: FlashNextModel, max_lanes: int, digests: Path | None = None, trace: RoundTrace | None = None
+    ) -> None:
         self.model = model
         self.slots: list[LaneState | None] = [None] * max_lanes
         self.kept: dict[int, LaneState] = {}
         self.digests = digests  # a file that gets a line per round: a digest of its logits and tokens
+        self.trace = trace or RoundTrace(None)  # its round begins and ends with the caller (engine or follower)
         self.rounds = 0
 
     def kept_bytes(self, handle: int) -> int:
@@ -121,6 +125,8 @@ class ModelRunner:
         for slot in plan.allocate:
             self.slots[slot] = self.model.new_lane()
         self._agree(self._prepare(plan))
+        trace = self.trace
+        trace.mark("prepare")
         if not plan.rows:
             return []
         device = self.model.device
@@ -139,13 +145,17 @@ class ModelRunner:
                 wanted |= set(range(len(rows.token_ids) - 1, len(window) - 1))
             if wanted:
                 snapshot_rows[index] = wanted
+        graphs = self.model.round_graphs
+        replays = dict(graphs.replays) if trace.enabled and graphs is not None else {}
         out = self.model(
             ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             snapshot_rows=snapshot_rows,
         )
+        trace.mark("forward")
         results, mtp_rows, next_logit = [], [], 0
         draws = self._draw(plan.rows, out.logits)
+        trace.mark("draw")
         for index, (rows, seg) in enumerate(zip(plan.rows, segments, strict=True)):
             kept = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
             if rows.draw is not None:
@@ -156,11 +166,16 @@ class ModelRunner:
             if rows.draft_depth:
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
             results.append(LaneResult(tokens=tuple(kept)))
+        trace.mark("verify")
         if mtp_rows:
             drafts = self._draft(plan.rows, mtp_rows)
             results = [
                 LaneResult(r.tokens, drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)
             ]
+            trace.mark("mtp")
+        if trace.enabled:
+            ran = {k: n - replays.get(k, 0) for k, n in graphs.replays.items()} if graphs is not None else {}
+            trace.note(lanes=len(plan.rows), rows=len(tokens), replays={k: n for k, n in ran.items() if n})
         if self.digests is not None:
             self._write_digest(out.logits, results)
         by_slot = {rows.slot: index for index, rows in enumerate(plan.rows)}

@@ -25,6 +25,7 @@ from server.engine import Engine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
 from server.ranks import RankEnv, init_group, launch, rank_env
+from server.round_trace import RoundTrace
 from server.runner import ModelRunner
 from server.settings import EnvSettings, read_environment
 from server.tokenizer import eos_token_ids, load_tokenizer
@@ -229,8 +230,14 @@ def load_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> Mod
         ngram_table=args.ngram_table,
         kernels=args.kernels,
     )
-    digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{ranks.rank}.digests"
-    return ModelRunner(model, args.max_lanes, digests)
+    return rank_runner(model, args.max_lanes, ranks.rank, env)
+
+
+def rank_runner(model, max_lanes: int, rank: int, env: EnvSettings) -> ModelRunner:
+    """This rank's runner, writing the round digests and trace the environment asks for into rank{r}.* files."""
+    digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{rank}.digests"
+    trace = RoundTrace(None if env.round_trace is None else Path(env.round_trace) / f"rank{rank}.trace")
+    return ModelRunner(model, max_lanes, digests, trace)
 
 
 def run_serve(args: argparse.Namespace, argv: list[str]) -> int:

@@ -25,6 +25,7 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
     "FLASHNEXT_LINK_PORT": (_port, "the control link's port on rank 0 (default: MASTER_PORT + 1)"),
     "FLASHNEXT_TP_TIMEOUT_S": (_seconds, "seconds a collective may take before the ranks give up (default 60)"),
     "FLASHNEXT_ROUND_DIGESTS": (str, "a folder where each rank writes a digest of every round's logits and tokens"),
+    "FLASHNEXT_ROUND_TRACE": (str, "a folder where each rank writes every round's phase timings (JSON lines)"),
 }
 
 
@@ -36,6 +37,7 @@ class EnvSettings:
     link_port: int | None = None
     tp_timeout_s: float = 60.0
     round_digests: str | None = None
+    round_trace: str | None = None
 
 
 def read_environment(environ: Mapping[str, str]) -> EnvSettings:
@@ -56,4 +58,5 @@ def read_environment(environ: Mapping[str, str]) -> EnvSettings:
         link_port=values.get("FLASHNEXT_LINK_PORT"),
         tp_timeout_s=values.get("FLASHNEXT_TP_TIMEOUT_S", 60.0),
         round_digests=values.get("FLASHNEXT_ROUND_DIGESTS"),
+        round_trace=values.get("FLASHNEXT_ROUND_TRACE"),
     )

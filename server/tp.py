@@ -10,6 +10,7 @@ from collections.abc import Callable
 from rankwire.errors import LinkError, PeerFailed, PeerGone
 from rankwire.header import RoundKind, RoundPlan
 from rankwire.link import ControlLink
+from server.round_trace import RoundTrace
 from server.runner import LaneResult, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,17 @@ class LinkedRunner:
     def can_draft(self) -> bool:
         return self.runner.can_draft
 
+    @property
+    def trace(self) -> RoundTrace:
+        return self.runner.trace
+
     def kept_bytes(self, handle: int) -> int:
         return self.runner.kept_bytes(handle)
 
     def execute(self, plan: RoundPlan) -> list[LaneResult]:
         with self.lock:
             self.link.send_header(plan)
+        self.runner.trace.mark("link")
         return self.runner.execute(plan)
 
     def close(self) -> None:
@@ -55,7 +61,9 @@ def watch_peer(link: ControlLink, on_gone: Callable[[str], None], stop: threadin
 
 def follow(link: ControlLink, runner: ModelRunner) -> int:
     """Rank 1: run every plan rank 0 sends until STOP (exit 0) or rank 0 goes away (exit 1)."""
+    trace = runner.trace
     while True:
+        trace.start()
         try:
             plan = link.recv_header()
         except PeerGone:
@@ -67,8 +75,10 @@ def follow(link: ControlLink, runner: ModelRunner) -> int:
         if plan.kind is RoundKind.STOP:
             log.info("rank 0 asked to stop")
             return 0
+        trace.mark("wait")
         try:
             runner.execute(plan)
+            trace.write()
         except Exception as exc:
             log.exception("round failed on rank 1")
             with contextlib.suppress(OSError):

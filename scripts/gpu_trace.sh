@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Where a served round's time goes, on the 2xH200 machine in one call: serve the real shapes at --tp 2 (dummy
+# weights, CUDA graphs, 64 lanes, prompt cache off) with FLASHNEXT_ROUND_TRACE, decode at 1, 4, 8 and 64 streams
+# without drafts and at 1 stream with drafts, and summarise both ranks' round phases; then serve the shipped model
+# at --tp 2 and check drafted = undrafted and concurrent = solo (eval_small) with the ranks' round digests compared.
+# Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_trace.sh  # logs under $OUT
+set -u
+: "${OUT:?set OUT to the folder for logs}"
+source scripts/gpu_serve.sh
+start=$(date +%s)
+since() { echo "at $(( $(date +%s) - start )) s"; }
+git log --oneline -1 2>/dev/null || true
+
+trace=$OUT/trace
+mkdir -p "$trace"
+port=8500
+url=http://127.0.0.1:$port
+up=0
+FLASHNEXT_ROUND_TRACE=$trace serve_until_up "${SERVE_S:-330}" $port "$OUT/serve_real.log" configs/qwen3.8-flash-next \
+  --load-format dummy --tp 2 --device cuda --max-lanes 64 --drafts 3 --prompt-cache-gib 0 ${SERVE_ARGS:-} && up=1
+echo "real server up=$up $(since)"
+grep "lane pool\|CUDA graphs" "$OUT/serve_real.log" | head -3
+if [ $up = 1 ]; then
+  conc() {  # name, then bench_concurrent flags
+    local name=$1; shift
+    timeout 120 python3 scripts/bench_concurrent.py --base-url $url --random-prompt 128 --vocab 200000 --reps 1 \
+      --temperatures 0 --json "$@" > "$OUT/$name.out" 2>&1
+    echo "== $name rc=$? $(since)"
+    grep -v "^{\|  stream" "$OUT/$name.out" | tail -6
+  }
+  conc warm --levels 1 --tokens 8 --drafts both
+  for n in 1 4 8 64; do
+    : > "$trace/rank0.trace"; : > "$trace/rank1.trace"
+    conc "off_$n" --levels $n --tokens ${TOKENS:-64} --drafts off
+    for r in 0 1; do
+      cp "$trace/rank$r.trace" "$trace/off_${n}_rank$r.trace"
+      echo "-- rank $r, $n streams:"; python3 scripts/trace_summary.py "$trace/rank$r.trace" --min-rounds 3 | head -5
+    done
+  done
+  : > "$trace/rank0.trace"; : > "$trace/rank1.trace"
+  conc on_1 --levels 1 --tokens ${TOKENS:-64} --drafts on
+  cp "$trace/rank0.trace" "$trace/on_1_rank0.trace"
+  echo "-- rank 0, 1 stream drafted:"; python3 scripts/trace_summary.py "$trace/rank0.trace" --min-rounds 2 | head -8
+  curl -s $url/metrics | grep -E "^flashnext:(round_seconds_(sum|count)|spec_decode_num)" > "$OUT/metrics.txt"
+fi
+stop_server
+grep -i "error\|Traceback" "$OUT/serve_real.log" | head -5
+
+digests=$(mktemp -d)
+port=8501
+up=0
+FLASHNEXT_ROUND_DIGESTS=$digests serve_until_up 240 $port "$OUT/serve_small.log" --tp 2 --device cuda \
+  --cuda-graphs on --drafter mtp && up=1
+echo "small server up=$up $(since)"
+if [ $up = 1 ]; then
+  timeout 180 python3 scripts/eval_small.py serve --data build/small/data --base-url "http://127.0.0.1:$port" \
+    --prompts 6 --tokens 48 --streams 1,8 --json "$OUT/eval_small.json" 2>&1 | tail -8
+  echo "eval rc=${PIPESTATUS[0]} $(since)"
+fi
+stop_server
+echo "rounds digested: rank0 $(wc -l < "$digests/rank0.digests") rank1 $(wc -l < "$digests/rank1.digests")"
+cmp "$digests/rank0.digests" "$digests/rank1.digests" && echo "ranks identical: yes" || echo "ranks identical: NO"
+tar czf "$OUT/trace.tgz" -C "$OUT" trace
+rm -rf "$trace"

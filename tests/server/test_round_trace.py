@@ -1,0 +1,63 @@
+"""FLASHNEXT_ROUND_TRACE: each round's phases go to the rank's trace file, and trace_summary groups them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from model.weights import load_model
+from rankwire.header import DrawSpec
+from server.engine import Engine, Request
+from server.serve import rank_runner
+from server.settings import read_environment
+from tests.server.engine_harness import Outcome
+from tests.tiny import checkpoint
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "trace_summary.py"
+spec = importlib.util.spec_from_file_location("trace_summary", SCRIPT)
+assert spec is not None and spec.loader is not None
+summary = importlib.util.module_from_spec(spec)
+sys.modules["trace_summary"] = summary
+spec.loader.exec_module(summary)
+
+
+def test_every_round_writes_its_rows_and_phases(tmp_path):
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    env = read_environment({"FLASHNEXT_ROUND_TRACE": str(tmp_path)})
+    engine = Engine(rank_runner(model, 1, 0, env), context=256, prompt_budget=4)
+    outcome = Outcome()
+    engine.start()
+    try:
+        engine.submit(Request("r", [5, 9, 14, 3, 22, 8], 3, DrawSpec(0.0, 0, 1.0, 0.0, 1), frozenset(), outcome.sink))
+        assert outcome.done.wait(120)
+    finally:
+        engine.stop()
+    lines = [json.loads(t) for t in (tmp_path / "rank0.trace").read_text().splitlines()]
+    with_rows = [line for line in lines if line.get("rows")]
+    # two prompt rounds of 4 and 2 rows, then one decode row a round for the 2 tokens after the first
+    assert [line["rows"] for line in with_rows] == [4, 2, 1, 1]
+    for line in with_rows:
+        assert {"plan", "prepare", "forward", "draw", "verify", "post"} <= line["phases"].keys()
+        assert all(seconds >= 0 for seconds in line["phases"].values())
+        assert line["replays"] == {}  # no graphs: every forward ran eagerly
+
+
+def test_summary_groups_rounds_by_rows_and_graphs():
+    lines = [
+        {"lanes": 1, "rows": 1, "replays": {"trunk": 1}, "phases": {"forward": 0.001, "draw": 0.010}},
+        {"lanes": 1, "rows": 1, "replays": {"trunk": 1}, "phases": {"forward": 0.003, "draw": 0.020}},
+        {"lanes": 1, "rows": 1, "replays": {"trunk": 1}, "phases": {"forward": 0.002, "draw": 0.030}},
+        {"lanes": 2, "rows": 8, "replays": {}, "phases": {"forward": 0.050}},
+    ]
+    entries = summary.summarise(lines)
+    assert [(e["kind"], e["rounds"]) for e in entries] == [
+        ("lanes=1 rows=1 trunk", 3),
+        ("lanes=2 rows=8 eager", 1),
+    ]
+    assert entries[0]["median_ms"] == pytest.approx({"draw": 20.0, "forward": 2.0})
+    assert entries[0]["total_ms"] == pytest.approx(23.0)  # the median round's total, not the sum of medians
+    assert summary.summarise(lines, min_rounds=2) == entries[:1]
