@@ -1,0 +1,204 @@
+"""The RoPE kernel against the model's rope, bit for bit given the same cos/sin tables; its cache writes and
+`scatter_rows` against index_put."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.rope import rope, rope_inv_freq, rope_reference, scatter_rows
+from model.ops import apply_rope, rope_cos_sin
+
+MAX_POSITION = 300_000
+THETA = 10_000_000.0
+SHAPES = [(4, 256, 64), (1, 128, 64), (2, 64, 64), (3, 96, 48), (1, 640, 64)]  # (heads, head dim, rotary dim)
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def rows(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    """Random rows in the given dtype."""
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+def positions_of(n: int, seed: int = 0, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """n positions up to MAX_POSITION, the first MAX_POSITION and the last 0 when there are two or more."""
+    pos = torch.randint(0, MAX_POSITION + 1, (n,), generator=torch.Generator().manual_seed(seed))
+    if n >= 2:
+        pos[0], pos[-1] = MAX_POSITION, 0
+    return pos.to(dtype)
+
+
+def numpy_tables(
+    positions: torch.Tensor, rot: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, rot] as `rope_cos_sin` builds them, but with numpy's fp32 cos/sin (the interpreter's)."""
+    freqs = (positions.float()[:, None] * rope_inv_freq(rot, theta, "cpu")[None, :]).numpy()
+    cos, sin = torch.from_numpy(np.cos(freqs)), torch.from_numpy(np.sin(freqs))
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
+
+
+def check_rope(out: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rot: int, theta: float = THETA) -> None:
+    """out is the model's rope of x: bit for bit given numpy's tables, and given torch's where the two agree;
+    close to it everywhere."""
+    x3, out3 = (x.unsqueeze(1), out.unsqueeze(1)) if x.dim() == 2 else (x, out)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    cos, sin = numpy_tables(positions, rot, theta, x.dtype)
+    assert torch.equal(out3, apply_rope(x3, cos, sin))
+    torch_cos, torch_sin = rope_cos_sin(positions, rot, theta, x.dtype)
+    model = apply_rope(x3, torch_cos, torch_sin)
+    agree = (cos == torch_cos) & (sin == torch_sin)
+    pass_through = torch.ones(x3.shape[0], x3.shape[2] - rot, dtype=torch.bool)
+    agree = torch.cat((agree, pass_through), -1)[:, None, :].expand(x3.shape)
+    assert x3.numel() == 0 or agree.float().mean() > 0.5
+    assert torch.equal(out3[agree], model[agree])
+    tol = 5e-2 if x.dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(out3.float(), model.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("theta", [10_000.0, THETA])
+def test_reference_and_inv_freq_are_the_models(dtype: torch.dtype, theta: float) -> None:
+    x, pos = rows(9, 3, 96, dtype=dtype), positions_of(9)
+    model = apply_rope(x, *rope_cos_sin(pos, 48, theta, dtype))
+    assert torch.equal(rope_reference(x, pos, rope_inv_freq(48, theta, "cpu")), model)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 64])
+@pytest.mark.parametrize(("heads", "dim", "rot"), SHAPES)
+def test_rope_matches_model(n: int, heads: int, dim: int, rot: int, dtype: torch.dtype) -> None:
+    x, pos = rows(n, heads, dim, dtype=dtype), positions_of(n)
+    check_rope(rope(x, pos, rope_inv_freq(rot, THETA, "cpu")), x, pos, rot)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_takes_two_dim_rows_and_int32_positions(dtype: torch.dtype) -> None:
+    x, pos = rows(7, 128, dtype=dtype), positions_of(7, dtype=torch.int32)
+    out = rope(x, pos, rope_inv_freq(64, THETA, "cpu"))
+    check_rope(out, x, pos, 64)
+    assert torch.equal(out, rope(x.unsqueeze(1), pos.long(), rope_inv_freq(64, THETA, "cpu")).squeeze(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_takes_strided_views(dtype: torch.dtype) -> None:
+    inv, pos = rope_inv_freq(64, THETA, "cpu"), positions_of(7)
+    q, _ = rows(7, 4, 2 * 256, dtype=dtype).chunk(2, dim=-1)  # q of a [q | gate] projection
+    index_q, _ = rows(7, 3 * 128 + 128, dtype=dtype).split([3 * 128, 128], dim=-1)  # an indexer [q | raw] projection
+    index_q = index_q.unflatten(-1, (3, 128))
+    heads = rows(7, 6, 128, dtype=dtype)[:, ::2]  # every other head: head stride 2·D
+    for x in (q, index_q, heads):
+        assert not x.is_contiguous()
+        out = rope(x, pos, inv)
+        assert out.is_contiguous() and torch.equal(out, rope(x.contiguous(), pos, inv))
+        check_rope(out, x, pos, 64)
+
+
+def test_rows_identical_across_batch_sizes() -> None:
+    x, pos, inv = rows(9, 4, 256), positions_of(9), rope_inv_freq(64, THETA, "cpu")
+    alone = torch.cat([rope(x[i : i + 1], pos[i : i + 1], inv) for i in range(9)])
+    assert torch.equal(rope(x, pos, inv), alone)
+    assert torch.equal(rope(x[2:7], pos[2:7], inv), alone[2:7])
+
+
+def test_rope_writes_into_out() -> None:
+    x, pos, inv = rows(7, 4, 256), positions_of(7), rope_inv_freq(64, THETA, "cpu")
+    big = torch.full((7, 5, 300), 7.0, dtype=torch.bfloat16)
+    out = big[:, 1:, :256]
+    assert rope(x, pos, inv, out) is out
+    assert torch.equal(out, rope(x, pos, inv))
+    assert (big[:, 0] == 7).all() and (big[:, :, 256:] == 7).all()
+
+
+def cache_rows(n: int, slots: int, context: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct (slot, position) pairs for n rows."""
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randperm(slots * context, generator=g)[:n]
+    return flat // context, flat % context
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_rope_into_cache_is_index_put_of_the_result(n: int, dtype: torch.dtype) -> None:
+    inv, pos = rope_inv_freq(64, THETA, "cpu"), positions_of(n)
+    slot_of_row, index = cache_rows(n, 3, 40)
+    keys = rows(3, 80, 4, 128, dtype=dtype, seed=6)[:, ::2, ::2]  # a strided [slots, context, H, D] view
+    x = rows(n, 4, 128, dtype=dtype)[:, ::2]
+    expected = keys.clone()
+    expected[slot_of_row, index] = apply_rope(x, *numpy_tables(pos, 64, THETA, dtype))
+    dest = keys.clone()
+    assert rope(x, pos, inv, dest=dest, slot_of_row=slot_of_row, dest_index=index) is dest
+    assert torch.equal(dest, expected)
+    assert torch.equal(dest[slot_of_row, index], rope(x, pos, inv))
+
+
+def test_rope_into_cache_at_positions() -> None:
+    inv = rope_inv_freq(64, THETA, "cpu")
+    slot_of_row, pos = cache_rows(9, 4, 50)
+    x = rows(9, 2, 128)
+    cache = rows(4, 50, 2, 128, seed=7)
+    expected = cache.clone()
+    expected[slot_of_row, pos] = rope(x, pos, inv)
+    rope(x, pos, inv, dest=cache, slot_of_row=slot_of_row)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("two_dim", [False, True])
+def test_block_keys_into_a_one_head_cache(two_dim: bool) -> None:
+    inv = rope_inv_freq(64, THETA, "cpu")
+    slots, blocks = cache_rows(5, 3, 12)
+    firsts = blocks * 128  # each block's first position
+    pooled = rows(5, 128) if two_dim else rows(5, 1, 128)
+    block_keys = rows(3, 12, 128, seed=8)
+    expected = block_keys.clone()
+    expected[slots, blocks] = rope(pooled, firsts, inv).view(5, 128)
+    rope(pooled, firsts, inv, dest=block_keys, slot_of_row=slots, dest_index=blocks)
+    assert torch.equal(block_keys, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 7, 64])
+def test_scatter_rows_is_index_put(n: int, dtype: torch.dtype) -> None:
+    slot_of_row, pos = cache_rows(n, 4, 40)
+    v = rows(n, 2, 128, dtype=dtype)
+    raw = rows(n, 3 * 96 + 96, dtype=dtype, seed=2).split([3 * 96, 96], dim=-1)[1]  # strided rows [N, D]
+    for cache, src in ((rows(4, 40, 2, 128, dtype=dtype, seed=3), v), (rows(4, 40, 96, dtype=dtype, seed=4), raw)):
+        expected = cache.clone()
+        expected[slot_of_row, pos] = src
+        scatter_rows(cache, slot_of_row.int(), pos, src)
+        assert torch.equal(cache, expected)
+
+
+def test_rejects_bad_inputs() -> None:
+    x, pos, inv = rows(3, 2, 128), positions_of(3), rope_inv_freq(64, THETA, "cpu")
+    cache, slot = rows(2, 10, 2, 128), torch.tensor([0, 1, 0])
+    idx = torch.tensor([0, 1, 2])
+    cases = [
+        (ValueError, "rotary_dim", lambda: rope_inv_freq(63, THETA, "cpu")),
+        (ValueError, "x", lambda: rope(x.transpose(1, 2), pos, inv)),
+        (ValueError, "x", lambda: rope(x[None], pos, inv)),
+        (TypeError, "x", lambda: rope(x.half(), pos, inv)),
+        (ValueError, "positions", lambda: rope(x, pos[:2], inv)),
+        (TypeError, "positions", lambda: rope(x, pos.float(), inv)),
+        (ValueError, "inv_freq", lambda: rope(x, pos, rope_inv_freq(258, THETA, "cpu"))),
+        (TypeError, "inv_freq", lambda: rope(x, pos, inv.double())),
+        (ValueError, "out", lambda: rope(x, pos, inv, torch.empty(3, 2, 64, dtype=x.dtype))),
+        (ValueError, "out", lambda: rope(x, pos, inv, torch.empty(3, 2, 128), dest=cache, slot_of_row=slot)),
+        (ValueError, "slot_of_row", lambda: rope(x, pos, inv, slot_of_row=slot)),
+        (ValueError, "slot_of_row", lambda: rope(x, idx, inv, dest=cache)),
+        (ValueError, "slot_of_row", lambda: rope(x, idx, inv, dest=cache, slot_of_row=slot[:2])),
+        (ValueError, "dest", lambda: rope(x, idx, inv, dest=cache[:, :, :1], slot_of_row=slot)),
+        (ValueError, "dest", lambda: rope(x, idx, inv, dest=rows(2, 10, 128), slot_of_row=slot)),
+        (TypeError, "dest", lambda: rope(x, idx, inv, dest=cache.float(), slot_of_row=slot)),
+        (ValueError, "dest_index", lambda: rope(x, pos, inv, dest=cache, slot_of_row=slot, dest_index=idx[:1])),
+        (TypeError, "rows", lambda: scatter_rows(cache, slot, idx, x.half())),
+        (ValueError, "positions", lambda: scatter_rows(cache, slot, idx[:2], x)),
+        (TypeError, "slot_of_row", lambda: scatter_rows(cache, slot.float(), idx, x)),
+    ]
+    for error, name, call in cases:
+        with pytest.raises(error, match=name):
+            call()
