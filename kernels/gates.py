@@ -1,0 +1,262 @@
+"""The elementwise gates around the GDN and shared-expert projections, each site in one launch over its elements.
+
+`gdn_gates(b, a, a_log, dt_bias)` gives beta = act_b(1 / (1 + exp(-b))) in b's dtype and
+g = (-exp(a_log)) · softplus(a + dt_bias) in fp32, with softplus(x) = x above 20, else log1p(exp(x)) (exp rounded to
+fp32 before log1p; a_log and dt_bias [H] broadcast over the rows); `silu_mul(gate, up)` gives
+act(act(g / (1 + exp(-g))) · up); `gated_add(routed, gate_logit, shared)` gives
+act(routed + act(act(1 / (1 + exp(-z))) · shared)) with one logit z per row. Every input is widened to fp32, each
+operation runs in fp32 in the order written (divisions correctly rounded, no fused multiply-adds), and `act(·)`
+rounds fp32 to the activation dtype, to nearest even: bf16 in the model (torch's bf16 ops compute in fp32 and round
+once, so these are its bits), nothing for fp32. exp and log1p are libdevice's on the GPU without flushing
+subnormals, as torch's CUDA ops use them; under the interpreter they are numpy's fp64 ones rounded once to fp32
+(correctly rounded), within 1 ulp of torch's CPU ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kernels.hyper import round_to_act
+
+# The interpreter has no libdevice, and its bf16 casts truncate and lose subnormals: there they go through the bits.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _f32(x, INTERPRET: tl.constexpr):
+    """x (bf16 or fp32) in fp32, exactly; a bf16 x is widened on its bits under the interpreter."""
+    if INTERPRET and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> act (bf16 if ACT_BF16, else fp32), to nearest even; under the interpreter bf16 is cut from the bits."""
+    if INTERPRET and ACT_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return round_to_act(x, ACT_BF16, INTERPRET)
+
+
+@triton.jit
+def _round(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """x rounded to act, kept in fp32 for the next operation."""
+    return _f32(_to_act(x, ACT_BF16, INTERPRET), INTERPRET)
+
+
+@triton.jit
+def _exp(x, INTERPRET: tl.constexpr):
+    """exp in fp32: libdevice's expf on the GPU, numpy's fp64 exp rounded once to fp32 under the interpreter."""
+    if INTERPRET:
+        big = x > 88.72283172607422  # the largest fp32 whose exp rounds to a finite fp32
+        e = tl.exp(tl.where(big, 0.0, x).to(tl.float64)).to(tl.float32)
+        return tl.where(big, float("inf"), e)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _sigmoid(x, INTERPRET: tl.constexpr):
+    """1 / (1 + exp(-x)) in fp32, correctly rounded division."""
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, INTERPRET))
+
+
+@triton.jit
+def _softplus(x, INTERPRET: tl.constexpr):
+    """x above 20, else log1p(exp(x)), in fp32 with exp rounded to fp32 first (libdevice's log1p on the GPU)."""
+    if INTERPRET:
+        # log1p(e) = log(u) · e / (u - 1) with u = 1 + e in fp64 cancels u's rounding; then rounded once to fp32
+        e = _exp(tl.where(x > 20.0, 0.0, x), INTERPRET).to(tl.float64)
+        u = 1.0 + e
+        lp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0))).to(tl.float32)
+    else:
+        lp = libdevice.log1p(libdevice.exp(x))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _gdn_gates_kernel(
+    b_ptr,
+    a_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    beta_ptr,
+    g_ptr,
+    total,
+    H,
+    B_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """beta = act_b(sigmoid(b)) and g = (-exp(a_log)) · softplus(a + dt_bias) for BLOCK elements of [N, H]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    head = offs % H
+    b = _f32(tl.load(b_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    tl.store(beta_ptr + offs, _to_act(_sigmoid(b, INTERPRET), B_BF16, INTERPRET), mask=ok)
+    a = _f32(tl.load(a_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    x = a + _f32(tl.load(dt_bias_ptr + head), INTERPRET)
+    decay = -_exp(_f32(tl.load(a_log_ptr + head), INTERPRET), INTERPRET)
+    tl.store(g_ptr + offs, decay * _softplus(x, INTERPRET), mask=ok)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _silu_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, total, ACT_BF16: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr
+):
+    """out = act(act(silu(gate)) · up) for BLOCK elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    g = _f32(tl.load(gate_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    up = _f32(tl.load(up_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
+    tl.store(out_ptr + offs, _to_act(act * up, ACT_BF16, INTERPRET), mask=ok)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _gated_add_kernel(
+    routed_ptr,
+    logit_ptr,
+    shared_ptr,
+    out_ptr,
+    total,
+    D,
+    ACT_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out = act(routed + act(act(sigmoid(logit of the row)) · shared)) for BLOCK elements of [N, D]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    z = _f32(tl.load(logit_ptr + offs // D, mask=ok, other=0.0), INTERPRET)
+    shared = _f32(tl.load(shared_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    routed = _f32(tl.load(routed_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    scaled = _round(_round(_sigmoid(z, INTERPRET), ACT_BF16, INTERPRET) * shared, ACT_BF16, INTERPRET)
+    tl.store(out_ptr + offs, _to_act(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
+
+
+def _check(t: torch.Tensor, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    """Raise TypeError if t's dtype is not in dtypes, ValueError if its shape is not `shape`."""
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+
+
+def _check_rows(t: torch.Tensor, name: str) -> None:
+    """Raise unless t is a bf16 or fp32 [N, C] tensor."""
+    if t.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"{name}: expected bf16 or fp32, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected [N, C], got shape {list(t.shape)}")
+
+
+def _check_device(**tensors: torch.Tensor) -> None:
+    """Raise ValueError unless the tensors share one device."""
+    if len({t.device for t in tensors.values()}) != 1:
+        raise ValueError(f"{', '.join(tensors)} must be on one device")
+
+
+def _check_gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+    """Raise on the dtypes, shapes or devices gdn_gates cannot take."""
+    _check_rows(b, "b")
+    floats = (torch.bfloat16, torch.float32)
+    _check(a, "a", tuple(b.shape), floats)
+    _check(a_log, "a_log", (b.shape[1],), floats)
+    _check(dt_bias, "dt_bias", (b.shape[1],), floats)
+    _check_device(b=b, a=a, a_log=a_log, dt_bias=dt_bias)
+
+
+def gdn_gates(
+    b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta [N, H] in b's dtype, g [N, H] fp32) from the b and a projections [N, H] and a_log, dt_bias [H]."""
+    _check_gdn_gates(b, a, a_log, dt_bias)
+    b, a, a_log, dt_bias = b.contiguous(), a.contiguous(), a_log.contiguous(), dt_bias.contiguous()
+    beta = torch.empty_like(b)
+    g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
+    total = b.numel()
+    if total:
+        _gdn_gates_kernel[(triton.cdiv(total, BLOCK),)](
+            b, a, a_log, dt_bias, beta, g, total, b.shape[1],
+            B_BF16=b.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            enable_fp_fusion=False, enable_reflect_ftz=False,
+        )  # fmt: skip
+    return beta, g
+
+
+def gdn_gates_reference(
+    b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch gdn_gates: the model's `sigmoid(b)` and `-A_log.exp() * softplus(a + dt_bias)`."""
+    _check_gdn_gates(b, a, a_log, dt_bias)
+    beta = (1.0 / (1.0 + torch.exp(-b.float()))).to(b.dtype)
+    x = a.float() + dt_bias.float()
+    return beta, -a_log.float().exp() * torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
+def _check_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """Raise on the dtypes, shapes or devices silu_mul cannot take."""
+    _check_rows(gate, "gate")
+    _check(up, "up", tuple(gate.shape), (gate.dtype,))
+    _check_device(gate=gate, up=up)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for the gate and up projections [N, I], in their dtype."""
+    _check_silu_mul(gate, up)
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    total = gate.numel()
+    if total:
+        _silu_mul_kernel[(triton.cdiv(total, BLOCK),)](
+            gate, up, out, total,
+            ACT_BF16=gate.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            enable_fp_fusion=False, enable_reflect_ftz=False,
+        )  # fmt: skip
+    return out
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch silu_mul: the model's `silu(gate) * up`."""
+    _check_silu_mul(gate, up)
+    gf = gate.float()
+    return (gf / (1.0 + torch.exp(-gf))).to(gate.dtype) * up
+
+
+def _check_gated_add(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> None:
+    """Raise on the dtypes, shapes or devices gated_add cannot take."""
+    _check_rows(routed, "routed")
+    _check(gate_logit, "gate_logit", (routed.shape[0], 1), (routed.dtype,))
+    _check(shared, "shared", tuple(routed.shape), (routed.dtype,))
+    _check_device(routed=routed, gate_logit=gate_logit, shared=shared)
+
+
+def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(gate_logit) · shared for routed, shared [N, D] and the shared-expert gate logits [N, 1]."""
+    _check_gated_add(routed, gate_logit, shared)
+    routed, gate_logit, shared = routed.contiguous(), gate_logit.contiguous(), shared.contiguous()
+    out = torch.empty_like(routed)
+    total = routed.numel()
+    if total:
+        _gated_add_kernel[(triton.cdiv(total, BLOCK),)](
+            routed, gate_logit, shared, out, total, routed.shape[1],
+            ACT_BF16=routed.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            enable_fp_fusion=False, enable_reflect_ftz=False,
+        )  # fmt: skip
+    return out
+
+
+def gated_add_reference(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch gated_add: the model's `routed + sigmoid(gate_logit) * shared`."""
+    _check_gated_add(routed, gate_logit, shared)
+    gate = (1.0 / (1.0 + torch.exp(-gate_logit.float()))).to(gate_logit.dtype)
+    return routed + gate * shared
