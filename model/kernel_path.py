@@ -123,10 +123,12 @@ def build_round(
     return Round(pool, row_slots(batch).to(device), batch.positions, windows, block_rows, block_dest, kept)
 
 
-def per_row(batch: ForwardBatch, values: list[int]) -> torch.Tensor:
-    """Each segment's value repeated for each of its rows (on the host)."""
-    lengths = torch.tensor([seg.length for seg in batch.segments])
-    return torch.repeat_interleave(torch.tensor(values), lengths)
+def per_row(batch: ForwardBatch, values: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """Each segment's value repeated for each of its rows, built in Python (torch's CPU repeat_interleave starts
+    its thread pool for a few lanes: milliseconds a round beside a busy second rank)."""
+    return torch.tensor(
+        [v for seg, v in zip(batch.segments, values, strict=True) for _ in range(seg.length)], device=device
+    )
 
 
 def row_slots(batch: ForwardBatch) -> torch.Tensor:
@@ -136,7 +138,7 @@ def row_slots(batch: ForwardBatch) -> torch.Tensor:
 
 def ngram_windows(batch: ForwardBatch, n: int) -> torch.Tensor:
     """Each row's last n tokens [N, n], oldest first: its lane's n-gram history, then the segment's rows."""
-    lane_of_row = per_row(batch, list(range(len(batch.segments)))).to(batch.token_ids.device)
+    lane_of_row = per_row(batch, list(range(len(batch.segments))), batch.token_ids.device)
     parts = [t for seg in batch.segments for t in (seg.lane.ngram_history.long(), batch.token_ids[seg.rows].long())]
     flat = torch.cat(parts)
     rows = torch.arange(batch.token_ids.shape[0], device=flat.device)
