@@ -1,25 +1,29 @@
 """The decoder layer's sub-blocks on the kernel path: every row of a round at once, through the Triton kernels.
 
 Row reductions run in kernels whose per-row bits do not depend on the batch; what torch does here is elementwise
-(the same per element whatever the batch), gathers and copies. Activations are written as fp32 formulas over exp
-(`sigmoid`, `silu`, `softplus`) rather than torch's own: on the CPU those round differently in the vector body and
-the scalar tail of a tensor, which would tie a row's bits to the batch there too.
+(the same per element whatever the batch), gathers and copies. The GDN gates, the shared expert's activations and
+RoPE with the cache writes are elementwise kernels (one launch each, not a handful of torch ops); the sigmoid left
+here is an fp32 formula over exp rather than torch's own, which on the CPU rounds differently in the vector body and
+the scalar tail of a tensor and would tie a row's bits to the batch there too.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels.conv import causal_conv_update
+from kernels.gates import gated_add, gdn_gates, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.hyper import hc_read, hc_write
 from kernels.linear import linear
 from kernels.moe import moe_forward
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
+from kernels.rope import rope, rope_inv_freq, scatter_rows
 from kernels.router import router_topk
 from model.config import LINEAR
 from model.gdn import GatedDeltaNet
@@ -27,7 +31,6 @@ from model.hyper import GatedResidual, Linear
 from model.lane_pool import MTP, LanePool
 from model.layers import DecoderLayer
 from model.moe import ExpertBank, SparseMoE
-from model.ops import apply_rope, rope_cos_sin
 from model.ple import NGramEmbedding, PLELayer
 from model.qsa import QSAIndexer, QSAttention
 
@@ -63,17 +66,6 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return (1.0 / (1.0 + torch.exp(-x.float()))).to(x.dtype)
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """x / (1 + exp(-x)) in fp32, rounded to x's dtype."""
-    xf = x.float()
-    return (xf / (1.0 + torch.exp(-xf))).to(x.dtype)
-
-
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    """log(1 + exp(x)) in x's dtype, x itself above 20 (torch's threshold)."""
-    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
-
-
 def project(x: torch.Tensor, proj: Linear, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [N, K] · Wᵀ by the linear kernel (fp32 sums in a fixed order, rounded once)."""
     return linear(x, proj.weight, out_dtype)
@@ -97,8 +89,8 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
     routed = moe_forward(x, ids, weights, expert_bank(m.experts))
     s = m.shared_expert
-    shared = project(silu(project(x, s.gate_proj)) * project(x, s.up_proj), s.down_proj)
-    return m.tp.combine(routed + sigmoid(project(x, m.shared_expert_gate)) * shared)
+    shared = project(silu_mul(project(x, s.gate_proj), project(x, s.up_proj)), s.down_proj)
+    return m.tp.combine(gated_add(routed, project(x, m.shared_expert_gate), shared))
 
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
@@ -115,8 +107,7 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     q = q.unflatten(-1, (m.key_heads, m.key_dim))
     k = k.unflatten(-1, (m.key_heads, m.key_dim))
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
-    beta = sigmoid(project(x, m.in_proj_b))
-    g = -m.A_log.float().exp() * softplus(project(x, m.in_proj_a).float() + m.dt_bias.float())
+    beta, g = gdn_gates(project(x, m.in_proj_b), project(x, m.in_proj_a), m.A_log, m.dt_bias)
     out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.slot_of_row, keep_states=keep)
     z = project(x, m.in_proj_z).unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
@@ -126,41 +117,54 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     return m.tp.combine(project(y.view(n, m.v_width), m.out_proj))
 
 
+@functools.cache
+def inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies, made once per shape and device (captured graphs read them in place)."""
+    return rope_inv_freq(rotary_dim, theta, device)
+
+
 def block_keys_of(
-    indexer: QSAIndexer, raw: torch.Tensor, firsts: torch.Tensor, rotary_dim: int, theta: float
+    indexer: QSAIndexer,
+    raw: torch.Tensor,
+    firsts: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The keys [B, Di] of B complete blocks from their raw index keys [B*ratio, Di] and first positions [B]:
-    pooled, normed and RoPE'd."""
+    pooled, normed and RoPE'd; with `into` = (block keys [S, C, Di], slots [B], block indices [B]) written there."""
     pooled = zc_rms_norm(block_mean(raw, indexer.ratio), indexer.k_layernorm.weight, indexer.k_layernorm.eps)
-    cos, sin = rope_cos_sin(firsts, rotary_dim, theta, raw.dtype)
-    return apply_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
+    freqs = inv_freq(rotary_dim, theta, raw.device)
+    if into is None:
+        return rope(pooled, firsts, freqs)
+    dest, slots, index = into
+    return rope(pooled, firsts, freqs, dest=dest, slot_of_row=slots, dest_index=index)
 
 
 def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     """QSA of the layer whose cache key is `key`: rows are written into their slots of the pool's caches, the
     rows that complete a block write its key, then the indexer picks blocks and the attention reads the slots."""
-    positions, idx, pool = rnd.positions, m.indexer, rnd.pool
-    cos, sin = rope_cos_sin(positions, m.rotary_dim, m.theta, x.dtype)
+    positions, idx, pool, slot_of_row = rnd.positions, m.indexer, rnd.pool, rnd.slot_of_row
+    freqs = inv_freq(m.rotary_dim, m.theta, x.device)
     index_q, raw = project(x, idx.index_qk_proj).split([idx.heads * idx.dim, idx.dim], dim=-1)
     index_q = zc_rms_norm(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps)
-    index_q = apply_rope(index_q, cos, sin)
+    index_q = rope(index_q, positions, freqs)
     q, gate = project(x, m.q_proj).unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)
-    q = apply_rope(zc_rms_norm(q, m.q_norm.weight, m.eps), cos, sin)
+    q = rope(zc_rms_norm(q, m.q_norm.weight, m.eps), positions, freqs)
     k = zc_rms_norm(project(x, m.k_proj).unflatten(-1, (m.kv_heads, m.head_dim)), m.k_norm.weight, m.eps)
-    k = apply_rope(k, cos, sin)
     v = project(x, m.v_proj).unflatten(-1, (m.kv_heads, m.head_dim))
     keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
-    keys[rnd.slot_of_row, positions] = k
-    values[rnd.slot_of_row, positions] = v
-    raw_keys[rnd.slot_of_row, positions] = raw
+    rope(k, positions, freqs, dest=keys, slot_of_row=slot_of_row)
+    scatter_rows(values, slot_of_row, positions, v)
+    scatter_rows(raw_keys, slot_of_row, positions, raw)
     if rnd.block_rows.numel():
-        slots = rnd.slot_of_row[rnd.block_rows]
+        slots = slot_of_row[rnd.block_rows]
         firsts = positions[rnd.block_rows] // idx.ratio * idx.ratio
         spans = firsts[:, None] + torch.arange(idx.ratio, device=x.device)
         completed = raw_keys[slots[:, None], spans].flatten(0, 1)
-        block_keys[slots, rnd.block_dest] = block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta)
-    indices, counts = qsa_index(index_q, block_keys, rnd.slot_of_row, positions, idx.ratio, idx.top_blocks)
-    out = qsa_sparse_attention(q, keys, values, rnd.slot_of_row, indices, counts)
+        block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta, into=(block_keys, slots, rnd.block_dest))
+    indices, counts = qsa_index(index_q, block_keys, slot_of_row, positions, idx.ratio, idx.top_blocks)
+    out = qsa_sparse_attention(q, keys, values, slot_of_row, indices, counts)
     n = x.shape[0]
     out = out.reshape(n, -1) * sigmoid(gate.reshape(n, -1))
     return m.tp.combine(project(out, m.o_proj))

@@ -141,13 +141,11 @@ def test_kernels_near_references_with_torch_math(act: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("act", DTYPES)
-def test_references_are_the_model_formulas(act: torch.dtype) -> None:
+def test_references_use_the_kernel_paths_sigmoid(act: torch.dtype) -> None:
     b, a, a_log, dt_bias = gdn_inputs(act, act)
-    beta, g = gdn_gates_reference(b, a, a_log, dt_bias)
+    beta, _ = gdn_gates_reference(b, a, a_log, dt_bias)
     assert_same_bits(beta, kernel_blocks.sigmoid(b))
-    assert_same_bits(g, -a_log.float().exp() * kernel_blocks.softplus(a.float() + dt_bias.float()))
-    gate, up = values(N, D, act, 3), values(N, D, act, 4)
-    assert_same_bits(silu_mul_reference(gate, up), kernel_blocks.silu(gate) * up)
+    up = values(N, D, act, 4)
     routed, logit = values(N, D, act, 5), values(N, 1, act, 6)
     assert_same_bits(gated_add_reference(routed, logit, up), routed + kernel_blocks.sigmoid(logit) * up)
 
