@@ -92,17 +92,20 @@ def _gdn_gates_kernel(
     g_ptr,
     total,
     H,
+    stride_b,
+    stride_a,
     B_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """beta = act_b(sigmoid(b)) and g = (-exp(a_log)) · softplus(a + dt_bias) for BLOCK elements of [N, H]."""
+    """beta = act_b(sigmoid(b)) and g = (-exp(a_log)) · softplus(a + dt_bias) for BLOCK elements of [N, H] (b and a
+    rows at their own strides, the outputs contiguous)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
-    head = offs % H
-    b = _f32(tl.load(b_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    row, head = offs // H, offs % H
+    b = _f32(tl.load(b_ptr + row * stride_b + head, mask=ok, other=0.0), INTERPRET)
     tl.store(beta_ptr + offs, _to_act(_sigmoid(b, INTERPRET), B_BF16, INTERPRET), mask=ok)
-    a = _f32(tl.load(a_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    a = _f32(tl.load(a_ptr + row * stride_a + head, mask=ok, other=0.0), INTERPRET)
     x = a + _f32(tl.load(dt_bias_ptr + head), INTERPRET)
     decay = -_exp(_f32(tl.load(a_log_ptr + head), INTERPRET), INTERPRET)
     tl.store(g_ptr + offs, decay * _softplus(x, INTERPRET), mask=ok)
@@ -110,13 +113,23 @@ def _gdn_gates_kernel(
 
 @triton.jit(do_not_specialize=["total"])
 def _silu_mul_kernel(
-    gate_ptr, up_ptr, out_ptr, total, ACT_BF16: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    total,
+    C,
+    stride_gate,
+    stride_up,
+    ACT_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """out = act(act(silu(gate)) · up) for BLOCK elements."""
+    """out = act(act(silu(gate)) · up) for BLOCK elements of [N, C] (inputs' rows at their own strides)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
-    g = _f32(tl.load(gate_ptr + offs, mask=ok, other=0.0), INTERPRET)
-    up = _f32(tl.load(up_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    row, col = offs // C, offs % C
+    g = _f32(tl.load(gate_ptr + row * stride_gate + col, mask=ok, other=0.0), INTERPRET)
+    up = _f32(tl.load(up_ptr + row * stride_up + col, mask=ok, other=0.0), INTERPRET)
     act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
     tl.store(out_ptr + offs, _to_act(act * up, ACT_BF16, INTERPRET), mask=ok)
 
@@ -129,6 +142,7 @@ def _gated_add_kernel(
     out_ptr,
     total,
     D,
+    stride_logit,
     ACT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -136,7 +150,7 @@ def _gated_add_kernel(
     """out = act(routed + act(act(sigmoid(logit of the row)) · shared)) for BLOCK elements of [N, D]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
-    z = _f32(tl.load(logit_ptr + offs // D, mask=ok, other=0.0), INTERPRET)
+    z = _f32(tl.load(logit_ptr + (offs // D) * stride_logit, mask=ok, other=0.0), INTERPRET)
     shared = _f32(tl.load(shared_ptr + offs, mask=ok, other=0.0), INTERPRET)
     routed = _f32(tl.load(routed_ptr + offs, mask=ok, other=0.0), INTERPRET)
     scaled = _round(_round(_sigmoid(z, INTERPRET), ACT_BF16, INTERPRET) * shared, ACT_BF16, INTERPRET)
@@ -157,6 +171,11 @@ def _check_rows(t: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name}: expected bf16 or fp32, got {t.dtype}")
     if t.dim() != 2:
         raise ValueError(f"{name}: expected [N, C], got shape {list(t.shape)}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its columns are contiguous (its rows may sit at any stride), else a contiguous copy."""
+    return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
 
 def _check_device(**tensors: torch.Tensor) -> None:
@@ -180,13 +199,13 @@ def gdn_gates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(beta [N, H] in b's dtype, g [N, H] fp32) from the b and a projections [N, H] and a_log, dt_bias [H]."""
     _check_gdn_gates(b, a, a_log, dt_bias)
-    b, a, a_log, dt_bias = b.contiguous(), a.contiguous(), a_log.contiguous(), dt_bias.contiguous()
-    beta = torch.empty_like(b)
+    b, a, a_log, dt_bias = _rows(b), _rows(a), a_log.contiguous(), dt_bias.contiguous()
+    beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
     total = b.numel()
     if total:
         _gdn_gates_kernel[(triton.cdiv(total, BLOCK),)](
-            b, a, a_log, dt_bias, beta, g, total, b.shape[1],
+            b, a, a_log, dt_bias, beta, g, total, b.shape[1], b.stride(0), a.stride(0),
             B_BF16=b.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
             enable_fp_fusion=False, enable_reflect_ftz=False,
         )  # fmt: skip
@@ -213,12 +232,12 @@ def _check_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for the gate and up projections [N, I], in their dtype."""
     _check_silu_mul(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    gate, up = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     total = gate.numel()
     if total:
         _silu_mul_kernel[(triton.cdiv(total, BLOCK),)](
-            gate, up, out, total,
+            gate, up, out, total, gate.shape[1], gate.stride(0), up.stride(0),
             ACT_BF16=gate.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
             enable_fp_fusion=False, enable_reflect_ftz=False,
         )  # fmt: skip
@@ -243,12 +262,12 @@ def _check_gated_add(routed: torch.Tensor, gate_logit: torch.Tensor, shared: tor
 def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """routed + sigmoid(gate_logit) · shared for routed, shared [N, D] and the shared-expert gate logits [N, 1]."""
     _check_gated_add(routed, gate_logit, shared)
-    routed, gate_logit, shared = routed.contiguous(), gate_logit.contiguous(), shared.contiguous()
+    routed, gate_logit, shared = routed.contiguous(), _rows(gate_logit), shared.contiguous()
     out = torch.empty_like(routed)
     total = routed.numel()
     if total:
         _gated_add_kernel[(triton.cdiv(total, BLOCK),)](
-            routed, gate_logit, shared, out, total, routed.shape[1],
+            routed, gate_logit, shared, out, total, routed.shape[1], gate_logit.stride(0),
             ACT_BF16=routed.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
             enable_fp_fusion=False, enable_reflect_ftz=False,
         )  # fmt: skip

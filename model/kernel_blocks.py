@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from kernels.conv import causal_conv_update
 from kernels.gates import gated_add, gdn_gates, silu_mul
@@ -27,7 +28,7 @@ from kernels.rope import rope, rope_inv_freq, scatter_rows
 from kernels.router import router_topk
 from model.config import LINEAR
 from model.gdn import GatedDeltaNet
-from model.hyper import GatedResidual, Linear
+from model.hyper import GatedResidual, Linear, set_parameter
 from model.lane_pool import MTP, LanePool
 from model.layers import DecoderLayer
 from model.moe import ExpertBank, SparseMoE
@@ -71,6 +72,25 @@ def project(x: torch.Tensor, proj: Linear, out_dtype: torch.dtype = torch.bfloat
     return linear(x, proj.weight, out_dtype)
 
 
+def fused_weight(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+    """The weights of `owner`'s projections `names` (which share an input) stacked into one [sum of outputs, K], so
+    the kernel path runs them as one linear launch. Made once, outside graph capture; the projections' weights become
+    views of it, so no memory is doubled."""
+    key = "_fused:" + ",".join(names)
+    fused = owner.__dict__.get(key)
+    if fused is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fused weights {names} must exist before a CUDA graph is captured")
+        parts = [owner.get_submodule(name).weight for name in names]
+        fused = torch.cat(parts)
+        start = 0
+        for name, part in zip(names, parts, strict=True):
+            set_parameter(owner, f"{name}.weight", fused[start : start + part.shape[0]])
+            start += part.shape[0]
+        owner.__dict__[key] = fused
+    return fused
+
+
 def hyper_read(hc: GatedResidual, wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The sub-block input and inject weights of a hyper-connection (the final mixer has no inject)."""
     inject = None if hc.block_inject_weight is None else hc.block_inject_weight.weight
@@ -89,8 +109,11 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
     routed = moe_forward(x, ids, weights, expert_bank(m.experts))
     s = m.shared_expert
-    shared = project(silu_mul(project(x, s.gate_proj), project(x, s.up_proj)), s.down_proj)
-    return m.tp.combine(gated_add(routed, project(x, m.shared_expert_gate), shared))
+    fused = linear(x, fused_weight(m, ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")))
+    width = s.gate_proj.weight.shape[0]
+    gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
+    shared = project(silu_mul(gate, up), s.down_proj)
+    return m.tp.combine(gated_add(routed, gate_logit, shared))
 
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
@@ -100,16 +123,16 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     tails, states = rnd.pool.gdn_conv[index], rnd.pool.gdn_recurrent[index]
     keep = rnd.keep_rows is not None
     row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
-    qkv = causal_conv_update(
-        project(x, m.in_proj_qkv), tails, m.conv1d.weight[:, 0], rnd.slot_of_row, row_tails=row_tails
-    )
+    fused = linear(x, fused_weight(m, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
+    mixed, z, b, a = fused.split([2 * m.qk_width + m.v_width, m.v_width, m.value_heads, m.value_heads], dim=-1)
+    qkv = causal_conv_update(mixed, tails, m.conv1d.weight[:, 0], rnd.slot_of_row, row_tails=row_tails)
     q, k, v = qkv.split([m.qk_width, m.qk_width, m.v_width], dim=-1)
     q = q.unflatten(-1, (m.key_heads, m.key_dim))
     k = k.unflatten(-1, (m.key_heads, m.key_dim))
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
-    beta, g = gdn_gates(project(x, m.in_proj_b), project(x, m.in_proj_a), m.A_log, m.dt_bias)
+    beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
     out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.slot_of_row, keep_states=keep)
-    z = project(x, m.in_proj_z).unflatten(-1, (m.value_heads, m.value_dim))
+    z = z.unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
     if keep:  # only the rows asked for outlive the layer
         rnd.kept.gdn_conv[index] = row_tails.index_select(0, rnd.keep_rows)
@@ -146,13 +169,17 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     rows that complete a block write its key, then the indexer picks blocks and the attention reads the slots."""
     positions, idx, pool, slot_of_row = rnd.positions, m.indexer, rnd.pool, rnd.slot_of_row
     freqs = inv_freq(m.rotary_dim, m.theta, x.device)
-    index_q, raw = project(x, idx.index_qk_proj).split([idx.heads * idx.dim, idx.dim], dim=-1)
+    fused = linear(x, fused_weight(m, ("indexer.index_qk_proj", "q_proj", "k_proj", "v_proj")))
+    kv_width = m.kv_heads * m.head_dim
+    index_q, raw, q_gate, k, v = fused.split(
+        [idx.heads * idx.dim, idx.dim, 2 * m.heads * m.head_dim, kv_width, kv_width], dim=-1
+    )
     index_q = zc_rms_norm(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps)
     index_q = rope(index_q, positions, freqs)
-    q, gate = project(x, m.q_proj).unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)
+    q, gate = q_gate.unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)
     q = rope(zc_rms_norm(q, m.q_norm.weight, m.eps), positions, freqs)
-    k = zc_rms_norm(project(x, m.k_proj).unflatten(-1, (m.kv_heads, m.head_dim)), m.k_norm.weight, m.eps)
-    v = project(x, m.v_proj).unflatten(-1, (m.kv_heads, m.head_dim))
+    k = zc_rms_norm(k.unflatten(-1, (m.kv_heads, m.head_dim)), m.k_norm.weight, m.eps)
+    v = v.unflatten(-1, (m.kv_heads, m.head_dim))
     keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
     rope(k, positions, freqs, dest=keys, slot_of_row=slot_of_row)
     scatter_rows(values, slot_of_row, positions, v)

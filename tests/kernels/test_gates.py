@@ -184,6 +184,21 @@ def test_strided_inputs_give_the_contiguous_bits() -> None:
         assert_same_bits(out, ref)
 
 
+def test_row_strided_slices_of_one_projection_give_the_contiguous_bits() -> None:
+    """The kernel path hands the kernels column ranges of one fused projection's output: rows at a wider stride."""
+    fused = values(N, 2 * D + 1, torch.bfloat16, 7)
+    gate, up, logit = fused[:, :D], fused[:, D : 2 * D], fused[:, 2 * D :]
+    assert gate.stride(0) == 2 * D + 1 and logit.stride(0) == 2 * D + 1
+    assert_same_bits(silu_mul(gate, up), silu_mul(gate.contiguous(), up.contiguous()))
+    assert_same_bits(gated_add(up, logit, gate), gated_add(up.contiguous(), logit.contiguous(), gate.contiguous()))
+    _, _, a_log, dt_bias = gdn_inputs(torch.bfloat16, torch.float32)
+    heads = values(N, 3 * H, torch.bfloat16, 8)
+    b, a = heads[:, H : 2 * H], heads[:, 2 * H :]
+    strided, packed = gdn_gates(b, a, a_log, dt_bias), gdn_gates(b.contiguous(), a.contiguous(), a_log, dt_bias)
+    for out, ref in zip(strided, packed, strict=True):
+        assert_same_bits(out, ref)
+
+
 @pytest.mark.parametrize("act", DTYPES)
 def test_zero_rows(act: torch.dtype) -> None:
     empty = torch.empty(0, H, dtype=act)
