@@ -100,8 +100,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--cuda-graphs",
         choices=("auto", "on", "off"),
         default="auto",
-        help="replay decode rounds (one row per lane) from CUDA graphs captured at start per batch bucket; needs "
-        "--kernels on and --device cuda (default auto: on when both hold)",
+        help="replay every round (decode rows, prompt chunks, verify windows, MTP rows) from CUDA graphs captured "
+        "at start per batch bucket; needs --kernels on, --device cuda and --ngram-table device (default auto: on "
+        "when they hold)",
     )
     parser.add_argument(
         "--ngram-table",
