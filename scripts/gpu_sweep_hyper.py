@@ -177,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for hyper_sweep.json")
     parser.add_argument("--rows", nargs="+", type=int, help=f"batch sizes (default: {list(ROWS)})")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, under TRITON_INTERPRET=1")
+    parser.add_argument("--warps", nargs="+", type=int, default=list(WARPS), help="num_warps values to try")
+    parser.add_argument("--stages", nargs="+", type=int, default=list(STAGES), help="num_stages values to try")
     return parser.parse_args(argv)
 
 
@@ -189,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         shape, batches, device, timer, tiles = SMOKE, SMOKE_ROWS, torch.device("cpu"), wall_us, candidates((4,), (1,))
     else:
-        shape, batches, device, timer, tiles = REAL, ROWS, torch.device("cuda"), graph_us, candidates()
+        shape, batches, device, timer, tiles = (
+            REAL,
+            ROWS,
+            torch.device("cuda"),
+            graph_us,
+            candidates(tuple(args.warps), tuple(args.stages)),
+        )
     batches = args.rows or batches
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(0)
