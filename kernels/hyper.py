@@ -18,6 +18,11 @@ Read, three launches, each intermediate with its dtype and rounding:
      inject [N, hc] = act(2 · sigmoid(a_inj / hc)), with silu(v) = v / (1 + exp(-v)), sigmoid(v) = 1 / (1 + exp(-v)).
   3. u = h · W_upᵀ in fp32 (dots over BLOCK_R chunks of r in increasing order), g = sigmoid(u) fp32,
      x [N, d] = act((g_0·normed_0 + g_1·normed_1 + ...) / hc), the stream sum in fp32 in stream order.
+With `ReadTiles.via_linear` (bf16 only, not the default) step 2 runs as three launches instead: the first kernel
+also stores normed [N, hc·d]; the linear kernel forms a and a_inj in one launch over [W_down; W_inject] (a view when
+the inject rows follow the down rows in memory, as the model stacks them), whose K ranges, tiles and range order are
+those above, so the sums have the same bits (checked on the H200 at 1, 4, 64 and 256 rows); `_finish_kernel` forms
+h and inject from them.
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
@@ -34,6 +39,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.counters import CounterPool
+from kernels.linear import linear
 
 # The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
 # and rounding is done on the bits.
@@ -57,6 +63,7 @@ class ReadTiles:
     in_program: bool
     num_warps: int
     num_stages: int
+    via_linear: bool = False  # the down projection (and inject) by the linear kernel over stored normed rows
 
 
 def block_k(d: int) -> int:
@@ -157,8 +164,23 @@ def _normed(
 
 
 @triton.jit
-def _rstd_kernel(wide_ptr, rstd_ptr, D, stride_w, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32, lane sums then one tree sum."""
+def _rstd_kernel(
+    wide_ptr,
+    rstd_ptr,
+    nw_ptr,
+    normed_ptr,
+    D,
+    stride_w,
+    stride_n,
+    eps,
+    HC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32, lane sums then one tree sum; with
+    WRITE_NORMED also stream b of normed = act(x · rstd · (1 + w))."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     base = wide_ptr + row.to(tl.int64) * stride_w + b * D
@@ -168,7 +190,16 @@ def _rstd_kernel(wide_ptr, rstd_ptr, D, stride_w, eps, HC: tl.constexpr, BLOCK_D
         x = tl.load(base + cols, mask=cols < D, other=0.0).to(tl.float32)
         acc += x * x
     mean = tl.div_rn(tl.sum(acc, axis=0), D.to(tl.float32))
-    tl.store(rstd_ptr + row * HC + b, tl.div_rn(1.0, tl.sqrt_rn(mean + eps)))
+    rs = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    tl.store(rstd_ptr + row * HC + b, rs)
+    if WRITE_NORMED:
+        out = normed_ptr + row.to(tl.int64) * stride_n + b * D
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok = cols < D
+            x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(nw_ptr + b * D + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out + cols, round_to_act(x * rs * (1.0 + w), ACT_BF16, INTERPRET), mask=ok)
 
 
 @triton.jit
@@ -466,6 +497,34 @@ def _mix_kernel(
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["total"])
+def _finish_kernel(
+    sums_ptr,
+    h_ptr,
+    inj_ptr,
+    total,
+    R,
+    W,
+    stride_s,
+    HC: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """From the down (and inject) projection's fp32 sums [M, W]: h = act(silu(a / hc)) for the first R columns,
+    inject = act(2·sigmoid(a_inj / hc)) for the rest, as `_finish_down` forms them."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    row, col = offs // W, offs % W
+    a = tl.load(sums_ptr + row * stride_s + col, mask=ok, other=0.0)
+    v = tl.div_rn(a, tl.full(a.shape, HC, tl.float32))
+    is_h = col < R
+    h = tl.div_rn(v, 1.0 + _exp(-v, INTERPRET))
+    tl.store(h_ptr + row * R + col, round_to_act(h, ACT_BF16, INTERPRET), mask=ok & is_h)
+    inj = 2.0 * _sigmoid(v, INTERPRET)
+    tl.store(inj_ptr + row * HC + (col - R), round_to_act(inj, ACT_BF16, INTERPRET), mask=ok & ~is_h)
+
+
 @triton.jit
 def _write_kernel(
     wide_ptr,
@@ -541,6 +600,51 @@ def _check_read(
             raise ValueError(f"{name}: expected dtype in {want_dtype}, got {t.dtype}")
 
 
+def stacked_rows(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
+    """[top; bottom] as one tensor: a view when bottom's rows follow top's in memory (weights stacked once, as the
+    model's are), else a copy."""
+    adjacent = (
+        top.is_contiguous()
+        and bottom.is_contiguous()
+        and top.dtype == bottom.dtype
+        and top.untyped_storage().data_ptr() == bottom.untyped_storage().data_ptr()
+        and bottom.storage_offset() == top.storage_offset() + top.numel()
+    )
+    if adjacent:
+        return top.as_strided((top.shape[0] + bottom.shape[0], top.shape[1]), top.stride())
+    return torch.cat((top, bottom))
+
+
+def _launch_down(
+    wide: torch.Tensor,
+    rstd: torch.Tensor,
+    hc_norm_weight: torch.Tensor,
+    w_down: torch.Tensor,
+    w_inject: torch.Tensor | None,
+    h: torch.Tensor,
+    inject: torch.Tensor | None,
+    tiles: ReadTiles,
+    hc: int,
+) -> None:
+    """The fused norm + down (+ inject) projection kernel: stores h = act(silu(a / hc)) and inject."""
+    n, k = wide.shape
+    d, r, dev, act = k // hc, w_down.shape[0], wide.device, wide.dtype
+    split, k_split = k_ranges(k, d)
+    grid = (triton.cdiv(r, tiles.down_r), triton.cdiv(n, tiles.down_m), 1 if tiles.in_program else split)
+    spread = split > 1 and not tiles.in_program
+    part = torch.empty((split, n, r), dtype=torch.float32, device=dev) if spread else h
+    ipart = torch.empty((split, n, INJECT_BLOCK), dtype=torch.float32, device=dev) if spread else h
+    counters = arrival_counters(dev, grid[0] * grid[1]) if spread else h
+    w_inj = w_inject if w_inject is not None else w_down
+    _down_kernel[grid](
+        wide, rstd, hc_norm_weight, w_down, w_inj, part, ipart, h, inject if inject is not None else h, counters,
+        n, d, r, k_split, wide.stride(0), w_down.stride(0), w_inj.stride(0),
+        HC=hc, SPLIT=split, IN_PROGRAM=tiles.in_program, HAS_INJ=w_inject is not None,
+        ACT_BF16=act == torch.bfloat16, BLOCK_M=tiles.down_m, BLOCK_R=tiles.down_r, BLOCK_K=block_k(d),
+        BLOCK_I=INJECT_BLOCK, INTERPRET=INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
 def launch_read(
     wide: torch.Tensor,
     hc_norm_weight: torch.Tensor,
@@ -561,26 +665,27 @@ def launch_read(
     if n == 0:
         return x, inject
     rstd = torch.empty((n, hc), dtype=torch.float32, device=dev)
-    h = torch.empty((n, r), dtype=act, device=dev)
-    _rstd_kernel[(n, hc)](wide, rstd, d, wide.stride(0), eps, HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)))
-    split, k_split = k_ranges(k, d)
-    grid = (triton.cdiv(r, tiles.down_r), triton.cdiv(n, tiles.down_m), 1 if tiles.in_program else split)
-    spread = split > 1 and not tiles.in_program
-    part = torch.empty((split, n, r), dtype=torch.float32, device=dev) if spread else h
-    ipart = torch.empty((split, n, INJECT_BLOCK), dtype=torch.float32, device=dev) if spread else h
-    counters = arrival_counters(dev, grid[0] * grid[1]) if spread else h
-    w_inj = w_inject if w_inject is not None else w_down
-    _down_kernel[grid](
-        wide, rstd, hc_norm_weight, w_down, w_inj, part, ipart, h, inject if inject is not None else h, counters,
-        n, d, r, k_split, wide.stride(0), w_down.stride(0), w_inj.stride(0),
-        HC=hc, SPLIT=split, IN_PROGRAM=tiles.in_program, HAS_INJ=w_inject is not None,
-        ACT_BF16=act == torch.bfloat16, BLOCK_M=tiles.down_m, BLOCK_R=tiles.down_r, BLOCK_K=block_k(d),
-        BLOCK_I=INJECT_BLOCK, INTERPRET=INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    bf16 = act == torch.bfloat16
+    via_linear = tiles.via_linear and bf16
+    normed = torch.empty((n, k), dtype=act, device=dev) if via_linear else rstd
+    _rstd_kernel[(n, hc)](
+        wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,
+        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear, ACT_BF16=bf16,
+        INTERPRET=INTERPRET,
     )  # fmt: skip
+    h = torch.empty((n, r), dtype=act, device=dev)
+    if via_linear:  # one linear launch over the stacked down and inject weights: fp32 sums [n, r (+ hc)]
+        sums = linear(normed, w_down if w_inject is None else stacked_rows(w_down, w_inject), torch.float32)
+        _finish_kernel[(triton.cdiv(sums.numel(), WRITE_BLOCK),)](
+            sums, h, inject if inject is not None else h, sums.numel(), r, sums.shape[1], sums.stride(0),
+            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET,
+        )  # fmt: skip
+    else:
+        _launch_down(wide, rstd, hc_norm_weight, w_down, w_inject, h, inject, tiles, hc)
     _mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](
         wide, rstd, hc_norm_weight, h, w_up, x, n, d, r, wide.stride(0), w_up.stride(0),
-        HC=hc, ACT_BF16=act == torch.bfloat16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d, BLOCK_R=block_r(r),
-        INTERPRET=INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        HC=hc, ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d, BLOCK_R=block_r(r), INTERPRET=INTERPRET,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return x, inject
 

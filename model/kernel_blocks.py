@@ -93,6 +93,8 @@ def fused_weight(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
 
 def hyper_read(hc: GatedResidual, wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The sub-block input and inject weights of a hyper-connection (the final mixer has no inject)."""
+    if hc.block_inject_weight is not None:  # stored after the down rows, so one linear launch may take both
+        fused_weight(hc, ("input_mix_weight_down", "block_inject_weight"))
     inject = None if hc.block_inject_weight is None else hc.block_inject_weight.weight
     w_down, w_up = hc.input_mix_weight_down.weight, hc.input_mix_weight_up.weight
     return hc_read(wide, hc.hc_norm.weight, w_down, w_up, inject, hc.hc_norm.eps, hc.hc)

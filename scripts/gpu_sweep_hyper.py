@@ -39,7 +39,7 @@ ROWS = (1, 4, 16, 64)
 SMOKE_ROWS = (1, 3)
 SMOKE = Shape(hc=4, d=32, r=32)
 BEST = 5
-KERNELS = {"rstd": "_rstd_kernel", "down": "_down_kernel", "mix": "_mix_kernel"}
+KERNELS = {"rstd": "_rstd_kernel", "down": "_down_kernel", "finish": "_finish_kernel", "mix": "_mix_kernel"}
 # (down_r, in_program, up_d): one down-side and one up-side setting per candidate
 PAIRS = ((16, False, 16), (32, False, 32), (64, False, 64), (32, True, 128))
 WARPS = (2, 4, 8)
@@ -50,9 +50,26 @@ Read = Callable[[Weights, Rows, Shape, ReadTiles], tuple[torch.Tensor, torch.Ten
 Row = dict[str, Any]
 
 
-def candidates(warps: tuple[int, ...] = WARPS, stages: tuple[int, ...] = STAGES) -> list[ReadTiles]:
-    """Every PAIRS setting at every (num_warps, num_stages), with 16-row tiles."""
-    return [ReadTiles(16, dr, 16, ud, ip, w, s) for w, s in itertools.product(warps, stages) for dr, ip, ud in PAIRS]
+def candidates(
+    warps: tuple[int, ...] = WARPS, stages: tuple[int, ...] = STAGES, via_linear: bool = False
+) -> list[ReadTiles]:
+    """Every PAIRS setting at every (num_warps, num_stages), with 16-row tiles; with via_linear also the down
+    projection by the linear kernel under each up-side setting."""
+    grid = list(itertools.product(warps, stages))
+    tiles = [ReadTiles(16, dr, 16, ud, ip, w, s) for w, s in grid for dr, ip, ud in PAIRS]
+    if via_linear:
+        tiles += [ReadTiles(16, 32, 16, ud, False, w, s, True) for w, s in grid for ud in (16, 32)]
+    return tiles
+
+
+def adjacent_inject(w: Weights) -> Weights:
+    """The weights with w_inject's rows stored right after w_down's, as the model stacks them (a read by the
+    linear kernel then takes both in one launch)."""
+    if w.get("w_inject") is None:
+        return w
+    stacked = torch.cat((w["w_down"], w["w_inject"]))
+    r = w["w_down"].shape[0]
+    return {**w, "w_down": stacked[:r], "w_inject": stacked[r:]}
 
 
 def launch(w: Weights, rows: Rows, shape: Shape, tiles: ReadTiles) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,7 +130,7 @@ def measure(
         with recording() as kept:
             for fn in calls:
                 fn()
-        row["kernel_us"] = {name: timer(launches) for name, launches in kept.items()}
+        row["kernel_us"] = {name: timer(launches) for name, launches in kept.items() if launches}
     except Exception as exc:  # a candidate that fails to compile or launch is reported, the sweep goes on
         row["error"] = repr(exc)
     return row
@@ -124,7 +141,10 @@ def sweep(
     copies: int = 1, read: Read = launch,
 ) -> list[Row]:  # fmt: skip
     """One batch size over `copies` fresh input sets: the default tiles first, then each of `tiles` not yet run."""
-    sets = [(make_weights("read", shape, device, gen), make_rows("read", n, shape, device, gen)) for _ in range(copies)]
+    sets = [
+        (adjacent_inject(make_weights("read", shape, device, gen)), make_rows("read", n, shape, device, gen))
+        for _ in range(copies)
+    ]
     ref = call("read", *sets[0], shape)  # hc_read with the default tiles: the bits every candidate must give
     return [measure(n, t, sets, ref, shape, timer, read) for t in dict.fromkeys([read_tiles(n, shape.r), *tiles])]
 
@@ -151,7 +171,7 @@ def describe(row: Row) -> str:
     t = row["tiles"]
     tiles = (
         f"down {t['down_m']}x{t['down_r']}{' in_program' if t['in_program'] else ''} up {t['up_m']}x{t['up_d']} "
-        f"warps {t['num_warps']} stages {t['num_stages']}"
+        f"warps {t['num_warps']} stages {t['num_stages']}{' via linear' if t.get('via_linear') else ''}"
     )
     if row["error"] is not None:
         return f"ERROR {tiles}: {row['error']}"
@@ -167,7 +187,8 @@ def report(n: int, rows: list[Row]) -> list[str]:
     lines = [f"N={n}: {len(rows)} tiles, {failed} failed, {differ} with other bits", f"  default  {describe(default)}"]
     lines += [f"  best {i}   {describe(r)}" for i, r in enumerate(best(rows), 1)]
     for name in ("down", "mix"):
-        lines += [f"  {name:<8} {describe(r)}" for r in best(rows, lambda r, name=name: r["kernel_us"][name], 1)]
+        timed = [r for r in rows if name in (r["kernel_us"] or {})]
+        lines += [f"  {name:<8} {describe(r)}" for r in best(timed, lambda r, name=name: r["kernel_us"][name], 1)]
     return lines
 
 
@@ -179,6 +200,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, under TRITON_INTERPRET=1")
     parser.add_argument("--warps", nargs="+", type=int, default=list(WARPS), help="num_warps values to try")
     parser.add_argument("--stages", nargs="+", type=int, default=list(STAGES), help="num_stages values to try")
+    parser.add_argument("--via-linear", action="store_true", help="also the down projection by the linear kernel")
     return parser.parse_args(argv)
 
 
@@ -196,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             ROWS,
             torch.device("cuda"),
             graph_us,
-            candidates(tuple(args.warps), tuple(args.stages)),
+            candidates(tuple(args.warps), tuple(args.stages), args.via_linear),
         )
     batches = args.rows or batches
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from kernels.hyper import (
     hc_write_reference,
     k_ranges,
     launch_read,
+    stacked_rows,
 )
 from model.hyper import GatedResidual
 
@@ -258,3 +260,26 @@ def test_gpu_script_cpu_parts(tmp_path: Path) -> None:
     assert not script.passed(row) and script.passed({**row, "rel_err": 1e-3})
     assert "ERROR" in script.line({"op": "write", "n": 8, "error": "boom"})
     assert script.main(["--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_read_via_linear_matches_the_fused_down_kernel(inject: bool) -> None:
+    """The down projection by the linear kernel over stored normed rows sums the same K ranges in the same order."""
+    w, wide = weights(4, torch.bfloat16, seed=11), wide_rows(5, 4, torch.bfloat16, seed=12)
+    if inject:  # the model's layout: the inject rows right after the down rows, in one tensor
+        stacked = torch.cat((w["w_down"], w["w_inject"]))
+        w["w_down"], w["w_inject"] = stacked[: w["w_down"].shape[0]], stacked[w["w_down"].shape[0] :]
+        assert stacked_rows(w["w_down"], w["w_inject"]).data_ptr() == stacked.data_ptr()
+    else:
+        w["w_inject"] = None
+    via = dataclasses.replace(TILES[0], via_linear=True)
+    one = [launch_read(wide[i : i + 1], *w.values(), EPS, 4, via) for i in range(5)]
+    x, inj = launch_read(wide, *w.values(), EPS, 4, via)
+    fused_x, fused_inj = launch_read(wide, *w.values(), EPS, 4, TILES[0])
+    assert torch.equal(x, torch.cat([o[0] for o in one]))  # rows alone = in a batch
+    assert rel_err(x, fused_x) <= tol(torch.bfloat16)
+    ref_x, ref_inj = hc_read_reference(wide, *w.values(), EPS, 4)
+    assert rel_err(x, ref_x) <= tol(torch.bfloat16)
+    if inject:
+        assert torch.equal(inj, torch.cat([o[1] for o in one]))
+        assert rel_err(inj, ref_inj) <= tol(torch.bfloat16) and rel_err(inj, fused_inj) <= tol(torch.bfloat16)
