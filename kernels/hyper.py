@@ -21,8 +21,9 @@ Read, three launches, each intermediate with its dtype and rounding:
 With `ReadTiles.via_linear` (bf16 only, not the default) step 2 runs as three launches instead: the first kernel
 also stores normed [N, hc·d]; the linear kernel forms a and a_inj in one launch over [W_down; W_inject] (a view when
 the inject rows follow the down rows in memory, as the model stacks them), whose K ranges, tiles and range order are
-those above, so the sums have the same bits (checked on the H200 at 1, 4, 64 and 256 rows); `_finish_kernel` forms
-h and inject from them.
+those above, so the sums have the same bits (on the H200 a version that formed h in the mix kernel gave x and
+inject bit-identical to the default at 1, 4, 64 and 256 rows); `_finish_kernel` forms h and inject from them (not
+yet run on a GPU).
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
