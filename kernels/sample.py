@@ -24,9 +24,11 @@ How each row stays identical to the one-row call:
 - The uniform is splitmix64 of (seed, position) in 64-bit unsigned integer arithmetic, as `draw_uniform`.
 Greedy rows (temperature 0) take torch's argmax of the fp32 logits (the first maximal id).
 
-Work per call: torch's scaled softmax and stable sort of [N, V], then one program per row whose scan covers the
-row's top_k candidates (all V when top_k is 0: about V / SCAN_BLOCK chunks one after another) into an fp64 scratch
-[N, V]; the searches are O(log V) loads.
+Work per call: torch's scaled softmax and stable sort of the rows that may draw (every row whose temperature is not
+0 when the temperatures are on the host; every row when they are on the device, whose values the host cannot see
+without waiting), then one program per such row whose scan covers the row's top_k candidates (all V when top_k is 0:
+about V / SCAN_BLOCK chunks one after another) into an fp64 scratch [rows, V]; the searches are O(log V) loads. A
+greedy round sorts nothing.
 """
 
 from __future__ import annotations
@@ -286,6 +288,15 @@ def scaled_softmax(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
+def _drawn_rows(temperature: torch.Tensor, n: int, device: torch.device) -> torch.Tensor | None:
+    """Indices on `device` of the rows that may draw (temperature not 0), found without a device sync when the
+    temperatures are on the host (every row otherwise); None when none may."""
+    if temperature.device.type != "cpu":
+        return torch.arange(n, device=device) if n else None
+    rows = torch.nonzero(temperature.to(torch.float64) != 0).flatten()
+    return rows.to(device) if rows.numel() else None
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -311,29 +322,36 @@ def sample_rows(
     valid = (t64 >= 0) & (k64 >= 0) & (p64 > 0) & (p64 <= 1) & (m64 >= 0) & (m64 <= 1)
     valid &= torch.isfinite(x.amax(dim=-1))
     greedy = t64 == 0
+    tokens = torch.where(valid & greedy, torch.argmax(x, dim=-1), -1)
+    drawn = _drawn_rows(temperature, n, dev)
+    if drawn is None:
+        return tokens
+    if drawn.numel() < n:  # each row's softmax and sort are its own: the other rows' absence changes no bits
+        x, t64, k64, p64, m64 = (v.index_select(0, drawn) for v in (x, t64, k64, p64, m64))
+        valid, greedy = valid.index_select(0, drawn), greedy.index_select(0, drawn)
+        seed, position = seed.to(dev).index_select(0, drawn), position.to(dev).index_select(0, drawn)
     sorted_probs, sorted_ids = torch.sort(scaled_softmax(x, t64), dim=-1, descending=True, stable=True)
     mode = torch.where(valid, torch.where(greedy, MODE_GREEDY, MODE_SAMPLE), MODE_INVALID).to(torch.int32)
-    tokens = torch.where(mode == MODE_GREEDY, torch.argmax(x, dim=-1), -1).contiguous()
-    if n:  # a grid of zero programs cannot launch
-        cdf = torch.empty(n, vocab, dtype=torch.float64, device=dev)
-        _sample_kernel[(n,)](
-            sorted_probs,
-            sorted_ids,
-            cdf,
-            mode,
-            k64,
-            p64,
-            m64,
-            seed.to(device=dev, dtype=torch.int64).contiguous(),
-            position.to(device=dev, dtype=torch.int64).contiguous(),
-            tokens,
-            vocab,
-            sorted_probs.stride(0),
-            sorted_ids.stride(0),
-            cdf.stride(0),
-            SAMPLE=MODE_SAMPLE,
-            BLOCK=SCAN_BLOCK,
-            num_warps=SCAN_WARPS,
-            enable_fp_fusion=False,
-        )
-    return tokens
+    picked = tokens if drawn.numel() == n else tokens.index_select(0, drawn)  # the kernel fills the sampled rows
+    cdf = torch.empty(x.shape[0], vocab, dtype=torch.float64, device=dev)
+    _sample_kernel[(x.shape[0],)](
+        sorted_probs,
+        sorted_ids,
+        cdf,
+        mode,
+        k64,
+        p64,
+        m64,
+        seed.to(device=dev, dtype=torch.int64).contiguous(),
+        position.to(device=dev, dtype=torch.int64).contiguous(),
+        picked,
+        vocab,
+        sorted_probs.stride(0),
+        sorted_ids.stride(0),
+        cdf.stride(0),
+        SAMPLE=MODE_SAMPLE,
+        BLOCK=SCAN_BLOCK,
+        num_warps=SCAN_WARPS,
+        enable_fp_fusion=False,
+    )
+    return picked if drawn.numel() == n else tokens.index_copy(0, drawn, picked)

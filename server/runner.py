@@ -219,9 +219,11 @@ class ModelRunner:
         if self.model.kernels:
             from kernels.sample import sample_rows
 
-            floats = _on(logits.device, [[s.temperature, s.top_p, s.min_p] for s, _ in keys], torch.float64)
+            floats = _on(logits.device, [[s.top_p, s.min_p] for s, _ in keys], torch.float64)
             ints = _on(logits.device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
-            tokens = sample_rows(logits, floats[:, 0], ints[:, 0], floats[:, 1], floats[:, 2], ints[:, 1], ints[:, 2])
+            temperature = torch.tensor([s.temperature for s, _ in keys], dtype=torch.float64)  # on the host: greedy
+            # rows then skip the sort
+            tokens = sample_rows(logits, temperature, ints[:, 0], floats[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
             tokens = tokens.tolist()
             if -1 not in tokens:
                 return tokens

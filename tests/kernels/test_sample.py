@@ -189,3 +189,26 @@ def test_refused_rows_give_minus_one() -> None:
     expected = server_tokens(logits, args)
     assert expected[0] >= 0 and expected[1:] == [-1] * 8
     assert sample_rows(logits, *args).tolist() == expected
+
+
+def test_only_rows_that_draw_are_sorted(monkeypatch) -> None:
+    """With the temperatures on the host, greedy rows skip the softmax and sort: a greedy batch sorts nothing, a
+    mixed one sorts only its sampled rows, and every row still equals sample_token's."""
+    sorted_rows: list[int] = []
+    real_sort = torch.sort
+
+    def counting_sort(values, *args, **kwargs):
+        sorted_rows.append(values.shape[0])
+        return real_sort(values, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counting_sort)
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(6, 90, generator=gen) * 3
+    greedy = params(6, gen, ((0.0, 0, 1.0, 0.0),))
+    mixed = params(6, gen, ((0.0, 0, 1.0, 0.0), (0.8, 20, 0.95, 0.05), (0.0, 3, 0.5, 0.2)))
+    expected = server_tokens(logits, greedy), server_tokens(logits, mixed)  # sample_token sorts row by row
+    sorted_rows.clear()
+    assert sample_rows(logits, *greedy).tolist() == expected[0] == logits.argmax(-1).tolist()
+    assert sorted_rows == []
+    assert sample_rows(logits, *mixed).tolist() == expected[1]
+    assert sorted_rows == [2]
