@@ -22,8 +22,11 @@ With `ReadTiles.via_linear` (bf16 only, not the default) step 2 runs as three la
 also stores normed [N, hc·d]; the linear kernel forms a and a_inj in one launch over [W_down; W_inject] (a view when
 the inject rows follow the down rows in memory, as the model stacks them), whose K ranges, tiles and range order are
 those above, so the sums have the same bits (on the H200 a version that formed h in the mix kernel gave x and
-inject bit-identical to the default at 1, 4, 64 and 256 rows); `_finish_kernel` forms h and inject from them (not
-yet run on a GPU).
+inject bit-identical to the default at 1, 4, 64 and 256 rows); `_finish_kernel` forms h and inject from them.
+With `ReadTiles.up_via_linear` (bf16 only, not the default) step 3 runs as two launches over the stored normed rows:
+u = h · W_upᵀ by the linear kernel (K = r in one range of 128-wide tiles: the same chain of 16-deep MMA steps in
+increasing k as the 64-wide chunks above, then zero products past r), and `_gate_mix_kernel` forms x from u and
+normed as step 3 does. Neither via-linear path has run on a GPU in this form.
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
@@ -65,6 +68,7 @@ class ReadTiles:
     num_warps: int
     num_stages: int
     via_linear: bool = False  # the down projection (and inject) by the linear kernel over stored normed rows
+    up_via_linear: bool = False  # the up projection by the linear kernel, then `_gate_mix_kernel` over normed rows
 
 
 def block_k(d: int) -> int:
@@ -526,6 +530,34 @@ def _finish_kernel(
     tl.store(inj_ptr + row * HC + (col - R), round_to_act(inj, ACT_BF16, INTERPRET), mask=ok & ~is_h)
 
 
+@triton.jit(do_not_specialize=["total"])
+def _gate_mix_kernel(
+    u_ptr,
+    normed_ptr,
+    x_ptr,
+    total,
+    D,
+    stride_u,
+    stride_n,
+    HC: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """x = act(Σ_b sigmoid(u_b) · normed_b / hc) from the up projection's fp32 sums u [M, hc·d] and the stored
+    normed rows, streams summed in order from -0.0, as `_mix_kernel` forms it."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    row, col = offs // D, offs % D
+    acc = tl.full((BLOCK,), -0.0, tl.float32)
+    for b in tl.static_range(HC):
+        u = tl.load(u_ptr + row * stride_u + b * D + col, mask=ok, other=0.0)
+        normed = tl.load(normed_ptr + row * stride_n + b * D + col, mask=ok, other=0.0)
+        acc = acc + _sigmoid(u, INTERPRET) * normed.to(tl.float32)
+    x = round_to_act(tl.div_rn(acc, tl.full(acc.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
+    tl.store(x_ptr + row * D + col, x, mask=ok)
+
+
 @triton.jit
 def _write_kernel(
     wide_ptr,
@@ -667,11 +699,11 @@ def launch_read(
         return x, inject
     rstd = torch.empty((n, hc), dtype=torch.float32, device=dev)
     bf16 = act == torch.bfloat16
-    via_linear = tiles.via_linear and bf16
-    normed = torch.empty((n, k), dtype=act, device=dev) if via_linear else rstd
+    via_linear, up_via_linear = tiles.via_linear and bf16, tiles.up_via_linear and bf16
+    normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_via_linear else rstd
     _rstd_kernel[(n, hc)](
         wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,
-        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear, ACT_BF16=bf16,
+        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear or up_via_linear, ACT_BF16=bf16,
         INTERPRET=INTERPRET,
     )  # fmt: skip
     h = torch.empty((n, r), dtype=act, device=dev)
@@ -683,6 +715,13 @@ def launch_read(
         )  # fmt: skip
     else:
         _launch_down(wide, rstd, hc_norm_weight, w_down, w_inject, h, inject, tiles, hc)
+    if up_via_linear:  # u = h · W_upᵀ [n, hc·d] fp32 in one linear launch, then the gated stream mean
+        u = linear(h, w_up, torch.float32)
+        _gate_mix_kernel[(triton.cdiv(n * d, WRITE_BLOCK),)](
+            u, normed, x, n * d, d, u.stride(0), normed.stride(0),
+            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET,
+        )  # fmt: skip
+        return x, inject
     _mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](
         wide, rstd, hc_norm_weight, h, w_up, x, n, d, r, wide.stride(0), w_up.stride(0),
         HC=hc, ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d, BLOCK_R=block_r(r), INTERPRET=INTERPRET,

@@ -33,13 +33,21 @@ from gpu_check_hyper import CALLS, COLD_BYTES, REAL, REPLAYS, Rows, Shape, Weigh
 from gpu_timing import graph_median_us
 
 from kernels import hyper  # importable: gpu_check_hyper puts the repository root on sys.path
+from kernels import linear as linear_module
 from kernels.hyper import ReadTiles, launch_read, read_tiles
 
 ROWS = (1, 4, 16, 64)
 SMOKE_ROWS = (1, 3)
 SMOKE = Shape(hc=4, d=32, r=32)
 BEST = 5
-KERNELS = {"rstd": "_rstd_kernel", "down": "_down_kernel", "finish": "_finish_kernel", "mix": "_mix_kernel"}
+KERNELS = {  # name: (module, kernel attribute) of every launch a read can make
+    "rstd": (hyper, "_rstd_kernel"),
+    "down": (hyper, "_down_kernel"),
+    "linear": (linear_module, "_linear_kernel"),
+    "finish": (hyper, "_finish_kernel"),
+    "mix": (hyper, "_mix_kernel"),
+    "gate_mix": (hyper, "_gate_mix_kernel"),
+}
 # (down_r, in_program, up_d): one down-side and one up-side setting per candidate
 PAIRS = ((16, False, 16), (32, False, 32), (64, False, 64), (32, True, 128))
 WARPS = (2, 4, 8)
@@ -54,11 +62,16 @@ def candidates(
     warps: tuple[int, ...] = WARPS, stages: tuple[int, ...] = STAGES, via_linear: bool = False
 ) -> list[ReadTiles]:
     """Every PAIRS setting at every (num_warps, num_stages), with 16-row tiles; with via_linear also the down
-    projection by the linear kernel under each up-side setting."""
+    projection by the linear kernel under each up-side setting, the up projection by it under each down-side
+    setting, and both by it."""
     grid = list(itertools.product(warps, stages))
     tiles = [ReadTiles(16, dr, 16, ud, ip, w, s) for w, s in grid for dr, ip, ud in PAIRS]
     if via_linear:
         tiles += [ReadTiles(16, 32, 16, ud, False, w, s, True) for w, s in grid for ud in (16, 32)]
+        tiles += [
+            ReadTiles(16, dr, 16, 16, ip, w, s, False, True) for w, s in grid for dr, ip in ((16, False), (32, False))
+        ]
+        tiles += [ReadTiles(16, 32, 16, 16, False, 4, 3, True, True)]
     return tiles
 
 
@@ -109,8 +122,8 @@ def recording() -> Iterator[dict[str, list[Callable[[], object]]]]:
     """Within: every launch of the read kernels is kept, per KERNELS name, as a call replaying it."""
     kept: dict[str, list[Callable[[], object]]] = {name: [] for name in KERNELS}
     with ExitStack() as stack:
-        for name, attr in KERNELS.items():
-            stack.enter_context(mock.patch.object(hyper, attr, _Recorder(getattr(hyper, attr), kept[name])))
+        for name, (module, attr) in KERNELS.items():
+            stack.enter_context(mock.patch.object(module, attr, _Recorder(getattr(module, attr), kept[name])))
         yield kept
 
 
@@ -171,7 +184,8 @@ def describe(row: Row) -> str:
     t = row["tiles"]
     tiles = (
         f"down {t['down_m']}x{t['down_r']}{' in_program' if t['in_program'] else ''} up {t['up_m']}x{t['up_d']} "
-        f"warps {t['num_warps']} stages {t['num_stages']}{' via linear' if t.get('via_linear') else ''}"
+        f"warps {t['num_warps']} stages {t['num_stages']}{' down via linear' if t.get('via_linear') else ''}"
+        f"{' up via linear' if t.get('up_via_linear') else ''}"
     )
     if row["error"] is not None:
         return f"ERROR {tiles}: {row['error']}"
@@ -186,7 +200,7 @@ def report(n: int, rows: list[Row]) -> list[str]:
     differ = sum(r["error"] is None and not identical(r) for r in rows)
     lines = [f"N={n}: {len(rows)} tiles, {failed} failed, {differ} with other bits", f"  default  {describe(default)}"]
     lines += [f"  best {i}   {describe(r)}" for i, r in enumerate(best(rows), 1)]
-    for name in ("down", "mix"):
+    for name in ("down", "linear", "mix", "gate_mix"):
         timed = [r for r in rows if name in (r["kernel_us"] or {})]
         lines += [f"  {name:<8} {describe(r)}" for r in best(timed, lambda r, name=name: r["kernel_us"][name], 1)]
     return lines
@@ -200,7 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, under TRITON_INTERPRET=1")
     parser.add_argument("--warps", nargs="+", type=int, default=list(WARPS), help="num_warps values to try")
     parser.add_argument("--stages", nargs="+", type=int, default=list(STAGES), help="num_stages values to try")
-    parser.add_argument("--via-linear", action="store_true", help="also the down projection by the linear kernel")
+    parser.add_argument("--via-linear", action="store_true", help="also the down and up projections by the linear kernel")
     return parser.parse_args(argv)
 
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
 
+from kernels import hyper
 from kernels.hyper import (
     ReadTiles,
     arrival_counters,
@@ -262,9 +265,11 @@ def test_gpu_script_cpu_parts(tmp_path: Path) -> None:
     assert script.main(["--out", str(tmp_path)]) == 2
 
 
+@pytest.mark.parametrize("down, up", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("inject", [True, False])
-def test_read_via_linear_matches_the_fused_down_kernel(inject: bool) -> None:
-    """The down projection by the linear kernel over stored normed rows sums the same K ranges in the same order."""
+def test_read_via_linear_matches_the_fused_kernels(inject: bool, down: bool, up: bool) -> None:
+    """The down and up projections by the linear kernel over stored normed rows: rows alone equal rows in a batch,
+    and the read equals the fused kernels' and the reference's within bf16 tolerance."""
     w, wide = weights(4, torch.bfloat16, seed=11), wide_rows(5, 4, torch.bfloat16, seed=12)
     if inject:  # the model's layout: the inject rows right after the down rows, in one tensor
         stacked = torch.cat((w["w_down"], w["w_inject"]))
@@ -272,9 +277,13 @@ def test_read_via_linear_matches_the_fused_down_kernel(inject: bool) -> None:
         assert stacked_rows(w["w_down"], w["w_inject"]).data_ptr() == stacked.data_ptr()
     else:
         w["w_inject"] = None
-    via = dataclasses.replace(TILES[0], via_linear=True)
-    one = [launch_read(wide[i : i + 1], *w.values(), EPS, 4, via) for i in range(5)]
-    x, inj = launch_read(wide, *w.values(), EPS, 4, via)
+    via = dataclasses.replace(TILES[0], via_linear=down, up_via_linear=up)
+    skipped = {"_down_kernel": down, "_mix_kernel": up}  # the fused kernels a via-linear path must not launch
+    with ExitStack() as stack:
+        for name in (name for name, skip in skipped.items() if skip):
+            stack.enter_context(mock.patch.object(hyper, name, None))
+        one = [launch_read(wide[i : i + 1], *w.values(), EPS, 4, via) for i in range(5)]
+        x, inj = launch_read(wide, *w.values(), EPS, 4, via)
     fused_x, fused_inj = launch_read(wide, *w.values(), EPS, 4, TILES[0])
     assert torch.equal(x, torch.cat([o[0] for o in one]))  # rows alone = in a batch
     assert rel_err(x, fused_x) <= tol(torch.bfloat16)
