@@ -214,7 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, under TRITON_INTERPRET=1")
     parser.add_argument("--warps", nargs="+", type=int, default=list(WARPS), help="num_warps values to try")
     parser.add_argument("--stages", nargs="+", type=int, default=list(STAGES), help="num_stages values to try")
-    parser.add_argument("--via-linear", action="store_true", help="also the down and up projections by the linear kernel")
+    parser.add_argument("--via-linear", action="store_true", help="also try the linear kernel for both projections")
     return parser.parse_args(argv)
 
 
