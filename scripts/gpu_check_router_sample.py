@@ -50,6 +50,7 @@ MIXES = {
     "temperature": ((1.0, 0, 1.0, 0.0),),
     "top_p": ((1.0, 0, 0.95, 0.0),),
     "typical": ((1.0, 20, 0.95, 0.0),),
+    "greedy": ((0.0, 0, 1.0, 0.0),),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -69,7 +70,8 @@ def sample_cases(smoke: bool) -> list[tuple[int, int, str, str]]:
     if smoke:
         return [(1, 300, "fp32", "mixed"), (7, 300, "bf16", "mixed")]
     cases = [(n, VOCAB, "fp32", mix) for n in SAMPLE_ROWS for mix in ("mixed", "temperature", "typical")]
-    return [*cases, (64, VOCAB, "fp32", "top_p"), (64, VOCAB, "fp32", "all"), (64, VOCAB, "bf16", "mixed")]
+    extra = [(64, VOCAB, "fp32", "top_p"), (64, VOCAB, "fp32", "all"), (64, VOCAB, "bf16", "mixed")]
+    return [*cases, *extra, (1, VOCAB, "fp32", "greedy"), (64, VOCAB, "fp32", "greedy")]
 
 
 def floor_us(num_bytes: int) -> float:
@@ -218,11 +220,20 @@ def run_sample(n: int, vocab: int, dtype: str, mix: str, device: str, gen: torch
         copies = cold_copies(logits)
         t, how = time_us(lambda i: sample_rows(copies[i], *params), len(copies), device)
         sort_t, _ = time_us(lambda i: sorted_probs(copies[i], params[0]), len(copies), device)
+        host = (params[0].cpu(), *params[1:])  # as the runner passes them: greedy rows then skip the sort
+        host_tokens = sample_rows(logits, *host).tolist()
+        host_t, host_how = time_us(lambda i: sample_rows(copies[i], *host), len(copies), device)
         floor = floor_us(logits.numel() * logits.element_size())
         row.update(time_us=t, timing=how, softmax_sort_us=sort_t, floor_us=floor, ratio=t / floor)
+        row.update(host_temperature_us=host_t, host_timing=host_how, host_mismatches=_differ(host_tokens, tokens))
     except Exception as exc:  # a failing case is reported, the run goes on
         row["error"] = f"{exc!r}\n{traceback.format_exc()}"
     return row
+
+
+def _differ(a: list[int], b: list[int]) -> int:
+    """How many positions of two token lists differ."""
+    return sum(x != y for x, y in zip(a, b, strict=True))
 
 
 def passed(row: dict[str, object]) -> bool:
@@ -231,7 +242,7 @@ def passed(row: dict[str, object]) -> bool:
         return False
     if row["kernel"] == "router":
         return row["ids_mismatch"] == 0 and not row["nan"] and float(row["max_abs_err"]) <= WEIGHT_TOL
-    return row["mismatches"] == 0 and bool(row["probs_bits_equal"])
+    return row["mismatches"] == 0 and row.get("host_mismatches", 0) == 0 and bool(row["probs_bits_equal"])
 
 
 def line(row: dict[str, object]) -> str:
@@ -245,6 +256,7 @@ def line(row: dict[str, object]) -> str:
     return (
         f"{shape} time_us={row['time_us']:9.2f} floor_us={row['floor_us']:8.2f} ratio={row['ratio']:7.1f} "
         f"rel_err={row['rel_err']:.2e} row_invariant={row['row_invariant']} pass={passed(row)}"
+        + (f" host_temperature_us={row['host_temperature_us']:.2f}" if "host_temperature_us" in row else "")
     )
 
 
