@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.engine import ContextLengthError, Engine, EngineStopped
-from server.generation import Generation, Outcome
+from server.generation import Generation, Outcome, deliver_on
 from server.metrics import EngineMetrics
 from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
 from server.textout import prompt_opens_thinking
@@ -51,6 +51,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.deliver = deliver_on(asyncio.get_running_loop())
         state.engine.start()
         yield
         state.engine.stop()

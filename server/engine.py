@@ -37,7 +37,7 @@ class Update:
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """A generation request as the engine sees it; `sink` is called on the engine thread and must not block."""
+    """A generation request as the engine sees it; `sink` takes its updates, through the engine's `deliver`."""
 
     request_id: str
     prompt_ids: list[int]
@@ -57,6 +57,15 @@ class Request:
     depth: int = 0  # drafts asked of this lane next round: it adapts to what the lane's windows keep
     history: History | None = None
     last_token_time: float = 0.0
+
+
+Outbox = list[tuple[Request, Update]]
+
+
+def deliver_each(batch: Outbox) -> None:
+    """Hand each update to its request's sink, in order, on the calling thread."""
+    for request, update in batch:
+        request.sink(update)
 
 
 class Engine:
@@ -92,6 +101,9 @@ class Engine:
         self.running: list[Request] = []
         self.aborted: set[str] = set()
         self.to_free: list[int] = []
+        self.outbox: Outbox = []
+        # how a round's updates reach the sinks: all of them in one call (the HTTP side hops to its event loop once)
+        self.deliver: Callable[[Outbox], None] = deliver_each
         self.cond = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -115,9 +127,10 @@ class Engine:
             for request in list(self.running):
                 self._finish(request, Update((), "error", message))
             while self.waiting:
-                self.waiting.popleft().sink(Update((), "error", message))
+                self.outbox.append((self.waiting.popleft(), Update((), "error", message)))
             self.stopped = True
             self.cond.notify()
+        self._flush()
         log.error("stopping: %s", message)
         if self.on_fatal is not None:
             self.on_fatal(message)
@@ -158,8 +171,10 @@ class Engine:
                 trace = self.runner.trace
                 trace.start()
                 plan = self._plan()
-                trace.mark("plan")
+            self._flush()  # aborts finished by the plan
+            trace.mark("plan")
             self._run(plan)
+            self._flush()
             trace.mark("post")
             trace.write()
             if self.metrics is not None:
@@ -282,7 +297,7 @@ class Engine:
                 request.history = History(request.prompt_ids)
             request.history.extend(taken)
             request.drafts = self.drafter.propose(request.history, request.depth, mtp)
-        request.sink(Update(tuple(taken)))
+        self.outbox.append((request, Update(tuple(taken))))
 
     def _adapt_depth(self, request: Request, drafted: int, accepted: int) -> None:
         """One more draft after a window kept whole, one fewer after a window that kept none (at least one, at most
@@ -320,4 +335,11 @@ class Engine:
         self.to_free.append(request.slot)
         if self.metrics is not None:
             self.metrics.finished.labels(finished_reason=update.finish_reason).inc()
-        request.sink(update)
+        self.outbox.append((request, update))
+
+    def _flush(self) -> None:
+        """Deliver the updates gathered so far in one call, outside the lock."""
+        with self.cond:
+            batch, self.outbox = self.outbox, []
+        if batch:
+            self.deliver(batch)

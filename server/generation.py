@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rankwire.header import DrawSpec
-from server.engine import Engine, Request, Update
+from server.engine import Engine, Outbox, Request, Update, deliver_each
 from server.protocol import ApiError, SamplingParams
 from server.sampling import fresh_seed
 from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
 
 THINK_TAGS = ("<think>", "</think>")
+
+
+def deliver_on(loop: asyncio.AbstractEventLoop) -> Callable[[Outbox], None]:
+    """An engine `deliver` that hands each round's updates to `loop` in one wake-up; the sinks run there."""
+    return lambda batch: loop.call_soon_threadsafe(deliver_each, batch)
 
 
 @dataclass(slots=True)
@@ -56,7 +61,6 @@ class Generation:
         self.request_id = uuid.uuid4().hex
         self.seed = params.seed if params.seed is not None else fresh_seed()
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
         draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, self.seed)
         self.request = Request(
@@ -65,7 +69,7 @@ class Generation:
             max_tokens,
             draw,
             stop_ids,
-            sink=lambda update: loop.call_soon_threadsafe(self.queue.put_nowait, update),
+            sink=self.queue.put_nowait,  # runs on the event loop: the app's engine delivers there (`deliver_on`)
             draft=params.draft,
             keep_at=keep_at,
         )

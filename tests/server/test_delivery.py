@@ -1,0 +1,92 @@
+"""A round's updates reach the sinks in one `deliver` call, so the HTTP side wakes once a round, not once a lane."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from model.weights import load_model
+from rankwire.header import DrawSpec
+from server.engine import Engine, Outbox, Request, Update, deliver_each
+from server.generation import deliver_on
+from server.runner import ModelRunner
+from tests.server.engine_harness import Outcome, RecordingRunner
+from tests.tiny import checkpoint
+
+GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
+
+
+def test_each_round_delivers_every_lanes_update_in_one_call(tmp_path) -> None:
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    runner = RecordingRunner(model, 3)
+    engine = Engine(runner, context=256, prompt_budget=64)
+    batches: list[list[str]] = []
+
+    def deliver(batch: Outbox) -> None:
+        batches.append([request.request_id for request, _ in batch])
+        deliver_each(batch)
+
+    engine.deliver = deliver
+    outcomes = [Outcome() for _ in range(3)]
+    engine.start()
+    try:
+        for i, outcome in enumerate(outcomes):
+            engine.submit(Request(f"r{i}", [5, 9, 14, 3], 4, GREEDY, frozenset(), outcome.sink))
+        assert all(outcome.done.wait(120) for outcome in outcomes)
+    finally:
+        engine.stop()
+    assert all(len(outcome.tokens) == 4 and outcome.finish == "length" for outcome in outcomes)
+    assert sum(len(batch) for batch in batches) == 12  # every update went through deliver
+    assert len(batches) <= len(runner.rounds)  # at most one call a round
+    assert ["r0", "r1", "r2"] in batches  # lanes decoding together are delivered together
+
+
+def test_deliver_on_hands_a_batch_to_the_loop_in_one_wake_up() -> None:
+    """Each sink runs on the loop's thread, in order, after one call_soon_threadsafe for the whole batch."""
+    seen: list[tuple[str, int, bool]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wakes = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(*args):
+            nonlocal wakes
+            wakes += 1
+            return real(*args)
+
+        loop.call_soon_threadsafe = counting
+        done = asyncio.Event()
+        loop_thread = threading.current_thread()
+
+        def sink_for(name: str):
+            def sink(update) -> None:
+                seen.append((name, update.token_ids[0], threading.current_thread() is loop_thread))
+                if name == "b" and update.token_ids[0] == 2:
+                    done.set()
+
+            return sink
+
+        requests = {name: Request(name, [1], 2, GREEDY, frozenset(), sink_for(name)) for name in "ab"}
+        batch = [(requests["a"], Update((1,))), (requests["b"], Update((1,))), (requests["b"], Update((2,)))]
+        worker = threading.Thread(target=deliver_on(loop), args=(batch,))
+        worker.start()
+        await asyncio.wait_for(done.wait(), 10)
+        worker.join()
+        assert wakes == 1
+
+    asyncio.run(main())
+    assert seen == [("a", 1, True), ("b", 1, True), ("b", 2, True)]
+
+
+def test_a_failure_reaches_waiting_and_running_requests_through_deliver(tmp_path) -> None:
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    engine = Engine(ModelRunner(model, 1), context=256, prompt_budget=64)
+    batches: list[Outbox] = []
+    engine.deliver = batches.append
+    outcome = Outcome()
+    engine.submit(Request("r", [5, 9], 4, GREEDY, frozenset(), outcome.sink))  # not started: it waits
+    engine.fail("rank 1 went away")
+    assert [[(r.request_id, u.finish_reason, u.error) for r, u in b] for b in batches] == [
+        [("r", "error", "rank 1 went away")]
+    ]
