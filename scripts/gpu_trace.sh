@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Where a served round's time goes, on the 2xH200 machine in one call: serve the real shapes at --tp 2 (dummy
 # weights, CUDA graphs, 64 lanes, prompt cache off) with FLASHNEXT_ROUND_TRACE, decode at 1, 4, 8 and 64 streams
-# without drafts and at 1 stream with drafts, and summarise both ranks' round phases; then serve the shipped model
-# at --tp 2 and check drafted = undrafted and concurrent = solo (eval_small) with the ranks' round digests compared.
+# without drafts and at 1 stream with drafts, and summarise both ranks' round phases, then time cold 1k and 8k
+# prompts (PROMPTS); then serve the shipped model at --tp 2 and check drafted = undrafted and concurrent = solo
+# (eval_small) with the ranks' round digests compared.
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_trace.sh  # logs under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
@@ -42,6 +43,11 @@ if [ $up = 1 ]; then
   cp "$trace/rank0.trace" "$trace/on_1_rank0.trace"
   echo "-- rank 0, 1 stream drafted:"; python3 scripts/trace_summary.py "$trace/rank0.trace" --min-rounds 2 | head -8
   curl -s $url/metrics | grep -E "^flashnext:(round_seconds_(sum|count)|spec_decode_num)" > "$OUT/metrics.txt"
+  for p in ${PROMPTS:-1024 8192}; do  # cold prompts (prompt cache off): the repeat is the second cold pass
+    timeout 150 python3 scripts/bench_cache.py --base-url $url --random-prompt $p --vocab 200000 --tokens 1 \
+      --repeats 1 --streams 0 > "$OUT/prompt_$p.out" 2>&1
+    echo "== prompt $p rc=$? $(since)"; tail -4 "$OUT/prompt_$p.out"
+  done
 fi
 stop_server
 grep -i "error\|Traceback" "$OUT/serve_real.log" | head -5
@@ -62,3 +68,4 @@ echo "rounds digested: rank0 $(wc -l < "$digests/rank0.digests") rank1 $(wc -l <
 cmp "$digests/rank0.digests" "$digests/rank1.digests" && echo "ranks identical: yes" || echo "ranks identical: NO"
 tar czf "$OUT/trace.tgz" -C "$OUT" trace
 rm -rf "$trace"
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.out ./*.log ./*.txt 2>/dev/null)  # few files come back: pack them
