@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -37,6 +38,9 @@ class ServerState:
     api_key: str | None = None
 
 
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
+
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
@@ -51,10 +55,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        previous = sys.getswitchinterval()
+        # the engine thread and the event loop share the GIL: bound how long the engine waits for it while the loop
+        # streams a round's updates (Python's default lets one thread hold it for 5 ms)
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         state.engine.deliver = deliver_on(asyncio.get_running_loop())
         state.engine.start()
         yield
         state.engine.stop()
+        sys.setswitchinterval(previous)
 
     app = FastAPI(title="flashnext", lifespan=lifespan)
     state.metrics.track_counts(state.engine.counts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 from model.weights import load_model
@@ -90,3 +91,26 @@ def test_a_failure_reaches_waiting_and_running_requests_through_deliver(tmp_path
     assert [[(r.request_id, u.finish_reason, u.error) for r, u in b] for b in batches] == [
         [("r", "error", "rank 1 went away")]
     ]
+
+
+def test_the_app_delivers_on_its_loop_and_shortens_the_switch_interval_while_it_runs(tmp_path) -> None:
+    """Started by its lifespan, the app's engine delivers through the event loop and the GIL switch interval is
+    ENGINE_SWITCH_INTERVAL_S; shutting down restores both the engine and the interval."""
+    from fastapi.testclient import TestClient
+
+    from server.app import ENGINE_SWITCH_INTERVAL_S, ServerState, build_app
+    from server.metrics import EngineMetrics
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    engine = Engine(ModelRunner(model, 1), context=256, prompt_budget=64)
+    state = ServerState(engine, None, "m", 256, model.cfg.vocab_size, (), EngineMetrics("m"))
+    before = sys.getswitchinterval()
+    assert before != ENGINE_SWITCH_INTERVAL_S
+    with TestClient(build_app(state)) as http:
+        assert sys.getswitchinterval() == ENGINE_SWITCH_INTERVAL_S
+        assert engine.deliver is not deliver_each and engine.thread.is_alive()
+        body = {"model": "m", "prompt": [5, 9, 14], "max_tokens": 3, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
+        assert response.status_code == 200 and len(chunks) >= 3
+    assert sys.getswitchinterval() == before and not engine.thread.is_alive()
