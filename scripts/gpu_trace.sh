@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Where a served round's time goes, on the 2xH200 machine in one call: serve the real shapes at --tp 2 (dummy
-# weights, CUDA graphs, 64 lanes, prompt cache off) with FLASHNEXT_ROUND_TRACE, decode at 1, 4, 8 and 64 streams
-# without drafts and at 1 stream with drafts, and summarise both ranks' round phases, then time cold 1k and 8k
-# prompts (PROMPTS); then serve the shipped model at --tp 2 and check drafted = undrafted and concurrent = solo
-# (eval_small) with the ranks' round digests compared.
+# weights, CUDA graphs, 64 lanes, prompt cache off) with FLASHNEXT_ROUND_TRACE; decode greedy at 1, 4, 8, 32 and 64
+# streams (LEVELS) and sampled at 1 and 64 (SAMPLED) without drafts, and greedy at 1 stream with drafts; summarise
+# both ranks' round phases; time cold 1k and 8k prompts (PROMPTS). Then serve the shipped model at --tp 2 and check
+# drafted = undrafted and concurrent = solo (eval_small) with the ranks' round digests compared.
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_trace.sh  # logs under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
@@ -30,13 +30,16 @@ if [ $up = 1 ]; then
     grep -v "^{\|  stream" "$OUT/$name.out" | tail -6
   }
   conc warm --levels 1 --tokens 8 --drafts both
-  for n in 1 4 8 64; do
+  for n in ${LEVELS:-1 4 8 32 64}; do
     : > "$trace/rank0.trace"; : > "$trace/rank1.trace"
     conc "off_$n" --levels $n --tokens ${TOKENS:-64} --drafts off
     for r in 0 1; do
       cp "$trace/rank$r.trace" "$trace/off_${n}_rank$r.trace"
       echo "-- rank $r, $n streams:"; python3 scripts/trace_summary.py "$trace/rank$r.trace" --min-rounds 3 | head -5
     done
+  done
+  for n in ${SAMPLED:-1 64}; do  # sampled (temperature 1), no trace summary
+    conc "t1_$n" --levels $n --tokens ${TOKENS:-64} --drafts off --temperatures 1
   done
   : > "$trace/rank0.trace"; : > "$trace/rank1.trace"
   conc on_1 --levels 1 --tokens ${TOKENS:-64} --drafts on

@@ -160,10 +160,18 @@ class Engine:
         with self.cond:
             return len(self.running), len(self.waiting)
 
+    def _idle(self) -> bool:
+        """Whether no round is due (lock held)."""
+        return not self.stopped and not self.running and not self.waiting and not self.to_free
+
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.stopped and not self.running and not self.waiting and not self.to_free:
+                idle = self._idle()
+            if idle:  # no round follows to carry them: deliver the last round's updates now
+                self._flush()
+            with self.cond:
+                while self._idle():
                     self.cond.wait()
                 if self.stopped:
                     return
@@ -171,10 +179,8 @@ class Engine:
                 trace = self.runner.trace
                 trace.start()
                 plan = self._plan()
-            self._flush()  # aborts finished by the plan
-            trace.mark("plan")
+                trace.mark("plan")
             self._run(plan)
-            self._flush()
             trace.mark("post")
             trace.write()
             if self.metrics is not None:
@@ -248,7 +254,9 @@ class Engine:
         """Execute a plan and hand each lane's kept tokens to its request."""
         by_slot = {r.slot: r for r in self.running}
         try:
-            results = self.runner.execute(plan)
+            # the updates gathered so far reach the HTTP side while the GPU runs this round, so its streaming
+            # work overlaps the forward instead of holding the GIL between rounds
+            results = self.runner.execute(plan, launched=self._flush)
         except Exception as exc:
             log.exception("round failed")
             if self.on_fatal is not None:  # with several ranks a failed round leaves their states unknown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,17 +118,22 @@ class ModelRunner:
         if problem or int(flags.sum()):
             raise RoundRefused(problem or f"rank {int(flags.argmax())} refused the round")
 
-    def execute(self, plan: RoundPlan) -> list[LaneResult]:
+    def execute(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> list[LaneResult]:
         """Apply the lane operations; run every lane's rows and drafts as one verify forward; keep each lane's
-        accepted prefix; then absorb the kept rows into the MTP layer and chain new drafts."""
+        accepted prefix; then absorb the kept rows into the MTP layer and chain new drafts. `launched` is called once
+        the forward is on its way (while the GPU runs it), or after the operations when the round has no rows."""
         for slot in plan.free:
             self.slots[slot] = None
         for slot in plan.allocate:
             self.slots[slot] = self.model.new_lane()
-        self._agree(self._prepare(plan))
+        problem = self._prepare(plan)
         trace = self.trace
         trace.mark("prepare")
+        self._agree(problem)
+        trace.mark("agree")
         if not plan.rows:
+            if launched is not None:
+                launched()
             return []
         device = self.model.device
         tokens, positions, segments, logit_rows = [], [], [], []
@@ -153,6 +159,8 @@ class ModelRunner:
             snapshot_rows=snapshot_rows,
         )
         trace.mark("forward")
+        if launched is not None:
+            launched()
         results, mtp_rows, next_logit = [], [], 0
         draws = self._draw(plan.rows, out.logits)
         trace.mark("draw")

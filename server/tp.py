@@ -38,11 +38,11 @@ class LinkedRunner:
     def kept_bytes(self, handle: int) -> int:
         return self.runner.kept_bytes(handle)
 
-    def execute(self, plan: RoundPlan) -> list[LaneResult]:
+    def execute(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> list[LaneResult]:
         with self.lock:
             self.link.send_header(plan)
         self.runner.trace.mark("link")
-        return self.runner.execute(plan)
+        return self.runner.execute(plan, launched)
 
     def close(self) -> None:
         """Tell rank 1 to stop, if it is still there."""

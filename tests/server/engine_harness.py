@@ -36,8 +36,8 @@ class RecordingRunner(ModelRunner):
         self.plans = []
         self.engine: Engine | None = None
 
-    def execute(self, plan):
-        results = super().execute(plan)
+    def execute(self, plan, launched=None):
+        results = super().execute(plan, launched)
         self.plans.append(plan)
         self.rounds.append(results)
         return results

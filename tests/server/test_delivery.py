@@ -114,3 +114,57 @@ def test_the_app_delivers_on_its_loop_and_shortens_the_switch_interval_while_it_
             chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
         assert response.status_code == 200 and len(chunks) >= 3
     assert sys.getswitchinterval() == before and not engine.thread.is_alive()
+
+
+def test_updates_reach_the_sinks_once_the_next_round_is_launched_or_the_engine_idles(tmp_path) -> None:
+    """Delivery waits for the next round's forward to be on its way (the HTTP side's work then overlaps the GPU's),
+    and the last round's updates go out when no round follows."""
+    events: list[str] = []
+
+    class Ordered(ModelRunner):
+        def execute(self, plan, launched=None):
+            events.append("execute")
+
+            def on_launch() -> None:
+                events.append("launched")
+                launched()
+
+            results = super().execute(plan, on_launch)
+            events.append("done")
+            return results
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    engine = Engine(Ordered(model, 2), context=256, prompt_budget=64)
+    engine.deliver = lambda batch: (events.append("deliver"), deliver_each(batch))
+    outcomes = [Outcome() for _ in range(2)]
+    engine.start()
+    try:
+        for i, outcome in enumerate(outcomes):
+            engine.submit(Request(f"r{i}", [5, 9, 14, 3], 3, GREEDY, frozenset(), outcome.sink))
+        assert all(outcome.done.wait(120) for outcome in outcomes)
+    finally:
+        engine.stop()
+    assert all(len(outcome.tokens) == 3 for outcome in outcomes)
+    delivered = [i for i, event in enumerate(events) if event == "deliver"]
+    assert len(delivered) >= 3
+    assert all(events[i - 1] == "launched" for i in delivered)  # each round's updates ride on the next launch
+    assert events.count("launched") == events.count("execute")  # rows or not, every round says when it is launched
+
+
+def test_updates_still_arrive_when_the_runner_never_says_launched(tmp_path) -> None:
+    """With nothing left to run the engine delivers what it holds, whatever the runner does."""
+
+    class Silent(ModelRunner):
+        def execute(self, plan, launched=None):
+            return super().execute(plan)
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    engine = Engine(Silent(model, 1), context=256, prompt_budget=64)
+    outcome = Outcome()
+    engine.start()
+    try:
+        engine.submit(Request("r", [5, 9, 14, 3], 3, GREEDY, frozenset(), outcome.sink))
+        assert outcome.done.wait(60)
+    finally:
+        engine.stop()
+    assert len(outcome.tokens) == 3 and outcome.finish == "length"

@@ -41,7 +41,7 @@ def test_every_round_writes_its_rows_and_phases(tmp_path):
     # two prompt rounds of 4 and 2 rows, then one decode row a round for the 2 tokens after the first
     assert [line["rows"] for line in with_rows] == [4, 2, 1, 1]
     for line in with_rows:
-        assert {"plan", "prepare", "forward", "draw", "verify", "post"} <= line["phases"].keys()
+        assert {"plan", "prepare", "agree", "forward", "draw", "verify", "post"} <= line["phases"].keys()
         assert all(seconds >= 0 for seconds in line["phases"].values())
         assert line["replays"] == {}  # no graphs: every forward ran eagerly
 
