@@ -1,9 +1,9 @@
 """Where a step's time goes at the real shapes, tp=2, dummy weights: decode rounds of 1, 4, 8 and 64 lanes through
 the model with CUDA graphs, timed on the host (wall time of a forward, synchronised) and on the GPU (CUDA events
 over the graph's replay alone); one lane's verify round with 0..3 drafts (every row's state kept); then
-torch.profiler's kernel table for one lane's replayed rounds on rank 0.
+torch.profiler's kernel tables for five replayed rounds of one lane and of 64 lanes on rank 0.
 
-timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR   # DIR/step_profile.{json,txt}
+timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR   # DIR/step_profile{,_64}.txt, .json
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     kernel_path.lane_pool(model, slots=max(LANES), context=1024)
     graphs = kernel_path.enable_graphs(model, {"trunk": max(LANES), "verify": WINDOW})
     rows, rows_report, vocab = [], [], model.cfg.vocab_size
+    decoding: dict[int, list[LaneState]] = {}
     for count in LANES:
-        lanes = [model.new_lane() for _ in range(count)]
+        lanes = decoding[count] = [model.new_lane() for _ in range(count)]
         for lane in lanes:  # a short prompt each, within the graphs' buckets
             model(decode_batch([lane], 16, vocab))
         host, gpu = [], []
@@ -89,31 +90,34 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))
-    for rows in range(1, WINDOW + 1):  # one lane's verify round with 0..3 drafts: every row's state kept
+    for window in range(1, WINDOW + 1):  # one lane's verify round with 0..3 drafts: every row's state kept
         times = []
         for i in range(args.rounds + 3):
-            batch = decode_batch(lanes, rows, vocab)
+            batch = decode_batch(lanes, window, vocab)
             torch.cuda.synchronize()
             start = time.perf_counter()
-            model(batch, snapshot_rows={0: range(rows)})
+            model(batch, snapshot_rows={0: range(window)})
             torch.cuda.synchronize()
-            restore_length(lanes[0], lanes[0].length - rows)
+            restore_length(lanes[0], lanes[0].length - window)
             if i >= 3:
                 times.append((time.perf_counter() - start) * 1e3)
-        rows_report.append({"drafts": rows - 1, "verify_wall_ms": statistics.median(times)})
+        rows_report.append({"drafts": window - 1, "verify_wall_ms": statistics.median(times)})
         if rank == 0:
             print(json.dumps(rows_report[-1]), flush=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            model(decode_batch(lanes, 1, vocab))
-        torch.cuda.synchronize()
+    tables = {}
+    for name, profiled in (("", lanes), ("_64", decoding[max(LANES)])):  # one lane, then the most lanes
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                model(decode_batch(profiled, 1, vocab))
+            torch.cuda.synchronize()
+        tables[name] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
-        (args.out / "step_profile.txt").write_text(table)
-        report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5}
+        for name, table in tables.items():
+            (args.out / f"step_profile{name}.txt").write_text(table)
+            print(table[:6000])
+        report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, max(LANES)]}
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
-        print(table[:9000])
     dist.barrier()
     dist.destroy_process_group()
     return 0
