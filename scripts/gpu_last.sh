@@ -7,7 +7,6 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PYTHONPATH=. timeout ${STEP_S:-240} torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out "$OUT" \
   > "$OUT/step.log" 2>&1
-echo "step profile rc=$? (a hang at teardown ends in 124)"; grep "^{" "$OUT/step.log"
-for t in "$OUT"/step_profile*.txt; do echo "== $t"; head -16 "$t" | cut -c1-40,100-200; done
+echo "step profile rc=$? (a hang at teardown ends in 124)"; grep "^{\|^kernels\|^  " "$OUT/step.log" | cut -c1-130
 pkill -9 -f gpu_step_profile 2>/dev/null
 bash scripts/gpu_trace.sh

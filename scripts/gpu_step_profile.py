@@ -52,6 +52,13 @@ def restore_length(lane: LaneState, length: int) -> None:
         cache.length = min(cache.length, length)
 
 
+def per_round(events, rounds: int) -> list[dict]:
+    """Kernels by self GPU time, fastest last: ms and calls per round."""
+    timed = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+    timed.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"name": e.key, "ms": e.self_device_time_total / 1e3 / rounds, "calls": e.count / rounds} for e in timed]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dist.init_process_group("nccl")
@@ -111,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                 model(decode_batch(profiled, 1, vocab))
             torch.cuda.synchronize()
         tables[name] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+        if rank == 0:
+            print(f"kernels, {len(profiled)} lane(s), per round:", flush=True)
+            for line in per_round(prof.key_averages(), 5)[:24]:
+                print(f"  {line['ms']:7.3f} ms {line['calls']:6.1f} calls  {line['name'][:90]}", flush=True)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, table in tables.items():
             (args.out / f"step_profile{name}.txt").write_text(table)
-            print(table[:6000])
         report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, max(LANES)]}
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
     dist.barrier()
