@@ -3,8 +3,9 @@
 `moe_forward(x, expert_ids, weights, bank)` computes, for each row and each of its k (row, expert) pairs,
 `h = bf16(silu(x·Wgᵀ) * (x·Wuᵀ))` and `y = h·Wdᵀ`, then `out = Σ weight·y` over the row's experts in ascending
 expert id, in fp32, rounded once to the output dtype. Four launches, no host synchronisation, so one CUDA graph
-replays any routing: a plan (pairs grouped by expert, expert and tile bounds), the gate-up kernel (writes h per
-pair), the down kernel (writes fp32 y per pair) and the combine kernel (the ordered weighted sum per row).
+replays any routing: a plan (pairs grouped by expert, expert bounds, each row tile's expert and first pair), the
+gate-up kernel (writes h per pair), the down kernel (writes fp32 y per pair) and the combine kernel (the ordered
+weighted sum per row).
 
 Reduction order (the exactness contract). Every dot accumulates in fp32 through tensor-core MMA steps 16 wide, in
 increasing index order over the reduced axis, starting from zero: the gate/up sums run over d, the down sum over I.
@@ -50,11 +51,13 @@ class MoeTiles:
 @dataclass(frozen=True, slots=True)
 class MoePlan:
     """Routing plan on the device: `pairs` [P] int32 are pair ids (row*k + slot) grouped by ascending expert;
-    `bounds` [E+1] int32 the cumulative pair counts; `tile_bounds` [E+1] int32 the cumulative row-tile counts."""
+    `bounds` [E+1] int32 the cumulative pair counts; `tile_experts` and `tile_starts` [max_tiles] int32 each row
+    tile's expert (E past the last tile) and first position in `pairs` (0 past the last tile)."""
 
     pairs: torch.Tensor
     bounds: torch.Tensor
-    tile_bounds: torch.Tensor
+    tile_experts: torch.Tensor
+    tile_starts: torch.Tensor
     block_m: int
     max_tiles: int
 
@@ -82,19 +85,28 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs, (num_pairs + used * (block_m - 1)) // block_m))
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit
+def _trailing_run(id_a, run_a, id_b, run_b):
+    """Scan step over sorted ids: the last id of a span and how many of the span's ids end equal to it."""
+    return id_b, tl.where(id_a == id_b, run_a + run_b, run_b)
+
+
+@triton.jit(do_not_specialize=["P", "T"])
 def _plan_kernel(
     ids_ptr,
     pairs_ptr,
     bounds_ptr,
-    tile_bounds_ptr,
+    tile_experts_ptr,
+    tile_starts_ptr,
     P,
+    T,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
     P_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """One program: stable sort of the pairs by expert, per-expert pair and tile counts, cumulated."""
+    """One program: stable sort of the pairs by expert, cumulated per-expert pair counts, and the tile map: a tile
+    starts at every BLOCK_M-th position of an expert's run of sorted pairs, and tiles past the last, up to T, get E."""
     q = tl.arange(0, P_POW2)
     valid = q < P
     ids = tl.load(ids_ptr + q, mask=valid, other=E)
@@ -103,20 +115,37 @@ def _plan_kernel(
     counts = tl.histogram(ids, E_POW2, mask=valid)
     e = tl.arange(0, E_POW2)
     tl.store(bounds_ptr + 1 + e, tl.cumsum(counts, 0), mask=e < E)
-    tl.store(tile_bounds_ptr + 1 + e, tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0), mask=e < E)
     tl.store(bounds_ptr, 0)
-    tl.store(tile_bounds_ptr, 0)
+    sorted_ids = keys // P_POW2
+    _, run = tl.associative_scan((sorted_ids, tl.full((P_POW2,), 1, tl.int32)), 0, _trailing_run)
+    starts = valid & ((run - 1) % BLOCK_M == 0)
+    tile = tl.cumsum(starts.to(tl.int32), 0) - 1
+    tl.store(tile_experts_ptr + tile, sorted_ids, mask=starts)
+    tl.store(tile_starts_ptr + tile, q, mask=starts)
+    past = (q >= tl.sum(starts.to(tl.int32), 0)) & (q < T)
+    tl.store(tile_experts_ptr + q, E, mask=past)
+    tl.store(tile_starts_ptr + q, 0, mask=past)
 
 
 def moe_plan_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
     """The routing plan with torch ops on the ids' device (no host synchronisation)."""
     flat = expert_ids.reshape(-1)
+    dev, num_pairs = flat.device, flat.numel()
     pairs = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     counts.index_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
     bounds = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
-    tile_bounds = F.pad(torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32), (1, 0))
-    return MoePlan(pairs, bounds, tile_bounds, block_m, max_tiles(flat.numel(), num_experts, block_m))
+    sorted_ids = flat[pairs.long()].long()
+    q = torch.arange(num_pairs, device=dev)
+    starts = (q - bounds[sorted_ids]) % block_m == 0
+    num_tiles = max_tiles(num_pairs, num_experts, block_m)
+    # a tile's first position writes its slot; the others all write one extra slot, dropped
+    slot = torch.where(starts, torch.cumsum(starts, 0) - 1, num_tiles)
+    tile_experts = torch.full((num_tiles + 1,), num_experts, dtype=torch.int32, device=dev)
+    tile_starts = torch.zeros(num_tiles + 1, dtype=torch.int32, device=dev)
+    tile_experts.scatter_(0, slot, sorted_ids.to(torch.int32))
+    tile_starts.scatter_(0, slot, q.to(torch.int32))
+    return MoePlan(pairs, bounds, tile_experts[:num_tiles], tile_starts[:num_tiles], block_m, num_tiles)
 
 
 def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
@@ -125,35 +154,34 @@ def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePla
     if num_pairs > PLAN_MAX_PAIRS:
         return moe_plan_reference(expert_ids, num_experts, block_m)
     dev = expert_ids.device
+    num_tiles = max_tiles(num_pairs, num_experts, block_m)
     pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
     bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
-    tile_bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    tile_starts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     _plan_kernel[(1,)](
         expert_ids.reshape(-1).to(torch.int32),
         pairs,
         bounds,
-        tile_bounds,
+        tile_experts,
+        tile_starts,
         num_pairs,
+        num_tiles,
         E=num_experts,
         E_POW2=triton.next_power_of_2(num_experts),
         P_POW2=triton.next_power_of_2(num_pairs),
         BLOCK_M=block_m,
         num_warps=4,
     )
-    return MoePlan(pairs, bounds, tile_bounds, block_m, max_tiles(num_pairs, num_experts, block_m))
+    return MoePlan(pairs, bounds, tile_experts, tile_starts, block_m, num_tiles)
 
 
 @triton.jit
-def _tile_rows(pairs_ptr, bounds_ptr, tile_bounds_ptr, t, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+def _tile_rows(pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, t, E: tl.constexpr, BLOCK_M: tl.constexpr):
     """Tile t of the plan: (expert, sorted positions [BLOCK_M], their mask, pair ids); expert == E past the end."""
-    es = tl.arange(0, E_POW2)
-    ends = tl.load(tile_bounds_ptr + 1 + es, mask=es < E, other=2147483647)
-    e = tl.sum((ends <= t).to(tl.int32), 0)
-    e_safe = tl.minimum(e, E - 1)
-    first = tl.load(bounds_ptr + e_safe) + (t - tl.load(tile_bounds_ptr + e_safe)) * BLOCK_M
-    pos = first + tl.arange(0, BLOCK_M)
-    last = tl.where(e < E, tl.load(bounds_ptr + e_safe + 1), 0)
-    ok = pos < last
+    e = tl.load(tile_experts_ptr + t)
+    pos = tl.load(tile_starts_ptr + t) + tl.arange(0, BLOCK_M)
+    ok = pos < tl.load(bounds_ptr + e + 1, mask=e < E, other=0)
     pair = tl.load(pairs_ptr + pos, mask=ok, other=0)
     return e, pos, ok, pair
 
@@ -242,7 +270,8 @@ def _gate_up_kernel(
     x_ptr,
     pairs_ptr,
     bounds_ptr,
-    tile_bounds_ptr,
+    tile_experts_ptr,
+    tile_starts_ptr,
     w_ptr,
     s_ptr,
     s2_ptr,
@@ -256,7 +285,6 @@ def _gate_up_kernel(
     stride_sn,
     TOP_K: tl.constexpr,
     E: tl.constexpr,
-    E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -268,7 +296,7 @@ def _gate_up_kernel(
     n_blocks = tl.cdiv(INTER, BLOCK_N)
     t = tl.program_id(0) // n_blocks
     nb = tl.program_id(0) % n_blocks
-    e, pos, ok, pair = _tile_rows(pairs_ptr, bounds_ptr, tile_bounds_ptr, t, E, E_POW2, BLOCK_M)
+    e, pos, ok, pair = _tile_rows(pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, t, E, BLOCK_M)
     if e >= E:
         return
     x_rows = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_xn
@@ -301,7 +329,8 @@ def _down_kernel(
     h_ptr,
     pairs_ptr,
     bounds_ptr,
-    tile_bounds_ptr,
+    tile_experts_ptr,
+    tile_starts_ptr,
     w_ptr,
     s_ptr,
     s2_ptr,
@@ -313,7 +342,6 @@ def _down_kernel(
     stride_se,
     stride_sn,
     E: tl.constexpr,
-    E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -325,7 +353,7 @@ def _down_kernel(
     n_blocks = tl.cdiv(D, BLOCK_N)
     t = tl.program_id(0) // n_blocks
     nb = tl.program_id(0) % n_blocks
-    e, pos, ok, pair = _tile_rows(pairs_ptr, bounds_ptr, tile_bounds_ptr, t, E, E_POW2, BLOCK_M)
+    e, pos, ok, pair = _tile_rows(pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, t, E, BLOCK_M)
     if e >= E:
         return
     h_rows = h_ptr + pos.to(tl.int64)[:, None] * INTER
@@ -448,7 +476,6 @@ def moe_forward(
     ids = expert_ids.to(torch.int32).contiguous()
     plan = moe_plan(ids, num_experts, tiles.block_m)
     num_pairs = n * top_k
-    e_pow2 = triton.next_power_of_2(num_experts)
     if fp4:
         gu_w, gu_s, gu_s2 = bank["gate_up_packed"].view(torch.int32), bank["gate_up_scale"], bank["gate_up_scale_2"]
         dn_w, dn_s, dn_s2 = bank["down_packed"].view(torch.int32), bank["down_scale"], bank["down_scale_2"]
@@ -461,7 +488,8 @@ def moe_forward(
         x,
         plan.pairs,
         plan.bounds,
-        plan.tile_bounds,
+        plan.tile_experts,
+        plan.tile_starts,
         gu_w,
         gu_s,
         gu_s2,
@@ -475,7 +503,6 @@ def moe_forward(
         gu_s.stride(1),
         TOP_K=top_k,
         E=num_experts,
-        E_POW2=e_pow2,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gate_up_n,
         BLOCK_K=tiles.gate_up_k,
@@ -491,7 +518,8 @@ def moe_forward(
         h,
         plan.pairs,
         plan.bounds,
-        plan.tile_bounds,
+        plan.tile_experts,
+        plan.tile_starts,
         dn_w,
         dn_s,
         dn_s2,
@@ -503,7 +531,6 @@ def moe_forward(
         dn_s.stride(0),
         dn_s.stride(1),
         E=num_experts,
-        E_POW2=e_pow2,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.down_n,
         BLOCK_K=tiles.down_k,

@@ -9,6 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
+from kernels import moe
 from kernels.moe import (
     expert_weights,
     moe_forward,
@@ -121,15 +122,54 @@ def test_dequantization_matches_checkpoint_formula() -> None:
         assert up.shape == (INTER, D)
 
 
-def test_plan_matches_torch_plan() -> None:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, E, (7, TOP_K), generator=g, dtype=torch.int32)
-    plan, ref = moe_plan(ids, E, 4), moe_plan_reference(ids, E, 4)
-    assert torch.equal(plan.pairs, ref.pairs)
-    assert torch.equal(plan.bounds, ref.bounds) and torch.equal(plan.tile_bounds, ref.tile_bounds)
-    assert plan.max_tiles == ref.max_tiles >= int(ref.tile_bounds[-1])
+def tile_map(ids: torch.Tensor, num_experts: int, block_m: int, num_tiles: int) -> tuple[list[int], list[int]]:
+    """(expert, first sorted position) of each row tile, in plain Python: (E, 0) past the last tile."""
+    flat = ids.reshape(-1).tolist()
+    experts, starts, pos = [], [], 0
+    for e in range(num_experts):
+        count = flat.count(e)
+        experts += [e] * len(range(0, count, block_m))
+        starts += [pos + r for r in range(0, count, block_m)]
+        pos += count
+    pad = num_tiles - len(experts)
+    return experts + [num_experts] * pad, starts + [0] * pad
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 4, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_matches_torch_plan_and_python(block_m: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n, k = (7, TOP_K) if seed == 0 else (int(torch.randint(1, 40, (1,), generator=g)), 1 + seed)
+    ids = torch.randint(0, E, (n, k), generator=g, dtype=torch.int32)
+    if seed == 2:
+        ids[ids == 3] = 5  # expert 3 gets no row, expert 5 the most
+    plan, ref = moe_plan(ids, E, block_m), moe_plan_reference(ids, E, block_m)
+    assert torch.equal(plan.pairs, ref.pairs) and torch.equal(plan.bounds, ref.bounds)
+    assert torch.equal(plan.tile_experts, ref.tile_experts) and torch.equal(plan.tile_starts, ref.tile_starts)
+    experts, starts = tile_map(ids, E, block_m, plan.max_tiles)
+    assert plan.max_tiles == ref.max_tiles >= len([e for e in experts if e < E])
+    assert plan.tile_experts.tolist() == experts and plan.tile_starts.tolist() == starts
     flat = ids.reshape(-1)
     assert torch.equal(flat[plan.pairs.long()], flat.sort(stable=True).values)
+    assert torch.equal(plan.bounds, torch.tensor([0, *flat.bincount(minlength=E).cumsum(0).tolist()]).int())
+
+
+def test_tiles_past_the_last_get_no_expert() -> None:
+    ids = torch.tensor([[2, 5], [2, 6], [2, 5]], dtype=torch.int32)  # 3 tiles where 6 pairs on 6 experts need 6
+    for plan in (moe_plan(ids, E, 4), moe_plan_reference(ids, E, 4)):
+        assert plan.max_tiles == 6
+        assert plan.tile_experts.tolist() == [2, 5, 6, E, E, E] and plan.tile_starts.tolist() == [0, 3, 5, 0, 0, 0]
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_torch_plan_gives_the_same_bits(kind: str, monkeypatch) -> None:
+    x, ids, w = make_routing(9, seed=4)
+    ids[3] = ids[2]
+    triton_plan = moe_forward(x, ids, w, BANKS[kind], out_dtype=torch.float32)
+    monkeypatch.setattr(moe, "PLAN_MAX_PAIRS", 0)
+    torch_plan = moe_forward(x, ids, w, BANKS[kind], out_dtype=torch.float32)
+    assert torch.equal(triton_plan.view(torch.int32), torch_plan.view(torch.int32))
+    assert rel_err(torch_plan, moe_forward_reference(x, ids, w, BANKS[kind], out_dtype=torch.float32)) <= 1e-5
 
 
 def test_rejects_bad_bank() -> None:
