@@ -1,7 +1,7 @@
 """Sweep the routed-MoE kernels' launch tiles on one GPU at the real per-rank shapes: bits against the default tiles,
 time per call and per kernel.
 
-python3 scripts/gpu_sweep_moe.py --out DIR [--rows N ...] [--bf16 | --planes]   # DIR/moe_sweep_nvfp4.json (or _bf16)
+python3 scripts/gpu_sweep_moe.py --out DIR [--rows N ...] [--bf16]   # writes DIR/moe_sweep_nvfp4.json (or _bf16)
 TRITON_INTERPRET=1 python3 scripts/gpu_sweep_moe.py --out DIR --smoke   # tiny shapes on the CPU, wall-clock µs
 
 The shape is gpu_check_moe's (E=512 experts, d=2560, I=320 per rank, top-k 10) with its random NVFP4 bank (or BF16
@@ -18,11 +18,6 @@ into one candidate and run too, unless already run. block_m is 16 unless --block
 once an expert sees more than 16 rows (N·k/E > 16), and both keep Triton on mma.sync, which the bits rely on.
 The JSON is rewritten after each candidate; Triton compiles two kernels per candidate on the first N, and `--rows`,
 `--warps` and `--stages` split a run.
-
---planes (NVFP4) also sweeps the planes path (`MoeTiles.planes`) at PLANES_N column tiles and the same block_m,
-warps and stages. Its bits differ from the default tiles' by design, so its rows are held to another rule: each
-must give the first planes row's bits (`planes_mismatches`), and `rel_err` says how far its output is from the
-default tiles'. Planes rows have their own best list, fastest per kernel and joined best.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ from gpu_timing import graph_median_us
 from torch.overrides import TorchFunctionMode
 
 from kernels import moe  # importable: gpu_check_moe puts the repository root on sys.path
-from kernels.moe import PLANES_K, MoeTiles, moe_tiles
+from kernels.moe import MoeTiles, moe_tiles
 
 ROWS = (1, 8, 64)
 SMOKE_ROWS = (1, 3)
@@ -67,9 +62,6 @@ DOWN = tuple(itertools.product((32, 64, 128), (64, 128)))
 # the interpreter's fp32 dot sums a K tile in its own order: K tiles at or past d and I keep the smoke run's bits
 SMOKE_GATE_UP = ((16, 32), (32, 64))
 SMOKE_DOWN = ((16, 32), (32, 64))
-# (gate_up_n, down_n) of the planes candidates; their K tile is PLANES_K
-PLANES_N = ((32, 32), (64, 64), (128, 128))
-SMOKE_PLANES_N = ((16, 16), (32, 32))
 BLOCK_M = (16,)
 WARPS = (2, 4, 8)
 STAGES = (2, 3, 4)
@@ -92,17 +84,6 @@ def candidates(
     pairs = [(gate_up[i % len(gate_up)], down[i % len(down)]) for i in range(max(len(gate_up), len(down)))]
     grid = itertools.product(block_m, warps, stages)
     return [MoeTiles(m, *gu, *dn, w, s) for m, w, s in grid for gu, dn in pairs]
-
-
-def planes_candidates(
-    warps: tuple[int, ...] = WARPS,
-    stages: tuple[int, ...] = STAGES,
-    block_m: tuple[int, ...] = BLOCK_M,
-    columns: tuple[tuple[int, int], ...] = PLANES_N,
-) -> list[MoeTiles]:
-    """Planes tiles: each (gate_up_n, down_n) of `columns` at every (block_m, warps, stages)."""
-    grid = itertools.product(block_m, warps, stages)
-    return [MoeTiles(m, gu, PLANES_K, dn, PLANES_K, w, s, planes=True) for m, w, s in grid for gu, dn in columns]
 
 
 def launch(bank: Bank, routing: Routing, tiles: MoeTiles | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -174,29 +155,18 @@ def recording() -> Iterator[dict[str, list[Callable[[], object]]]]:
 def new_row(n: int, tiles: MoeTiles, default: MoeTiles, joined: bool = False) -> Row:
     """The row of one candidate, nothing measured yet."""
     return {"rows": n, "tiles": dataclasses.asdict(tiles), "default": tiles == default, "joined": joined, "us": None,
-            "kernel_us": None, "mismatches": None, "planes_mismatches": None, "rel_err": None,
-            "error": None}  # fmt: skip
-
-
-def differing(out: torch.Tensor, ref: torch.Tensor) -> int:
-    """Elements of `out` whose bits differ from `ref`'s."""
-    return int((out.view(torch.int32) != ref.view(torch.int32)).sum())
+            "kernel_us": None, "mismatches": None, "error": None}  # fmt: skip
 
 
 def measure(
-    n: int, tiles: MoeTiles, default: MoeTiles, bank: Bank, sets: list[Routing], refs: dict[str, torch.Tensor],
-    timer: Timer, forward: Forward, joined: bool = False,
+    n: int, tiles: MoeTiles, default: MoeTiles, bank: Bank, sets: list[Routing], ref: torch.Tensor, timer: Timer,
+    forward: Forward, joined: bool = False,
 ) -> Row:  # fmt: skip
-    """One candidate: elements of the fp32 output differing from the default tiles' (refs["default"]) and, for planes
-    tiles, from the first planes tiles' (kept as refs["planes"]), µs per call and per kernel; errors recorded."""
+    """One candidate: elements of the fp32 output differing from `ref`, µs per call and per kernel; errors recorded."""
     row = new_row(n, tiles, default, joined)
     try:
         out = forward(bank, sets[0], tiles, torch.float32)
-        ref = refs["default"]
-        row["mismatches"] = differing(out, ref)
-        row["rel_err"] = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-        if tiles.planes:
-            row["planes_mismatches"] = differing(out, refs.setdefault("planes", out))
+        row["mismatches"] = int((out.view(torch.int32) != ref.view(torch.int32)).sum())
         calls = [partial(forward, bank, routing, tiles, torch.bfloat16) for routing in sets]
         row["us"] = timer(calls)
         with recording() as kept:
@@ -209,20 +179,14 @@ def measure(
 
 
 def identical(row: Row) -> bool:
-    """Whether a default-path candidate ran and gave the default tiles' bits."""
-    return not row["tiles"]["planes"] and row["error"] is None and row["mismatches"] == 0
+    """Whether a candidate ran and gave the default tiles' bits."""
+    return row["error"] is None and row["mismatches"] == 0
 
 
-def planes_identical(row: Row) -> bool:
-    """Whether a planes candidate ran and gave the first planes candidate's bits."""
-    return row["tiles"]["planes"] and row["error"] is None and row["planes_mismatches"] == 0
-
-
-def joined(rows: list[Row], same: Callable[[Row], bool] = identical) -> MoeTiles | None:
-    """The fastest gate_up and down settings among the `same` rows, joined at the (block_m, warps, stages) adding up
-    least."""
+def joined(rows: list[Row]) -> MoeTiles | None:
+    """The fastest bit-identical gate_up and down settings, joined at the (block_m, warps, stages) adding up least."""
     groups: dict[tuple[int, int, int], list[Row]] = {}
-    for row in filter(same, rows):
+    for row in filter(identical, rows):
         t = row["tiles"]
         groups.setdefault((t["block_m"], t["num_warps"], t["num_stages"]), []).append(row)
     options = []
@@ -238,28 +202,25 @@ def sweep(
     n: int, shape: Shape, bank: Bank, sets: list[Routing], tiles: list[MoeTiles], timer: Timer,
     forward: Forward = launch, keep: Callable[[Row], object] = lambda row: None,
 ) -> list[Row]:  # fmt: skip
-    """One batch size: the default tiles, each new one of `tiles`, the joined best of the default-bits and of the planes
-    candidates (marked; run if new); `keep` each."""
+    """One batch size: the default tiles, each new one of `tiles`, the joined best (marked; run if new); `keep` each."""
     default = moe_tiles(n, shape.top_k, shape.experts)
-    try:  # the default tiles' bits, which every default-path candidate must give
-        refs = {"default": forward(bank, sets[0], None, torch.float32)}
+    try:
+        ref = forward(bank, sets[0], None, torch.float32)  # the default tiles' bits, which every candidate must give
     except Exception as exc:  # nothing to compare with: the default row alone, with the error
         row = {**new_row(n, default, default), "error": repr(exc)}
         keep(row)
         return [row]
     rows: list[Row] = []
     for t in dict.fromkeys([default, *tiles]):
-        rows.append(measure(n, t, default, bank, sets, refs, timer, forward))
+        rows.append(measure(n, t, default, bank, sets, ref, timer, forward))
         keep(rows[-1])
-    for same in (identical, planes_identical):
-        best_joined = joined(rows, same)
-        if best_joined is None:
-            continue
+    best_joined = joined(rows)
+    if best_joined is not None:
         ran = [r for r in rows if r["tiles"] == dataclasses.asdict(best_joined)]
         if ran:
             ran[0]["joined"] = True
         else:
-            rows.append(measure(n, best_joined, default, bank, sets, refs, timer, forward, joined=True))
+            rows.append(measure(n, best_joined, default, bank, sets, ref, timer, forward, joined=True))
             keep(rows[-1])
     return rows
 
@@ -270,52 +231,36 @@ def cold_sets(n: int, shape: Shape, fp4: bool) -> int:
     return max(2, min(MAX_SETS, 1 + math.ceil(COLD_BYTES / (touched * shape.expert_bytes(fp4) / 3))))
 
 
-def best(
-    rows: list[Row], key: Callable[[Row], float] = lambda r: r["us"], count: int = BEST,
-    same: Callable[[Row], bool] = identical,
-) -> list[Row]:  # fmt: skip
-    """The `count` fastest `same` rows (default: with the default tiles' bits) by `key`, fastest first."""
-    return sorted(filter(same, rows), key=key)[:count]
+def best(rows: list[Row], key: Callable[[Row], float] = lambda r: r["us"], count: int = BEST) -> list[Row]:
+    """The `count` fastest bit-identical rows by `key`, fastest first."""
+    return sorted(filter(identical, rows), key=key)[:count]
 
 
 def describe(row: Row) -> str:
-    """One row: µs per call, per kernel, its tiles (planes: column tiles only) and a planes row's error."""
+    """One row: µs per call, per kernel, and its tiles."""
     t = row["tiles"]
-    if t["planes"]:
-        tiles = f"m {t['block_m']} planes gate_up {t['gate_up_n']} down {t['down_n']}"
-    else:
-        tiles = f"m {t['block_m']} gate_up {t['gate_up_n']}x{t['gate_up_k']} down {t['down_n']}x{t['down_k']}"
-    tiles += f" warps {t['num_warps']} stages {t['num_stages']}"
+    tiles = (
+        f"m {t['block_m']} gate_up {t['gate_up_n']}x{t['gate_up_k']} down {t['down_n']}x{t['down_k']} "
+        f"warps {t['num_warps']} stages {t['num_stages']}"
+    )
     if row["error"] is not None:
         return f"ERROR {tiles}: {row['error']}"
     kernels = " ".join(f"{name} {us:7.2f}" for name, us in row["kernel_us"].items())
-    err = f" (rel err {row['rel_err']:.1e})" if t["planes"] else ""
-    return f"{row['us']:8.2f} us ({kernels})  {tiles}{err}"
+    return f"{row['us']:8.2f} us ({kernels})  {tiles}"
 
 
 def report(n: int, rows: list[Row], floor: float) -> list[str]:
-    """One batch size's lines: the default and byte floor, then for the default-bits rows and for the planes rows
-    (if any) the best ones, the fastest per GEMM kernel and the joined."""
+    """One batch size's lines: the default and byte floor, the best bit-identical, fastest per GEMM kernel, joined."""
     default = next(r for r in rows if r["default"])
     failed = sum(r["error"] is not None for r in rows)
-    planes = [r for r in rows if r["tiles"]["planes"]]
-    others = [r for r in rows if not r["tiles"]["planes"]]
-    differ = sum(r["error"] is None and not identical(r) for r in others)
-    head = f"N={n}: {len(rows)} tiles, {failed} failed, {differ} with other bits"
-    if planes:
-        apart = sum(r["error"] is None and not planes_identical(r) for r in planes)
-        head += f"; {len(planes)} planes, {apart} with other bits than the first"
-    lines = [head, f"  default  {describe(default)}"]
+    differ = sum(r["error"] is None and not identical(r) for r in rows)
+    lines = [f"N={n}: {len(rows)} tiles, {failed} failed, {differ} with other bits", f"  default  {describe(default)}"]
     lines.append(f"  floor    {floor:8.2f} us (bytes of the touched experts and the activations at HBM bandwidth)")
-    for prefix, same, group in (("", identical, others), ("planes ", planes_identical, planes)):
-        if not group:
-            continue
-        lines += [f"  {prefix}best {i}   {describe(r)}" for i, r in enumerate(best(group, same=same), 1)]
-        for name in ("gate_up", "down"):
-            timed = [r for r in group if name in (r["kernel_us"] or {})]
-            fastest = best(timed, lambda r, name=name: r["kernel_us"][name], 1, same)
-            lines += [f"  {prefix}{name:<8} {describe(r)}" for r in fastest]
-        lines += [f"  {prefix}joined   {describe(r)}" for r in group if r["joined"]]
+    lines += [f"  best {i}   {describe(r)}" for i, r in enumerate(best(rows), 1)]
+    for name in ("gate_up", "down"):
+        timed = [r for r in rows if name in (r["kernel_us"] or {})]
+        lines += [f"  {name:<8} {describe(r)}" for r in best(timed, lambda r, name=name: r["kernel_us"][name], 1)]
+    lines += [f"  joined   {describe(r)}" for r in rows if r["joined"]]
     return lines
 
 
@@ -329,11 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-m", nargs="+", type=int, choices=(16, 32), default=list(BLOCK_M), help="row tiles")
     parser.add_argument("--warps", nargs="+", type=int, default=list(WARPS), help="num_warps values to try")
     parser.add_argument("--stages", nargs="+", type=int, default=list(STAGES), help="num_stages values to try")
-    parser.add_argument("--planes", action="store_true", help="also the NVFP4 planes path, at PLANES_N column tiles")
-    args = parser.parse_args(argv)
-    if args.planes and args.bf16:
-        parser.error("--planes is NVFP4 only: BF16 banks ignore MoeTiles.planes")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,11 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         shape, batches, device, timer = SMOKE, SMOKE_ROWS, torch.device("cpu"), wall_us
         tiles = candidates((4,), (1,), (16,), SMOKE_GATE_UP, SMOKE_DOWN)
-        tiles += planes_candidates((4,), (1,), (16,), SMOKE_PLANES_N) if args.planes else []
     else:
         shape, batches, device, timer = Shape(), ROWS, torch.device("cuda"), graph_us
-        grid = tuple(args.warps), tuple(args.stages), tuple(args.block_m)
-        tiles = candidates(*grid) + (planes_candidates(*grid) if args.planes else [])
+        tiles = candidates(tuple(args.warps), tuple(args.stages), tuple(args.block_m))
     batches = tuple(args.rows or batches)
     counts = {n: 1 if args.smoke else cold_sets(n, shape, fp4) for n in batches}
     bank, routings = inputs(shape, fp4, counts, device)

@@ -17,10 +17,7 @@ from gpu_sweep_moe import (
     DOWN,
     GATE_UP,
     KERNELS,
-    PLANES_K,
-    PLANES_N,
     SMOKE,
-    SMOKE_PLANES_N,
     MoeTiles,
     best,
     candidates,
@@ -30,15 +27,13 @@ from gpu_sweep_moe import (
     launch,
     main,
     moe_tiles,
-    planes_candidates,
-    planes_identical,
     recording,
     report,
     sweep,
 )
 
 CPU = torch.device("cpu")
-KEYS = {"rows", "tiles", "default", "joined", "us", "kernel_us", "mismatches", "planes_mismatches", "rel_err", "error"}
+KEYS = {"rows", "tiles", "default", "joined", "us", "kernel_us", "mismatches", "error"}
 SAME = MoeTiles(16, 16, 32, 16, 32, 4, 1)  # the interpreter gives the default tiles' bits with these
 BAD = MoeTiles(16, 32, 64, 32, 64, 4, 1)  # made to differ below
 BROKEN = MoeTiles(32, 32, 32, 32, 32, 2, 1)  # made to raise below
@@ -53,14 +48,6 @@ def test_candidates_pair_every_setting_of_both_kernels_at_every_warps_and_stages
         assert {(t.down_n, t.down_k) for t in here} == set(DOWN) == set(itertools.product((32, 64, 128), (64, 128)))
     both = candidates((4,), (3,), (16, 32))
     assert len(both) == 14 and {t.block_m for t in both} == {16, 32}
-
-
-def test_planes_candidates_take_every_column_pair_at_every_warps_and_stages() -> None:
-    tiles = planes_candidates((2, 4), (3,))
-    assert len(tiles) == 2 * len(PLANES_N) == len(set(tiles)) and all(t.planes for t in tiles)
-    assert {(t.gate_up_k, t.down_k) for t in tiles} == {(PLANES_K, PLANES_K)} and {t.block_m for t in tiles} == {16}
-    assert {(t.gate_up_n, t.down_n, t.num_warps) for t in tiles} == {(*c, w) for c in PLANES_N for w in (2, 4)}
-    assert not any(t.planes for t in candidates())
 
 
 def test_cold_sets_read_enough_weights_between_two_uses_of_a_set() -> None:
@@ -130,53 +117,6 @@ def test_sweep_counts_other_bits_records_errors_and_runs_the_joined_best() -> No
     ]
 
 
-def test_planes_rows_are_held_to_the_first_planes_bits_and_ranked_apart() -> None:
-    bank, routings = inputs(SMOKE, True, {2: 1}, CPU)
-    default = moe_tiles(2, SMOKE.top_k, SMOKE.experts)
-    p1, p2, p3 = (MoeTiles(16, g, PLANES_K, d, PLANES_K, 4, 1, planes=True) for g, d in ((16, 32), (32, 16), (64, 32)))
-    seen: list[MoeTiles | None] = []
-
-    def forward(bank, routing, tiles, out_dtype):
-        """launch, but planes outputs are all off the default's, and p3's also off the other planes' in one element."""
-        seen.append(tiles)
-        out = launch(bank, routing, tiles, out_dtype)
-        if tiles is not None and tiles.planes:
-            out = out * 1.0001
-            if tiles == p3:
-                out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(float("inf")))
-        return out
-
-    whole = {default: 30.0, SAME: 20.0, p1: 25.0, p2: 5.0, p3: 1.0}  # the fastest planes row has other bits
-    kernels = {p1: {"gate_up": 1.0, "down": 9.0}, p2: {"gate_up": 9.0, "down": 1.0}}
-    pending: list[str] = []
-
-    def timer(calls):
-        """Fake µs of the tiles last run: the whole call, then each of its kernels in KERNELS order."""
-        if isinstance(calls[0], partial):
-            pending[:] = KERNELS
-            return whole.get(seen[-1], 10.0)
-        return kernels.get(seen[-1], {}).get(pending.pop(0), 5.0)
-
-    rows = sweep(2, SMOKE, bank, routings[2], [SAME, p1, p2, p3], timer, forward)
-    planes_joined = MoeTiles(16, 16, PLANES_K, 16, PLANES_K, 4, 1, planes=True)  # p1's gate_up, p2's down
-    assert [MoeTiles(**r["tiles"]) for r in rows] == [default, SAME, p1, p2, p3, planes_joined]
-    assert [r["joined"] for r in rows] == [True, False, False, False, False, True]  # default-bits ties: the default
-    assert [r["planes_mismatches"] for r in rows] == [None, None, 0, 0, 1, 0]  # the joined planes really ran
-    assert [r["mismatches"] > 0 for r in rows] == [False, False, True, True, True, True]
-    assert all(1e-5 < r["rel_err"] < 1e-2 for r in rows[2:]) and rows[1]["rel_err"] == 0.0
-    assert [MoeTiles(**r["tiles"]) for r in best(rows)] == [SAME, default]  # no planes row, however fast
-    planes_best = [MoeTiles(**r["tiles"]) for r in best(rows, same=planes_identical)]
-    assert planes_best == [p2, planes_joined, p1]  # not p3, the fastest
-    lines = report(2, rows, 0.25)
-    assert lines[0] == "N=2: 6 tiles, 0 failed, 0 with other bits; 4 planes, 1 with other bits than the first"
-    assert [line.split(" us ")[0].split()[:-1] for line in lines[3:]] == [
-        ["best", "1"], ["best", "2"], ["gate_up"], ["down"], ["joined"],
-        ["planes", "best", "1"], ["planes", "best", "2"], ["planes", "best", "3"], ["planes", "gate_up"],
-        ["planes", "down"], ["planes", "joined"],
-    ]  # fmt: skip
-    assert lines[-1].endswith("planes gate_up 16 down 16 warps 4 stages 1 (rel err 1.0e-04)")
-
-
 def test_a_joined_best_already_run_is_marked_and_kernels_not_launched_are_not_timed(monkeypatch) -> None:
     import gpu_sweep_moe
 
@@ -227,23 +167,6 @@ def test_main_fails_when_the_default_tiles_do(tmp_path, monkeypatch) -> None:
     assert main(["--out", str(tmp_path), "--smoke", "--rows", "1"]) == 1
     [row] = json.loads((tmp_path / "moe_sweep_nvfp4.json").read_text())["rows"]
     assert row["default"] and row["error"] == "RuntimeError('out of resources')"
-
-
-def test_main_smoke_with_planes_sweeps_them_too(tmp_path, capsys) -> None:
-    assert main(["--out", str(tmp_path), "--smoke", "--rows", "3", "--planes"]) == 0
-    rows = json.loads((tmp_path / "moe_sweep_nvfp4.json").read_text())["rows"]
-    planes = [r for r in rows if r["tiles"]["planes"]]
-    assert len(planes) >= len(SMOKE_PLANES_N) and sum(r["joined"] for r in planes) == 1
-    assert all(r["error"] is None and r["planes_mismatches"] == 0 and r["rel_err"] < 1e-5 for r in planes)
-    assert all(r["planes_mismatches"] is None and r["mismatches"] == 0 for r in rows if not r["tiles"]["planes"])
-    out = capsys.readouterr().out
-    assert out.count("  planes best 1 ") == 1 and out.count("  planes joined ") == 1
-
-
-def test_planes_are_refused_for_the_bf16_bank(tmp_path) -> None:
-    with pytest.raises(SystemExit):
-        main(["--out", str(tmp_path), "--smoke", "--bf16", "--planes"])
-    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(("argv", "interpret"), [(["--smoke"], False), ([], True)])
