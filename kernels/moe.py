@@ -15,17 +15,6 @@ of 64, or fewer than four warps), whose per-element result depends only on that 
 do not depend on the batch. NVFP4 weights are dequantized in registers to bf16 as fp4(code)·block_scale, which is
 exact in bf16 (at most 6 significant bits); the fp32 global scale_2 multiplies the fp32 sum afterwards (gate and
 up each by their own), the same W = fp4·block_scale·scale_2 with one rounding fewer than scaling each weight.
-
-Planes (`MoeTiles.planes`, opt-in, NVFP4 only: BF16 banks ignore it). The default path unpacks each K tile's words
-(int32, 8 codes) into bf16 columns in index order, which takes register shuffles. The planes path decodes code j of
-every word of a K tile as its own plane in the words' layout, the weights of elements k0 + 8m + j for the tile's
-words m, and adds x[:, k0 + 8m + j]·plane_j for j = 0..7. So its reduction order is: K tiles of PLANES_K in
-increasing k0; within a tile, planes j = 0..7; within a plane, the MMA's 16-deep steps in increasing m. PLANES_K is
-a constant (the tiles' gate_up_k and down_k are unused), so the order depends on the shape alone and is the same in
-gate-up and down: a row's planes bits depend on neither the batch nor the launch tiles, but they are not the default
-path's bits. A K tail (I = 320 is 2.5 tiles of 128) is filled with zero weights against zero activations. Its
-weights are fp4·block_scale·2^-8, still exact in bf16 and one multiply per weight (the bit trick's 2^126 folded into
-the block scale as 2^118), and scale_2·2^8 multiplies the sums.
 """
 
 from __future__ import annotations
@@ -41,7 +30,6 @@ import triton.language as tl
 
 NVFP4_GROUP = 16
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-PLANES_K = 128  # the planes path's K tile for both GEMMs, fixed because its reduction order follows it
 PLAN_MAX_PAIRS = 4096  # up to this many (row, expert) pairs one program sorts them; beyond, torch ops do
 FP4_KEYS = ("gate_up_packed", "gate_up_scale", "gate_up_scale_2", "down_packed", "down_scale", "down_scale_2")
 BF16_KEYS = ("gate_up", "down")
@@ -49,8 +37,7 @@ BF16_KEYS = ("gate_up", "down")
 
 @dataclass(frozen=True, slots=True)
 class MoeTiles:
-    """Launch shape of one call: row tile (shared by both GEMMs), column/reduction tiles, warps, stages, and whether
-    NVFP4 weights take the planes path (its reduction tiles are PLANES_K, the k fields unused; BF16 banks ignore it)."""
+    """Launch shape of one call: row tile (shared by both GEMMs), column/reduction tiles, warps, stages."""
 
     block_m: int
     gate_up_n: int
@@ -59,7 +46,6 @@ class MoeTiles:
     down_k: int
     num_warps: int
     num_stages: int
-    planes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,67 +247,6 @@ def _weight_tile(
         return tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :], mask=mask, other=0.0)
 
 
-@triton.constexpr_function
-def _plane_asm(i: int) -> str:
-    """PTX taking code i of both 16-bit halves of a register (4 E2M1 codes each) to the bf16 bit patterns of
-    fp4(code) * 2^-126, as `_fp4_pair` does for words: the masks keep the two halves apart."""
-    mag = f"shl.b32 m, $1, {6 - 4 * i};" if i < 2 else f"shr.b32 m, $1, {4 * i - 6};"
-    return (
-        f"{{ .reg .b32 m, s; {mag} shl.b32 s, $1, {12 - 4 * i}; "
-        "and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000; or.b32 $0, m, s; }"
-    )
-
-
-@triton.jit
-def _plane_halves(
-    w_ptr, s_ptr, rows, row_ok, k0, K, stride_wn, stride_sn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Words m < BLOCK_K/8 (elements k0 + 8m .. k0 + 8m + 7) of weight rows [BLOCK_N] as their 16-bit halves
-    (codes 0-3, codes 4-7) [BLOCK_K/8, BLOCK_N] uint16, and each word's block scale (group k0/16 + m/2) times 2^118
-    (bf16, fp32 under the interpreter, exact); zero past K."""
-    m = tl.arange(0, BLOCK_K // 8)
-    mask = row_ok[None, :] if EVEN_K else row_ok[None, :] & (k0 + 8 * m < K)[:, None]
-    # 16-bit loads, not words: Triton then decodes in the MMA operand layout, which it does not through a narrowing
-    halves = w_ptr.to(tl.pointer_type(tl.uint16)) + rows[None, :] * (2 * stride_wn) + (k0 // 4 + 2 * m)[:, None]
-    lo = tl.load(halves, mask=mask, other=0)
-    hi = tl.load(halves + 1, mask=mask, other=0)
-    scale = tl.load(s_ptr + rows[None, :] * stride_sn + (k0 // 16 + m // 2)[:, None], mask=mask, other=0.0)
-    # 2^118 keeps the largest e4m3 scale (448 < 2^9) times it below 2^127, within bf16
-    return (lo, hi), scale.to(tl.float32 if INTERPRET else tl.bfloat16) * 3.3230699894622794e35
-
-
-@triton.jit
-def _weight_plane(halves, scale, j: tl.constexpr, INTERPRET: tl.constexpr):
-    """Plane j of `_plane_halves`: the weights of elements k0 + 8m + j [BLOCK_K/8, BLOCK_N] as bf16
-    fp4(code) * 2^-126 * block scale * 2^118, fp4 * block scale * 2^-8 exactly (at most 6 significant bits)."""
-    h = halves[j // 4]
-    i: tl.constexpr = j % 4
-    if INTERPRET:  # no PTX; and the interpreter flushes bf16 subnormals: take the bits through fp32
-        mag = h << (6 - 4 * i) if i < 2 else h >> (4 * i - 6)
-        bits = (mag & 0x01C0) | ((h << (12 - 4 * i)) & 0x8000)
-        return ((bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True) * scale).to(tl.bfloat16)
-    # two halves a register: as Triton ops each 16-bit value is unpacked, shifted and packed again on its own
-    bits = tl.inline_asm_elementwise(_plane_asm(i), "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
-    return bits * scale
-
-
-@triton.jit
-def _act_plane(a_rows, ok, k0, j: tl.constexpr, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Columns k0 + 8m + j (m < BLOCK_K/8) of the activation rows [BLOCK_M], facing weight plane j; zero past K."""
-    kk = k0 + 8 * tl.arange(0, BLOCK_K // 8) + j
-    mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < K)[None, :]
-    return tl.load(a_rows + kk[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _scale_2(s2_ptr, PLANES: tl.constexpr):
-    """The fp32 scale_2 at s2_ptr; times 2^8 on the planes path, whose weights are fp4 * block scale * 2^-8."""
-    if PLANES:
-        return tl.load(s2_ptr) * 256.0
-    return tl.load(s2_ptr)
-
-
 @triton.jit
 def _round_bf16(x, INTERPRET: tl.constexpr):
     """fp32 -> bf16, round to nearest even (done on the bits under the interpreter, whose cast truncates)."""
@@ -338,14 +263,6 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
     return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
-def _mma_kn(a, w, acc, INTERPRET: tl.constexpr):
-    """acc + a·w in fp32 for w [K, N] (operands upcast under the interpreter, whose bf16 dot is wrong)."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
-    return tl.dot(a, w, acc)
 
 
 @triton.jit
@@ -373,7 +290,6 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     FP4: tl.constexpr,
-    PLANES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """h [BLOCK_M pairs, BLOCK_N] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for one tile of one expert's pairs."""
@@ -390,32 +306,19 @@ def _gate_up_kernel(
     s_e = s_ptr + e.to(tl.int64) * stride_se
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PLANES:
-        for k0 in range(0, D, BLOCK_K):
-            wg, sg = _plane_halves(w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_K, EVEN_K, INTERPRET)
-            wu, su = _plane_halves(
-                w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_K, EVEN_K, INTERPRET
-            )
-            for j in tl.static_range(8):
-                a = _act_plane(x_rows, ok, k0, j, D, BLOCK_K, EVEN_K)
-                gate = _mma_kn(a, _weight_plane(wg, sg, j, INTERPRET), gate, INTERPRET)
-                up = _mma_kn(a, _weight_plane(wu, su, j, INTERPRET), up, INTERPRET)
-    else:
-        for k0 in range(0, D, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < D)[None, :]
-            a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
-            wg = _weight_tile(
-                w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
-            )
-            gate = _mma(a, wg, gate, INTERPRET)
-            wu = _weight_tile(
-                w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
-            )
-            up = _mma(a, wu, up, INTERPRET)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < D)[None, :]
+        a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
+        wg = _weight_tile(w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET)
+        gate = _mma(a, wg, gate, INTERPRET)
+        wu = _weight_tile(
+            w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+        )
+        up = _mma(a, wu, up, INTERPRET)
     if FP4:
-        gate = gate * _scale_2(s2_ptr + e * 2, PLANES)
-        up = up * _scale_2(s2_ptr + e * 2 + 1, PLANES)
+        gate = gate * tl.load(s2_ptr + e * 2)
+        up = up * tl.load(s2_ptr + e * 2 + 1)
     h = gate * tl.sigmoid(gate) * up
     h_ptrs = h_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :]
     tl.store(h_ptrs, _round_bf16(h, INTERPRET), mask=ok[:, None] & col_ok[None, :])
@@ -444,7 +347,6 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     FP4: tl.constexpr,
-    PLANES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """y [BLOCK_M pairs, BLOCK_N] = h·Wdᵀ in fp32 for one tile of one expert's pairs, stored by pair id."""
@@ -460,23 +362,16 @@ def _down_kernel(
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PLANES:
-        for k0 in range(0, INTER, BLOCK_K):
-            wd, sd = _plane_halves(w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_K, EVEN_K, INTERPRET)
-            for j in tl.static_range(8):
-                a = _act_plane(h_rows, ok, k0, j, INTER, BLOCK_K, EVEN_K)
-                acc = _mma_kn(a, _weight_plane(wd, sd, j, INTERPRET), acc, INTERPRET)
-    else:
-        for k0 in range(0, INTER, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
-            a = tl.load(h_rows + kk[None, :], mask=a_mask, other=0.0)
-            w = _weight_tile(
-                w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
-            )
-            acc = _mma(a, w, acc, INTERPRET)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
+        a = tl.load(h_rows + kk[None, :], mask=a_mask, other=0.0)
+        w = _weight_tile(
+            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+        )
+        acc = _mma(a, w, acc, INTERPRET)
     if FP4:
-        acc = acc * _scale_2(s2_ptr + e, PLANES)
+        acc = acc * tl.load(s2_ptr + e)
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * D + cols[None, :]
     tl.store(y_ptrs, acc, mask=ok[:, None] & col_ok[None, :])
 
@@ -577,8 +472,6 @@ def moe_forward(
     if n == 0:
         return out
     tiles = tiles or moe_tiles(n, top_k, num_experts)
-    planes = fp4 and tiles.planes
-    gate_up_k, down_k = (PLANES_K, PLANES_K) if planes else (tiles.gate_up_k, tiles.down_k)
     interpret = _interpreting()
     ids = expert_ids.to(torch.int32).contiguous()
     plan = moe_plan(ids, num_experts, tiles.block_m)
@@ -612,10 +505,9 @@ def moe_forward(
         E=num_experts,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=gate_up_k,
-        EVEN_K=d % gate_up_k == 0,
+        BLOCK_K=tiles.gate_up_k,
+        EVEN_K=d % tiles.gate_up_k == 0,
         FP4=fp4,
-        PLANES=planes,
         INTERPRET=interpret,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -641,10 +533,9 @@ def moe_forward(
         E=num_experts,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.down_n,
-        BLOCK_K=down_k,
-        EVEN_K=inter % down_k == 0,
+        BLOCK_K=tiles.down_k,
+        EVEN_K=inter % tiles.down_k == 0,
         FP4=fp4,
-        PLANES=planes,
         INTERPRET=interpret,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

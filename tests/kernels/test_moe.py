@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np
 import pytest
 import torch
 
 from kernels import moe
 from kernels.moe import (
-    PLANES_K,
-    MoeTiles,
-    _plane_asm,
     expert_weights,
-    fp4_lut,
     moe_forward,
     moe_forward_reference,
     moe_plan,
@@ -33,16 +27,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def make_bank(fp4: bool, seed: int = 0, d: int = D, inter: int = INTER) -> dict[str, torch.Tensor]:
+def make_bank(fp4: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     """A random bank of E experts, quantized per matrix by the checkpoint's NVFP4 quantizer when fp4."""
     g = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(E, 2 * inter, d, generator=g) * d**-0.5
-    down = torch.randn(E, d, inter, generator=g) * inter**-0.5
+    gate_up = torch.randn(E, 2 * INTER, D, generator=g) * D**-0.5
+    down = torch.randn(E, D, INTER, generator=g) * INTER**-0.5
     if not fp4:
         return {"gate_up": gate_up.bfloat16(), "down": down.bfloat16()}
     parts: dict[str, list[torch.Tensor]] = {key: [] for key in ("gup", "gus", "gus2", "dp", "ds", "ds2")}
     for e in range(E):
-        halves = [quantize_nvfp4(gate_up[e, :inter]), quantize_nvfp4(gate_up[e, inter:])]
+        halves = [quantize_nvfp4(gate_up[e, :INTER]), quantize_nvfp4(gate_up[e, INTER:])]
         parts["gup"].append(torch.cat([halves[0][0], halves[1][0]]))
         parts["gus"].append(torch.cat([halves[0][1], halves[1][1]]))
         parts["gus2"].append(torch.stack([halves[0][2], halves[1][2]]))
@@ -60,19 +54,16 @@ def make_bank(fp4: bool, seed: int = 0, d: int = D, inter: int = INTER) -> dict[
     }
 
 
-def make_routing(n: int, seed: int, d: int = D) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [n, d] bf16, distinct expert ids [n, k] int32 in random order, renormalised weights [n, k] fp32)."""
+def make_routing(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [n, D] bf16, distinct expert ids [n, k] int32 in random order, renormalised weights [n, k] fp32)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g).bfloat16()
+    x = torch.randn(n, D, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(n)]).to(torch.int32)
     w = torch.rand(n, TOP_K, generator=g) + 0.1
     return x, ids, w / w.sum(-1, keepdim=True)
 
 
 BANKS = {"nvfp4": make_bank(True), "bf16": make_bank(False)}
-PLANES = MoeTiles(16, 32, 32, 32, 32, 4, 1, planes=True)
-WIDE_D, WIDE_I = PLANES_K, PLANES_K + 32  # planes K tiles: d one whole, I one and a tail (the narrow: tails only)
-PLANE_BANKS = {"narrow": (BANKS["nvfp4"], D), "wide": (make_bank(True, seed=1, d=WIDE_D, inter=WIDE_I), WIDE_D)}
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
@@ -188,85 +179,3 @@ def test_rejects_bad_bank() -> None:
     bad = dict(BANKS["nvfp4"], down_scale_2=torch.ones(E, 2))
     with pytest.raises(ValueError, match="down_scale_2"):
         moe_forward(x, ids, w, bad)
-
-
-@pytest.mark.parametrize("shape", ["narrow", "wide"])
-@pytest.mark.parametrize("n", [1, 7])
-def test_planes_match_reference(shape: str, n: int) -> None:
-    bank, d = PLANE_BANKS[shape]
-    x, ids, w = make_routing(n, seed=n, d=d)
-    out = moe_forward(x, ids, w, bank, tiles=PLANES)
-    out32 = moe_forward(x, ids, w, bank, out_dtype=torch.float32, tiles=PLANES)
-    assert not out32.isnan().any()
-    assert rel_err(out, moe_forward_reference(x, ids, w, bank)) <= 1e-2
-    assert rel_err(out32, moe_forward_reference(x, ids, w, bank, out_dtype=torch.float32)) <= 1e-5
-    assert torch.equal(out, out32.bfloat16())
-
-
-def test_planes_take_their_own_path() -> None:
-    bank, d = PLANE_BANKS["narrow"]
-    x, ids, w = make_routing(7, seed=2, d=d)
-    planes = moe_forward(x, ids, w, bank, out_dtype=torch.float32, tiles=PLANES)
-    default = moe_forward(x, ids, w, bank, out_dtype=torch.float32, tiles=replace(PLANES, planes=False))
-    assert not torch.equal(planes, default)  # another reduction order: other bits, by design
-
-
-def test_planes_row_invariance() -> None:
-    bank, d = PLANE_BANKS["wide"]
-    x, ids, w = make_routing(7, seed=12, d=d)
-    ids[1] = ids[0]
-    ids[5, 0] = ids[4, 1]
-    batch = moe_forward(x, ids, w, bank, out_dtype=torch.float32, tiles=PLANES)
-    for size in (1, 2):
-        for r in range(0, 7 - size + 1, size):
-            part = moe_forward(x[r : r + size], ids[r : r + size], w[r : r + size], bank, torch.float32, PLANES)
-            assert torch.equal(part, batch[r : r + size]), f"rows {r}..{r + size - 1} differ from the batch of 7"
-
-
-@pytest.mark.parametrize(
-    "tiles",
-    [
-        MoeTiles(16, 16, 512, 64, 16, 2, 1, planes=True),
-        MoeTiles(32, 64, 16, 16, 256, 8, 2, planes=True),
-        MoeTiles(64, 128, 128, 128, 128, 1, 3, planes=True),
-    ],
-)
-def test_planes_bits_do_not_depend_on_tiles(tiles: MoeTiles) -> None:
-    bank, d = PLANE_BANKS["wide"]
-    x, ids, w = make_routing(7, seed=6, d=d)
-    want = moe_forward(x, ids, w, bank, out_dtype=torch.float32, tiles=PLANES)
-    assert torch.equal(moe_forward(x, ids, w, bank, out_dtype=torch.float32, tiles=tiles), want)
-
-
-def test_bf16_bank_ignores_planes() -> None:
-    x, ids, w = make_routing(5, seed=3)
-    planes = moe_forward(x, ids, w, BANKS["bf16"], out_dtype=torch.float32, tiles=PLANES)
-    default = moe_forward(x, ids, w, BANKS["bf16"], out_dtype=torch.float32, tiles=replace(PLANES, planes=False))
-    assert torch.equal(planes, default)
-
-
-def run_ptx(asm: str, x: np.ndarray) -> np.ndarray:
-    """The output register $0 of `asm` (shl, shr, and, or on .b32 registers) for the input register $1 = x."""
-    regs = {"$1": x.astype(np.uint64)}
-    for ins in asm.strip("{} ").split(";"):
-        if not ins.strip() or ins.strip().startswith(".reg"):
-            continue
-        op, operands = ins.split(None, 1)
-        dst, a, b = (t.strip() for t in operands.split(","))
-        rhs = regs[b] if b in regs else np.uint64(int(b, 0))
-        ops = {"shl.b32": np.left_shift, "shr.b32": np.right_shift, "and.b32": np.bitwise_and, "or.b32": np.bitwise_or}
-        regs[dst] = ops[op](regs[a], rhs) & np.uint64(0xFFFFFFFF)
-    return regs["$0"]
-
-
-@pytest.mark.parametrize("i", range(4))
-def test_plane_ptx_decodes_both_halves(i: int) -> None:
-    halves = np.arange(1 << 16, dtype=np.uint64)
-    x = halves | (np.random.default_rng(i).permutation(halves) << np.uint64(16))  # every half in both places
-    out = run_ptx(_plane_asm(i), x)
-    lut = fp4_lut().double().numpy()
-    for shift in (0, 16):
-        bits = ((out >> np.uint64(shift)) & np.uint64(0xFFFF)) << np.uint64(16)
-        value = bits.astype(np.uint32).view(np.float32).astype(np.float64) * 2.0**126  # fp4(code) * 2^-126
-        codes = (x >> np.uint64(shift + 4 * i)) & np.uint64(0xF)
-        assert np.array_equal(value, lut[codes.astype(np.int64)])
