@@ -59,6 +59,20 @@ def per_round(events, rounds: int) -> list[dict]:
     return [{"name": e.key, "ms": e.self_device_time_total / 1e3 / rounds, "calls": e.count / rounds} for e in timed]
 
 
+def profile(model, lanes: list[LaneState], vocab: int, rank: int, rounds: int = 5) -> str:
+    """torch.profiler's kernel table of `rounds` decode rounds of `lanes` (every rank profiles, so both pay its
+    cost alike); rank 0 prints each kernel's ms and calls a round."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            model(decode_batch(lanes, 1, vocab))
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"kernels, {len(lanes)} lane(s), per round:", flush=True)
+        for line in per_round(prof.key_averages(), rounds)[:24]:
+            print(f"  {line['ms']:7.3f} ms {line['calls']:6.1f} calls  {line['name'][:90]}", flush=True)
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dist.init_process_group("nccl")
@@ -70,10 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     kernel_path.lane_pool(model, slots=max(LANES), context=1024)
     graphs = kernel_path.enable_graphs(model, {"trunk": max(LANES), "verify": WINDOW})
-    rows, rows_report, vocab = [], [], model.cfg.vocab_size
-    decoding: dict[int, list[LaneState]] = {}
+    rows, rows_report, vocab, tables = [], [], model.cfg.vocab_size, {}
     for count in LANES:
-        lanes = decoding[count] = [model.new_lane() for _ in range(count)]
+        lanes = [model.new_lane() for _ in range(count)]  # the last count's lanes free their slots when dropped
         for lane in lanes:  # a short prompt each, within the graphs' buckets
             model(decode_batch([lane], 16, vocab))
         host, gpu = [], []
@@ -95,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"lanes": count, "forward_wall_ms": statistics.median(host), "replay_ms": statistics.median(gpu)})
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
+        if count == max(LANES):  # profiled while these lanes hold the pool: more lanes would grow it
+            tables["_64"] = profile(model, lanes, vocab, rank)
+    del lanes
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))
     for window in range(1, WINDOW + 1):  # one lane's verify round with 0..3 drafts: every row's state kept
@@ -111,17 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         rows_report.append({"drafts": window - 1, "verify_wall_ms": statistics.median(times)})
         if rank == 0:
             print(json.dumps(rows_report[-1]), flush=True)
-    tables = {}
-    for name, profiled in (("", lanes), ("_64", decoding[max(LANES)])):  # one lane, then the most lanes
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                model(decode_batch(profiled, 1, vocab))
-            torch.cuda.synchronize()
-        tables[name] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
-        if rank == 0:
-            print(f"kernels, {len(profiled)} lane(s), per round:", flush=True)
-            for line in per_round(prof.key_averages(), 5)[:24]:
-                print(f"  {line['ms']:7.3f} ms {line['calls']:6.1f} calls  {line['name'][:90]}", flush=True)
+    tables[""] = profile(model, lanes, vocab, rank)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, table in tables.items():
