@@ -3,7 +3,8 @@ the model with CUDA graphs, timed on the host (wall time of a forward, synchroni
 over the graph's replay alone); one lane's verify round with 0..3 drafts (every row's state kept); then
 torch.profiler's kernel tables for five replayed rounds of one lane and of 64 lanes on rank 0.
 
-timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR   # DIR/step_profile{,_64}.txt, .json
+timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
+# DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile.json
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True, help="folder for step_profile.json and step_profile.txt")
     ap.add_argument("--model", type=Path, default=ROOT / "configs/qwen3.8-flash-next", help="config folder")
     ap.add_argument("--rounds", type=int, default=20, help="timed decode rounds per lane count")
+    ap.add_argument("--lanes", type=int, nargs="+", default=list(LANES), help=f"lane counts (default {list(LANES)})")
+    ap.add_argument("--context", type=int, default=1024, help="positions a pool slot holds (default 1024)")
     return ap.parse_args(argv)
 
 
@@ -82,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(
         args.model, device=device, dtype="bfloat16", tp=TensorParallel(rank, 2), load_format="dummy", kernels="on"
     )
-    kernel_path.lane_pool(model, slots=max(LANES), context=1024)
-    graphs = kernel_path.enable_graphs(model, {"trunk": max(LANES), "verify": WINDOW})
+    most = max(args.lanes)
+    kernel_path.lane_pool(model, slots=most, context=args.context)
+    graphs = kernel_path.enable_graphs(model, {"trunk": most, "verify": WINDOW})
     rows, rows_report, vocab, tables = [], [], model.cfg.vocab_size, {}
-    for count in LANES:
+    for count in args.lanes:
         lanes = [model.new_lane() for _ in range(count)]  # the last count's lanes free their slots when dropped
         for lane in lanes:  # a short prompt each, within the graphs' buckets
             model(decode_batch([lane], 16, vocab))
@@ -108,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"lanes": count, "forward_wall_ms": statistics.median(host), "replay_ms": statistics.median(gpu)})
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
-        if count == max(LANES):  # profiled while these lanes hold the pool: more lanes would grow it
-            tables["_64"] = profile(model, lanes, vocab, rank)
+        if count == most:  # profiled while these lanes hold the pool: more lanes would grow it
+            tables[f"_{most}"] = profile(model, lanes, vocab, rank)
     del lanes
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, table in tables.items():
             (args.out / f"step_profile{name}.txt").write_text(table)
-        report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, max(LANES)]}
+        report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, most],
+                  "context": args.context}  # fmt: skip
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
     dist.barrier()
     dist.destroy_process_group()
