@@ -19,18 +19,15 @@ import itertools
 import json
 import math
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from gpu_check_hyper import CALLS, COLD_BYTES, REAL, REPLAYS, Rows, Shape, Weights, call, make_rows, make_weights
-from gpu_timing import graph_median_us
+from gpu_timing import graph_median_us, recording, wall_us
 
 from kernels import hyper  # importable: gpu_check_hyper puts the repository root on sys.path
 from kernels import linear as linear_module
@@ -95,38 +92,6 @@ def graph_us(calls: list[Callable[[], object]]) -> float:
     return graph_median_us(calls, CALLS, REPLAYS)
 
 
-def wall_us(calls: list[Callable[[], object]]) -> float:
-    """Wall-clock µs of one call, each call run once (the CPU smoke run's stand-in for graph_us)."""
-    start = time.perf_counter()
-    for fn in calls:
-        fn()
-    return (time.perf_counter() - start) * 1e6 / len(calls)
-
-
-class _Recorder:
-    """Stands in for a Triton kernel: each launch runs and is also kept, to be replayed alone."""
-
-    def __init__(self, kernel: Any, kept: list[Callable[[], object]]) -> None:
-        self.kernel, self.kept = kernel, kept
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
-        def run(*args: object, **kwargs: object) -> object:
-            self.kept.append(lambda: self.kernel[grid](*args, **kwargs))
-            return self.kernel[grid](*args, **kwargs)
-
-        return run
-
-
-@contextmanager
-def recording() -> Iterator[dict[str, list[Callable[[], object]]]]:
-    """Within: every launch of the read kernels is kept, per KERNELS name, as a call replaying it."""
-    kept: dict[str, list[Callable[[], object]]] = {name: [] for name in KERNELS}
-    with ExitStack() as stack:
-        for name, (module, attr) in KERNELS.items():
-            stack.enter_context(mock.patch.object(module, attr, _Recorder(getattr(module, attr), kept[name])))
-        yield kept
-
-
 def measure(
     n: int, tiles: ReadTiles, sets: list[tuple[Weights, Rows]], ref: list[torch.Tensor], shape: Shape,
     timer: Timer, read: Read,
@@ -140,7 +105,7 @@ def measure(
         row["inject_mismatches"] = int((inj != ref[1]).sum())
         calls = [partial(read, w, rows, shape, tiles) for w, rows in sets]
         row["us"] = timer(calls)
-        with recording() as kept:
+        with recording(KERNELS) as kept:
             for fn in calls:
                 fn()
         row["kernel_us"] = {name: timer(launches) for name, launches in kept.items() if launches}

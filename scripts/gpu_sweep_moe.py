@@ -29,17 +29,14 @@ import json
 import math
 import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from gpu_check_moe import Shape, floor_us, make_bank, make_routing
-from gpu_timing import graph_median_us
+from gpu_timing import graph_median_us, recording, wall_us
 from torch.overrides import TorchFunctionMode
 
 from kernels import moe  # importable: gpu_check_moe puts the repository root on sys.path
@@ -53,7 +50,12 @@ CALLS = 20  # calls per timed graph at least, as gpu_check_hyper
 REPLAYS = 25
 COLD_BYTES = 300_000_000  # down weights read between two uses of one routing set: several times the L2
 MAX_SETS = 64
-KERNELS = {"plan": "_plan_kernel", "gate_up": "_gate_up_kernel", "down": "_down_kernel", "combine": "_combine_kernel"}
+KERNELS = {  # name: (module, kernel attribute) of each launch a call makes
+    "plan": (moe, "_plan_kernel"),
+    "gate_up": (moe, "_gate_up_kernel"),
+    "down": (moe, "_down_kernel"),
+    "combine": (moe, "_combine_kernel"),
+}
 # (gate_up_n, gate_up_k) and (down_n, down_k). Left out: gate/up 16x128 (2 KB of weights a step per program, too
 # little in flight) and 64x512 (ptxas for sm_90 at block_m 16: 255 registers and spills at every num_warps, 1.5 KB
 # of stack at 2)
@@ -96,14 +98,6 @@ def graph_us(calls: list[Callable[[], object]]) -> float:
     return graph_median_us(calls, max(CALLS, len(calls)), REPLAYS)
 
 
-def wall_us(calls: list[Callable[[], object]]) -> float:
-    """Wall-clock µs of one call, each call run once (the CPU smoke run's stand-in for graph_us)."""
-    start = time.perf_counter()
-    for fn in calls:
-        fn()
-    return (time.perf_counter() - start) * 1e6 / len(calls)
-
-
 class _OnDevice(TorchFunctionMode):
     """Within: tensors that torch functions are asked to make on "cuda" are made on `device` instead."""
 
@@ -128,30 +122,6 @@ def inputs(
         return bank, {n: [make_routing(shape, n, gen) for _ in range(c)] for n, c in counts.items()}
 
 
-class _Recorder:
-    """Stands in for a Triton kernel: each launch runs and is also kept, to be replayed alone."""
-
-    def __init__(self, kernel: Any, kept: list[Callable[[], object]]) -> None:
-        self.kernel, self.kept = kernel, kept
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
-        def run(*args: object, **kwargs: object) -> object:
-            self.kept.append(lambda: self.kernel[grid](*args, **kwargs))
-            return self.kernel[grid](*args, **kwargs)
-
-        return run
-
-
-@contextmanager
-def recording() -> Iterator[dict[str, list[Callable[[], object]]]]:
-    """Within: every launch of the MoE kernels is kept, per KERNELS name, as a call replaying it."""
-    kept: dict[str, list[Callable[[], object]]] = {name: [] for name in KERNELS}
-    with ExitStack() as stack:
-        for name, attr in KERNELS.items():
-            stack.enter_context(mock.patch.object(moe, attr, _Recorder(getattr(moe, attr), kept[name])))
-        yield kept
-
-
 def new_row(n: int, tiles: MoeTiles, default: MoeTiles, joined: bool = False) -> Row:
     """The row of one candidate, nothing measured yet."""
     return {"rows": n, "tiles": dataclasses.asdict(tiles), "default": tiles == default, "joined": joined, "us": None,
@@ -169,7 +139,7 @@ def measure(
         row["mismatches"] = int((out.view(torch.int32) != ref.view(torch.int32)).sum())
         calls = [partial(forward, bank, routing, tiles, torch.bfloat16) for routing in sets]
         row["us"] = timer(calls)
-        with recording() as kept:
+        with recording(KERNELS) as kept:
             for fn in calls:
                 fn()
         row["kernel_us"] = {name: timer(launches) for name, launches in kept.items() if launches}

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gpu_check_hyper import make_rows, make_weights
 from gpu_sweep_hyper import (
+    KERNELS,
     SMOKE,
     ReadTiles,
     best,
@@ -57,7 +58,7 @@ def test_identical_candidates_report_zero_mismatches() -> None:
 def test_each_kernel_is_timed_by_replaying_its_own_launch() -> None:
     gen = torch.Generator().manual_seed(0)
     w, rows = make_weights("read", SMOKE, CPU, gen), make_rows("read", 2, SMOKE, CPU, gen)
-    with recording() as kept:
+    with recording(KERNELS) as kept:
         x, _ = launch(w, rows, SMOKE, read_tiles(2, SMOKE.r))
     counts = {name: len(calls) for name, calls in kept.items()}
     assert counts == {"rstd": 1, "down": 1, "linear": 0, "finish": 0, "mix": 1, "gate_mix": 0}
