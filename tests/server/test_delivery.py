@@ -17,6 +17,19 @@ from tests.tiny import checkpoint
 GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
 
 
+def serve(engine: Engine, requests: int, tokens: int, wait_s: float = 120) -> list[Outcome]:
+    """Start the engine, submit `requests` greedy requests of one 4-token prompt, wait for all, stop it."""
+    outcomes = [Outcome() for _ in range(requests)]
+    engine.start()
+    try:
+        for i, outcome in enumerate(outcomes):
+            engine.submit(Request(f"r{i}", [5, 9, 14, 3], tokens, GREEDY, frozenset(), outcome.sink))
+        assert all(outcome.done.wait(wait_s) for outcome in outcomes), "a request did not finish"
+    finally:
+        engine.stop()
+    return outcomes
+
+
 def test_each_round_delivers_every_lanes_update_in_one_call(tmp_path) -> None:
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
     runner = RecordingRunner(model, 3)
@@ -28,14 +41,7 @@ def test_each_round_delivers_every_lanes_update_in_one_call(tmp_path) -> None:
         deliver_each(batch)
 
     engine.deliver = deliver
-    outcomes = [Outcome() for _ in range(3)]
-    engine.start()
-    try:
-        for i, outcome in enumerate(outcomes):
-            engine.submit(Request(f"r{i}", [5, 9, 14, 3], 4, GREEDY, frozenset(), outcome.sink))
-        assert all(outcome.done.wait(120) for outcome in outcomes)
-    finally:
-        engine.stop()
+    outcomes = serve(engine, 3, 4)
     assert all(len(outcome.tokens) == 4 and outcome.finish == "length" for outcome in outcomes)
     assert sum(len(batch) for batch in batches) == 12  # every update went through deliver
     assert len(batches) <= len(runner.rounds)  # at most one call a round
@@ -136,14 +142,7 @@ def test_updates_reach_the_sinks_once_the_next_round_is_launched_or_the_engine_i
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
     engine = Engine(Ordered(model, 2), context=256, prompt_budget=64)
     engine.deliver = lambda batch: (events.append("deliver"), deliver_each(batch))
-    outcomes = [Outcome() for _ in range(2)]
-    engine.start()
-    try:
-        for i, outcome in enumerate(outcomes):
-            engine.submit(Request(f"r{i}", [5, 9, 14, 3], 3, GREEDY, frozenset(), outcome.sink))
-        assert all(outcome.done.wait(120) for outcome in outcomes)
-    finally:
-        engine.stop()
+    outcomes = serve(engine, 2, 3)
     assert all(len(outcome.tokens) == 3 for outcome in outcomes)
     delivered = [i for i, event in enumerate(events) if event == "deliver"]
     assert len(delivered) >= 3
@@ -159,12 +158,5 @@ def test_updates_still_arrive_when_the_runner_never_says_launched(tmp_path) -> N
             return super().execute(plan)
 
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
-    engine = Engine(Silent(model, 1), context=256, prompt_budget=64)
-    outcome = Outcome()
-    engine.start()
-    try:
-        engine.submit(Request("r", [5, 9, 14, 3], 3, GREEDY, frozenset(), outcome.sink))
-        assert outcome.done.wait(60)
-    finally:
-        engine.stop()
+    (outcome,) = serve(Engine(Silent(model, 1), context=256, prompt_budget=64), 1, 3, wait_s=60)
     assert len(outcome.tokens) == 3 and outcome.finish == "length"
