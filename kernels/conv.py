@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.pdl import enter, launch_options
+
 SCAN_ROWS = 256
 HEAD_C = 128
 BODY_ROWS = 16
@@ -250,8 +252,10 @@ def _causal_conv_kernel(
     BC: tl.constexpr,
     SCAN: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Causal conv of lanes' rows: programs for each lane's first S rows and tail, then programs for BT-row blocks."""
+    enter(PDL)
     # A head program (one per row and BC_HEAD channels; only a lane's first row works) convolves the lane's first
     # S rows, the only ones that read its tail, then replaces the tail: one program reads and writes it, so no
     # race. A body program convolves the rows S.. of any lane in BT rows and BC channels.
@@ -496,5 +500,6 @@ def causal_conv_update(
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
+        **launch_options(_causal_conv_kernel, x.device),
     )
     return out

@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.hyper import round_to_act
+from kernels.pdl import enter, launch_options
 
 # The interpreter has no libdevice, and its bf16 casts truncate and lose subnormals: there they go through the bits.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -97,9 +98,11 @@ def _gdn_gates_kernel(
     B_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """beta = act_b(sigmoid(b)) and g = (-exp(a_log)) · softplus(a + dt_bias) for BLOCK elements of [N, H] (b and a
     rows at their own strides, the outputs contiguous)."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     row, head = offs // H, offs % H
@@ -123,8 +126,10 @@ def _silu_mul_kernel(
     ACT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = act(act(silu(gate)) · up) for BLOCK elements of [N, C] (inputs' rows at their own strides)."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     row, col = offs // C, offs % C
@@ -146,8 +151,10 @@ def _gated_add_kernel(
     ACT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = act(routed + act(act(sigmoid(logit of the row)) · shared)) for BLOCK elements of [N, D]."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     z = _f32(tl.load(logit_ptr + (offs // D) * stride_logit, mask=ok, other=0.0), INTERPRET)
@@ -207,7 +214,7 @@ def gdn_gates(
         _gdn_gates_kernel[(triton.cdiv(total, BLOCK),)](
             b, a, a_log, dt_bias, beta, g, total, b.shape[1], b.stride(0), a.stride(0),
             B_BF16=b.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
-            enable_fp_fusion=False, enable_reflect_ftz=False,
+            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_gdn_gates_kernel, b.device),
         )  # fmt: skip
     return beta, g
 
@@ -239,7 +246,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(triton.cdiv(total, BLOCK),)](
             gate, up, out, total, gate.shape[1], gate.stride(0), up.stride(0),
             ACT_BF16=gate.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
-            enable_fp_fusion=False, enable_reflect_ftz=False,
+            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_silu_mul_kernel, gate.device),
         )  # fmt: skip
     return out
 
@@ -269,7 +276,7 @@ def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tens
         _gated_add_kernel[(triton.cdiv(total, BLOCK),)](
             routed, gate_logit, shared, out, total, routed.shape[1], gate_logit.stride(0),
             ACT_BF16=routed.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
-            enable_fp_fusion=False, enable_reflect_ftz=False,
+            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_gated_add_kernel, routed.device),
         )  # fmt: skip
     return out
 

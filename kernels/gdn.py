@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.conv import exp_f32, lane_run_end, lane_runs
+from kernels.pdl import enter, launch_options
 
 L2_EPS = 1e-6
 BLOCK_V = 16
@@ -124,8 +125,10 @@ def _gdn_recurrent_kernel(
     KEEP: tl.constexpr,
     SCAN: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, value head, Dv tile); only a lane's first row works, looping over the lane's rows."""
+    enter(PDL)
     pid = tl.program_id(0)
     tiles = DV // BV
     row = pid // (H * tiles)
@@ -252,5 +255,6 @@ def gdn_recurrent(
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=NUM_WARPS,
         enable_fp_fusion=True,
+        **launch_options(_gdn_recurrent_kernel, q.device),
     )
     return out, states

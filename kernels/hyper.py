@@ -44,6 +44,7 @@ from triton.language.extra import libdevice
 
 from kernels.counters import CounterPool
 from kernels.linear import linear
+from kernels.pdl import enter, launch_options
 
 # The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
 # and rounding is done on the bits.
@@ -182,9 +183,11 @@ def _rstd_kernel(
     WRITE_NORMED: tl.constexpr,
     ACT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32, lane sums then one tree sum; with
     WRITE_NORMED also stream b of normed = act(x · rstd · (1 + w))."""
+    enter(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)
     base = wide_ptr + row.to(tl.int64) * stride_w + b * D
@@ -312,8 +315,10 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_I: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Norm + down (+ inject) projection of one [BLOCK_M, BLOCK_R] tile: all K ranges, or range pid_s of SPLIT."""
+    enter(PDL)
     pid_j = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -471,8 +476,10 @@ def _mix_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """x tile = act(Σ_b sigmoid(h · W_up,bᵀ) · normed_b / hc), streams summed in order."""
+    enter(PDL)
     pid_t = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -514,9 +521,11 @@ def _finish_kernel(
     ACT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """From the down (and inject) projection's fp32 sums [M, W]: h = act(silu(a / hc)) for the first R columns,
     inject = act(2·sigmoid(a_inj / hc)) for the rest, as `_finish_down` forms them."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     row, col = offs // W, offs % W
@@ -542,9 +551,11 @@ def _gate_mix_kernel(
     ACT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """x = act(Σ_b sigmoid(u_b) · normed_b / hc) from the up projection's fp32 sums u [M, hc·d] and the stored
     normed rows, streams summed in order from -0.0, as `_mix_kernel` forms it."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     row, col = offs // D, offs % D
@@ -574,8 +585,10 @@ def _write_kernel(
     ACT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out_b = act(X_b + inject_b · y) for one row and BLOCK columns; y = act(Σ partials in rank order) if RANKS."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
@@ -674,6 +687,7 @@ def _launch_down(
         HC=hc, SPLIT=split, IN_PROGRAM=tiles.in_program, HAS_INJ=w_inject is not None,
         ACT_BF16=act == torch.bfloat16, BLOCK_M=tiles.down_m, BLOCK_R=tiles.down_r, BLOCK_K=block_k(d),
         BLOCK_I=INJECT_BLOCK, INTERPRET=INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(_down_kernel, wide.device),
     )  # fmt: skip
 
 
@@ -703,14 +717,14 @@ def launch_read(
     _rstd_kernel[(n, hc)](
         wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,
         HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear or up_via_linear, ACT_BF16=bf16,
-        INTERPRET=INTERPRET,
+        INTERPRET=INTERPRET, **launch_options(_rstd_kernel, wide.device),
     )  # fmt: skip
     h = torch.empty((n, r), dtype=act, device=dev)
     if via_linear:  # one linear launch over the stacked down and inject weights: fp32 sums [n, r (+ hc)]
         sums = linear(normed, w_down if w_inject is None else stacked_rows(w_down, w_inject), torch.float32)
         _finish_kernel[(triton.cdiv(sums.numel(), WRITE_BLOCK),)](
             sums, h, inject if inject is not None else h, sums.numel(), r, sums.shape[1], sums.stride(0),
-            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET,
+            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET, **launch_options(_finish_kernel, sums.device),
         )  # fmt: skip
     else:
         _launch_down(wide, rstd, hc_norm_weight, w_down, w_inject, h, inject, tiles, hc)
@@ -718,13 +732,13 @@ def launch_read(
         u = linear(h, w_up, torch.float32)
         _gate_mix_kernel[(triton.cdiv(n * d, WRITE_BLOCK),)](
             u, normed, x, n * d, d, u.stride(0), normed.stride(0),
-            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET,
+            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET, **launch_options(_gate_mix_kernel, u.device),
         )  # fmt: skip
         return x, inject
     _mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](
         wide, rstd, hc_norm_weight, h, w_up, x, n, d, r, wide.stride(0), w_up.stride(0),
         HC=hc, ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d, BLOCK_R=block_r(r), INTERPRET=INTERPRET,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(_mix_kernel, wide.device),
     )  # fmt: skip
     return x, inject
 
@@ -821,6 +835,7 @@ def hc_write(
     _write_kernel[(n, triton.cdiv(k // hc, block))](
         wide, y, inject, out, k // hc, wide.stride(0), out.stride(0), stride_yr, y.stride(-2), inject.stride(0),
         HC=hc, RANKS=ranks, ACT_BF16=wide.dtype == torch.bfloat16, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
+        **launch_options(_write_kernel, wide.device),
     )  # fmt: skip
     return out
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.counters import CounterPool
+from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,6 +65,8 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order."""
     pid_m = tl.program_id(0)
@@ -78,6 +81,11 @@ def _linear_kernel(
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     k_start = pid_s * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
+    if PREFETCH:  # weights are never written by a kernel: fetch this program's into L2 while the previous one runs
+        lines = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[None, :] * stride_wn
+        for k0 in range(k_start, k_end, BLOCK_K):
+            prefetch_l2(lines + tl.minimum(k0 + tl.arange(0, BLOCK_K // 64) * 64, K - 1)[:, None])
+    enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + ks
@@ -109,8 +117,9 @@ def _linear_kernel(
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Add the K-range partials [SPLIT, M·N] in range order and round once."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -183,11 +192,15 @@ def launch(
         BLOCK_K=BLOCK_K,
         EVEN_K=k % BLOCK_K == 0,
         INTERPRET=INTERPRET,
+        PREFETCH=prefetch_enabled(x.device),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **launch_options(_linear_kernel, x.device),
     )
     if split > 1 and not fused:
-        _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](part, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK)
+        _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            part, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, **launch_options(_split_sum_kernel, x.device)
+        )
     return out.to(out_dtype)
 
 

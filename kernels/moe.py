@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch_options
+
 NVFP4_GROUP = 16
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 PLAN_MAX_PAIRS = 4096  # up to this many (row, expert) pairs one program sorts them; beyond, torch ops do
@@ -104,9 +106,11 @@ def _plan_kernel(
     E_POW2: tl.constexpr,
     P_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: stable sort of the pairs by expert, cumulated per-expert pair counts, and the tile map: a tile
     starts at every BLOCK_M-th position of an expert's run of sorted pairs, and tiles past the last, up to T, get E."""
+    enter(PDL)
     q = tl.arange(0, P_POW2)
     valid = q < P
     ids = tl.load(ids_ptr + q, mask=valid, other=E)
@@ -172,6 +176,7 @@ def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePla
         P_POW2=triton.next_power_of_2(num_pairs),
         BLOCK_M=block_m,
         num_warps=4,
+        **launch_options(_plan_kernel, expert_ids.device),
     )
     return MoePlan(pairs, bounds, tile_experts, tile_starts, block_m, num_tiles)
 
@@ -291,8 +296,10 @@ def _gate_up_kernel(
     EVEN_K: tl.constexpr,
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h [BLOCK_M pairs, BLOCK_N] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for one tile of one expert's pairs."""
+    enter(PDL)
     n_blocks = tl.cdiv(INTER, BLOCK_N)
     t = tl.program_id(0) // n_blocks
     nb = tl.program_id(0) % n_blocks
@@ -348,8 +355,10 @@ def _down_kernel(
     EVEN_K: tl.constexpr,
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y [BLOCK_M pairs, BLOCK_N] = h·Wdᵀ in fp32 for one tile of one expert's pairs, stored by pair id."""
+    enter(PDL)
     n_blocks = tl.cdiv(D, BLOCK_N)
     t = tl.program_id(0) // n_blocks
     nb = tl.program_id(0) % n_blocks
@@ -388,8 +397,10 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr,
     OUT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[row] = Σ weight·y over the row's pairs in ascending expert id (ties by slot), fp32, one rounding."""
+    enter(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -511,6 +522,7 @@ def moe_forward(
         INTERPRET=interpret,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **launch_options(_gate_up_kernel, x.device),
     )
     y = torch.empty(num_pairs, d, dtype=torch.float32, device=x.device)
     grid = (plan.max_tiles * triton.cdiv(d, tiles.down_n),)
@@ -539,6 +551,7 @@ def moe_forward(
         INTERPRET=interpret,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **launch_options(_down_kernel, h.device),
     )
     block_d = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(n, triton.cdiv(d, block_d))](
@@ -553,6 +566,7 @@ def moe_forward(
         OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=interpret,
         num_warps=4,
+        **launch_options(_combine_kernel, y.device),
     )
     return out
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.conv import exp_f32
 from kernels.hyper import round_to_act
+from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -95,8 +96,10 @@ def _zc_norm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_R (row, group) pairs: act(x · rstd · (1 + w))."""
+    enter(PDL)
     r, offs, ok, grp = _tile_rows(G, R, stride_xm, stride_xg, BLOCK_R)
     rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, False, ACT_BF16, BLOCK_R, BLOCK_C, INTERPRET), C, eps)
     for c0 in range(0, C, BLOCK_C):
@@ -127,8 +130,10 @@ def _gated_norm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_R (row, group) pairs: x rounded to act, act(act(w · act(x · rstd)) · gate(z)), the gate in fp32."""
+    enter(PDL)
     r, offs, ok, _ = _tile_rows(G, R, stride_xm, stride_xg, BLOCK_R)
     z_offs = (r // G) * stride_zm + (r % G) * stride_zg
     rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, True, ACT_BF16, BLOCK_R, BLOCK_C, INTERPRET), C, eps)
@@ -162,8 +167,10 @@ def _group_dot_kernel(
     stride_bg,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_R (row, group) pairs: Σ a·b in fp32, lane sums chunk by chunk, then one tree sum per pair."""
+    enter(PDL)
     r, a_offs, ok, _ = _tile_rows(G, R, stride_am, stride_ag, BLOCK_R)
     b_offs = (r // G) * stride_bm + (r % G) * stride_bg
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
@@ -186,8 +193,10 @@ def _block_mean_kernel(
     ACT_BF16: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One block and BLOCK_C features: act((x_0 + x_1 + ... + x_{R-1}) / R), rows added in order in fp32."""
+    enter(PDL)
     blk = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = cols < C
@@ -232,7 +241,7 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
         _zc_norm_kernel[(triton.cdiv(m * g, rows),)](
             x3, weight, out, g, m * g, c, x3.stride(0), x3.stride(1), stride_wg, eps,
             ACT_BF16=x.dtype == torch.bfloat16, BLOCK_R=rows, BLOCK_C=block_c(c), INTERPRET=INTERPRET,
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, **launch_options(_zc_norm_kernel, x3.device),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -263,7 +272,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         _gated_norm_kernel[(triton.cdiv(m * g, rows),)](
             x3, z3, weight, out, g, m * g, c, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
             SILU=act == "silu", ACT_BF16=gate.dtype == torch.bfloat16, BLOCK_R=rows, BLOCK_C=block_c(c),
-            INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            INTERPRET=INTERPRET, num_warps=NUM_WARPS, **launch_options(_gated_norm_kernel, x3.device),
         )  # fmt: skip
     return out.view(gate.shape)
 
@@ -292,7 +301,7 @@ def group_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         rows = block_r(c)
         _group_dot_kernel[(triton.cdiv(m * g, rows),)](
             a3, b3, out, g, m * g, c, a3.stride(0), a3.stride(1), b3.stride(0), b3.stride(1),
-            BLOCK_R=rows, BLOCK_C=block_c(c), num_warps=NUM_WARPS,
+            BLOCK_R=rows, BLOCK_C=block_c(c), num_warps=NUM_WARPS, **launch_options(_group_dot_kernel, a3.device),
         )  # fmt: skip
     return out
 
@@ -314,7 +323,7 @@ def block_mean(x: torch.Tensor, ratio: int) -> torch.Tensor:
         bc = block_c(c)
         _block_mean_kernel[(blocks, triton.cdiv(c, bc))](
             x, out, c, x.stride(0), RATIO=ratio, ACT_BF16=x.dtype == torch.bfloat16, BLOCK_C=bc,
-            INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            INTERPRET=INTERPRET, num_warps=NUM_WARPS, **launch_options(_block_mean_kernel, x.device),
         )  # fmt: skip
     return out
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch_options
+
 NBINS = 2048  # histogram bins of the radix select; passes use bits 20..30, 10..19 and 0..9 of the score bits
 SCORE_TILE = 64  # blocks scored per program
 SELECT_TILE = 1024  # blocks scanned per program in the select passes
@@ -125,8 +127,10 @@ def _index_score_kernel(
     DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NBINS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Score one tile of a row's visible blocks (rows that need a top-k only) and count their top digit."""
+    enter(PDL)
     t = tl.program_id(0)
     g0 = tl.program_id(1) * BLOCK_G
     visible = (tl.load(pos_ptr + t) + 1) // RATIO
@@ -149,9 +153,17 @@ def _index_score_kernel(
 
 @triton.jit
 def _index_resolve_kernel(
-    pos_ptr, hist_ptr, state_ptr, PASS: tl.constexpr, RATIO: tl.constexpr, TOP: tl.constexpr, NBINS: tl.constexpr
+    pos_ptr,
+    hist_ptr,
+    state_ptr,
+    PASS: tl.constexpr,
+    RATIO: tl.constexpr,
+    TOP: tl.constexpr,
+    NBINS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """After radix pass PASS: fix the next digit of the k-th best score and how many of its ties are still needed."""
+    enter(PDL)
     t = tl.program_id(0)
     visible = (tl.load(pos_ptr + t) + 1) // RATIO
     if visible > TOP:
@@ -181,8 +193,10 @@ def _index_radix_kernel(
     TOP: tl.constexpr,
     BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Radix pass PASS (1 or 2): count the next digit of the scores that match the bits resolved so far."""
+    enter(PDL)
     t = tl.program_id(0)
     j0 = tl.program_id(1) * BLOCK
     visible = (tl.load(pos_ptr + t) + 1) // RATIO
@@ -208,8 +222,10 @@ def _index_count_kernel(
     TOP: tl.constexpr,
     BLOCK: tl.constexpr,
     TILES_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per tile: how many scores beat the k-th best and how many tie it (cnt[t, 0/1, tile])."""
+    enter(PDL)
     t = tl.program_id(0)
     tile = tl.program_id(1)
     j0 = tile * BLOCK
@@ -240,8 +256,10 @@ def _index_write_kernel(
     TILES_PAD: tl.constexpr,
     WIDTH: tl.constexpr,
     WIDTH_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Write a tile's chosen blocks as tokens at their ascending places; tile 0 writes the tail, -1 padding, count."""
+    enter(PDL)
     t = tl.program_id(0)
     tile = tl.program_id(1)
     j0 = tile * BLOCK
@@ -314,23 +332,27 @@ def qsa_index(
             q_idx, block_keys, lanes, positions, keys, hist,
             q_idx.stride(0), q_idx.stride(1), block_keys.stride(0), block_keys.stride(1), keys.stride(0),
             float(math.sqrt(dim)), HEADS=heads, DIM=dim, BLOCK_G=SCORE_TILE, NBINS=NBINS, num_warps=SCORE_WARPS,
-            **fixed,
+            **fixed, **launch_options(_index_score_kernel, device),
         )  # fmt: skip
         for step in range(3):
             if step:
                 _index_radix_kernel[(rows, tiles)](
                     keys, positions, hist, state, keys.stride(0), PASS=step, BLOCK=SELECT_TILE, NBINS=NBINS,
                     num_warps=SELECT_WARPS, **fixed,
+                    **launch_options(_index_radix_kernel, device),
                 )  # fmt: skip
-            _index_resolve_kernel[(rows,)](positions, hist, state, PASS=step, NBINS=NBINS, **fixed)
+            _index_resolve_kernel[(rows,)](
+                positions, hist, state, PASS=step, NBINS=NBINS, **fixed, **launch_options(_index_resolve_kernel, device)
+            )  # fmt: skip
         _index_count_kernel[(rows, tiles)](
             keys, positions, state, tile_counts, keys.stride(0), tile_counts.stride(0),
             BLOCK=SELECT_TILE, TILES_PAD=tiles_pad, num_warps=SELECT_WARPS, **fixed,
+            **launch_options(_index_count_kernel, device),
         )  # fmt: skip
     _index_write_kernel[(rows, tiles)](
         keys, positions, state, tile_counts, indices, counts, keys.stride(0), tile_counts.stride(0), indices.stride(0),
         BLOCK=SELECT_TILE, TILES_PAD=tiles_pad, WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width),
-        num_warps=SELECT_WARPS, **fixed,
+        num_warps=SELECT_WARPS, **fixed, **launch_options(_index_write_kernel, device),
     )  # fmt: skip
     return indices, counts
 
@@ -365,8 +387,10 @@ def _attn_chunk_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Online softmax of one (row, kv head)'s query group over one fixed chunk of its selected keys."""
+    enter(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -422,8 +446,10 @@ def _attn_merge_kernel(
     DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge one (row, kv head)'s chunks in order 0.. in fp32 and write the normalised bf16 output."""
+    enter(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     used = tl.cdiv(tl.load(count_ptr + t), SPLIT)
@@ -494,10 +520,11 @@ def qsa_sparse_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), indices.stride(0), float(scale),
         GROUP=group, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, INTERPRET=_interpret(),
-        num_warps=ATTN_WARPS,
+        num_warps=ATTN_WARPS, **launch_options(_attn_chunk_kernel, q.device),
     )  # fmt: skip
     _attn_merge_kernel[(rows, kv_heads)](
         m, total, acc, counts, out, out.stride(0), out.stride(1), chunks,
-        GROUP=group, DIM=dim, BLOCK_M=block_m, SPLIT=split, num_warps=ATTN_WARPS,
+        GROUP=group, DIM=dim, BLOCK_M=block_m, SPLIT=split,
+        num_warps=ATTN_WARPS, **launch_options(_attn_merge_kernel, m.device),
     )  # fmt: skip
     return out

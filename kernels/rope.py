@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.hyper import round_to_act
+from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -83,9 +84,11 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_P: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row n, BLOCK_H heads: rotate the first 2·half dims (ROTATE; else half is 0), copy the rest, to out[n] or the
     row's cache entry."""
+    enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = (heads < H)[:, None]
@@ -178,6 +181,7 @@ def _launch(
         h, d, half, x3.stride(0), x3.stride(1), out4.stride(0), out4.stride(1), out4.stride(2),
         ROTATE=half > 0, SCATTER=scatter, ACT_BF16=x3.dtype == torch.bfloat16, BLOCK_H=block_h,
         BLOCK_HALF=block_half, BLOCK_P=block_p, INTERPRET=INTERPRET, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        **launch_options(_rope_kernel, x3.device),
     )  # fmt: skip
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch_options
+
 
 def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [N, k] fp32, ids [N, k] int32) by torch softmax in fp32 and a stable descending sort."""
@@ -44,8 +46,10 @@ def _router_kernel(
     K_POW2: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALISE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row: fp32 softmax over E lanes, then K picks of the largest (probability, lower id) key."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < E
@@ -99,5 +103,6 @@ def router_topk(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple
         RENORMALISE=renormalise,
         num_warps=max(1, min(8, block_e // 512)),
         enable_fp_fusion=False,
+        **launch_options(_router_kernel, logits.device),
     )
     return weights, ids

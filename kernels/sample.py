@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import enter, launch_options
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCAN_BLOCK = 64 if INTERPRET else 4096  # small under the interpreter, so tests cross many chunks
 SCAN_WARPS = 8
@@ -194,8 +196,9 @@ def _leading(ptr, n, bound, MODE: tl.constexpr):
 
 
 @triton.jit
-def _cumsum_kernel(src_ptr, dst_ptr, n, stride_src, stride_dst, BLOCK: tl.constexpr):
+def _cumsum_kernel(src_ptr, dst_ptr, n, stride_src, stride_dst, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row of `sequential_cumsum`."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     _scan_row(src_ptr + row * stride_src, dst_ptr + row * stride_dst, n, BLOCK)
 
@@ -218,8 +221,10 @@ def _sample_kernel(
     stride_cdf,
     SAMPLE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One sampled row over its sorted probabilities: exact fp64 cdf, top_k, top_p and min_p cuts, keyed pick."""
+    enter(PDL)
     row = tl.program_id(0)
     probs = probs_ptr + row.to(tl.int64) * stride_probs
     cdf = cdf_ptr + row.to(tl.int64) * stride_cdf
@@ -244,8 +249,9 @@ def _sample_kernel(
 
 
 @triton.jit
-def _uniform_kernel(seed_ptr, position_ptr, out_ptr):
+def _uniform_kernel(seed_ptr, position_ptr, out_ptr, PDL: tl.constexpr):
     """One keyed uniform."""
+    enter(PDL)
     i = tl.program_id(0)
     tl.store(out_ptr + i, _draw(tl.load(seed_ptr + i), tl.load(position_ptr + i)))
 
@@ -264,6 +270,7 @@ def sequential_cumsum(values: torch.Tensor) -> torch.Tensor:
             BLOCK=SCAN_BLOCK,
             num_warps=SCAN_WARPS,
             enable_fp_fusion=False,
+            **launch_options(_cumsum_kernel, values.device),
         )
     return out
 
@@ -274,7 +281,7 @@ def draw_uniforms(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     position = position.to(device=seed.device, dtype=torch.int64).contiguous()
     out = torch.empty(seed.shape, dtype=torch.float64, device=seed.device)
     if seed.numel():
-        _uniform_kernel[(seed.numel(),)](seed, position, out)
+        _uniform_kernel[(seed.numel(),)](seed, position, out, **launch_options(_uniform_kernel, seed.device))
     return out
 
 
@@ -353,5 +360,6 @@ def sample_rows(
         BLOCK=SCAN_BLOCK,
         num_warps=SCAN_WARPS,
         enable_fp_fusion=False,
+        **launch_options(_sample_kernel, sorted_probs.device),
     )
     return picked if drawn.numel() == n else tokens.index_copy(0, drawn, picked)

@@ -1,0 +1,130 @@
+"""Programmatic dependent launch: when it is on, that every launched kernel waits first, and its bits on a GPU."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import pdl
+
+KERNELS = Path(pdl.__file__).resolve().parent
+
+
+def launches(tree: ast.AST) -> list[ast.Call]:
+    """Every `_name_kernel[grid](...)` call in a module."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Subscript)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id.endswith("_kernel")
+    ]
+
+
+def kernel_defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """Module-level functions named `_..._kernel`."""
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")}
+
+
+SAFE_CALLS = {"tl.program_id", "tl.arange", "tl.minimum", "tl.num_programs", "range", "prefetch_l2"}  # no loads
+
+
+def before_enter(fn: ast.FunctionDef) -> list[ast.stmt]:
+    """The statements ahead of `enter(PDL)` (docstring excluded); fails if the kernel never calls it."""
+    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    for i, stmt in enumerate(body):
+        if ast.unparse(stmt) == "enter(PDL)":
+            return body[:i]
+    raise AssertionError(f"{fn.name} never calls enter(PDL)")
+
+
+def touches_memory(stmt: ast.stmt) -> bool:
+    """Whether a statement calls anything beyond index arithmetic and the L2 prefetch (a load, a store, a helper)."""
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name not in SAFE_CALLS and not name.endswith(".to"):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
+def test_every_launched_kernel_waits_before_touching_memory(path: Path) -> None:
+    """A kernel launched as a dependent must call enter(PDL) before its first load or store, and each launch passes
+    its own launch options."""
+    tree = ast.parse(path.read_text())
+    defs = kernel_defs(tree)
+    for call in launches(tree):
+        name = call.func.value.id
+        fn = defs[name]
+        assert "PDL" in [a.arg for a in fn.args.args], f"{path.name}: {name} takes no PDL"
+        early = [ast.unparse(stmt) for stmt in before_enter(fn) if touches_memory(stmt)]
+        assert not early, f"{path.name}: {name} may touch memory before enter(PDL): {early}"
+        options = [k.value for k in call.keywords if k.arg is None and isinstance(k.value, ast.Call)]
+        assert any(ast.unparse(o.func) == "launch_options" and ast.unparse(o.args[0]) == name for o in options), (
+            f"{path.name}:{call.lineno}: {name} is launched without launch_options({name}, ...)"
+        )
+
+
+def test_launch_options_refuse_a_kernel_without_the_constexpr() -> None:
+    from kernels.sample import _draw
+
+    with pytest.raises(TypeError, match="_draw takes no PDL"):
+        pdl.launch_options(_draw, torch.device("cpu"))
+
+
+def test_off_on_the_cpu_and_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.router import _router_kernel
+
+    assert pdl.launch_options(_router_kernel, torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(pdl, "INTERPRET", True)
+    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))
+
+
+def test_on_for_hopper_unless_the_environment_says_no(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pdl, "INTERPRET", False)
+    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: index == 0)
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
+    assert pdl.pdl_enabled(torch.device("cuda", 0)) and pdl.prefetch_enabled(torch.device("cuda", 0))
+    assert not pdl.pdl_enabled(torch.device("cuda", 1))  # an older GPU
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "0")
+    assert pdl.pdl_enabled(torch.device("cuda", 0)) and not pdl.prefetch_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert not pdl.pdl_enabled(torch.device("cuda", 0)) and not pdl.prefetch_enabled(torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+def test_a_graph_of_dependent_launches_gives_the_bits_of_plain_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear kernels (split and whole K) and a norm, captured with PDL on, equal the chain eager with PDL off."""
+    from kernels.linear import linear
+    from kernels.norm import zc_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(7, 2560, device="cuda", generator=gen).bfloat16()
+    w1 = torch.randn(3072, 2560, device="cuda", generator=gen).bfloat16() / 50
+    w2 = torch.randn(2560, 3072, device="cuda", generator=gen).bfloat16() / 50
+    norm_w = torch.randn(2560, device="cuda", generator=gen).bfloat16()
+
+    def chain(inp: torch.Tensor) -> torch.Tensor:
+        return linear(zc_rms_norm(linear(linear(inp, w1), w2), norm_w, 1e-6), w1)
+
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    plain = chain(x)
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    static = x.clone()
+    chain(static)  # compile the PDL variants before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
