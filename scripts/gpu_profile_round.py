@@ -9,6 +9,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import random
 import time
 from pathlib import Path
 
@@ -19,12 +20,12 @@ from model.shipped import SHIPPED_MODEL
 from model.weights import load_model
 
 
-def decode_batch(lanes: list, window: int, vocab: int) -> ForwardBatch:
-    """One round: `window` rows for each lane at its next positions."""
+def decode_batch(lanes: list, window: int, vocab: int, rng: random.Random | None = None) -> ForwardBatch:
+    """One round: `window` rows for each lane at its next positions; fixed tokens, or `rng`'s draws below vocab."""
     device = lanes[0].ngram_history.device
     tokens, positions, segments = [], [], []
     for i, lane in enumerate(lanes):
-        tokens += [(7 * i + 11 * k) % vocab for k in range(window)]
+        tokens += [rng.randrange(vocab) if rng else (7 * i + 11 * k) % vocab for k in range(window)]
         positions += list(range(lane.length, lane.length + window))
         segments.append(Segment(lane, i * window, window))
     return ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)

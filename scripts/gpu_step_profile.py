@@ -4,6 +4,7 @@ over the graph's replay alone); one lane's verify round with 0..3 drafts (every 
 torch.profiler's kernel tables for five replayed rounds of one lane and of 64 lanes on rank 0.
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
+    [--random-tokens VOCAB]   # every row a fresh random token below VOCAB, as served random prompts route
 # DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile.json
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -45,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=20, help="timed decode rounds per lane count")
     ap.add_argument("--lanes", type=int, nargs="+", default=list(LANES), help=f"lane counts (default {list(LANES)})")
     ap.add_argument("--context", type=int, default=1024, help="positions a pool slot holds (default 1024)")
+    ap.add_argument("--random-tokens", type=int, default=0, metavar="VOCAB",
+                    help="feed random tokens below VOCAB (same seed on both ranks) instead of fixed ones")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -62,12 +66,12 @@ def per_round(events, rounds: int) -> list[dict]:
     return [{"name": e.key, "ms": e.self_device_time_total / 1e3 / rounds, "calls": e.count / rounds} for e in timed]
 
 
-def profile(model, lanes: list[LaneState], vocab: int, rank: int, rounds: int = 5) -> str:
+def profile(model, lanes: list[LaneState], vocab: int, rank: int, rng: random.Random | None, rounds: int = 5) -> str:
     """torch.profiler's kernel table of `rounds` decode rounds of `lanes` (every rank profiles, so both pay its
     cost alike); rank 0 prints each kernel's ms and calls a round."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
-            model(decode_batch(lanes, 1, vocab))
+            model(decode_batch(lanes, 1, vocab, rng))
         torch.cuda.synchronize()
     if rank == 0:
         print(f"kernels, {len(lanes)} lane(s), per round:", flush=True)
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel_path.lane_pool(model, slots=most, context=args.context)
     graphs = kernel_path.enable_graphs(model, {"trunk": most, "verify": WINDOW})
     rows, rows_report, vocab, tables = [], [], model.cfg.vocab_size, {}
+    rng = random.Random(0) if args.random_tokens else None  # ranks draw the same sequence
+    vocab = args.random_tokens or vocab
     for count in args.lanes:
         lanes = [model.new_lane() for _ in range(count)]  # the last count's lanes free their slots when dropped
         for lane in lanes:  # a short prompt each, within the graphs' buckets
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds + 3):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            model(decode_batch(lanes, 1, vocab))
+            model(decode_batch(lanes, 1, vocab, rng))
             torch.cuda.synchronize()
             if i >= 3:
                 host.append((time.perf_counter() - start) * 1e3)
@@ -113,14 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
         if count == most:  # profiled while these lanes hold the pool: more lanes would grow it
-            tables[f"_{most}"] = profile(model, lanes, vocab, rank)
+            tables[f"_{most}"] = profile(model, lanes, vocab, rank, rng)
     del lanes
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))
     for window in range(1, WINDOW + 1):  # one lane's verify round with 0..3 drafts: every row's state kept
         times = []
         for i in range(args.rounds + 3):
-            batch = decode_batch(lanes, window, vocab)
+            batch = decode_batch(lanes, window, vocab, rng)
             torch.cuda.synchronize()
             start = time.perf_counter()
             model(batch, snapshot_rows={0: range(window)})
@@ -131,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         rows_report.append({"drafts": window - 1, "verify_wall_ms": statistics.median(times)})
         if rank == 0:
             print(json.dumps(rows_report[-1]), flush=True)
-    tables[""] = profile(model, lanes, vocab, rank)
+    tables[""] = profile(model, lanes, vocab, rank, rng)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, table in tables.items():
             (args.out / f"step_profile{name}.txt").write_text(table)
         report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, most],
-                  "context": args.context}  # fmt: skip
+                  "context": args.context, "random_tokens": args.random_tokens}  # fmt: skip
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
     dist.barrier()
     dist.destroy_process_group()
