@@ -1,4 +1,6 @@
-"""Summarise a FLASHNEXT_ROUND_TRACE file: per kind of round (lanes, rows, graphs replayed), the median of each phase.
+"""Summarise a FLASHNEXT_ROUND_TRACE file: per kind of round (lanes, rows, graphs replayed), the median of each phase
+and of each GPU span on CUDA (forward: from the forward's first input copy to its last kernel; draw: the draw's
+kernels; each includes any time the GPU waited for the host to launch them).
 
 python scripts/trace_summary.py TRACE_DIR/rank0.trace [--min-rounds 5]
 """
@@ -22,15 +24,21 @@ def summarise(lines: list[dict], min_rounds: int = 1) -> list[dict]:
     """One entry per kind of round with at least `min_rounds` rounds: its count and each phase's median (ms)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for line in lines:
-        groups[round_kind(line)].append(line["phases"])
+        groups[round_kind(line)].append(line)
     out = []
-    for kind, phases in sorted(groups.items(), key=lambda item: -len(item[1])):
-        if len(phases) < min_rounds:
+    for kind, group in sorted(groups.items(), key=lambda item: -len(item[1])):
+        if len(group) < min_rounds:
             continue
+        phases = [line["phases"] for line in group]
         names = sorted({name for p in phases for name in p})
         medians = {name: 1e3 * statistics.median(p.get(name, 0.0) for p in phases) for name in names}
         total = 1e3 * statistics.median(sum(p.values()) for p in phases)
-        out.append({"kind": kind, "rounds": len(phases), "total_ms": total, "median_ms": medians})
+        entry = {"kind": kind, "rounds": len(group), "total_ms": total, "median_ms": medians}
+        spans = [line["gpu"] for line in group if line.get("gpu")]
+        if spans:  # GPU stream milliseconds between the round's points (already ms)
+            points = sorted({name for s in spans for name in s})
+            entry["gpu_ms"] = {name: statistics.median(s.get(name, 0.0) for s in spans) for name in points}
+        out.append(entry)
     return out
 
 
@@ -42,7 +50,10 @@ def main() -> None:
     lines = [json.loads(text) for text in args.trace.read_text().splitlines() if text.strip()]
     for entry in summarise(lines, args.min_rounds):
         phases = " ".join(f"{name} {ms:.2f}" for name, ms in entry["median_ms"].items())
+        gpu = " ".join(f"{name} {ms:.2f}" for name, ms in entry.get("gpu_ms", {}).items())
         print(f"{entry['kind']}: {entry['rounds']} rounds, median {entry['total_ms']:.2f} ms ({phases})")
+        if gpu:
+            print(f"  GPU stream, median ms: {gpu}")
 
 
 if __name__ == "__main__":

@@ -153,11 +153,13 @@ class ModelRunner:
                 snapshot_rows[index] = wanted
         graphs = self.model.round_graphs
         replays = dict(graphs.replays) if trace.enabled and graphs is not None else {}
+        trace.gpu_mark("start", device)
         out = self.model(
             ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
             snapshot_rows=snapshot_rows,
         )
+        trace.gpu_mark("forward", device)
         trace.mark("forward")
         if launched is not None:
             launched()
@@ -232,6 +234,7 @@ class ModelRunner:
             temperature = torch.tensor([s.temperature for s, _ in keys], dtype=torch.float64)  # on the host: greedy
             # rows then skip the sort
             tokens = sample_rows(logits, temperature, ints[:, 0], floats[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
+            self.trace.gpu_mark("draw", logits.device)
             tokens = tokens.tolist()
             if -1 not in tokens:
                 return tokens

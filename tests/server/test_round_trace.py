@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from model.weights import load_model
 from rankwire.header import DrawSpec
 from server.engine import Engine, Request
+from server.round_trace import RoundTrace
 from server.serve import rank_runner
 from server.settings import read_environment
 from tests.server.engine_harness import Outcome
@@ -61,3 +63,51 @@ def test_summary_groups_rounds_by_rows_and_graphs():
     assert entries[0]["median_ms"] == pytest.approx({"draw": 20.0, "forward": 2.0})
     assert entries[0]["total_ms"] == pytest.approx(23.0)  # the median round's total, not the sum of medians
     assert summary.summarise(lines, min_rounds=2) == entries[:1]
+
+
+def test_summary_takes_the_median_of_each_gpu_span():
+    lines = [
+        {
+            "lanes": 2,
+            "rows": 2,
+            "replays": {"trunk": 1},
+            "phases": {"draw": 0.01},
+            "gpu": {"forward": 9.0, "draw": 0.2},
+        },
+        {
+            "lanes": 2,
+            "rows": 2,
+            "replays": {"trunk": 1},
+            "phases": {"draw": 0.01},
+            "gpu": {"forward": 7.0, "draw": 0.4},
+        },
+        {
+            "lanes": 2,
+            "rows": 2,
+            "replays": {"trunk": 1},
+            "phases": {"draw": 0.01},
+            "gpu": {"forward": 8.0, "draw": 0.3},
+        },
+        {"lanes": 1, "rows": 1, "replays": {"trunk": 1}, "phases": {"draw": 0.01}},
+    ]
+    entries = summary.summarise(lines)
+    assert entries[0]["gpu_ms"] == pytest.approx({"forward": 8.0, "draw": 0.3})
+    assert "gpu_ms" not in entries[1]  # a CPU round has no GPU points
+
+
+def test_gpu_spans_name_each_span_after_its_end_point():
+    class Event:
+        def __init__(self, at: float) -> None:
+            self.at = at
+
+        def elapsed_time(self, end: Event) -> float:
+            return end.at - self.at
+
+        def synchronize(self) -> None:
+            pass
+
+    trace = RoundTrace(Path("unused"))
+    trace.events = [("start", Event(1.0)), ("forward", Event(9.5)), ("draw", Event(9.75))]
+    assert trace.gpu_spans() == {"forward": 8.5, "draw": 0.25}
+    trace.gpu_mark("cpu", torch.device("cpu"))  # no events off CUDA
+    assert len(trace.events) == 3
