@@ -1,5 +1,6 @@
 """Where a served round's time goes: host phase marks and GPU stream points per round, one JSON line a round
-(FLASHNEXT_ROUND_TRACE)."""
+(FLASHNEXT_ROUND_TRACE); with FLASHNEXT_ROUND_PROFILE=LANES also torch.profiler's kernel table of the first rounds of
+at least LANES lanes."""
 
 from __future__ import annotations
 
@@ -17,8 +18,14 @@ class RoundTrace:
     On CUDA it also records events on the stream (`gpu_mark`): the GPU's milliseconds between consecutive points of a
     round are written as `gpu`, read once the round's work is done (its draw already waited for the GPU)."""
 
-    def __init__(self, path: Path | None) -> None:
+    PROFILED_ROUNDS = 5
+
+    def __init__(self, path: Path | None, profile_lanes: int | None = None) -> None:
         self.path = path
+        self.profile_lanes = profile_lanes if path is not None else None  # profile rounds of this many lanes or more
+        self.profiler: torch.profiler.profile | None = None
+        self.profiled = 0
+        self.armed = False  # the last round had enough lanes: profile from the next one
         self.phases: dict[str, float] = {}
         self.fields: dict[str, Any] = {}
         self.events: list[tuple[str, torch.cuda.Event]] = []
@@ -29,7 +36,12 @@ class RoundTrace:
         return self.path is not None
 
     def start(self) -> None:
-        """Begin a round: phases count from now."""
+        """Begin a round: phases count from now (and the profiler runs, once armed, for PROFILED_ROUNDS rounds)."""
+        if self.armed and self.profiler is None and self.profiled < self.PROFILED_ROUNDS:
+            cuda = torch.cuda.is_available()
+            activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+            self.profiler = torch.profiler.profile(activities=[activity])
+            self.profiler.__enter__()
         self.phases, self.fields, self.events, self.last = {}, {}, [], time.perf_counter()
 
     def mark(self, phase: str) -> None:
@@ -67,3 +79,27 @@ class RoundTrace:
             line["gpu"] = self.gpu_spans()
         with self.path.open("a") as out:
             out.write(json.dumps(line) + "\n")
+        if self.profile_lanes is not None:
+            self._profile_step(self.fields.get("lanes", 0))
+
+    def _profile_step(self, lanes: int) -> None:
+        """Arm on the first round of enough lanes; after PROFILED_ROUNDS profiled rounds write the kernel table."""
+        self.armed = self.armed or lanes >= self.profile_lanes
+        if self.profiler is None:
+            return
+        self.profiled += 1
+        if self.profiled < self.PROFILED_ROUNDS:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        events = [e for e in self.profiler.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        rounds = self.PROFILED_ROUNDS
+        lines = [f"kernels per round over {rounds} rounds from the first of {self.profile_lanes}+ lanes:"]
+        lines += [
+            f"{e.self_device_time_total / 1e3 / rounds:8.3f} ms {e.count / rounds:7.1f} calls  {e.key[:100]}"
+            for e in events[:40]
+        ]
+        self.path.with_suffix(".profile.txt").write_text("\n".join(lines) + "\n")
+        self.profiler = None

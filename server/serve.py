@@ -236,7 +236,8 @@ def load_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> Mod
 def rank_runner(model, max_lanes: int, rank: int, env: EnvSettings) -> ModelRunner:
     """This rank's runner, writing the round digests and trace the environment asks for into rank{r}.* files."""
     digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{rank}.digests"
-    trace = RoundTrace(None if env.round_trace is None else Path(env.round_trace) / f"rank{rank}.trace")
+    trace_path = None if env.round_trace is None else Path(env.round_trace) / f"rank{rank}.trace"
+    trace = RoundTrace(trace_path, env.round_profile)
     return ModelRunner(model, max_lanes, digests, trace)
 
 

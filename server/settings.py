@@ -20,12 +20,31 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _switch(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError("expected 0 or 1")
+    return text == "1"
+
+
+def _lanes(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{value} is not a positive number of lanes")
+    return value
+
+
 KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
     "FLASHNEXT_API_KEY": (str, "the API key, as --api-key"),
     "FLASHNEXT_LINK_PORT": (_port, "the control link's port on rank 0 (default: MASTER_PORT + 1)"),
     "FLASHNEXT_TP_TIMEOUT_S": (_seconds, "seconds a collective may take before the ranks give up (default 60)"),
     "FLASHNEXT_ROUND_DIGESTS": (str, "a folder where each rank writes a digest of every round's logits and tokens"),
     "FLASHNEXT_ROUND_TRACE": (str, "a folder where each rank writes every round's phase timings (JSON lines)"),
+    "FLASHNEXT_PDL": (_switch, "0 turns off programmatic dependent launch of the Triton kernels (kernels/pdl.py)"),
+    "FLASHNEXT_PDL_PREFETCH": (_switch, "0 keeps PDL but drops the linear kernel's weight prefetch (kernels/pdl.py)"),
+    "FLASHNEXT_ROUND_PROFILE": (
+        _lanes,
+        "with FLASHNEXT_ROUND_TRACE: the kernel table (rank{r}.profile.txt) of the first rounds of this many lanes",
+    ),
 }
 
 
@@ -38,6 +57,7 @@ class EnvSettings:
     tp_timeout_s: float = 60.0
     round_digests: str | None = None
     round_trace: str | None = None
+    round_profile: int | None = None
 
 
 def read_environment(environ: Mapping[str, str]) -> EnvSettings:
@@ -59,4 +79,5 @@ def read_environment(environ: Mapping[str, str]) -> EnvSettings:
         tp_timeout_s=values.get("FLASHNEXT_TP_TIMEOUT_S", 60.0),
         round_digests=values.get("FLASHNEXT_ROUND_DIGESTS"),
         round_trace=values.get("FLASHNEXT_ROUND_TRACE"),
+        round_profile=values.get("FLASHNEXT_ROUND_PROFILE"),
     )

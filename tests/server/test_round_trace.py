@@ -111,3 +111,25 @@ def test_gpu_spans_name_each_span_after_its_end_point():
     assert trace.gpu_spans() == {"forward": 8.5, "draw": 0.25}
     trace.gpu_mark("cpu", torch.device("cpu"))  # no events off CUDA
     assert len(trace.events) == 3
+
+
+def test_profile_and_pdl_settings_are_parsed_and_refused_by_name():
+    env = read_environment({"FLASHNEXT_ROUND_PROFILE": "64", "FLASHNEXT_PDL": "0", "FLASHNEXT_PDL_PREFETCH": "1"})
+    assert env.round_profile == 64
+    for name, value in (("FLASHNEXT_ROUND_PROFILE", "0"), ("FLASHNEXT_PDL", "off")):
+        with pytest.raises(ValueError, match=name):
+            read_environment({name: value})
+
+
+def test_the_profile_covers_five_rounds_after_the_first_with_enough_lanes(tmp_path):
+    trace = RoundTrace(tmp_path / "rank0.trace", profile_lanes=4)
+    profiled = []
+    for lanes in (1, 2, 4, 1, 4, 4, 4, 4, 4, 4):
+        trace.start()
+        profiled.append(trace.profiler is not None)
+        trace.note(lanes=lanes)
+        trace.write()
+    assert profiled == [False, False, False, True, True, True, True, True, False, False]
+    table = (tmp_path / "rank0.profile.txt").read_text()
+    assert table.startswith("kernels per round over 5 rounds from the first of 4+ lanes")
+    assert len((tmp_path / "rank0.trace").read_text().splitlines()) == 10
