@@ -4,7 +4,7 @@ over the graph's replay alone); one lane's verify round with 0..3 drafts (every 
 torch.profiler's kernel tables for five replayed rounds of one lane and of 64 lanes on rank 0.
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
-    [--random-tokens VOCAB]   # every row a fresh random token below VOCAB, as served random prompts route
+    [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
 # DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile.json
 """
 
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = args.random_tokens or vocab
     for count in args.lanes:
         lanes = [model.new_lane() for _ in range(count)]  # the last count's lanes free their slots when dropped
-        for lane in lanes:  # a short prompt each, within the graphs' buckets
-            model(decode_batch([lane], 16, vocab))
+        for lane in lanes:  # a short prompt each, within the graphs' buckets (random ones route like served prompts)
+            model(decode_batch([lane], 16, vocab, rng))
         host, gpu = [], []
         for i in range(args.rounds + 3):
             torch.cuda.synchronize()
