@@ -81,8 +81,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt-budget",
         type=_positive_int,
-        default=256,
-        help="prompt tokens a round may fill, so live lanes keep decoding (default 256)",
+        default=1024,
+        help="prompt tokens a round may fill, so live lanes keep decoding (default 1024)",
     )
     parser.add_argument(
         "--api-key",
