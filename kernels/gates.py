@@ -149,11 +149,13 @@ def _gated_add_kernel(
     D,
     stride_logit,
     ACT_BF16: tl.constexpr,
+    OUT_F32: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out = act(routed + act(act(sigmoid(logit of the row)) · shared)) for BLOCK elements of [N, D]."""
+    """out = act(routed + act(act(sigmoid(logit of the row)) · shared)) for BLOCK elements of [N, D] (OUT_F32: the
+    same act-rounded values stored as fp32)."""
     enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
@@ -161,7 +163,10 @@ def _gated_add_kernel(
     shared = _f32(tl.load(shared_ptr + offs, mask=ok, other=0.0), INTERPRET)
     routed = _f32(tl.load(routed_ptr + offs, mask=ok, other=0.0), INTERPRET)
     scaled = _round(_round(_sigmoid(z, INTERPRET), ACT_BF16, INTERPRET) * shared, ACT_BF16, INTERPRET)
-    tl.store(out_ptr + offs, _to_act(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
+    if OUT_F32:
+        tl.store(out_ptr + offs, _round(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
+    else:
+        tl.store(out_ptr + offs, _to_act(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
@@ -266,16 +271,22 @@ def _check_gated_add(routed: torch.Tensor, gate_logit: torch.Tensor, shared: tor
     _check_device(routed=routed, gate_logit=gate_logit, shared=shared)
 
 
-def gated_add(routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """routed + sigmoid(gate_logit) · shared for routed, shared [N, D] and the shared-expert gate logits [N, 1]."""
+def gated_add(
+    routed: torch.Tensor, gate_logit: torch.Tensor, shared: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """routed + sigmoid(gate_logit) · shared for routed, shared [N, D] and the shared-expert gate logits [N, 1];
+    `out_dtype=torch.float32` stores the same values (rounded to routed's dtype) as fp32, ready to all-reduce."""
     _check_gated_add(routed, gate_logit, shared)
+    if out_dtype not in (None, routed.dtype, torch.float32):
+        raise TypeError(f"gated_add: out_dtype must be {routed.dtype} or fp32, got {out_dtype}")
     routed, gate_logit, shared = routed.contiguous(), _rows(gate_logit), shared.contiguous()
-    out = torch.empty_like(routed)
+    out = torch.empty(routed.shape, dtype=out_dtype or routed.dtype, device=routed.device)
     total = routed.numel()
     if total:
         _gated_add_kernel[(triton.cdiv(total, BLOCK),)](
             routed, gate_logit, shared, out, total, routed.shape[1], gate_logit.stride(0),
-            ACT_BF16=routed.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            ACT_BF16=routed.dtype == torch.bfloat16, OUT_F32=out.dtype != routed.dtype, BLOCK=BLOCK,
+            INTERPRET=INTERPRET, num_warps=NUM_WARPS,
             enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_gated_add_kernel, routed.device),
         )  # fmt: skip
     return out

@@ -67,8 +67,10 @@ def _linear_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order."""
+    """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order.
+    ROUND_BF16: the fp32 output holds the sums rounded to bf16."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -103,7 +105,7 @@ def _linear_kernel(
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     mn = M.to(tl.int64) * N
     if FUSED_SPLIT == 0:
-        tl.store(out_ptr + pid_s * mn + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + pid_s * mn + offs, _output(acc, out_ptr, ROUND_BF16), mask=ok)
     else:
         tl.store(part_ptr + pid_s * mn + offs, acc, mask=ok)
         tl.debug_barrier()
@@ -112,12 +114,22 @@ def _linear_kernel(
             total = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, FUSED_SPLIT):
                 total += tl.load(part_ptr + s * mn + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptr + offs, _output(total, out_ptr, ROUND_BF16), mask=ok)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _output(acc, out_ptr, ROUND_BF16: tl.constexpr):
+    """fp32 sums as the output's dtype; ROUND_BF16: rounded to bf16 first (into an fp32 output)."""
+    if ROUND_BF16:
+        return acc.to(tl.bfloat16).to(tl.float32)
+    return acc.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ROUND_BF16: tl.constexpr
+):
     """Add the K-range partials [SPLIT, M·N] in range order and round once."""
     enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -125,7 +137,7 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.cons
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + offs, _output(acc, out_ptr, ROUND_BF16), mask=ok)
 
 
 _POOL = CounterPool(MAX_TILES, "linear", "16-row output tiles")
@@ -160,7 +172,13 @@ def pick_tiles(m: int, n: int, split: int) -> Tiles:
 
 
 def launch(
-    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: Tiles, split: int, k_split: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out_dtype: torch.dtype,
+    tiles: Tiles,
+    split: int,
+    k_split: int,
+    round_bf16: bool = False,
 ) -> torch.Tensor:
     """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn)."""
     m, k = x.shape
@@ -193,30 +211,39 @@ def launch(
         EVEN_K=k % BLOCK_K == 0,
         INTERPRET=INTERPRET,
         PREFETCH=prefetch_enabled(x.device),
+        ROUND_BF16=round_bf16 and not INTERPRET,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **launch_options(_linear_kernel, x.device),
     )
     if split > 1 and not fused:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            part, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, **launch_options(_split_sum_kernel, x.device)
-        )
+            part, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, ROUND_BF16=round_bf16 and not INTERPRET,
+            **launch_options(_split_sum_kernel, x.device),
+        )  # fmt: skip
+    if INTERPRET and round_bf16:  # the kernels stored fp32 there: round in torch (nearest even)
+        return out.to(torch.bfloat16).to(torch.float32)
     return out.to(out_dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y[M, N] = x[M, K] · w[N, K]ᵀ in bf16 with fp32 sums in the fixed K order above, rounded once to out_dtype."""
+def linear(
+    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, round_bf16: bool = False
+) -> torch.Tensor:
+    """y[M, N] = x[M, K] · w[N, K]ᵀ in bf16 with fp32 sums in the fixed K order above, rounded once to out_dtype;
+    `round_bf16` (fp32 out): the sums rounded to bf16, stored as fp32 (the bf16 result, ready to all-reduce)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not match as [M, K], [N, K]")
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError(f"linear: x and w must be bf16, got {x.dtype} and {w.dtype}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"linear: out_dtype must be bf16 or fp32, got {out_dtype}")
+    if round_bf16 and out_dtype != torch.float32:
+        raise TypeError(f"linear: round_bf16 stores into fp32, not {out_dtype}")
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     n, k = w.shape
     split, k_split = k_ranges(n, k)
-    return launch(x, w, out_dtype, pick_tiles(x.shape[0], n, split), split, k_split)
+    return launch(x, w, out_dtype, pick_tiles(x.shape[0], n, split), split, k_split, round_bf16)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

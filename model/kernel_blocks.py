@@ -32,6 +32,7 @@ from model.hyper import GatedResidual, Linear, set_parameter
 from model.lane_pool import MTP, LanePool
 from model.layers import DecoderLayer
 from model.moe import ExpertBank, SparseMoE
+from model.parallel import TensorParallel
 from model.ple import NGramEmbedding, PLELayer
 from model.qsa import QSAIndexer, QSAttention
 
@@ -70,6 +71,18 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 def project(x: torch.Tensor, proj: Linear, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [N, K] · Wᵀ by the linear kernel (fp32 sums in a fixed order, rounded once)."""
     return linear(x, proj.weight, out_dtype)
+
+
+def partial_out(x: torch.Tensor, proj: Linear, tp: TensorParallel) -> torch.Tensor:
+    """A row-split projection's partial output: bf16 at one rank; with more, its bf16 values stored as fp32, so the
+    ranks' reduction sums it in place."""
+    return linear(x, proj.weight, torch.float32, round_bf16=True) if tp.world > 1 else project(x, proj)
+
+
+def write_input(y: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """A sub-block's reduced output as hc_write takes it: [N, d] in wide's dtype, or an fp32 sum as one partial
+    [1, N, d] (the write rounds it once, as `TensorParallel.combine` would have)."""
+    return y if y.dtype == wide.dtype else y.unsqueeze(0)
 
 
 def fused_weight(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
@@ -115,7 +128,7 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     width = s.gate_proj.weight.shape[0]
     gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
     shared = project(silu_mul(gate, up), s.down_proj)
-    return m.tp.combine(gated_add(routed, gate_logit, shared))
+    return m.tp.reduce(gated_add(routed, gate_logit, shared, torch.float32 if m.tp.world > 1 else None))
 
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
@@ -139,7 +152,7 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     if keep:  # only the rows asked for outlive the layer
         rnd.kept.gdn_conv[index] = row_tails.index_select(0, rnd.keep_rows)
         rnd.kept.gdn_recurrent[index] = row_states.index_select(0, rnd.keep_rows)
-    return m.tp.combine(project(y.view(n, m.v_width), m.out_proj))
+    return m.tp.reduce(partial_out(y.view(n, m.v_width), m.out_proj, m.tp))
 
 
 @functools.cache
@@ -196,7 +209,7 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     out = qsa_sparse_attention(q, keys, values, slot_of_row, indices, counts)
     n = x.shape[0]
     out = out.reshape(n, -1) * sigmoid(gate.reshape(n, -1))
-    return m.tp.combine(project(out, m.o_proj))
+    return m.tp.reduce(partial_out(out, m.o_proj, m.tp))
 
 
 def ngram_rows(emb: NGramEmbedding, windows: torch.Tensor) -> torch.Tensor:
@@ -251,6 +264,6 @@ def layer_forward(layer: DecoderLayer, wide: torch.Tensor, rnd: Round) -> torch.
         y = gdn(layer.linear_attn, layer.index, x, rnd)
     else:
         y = qsa(layer.self_attn, MTP if layer.is_mtp else layer.index, x, rnd)
-    wide = hc_write(wide, y, inject)
+    wide = hc_write(wide, write_input(y, wide), inject)
     x, inject = hyper_read(layer.mlp_hyper_connection, wide)
-    return hc_write(wide, moe(layer.mlp, x), inject)
+    return hc_write(wide, write_input(moe(layer.mlp, x), wide), inject)

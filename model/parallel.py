@@ -45,16 +45,28 @@ class TensorParallel:
         """Sum the ranks' partial outputs in fp32, rounded once: every rank gets the bits of `combine_ordered`."""
         if self.world == 1:
             return partial
+        copy = partial.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # never reduce in place
+        return self.reduce(copy).to(partial.dtype)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partials summed in fp32, not rounded (the consumer rounds once, as `combine` does): `partial`
+        itself at one rank; at two an fp32 contiguous partial is summed in place, with no copy."""
+        if self.world == 1:
+            return partial
         if self.world > 2:  # three or more fp32 terms round differently in different orders: fix the order
-            return self.combine_ordered(partial)
+            return self.sum_ordered(partial)
         # two terms: p0 + p1 is one IEEE addition, the same bits in either order, whatever the reduction's algorithm
-        total = partial.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        total = partial if partial.dtype == torch.float32 and partial.is_contiguous() else partial.float().contiguous()
         self.counts.add("combine", total, self.world)
         dist.all_reduce(total)
-        return total.to(partial.dtype)
+        return total
 
     def combine_ordered(self, partial: torch.Tensor) -> torch.Tensor:
         """Gather the ranks' partials in fp32 and sum them rank 0's first, rounded once."""
+        return self.sum_ordered(partial).to(partial.dtype)
+
+    def sum_ordered(self, partial: torch.Tensor) -> torch.Tensor:
+        """Gather the ranks' partials in fp32 and sum them rank 0's first, in fp32."""
         local = partial.float().contiguous()
         self.counts.add("combine", local, self.world)
         parts = [torch.empty_like(local) for _ in range(self.world)]
@@ -62,7 +74,7 @@ class TensorParallel:
         total = parts[0]
         for part in parts[1:]:
             total = total + part
-        return total.to(partial.dtype)
+        return total
 
     def gather(self, local: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate the ranks' slices along `dim`, in rank order."""

@@ -130,6 +130,16 @@ def test_gated_add_matches_reference(act: torch.dtype, exact_math: None) -> None
 
 
 @pytest.mark.parametrize("act", DTYPES)
+def test_gated_add_into_fp32_holds_the_act_values(act: torch.dtype) -> None:
+    """The MoE's partial at two ranks: the act-dtype result's values in fp32, ready to be all-reduced in place."""
+    routed, logit, shared = values(N, D, act, 5), values(N, 1, act, 6), values(N, D, act, 4)
+    wide = gated_add(routed, logit, shared, torch.float32)
+    assert_same_bits(wide, gated_add(routed, logit, shared).float())
+    with pytest.raises(TypeError, match="out_dtype"):
+        gated_add(routed, logit, shared, torch.float16)
+
+
+@pytest.mark.parametrize("act", DTYPES)
 def test_kernels_near_references_with_torch_math(act: torch.dtype) -> None:
     b, a, a_log, dt_bias = gdn_inputs(act, act)
     for out, ref in zip(gdn_gates(b, a, a_log, dt_bias), gdn_gates_reference(b, a, a_log, dt_bias), strict=True):

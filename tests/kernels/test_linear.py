@@ -72,6 +72,21 @@ def test_split_adds_range_sums_in_order(tiles: Tiles) -> None:
     assert not arrival_counters(x.device, 1).any()
 
 
+@pytest.mark.parametrize("tiles", [SMALL, WIDE[0]], ids=["fused-sum", "sum-kernel"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_round_bf16_stores_the_bf16_result_as_fp32(tiles: Tiles, split: int) -> None:
+    """What a tensor-parallel partial is all-reduced from: the bf16 output's values, in an fp32 tensor."""
+    x, w = inputs(5, 300, seed=4)
+    k_split = 384 if split == 1 else BLOCK_K
+    rounded = launch(x, w, torch.float32, tiles, split, k_split, round_bf16=True)
+    assert rounded.dtype == torch.float32
+    assert torch.equal(rounded, launch(x, w, torch.bfloat16, tiles, split, k_split).float())
+    assert not torch.equal(rounded, launch(x, w, torch.float32, tiles, split, k_split))  # it does round
+    assert torch.equal(linear(x, w, torch.float32, round_bf16=True), linear(x, w).float())
+    with pytest.raises(TypeError, match="round_bf16"):
+        linear(x, w, torch.bfloat16, round_bf16=True)
+
+
 @pytest.mark.parametrize(
     ("n", "k"), [(5120, 2560), (256, 2560), (2560, 3072), (124160, 2560), (320, 10240), (10240, 320), (48, 96)]
 )

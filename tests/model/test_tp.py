@@ -138,6 +138,38 @@ def exact_rank_main(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+def reduce_rank_main(rank: int, port: int, results) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        tp = TensorParallel(rank, 2)
+        gen = torch.Generator().manual_seed(rank)
+        partial = (torch.randn(7, 33, generator=gen) * 1e4).to(torch.bfloat16)
+        wide = partial.float()  # the bf16 values in fp32, as the kernels store a partial for the reduction
+        total = tp.reduce(wide)
+        results[rank] = (
+            digest(total),
+            total.data_ptr() == wide.data_ptr(),  # summed in place, no copy
+            total.dtype == torch.float32,
+            torch.equal(total.to(torch.bfloat16), tp.combine(partial)),  # rounded once by the consumer: combine's
+            torch.equal(tp.reduce(partial).to(torch.bfloat16), tp.combine(partial)),  # a bf16 partial is upcast
+            tp.counts.calls["combine"],
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_sums_fp32_partials_in_place_and_leaves_the_rounding_to_the_consumer():
+    results = mp.Manager().dict()
+    mp.start_processes(reduce_rank_main, args=(free_port(), results), nprocs=2, start_method="spawn")
+    assert results[0] == results[1]
+    _, in_place, fp32, rounds_like_combine, upcasts, calls = results[0]
+    assert in_place and fp32 and rounds_like_combine and upcasts
+    assert calls == 4  # every reduce and combine counts
+    assert TensorParallel().reduce(partial := torch.ones(2, 3, dtype=torch.bfloat16)) is partial  # one rank
+
+
 def test_world_two_all_reduce_gives_the_ordered_sums_bits_on_both_ranks():
     results = mp.Manager().dict()
     mp.start_processes(exact_rank_main, args=(free_port(), results), nprocs=2, start_method="spawn")
