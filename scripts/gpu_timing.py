@@ -56,6 +56,12 @@ class _Recorder:
     def __init__(self, kernel: Any, kept: list[Callable[[], object]]) -> None:
         self.kernel, self.kept = kernel, kept
 
+    def __getattr__(self, name: str) -> object:
+        """The kernel's own attributes (its argument names, for launch options)."""
+        if name == "kernel":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.kernel, name)
+
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]:
         def run(*args: object, **kwargs: object) -> object:
             self.kept.append(lambda: self.kernel[grid](*args, **kwargs))
