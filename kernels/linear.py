@@ -211,7 +211,7 @@ def launch(
         EVEN_K=k % BLOCK_K == 0,
         INTERPRET=INTERPRET,
         PREFETCH=prefetch_enabled(x.device),
-        ROUND_BF16=round_bf16 and not INTERPRET,
+        ROUND_BF16=round_bf16 and not INTERPRET and not (split > 1 and not fused),  # partials stay exact fp32
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **launch_options(_linear_kernel, x.device),

@@ -6,6 +6,8 @@ import ast
 import os
 from pathlib import Path
 
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
