@@ -25,7 +25,7 @@ def decode_batch(lanes: list, window: int, vocab: int, rng: random.Random | None
     device = lanes[0].ngram_history.device
     tokens, positions, segments = [], [], []
     for i, lane in enumerate(lanes):
-        tokens += [rng.randrange(vocab) if rng else (7 * i + 11 * k) % vocab for k in range(window)]
+        tokens += [rng.randrange(vocab) if rng is not None else (7 * i + 11 * k) % vocab for k in range(window)]
         positions += list(range(lane.length, lane.length + window))
         segments.append(Segment(lane, i * window, window))
     return ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)

@@ -1,6 +1,6 @@
 """Where a served round's time goes: host phase marks and GPU stream points per round, one JSON line a round
-(FLASHNEXT_ROUND_TRACE); with FLASHNEXT_ROUND_PROFILE=LANES also torch.profiler's kernel table of the first rounds of
-at least LANES lanes."""
+(FLASHNEXT_ROUND_TRACE); with FLASHNEXT_ROUND_PROFILE=LANES also torch.profiler's kernel table of the five rounds
+after the first of at least LANES lanes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class RoundTrace:
     """Marks the end of each phase of a round and writes the phases' seconds; without a path it keeps nothing.
 
     On CUDA it also records events on the stream (`gpu_mark`): the GPU's milliseconds between consecutive points of a
-    round are written as `gpu`, read once the round's work is done (its draw already waited for the GPU)."""
+    round are written as `gpu`, read when the round is written (a wait for the GPU in a round without a draw)."""
 
     PROFILED_ROUNDS = 5
 

@@ -43,7 +43,7 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
     "FLASHNEXT_PDL_PREFETCH": (_switch, "0 keeps PDL but drops the linear kernel's weight prefetch (kernels/pdl.py)"),
     "FLASHNEXT_ROUND_PROFILE": (
         _lanes,
-        "with FLASHNEXT_ROUND_TRACE: the kernel table (rank{r}.profile.txt) of the first rounds of this many lanes",
+        "with FLASHNEXT_ROUND_TRACE: the kernel table (rank{r}.profile.txt) of 5 rounds after one of this many lanes",
     ),
 }
 
