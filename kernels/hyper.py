@@ -21,10 +21,12 @@ Read, three launches, each intermediate with its dtype and rounding:
 With `ReadTiles.via_linear` (bf16 only; the default up to 256 rows) step 2 runs as three launches instead: the
 first kernel also stores normed [N, hc·d]; the linear kernel forms a and a_inj in one launch over [W_down; W_inject]
 (a view when the inject rows follow the down rows in memory, as the model stacks them), whose K ranges, tiles and
-range order are those above, so the sums have the same bits; `_finish_kernel` forms h and inject from them.
+range order are those above, so the sums have the same bits; `_finish_kernel` forms h and inject from them. Where
+the linear kernel would cut K = hc·d into other ranges (it picks them from its N and K), the fused kernel runs.
 With `ReadTiles.up_via_linear` (bf16 only; the default up to 256 rows) step 3 runs as two launches over the stored
 normed rows: u = h · W_upᵀ by the linear kernel (K = r in one range of 128-wide tiles: the same chain of 16-deep MMA
-steps in increasing k as the 64-wide chunks above, then zero products past r), and `_gate_mix_kernel` forms x from
+steps in increasing k as the 64-wide chunks above, then zero products past r; the fused kernel runs where the linear
+kernel would cut r into ranges), and `_gate_mix_kernel` forms x from
 u and normed as step 3 does. On the H200 both paths, alone and together, gave x and inject bit-identical to the
 fused kernels at 1, 64 and 256 rows (scripts/gpu_sweep_hyper.py --via-linear).
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
@@ -43,6 +45,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.counters import CounterPool
+from kernels.linear import k_ranges as linear_k_ranges
 from kernels.linear import linear
 from kernels.pdl import enter, launch_options
 
@@ -713,6 +716,9 @@ def launch_read(
     rstd = torch.empty((n, hc), dtype=torch.float32, device=dev)
     bf16 = act == torch.bfloat16
     via_linear, up_via_linear = tiles.via_linear and bf16, tiles.up_via_linear and bf16
+    # the linear kernel takes a projection only where it cuts K as the fused kernels do (else the sums' bits differ)
+    via_linear &= linear_k_ranges(r + (hc if w_inject is not None else 0), k) == k_ranges(k, d)
+    up_via_linear &= linear_k_ranges(k, r)[0] == 1
     normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_via_linear else rstd
     _rstd_kernel[(n, hc)](
         wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,

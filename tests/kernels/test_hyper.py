@@ -26,6 +26,7 @@ from kernels.hyper import (
     launch_read,
     stacked_rows,
 )
+from kernels.linear import k_ranges as linear_k_ranges
 from model.hyper import GatedResidual
 
 D, R, EPS = 32, 8, 1e-6
@@ -37,10 +38,10 @@ TILES = (
 )
 
 
-def weights(hc: int, act: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random hyper-connection weights for hc streams of D: zero-centred norm weight, scaled projections."""
+def weights(hc: int, act: torch.dtype, seed: int = 0, d: int = D) -> dict[str, torch.Tensor]:
+    """Random hyper-connection weights for hc streams of d: zero-centred norm weight, scaled projections."""
     g = torch.Generator().manual_seed(seed)
-    k = hc * D
+    k = hc * d
     return {
         "hc_norm_weight": (torch.randn(k, generator=g) * 0.1 - 0.06).to(torch.bfloat16),
         "w_down": (torch.randn(R, k, generator=g) / k**0.5).to(act),
@@ -49,11 +50,11 @@ def weights(hc: int, act: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]
     }
 
 
-def wide_rows(n: int, hc: int, act: torch.dtype, seed: int = 1) -> torch.Tensor:
-    """Random wide residual rows [n, hc·D] with a different scale per stream."""
+def wide_rows(n: int, hc: int, act: torch.dtype, seed: int = 1, d: int = D) -> torch.Tensor:
+    """Random wide residual rows [n, hc·d] with a different scale per stream."""
     g = torch.Generator().manual_seed(seed)
-    scale = torch.arange(1, hc + 1).float().repeat_interleave(D)
-    return (torch.randn(n, hc * D, generator=g) * scale).to(act)
+    scale = torch.arange(1, hc + 1).float().repeat_interleave(d)
+    return (torch.randn(n, hc * d, generator=g) * scale).to(act)
 
 
 def read(wide: torch.Tensor, w: dict[str, torch.Tensor], inject: bool, hc: int, fn=hc_read):
@@ -269,8 +270,10 @@ def test_gpu_script_cpu_parts(tmp_path: Path) -> None:
 @pytest.mark.parametrize("inject", [True, False])
 def test_read_via_linear_matches_the_fused_kernels(inject: bool, down: bool, up: bool) -> None:
     """The down and up projections by the linear kernel over stored normed rows: rows alone equal rows in a batch,
-    and the read equals the fused kernels' and the reference's within bf16 tolerance."""
-    w, wide = weights(4, torch.bfloat16, seed=11), wide_rows(5, 4, torch.bfloat16, seed=12)
+    and the read equals the fused kernels' and the reference's within bf16 tolerance. Two streams of 64: a shape
+    whose K the linear kernel cuts as the fused kernel does (one range)."""
+    w, wide = weights(2, torch.bfloat16, seed=11, d=64), wide_rows(5, 2, torch.bfloat16, seed=12, d=64)
+    assert k_ranges(2 * 64, 64) == linear_k_ranges(R + 2, 2 * 64) == linear_k_ranges(R, 2 * 64)
     if inject:  # the model's layout: the inject rows right after the down rows, in one tensor
         stacked = torch.cat((w["w_down"], w["w_inject"]))
         w["w_down"], w["w_inject"] = stacked[: w["w_down"].shape[0]], stacked[w["w_down"].shape[0] :]
@@ -282,13 +285,24 @@ def test_read_via_linear_matches_the_fused_kernels(inject: bool, down: bool, up:
     with ExitStack() as stack:
         for name in (name for name, skip in skipped.items() if skip):
             stack.enter_context(mock.patch.object(hyper, name, None))
-        one = [launch_read(wide[i : i + 1], *w.values(), EPS, 4, via) for i in range(5)]
-        x, inj = launch_read(wide, *w.values(), EPS, 4, via)
-    fused_x, fused_inj = launch_read(wide, *w.values(), EPS, 4, TILES[0])
+        one = [launch_read(wide[i : i + 1], *w.values(), EPS, 2, via) for i in range(5)]
+        x, inj = launch_read(wide, *w.values(), EPS, 2, via)
+    fused_x, fused_inj = launch_read(wide, *w.values(), EPS, 2, TILES[0])
     assert torch.equal(x, torch.cat([o[0] for o in one]))  # rows alone = in a batch
     assert rel_err(x, fused_x) <= tol(torch.bfloat16)
-    ref_x, ref_inj = hc_read_reference(wide, *w.values(), EPS, 4)
+    ref_x, ref_inj = hc_read_reference(wide, *w.values(), EPS, 2)
     assert rel_err(x, ref_x) <= tol(torch.bfloat16)
     if inject:
         assert torch.equal(inj, torch.cat([o[1] for o in one]))
         assert rel_err(inj, ref_inj) <= tol(torch.bfloat16) and rel_err(inj, fused_inj) <= tol(torch.bfloat16)
+
+
+def test_the_read_keeps_the_fused_down_kernel_where_the_linear_kernel_cuts_k_otherwise() -> None:
+    """Four streams of 32: the linear kernel would sum K = 128 in one range, the fused kernel in two. Asked for the
+    linear path, the read keeps the fused kernel, so a row's bits do not depend on which path its batch size picks."""
+    w, wide = weights(4, torch.bfloat16, seed=13), wide_rows(6, 4, torch.bfloat16, seed=14)
+    assert k_ranges(4 * D, D) != linear_k_ranges(R + 4, 4 * D)
+    fused = launch_read(wide, *w.values(), EPS, 4, TILES[0])
+    with mock.patch.object(hyper, "_finish_kernel", None):  # the linear path's second launch must not run
+        via = launch_read(wide, *w.values(), EPS, 4, dataclasses.replace(TILES[0], via_linear=True))
+    assert torch.equal(via[0], fused[0]) and torch.equal(via[1], fused[1])
