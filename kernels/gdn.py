@@ -15,6 +15,7 @@ L2_EPS = 1e-6
 BLOCK_V = 16
 NUM_WARPS = 1
 SCAN = 128
+LONG_RUN = 16  # rows of one lane from which q and k go to unit norm in a kernel of their own
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,38 @@ def _check_gdn(
 
 
 @triton.jit(do_not_specialize=["T"])
+def _gdn_norm_kernel(
+    q_ptr,
+    k_ptr,
+    qn_ptr,
+    kn_ptr,
+    T,
+    HK,
+    SCALE,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    DK: tl.constexpr,
+    EPS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program per (row, key head): q and k at unit L2 norm in fp32, q also divided by sqrt(Dk)."""
+    enter(PDL)
+    pid = tl.program_id(0)
+    row = (pid // HK).to(tl.int64)
+    head = pid % HK
+    dk = tl.arange(0, DK)
+    # One warp, a [DK] vector and a runtime mask, as the recurrence kernel had them: the same sum order as before.
+    live = dk < tl.where(row < T, DK, 0)
+    q = tl.load(q_ptr + row * stride_qt + head * stride_qh + dk, mask=live, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dk, mask=live, other=0.0).to(tl.float32)
+    at = (row * HK + head) * DK + dk
+    tl.store(qn_ptr + at, _unit_q(q, SCALE, EPS, False), mask=live)
+    tl.store(kn_ptr + at, _unit_k(k, EPS, False), mask=live)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _gdn_recurrent_kernel(
     q_ptr,
     k_ptr,
@@ -122,12 +155,14 @@ def _gdn_recurrent_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     EPS: tl.constexpr,
+    UNIT_QK: tl.constexpr,
     KEEP: tl.constexpr,
     SCAN: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, value head, Dv tile); only a lane's first row works, looping over the lane's rows."""
+    """One program per (row, value head, Dv tile); only a lane's first row works, looping over the lane's rows.
+    UNIT_QK: q and k come from the norm kernel; else the program brings each row's q and k to unit norm itself."""
     enter(PDL)
     pid = tl.program_id(0)
     tiles = DV // BV
@@ -156,36 +191,69 @@ def _gdn_recurrent_kernel(
         slot = state_ptr + (lane.to(tl.int64) * H + head) * DK * DV
         s = tl.load(slot + tile)
         end = lane_run_end(lane_ptr, ids, row, lane, T, SCAN)
-        for t in tl.range(row, end):
-            q_next, k_next, v_next, g_next, beta_next = _row_inputs(
-                q_at + stride_qt,
-                k_at + stride_kt,
-                v_at + stride_vt,
-                g_at + stride_gt,
-                beta_at + stride_bt,
-                dk,
-                dv,
-                t + 1 < end,
-                DK,
-                DV,
-            )
-            q = tl.div_rn(q * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(q * q, axis=0) + EPS)), SCALE)
-            k = k * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(k * k, axis=0) + EPS))
-            s = s * exp_f32(g, INTERPRET)
-            delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-            s = s + k[:, None] * delta[None, :]
-            tl.store(out_at + dv, tl.sum(s * q[:, None], axis=0).to(out_ptr.dtype.element_ty))
-            if KEEP:
-                tl.store(states_at + tile, s)
-            q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+        # The pointers walk one row ahead of the output: they load the inputs of the row the next update makes.
+        q_at += stride_qt
+        k_at += stride_kt
+        v_at += stride_vt
+        g_at += stride_gt
+        beta_at += stride_bt
+        q_up, k_up, v_up, g_up, beta_up = _row_inputs(q_at, k_at, v_at, g_at, beta_at, dk, dv, row + 1 < end, DK, DV)
+        s = _delta_step(s, _unit_k(k, EPS, UNIT_QK), v, g, beta, INTERPRET)
+        if KEEP:
+            tl.store(states_at + tile, s)
+        # Rotated: an iteration stores the previous row's output and makes row t's update, one straight-line block
+        # of two independent sums over Dk (the same sums, on the same values, as one row at a time).
+        for t in tl.range(row + 1, end):
             q_at += stride_qt
             k_at += stride_kt
             v_at += stride_vt
             g_at += stride_gt
             beta_at += stride_bt
+            q_next, k_next, v_next, g_next, beta_next = _row_inputs(
+                q_at, k_at, v_at, g_at, beta_at, dk, dv, t + 1 < end, DK, DV
+            )
+            tl.store(out_at + dv, _read_out(s, q, out_ptr, SCALE, EPS, UNIT_QK))
+            s = _delta_step(s, _unit_k(k_up, EPS, UNIT_QK), v_up, g_up, beta_up, INTERPRET)
+            q = q_up
+            q_up, k_up, v_up, g_up, beta_up = q_next, k_next, v_next, g_next, beta_next
             out_at += stride_ot
             states_at += H * DK * DV
+            if KEEP:
+                tl.store(states_at + tile, s)
+        tl.store(out_at + dv, _read_out(s, q, out_ptr, SCALE, EPS, UNIT_QK))
         tl.store(slot + tile, s)
+
+
+@triton.jit
+def _unit_q(q, SCALE, EPS: tl.constexpr, UNIT: tl.constexpr):
+    """q at unit L2 norm, divided by sqrt(Dk) (as given when UNIT)."""
+    if UNIT:
+        return q
+    else:
+        return tl.div_rn(q * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(q * q, axis=0) + EPS)), SCALE)
+
+
+@triton.jit
+def _unit_k(k, EPS: tl.constexpr, UNIT: tl.constexpr):
+    """k at unit L2 norm (as given when UNIT)."""
+    if UNIT:
+        return k
+    else:
+        return k * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(k * k, axis=0) + EPS))
+
+
+@triton.jit
+def _read_out(s, q, out_ptr, SCALE, EPS: tl.constexpr, UNIT_QK: tl.constexpr):
+    """A row's output from its state: S read by its unit q, in the output's dtype."""
+    return tl.sum(s * _unit_q(q, SCALE, EPS, UNIT_QK)[:, None], axis=0).to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _delta_step(s, k, v, g, beta, INTERPRET: tl.constexpr):
+    """One row's gated delta rule on a [Dk, BV] part of the state: decay, then write v against what k reads."""
+    s = s * exp_f32(g, INTERPRET)
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    return s + k[:, None] * delta[None, :]
 
 
 @triton.jit
@@ -210,8 +278,11 @@ def gdn_recurrent(
     lane_of_row: torch.Tensor,
     keep_states: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    long_runs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states after each row or None)."""
+    """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states after each row or None).
+    long_runs: a lane has many rows (a prompt pass), so q and k go to unit norm in a kernel of their own first,
+    which shortens each row's step; the bits are the same either way."""
     _check_gdn(q, k, v, g, beta, state, lane_of_row)
     seq, heads, dv = v.shape
     dk = q.shape[2]
@@ -219,6 +290,8 @@ def gdn_recurrent(
     states = state.new_empty((seq, heads, dk, dv)) if keep_states else None
     if seq == 0:
         return out, states
+    if long_runs:
+        q, k = _unit_qk(q, k)
     block_v = min(BLOCK_V, dv)
     _gdn_recurrent_kernel[(seq * heads * (dv // block_v),)](
         q,
@@ -250,6 +323,7 @@ def gdn_recurrent(
         DV=dv,
         BV=block_v,
         EPS=L2_EPS,
+        UNIT_QK=long_runs,
         KEEP=keep_states,
         SCAN=SCAN,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
@@ -258,3 +332,29 @@ def gdn_recurrent(
         **launch_options(_gdn_recurrent_kernel, q.device),
     )
     return out, states
+
+
+def _unit_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k [T, Hk, Dk] at unit L2 norm in fp32, q also divided by sqrt(Dk), as the recurrence kernel makes them."""
+    seq, key_heads, dk = q.shape
+    q_unit = torch.empty((seq, key_heads, dk), dtype=torch.float32, device=q.device)
+    k_unit = torch.empty_like(q_unit)
+    _gdn_norm_kernel[(seq * key_heads,)](
+        q,
+        k,
+        q_unit,
+        k_unit,
+        seq,
+        key_heads,
+        dk**0.5,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        DK=dk,
+        EPS=L2_EPS,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=True,
+        **launch_options(_gdn_norm_kernel, q.device),
+    )
+    return q_unit, k_unit

@@ -51,7 +51,8 @@ class RowStates:
 class Round:
     """One forward's rows as the kernels take them, all on the GPU (so a CUDA graph can capture the layers): each
     row's lane-pool slot and absolute position, its n-gram window (None: no PLE), the rows that complete an
-    indexer block with the block index their key goes to, and the rows whose states are kept (None: none)."""
+    indexer block with the block index their key goes to, the rows whose states are kept (None: none), and whether a
+    lane has `kernels.gdn.LONG_RUN` or more rows (said only by eager forwards: a captured graph serves any rows)."""
 
     pool: LanePool
     slot_of_row: torch.Tensor
@@ -60,6 +61,7 @@ class Round:
     block_rows: torch.Tensor
     block_dest: torch.Tensor
     keep_rows: torch.Tensor | None
+    long_runs: bool = False
     kept: RowStates = field(default_factory=RowStates)
 
 
@@ -146,7 +148,9 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     k = k.unflatten(-1, (m.key_heads, m.key_dim))
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
     beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
-    out, row_states = gdn_recurrent(q, k, v, g, beta, states, rnd.slot_of_row, keep_states=keep)
+    out, row_states = gdn_recurrent(
+        q, k, v, g, beta, states, rnd.slot_of_row, keep_states=keep, long_runs=rnd.long_runs
+    )
     z = z.unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
     if keep:  # only the rows asked for outlive the layer

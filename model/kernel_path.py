@@ -20,6 +20,7 @@ from collections.abc import Collection, Mapping
 
 import torch
 
+from kernels.gdn import LONG_RUN
 from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
@@ -120,7 +121,8 @@ def build_round(
     block_rows = torch.tensor([r for r, _ in completing], dtype=torch.long, device=device)
     block_dest = torch.tensor([b for _, b in completing], dtype=torch.long, device=device)
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
-    return Round(pool, row_slots(batch).to(device), batch.positions, windows, block_rows, block_dest, kept)
+    long_runs = max((seg.length for seg in batch.segments), default=0) >= LONG_RUN
+    return Round(pool, row_slots(batch).to(device), batch.positions, windows, block_rows, block_dest, kept, long_runs)
 
 
 def per_row(batch: ForwardBatch, values: list[int], device: torch.device | None = None) -> torch.Tensor:

@@ -47,11 +47,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("long_runs", [False, True])
 @pytest.mark.parametrize("key_heads", [1, HEADS])
-def test_matches_reference(key_heads: int) -> None:
+def test_matches_reference(key_heads: int, long_runs: bool) -> None:
     lens, slots = [1, 5, 3], [2, 0, 3]
     inputs, lanes = make_inputs(lens, key_heads), lanes_of(lens, slots)
-    out, state, states = call(gdn_recurrent, inputs, lanes, keep_states=True)
+    out, state, states = call(gdn_recurrent, inputs, lanes, keep_states=True, long_runs=long_runs)
     ref_out, ref_state, ref_states = call(gdn_recurrent_reference, inputs, lanes, keep_states=True)
     assert out.dtype == torch.float32 and out.shape == (9, HEADS, DIM)
     assert not out.isnan().any() and not state.isnan().any()
@@ -113,6 +114,17 @@ def test_row_invariance() -> None:
             assert torch.equal(states, together_states[rows])
             picked = [slots[i] for i in chosen]
             assert torch.equal(state[picked], together_state[picked])
+
+
+@pytest.mark.parametrize("keep_states", [False, True])
+def test_long_runs_give_the_same_bits(keep_states: bool) -> None:
+    """q and k brought to unit norm by their own kernel give every output and state the bits of the one-kernel form."""
+    lens, slots = [1, 9, 2, 17], [3, 0, 2, 1]
+    inputs, lanes = make_inputs(lens, 1, seed=5), lanes_of(lens, slots)
+    one = call(gdn_recurrent, inputs, lanes, keep_states=keep_states)
+    two = call(gdn_recurrent, inputs, lanes, keep_states=keep_states, long_runs=True)
+    for a, b in zip(one, two, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_rejects_bad_shapes() -> None:

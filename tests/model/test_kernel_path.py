@@ -12,6 +12,7 @@ import pytest
 import torch
 from make_checkpoint import make_checkpoint
 
+from kernels.gdn import LONG_RUN
 from model import kernel_path
 from model.flashnext import FlashNextModel, ForwardOutput, single_lane_batch
 from model.kernel_blocks import ngram_rows
@@ -118,6 +119,28 @@ def test_a_lane_has_the_same_bits_alone_batched_and_in_chunks(models) -> None:
     assert torch.equal(torch.cat((first.hidden[3:], second.hidden[:1])), batched.hidden[:n])
     assert_same_state(chunked_lane, alone)
     assert_same_state(other_chunked, other)
+
+
+def test_a_long_prompt_pass_takes_the_unit_norm_kernel_with_the_same_bits(models, monkeypatch) -> None:
+    """A lane of LONG_RUN or more rows has q and k normalized by their own kernel; its bits equal short chunks'."""
+    from model import kernel_blocks
+
+    _, ker = models
+    prompt = (PROMPT + OTHER + PROMPT)[: LONG_RUN + 2]
+    flags = []
+    recurrent = kernel_blocks.gdn_recurrent
+    monkeypatch.setattr(
+        kernel_blocks, "gdn_recurrent", lambda *a, **kw: flags.append(kw["long_runs"]) or recurrent(*a, **kw)
+    )
+    whole_lane, chunked_lane = ker.new_lane(), ker.new_lane()
+    whole = fold(ker, [(whole_lane, prompt)])
+    assert flags and all(flags)
+    flags.clear()
+    half = len(prompt) // 2
+    chunks = [fold(ker, [(chunked_lane, prompt[:half])]), fold(ker, [(chunked_lane, prompt[half:])])]
+    assert flags and not any(flags)
+    assert torch.equal(torch.cat([c.hidden for c in chunks]), whole.hidden)
+    assert_same_state(chunked_lane, whole_lane)
 
 
 def test_verify_window_snapshots_restore_the_serial_state(models) -> None:
