@@ -18,17 +18,17 @@ Read, three launches, each intermediate with its dtype and rounding:
      inject [N, hc] = act(2 · sigmoid(a_inj / hc)), with silu(v) = v / (1 + exp(-v)), sigmoid(v) = 1 / (1 + exp(-v)).
   3. u = h · W_upᵀ in fp32 (dots over BLOCK_R chunks of r in increasing order), g = sigmoid(u) fp32,
      x [N, d] = act((g_0·normed_0 + g_1·normed_1 + ...) / hc), the stream sum in fp32 in stream order.
-With `ReadTiles.via_linear` (bf16 only; the default up to 256 rows) step 2 runs as three launches instead: the
+With `ReadTiles.via_linear` (bf16 only; the default) step 2 runs as three launches instead: the
 first kernel also stores normed [N, hc·d]; the linear kernel forms a and a_inj in one launch over [W_down; W_inject]
 (a view when the inject rows follow the down rows in memory, as the model stacks them), whose K ranges, tiles and
 range order are those above, so the sums have the same bits; `_finish_kernel` forms h and inject from them. Where
 the linear kernel would cut K = hc·d into other ranges (it picks them from its N and K), the fused kernel runs.
-With `ReadTiles.up_via_linear` (bf16 only; the default up to 256 rows) step 3 runs as two launches over the stored
+With `ReadTiles.up_via_linear` (bf16 only; the default) step 3 runs as two launches over the stored
 normed rows: u = h · W_upᵀ by the linear kernel (K = r in one range of 128-wide tiles: the same chain of 16-deep MMA
 steps in increasing k as the 64-wide chunks above, then zero products past r; the fused kernel runs where the linear
 kernel would cut r into ranges), and `_gate_mix_kernel` forms x from
 u and normed as step 3 does. On the H200 both paths, alone and together, gave x and inject bit-identical to the
-fused kernels at 1, 64 and 256 rows (scripts/gpu_sweep_hyper.py --via-linear).
+fused kernels at 1, 64, 256 and 1,024 rows (scripts/gpu_sweep_hyper.py --via-linear).
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
@@ -94,14 +94,15 @@ def k_ranges(k: int, d: int) -> tuple[int, int]:
 
 
 def read_tiles(n: int, r: int) -> ReadTiles:
-    """Tiles for n rows: up to 256 rows both projections by the linear kernel (the fused kernels for fp32), 64-row
-    tiles of the fused kernels beyond."""
+    """Tiles for n rows: both projections by the linear kernel (bf16: same bits, less time on the H200 sweeps at 1 to
+    1,024 rows); the fused kernels' tiles (for fp32, or where the linear kernel cuts K otherwise) 16 rows high up to
+    256 rows, 64 beyond."""
     if INTERPRET:
         return ReadTiles(16, 16, 16, 16, False, 4, 1)
-    if n <= 256:  # both projections by the linear kernel (bf16): same bits, 38-41% less time on the H200 sweep
+    if n <= 256:
         return ReadTiles(16, 32, 16, 16, False, 4, 3, via_linear=True, up_via_linear=True)
     in_program = triton.cdiv(n, 64) * triton.cdiv(r, 64) >= MIN_PROGRAMS
-    return ReadTiles(64, 64, 64, 64, in_program, 4, 3)
+    return ReadTiles(64, 64, 64, 64, in_program, 4, 3, via_linear=True, up_via_linear=True)
 
 
 @triton.jit

@@ -306,3 +306,11 @@ def test_the_read_keeps_the_fused_down_kernel_where_the_linear_kernel_cuts_k_oth
     with mock.patch.object(hyper, "_finish_kernel", None):  # the linear path's second launch must not run
         via = launch_read(wide, *w.values(), EPS, 4, dataclasses.replace(TILES[0], via_linear=True))
     assert torch.equal(via[0], fused[0]) and torch.equal(via[1], fused[1])
+
+
+def test_reads_of_any_row_count_ask_for_the_linear_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU every batch size asks for both projections by the linear kernel (prompt rounds included)."""
+    monkeypatch.setattr(hyper, "INTERPRET", False)
+    for n in (1, 256, 257, 1024, 8192):
+        tiles = hyper.read_tiles(n, 320)
+        assert tiles.via_linear and tiles.up_via_linear, n
