@@ -314,3 +314,19 @@ def test_reads_of_any_row_count_ask_for_the_linear_kernel(monkeypatch: pytest.Mo
     for n in (1, 256, 257, 1024, 8192):
         tiles = hyper.read_tiles(n, 320)
         assert tiles.via_linear and tiles.up_via_linear, n
+
+
+def test_a_reduced_fp32_sum_writes_the_bits_of_the_combined_bf16_sum() -> None:
+    """At tp=2 a sub-block's output reaches hc_write as the all-reduced fp32 sum of two bf16 partials; the write
+    rounds it once, so the residual gets the bits it would from `TensorParallel.combine`'s bf16 sum."""
+    from model.kernel_blocks import write_input
+
+    g = torch.Generator().manual_seed(15)
+    p0, p1 = ((torch.randn(6, D, generator=g) * 300).bfloat16() for _ in range(2))
+    total = p0.float() + p1.float()  # what the in-place all-reduce of the two fp32 partials leaves on both ranks
+    assert not torch.equal(total.bfloat16().float(), total), "the sum must round for the test to mean anything"
+    wide = wide_rows(6, 4, torch.bfloat16, seed=16)
+    inject = (torch.rand(6, 4, generator=g) * 2).bfloat16()
+    written = hc_write(wide, write_input(total, wide), inject)
+    assert torch.equal(written, hc_write(wide, total.bfloat16(), inject))
+    assert torch.equal(written, hc_write_reference(wide, total.bfloat16(), inject))
