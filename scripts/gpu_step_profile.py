@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel_path.lane_pool(model, slots=most, context=args.context)
     graphs = kernel_path.enable_graphs(model, {"trunk": most, "verify": WINDOW})
     rows, rows_report, vocab, tables = [], [], model.cfg.vocab_size, {}
+    if not 0 <= args.random_tokens <= vocab:
+        raise SystemExit(f"--random-tokens: {args.random_tokens} is outside the model's vocabulary of {vocab}")
     rng = random.Random(0) if args.random_tokens else None  # ranks draw the same sequence
     vocab = args.random_tokens or vocab
     for count in args.lanes:
