@@ -120,8 +120,8 @@ def _gdn_norm_kernel(
     q = tl.load(q_ptr + row * stride_qt + head * stride_qh + dk, mask=live, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dk, mask=live, other=0.0).to(tl.float32)
     at = (row * HK + head) * DK + dk
-    tl.store(qn_ptr + at, _unit_q(q, SCALE, EPS, False), mask=live)
-    tl.store(kn_ptr + at, _unit_k(k, EPS, False), mask=live)
+    tl.store(qn_ptr + at, _unit_q(q, SCALE, EPS), mask=live)
+    tl.store(kn_ptr + at, _unit_k(k, EPS), mask=live)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -191,61 +191,85 @@ def _gdn_recurrent_kernel(
         slot = state_ptr + (lane.to(tl.int64) * H + head) * DK * DV
         s = tl.load(slot + tile)
         end = lane_run_end(lane_ptr, ids, row, lane, T, SCAN)
-        # The pointers walk one row ahead of the output: they load the inputs of the row the next update makes.
-        q_at += stride_qt
-        k_at += stride_kt
-        v_at += stride_vt
-        g_at += stride_gt
-        beta_at += stride_bt
-        q_up, k_up, v_up, g_up, beta_up = _row_inputs(q_at, k_at, v_at, g_at, beta_at, dk, dv, row + 1 < end, DK, DV)
-        s = _delta_step(s, _unit_k(k, EPS, UNIT_QK), v, g, beta, INTERPRET)
-        if KEEP:
-            tl.store(states_at + tile, s)
-        # Rotated: an iteration stores the previous row's output and makes row t's update, one straight-line block
-        # of two independent sums over Dk (the same sums, on the same values, as one row at a time).
-        for t in tl.range(row + 1, end):
+        if UNIT_QK:
+            # The pointers walk one row ahead of the output: they load the inputs of the row the next update makes.
             q_at += stride_qt
             k_at += stride_kt
             v_at += stride_vt
             g_at += stride_gt
             beta_at += stride_bt
-            q_next, k_next, v_next, g_next, beta_next = _row_inputs(
-                q_at, k_at, v_at, g_at, beta_at, dk, dv, t + 1 < end, DK, DV
+            q_up, k_up, v_up, g_up, beta_up = _row_inputs(
+                q_at, k_at, v_at, g_at, beta_at, dk, dv, row + 1 < end, DK, DV
             )
-            tl.store(out_at + dv, _read_out(s, q, out_ptr, SCALE, EPS, UNIT_QK))
-            s = _delta_step(s, _unit_k(k_up, EPS, UNIT_QK), v_up, g_up, beta_up, INTERPRET)
-            q = q_up
-            q_up, k_up, v_up, g_up, beta_up = q_next, k_next, v_next, g_next, beta_next
-            out_at += stride_ot
-            states_at += H * DK * DV
+            s = _delta_step(s, k, v, g, beta, INTERPRET)
             if KEEP:
                 tl.store(states_at + tile, s)
-        tl.store(out_at + dv, _read_out(s, q, out_ptr, SCALE, EPS, UNIT_QK))
+            # Rotated: an iteration stores the previous row's output and makes row t's update, two independent sums
+            # over Dk in one branch-free block; the same sums on the same values as one row at a time.
+            for t in tl.range(row + 1, end):
+                q_at += stride_qt
+                k_at += stride_kt
+                v_at += stride_vt
+                g_at += stride_gt
+                beta_at += stride_bt
+                q_next, k_next, v_next, g_next, beta_next = _row_inputs(
+                    q_at, k_at, v_at, g_at, beta_at, dk, dv, t + 1 < end, DK, DV
+                )
+                tl.store(out_at + dv, _read_out(s, q, out_ptr))
+                s = _delta_step(s, k_up, v_up, g_up, beta_up, INTERPRET)
+                q = q_up
+                q_up, k_up, v_up, g_up, beta_up = q_next, k_next, v_next, g_next, beta_next
+                out_at += stride_ot
+                states_at += H * DK * DV
+                if KEEP:
+                    tl.store(states_at + tile, s)
+            tl.store(out_at + dv, _read_out(s, q, out_ptr))
+        else:  # one row an iteration, each row's q and k brought to unit norm here (decode and verify rows)
+            for t in tl.range(row, end):
+                q_next, k_next, v_next, g_next, beta_next = _row_inputs(
+                    q_at + stride_qt,
+                    k_at + stride_kt,
+                    v_at + stride_vt,
+                    g_at + stride_gt,
+                    beta_at + stride_bt,
+                    dk,
+                    dv,
+                    t + 1 < end,
+                    DK,
+                    DV,
+                )
+                q = _unit_q(q, SCALE, EPS)
+                s = _delta_step(s, _unit_k(k, EPS), v, g, beta, INTERPRET)
+                tl.store(out_at + dv, _read_out(s, q, out_ptr))
+                if KEEP:
+                    tl.store(states_at + tile, s)
+                q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+                q_at += stride_qt
+                k_at += stride_kt
+                v_at += stride_vt
+                g_at += stride_gt
+                beta_at += stride_bt
+                out_at += stride_ot
+                states_at += H * DK * DV
         tl.store(slot + tile, s)
 
 
 @triton.jit
-def _unit_q(q, SCALE, EPS: tl.constexpr, UNIT: tl.constexpr):
-    """q at unit L2 norm, divided by sqrt(Dk) (as given when UNIT)."""
-    if UNIT:
-        return q
-    else:
-        return tl.div_rn(q * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(q * q, axis=0) + EPS)), SCALE)
+def _unit_q(q, SCALE, EPS: tl.constexpr):
+    """q at unit L2 norm, divided by sqrt(Dk)."""
+    return tl.div_rn(q * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(q * q, axis=0) + EPS)), SCALE)
 
 
 @triton.jit
-def _unit_k(k, EPS: tl.constexpr, UNIT: tl.constexpr):
-    """k at unit L2 norm (as given when UNIT)."""
-    if UNIT:
-        return k
-    else:
-        return k * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(k * k, axis=0) + EPS))
+def _unit_k(k, EPS: tl.constexpr):
+    """k at unit L2 norm."""
+    return k * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(k * k, axis=0) + EPS))
 
 
 @triton.jit
-def _read_out(s, q, out_ptr, SCALE, EPS: tl.constexpr, UNIT_QK: tl.constexpr):
-    """A row's output from its state: S read by its unit q, in the output's dtype."""
-    return tl.sum(s * _unit_q(q, SCALE, EPS, UNIT_QK)[:, None], axis=0).to(out_ptr.dtype.element_ty)
+def _read_out(s, q, out_ptr):
+    """A row's output from its state and unit q, in the output's dtype."""
+    return tl.sum(s * q[:, None], axis=0).to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
