@@ -93,10 +93,13 @@ def k_ranges(k: int, d: int) -> tuple[int, int]:
     return triton.cdiv(k, k_split), k_split
 
 
+def linear_paths(k: int, d: int, r: int, hc: int, inject: bool) -> tuple[bool, bool]:
+    """(down + inject, up): may the linear kernel take them? Only where it cuts K as the fused kernels do."""
+    return linear_k_ranges(r + (hc if inject else 0), k) == k_ranges(k, d), linear_k_ranges(k, r)[0] == 1
+
+
 def read_tiles(n: int, r: int) -> ReadTiles:
-    """Tiles for n rows: both projections by the linear kernel (bf16: same bits, less time on the H200 sweeps at 1 to
-    1,024 rows); the fused kernels' tiles (for fp32, or where the linear kernel cuts K otherwise) 16 rows high up to
-    256 rows, 64 beyond."""
+    """Tiles for n rows: both projections by the linear kernel (bf16), the fused kernels' tiles 16 or 64 rows high."""
     if INTERPRET:
         return ReadTiles(16, 16, 16, 16, False, 4, 1)
     if n <= 256:
@@ -716,10 +719,8 @@ def launch_read(
         return x, inject
     rstd = torch.empty((n, hc), dtype=torch.float32, device=dev)
     bf16 = act == torch.bfloat16
-    via_linear, up_via_linear = tiles.via_linear and bf16, tiles.up_via_linear and bf16
-    # the linear kernel takes a projection only where it cuts K as the fused kernels do (else the sums' bits differ)
-    via_linear &= linear_k_ranges(r + (hc if w_inject is not None else 0), k) == k_ranges(k, d)
-    up_via_linear &= linear_k_ranges(k, r)[0] == 1
+    down_ok, up_ok = linear_paths(k, d, r, hc, w_inject is not None)
+    via_linear, up_via_linear = tiles.via_linear and bf16 and down_ok, tiles.up_via_linear and bf16 and up_ok
     normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_via_linear else rstd
     _rstd_kernel[(n, hc)](
         wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,

@@ -330,3 +330,11 @@ def test_a_reduced_fp32_sum_writes_the_bits_of_the_combined_bf16_sum() -> None:
     written = hc_write(wide, write_input(total, wide), inject)
     assert torch.equal(written, hc_write(wide, total.bfloat16(), inject))
     assert torch.equal(written, hc_write_reference(wide, total.bfloat16(), inject))
+
+
+def test_the_linear_paths_follow_the_fused_kernels_k_ranges() -> None:
+    """The down (+ inject) path only where the linear kernel cuts K into the fused ranges; up where r stays whole."""
+    assert hyper.linear_paths(4 * 32, 32, 8, 4, inject=True) == (False, True)  # 2 fused ranges, 1 linear
+    assert hyper.linear_paths(2 * 64, 64, 8, 2, inject=True) == (True, True)  # both 1 range
+    assert hyper.linear_paths(2 * 64, 64, 8, 2, inject=False) == (True, True)
+    assert hyper.linear_paths(2 * 16, 16, 2048, 2, inject=False)[1] is False  # the linear kernel would cut r = 2048
