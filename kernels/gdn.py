@@ -115,7 +115,8 @@ def _gdn_norm_kernel(
     row = (pid // HK).to(tl.int64)
     head = pid % HK
     dk = tl.arange(0, DK)
-    # One warp, a [DK] vector and a runtime mask, as the recurrence kernel had them: the same sum order as before.
+    # One warp and a runtime mask keep the loads unvectorized, so the [DK] vector is laid out as in the recurrence
+    # kernel and its sums run in the same order (a vectorized layout would pair other elements first).
     live = dk < tl.where(row < T, DK, 0)
     q = tl.load(q_ptr + row * stride_qt + head * stride_qh + dk, mask=live, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dk, mask=live, other=0.0).to(tl.float32)
@@ -304,9 +305,8 @@ def gdn_recurrent(
     out_dtype: torch.dtype = torch.float32,
     long_runs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states after each row or None).
-    long_runs: a lane has many rows (a prompt pass), so q and k go to unit norm in a kernel of their own first,
-    which shortens each row's step; the bits are the same either way."""
+    """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states after each row or None)."""
+    # long_runs (a prompt pass): q and k go to unit norm in a kernel of their own first; the bits are the same
     _check_gdn(q, k, v, g, beta, state, lane_of_row)
     seq, heads, dv = v.shape
     dk = q.shape[2]

@@ -16,17 +16,19 @@ from kernels.gdn import gdn_recurrent, gdn_recurrent_reference
 HEADS, DIM = 3, 16
 
 
-def make_inputs(lens: list[int], key_heads: int, seed: int = 0, slots: int = 4) -> dict[str, torch.Tensor]:
+def make_inputs(
+    lens: list[int], key_heads: int, seed: int = 0, slots: int = 4, heads: int = HEADS
+) -> dict[str, torch.Tensor]:
     """bf16 q/k (key heads) and v, fp32 g < 0 and beta in (0, 1), a random fp32 state per slot."""
     gen = torch.Generator().manual_seed(seed)
     seq = sum(lens)
     return {
         "q": torch.randn(seq, key_heads, DIM, generator=gen).bfloat16(),
         "k": torch.randn(seq, key_heads, DIM, generator=gen).bfloat16(),
-        "v": torch.randn(seq, HEADS, DIM, generator=gen).bfloat16(),
-        "g": -F.softplus(torch.randn(seq, HEADS, generator=gen)),
-        "beta": torch.sigmoid(torch.randn(seq, HEADS, generator=gen)),
-        "state": torch.randn(slots, HEADS, DIM, DIM, generator=gen) * 0.3,
+        "v": torch.randn(seq, heads, DIM, generator=gen).bfloat16(),
+        "g": -F.softplus(torch.randn(seq, heads, generator=gen)),
+        "beta": torch.sigmoid(torch.randn(seq, heads, generator=gen)),
+        "state": torch.randn(slots, heads, DIM, DIM, generator=gen) * 0.3,
     }
 
 
@@ -116,11 +118,12 @@ def test_row_invariance() -> None:
             assert torch.equal(state[picked], together_state[picked])
 
 
+@pytest.mark.parametrize("key_heads", [1, 2])
 @pytest.mark.parametrize("keep_states", [False, True])
-def test_long_runs_give_the_same_bits(keep_states: bool) -> None:
+def test_long_runs_give_the_same_bits(keep_states: bool, key_heads: int) -> None:
     """q and k brought to unit norm by their own kernel give every output and state the bits of the one-kernel form."""
     lens, slots = [1, 9, 2, 17], [3, 0, 2, 1]
-    inputs, lanes = make_inputs(lens, 1, seed=5), lanes_of(lens, slots)
+    inputs, lanes = make_inputs(lens, key_heads, seed=5, heads=4), lanes_of(lens, slots)
     one = call(gdn_recurrent, inputs, lanes, keep_states=keep_states)
     two = call(gdn_recurrent, inputs, lanes, keep_states=keep_states, long_runs=True)
     for a, b in zip(one, two, strict=True):
