@@ -11,7 +11,7 @@ export PYTHONPATH=.:/tmp/site
 start=$(date +%s)
 since() { echo "at $(( $(date +%s) - start )) s"; }
 
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_pdl.py 2>&1 | tail -3
+TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_pdl.py 2>&1 | tail -3
 echo "gpu test $(since)"
 
 profile() {  # name, env assignments..., then -- and gpu_step_profile flags
