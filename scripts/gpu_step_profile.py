@@ -1,11 +1,13 @@
 """Where a step's time goes at the real shapes, tp=2, dummy weights: decode rounds of 1, 4, 8 and 64 lanes through
 the model with CUDA graphs, timed on the host (wall time of a forward, synchronised) and on the GPU (CUDA events
 over the graph's replay alone); one lane's verify round with 0..3 drafts (every row's state kept); then
-torch.profiler's kernel tables for five replayed rounds of one lane and of 64 lanes on rank 0.
+torch.profiler's kernel tables for five replayed rounds of one lane and of 64 lanes on rank 0; with --prompt ROWS
+also one lane's eager prompt pass of ROWS rows, timed and profiled (three passes).
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
-# DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile.json
+    [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
+# DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_prompt.txt, step_profile.json
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -49,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=1024, help="positions a pool slot holds (default 1024)")
     ap.add_argument("--random-tokens", type=int, default=0, metavar="VOCAB",
                     help="feed random tokens below VOCAB (same seed on both ranks) instead of fixed ones")  # fmt: skip
+    ap.add_argument("--prompt", type=int, default=0, metavar="ROWS", help="also time and profile a prompt pass")
     return ap.parse_args(argv)
 
 
@@ -66,15 +70,15 @@ def per_round(events, rounds: int) -> list[dict]:
     return [{"name": e.key, "ms": e.self_device_time_total / 1e3 / rounds, "calls": e.count / rounds} for e in timed]
 
 
-def profile(model, lanes: list[LaneState], vocab: int, rank: int, rng: random.Random | None, rounds: int = 5) -> str:
-    """torch.profiler's kernel table of `rounds` decode rounds of `lanes` (every rank profiles, so both pay its
-    cost alike); rank 0 prints each kernel's ms and calls a round."""
+def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5) -> str:
+    """torch.profiler's kernel table of `rounds` calls of `step` (every rank profiles, so both pay its cost alike);
+    rank 0 prints each kernel's ms and calls a round."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
-            model(decode_batch(lanes, 1, vocab, rng))
+            step()
         torch.cuda.synchronize()
     if rank == 0:
-        print(f"kernels, {len(lanes)} lane(s), per round:", flush=True)
+        print(f"kernels, {label}, per round:", flush=True)
         for line in per_round(prof.key_averages(), rounds)[:24]:
             print(f"  {line['ms']:7.3f} ms {line['calls']:6.1f} calls  {line['name'][:90]}", flush=True)
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
@@ -92,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     most = max(args.lanes)
     kernel_path.lane_pool(model, slots=most, context=args.context)
     graphs = kernel_path.enable_graphs(model, {"trunk": most, "verify": WINDOW})
-    rows, rows_report, vocab, tables = [], [], model.cfg.vocab_size, {}
+    rows, rows_report, vocab, tables, prompt_report = [], [], model.cfg.vocab_size, {}, None
+    if not 0 <= args.prompt <= args.context:
+        raise SystemExit(f"--prompt: {args.prompt} rows do not fit a slot of --context {args.context} positions")
     if not 0 <= args.random_tokens <= vocab:
         raise SystemExit(f"--random-tokens: {args.random_tokens} is outside the model's vocabulary of {vocab}")
     rng = random.Random(0) if args.random_tokens else None  # ranks draw the same sequence
@@ -121,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
         if count == most:  # profiled while these lanes hold the pool: more lanes would grow it
-            tables[f"_{most}"] = profile(model, lanes, vocab, rank, rng)
+
+            def step(held: list[LaneState] = lanes) -> None:
+                model(decode_batch(held, 1, vocab, rng))
+
+            tables[f"_{most}"] = profile(step, f"{most} lanes", rank)
     del lanes
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))
@@ -139,13 +149,32 @@ def main(argv: list[str] | None = None) -> int:
         rows_report.append({"drafts": window - 1, "verify_wall_ms": statistics.median(times)})
         if rank == 0:
             print(json.dumps(rows_report[-1]), flush=True)
-    tables[""] = profile(model, lanes, vocab, rank, rng)
+    tables[""] = profile(lambda: model(decode_batch(lanes, 1, vocab, rng)), "1 lane", rank)
+    if args.prompt:
+        lanes = [model.new_lane()]
+
+        def prompt_pass() -> None:
+            restore_length(lanes[0], 0)
+            model(decode_batch(lanes, args.prompt, vocab, rng))
+
+        times = []
+        for i in range(7):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            prompt_pass()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append((time.perf_counter() - start) * 1e3)
+        prompt_report = {"rows": args.prompt, "wall_ms": statistics.median(times)}
+        if rank == 0:
+            print(json.dumps({"prompt": prompt_report}), flush=True)
+        tables["_prompt"] = profile(prompt_pass, f"a {args.prompt}-row prompt pass", rank, rounds=3)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, table in tables.items():
             (args.out / f"step_profile{name}.txt").write_text(table)
         report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, most],
-                  "context": args.context, "random_tokens": args.random_tokens}  # fmt: skip
+                  "context": args.context, "random_tokens": args.random_tokens, "prompt": prompt_report}  # fmt: skip
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
     dist.barrier()
     dist.destroy_process_group()
