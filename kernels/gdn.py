@@ -162,8 +162,7 @@ def _gdn_recurrent_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, value head, Dv tile); only a lane's first row works, looping over the lane's rows.
-    UNIT_QK: q and k come from the norm kernel; else the program brings each row's q and k to unit norm itself."""
+    """One program per (row, value head, Dv tile); a lane's first row loops over its rows (UNIT_QK: q, k come unit)."""
     enter(PDL)
     pid = tl.program_id(0)
     tiles = DV // BV
