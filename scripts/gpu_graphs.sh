@@ -17,18 +17,6 @@ tail -8 "$OUT/graph_check.out"
 port=8300
 for graphs in ${GRAPHS:-on off}; do
   port=$((port + 1))
-  digests=$(mktemp -d)
-  up=0
-  FLASHNEXT_ROUND_DIGESTS=$digests serve_until_up 260 "$port" "$OUT/serve_graphs_$graphs.log" --tp 2 --device cuda \
-    --cuda-graphs "$graphs" --drafter mtp && up=1
-  echo "graphs=$graphs server up=$up"
-  if [ $up = 1 ]; then
-    timeout 200 python3 scripts/eval_small.py serve --data build/small/data --base-url "http://127.0.0.1:$port" \
-      --prompts 6 --tokens 48 --streams 1,8 --json "$OUT/eval_graphs_$graphs.json" 2>&1 | tail -8
-    echo "eval rc=${PIPESTATUS[0]}"
-  fi
-  stop_server
-  echo "rounds digested: rank0 $(wc -l < "$digests/rank0.digests") rank1 $(wc -l < "$digests/rank1.digests")"
-  cmp "$digests/rank0.digests" "$digests/rank1.digests" && echo "ranks identical: yes" || echo "ranks identical: NO"
+  small_exactness "graphs_$graphs" "$port" --device cuda --cuda-graphs "$graphs"
   grep -v "it/s\]\|tensor/s\]" "$OUT/serve_graphs_$graphs.log" | grep -i "graph\|pool\|error\|Traceback" | head -8
 done

@@ -1,6 +1,7 @@
 # Shared by the GPU scripts (source it from the repo root on the GPU machine): the environment, the carried
 # wheels, and `serve_until_up SECONDS PORT LOG ARGS...`, which starts `python3 -m server ARGS` with a time limit and
-# waits until /health answers (SERVER holds its pid; returns 1 if it died or never came up).
+# waits until /health answers (SERVER holds its pid; returns 1 if it died or never came up); `small_exactness NAME
+# PORT ARGS...` serves the shipped model at --tp 2 with ARGS and checks it (below).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -24,4 +25,23 @@ stop_server() {
   kill $SERVER 2>/dev/null
   sleep 3
   pkill -9 -f "m server" 2>/dev/null
+}
+
+# The shipped model served at --tp 2 with the MTP drafter and ARGS, each rank writing a digest of every round:
+# eval_small (drafted = "draft": false by token_sha, concurrent = solo at 1 and 8 streams), then the ranks' digests
+# compared line for line. Logs: $OUT/serve_NAME.log, $OUT/eval_NAME.json.
+small_exactness() {
+  local name=$1 port=$2 digests up=0
+  shift 2
+  digests=$(mktemp -d)
+  FLASHNEXT_ROUND_DIGESTS=$digests serve_until_up 260 "$port" "$OUT/serve_$name.log" --tp 2 --drafter mtp "$@" && up=1
+  echo "$name server up=$up"
+  if [ $up = 1 ]; then
+    timeout 200 python3 scripts/eval_small.py serve --data build/small/data --base-url "http://127.0.0.1:$port" \
+      --prompts 6 --tokens 48 --streams 1,8 --json "$OUT/eval_$name.json" 2>&1 | tail -8
+    echo "eval rc=${PIPESTATUS[0]}"
+  fi
+  stop_server
+  echo "rounds digested: rank0 $(wc -l < "$digests/rank0.digests") rank1 $(wc -l < "$digests/rank1.digests")"
+  cmp "$digests/rank0.digests" "$digests/rank1.digests" && echo "ranks identical: yes" || echo "ranks identical: NO"
 }
