@@ -12,9 +12,17 @@ increasing index order over the reduced axis, starting from zero: the gate/up su
 A row never shares a sum with another row: tiles group the rows of one expert only to share weight reads. Tile
 sizes change with the batch, but on CUDA every config keeps Triton on mma.sync (MMAv2: tile height not a multiple
 of 64, or fewer than four warps), whose per-element result depends only on that 16-wide step order, so a row's bits
-do not depend on the batch. NVFP4 weights are dequantized in registers to bf16 as fp4(code)·block_scale, which is
-exact in bf16 (at most 6 significant bits); the fp32 global scale_2 multiplies the fp32 sum afterwards (gate and
-up each by their own), the same W = fp4·block_scale·scale_2 with one rounding fewer than scaling each weight.
+do not depend on the batch. NVFP4 weights are dequantized in registers to bf16 as fp4(code)·block_scale·2^-7,
+which is exact in bf16 (at most 6 significant bits, far from its range's ends); the fp32 global scale_2·2^7
+multiplies the fp32 sum afterwards (gate and up each by their own): the same W = fp4·block_scale·scale_2 with one
+rounding fewer than scaling each weight, and powers of two leave every partial sum's rounding as it was.
+
+Word layout. The kernels read NVFP4 codes as int32 words of eight, with each code's bits moved (once, at load:
+`kernel_bank`) to where four cheap extractions (an AND; a rotate and an AND; an AND, a multiply by two powers of two
+and an AND; two rotates and two ANDs) leave the bf16 bit patterns of fp4(code)·2^-126 for elements (2j, 2j+1) in
+the low and high halves of one register, which the tensor-core operands take as they are. The checkpoint's layout
+(element 2j in the low nibble of byte j) would need about twice the instructions, and turning codes into bf16 is what
+bounds these kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +41,21 @@ from kernels.pdl import enter, launch_options
 NVFP4_GROUP = 16
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 PLAN_MAX_PAIRS = 4096  # up to this many (row, expert) pairs one program sorts them; beyond, torch ops do
-FP4_KEYS = ("gate_up_packed", "gate_up_scale", "gate_up_scale_2", "down_packed", "down_scale", "down_scale_2")
+FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
+PACKED_KEYS = ("gate_up_packed", "down_packed")
+# where bit b (0 mantissa, 1-2 exponent, 3 sign) of element i of a word goes in the kernels' layout: element 2j's
+# magnitude bits end at bf16 bits 6-8 and its sign at 15 of register j, element 2j+1's at 22-24 and 31
+WORD_BITS = (
+    (6, 7, 8, 15),  # register 0: the word & BF16_PAIR
+    (22, 23, 24, 31),
+    (25, 26, 27, 2),  # register 1: rotated left by 13
+    (9, 10, 11, 18),
+    (3, 4, 5, 0),  # register 2: magnitudes shifted left by 3 and signs by 15, in one multiply
+    (19, 20, 21, 16),
+    (28, 29, 30, 1),  # register 3: magnitudes rotated left by 10, signs by 14
+    (12, 13, 14, 17),
+)
+TWO_POW_119 = tl.constexpr(6.646139978924579e35)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
 BF16_KEYS = ("gate_up", "down")
 
 
@@ -192,22 +214,26 @@ def _tile_rows(pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, t, E: t
 
 
 @triton.jit
-def _fp4_pair(words, i: tl.constexpr):
-    """Codes i and i+4 of int32 words of 8 E2M1 codes as bf16 bit patterns [.., 2] (uint16) of fp4(code) * 2^-126.
-
-    Each code's sign and 3 magnitude bits go to the sign, two lowest exponent bits and top mantissa bit of a bf16
-    (code 1 lands on the subnormal 2^-127), for both 16-bit halves of a word at once."""
+def _bf16_pairs(words):
+    """Words of eight codes in the kernels' layout -> four uint32 registers: register j holds the bf16 bit patterns of
+    fp4(code)·2^-126 of elements 2j (low half) and 2j+1 (high half); code 1 lands on the subnormal 2^-127."""
     w = words.to(tl.uint32, bitcast=True)
-    if i == 0:
-        mag = w << 6
-    elif i == 1:
-        mag = w << 2
-    elif i == 2:
-        mag = w >> 2
-    else:
-        mag = w >> 6
-    halves = (mag & 0x01C001C0) | ((w << (12 - 4 * i)) & 0x80008000)
-    return tl.join((halves & 0xFFFF).to(tl.uint16), (halves >> 16).to(tl.uint16))
+    r0 = w & 0x81C081C0
+    r1 = ((w << 13) | (w >> 19)) & 0x81C081C0
+    r2 = ((w & 0x00390039) * 0x8008) & 0x81C081C0  # the two shifted copies never carry into a kept bit
+    r3 = (((w << 10) | (w >> 22)) & 0x01C001C0) | (((w << 14) | (w >> 18)) & 0x80008000)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _halves(r, INTERPRET: tl.constexpr):
+    """The (low, high) bf16 halves of uint32 r: one PTX move, so no shifts (fp32 under the interpreter, which flushes
+    bf16 subnormals)."""
+    if INTERPRET:
+        return (r << 16).to(tl.float32, bitcast=True), (r & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [r], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -226,8 +252,8 @@ def _weight_tile(
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Weight rows [BLOCK_N] x columns [k0, k0+BLOCK_K) as bf16; NVFP4 codes (int32 words of 8) times block
-    scales, exact in bf16 (at most 6 significant bits)."""
+    """Weight rows [BLOCK_N] x columns [k0, k0+BLOCK_K) as bf16; NVFP4 codes (int32 words of 8 in the kernels'
+    layout) times block scales times 2^-7, exact in bf16."""
     if FP4:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         kg = k0 // 16 + tl.arange(0, BLOCK_K // 16)
@@ -235,16 +261,17 @@ def _weight_tile(
         s_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kg < K // 16)[None, :]
         words = tl.load(w_ptr + rows[:, None] * stride_wn + kw[None, :], mask=w_mask, other=0)
         scale = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=s_mask, other=0.0)
-        # code j of word m is element 8m + j: nest the joins so the flat index is 8m + 4*b2 + 2*b1 + b0
-        even = tl.join(_fp4_pair(words, 0), _fp4_pair(words, 2))
-        odd = tl.join(_fp4_pair(words, 1), _fp4_pair(words, 3))
-        bits = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K // 16, 16)
-        if INTERPRET:  # the interpreter flushes bf16 subnormals: take the bits through fp32
-            w = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True) * 8.507059e37
-            w = w * scale.to(tl.float32)[:, :, None]
-        else:  # 2^126 then the block scale, in packed bf16 multiplies, both exact
-            w = bits.to(tl.bfloat16, bitcast=True) * 8.507059e37
-            w = w * scale.to(tl.bfloat16)[:, :, None]
+        r0, r1, r2, r3 = _bf16_pairs(words)
+        l0, h0 = _halves(r0, INTERPRET)
+        l1, h1 = _halves(r1, INTERPRET)
+        l2, h2 = _halves(r2, INTERPRET)
+        l3, h3 = _halves(r3, INTERPRET)
+        # element 8m + 4*b2 + 2*b1 + b0 of word m: nest the joins so b0 (low or high half) varies fastest
+        low = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+        high = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+        codes = tl.join(low, high).reshape(BLOCK_N, BLOCK_K // 16, 16)
+        # times block scale·2^119 in one packed multiply: fp4·block_scale·2^-7, exact
+        w = codes * (scale.to(codes.dtype) * TWO_POW_119)[:, :, None]
         return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -324,8 +351,8 @@ def _gate_up_kernel(
         )
         up = _mma(a, wu, up, INTERPRET)
     if FP4:
-        gate = gate * tl.load(s2_ptr + e * 2)
-        up = up * tl.load(s2_ptr + e * 2 + 1)
+        gate = gate * (tl.load(s2_ptr + e * 2) * 128.0)
+        up = up * (tl.load(s2_ptr + e * 2 + 1) * 128.0)
     h = gate * tl.sigmoid(gate) * up
     h_ptrs = h_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :]
     tl.store(h_ptrs, _round_bf16(h, INTERPRET), mask=ok[:, None] & col_ok[None, :])
@@ -380,7 +407,7 @@ def _down_kernel(
         )
         acc = _mma(a, w, acc, INTERPRET)
     if FP4:
-        acc = acc * tl.load(s2_ptr + e)
+        acc = acc * (tl.load(s2_ptr + e) * 128.0)
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * D + cols[None, :]
     tl.store(y_ptrs, acc, mask=ok[:, None] & col_ok[None, :])
 
@@ -425,16 +452,18 @@ def _combine_kernel(
 
 def _bank_layout(bank: Mapping[str, torch.Tensor]) -> tuple[bool, int, int, int]:
     """(is NVFP4, experts E, hidden d, intermediate I) of a bank, checking its tensors' shapes and dtypes."""
+    if any(key in bank for key in PACKED_KEYS):
+        raise ValueError("NVFP4 bank in the checkpoint's layout (*_packed): convert it once with kernel_bank")
     if all(key in bank for key in FP4_KEYS):
-        gu, gs, gs2 = bank["gate_up_packed"], bank["gate_up_scale"], bank["gate_up_scale_2"]
-        dp, ds, ds2 = bank["down_packed"], bank["down_scale"], bank["down_scale_2"]
-        e, two_i, half_d = gu.shape
-        d, inter = 2 * half_d, two_i // 2
+        gu, gs, gs2 = bank["gate_up_words"], bank["gate_up_scale"], bank["gate_up_scale_2"]
+        dp, ds, ds2 = bank["down_words"], bank["down_scale"], bank["down_scale_2"]
+        e, two_i, eighth_d = gu.shape
+        d, inter = 8 * eighth_d, two_i // 2
         want = {
-            "gate_up_packed": ((e, two_i, half_d), torch.uint8),
+            "gate_up_words": ((e, two_i, eighth_d), torch.int32),
             "gate_up_scale": ((e, two_i, d // NVFP4_GROUP), torch.float8_e4m3fn),
             "gate_up_scale_2": ((e, 2), torch.float32),
-            "down_packed": ((e, d, inter // 2), torch.uint8),
+            "down_words": ((e, d, inter // 8), torch.int32),
             "down_scale": ((e, d, inter // NVFP4_GROUP), torch.float8_e4m3fn),
             "down_scale_2": ((e,), torch.float32),
         }
@@ -488,8 +517,8 @@ def moe_forward(
     plan = moe_plan(ids, num_experts, tiles.block_m)
     num_pairs = n * top_k
     if fp4:
-        gu_w, gu_s, gu_s2 = bank["gate_up_packed"].view(torch.int32), bank["gate_up_scale"], bank["gate_up_scale_2"]
-        dn_w, dn_s, dn_s2 = bank["down_packed"].view(torch.int32), bank["down_scale"], bank["down_scale_2"]
+        gu_w, gu_s, gu_s2 = bank["gate_up_words"], bank["gate_up_scale"], bank["gate_up_scale_2"]
+        dn_w, dn_s, dn_s2 = bank["down_words"], bank["down_scale"], bank["down_scale_2"]
     else:
         gu_w, dn_w = bank["gate_up"], bank["down"]
         gu_s, gu_s2, dn_s, dn_s2 = gu_w, gu_w, dn_w, dn_w  # unread placeholders
@@ -584,16 +613,62 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: t
     return (values * block_scale.float().unsqueeze(-1)).flatten(-2) * scale_2.float()
 
 
+def _move_bits(words: torch.Tensor, moves: dict[int, int], chunk_words: int) -> torch.Tensor:
+    """int32 words with bit p moved to bit moves[p], in place, `chunk_words` at a time (int64 while moving)."""
+    by_shift: dict[int, int] = {}
+    for src, dst in moves.items():
+        by_shift[dst - src] = by_shift.get(dst - src, 0) | 1 << src
+    flat = words.view(-1)
+    for start in range(0, flat.numel(), chunk_words):
+        part = flat[start : start + chunk_words]
+        old = part.to(torch.int64) & 0xFFFFFFFF
+        new = torch.zeros_like(old)
+        for shift, mask in by_shift.items():
+            moved = old & mask
+            new |= moved << shift if shift >= 0 else moved >> -shift
+        part.copy_((new ^ 0x80000000) - 0x80000000)
+    return words
+
+
+def _checkpoint_to_word_moves() -> dict[int, int]:
+    """Bit moves from the checkpoint's word (element i's bit b at 4i + b) to the kernels' layout."""
+    return {4 * i + b: dst for i, bits in enumerate(WORD_BITS) for b, dst in enumerate(bits)}
+
+
+def to_words(packed: torch.Tensor, in_place: bool = False, chunk_words: int = 1 << 24) -> torch.Tensor:
+    """Checkpoint NVFP4 codes uint8 [..., K/2] -> int32 words [..., K/8] in the kernels' layout (in place: a view of
+    the same memory)."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 4 or not packed.is_contiguous():
+        raise ValueError(f"packed codes: expected contiguous uint8 [..., 4n], got {tuple(packed.shape)} {packed.dtype}")
+    words = (packed if in_place else packed.clone()).view(torch.int32)
+    return _move_bits(words, _checkpoint_to_word_moves(), chunk_words)
+
+
+def from_words(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_words`: int32 words [..., K/8] -> checkpoint codes uint8 [..., K/2] (a new tensor)."""
+    back = {dst: src for src, dst in _checkpoint_to_word_moves().items()}
+    return _move_bits(words.clone(), back, 1 << 24).view(torch.uint8)
+
+
+def kernel_bank(bank: Mapping[str, torch.Tensor], in_place: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint-layout NVFP4 bank (`*_packed` uint8) as the kernels take it (`*_words` int32); other tensors
+    shared. In place, the packed tensors' memory is rewritten and must not be read as codes again."""
+    out = {key: value for key, value in bank.items() if key not in PACKED_KEYS}
+    for key in PACKED_KEYS:
+        out[key.replace("_packed", "_words")] = to_words(bank[key], in_place)
+    return out
+
+
 def expert_weights(bank: Mapping[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert e's (gate [I, d], up [I, d], down [d, I]) in fp32, dequantized by the NVFP4 formula if packed."""
     fp4, _, _, inter = _bank_layout(bank)
     if not fp4:
         gate_up = bank["gate_up"][e].float()
         return gate_up[:inter], gate_up[inter:], bank["down"][e].float()
-    packed, scale, s2 = bank["gate_up_packed"][e], bank["gate_up_scale"][e], bank["gate_up_scale_2"][e]
+    packed, scale, s2 = from_words(bank["gate_up_words"][e]), bank["gate_up_scale"][e], bank["gate_up_scale_2"][e]
     gate = dequantize_nvfp4(packed[:inter], scale[:inter], s2[0])
     up = dequantize_nvfp4(packed[inter:], scale[inter:], s2[1])
-    down = dequantize_nvfp4(bank["down_packed"][e], bank["down_scale"][e], bank["down_scale_2"][e])
+    down = dequantize_nvfp4(from_words(bank["down_words"][e]), bank["down_scale"][e], bank["down_scale_2"][e])
     return gate, up, down
 
 

@@ -21,7 +21,7 @@ from kernels.gates import gated_add, gdn_gates, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.hyper import hc_read, hc_write
 from kernels.linear import linear
-from kernels.moe import moe_forward
+from kernels.moe import kernel_bank, moe_forward
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
 from kernels.rope import rope, rope_inv_freq, scatter_rows
@@ -116,8 +116,15 @@ def hyper_read(hc: GatedResidual, wide: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def expert_bank(bank: ExpertBank) -> dict[str, torch.Tensor]:
-    """The routed experts as the MoE kernel takes them: the NVFP4 tensors, or the dense BF16 ones."""
-    return bank.nvfp4 if bank.nvfp4 is not None else {"gate_up": bank.gate_up_proj, "down": bank.down_proj}
+    """The routed experts as the MoE kernel takes them: the NVFP4 tensors (moved to the kernels' word layout in place
+    on first use, outside graph capture), or the dense BF16 ones."""
+    if bank.nvfp4 is None:
+        return {"gate_up": bank.gate_up_proj, "down": bank.down_proj}
+    if "gate_up_packed" in bank.nvfp4:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the NVFP4 experts must be in the kernels' word layout before a CUDA graph is captured")
+        bank.use_nvfp4(kernel_bank(bank.nvfp4, in_place=True))
+    return bank.nvfp4
 
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import expert_weights
 from model.config import FlashNextConfig
 from model.hyper import linear
 from model.ops import swiglu
@@ -25,7 +26,8 @@ class ExpertBank(nn.Module):
         self.dequantized: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def use_nvfp4(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Hold NVFP4 weights: `{gate_up,down}_{packed,scale,scale_2}` (scale_2 [E, 2] for gate/up, [E] for down)."""
+        """Hold NVFP4 weights: `{gate_up,down}_{packed,scale,scale_2}` (scale_2 [E, 2] for gate/up, [E] for down), or
+        `_words` in the MoE kernels' layout for `_packed`."""
         self.nvfp4 = tensors
         self.gate_up_proj = None
         self.down_proj = None
@@ -45,6 +47,9 @@ class ExpertBank(nn.Module):
     def _dequantize(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's NVFP4 weights as dense (gate_up, down) in `dtype`."""
         w = self.nvfp4
+        if "gate_up_words" in w:  # the kernels' layout, whose reference decodes it
+            gate, up, down = expert_weights(w, e)
+            return torch.cat((gate, up)).to(dtype), down.to(dtype)
         half = w["gate_up_packed"].shape[1] // 2
         gate = dequantize_nvfp4(w["gate_up_packed"][e, :half], w["gate_up_scale"][e, :half], w["gate_up_scale_2"][e, 0])
         up = dequantize_nvfp4(w["gate_up_packed"][e, half:], w["gate_up_scale"][e, half:], w["gate_up_scale_2"][e, 1])

@@ -55,7 +55,8 @@ class Shape:
 
 
 def make_bank(shape: Shape, fp4: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random weights on the GPU: uniform FP4 codes, e4m3 block scales around 1, scale_2 near a checkpoint's."""
+    """Random weights on the GPU: uniform FP4 codes (in the kernels' word layout), e4m3 block scales around 1, scale_2
+    near a checkpoint's."""
     e, d, i = shape.experts, shape.hidden, shape.inter
     dev = "cuda"
     if not fp4:
@@ -70,7 +71,7 @@ def make_bank(shape: Shape, fp4: bool, gen: torch.Generator) -> dict[str, torch.
     def codes(*size: int) -> torch.Tensor:
         return torch.randint(0, 256, size, device=dev, generator=gen, dtype=torch.uint8)
 
-    return {
+    packed = {
         "gate_up_packed": codes(e, 2 * i, d // 2),
         "gate_up_scale": scales(e, 2 * i, d // 16),
         "gate_up_scale_2": torch.full((e, 2), 0.2 * d**-0.5, device=dev),
@@ -78,6 +79,7 @@ def make_bank(shape: Shape, fp4: bool, gen: torch.Generator) -> dict[str, torch.
         "down_scale": scales(e, d, i // 16),
         "down_scale_2": torch.full((e,), 0.2 * i**-0.5, device=dev),
     }
+    return moe.kernel_bank(packed, in_place=True)
 
 
 def make_routing(shape: Shape, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,10 @@ import torch
 
 from kernels import moe
 from kernels.moe import (
+    WORD_BITS,
     expert_weights,
+    from_words,
+    kernel_bank,
     moe_forward,
     moe_forward_reference,
     moe_plan,
@@ -63,7 +66,8 @@ def make_routing(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return x, ids, w / w.sum(-1, keepdim=True)
 
 
-BANKS = {"nvfp4": make_bank(True), "bf16": make_bank(False)}
+PACKED = make_bank(True)
+BANKS = {"nvfp4": kernel_bank(PACKED), "bf16": make_bank(False)}
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
@@ -115,11 +119,52 @@ def test_dequantization_matches_checkpoint_formula() -> None:
     for e in (0, E - 1):
         gate, up, down = expert_weights(bank, e)
         ref_gate = dequantize_nvfp4(
-            bank["gate_up_packed"][e, :INTER], bank["gate_up_scale"][e, :INTER], bank["gate_up_scale_2"][e, 0]
+            PACKED["gate_up_packed"][e, :INTER], bank["gate_up_scale"][e, :INTER], bank["gate_up_scale_2"][e, 0]
         )
-        ref_down = dequantize_nvfp4(bank["down_packed"][e], bank["down_scale"][e], bank["down_scale_2"][e])
+        ref_down = dequantize_nvfp4(PACKED["down_packed"][e], bank["down_scale"][e], bank["down_scale_2"][e])
         assert torch.equal(gate, ref_gate) and torch.equal(down, ref_down)
         assert up.shape == (INTER, D)
+
+
+def test_word_layout_round_trips_and_moves_every_bit() -> None:
+    assert sorted(bit for bits in WORD_BITS for bit in bits) == list(range(32))
+    packed = torch.randint(0, 256, (3, 5, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    words = kernel_bank({"gate_up_packed": packed, "down_packed": packed[:, :, :8].contiguous()})["gate_up_words"]
+    assert words.shape == (3, 5, 4) and words.dtype == torch.int32
+    assert torch.equal(from_words(words), packed)
+    assert not torch.equal(words, packed.view(torch.int32))
+    in_place = kernel_bank({"gate_up_packed": packed.clone(), "down_packed": packed.clone()}, in_place=True)
+    assert torch.equal(in_place["gate_up_words"], words)
+
+
+def bf16_value(bits: int) -> float:
+    """The bf16 whose bit pattern is the low 16 bits of `bits`, as a float."""
+    return torch.tensor([(bits & 0xFFFF) << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+def test_word_extractions_give_every_code_scaled_by_two_to_minus_126() -> None:
+    # the kernel's four extractions, in Python integers: each register holds elements 2j (low) and 2j+1 (high)
+    def rotl(w: int, n: int) -> int:
+        return ((w << n) | (w >> (32 - n))) & 0xFFFFFFFF
+
+    def registers(w: int) -> list[int]:
+        return [
+            w & 0x81C081C0,
+            rotl(w, 13) & 0x81C081C0,
+            ((w & 0x00390039) * 0x8008) & 0x81C081C0,
+            (rotl(w, 10) & 0x01C001C0) | (rotl(w, 14) & 0x80008000),
+        ]
+
+    lut = moe.fp4_lut()
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(4), torch.randint(0, 256, (4096,), generator=gen)])
+    words = kernel_bank({"gate_up_packed": packed.to(torch.uint8), "down_packed": packed[:4].to(torch.uint8)})
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten().view(-1, 8)
+    for word, elements in zip(words["gate_up_words"].tolist(), codes.tolist(), strict=True):
+        got = []
+        for r in registers(word & 0xFFFFFFFF):
+            got += [bf16_value(r), bf16_value(r >> 16)]
+        assert got == [lut[c].item() * 2.0**-126 for c in elements]
 
 
 def tile_map(ids: torch.Tensor, num_experts: int, block_m: int, num_tiles: int) -> tuple[list[int], list[int]]:
@@ -179,3 +224,5 @@ def test_rejects_bad_bank() -> None:
     bad = dict(BANKS["nvfp4"], down_scale_2=torch.ones(E, 2))
     with pytest.raises(ValueError, match="down_scale_2"):
         moe_forward(x, ids, w, bad)
+    with pytest.raises(ValueError, match="kernel_bank"):
+        moe_forward(x, ids, w, PACKED)

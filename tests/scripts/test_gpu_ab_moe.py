@@ -1,0 +1,38 @@
+"""scripts/gpu_ab_moe.py on the CPU under the Triton interpreter (tiny shapes, untimed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import gpu_ab_moe
+import pytest
+
+from kernels import moe
+
+
+def test_a_copy_of_the_kernel_gives_the_same_bits(tmp_path: Path) -> None:
+    before = tmp_path / "moe_before.py"
+    before.write_text(Path(moe.__file__).read_text())
+    assert gpu_ab_moe.main(["--before", str(before), "--smoke"]) == 0
+
+
+def test_a_kernel_with_other_sums_is_reported(tmp_path: Path) -> None:
+    before = tmp_path / "moe_before.py"
+    source = Path(moe.__file__).read_text()
+    assert "h = gate * tl.sigmoid(gate) * up\n" in source
+    before.write_text(source.replace("h = gate * tl.sigmoid(gate) * up\n", "h = gate * tl.sigmoid(gate) * up * 1.01\n"))
+    assert gpu_ab_moe.main(["--before", str(before), "--smoke"]) == 1
+
+
+def test_a_copy_before_the_word_layout_takes_the_checkpoint_bank(tmp_path: Path) -> None:
+    root = Path(moe.__file__).resolve().parent.parent
+    old = subprocess.run(["git", "show", "ed111fd:kernels/moe.py"], cwd=root, capture_output=True, text=True)
+    if old.returncode:
+        pytest.skip("a checkout without commit ed111fd")
+    before = tmp_path / "moe_before.py"
+    before.write_text(old.stdout)
+    assert gpu_ab_moe.main(["--before", str(before), "--smoke"]) == 0
