@@ -22,7 +22,7 @@ Word layout. The kernels read NVFP4 codes as int32 words of eight, with each cod
 and an AND; two rotates and two ANDs) leave the bf16 bit patterns of fp4(code)·2^-126 for elements (2j, 2j+1) in
 the low and high halves of one register, which the tensor-core operands take as they are. The checkpoint's layout
 (element 2j in the low nibble of byte j) would need about twice the instructions, and turning codes into bf16 is what
-bounds these kernels.
+bounds these kernels. `kernels/fp4_words.py` owns the layout (`WORD_BITS`); the extractions here must match it.
 """
 
 from __future__ import annotations
@@ -36,25 +36,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp4_words import PACKED_KEYS, from_words
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 PLAN_MAX_PAIRS = 4096  # up to this many (row, expert) pairs one program sorts them; beyond, torch ops do
 FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
-PACKED_KEYS = ("gate_up_packed", "down_packed")
-# where bit b (0 mantissa, 1-2 exponent, 3 sign) of element i of a word goes in the kernels' layout: element 2j's
-# magnitude bits end at bf16 bits 6-8 and its sign at 15 of register j, element 2j+1's at 22-24 and 31
-WORD_BITS = (
-    (6, 7, 8, 15),  # register 0: the word & BF16_PAIR
-    (22, 23, 24, 31),
-    (25, 26, 27, 2),  # register 1: rotated left by 13
-    (9, 10, 11, 18),
-    (3, 4, 5, 0),  # register 2: magnitudes shifted left by 3 and signs by 15, in one multiply
-    (19, 20, 21, 16),
-    (28, 29, 30, 1),  # register 3: magnitudes rotated left by 10, signs by 14
-    (12, 13, 14, 17),
-)
 TWO_POW_119 = tl.constexpr(6.646139978924579e35)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
 BF16_KEYS = ("gate_up", "down")
 
@@ -611,52 +599,6 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: t
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
     values = fp4_lut(packed.device)[codes.long()].unflatten(-1, (-1, NVFP4_GROUP))
     return (values * block_scale.float().unsqueeze(-1)).flatten(-2) * scale_2.float()
-
-
-def _move_bits(words: torch.Tensor, moves: dict[int, int], chunk_words: int) -> torch.Tensor:
-    """int32 words with bit p moved to bit moves[p], in place, `chunk_words` at a time (int64 while moving)."""
-    by_shift: dict[int, int] = {}
-    for src, dst in moves.items():
-        by_shift[dst - src] = by_shift.get(dst - src, 0) | 1 << src
-    flat = words.view(-1)
-    for start in range(0, flat.numel(), chunk_words):
-        part = flat[start : start + chunk_words]
-        old = part.to(torch.int64) & 0xFFFFFFFF
-        new = torch.zeros_like(old)
-        for shift, mask in by_shift.items():
-            moved = old & mask
-            new |= moved << shift if shift >= 0 else moved >> -shift
-        part.copy_((new ^ 0x80000000) - 0x80000000)
-    return words
-
-
-def _checkpoint_to_word_moves() -> dict[int, int]:
-    """Bit moves from the checkpoint's word (element i's bit b at 4i + b) to the kernels' layout."""
-    return {4 * i + b: dst for i, bits in enumerate(WORD_BITS) for b, dst in enumerate(bits)}
-
-
-def to_words(packed: torch.Tensor, in_place: bool = False, chunk_words: int = 1 << 24) -> torch.Tensor:
-    """Checkpoint NVFP4 codes uint8 [..., K/2] -> int32 words [..., K/8] in the kernels' layout (in place: a view of
-    the same memory)."""
-    if packed.dtype != torch.uint8 or packed.shape[-1] % 4 or not packed.is_contiguous():
-        raise ValueError(f"packed codes: expected contiguous uint8 [..., 4n], got {tuple(packed.shape)} {packed.dtype}")
-    words = (packed if in_place else packed.clone()).view(torch.int32)
-    return _move_bits(words, _checkpoint_to_word_moves(), chunk_words)
-
-
-def from_words(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of `to_words`: int32 words [..., K/8] -> checkpoint codes uint8 [..., K/2] (a new tensor)."""
-    back = {dst: src for src, dst in _checkpoint_to_word_moves().items()}
-    return _move_bits(words.clone(), back, 1 << 24).view(torch.uint8)
-
-
-def kernel_bank(bank: Mapping[str, torch.Tensor], in_place: bool = False) -> dict[str, torch.Tensor]:
-    """A checkpoint-layout NVFP4 bank (`*_packed` uint8) as the kernels take it (`*_words` int32); other tensors
-    shared. In place, the packed tensors' memory is rewritten and must not be read as codes again."""
-    out = {key: value for key, value in bank.items() if key not in PACKED_KEYS}
-    for key in PACKED_KEYS:
-        out[key.replace("_packed", "_words")] = to_words(bank[key], in_place)
-    return out
 
 
 def expert_weights(bank: Mapping[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

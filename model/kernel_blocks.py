@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from kernels.conv import causal_conv_update
+from kernels.fp4_words import kernel_bank
 from kernels.gates import gated_add, gdn_gates, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.hyper import hc_read, hc_write
 from kernels.linear import linear
-from kernels.moe import kernel_bank, moe_forward
+from kernels.moe import moe_forward
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
 from kernels.rope import rope, rope_inv_freq, scatter_rows

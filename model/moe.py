@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import expert_weights
+from kernels.fp4_words import from_words
 from model.config import FlashNextConfig
 from model.hyper import linear
 from model.ops import swiglu
@@ -47,13 +47,14 @@ class ExpertBank(nn.Module):
     def _dequantize(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's NVFP4 weights as dense (gate_up, down) in `dtype`."""
         w = self.nvfp4
-        if "gate_up_words" in w:  # the kernels' layout, whose reference decodes it
-            gate, up, down = expert_weights(w, e)
-            return torch.cat((gate, up)).to(dtype), down.to(dtype)
-        half = w["gate_up_packed"].shape[1] // 2
-        gate = dequantize_nvfp4(w["gate_up_packed"][e, :half], w["gate_up_scale"][e, :half], w["gate_up_scale_2"][e, 0])
-        up = dequantize_nvfp4(w["gate_up_packed"][e, half:], w["gate_up_scale"][e, half:], w["gate_up_scale_2"][e, 1])
-        down = dequantize_nvfp4(w["down_packed"][e], w["down_scale"][e], w["down_scale_2"][e])
+        if "gate_up_words" in w:  # the MoE kernels' layout: back to the checkpoint's
+            gate_up_codes, down_codes = from_words(w["gate_up_words"][e]), from_words(w["down_words"][e])
+        else:
+            gate_up_codes, down_codes = w["gate_up_packed"][e], w["down_packed"][e]
+        half = gate_up_codes.shape[0] // 2
+        gate = dequantize_nvfp4(gate_up_codes[:half], w["gate_up_scale"][e, :half], w["gate_up_scale_2"][e, 0])
+        up = dequantize_nvfp4(gate_up_codes[half:], w["gate_up_scale"][e, half:], w["gate_up_scale_2"][e, 1])
+        down = dequantize_nvfp4(down_codes, w["down_scale"][e], w["down_scale_2"][e])
         return torch.cat((gate, up)).to(dtype), down.to(dtype)
 
 

@@ -1,12 +1,13 @@
 """The routed MoE now against an earlier copy of kernels/moe.py on one GPU: bits of the fp32 and bf16 outputs on the
 same random NVFP4 experts and routings, and the time per call of each (CUDA-graph replays, weights cold in L2).
+`--after FILE` puts another copy in place of the current kernels.
 
 git show REV:kernels/moe.py > /tmp/moe_before.py
 python3 scripts/gpu_ab_moe.py --before /tmp/moe_before.py [--rows 1 8 64 1024]   # tp=2's per-rank widths, one H200
 TRITON_INTERPRET=1 python3 scripts/gpu_ab_moe.py --before FILE --smoke            # tiny shapes on the CPU, untimed
 
-A copy that predates the word layout (no `kernel_bank`) is given the checkpoint-layout bank; the current kernels get
-the same codes moved by `kernel_bank`.
+A copy that predates the word layout (its FP4 keys name `*_packed` codes) is given the checkpoint-layout bank; a later
+one gets the same codes moved by `kernel_bank`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 from gpu_timing import graph_median_us  # noqa: E402
 
 from kernels import moe  # noqa: E402
+from kernels.fp4_words import kernel_bank  # noqa: E402
 
 REAL = (512, 2560, 320, 10)  # experts, d, I per rank, top-k
 SMOKE = (8, 64, 32, 2)
@@ -37,9 +39,9 @@ Bank = dict[str, torch.Tensor]
 Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def load(path: Path) -> ModuleType:
+def load(path: Path, name: str) -> ModuleType:
     """A kernels/moe.py copy as a module of its own."""
-    spec = importlib.util.spec_from_file_location("moe_before", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -82,13 +84,15 @@ def routings(shape: tuple[int, int, int, int], n: int, count: int, device: torch
 
 def bank_for(module: ModuleType, packed: Bank) -> Bank:
     """The bank as `module` takes it: the word layout if it has one, else the checkpoint's."""
-    return module.kernel_bank(packed) if hasattr(module, "kernel_bank") else packed
+    return kernel_bank(packed) if "gate_up_words" in module.FP4_KEYS else packed
 
 
-def compare(before: ModuleType, shape, rows, device: torch.device, timed: bool) -> list[dict[str, object]]:
+def compare(
+    before: ModuleType, after: ModuleType, shape, rows, device: torch.device, timed: bool
+) -> list[dict[str, object]]:
     """Per row count: fp32 and bf16 elements whose bits differ from the earlier copy's, and each copy's µs per call."""
     packed = packed_bank(shape, device)
-    modules = {"before": before, "now": moe}
+    modules = {"before": before, "now": after}
     banks = {label: bank_for(module, packed) for label, module in modules.items()}
     results = []
     for n in rows:
@@ -119,12 +123,14 @@ def compare(before: ModuleType, shape, rows, device: torch.device, timed: bool) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, required=True, help="an earlier copy of kernels/moe.py")
+    ap.add_argument("--after", type=Path, help="another copy in place of the current kernels/moe.py")
     ap.add_argument("--rows", type=int, nargs="+", help=f"batch sizes (default {ROWS})")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     shape, rows = (SMOKE, SMOKE_ROWS) if args.smoke else (REAL, ROWS)
-    results = compare(load(args.before), shape, args.rows or rows, device, timed=not args.smoke)
+    after = load(args.after, "moe_after") if args.after else moe
+    results = compare(load(args.before, "moe_before"), after, shape, args.rows or rows, device, timed=not args.smoke)
     return 0 if all(row["elements_differing"] == 0 for row in results) else 1
 
 

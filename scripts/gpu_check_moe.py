@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import moe
+from kernels.fp4_words import kernel_bank
 
 BANDWIDTH = 4.27e12  # bytes/s, measured device-to-device copy on the project's H200s
 MATMUL = 790e12  # FLOP/s, measured bf16 matrix product on the project's H200s
@@ -79,7 +80,7 @@ def make_bank(shape: Shape, fp4: bool, gen: torch.Generator) -> dict[str, torch.
         "down_scale": scales(e, d, i // 16),
         "down_scale_2": torch.full((e,), 0.2 * i**-0.5, device=dev),
     }
-    return moe.kernel_bank(packed, in_place=True)
+    return kernel_bank(packed, in_place=True)
 
 
 def make_routing(shape: Shape, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

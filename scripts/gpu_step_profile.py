@@ -5,6 +5,7 @@ torch.profiler's kernel tables for five replayed rounds of one lane and of 64 la
 also one lane's eager prompt pass of ROWS rows, timed and profiled (three passes).
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
+(--nproc-per-node 1 runs the model whole, tp=1, on one GPU)
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
     [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
 # DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_prompt.txt, step_profile.json
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--random-tokens", type=int, default=0, metavar="VOCAB",
                     help="feed random tokens below VOCAB (same seed on both ranks) instead of fixed ones")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=0, metavar="ROWS", help="also time and profile a prompt pass")
+    ap.add_argument("--ngram-table", choices=("device", "host"), default="device", help="where the n-gram table lives")
     return ap.parse_args(argv)
 
 
@@ -91,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     model = load_model(
-        args.model, device=device, dtype="bfloat16", tp=TensorParallel(rank, 2), load_format="dummy", kernels="on"
+        args.model,
+        device=device,
+        dtype="bfloat16",
+        tp=TensorParallel(rank, dist.get_world_size()),
+        load_format="dummy",
+        kernels="on",
+        ngram_table=args.ngram_table,
     )
     most = max(args.lanes)
     kernel_path.lane_pool(model, slots=most, context=args.context)

@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from kernels import moe
+from kernels.fp4_words import WORD_BITS, from_words, kernel_bank
 from kernels.moe import (
-    WORD_BITS,
     expert_weights,
-    from_words,
-    kernel_bank,
     moe_forward,
     moe_forward_reference,
     moe_plan,

@@ -10,7 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.moe import kernel_bank, moe_forward, moe_forward_reference, moe_tiles
+from kernels.fp4_words import kernel_bank
+from kernels.moe import moe_forward, moe_forward_reference, moe_tiles
 
 E, D, INTER, TOP_K = 512, 2560, 320, 10
 

@@ -36,3 +36,11 @@ def test_a_copy_before_the_word_layout_takes_the_checkpoint_bank(tmp_path: Path)
     before = tmp_path / "moe_before.py"
     before.write_text(old.stdout)
     assert gpu_ab_moe.main(["--before", str(before), "--smoke"]) == 0
+
+
+def test_after_replaces_the_current_kernels(tmp_path: Path) -> None:
+    before, after = tmp_path / "moe_before.py", tmp_path / "moe_after.py"
+    source = Path(moe.__file__).read_text()
+    before.write_text(source)
+    after.write_text(source.replace("h = gate * tl.sigmoid(gate) * up\n", "h = gate * tl.sigmoid(gate) * up * 1.01\n"))
+    assert gpu_ab_moe.main(["--before", str(before), "--after", str(after), "--smoke"]) == 1
