@@ -14,8 +14,9 @@ from HBM, not L2 (at least COLD_BYTES of down weights between two uses of a set)
 take one block_m, num_warps and num_stages, so the candidates pair one gate_up setting with one down setting at
 every (num_warps, num_stages): every setting of each kernel is timed there, and the per-kernel times tell the two
 sides apart. Last, the fastest gate_up and down settings at a shared (block_m, num_warps, num_stages) are joined
-into one candidate and run too, unless already run. block_m is 16 unless --block-m adds 32: taller tiles only pay
-once an expert sees more than 16 rows (N·k/E > 16), and both keep Triton on mma.sync, which the bits rely on.
+into one candidate and run too, unless already run. block_m is 16 unless --block-m adds others: taller tiles only pay
+once an expert sees more than 16 rows (N·k/E > 16); 64 and 128 stay on mma.sync, which the bits rely on, only with
+fewer than four warps (the sweep counts the other bits of any that do not).
 The JSON is rewritten after each candidate; Triton compiles two kernels per candidate on the first N, and `--rows`,
 `--warps` and `--stages` split a run.
 """
@@ -241,7 +242,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", nargs="+", type=int, help=f"batch sizes (default: {list(ROWS)})")
     parser.add_argument("--bf16", action="store_true", help="the BF16 bank instead of NVFP4")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, under TRITON_INTERPRET=1")
-    parser.add_argument("--block-m", nargs="+", type=int, choices=(16, 32), default=list(BLOCK_M), help="row tiles")
+    parser.add_argument(
+        "--block-m", nargs="+", type=int, choices=(16, 32, 64, 128), default=list(BLOCK_M), help="row tiles"
+    )
     parser.add_argument("--warps", nargs="+", type=int, default=list(WARPS), help="num_warps values to try")
     parser.add_argument("--stages", nargs="+", type=int, default=list(STAGES), help="num_stages values to try")
     return parser.parse_args(argv)
