@@ -224,3 +224,15 @@ def test_rejects_bad_bank() -> None:
         moe_forward(x, ids, w, bad)
     with pytest.raises(ValueError, match="kernel_bank"):
         moe_forward(x, ids, w, PACKED)
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_down_column_tiles_run_in_turn_give_the_same_bits(group: int) -> None:
+    x, ids, w = make_routing(6, seed=8)
+    one = moe.MoeTiles(16, 32, 32, 16, 32, 4, 1)
+    grouped = moe.MoeTiles(16, 32, 32, 16, 32, 4, 1, down_group=group)  # D = 64: 4 column tiles, the last group short
+    for bank in BANKS.values():
+        want = moe_forward(x, ids, w, bank, torch.float32, tiles=one)
+        got = moe_forward(x, ids, w, bank, torch.float32, tiles=grouped)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert rel_err(got, moe_forward_reference(x, ids, w, bank, torch.float32)) <= 1e-3  # h's bf16 roundings
