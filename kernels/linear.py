@@ -6,11 +6,11 @@ last range ends at K. Within range s, each output element's fp32 accumulator sta
 K tiles of BLOCK_K in increasing k, each through one tensor-core dot `acc = dot(x_tile, w_tileᵀ, acc)` (on the GPU
 a chain of 16-deep MMA steps in increasing k; under the interpreter a tile matmul added to acc). With split = 1 that
 sum, rounded once to the output dtype, is the result. With split > 1 the range sums P_s land in an fp32 workspace
-and are added as ((P_0 + P_1) + P_2) + ... in range order, then rounded once: by the program of the tile's last
-range to finish (an arrival counter picks it; it reloads every P_s, its own too, so the order is the same whichever
-range arrives last), or by a second kernel where the output tiles outnumber the counters. The tiles (`pick_tiles`:
-16-row tiles that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an
-element, never how its sum is formed; on the H200 every tile shape (mma.sync and wgmma alike) gave identical bits.
+and are added as ((P_0 + P_1) + P_2) + ... in range order, then rounded once: with 16-row tiles by the program of
+the tile's last range to finish (an arrival counter picks it; it reloads every P_s, its own too, so the order is
+the same whichever range arrives last), with wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
+that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an element,
+never how its sum is formed; on the H200 every tile shape (mma.sync and wgmma alike) gave identical bits.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _split_sum_kernel(
     tl.store(out_ptr + offs, _output(acc, out_ptr, ROUND_BF16), mask=ok)
 
 
-_POOL = CounterPool(MAX_TILES, "linear", "output tiles with K ranges across programs")
+_POOL = CounterPool(MAX_TILES, "linear", "16-row output tiles")
 
 
 def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -179,10 +179,8 @@ def launch(
     split: int,
     k_split: int,
     round_bf16: bool = False,
-    sum_kernel: bool = False,
 ) -> torch.Tensor:
-    """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn); `sum_kernel`: K-range
-    sums added by the second kernel even where the arrival counters would do."""
+    """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn)."""
     m, k = x.shape
     n = w.shape[0]
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
@@ -191,7 +189,7 @@ def launch(
     if m == 0:
         return out.to(out_dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
-    fused = split > 1 and not sum_kernel and grid[0] * grid[1] <= MAX_TILES
+    fused = split > 1 and tiles.block_m == 16
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else out
     _linear_kernel[grid](

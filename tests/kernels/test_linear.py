@@ -10,18 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from kernels import linear as linear_module
-from kernels.linear import (
-    BLOCK_K,
-    MAX_TILES,
-    Tiles,
-    arrival_counters,
-    k_ranges,
-    launch,
-    linear,
-    linear_reference,
-    pick_tiles,
-)
+from kernels.linear import BLOCK_K, Tiles, arrival_counters, k_ranges, launch, linear, linear_reference, pick_tiles
 
 N = 48
 SMALL = Tiles(16, 16, 2, 6)
@@ -72,51 +61,27 @@ def test_small_and_wide_tiles_agree(split: int, out_dtype: torch.dtype) -> None:
         assert torch.equal(launch(x, w, out_dtype, tiles, split, k_split), one), tiles
 
 
-PATHS = {"fused-sum": (SMALL, False), "fused-wide": (WIDE[0], False), "sum-kernel": (WIDE[0], True)}
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_split_adds_range_sums_in_order(path: str) -> None:
-    tiles, sum_kernel = PATHS[path]
+@pytest.mark.parametrize("tiles", [SMALL, WIDE[0]], ids=["fused-sum", "sum-kernel"])
+def test_split_adds_range_sums_in_order(tiles: Tiles) -> None:
     x, w = inputs(3, 300, seed=3)
     ranges = [(x[:, s : s + BLOCK_K], w[:, s : s + BLOCK_K]) for s in (0, BLOCK_K, 2 * BLOCK_K)]
     parts = [launch(xs, ws, torch.float32, SMALL, 1, BLOCK_K) for xs, ws in ranges]
     expect = (parts[0] + parts[1]) + parts[2]
-    assert torch.equal(launch(x, w, torch.float32, tiles, 3, BLOCK_K, sum_kernel=sum_kernel), expect)
-    assert torch.equal(
-        launch(x, w, torch.bfloat16, tiles, 3, BLOCK_K, sum_kernel=sum_kernel), expect.to(torch.bfloat16)
-    )
+    assert torch.equal(launch(x, w, torch.float32, tiles, 3, BLOCK_K), expect)
+    assert torch.equal(launch(x, w, torch.bfloat16, tiles, 3, BLOCK_K), expect.to(torch.bfloat16))
     assert not arrival_counters(x.device, 1).any()
 
 
-class _NoLaunch:
-    """Stands in for a kernel that must not be launched."""
-
-    def __getitem__(self, grid: tuple[int, ...]) -> None:
-        raise AssertionError(f"launched with grid {grid}")
-
-
-def test_wide_tiles_add_range_sums_without_a_second_kernel(monkeypatch) -> None:
-    x, w = inputs(70, 300, seed=5)
-    want = launch(x, w, torch.float32, WIDE[0], 3, BLOCK_K, sum_kernel=True)
-    monkeypatch.setattr(linear_module, "_split_sum_kernel", _NoLaunch())
-    assert torch.equal(launch(x, w, torch.float32, WIDE[0], 3, BLOCK_K), want)
-    monkeypatch.setattr(linear_module, "MAX_TILES", 1)  # more output tiles than counters: the second kernel adds
-    with pytest.raises(AssertionError, match="launched with grid"):
-        launch(x, w, torch.float32, WIDE[0], 3, BLOCK_K)
-
-
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("tiles", [SMALL, WIDE[0]], ids=["fused-sum", "sum-kernel"])
 @pytest.mark.parametrize("split", [1, 3])
-def test_round_bf16_stores_the_bf16_result_as_fp32(path: str, split: int) -> None:
+def test_round_bf16_stores_the_bf16_result_as_fp32(tiles: Tiles, split: int) -> None:
     """What a tensor-parallel partial is all-reduced from: the bf16 output's values, in an fp32 tensor."""
-    tiles, sum_kernel = PATHS[path]
     x, w = inputs(5, 300, seed=4)
     k_split = 384 if split == 1 else BLOCK_K
-    rounded = launch(x, w, torch.float32, tiles, split, k_split, round_bf16=True, sum_kernel=sum_kernel)
+    rounded = launch(x, w, torch.float32, tiles, split, k_split, round_bf16=True)
     assert rounded.dtype == torch.float32
-    assert torch.equal(rounded, launch(x, w, torch.bfloat16, tiles, split, k_split, sum_kernel=sum_kernel).float())
-    assert not torch.equal(rounded, launch(x, w, torch.float32, tiles, split, k_split, sum_kernel=sum_kernel))
+    assert torch.equal(rounded, launch(x, w, torch.bfloat16, tiles, split, k_split).float())
+    assert not torch.equal(rounded, launch(x, w, torch.float32, tiles, split, k_split))  # it does round
     assert torch.equal(linear(x, w, torch.float32, round_bf16=True), linear(x, w).float())
     with pytest.raises(TypeError, match="round_bf16"):
         linear(x, w, torch.bfloat16, round_bf16=True)
@@ -153,8 +118,9 @@ def test_rejects_bad_inputs() -> None:
         linear(x, w, torch.float16)
     with pytest.raises(ValueError):
         launch(x, w, torch.bfloat16, SMALL, 2, 100)
-    with pytest.raises(ValueError, match="arrival counters"):
-        arrival_counters(x.device, MAX_TILES + 1)
+    many, wide = torch.zeros(16 * 1400, 256, dtype=torch.bfloat16), torch.zeros(N, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        launch(many, wide, torch.bfloat16, SMALL, 2, BLOCK_K)
 
 
 def test_gpu_script_cpu_parts(tmp_path: Path) -> None:

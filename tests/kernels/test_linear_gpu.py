@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.linear import k_ranges, launch, linear, pick_tiles
+from kernels.linear import k_ranges, linear, pick_tiles
 
 # (N, K) per rank at tp=2: attention o_proj, GDN out_proj, the shared expert's down_proj
 SHAPES = [(2560, 3072), (2560, 2048), (2560, 1024)]
@@ -17,15 +17,14 @@ ROWS = (1, 2, 7, 33, 64, 100, 300)
 
 
 def test_the_shapes_take_every_tile_path() -> None:
-    """The shapes and row counts below cover whole K and K ranges summed by the last range's program in 16-row and in
-    wider tiles (the test below also forces the second kernel)."""
+    """The shapes and row counts below cover whole K, a fused split and a split summed by the second kernel."""
     paths = set()
     for n, k in SHAPES:
         split, _ = k_ranges(n, k)
         for m in ROWS:
             tiles = pick_tiles(m, n, split)
-            paths.add("whole" if split == 1 else "fused" if tiles.block_m == 16 else "fused-wide")
-    assert paths == {"whole", "fused", "fused-wide"}
+            paths.add("whole" if split == 1 else "fused" if tiles.block_m == 16 else "sum-kernel")
+    assert paths == {"whole", "fused", "sum-kernel"}
 
 
 @pytest.mark.gpu
@@ -45,7 +44,3 @@ def test_rows_alone_equal_rows_batched(n: int, k: int, out: str) -> None:
         assert torch.equal(batched, alone[:m]), f"{m} rows"
         if round_bf16:
             assert torch.equal(batched, linear(x[:m], w).float()), f"{m} rows, round_bf16 against bf16"
-        split, k_split = k_ranges(n, k)
-        if split > 1:  # the same sums added by the second kernel
-            forced = launch(x[:m], w, dtype, pick_tiles(m, n, split), split, k_split, round_bf16, sum_kernel=True)
-            assert torch.equal(forced, batched), f"{m} rows, second kernel"
