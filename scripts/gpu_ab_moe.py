@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
+from gpu_check_moe import Shape, packed_bank  # noqa: E402
 from gpu_timing import graph_median_us  # noqa: E402
 
 from kernels import moe  # noqa: E402
@@ -48,27 +49,6 @@ def load(path: Path, name: str) -> ModuleType:
     return module
 
 
-def packed_bank(shape: tuple[int, int, int, int], device: torch.device) -> Bank:
-    """Random checkpoint-layout NVFP4 experts (seed 0): uniform codes, e4m3 block scales between 1/8 and 8."""
-    e, d, i, _ = shape
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def scales(*size: int) -> torch.Tensor:
-        return torch.exp2(torch.rand(*size, device=device, generator=gen) * 6 - 3).to(torch.float8_e4m3fn)
-
-    def codes(*size: int) -> torch.Tensor:
-        return torch.randint(0, 256, size, device=device, generator=gen, dtype=torch.uint8)
-
-    return {
-        "gate_up_packed": codes(e, 2 * i, d // 2),
-        "gate_up_scale": scales(e, 2 * i, d // 16),
-        "gate_up_scale_2": torch.full((e, 2), 0.2 * d**-0.5, device=device),
-        "down_packed": codes(e, d, i // 2),
-        "down_scale": scales(e, d, i // 16),
-        "down_scale_2": torch.full((e,), 0.2 * i**-0.5, device=device),
-    }
-
-
 def routings(shape: tuple[int, int, int, int], n: int, count: int, device: torch.device) -> list[Routing]:
     """`count` seeded sets of (x [n, d] bf16, distinct expert ids [n, k] in random order, renormalised weights)."""
     e, d, _, k = shape
@@ -91,7 +71,7 @@ def compare(
     before: ModuleType, after: ModuleType, shape, rows, device: torch.device, timed: bool
 ) -> list[dict[str, object]]:
     """Per row count: fp32 and bf16 elements whose bits differ from the earlier copy's, and each copy's µs per call."""
-    packed = packed_bank(shape, device)
+    packed = packed_bank(Shape(*shape), torch.Generator(device=device).manual_seed(0), device)
     modules = {"before": before, "now": after}
     banks = {label: bank_for(module, packed) for label, module in modules.items()}
     results = []

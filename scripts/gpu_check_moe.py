@@ -55,32 +55,36 @@ class Shape:
         return elems // 2 + elems // 16 + 12 if fp4 else 2 * elems
 
 
-def make_bank(shape: Shape, fp4: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random weights on the GPU: uniform FP4 codes (in the kernels' word layout), e4m3 block scales around 1, scale_2
+def packed_bank(shape: Shape, gen: torch.Generator, device: str | torch.device = "cuda") -> dict[str, torch.Tensor]:
+    """Random NVFP4 experts in the checkpoint's layout: uniform codes, e4m3 block scales between 1/8 and 8, scale_2
     near a checkpoint's."""
     e, d, i = shape.experts, shape.hidden, shape.inter
-    dev = "cuda"
-    if not fp4:
-        return {
-            "gate_up": (torch.randn(e, 2 * i, d, device=dev, generator=gen) * d**-0.5).bfloat16(),
-            "down": (torch.randn(e, d, i, device=dev, generator=gen) * i**-0.5).bfloat16(),
-        }
 
     def scales(*size: int) -> torch.Tensor:
-        return torch.exp2(torch.rand(*size, device=dev, generator=gen) * 6 - 3).to(torch.float8_e4m3fn)
+        return torch.exp2(torch.rand(*size, device=device, generator=gen) * 6 - 3).to(torch.float8_e4m3fn)
 
     def codes(*size: int) -> torch.Tensor:
-        return torch.randint(0, 256, size, device=dev, generator=gen, dtype=torch.uint8)
+        return torch.randint(0, 256, size, device=device, generator=gen, dtype=torch.uint8)
 
-    packed = {
+    return {
         "gate_up_packed": codes(e, 2 * i, d // 2),
         "gate_up_scale": scales(e, 2 * i, d // 16),
-        "gate_up_scale_2": torch.full((e, 2), 0.2 * d**-0.5, device=dev),
+        "gate_up_scale_2": torch.full((e, 2), 0.2 * d**-0.5, device=device),
         "down_packed": codes(e, d, i // 2),
         "down_scale": scales(e, d, i // 16),
-        "down_scale_2": torch.full((e,), 0.2 * i**-0.5, device=dev),
+        "down_scale_2": torch.full((e,), 0.2 * i**-0.5, device=device),
     }
-    return kernel_bank(packed, in_place=True)
+
+
+def make_bank(shape: Shape, fp4: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random weights on the GPU: `packed_bank` in the kernels' word layout, or BF16 experts."""
+    e, d, i = shape.experts, shape.hidden, shape.inter
+    if not fp4:
+        return {
+            "gate_up": (torch.randn(e, 2 * i, d, device="cuda", generator=gen) * d**-0.5).bfloat16(),
+            "down": (torch.randn(e, d, i, device="cuda", generator=gen) * i**-0.5).bfloat16(),
+        }
+    return kernel_bank(packed_bank(shape, gen), in_place=True)
 
 
 def make_routing(shape: Shape, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
