@@ -19,7 +19,7 @@ rounding fewer than scaling each weight, and powers of two leave every partial s
 
 Word layout. The kernels read NVFP4 codes as int32 words of eight, with each code's bits moved (once, at load:
 `kernel_bank`) to where four cheap extractions (an AND; a rotate and an AND; an AND, a multiply by two powers of two
-and an AND; two rotates and two ANDs) leave the bf16 bit patterns of fp4(code)·2^-126 for elements (2j, 2j+1) in
+and an AND; two rotates, two ANDs and an OR) leave the bf16 bit patterns of fp4(code)·2^-126 for elements (2j, 2j+1) in
 the low and high halves of one register, which the tensor-core operands take as they are. The checkpoint's layout
 (element 2j in the low nibble of byte j) would need about twice the instructions, and turning codes into bf16 is what
 bounds these kernels. `kernels/fp4_words.py` owns the layout (`WORD_BITS`); the extractions here must match it.
