@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 
 PACKED_KEYS = ("gate_up_packed", "down_packed")
+CHUNK_WORDS = 1 << 22  # words moved at a time
 # where bit b (0 mantissa, 1-2 exponent, 3 sign) of element i of a word goes in the kernels' layout: element 2j's
 # magnitude bits end at bf16 bits 6-8 and its sign at 15 of register j, element 2j+1's at 22-24 and 31
 WORD_BITS = (
@@ -27,7 +28,8 @@ WORD_BITS = (
 
 
 def _move_bits(words: torch.Tensor, moves: dict[int, int], chunk_words: int) -> torch.Tensor:
-    """int32 words with bit p moved to bit moves[p], in place, `chunk_words` at a time (int64 while moving)."""
+    """int32 words with bit p moved to bit moves[p], in place, `chunk_words` at a time (int64 while moving: a few
+    times the chunk's bytes of scratch)."""
     by_shift: dict[int, int] = {}
     for src, dst in moves.items():
         by_shift[dst - src] = by_shift.get(dst - src, 0) | 1 << src
@@ -48,11 +50,16 @@ def _checkpoint_to_word_moves() -> dict[int, int]:
     return {4 * i + b: dst for i, bits in enumerate(WORD_BITS) for b, dst in enumerate(bits)}
 
 
-def to_words(packed: torch.Tensor, in_place: bool = False, chunk_words: int = 1 << 24) -> torch.Tensor:
-    """Checkpoint NVFP4 codes uint8 [..., K/2] -> int32 words [..., K/8] in the kernels' layout (in place: a view of
-    the same memory)."""
+def _check_packed(packed: torch.Tensor) -> None:
+    """Refuse codes that cannot be read as int32 words."""
     if packed.dtype != torch.uint8 or packed.shape[-1] % 4 or not packed.is_contiguous():
         raise ValueError(f"packed codes: expected contiguous uint8 [..., 4n], got {tuple(packed.shape)} {packed.dtype}")
+
+
+def to_words(packed: torch.Tensor, in_place: bool = False, chunk_words: int = CHUNK_WORDS) -> torch.Tensor:
+    """Checkpoint NVFP4 codes uint8 [..., K/2] -> int32 words [..., K/8] in the kernels' layout (in place: a view of
+    the same memory)."""
+    _check_packed(packed)
     words = (packed if in_place else packed.clone()).view(torch.int32)
     return _move_bits(words, _checkpoint_to_word_moves(), chunk_words)
 
@@ -60,12 +67,15 @@ def to_words(packed: torch.Tensor, in_place: bool = False, chunk_words: int = 1 
 def from_words(words: torch.Tensor) -> torch.Tensor:
     """Inverse of `to_words`: int32 words [..., K/8] -> checkpoint codes uint8 [..., K/2] (a new tensor)."""
     back = {dst: src for src, dst in _checkpoint_to_word_moves().items()}
-    return _move_bits(words.clone(), back, 1 << 24).view(torch.uint8)
+    return _move_bits(words.clone(memory_format=torch.contiguous_format), back, CHUNK_WORDS).view(torch.uint8)
 
 
 def kernel_bank(bank: Mapping[str, torch.Tensor], in_place: bool = False) -> dict[str, torch.Tensor]:
     """A checkpoint-layout NVFP4 bank (`*_packed` uint8) as the kernels take it (`*_words` int32); other tensors
-    shared. In place, the packed tensors' memory is rewritten and must not be read as codes again."""
+    shared. In place, the packed tensors' memory is rewritten and must not be read as codes again; both are checked
+    before either is touched."""
+    for key in PACKED_KEYS:
+        _check_packed(bank[key])
     out = {key: value for key, value in bank.items() if key not in PACKED_KEYS}
     for key in PACKED_KEYS:
         out[key.replace("_packed", "_words")] = to_words(bank[key], in_place)

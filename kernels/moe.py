@@ -15,14 +15,16 @@ of 64, or fewer than four warps), whose per-element result depends only on that 
 do not depend on the batch. NVFP4 weights are dequantized in registers to bf16 as fp4(code)·block_scale·2^-7,
 which is exact in bf16 (at most 6 significant bits, far from its range's ends); the fp32 global scale_2·2^7
 multiplies the fp32 sum afterwards (gate and up each by their own): the same W = fp4·block_scale·scale_2 with one
-rounding fewer than scaling each weight, and powers of two leave every partial sum's rounding as it was.
+rounding fewer than scaling each weight, and powers of two leave every partial sum's rounding as it was (barring
+fp32 underflow, far below these sums).
 
 Word layout. The kernels read NVFP4 codes as int32 words of eight, with each code's bits moved (once, at load:
 `kernel_bank`) to where four cheap extractions (an AND; a rotate and an AND; an AND, a multiply by two powers of two
 and an AND; two rotates, two ANDs and an OR) leave the bf16 bit patterns of fp4(code)·2^-126 for elements (2j, 2j+1) in
 the low and high halves of one register, which the tensor-core operands take as they are. The checkpoint's layout
-(element 2j in the low nibble of byte j) would need about twice the instructions, and turning codes into bf16 is what
-bounds these kernels. `kernels/fp4_words.py` owns the layout (`WORD_BITS`); the extractions here must match it.
+(element 2j in the low nibble of byte j) would need shifts, masks and byte permutes for every pair, and turning codes
+into bf16 is what bounds these kernels. `kernels/fp4_words.py` owns the layout (`WORD_BITS`); the extractions here
+must match it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ NVFP4_GROUP = 16
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 PLAN_MAX_PAIRS = 4096  # up to this many (row, expert) pairs one program sorts them; beyond, torch ops do
 FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
-TWO_POW_119 = tl.constexpr(6.646139978924579e35)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
+TWO_POW_119 = tl.constexpr(2.0**119)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
 BF16_KEYS = ("gate_up", "down")
 
 
@@ -82,7 +84,7 @@ def _interpreting() -> bool:
 
 def moe_tiles(num_rows: int, top_k: int, num_experts: int) -> MoeTiles:
     """Tiles for a batch: small row tiles while each expert sees few rows (two warps from 8 rows), taller ones for
-    prefill; from 8 rows a down program runs two column tiles in turn (faster on the H200, the same bits)."""
+    prefill; from 8 rows a down program runs two column tiles in turn (the same bits; docs/performance.md)."""
     if _interpreting():
         return MoeTiles(16, 32, 32, 32, 32, 4, 1)
     if num_rows < 8:
@@ -391,7 +393,7 @@ def _down_kernel(
     scale_2 = tl.load(s2_ptr + e) * 128.0 if FP4 else 1.0
     k_tiles = tl.cdiv(INTER, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, GROUP * k_tiles):
+    for step in range(0, GROUP * k_tiles):  # a last group past D masks its columns (moe_tiles' groups divide D's)
         cols = (group * GROUP + step // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < D
         k0 = (step % k_tiles) * BLOCK_K

@@ -124,8 +124,22 @@ def expert_bank(bank: ExpertBank) -> dict[str, torch.Tensor]:
     if "gate_up_packed" in bank.nvfp4:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the NVFP4 experts must be in the kernels' word layout before a CUDA graph is captured")
-        bank.use_nvfp4(kernel_bank(bank.nvfp4, in_place=True))
+        try:
+            bank.use_nvfp4(kernel_bank(bank.nvfp4, in_place=True))
+        except BaseException:
+            bank.use_nvfp4({})  # some codes may have moved already: no kernel or reference may read them
+            raise
     return bank.nvfp4
+
+
+def experts_to_words(model: nn.Module) -> None:
+    """Every NVFP4 expert bank of `model` in the MoE kernels' word layout, in place: done at load, so that the
+    scratch it takes is given back before the server plans memory."""
+    for module in model.modules():
+        if isinstance(module, ExpertBank):
+            expert_bank(module)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:

@@ -395,6 +395,10 @@ def load_model(
     unfilled = [name for name, p in model.named_parameters() if p.is_meta]
     if unfilled:
         raise CheckpointError(f"{model_dir}: no weights were made for {', '.join(unfilled[:5])}")
+    if use_kernels:
+        from model.kernel_blocks import experts_to_words
+
+        experts_to_words(model)
     model.eval()
     log.info(
         "loaded %s: %d layers, dtype %s, device %s, MTP %s, kernels %s",

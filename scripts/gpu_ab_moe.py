@@ -33,7 +33,7 @@ REAL = (512, 2560, 320, 10)  # experts, d, I per rank, top-k
 SMOKE = (8, 64, 32, 2)
 ROWS = (1, 8, 64, 1024)
 SMOKE_ROWS = (1, 5)
-SETS = 32  # routing sets a timed graph cycles through: at one row, about 400 MB of distinct experts
+SETS = 32  # routing sets a timed graph cycles through: enough experts, even at one row, to overflow L2
 REPLAYS = 25
 
 Bank = dict[str, torch.Tensor]

@@ -8,6 +8,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import moe
 from kernels.fp4_words import WORD_BITS, from_words, kernel_bank
@@ -131,8 +133,11 @@ def test_word_layout_round_trips_and_moves_every_bit() -> None:
     assert words.shape == (3, 5, 4) and words.dtype == torch.int32
     assert torch.equal(from_words(words), packed)
     assert not torch.equal(words, packed.view(torch.int32))
-    in_place = kernel_bank({"gate_up_packed": packed.clone(), "down_packed": packed.clone()}, in_place=True)
+    source = packed.clone()
+    in_place = kernel_bank({"gate_up_packed": source, "down_packed": packed.clone()}, in_place=True)
     assert torch.equal(in_place["gate_up_words"], words)
+    assert in_place["gate_up_words"].data_ptr() == source.data_ptr()
+    assert torch.equal(from_words(words.transpose(0, 1)), packed.transpose(0, 1).contiguous())
 
 
 def bf16_value(bits: int) -> float:
@@ -140,28 +145,30 @@ def bf16_value(bits: int) -> float:
     return torch.tensor([(bits & 0xFFFF) << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
 
 
+@triton.jit
+def _extract(words_ptr, out_ptr, N: tl.constexpr):
+    """The kernels' four extractions of N words, stored as [N, 4] uint32 registers."""
+    offs = tl.arange(0, N)
+    r0, r1, r2, r3 = moe._bf16_pairs(tl.load(words_ptr + offs))
+    tl.store(out_ptr + offs * 4, r0.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + offs * 4 + 1, r1.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + offs * 4 + 2, r2.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + offs * 4 + 3, r3.to(tl.int32, bitcast=True))
+
+
 def test_word_extractions_give_every_code_scaled_by_two_to_minus_126() -> None:
-    # the kernel's four extractions, in Python integers: each register holds elements 2j (low) and 2j+1 (high)
-    def rotl(w: int, n: int) -> int:
-        return ((w << n) | (w >> (32 - n))) & 0xFFFFFFFF
-
-    def registers(w: int) -> list[int]:
-        return [
-            w & 0x81C081C0,
-            rotl(w, 13) & 0x81C081C0,
-            ((w & 0x00390039) * 0x8008) & 0x81C081C0,
-            (rotl(w, 10) & 0x01C001C0) | (rotl(w, 14) & 0x80008000),
-        ]
-
+    # each register holds elements 2j (low half) and 2j+1 (high half)
     lut = moe.fp4_lut()
     gen = torch.Generator().manual_seed(5)
-    packed = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(4), torch.randint(0, 256, (4096,), generator=gen)])
-    words = kernel_bank({"gate_up_packed": packed.to(torch.uint8), "down_packed": packed[:4].to(torch.uint8)})
+    packed = torch.cat([torch.arange(256).repeat(4), torch.randint(0, 256, (3072,), generator=gen)]).to(torch.uint8)
+    words = kernel_bank({"gate_up_packed": packed, "down_packed": packed[:4]})["gate_up_words"]
+    registers = torch.empty(words.numel(), 4, dtype=torch.int32)
+    _extract[(1,)](words, registers, N=words.numel())
     codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten().view(-1, 8)
-    for word, elements in zip(words["gate_up_words"].tolist(), codes.tolist(), strict=True):
+    for regs, elements in zip(registers.tolist(), codes.tolist(), strict=True):
         got = []
-        for r in registers(word & 0xFFFFFFFF):
-            got += [bf16_value(r), bf16_value(r >> 16)]
+        for r in regs:
+            got += [bf16_value(r), bf16_value((r & 0xFFFFFFFF) >> 16)]
         assert got == [lut[c].item() * 2.0**-126 for c in elements]
 
 
@@ -227,10 +234,11 @@ def test_rejects_bad_bank() -> None:
 
 
 @pytest.mark.parametrize("group", [2, 3])
-def test_down_column_tiles_run_in_turn_give_the_same_bits(group: int) -> None:
+@pytest.mark.parametrize("down_k", [16, 64])  # I = 32: two K tiles, or one masked past I
+def test_down_column_tiles_run_in_turn_give_the_same_bits(group: int, down_k: int) -> None:
     x, ids, w = make_routing(6, seed=8)
-    one = moe.MoeTiles(16, 32, 32, 16, 32, 4, 1)
-    grouped = moe.MoeTiles(16, 32, 32, 16, 32, 4, 1, down_group=group)  # D = 64: 4 column tiles, the last group short
+    one = moe.MoeTiles(16, 32, 32, 16, down_k, 4, 1)
+    grouped = moe.MoeTiles(16, 32, 32, 16, down_k, 4, 1, down_group=group)  # D = 64: 4 column tiles, a group short
     for bank in BANKS.values():
         want = moe_forward(x, ids, w, bank, torch.float32, tiles=one)
         got = moe_forward(x, ids, w, bank, torch.float32, tiles=grouped)
