@@ -8,6 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -66,6 +67,28 @@ def make_routing(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return x, ids, w / w.sum(-1, keepdim=True)
 
 
+def near_tie_rows(x: torch.Tensor, ids: torch.Tensor, bank: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Rows with an h (summed in fp64) within 3e-4 of a bf16 step of a rounding midpoint: fp32 sums in
+    another order may round such an h either way, one bf16 step apart, so only those rows may differ more."""
+    ties = torch.zeros(x.shape[0], dtype=torch.bool)
+    for r, s in torch.cartesian_prod(torch.arange(ids.shape[0]), torch.arange(ids.shape[1])).tolist():
+        gate, up, _ = expert_weights(bank, int(ids[r, s]))
+        xr = x[r].double()
+        h = F.silu(gate.double() @ xr) * (up.double() @ xr)
+        steps = torch.frexp(h).mantissa.abs() * 2**8  # bf16 keeps 8 significant bits
+        ties[r] |= bool(((steps - steps.floor() - 0.5).abs() < 3e-4).any())
+    return ties
+
+
+def assert_matches_reference(out32: torch.Tensor, x, ids, w, bank) -> None:
+    """Within 1e-5 of the reference in fp32, but rows with an h at a near tie within 1e-3."""
+    ref = moe_forward_reference(x, ids, w, bank, out_dtype=torch.float32)
+    ties = near_tie_rows(x, ids, bank)
+    if not ties.all():
+        assert rel_err(out32[~ties], ref[~ties]) <= 1e-5
+    assert rel_err(out32, ref) <= 1e-3
+
+
 PACKED = make_bank(True)
 BANKS = {"nvfp4": kernel_bank(PACKED), "bf16": make_bank(False)}
 
@@ -80,7 +103,7 @@ def test_matches_reference(kind: str, n: int) -> None:
     assert out.dtype == torch.bfloat16 and out32.dtype == torch.float32
     assert not out.isnan().any() and not out32.isnan().any()
     assert rel_err(out, moe_forward_reference(x, ids, w, bank)) <= 1e-2
-    assert rel_err(out32, moe_forward_reference(x, ids, w, bank, out_dtype=torch.float32)) <= 1e-5
+    assert_matches_reference(out32, x, ids, w, bank)
     assert torch.equal(out, out32.bfloat16())  # the bf16 output is the fp32 sum rounded once
 
 
@@ -110,7 +133,7 @@ def test_weights_follow_routing() -> None:
     w2 = w.clone()
     w2[:, 0] = 0.0
     single = moe_forward(x, ids, w2, bank, out_dtype=torch.float32)
-    assert rel_err(single, moe_forward_reference(x, ids, w2, bank, out_dtype=torch.float32)) <= 1e-5
+    assert_matches_reference(single, x, ids, w2, bank)
     assert rel_err(out, single) > 1e-2
 
 
