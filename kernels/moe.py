@@ -42,8 +42,9 @@ from kernels.fp4_words import PACKED_KEYS, from_words
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
+PLAN_MAX_PAIRS = 12288  # beyond, the kernel's scans of every earlier pair cost more than the torch ops' sort
+PLAN_CHUNK, PLAN_SCAN = 64, 256  # pairs one plan program places; ids it counts a step
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-PLAN_MAX_PAIRS = 4096  # up to this many (row, expert) pairs one program sorts them; beyond, torch ops do
 FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
 TWO_POW_119 = tl.constexpr(2.0**119)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
 BF16_KEYS = ("gate_up", "down")
@@ -100,12 +101,6 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs, (num_pairs + used * (block_m - 1)) // block_m))
 
 
-@triton.jit
-def _trailing_run(id_a, run_a, id_b, run_b):
-    """Scan step over sorted ids: the last id of a span and how many of the span's ids end equal to it."""
-    return id_b, tl.where(id_a == id_b, run_a + run_b, run_b)
-
-
 @triton.jit(do_not_specialize=["P", "T"])
 def _plan_kernel(
     ids_ptr,
@@ -117,31 +112,48 @@ def _plan_kernel(
     T,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
-    P_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: stable sort of the pairs by expert, cumulated per-expert pair counts, and the tile map: a tile
-    starts at every BLOCK_M-th position of an expert's run of sorted pairs, and tiles past the last, up to T, get E."""
+    """Program p places pairs [p·CHUNK, (p+1)·CHUNK) with no sort: a pair's sorted position is its expert's first
+    position plus its rank, the number of earlier pairs with its expert (a stable sort's order), counted from a
+    histogram of the pairs before the chunk and comparisons within it. A pair whose rank is a multiple of BLOCK_M
+    starts a tile; tiles past the last, up to T, get E; program 0 writes the bounds."""
     enter(PDL)
-    q = tl.arange(0, P_POW2)
+    lo = tl.program_id(0) * CHUNK
+    scan = tl.arange(0, SCAN)
+    before = tl.zeros((E_POW2,), tl.int32)
+    for start in range(0, lo, SCAN):
+        q = start + scan
+        before += tl.histogram(tl.load(ids_ptr + q, mask=q < lo, other=0), E_POW2, mask=q < lo)
+    total = before
+    for start in range(lo, P, SCAN):
+        q = start + scan
+        total += tl.histogram(tl.load(ids_ptr + q, mask=q < P, other=0), E_POW2, mask=q < P)
+    c = tl.arange(0, CHUNK)
+    q = lo + c
     valid = q < P
-    ids = tl.load(ids_ptr + q, mask=valid, other=E)
-    keys = tl.sort(ids * P_POW2 + q)
-    tl.store(pairs_ptr + q, keys & (P_POW2 - 1), mask=valid)
-    counts = tl.histogram(ids, E_POW2, mask=valid)
-    e = tl.arange(0, E_POW2)
-    tl.store(bounds_ptr + 1 + e, tl.cumsum(counts, 0), mask=e < E)
-    tl.store(bounds_ptr, 0)
-    sorted_ids = keys // P_POW2
-    _, run = tl.associative_scan((sorted_ids, tl.full((P_POW2,), 1, tl.int32)), 0, _trailing_run)
-    starts = valid & ((run - 1) % BLOCK_M == 0)
-    tile = tl.cumsum(starts.to(tl.int32), 0) - 1
-    tl.store(tile_experts_ptr + tile, sorted_ids, mask=starts)
-    tl.store(tile_starts_ptr + tile, q, mask=starts)
-    past = (q >= tl.sum(starts.to(tl.int32), 0)) & (q < T)
+    ids = tl.load(ids_ptr + q, mask=valid, other=0)
+    earlier_same = (ids[:, None] == ids[None, :]) & (c[None, :] < c[:, None])
+    rank = tl.gather(before, ids, 0) + tl.sum(earlier_same.to(tl.int32), 1)
+    ends = tl.cumsum(total, 0)
+    pos = tl.gather(ends - total, ids, 0) + rank
+    tl.store(pairs_ptr + pos, q, mask=valid)
+    tiles = (total + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    tile = tl.gather(tile_ends - tiles, ids, 0) + rank // BLOCK_M
+    starts = valid & (rank % BLOCK_M == 0)
+    tl.store(tile_experts_ptr + tile, ids, mask=starts)
+    tl.store(tile_starts_ptr + tile, pos, mask=starts)
+    past = (q >= tl.sum(tiles, 0)) & (q < T)
     tl.store(tile_experts_ptr + q, E, mask=past)
     tl.store(tile_starts_ptr + q, 0, mask=past)
+    if lo == 0:
+        e = tl.arange(0, E_POW2)
+        tl.store(bounds_ptr + 1 + e, ends, mask=e < E)
+        tl.store(bounds_ptr, 0)
 
 
 def moe_plan_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
@@ -166,7 +178,7 @@ def moe_plan_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
-    """The routing plan of expert_ids [N, k]: one Triton program for decode-sized batches, torch ops beyond."""
+    """The routing plan of expert_ids [N, k]: one launch of CHUNK pairs a program, or torch ops for many pairs."""
     num_pairs = expert_ids.numel()
     if num_pairs > PLAN_MAX_PAIRS:
         return moe_plan_reference(expert_ids, num_experts, block_m)
@@ -176,7 +188,7 @@ def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePla
     bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     tile_starts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
-    _plan_kernel[(1,)](
+    _plan_kernel[(triton.cdiv(num_pairs, PLAN_CHUNK),)](
         expert_ids.reshape(-1).to(torch.int32),
         pairs,
         bounds,
@@ -186,7 +198,8 @@ def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePla
         num_tiles,
         E=num_experts,
         E_POW2=triton.next_power_of_2(num_experts),
-        P_POW2=triton.next_power_of_2(num_pairs),
+        CHUNK=PLAN_CHUNK,
+        SCAN=PLAN_SCAN,
         BLOCK_M=block_m,
         num_warps=4,
         **launch_options(_plan_kernel, expert_ids.device),

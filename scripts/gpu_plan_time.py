@@ -41,7 +41,7 @@ def compare(shape: tuple[int, int], rows, device: torch.device, timed: bool) -> 
             torch.rand(n, experts, device=device, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32)
             for _ in range(SETS if timed else 1)
         ]
-        past = n * top_k > getattr(moe, "PLAN_MAX_PAIRS", n * top_k)  # main's kernel hands these to torch ops
+        past = n * top_k > getattr(moe, "PLAN_MAX_PAIRS", n * top_k)  # an older kernel handed these to torch ops
         plan, ref = moe_plan(sets[0], experts, block_m), moe_plan_reference(sets[0], experts, block_m)
         fields = ("pairs", "bounds", "tile_experts", "tile_starts")
         equal = all(torch.equal(getattr(plan, f), getattr(ref, f)) for f in fields)

@@ -210,7 +210,10 @@ def tile_map(ids: torch.Tensor, num_experts: int, block_m: int, num_tiles: int) 
 
 @pytest.mark.parametrize("block_m", [1, 2, 4, 16])
 @pytest.mark.parametrize("seed", range(3))
-def test_plan_matches_torch_plan_and_python(block_m: int, seed: int) -> None:
+@pytest.mark.parametrize("blocks", [(8, 16), (64, 256)])
+def test_plan_matches_torch_plan_and_python(block_m: int, seed: int, blocks: tuple[int, int], monkeypatch) -> None:
+    monkeypatch.setattr(moe, "PLAN_CHUNK", blocks[0])  # small: several programs, each counting in several steps
+    monkeypatch.setattr(moe, "PLAN_SCAN", blocks[1])
     g = torch.Generator().manual_seed(seed)
     n, k = (7, TOP_K) if seed == 0 else (int(torch.randint(1, 40, (1,), generator=g)), 1 + seed)
     ids = torch.randint(0, E, (n, k), generator=g, dtype=torch.int32)
@@ -239,10 +242,10 @@ def test_torch_plan_gives_the_same_bits(kind: str, monkeypatch) -> None:
     x, ids, w = make_routing(9, seed=4)
     ids[3] = ids[2]
     triton_plan = moe_forward(x, ids, w, BANKS[kind], out_dtype=torch.float32)
-    monkeypatch.setattr(moe, "PLAN_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe, "moe_plan", moe_plan_reference)
     torch_plan = moe_forward(x, ids, w, BANKS[kind], out_dtype=torch.float32)
     assert torch.equal(triton_plan.view(torch.int32), torch_plan.view(torch.int32))
-    assert rel_err(torch_plan, moe_forward_reference(x, ids, w, BANKS[kind], out_dtype=torch.float32)) <= 1e-5
+    assert_matches_reference(torch_plan, x, ids, w, BANKS[kind])
 
 
 def test_rejects_bad_bank() -> None:

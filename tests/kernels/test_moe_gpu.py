@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.fp4_words import kernel_bank
-from kernels.moe import moe_forward, moe_forward_reference, moe_tiles
+from kernels.moe import moe_forward, moe_forward_reference, moe_plan, moe_plan_reference, moe_tiles
 
 E, D, INTER, TOP_K = 512, 2560, 320, 10
 
@@ -69,3 +69,20 @@ def test_rows_alone_equal_rows_batched(n: int) -> None:
     for r in (0, n // 2, n - 1):
         alone = moe_forward(x[r : r + 1], ids[r : r + 1], w[r : r + 1], bank, torch.float32)
         assert torch.equal(alone[0], batch[r])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize("n", [1, 7, 64, 256, 1024, 4096])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_plan_equals_the_torch_plan(n: int, skewed: bool) -> None:
+    """The plan kernel's arrays equal the torch ops' at decode, verify and prompt sizes, also where a few experts take
+    most pairs (their runs then span many of the kernel's chunks and many row tiles)."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    ids = torch.rand(n, E, device="cuda", generator=gen).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    if skewed:
+        ids = torch.where(ids % 3 == 0, ids % 12, ids)
+    block_m = moe_tiles(n, TOP_K, E).block_m
+    plan, ref = moe_plan(ids, E, block_m), moe_plan_reference(ids, E, block_m)
+    for field in ("pairs", "bounds", "tile_experts", "tile_starts"):
+        assert torch.equal(getattr(plan, field), getattr(ref, field)), field

@@ -120,7 +120,7 @@ def test_sweep_counts_other_bits_records_errors_and_runs_the_joined_best() -> No
 def test_a_joined_best_already_run_is_marked_and_kernels_not_launched_are_not_timed(monkeypatch) -> None:
     import gpu_sweep_moe
 
-    monkeypatch.setattr(gpu_sweep_moe.moe, "PLAN_MAX_PAIRS", 0)  # the plan by torch ops: no plan kernel launched
+    monkeypatch.setattr(gpu_sweep_moe.moe, "moe_plan", gpu_sweep_moe.moe.moe_plan_reference)  # no plan kernel launched
     bank, routings = inputs(SMOKE, True, {1: 1}, CPU)
     rows = sweep(1, SMOKE, bank, routings[1], [SAME], lambda calls: 7.0)
     assert [(r["default"], r["joined"]) for r in rows] == [(True, True), (False, False)]  # ties: the default's
