@@ -1,26 +1,32 @@
 """Where a step's time goes at the real shapes, tp=2, dummy weights: decode rounds of 1, 4, 8 and 64 lanes through
 the model with CUDA graphs, timed on the host (wall time of a forward, synchronised) and on the GPU (CUDA events
 over the graph's replay alone); one lane's verify round with 0..3 drafts (every row's state kept); then
-torch.profiler's kernel tables for five replayed rounds of one lane and of 64 lanes on rank 0; with --prompt ROWS
-also one lane's eager prompt pass of ROWS rows, timed and profiled (three passes).
+torch.profiler's kernel and host tables for five rounds of one lane, of the most lanes and of a 3-draft verify
+round on rank 0; with --prompt ROWS also one lane's eager prompt pass of ROWS rows, timed and profiled (three passes).
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
 (--nproc-per-node 1 runs the model whole, tp=1, on one GPU)
+python3 scripts/gpu_step_profile.py --out DIR --alone-as 2 ...   # rank 0's half on one GPU, no links (timing only)
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
     [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
-# DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_prompt.txt, step_profile.json
+# DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_verify.txt,
+# step_profile_prompt.txt, step_profile.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -35,12 +41,14 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 from gpu_profile_round import decode_batch  # noqa: E402
 
 from model import kernel_path  # noqa: E402
+from model.flashnext import FlashNextModel  # noqa: E402
 from model.parallel import TensorParallel  # noqa: E402
 from model.state import LaneState  # noqa: E402
 from model.weights import load_model  # noqa: E402
 
 LANES = (1, 4, 8, 64)
 WINDOW = 4  # a verify window's rows: the pending token and up to three drafts
+HOST_LINES = 12  # host operations listed per profiled step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +63,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="feed random tokens below VOCAB (same seed on both ranks) instead of fixed ones")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=0, metavar="ROWS", help="also time and profile a prompt pass")
     ap.add_argument("--ngram-table", choices=("device", "host"), default="device", help="where the n-gram table lives")
-    return ap.parse_args(argv)
+    ap.add_argument("--alone-as", type=int, default=0, metavar="WORLD",
+                    help="no torchrun: rank 0's share of a WORLD-rank model, collectives skipped")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.alone_as < 0 or args.alone_as == 1:
+        ap.error(f"--alone-as: {args.alone_as} is not a world of two or more ranks")
+    return args
+
+
+@contextmanager
+def collectives_skipped() -> Iterator[None]:
+    """One rank without its peers: an all-reduce leaves its input as it is and an all-gather copies the local part
+    into every slot, so kernel times are a rank's without the links (the values are not the model's)."""
+    saved = dist.all_reduce, dist.all_gather
+
+    def gather(parts: list[torch.Tensor], local: torch.Tensor, *_args: object, **_kwargs: object) -> None:
+        for part in parts:
+            part.copy_(local)
+
+    dist.all_reduce, dist.all_gather = (lambda *_args, **_kwargs: None), gather
+    try:
+        yield
+    finally:
+        dist.all_reduce, dist.all_gather = saved
 
 
 def restore_length(lane: LaneState, length: int) -> None:
@@ -74,29 +104,62 @@ def per_round(events, rounds: int) -> list[dict]:
 
 def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5) -> str:
     """torch.profiler's kernel table of `rounds` calls of `step` (every rank profiles, so both pay its cost alike);
-    rank 0 prints each kernel's ms and calls a round."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    rank 0 prints each kernel's ms and calls a round, then the host operations that took the most host time."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(rounds):
             step()
         torch.cuda.synchronize()
+    events = prof.key_averages()
     if rank == 0:
         print(f"kernels, {label}, per round:", flush=True)
-        for line in per_round(prof.key_averages(), rounds)[:24]:
+        for line in per_round(events, rounds)[:24]:
             print(f"  {line['ms']:7.3f} ms {line['calls']:6.1f} calls  {line['name'][:90]}", flush=True)
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+        print(f"host, {label}, per round:", flush=True)
+        for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_LINES]:
+            print(f"  {e.self_cpu_time_total / 1e3 / rounds:7.3f} ms {e.count / rounds:6.1f} calls  {e.key[:90]}")
+    return events.table(sort_by="self_cuda_time_total", row_limit=40)
+
+
+def sync_sites(step: Callable[[], object]) -> list[tuple[str, int]]:
+    """Where one call of `step` makes the host wait for the GPU (file:line, times), from torch's sync warnings."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught).most_common()
+
+
+def decode_round(model: FlashNextModel, lanes: list[LaneState], vocab: int, rng: random.Random | None) -> None:
+    """One decode row for each lane."""
+    model(decode_batch(lanes, 1, vocab, rng))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.alone_as:
+        with collectives_skipped():
+            return run(args, TensorParallel(0, args.alone_as))
     dist.init_process_group("nccl")
-    rank = dist.get_rank()
+    code = run(args, TensorParallel(dist.get_rank(), dist.get_world_size()))
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+def run(args: argparse.Namespace, tp: TensorParallel) -> int:
+    """Load, time and profile as rank `tp.rank` of `tp.world`."""
+    rank = tp.rank
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     model = load_model(
         args.model,
         device=device,
         dtype="bfloat16",
-        tp=TensorParallel(rank, dist.get_world_size()),
+        tp=tp,
         load_format="dummy",
         kernels="on",
         ngram_table=args.ngram_table,
@@ -134,12 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"lanes": count, "forward_wall_ms": statistics.median(host), "replay_ms": statistics.median(gpu)})
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
-        if count == most:  # profiled while these lanes hold the pool: more lanes would grow it
-
-            def step(held: list[LaneState] = lanes) -> None:
-                model(decode_batch(held, 1, vocab, rng))
-
-            tables[f"_{most}"] = profile(step, f"{most} lanes", rank)
+        if count == most:  # profiled while these lanes hold the pool (nothing keeps them after: a lane more would
+            # grow the pool, and every later round would run eagerly, the graphs stale)
+            tables[f"_{most}"] = profile(
+                functools.partial(decode_round, model, lanes, vocab, rng), f"{most} lanes", rank
+            )
     del lanes
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))
@@ -157,7 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         rows_report.append({"drafts": window - 1, "verify_wall_ms": statistics.median(times)})
         if rank == 0:
             print(json.dumps(rows_report[-1]), flush=True)
+
+    def verify_round() -> None:
+        model(decode_batch(lanes, WINDOW, vocab, rng), snapshot_rows={0: range(WINDOW)})
+        restore_length(lanes[0], lanes[0].length - WINDOW)
+
+    tables["_verify"] = profile(verify_round, f"a verify round with {WINDOW - 1} drafts", rank)
+    syncs = {"verify": sync_sites(verify_round), "graphs_current": graphs.covers("trunk", 1)}
     tables[""] = profile(lambda: model(decode_batch(lanes, 1, vocab, rng)), "1 lane", rank)
+    syncs["1 lane"] = sync_sites(lambda: model(decode_batch(lanes, 1, vocab, rng)))
     if args.prompt:
         lanes = [model.new_lane()]
 
@@ -177,15 +247,17 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(json.dumps({"prompt": prompt_report}), flush=True)
         tables["_prompt"] = profile(prompt_pass, f"a {args.prompt}-row prompt pass", rank, rounds=3)
+        syncs["prompt"] = sync_sites(prompt_pass)
+    if rank == 0:
+        print(json.dumps({"host waits": syncs}), flush=True)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         for name, table in tables.items():
             (args.out / f"step_profile{name}.txt").write_text(table)
         report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, most],
-                  "context": args.context, "random_tokens": args.random_tokens, "prompt": prompt_report}  # fmt: skip
+                  "context": args.context, "random_tokens": args.random_tokens, "prompt": prompt_report,
+                  "alone_as": args.alone_as, "host_waits": syncs}  # fmt: skip
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 

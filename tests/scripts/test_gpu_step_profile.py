@@ -1,0 +1,37 @@
+"""scripts/gpu_step_profile.py's one-rank mode on the CPU: the collectives it skips and the worlds it refuses."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import gpu_step_profile
+import pytest
+import torch
+
+from model.parallel import TensorParallel
+
+
+def test_a_rank_alone_keeps_its_partials_and_copies_its_slice() -> None:
+    tp = TensorParallel(0, 2)
+    partial = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    with gpu_step_profile.collectives_skipped():
+        assert torch.equal(tp.reduce(partial.clone()), partial)
+        assert torch.equal(tp.gather(partial), torch.cat([partial, partial], dim=-1))
+        assert torch.equal(tp.combine_ordered(partial), partial * 2)
+    assert tp.counts.calls == {"combine": 2, "gather": 1}
+
+
+def test_the_collectives_come_back_afterwards() -> None:
+    with gpu_step_profile.collectives_skipped():
+        pass
+    with pytest.raises((RuntimeError, ValueError)):
+        TensorParallel(0, 2).gather(torch.ones(2))
+
+
+@pytest.mark.parametrize("world", ["1", "-2"])
+def test_a_world_of_fewer_than_two_ranks_is_refused(world: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        gpu_step_profile.parse_args(["--out", "x", "--alone-as", world])
+    assert "--alone-as" in capsys.readouterr().err
