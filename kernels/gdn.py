@@ -16,6 +16,7 @@ BLOCK_V = 16
 NUM_WARPS = 1
 SCAN = 128
 LONG_RUN = 16  # rows of one lane from which q and k go to unit norm in a kernel of their own
+KEEP_NONE, KEEP_EVERY, KEEP_LISTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # which rows' states to write
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +137,7 @@ def _gdn_recurrent_kernel(
     lane_ptr,
     out_ptr,
     states_ptr,
+    keep_ptr,
     T,
     H,
     RATIO,
@@ -180,7 +182,7 @@ def _gdn_recurrent_kernel(
     g_at = g_ptr + row64 * stride_gt + head * stride_gh
     beta_at = beta_ptr + row64 * stride_bt + head * stride_bh
     out_at = out_ptr + row64 * stride_ot + head * stride_oh
-    states_at = states_ptr + (row64 * H + head) * DK * DV
+    states_at = states_ptr + (row64 * H + head) * DK * DV  # a row's kept state when every row keeps one
     # Issue every independent load before the first wait: the lane ids, this row's inputs, the state.
     lane = tl.load(lane_ptr + row)
     first = lane != tl.load(lane_ptr + row - 1, mask=row > 0, other=-1)
@@ -202,8 +204,7 @@ def _gdn_recurrent_kernel(
                 q_at, k_at, v_at, g_at, beta_at, dk, dv, row + 1 < end, DK, DV
             )
             s = _delta_step(s, k, v, g, beta, INTERPRET)
-            if KEEP:
-                tl.store(states_at + tile, s)
+            _keep_state(states_at, states_ptr, keep_ptr, row, H, head, tile, s, KEEP, DK, DV)
             # Rotated: an iteration stores the previous row's output and makes row t's update, two independent sums
             # over Dk in one branch-free block; the same sums on the same values as one row at a time.
             for t in tl.range(row + 1, end):
@@ -221,8 +222,7 @@ def _gdn_recurrent_kernel(
                 q_up, k_up, v_up, g_up, beta_up = q_next, k_next, v_next, g_next, beta_next
                 out_at += stride_ot
                 states_at += H * DK * DV
-                if KEEP:
-                    tl.store(states_at + tile, s)
+                _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
             tl.store(out_at + dv, _read_out(s, q, out_ptr))
         else:  # one row an iteration, each row's q and k brought to unit norm here (decode and verify rows)
             for t in tl.range(row, end):
@@ -241,8 +241,7 @@ def _gdn_recurrent_kernel(
                 q = _unit_q(q, SCALE, EPS)
                 s = _delta_step(s, _unit_k(k, EPS), v, g, beta, INTERPRET)
                 tl.store(out_at + dv, _read_out(s, q, out_ptr))
-                if KEEP:
-                    tl.store(states_at + tile, s)
+                _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
                 q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
                 q_at += stride_qt
                 k_at += stride_kt
@@ -252,6 +251,20 @@ def _gdn_recurrent_kernel(
                 out_at += stride_ot
                 states_at += H * DK * DV
         tl.store(slot + tile, s)
+
+
+@triton.jit
+def _keep_state(
+    states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr
+):
+    """Row t's state, where it is kept: KEEP_EVERY at `states_at` (row t's place), KEEP_LISTED at row t's place in
+    the kept rows (-1 in keep_ptr: not kept)."""
+    if KEEP == KEEP_EVERY:
+        tl.store(states_at + tile, s)
+    elif KEEP == KEEP_LISTED:
+        at = tl.load(keep_ptr + t)
+        dest = states_ptr + (tl.maximum(at, 0).to(tl.int64) * H + head) * DK * DV + tile
+        tl.store(dest, s, mask=tile < tl.where(at >= 0, DK * DV, 0))
 
 
 @triton.jit
@@ -303,16 +316,29 @@ def gdn_recurrent(
     keep_states: bool = False,
     out_dtype: torch.dtype = torch.float32,
     long_runs: bool = False,
+    keep_rows: torch.Tensor | None = None,
+    keep_places: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states after each row or None)."""
+    """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states or None): with `keep_states` the
+    state after every row, or with `keep_rows` (ascending row indices, distinct) only after those, in their order;
+    `keep_places` (int32 [T], each row's place among keep_rows or -1) spares making that map (a graph's input)."""
     # long_runs (a prompt pass): q and k go to unit norm in a kernel of their own first; the bits are the same
     _check_gdn(q, k, v, g, beta, state, lane_of_row)
+    if keep_rows is not None and not keep_states:
+        raise ValueError("keep_rows: given without keep_states")
+    if keep_places is not None and keep_rows is None:
+        raise ValueError("keep_places: given without keep_rows")
     seq, heads, dv = v.shape
     dk = q.shape[2]
+    listed = keep_places is not None or (keep_rows is not None and keep_rows.shape[0] != seq)  # else every row
     out = torch.empty((seq, heads, dv), dtype=out_dtype, device=v.device)
-    states = state.new_empty((seq, heads, dk, dv)) if keep_states else None
+    kept = keep_rows.shape[0] if listed else seq
+    states = state.new_empty((kept, heads, dk, dv)) if keep_states else None
     if seq == 0:
         return out, states
+    if keep_places is None:
+        keep_places = _keep_places(keep_rows, seq) if listed else lane_of_row  # lane_of_row: a pointer never read
+    mode = KEEP_LISTED if listed else KEEP_EVERY if keep_states else KEEP_NONE
     if long_runs:
         q, k = _unit_qk(q, k)
     block_v = min(BLOCK_V, dv)
@@ -326,6 +352,7 @@ def gdn_recurrent(
         lane_of_row,
         out,
         state if states is None else states,
+        keep_places,
         seq,
         heads,
         heads // q.shape[1],
@@ -347,7 +374,7 @@ def gdn_recurrent(
         BV=block_v,
         EPS=L2_EPS,
         UNIT_QK=long_runs,
-        KEEP=keep_states,
+        KEEP=mode.value,
         SCAN=SCAN,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=NUM_WARPS,
@@ -355,6 +382,13 @@ def gdn_recurrent(
         **launch_options(_gdn_recurrent_kernel, q.device),
     )
     return out, states
+
+
+def _keep_places(keep_rows: torch.Tensor, seq: int) -> torch.Tensor:
+    """Each of `seq` rows' place among `keep_rows` (int32; -1 for rows not kept), made on the rows' device."""
+    places = torch.full((seq,), -1, dtype=torch.int32, device=keep_rows.device)
+    places[keep_rows] = torch.arange(keep_rows.shape[0], dtype=torch.int32, device=keep_rows.device)
+    return places
 
 
 def _unit_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,6 +130,26 @@ def test_long_runs_give_the_same_bits(keep_states: bool, key_heads: int) -> None
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("long_runs", [False, True])
+@pytest.mark.parametrize("rows", [[0], [3, 4, 11], [2, 17, 28], list(range(29))])
+def test_listed_rows_keep_only_their_states_with_the_same_bits(rows: list[int], long_runs: bool) -> None:
+    """States kept for listed rows only (a prompt pass keeping a few boundaries) are, in the rows' order, the bits of
+    the states kept for every row; outputs and final states are unchanged."""
+    lens, slots = [1, 9, 2, 17], [3, 0, 2, 1]
+    inputs, lanes = make_inputs(lens, 2, seed=7, heads=4), lanes_of(lens, slots)
+    every = call(gdn_recurrent, inputs, lanes, keep_states=True, long_runs=long_runs)
+    listed = call(gdn_recurrent, inputs, lanes, keep_states=True, long_runs=long_runs, keep_rows=torch.tensor(rows))
+    assert listed[2].shape[0] == len(rows)
+    assert torch.equal(listed[2], every[2][rows])
+    assert torch.equal(listed[0], every[0]) and torch.equal(listed[1], every[1])
+
+
+def test_listed_rows_need_kept_states() -> None:
+    inputs, lanes = make_inputs([2], 1), lanes_of([2], [0])
+    with pytest.raises(ValueError, match="keep_rows"):
+        call(gdn_recurrent, inputs, lanes, keep_rows=torch.tensor([1]))
+
+
 def test_rejects_bad_shapes() -> None:
     inputs, lanes = make_inputs([2], 1), lanes_of([2], [0])
     with pytest.raises(ValueError, match="state"):
