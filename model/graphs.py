@@ -1,7 +1,8 @@
 """CUDA graphs of the kernel path's forwards, captured once per kind and batch bucket.
 
-Three kinds: `trunk` (any rows: decode rows, prompt chunks, drafts' windows whose states are not kept), `verify`
-(the trunk keeping every row's state, for verify windows) and `mtp` (the MTP layer's rows). A forward of n rows
+Four kinds: `trunk` (any rows: decode rows, prompt chunks, drafts' windows whose states are not kept), `verify`
+(the trunk keeping every row's state, for verify windows), `prompt` (the trunk with GDN's prompt-pass kernels, keeping
+the states after up to PROMPT_KEEPS listed rows) and `mtp` (the MTP layer's rows). A forward of n rows
 replays the graph of the smallest bucket >= n: its rows are copied into the graph's static inputs (token, position,
 lane-pool slot, n-gram window, MTP hidden row) and the rest of the bucket is padding that writes only the pool's
 scratch slot. The kernels index state by each row's slot and give a row the same bits whatever the batch, so a
@@ -12,7 +13,7 @@ graphs are no longer used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -21,11 +22,13 @@ from model.lane_pool import LanePool
 
 # (round, token ids, hidden rows or None) -> (logits, pre-mixer wide states)
 Body = Callable[[Round, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+PROMPT_KEEPS = 8  # rows a prompt graph keeps states after (the cache grid's, message ends', a prompt's last but one)
+PROMPT_FIRST = 128  # the smallest prompt bucket: smaller rounds with kept rows fit a verify graph
 
 
-def buckets_for(max_rows: int) -> tuple[int, ...]:
-    """Batch buckets up to `max_rows`: powers of two, then `max_rows` itself."""
-    sizes, size = [], 1
+def buckets_for(max_rows: int, first: int = 1) -> tuple[int, ...]:
+    """Batch buckets up to `max_rows`: powers of two from `first`, then `max_rows` itself."""
+    sizes, size = [], first
     while size < max_rows:
         sizes.append(size)
         size *= 2
@@ -49,22 +52,28 @@ class RoundGraphs:
     ) -> None:
         self.pool, self.bodies, self.capture = pool, dict(bodies), device.type == "cuda"
         self.generation = pool.generation
-        self.buckets = {kind: buckets_for(rows) for kind, rows in max_rows.items()}
+        self.buckets = {
+            kind: buckets_for(rows, PROMPT_FIRST if kind == "prompt" else 1) for kind, rows in max_rows.items()
+        }
         top = max(rows for rows in max_rows.values())
         self.tokens = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         self.slots = torch.full((top,), pool.scratch, dtype=torch.long, device=device)
         self.windows = torch.full((top, ngram_size), eos, dtype=torch.long, device=device)
         self.hidden = torch.zeros(top, wide, dtype=dtype, device=device)
+        self.keep_rows = torch.zeros(PROMPT_KEEPS, dtype=torch.long, device=device)
+        self.keep_places = torch.full((top,), -1, dtype=torch.int32, device=device)
         self.rounds: dict[tuple[str, int], Round] = {}
         self.outputs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.replays = dict.fromkeys(self.buckets, 0)
 
-    def covers(self, kind: str, rows: int) -> bool:
-        """Whether a graph of `kind` runs `rows` rows: within its largest bucket, the pool unmoved."""
+    def covers(self, kind: str, rows: int, keeps: int = 0) -> bool:
+        """Whether a graph of `kind` runs `rows` rows keeping the states after `keeps` of them: within its largest
+        bucket (a prompt graph keeps up to PROMPT_KEEPS), the pool unmoved."""
         buckets = self.buckets.get(kind)
-        return bool(buckets) and rows <= buckets[-1] and self.pool.generation == self.generation
+        kept = keeps == 0 or kind == "verify" or (kind == "prompt" and keeps <= PROMPT_KEEPS)
+        return bool(buckets) and rows <= buckets[-1] and kept and self.pool.generation == self.generation
 
     def bucket_of(self, kind: str, rows: int) -> int:
         """The smallest bucket of `kind` holding `rows` rows."""
@@ -72,12 +81,15 @@ class RoundGraphs:
 
     def _round(self, kind: str, size: int) -> Round:
         """A bucket's static inputs as a Round: every row may complete an indexer block (padding's keys go to the
-        scratch block row); `verify` keeps every row's state."""
+        scratch block row); `verify` keeps every row's state, `prompt` the listed rows' (`keep_places`)."""
         positions, pool = self.positions[:size], self.pool
         completes = (positions + 1) % pool.ratio == 0
         dest = torch.where(completes, (positions + 1) // pool.ratio - 1, pool.block_capacity - 1)
         rows = torch.arange(size, device=positions.device)
         windows = None if kind == "mtp" else self.windows[:size]
+        if kind == "prompt":
+            keep, places = self.keep_rows, self.keep_places[:size]
+            return Round(pool, self.slots[:size], positions, windows, rows, dest, keep, True, keep_places=places)
         keep = rows if kind == "verify" else None
         return Round(pool, self.slots[:size], positions, windows, rows, dest, keep)
 
@@ -114,11 +126,18 @@ class RoundGraphs:
         slots: torch.Tensor,
         windows: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
+        keep_rows: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, Round]:
         """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are the
-        graph's outputs: read them before the next replay), by replaying the graph of their bucket."""
+        graph's outputs: read them before the next replay), by replaying the graph of their bucket; a prompt graph
+        keeps the states after `keep_rows` (ascending), in their order."""
         n = token_ids.shape[0]
         size = self.bucket_of(kind, n)
+        if kind == "prompt":
+            places = torch.full((size,), -1, dtype=torch.int32)
+            places[list(keep_rows)] = torch.arange(len(keep_rows), dtype=torch.int32)
+            self.keep_places[:size].copy_(places)
+            self.keep_rows.copy_(torch.tensor([*keep_rows, *[0] * (PROMPT_KEEPS - len(keep_rows))]))
         self.tokens[:n].copy_(token_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)

@@ -53,7 +53,7 @@ class Round:
     """One forward's rows as the kernels take them, all on the GPU (so a CUDA graph can capture the layers): each
     row's lane-pool slot and absolute position, its n-gram window (None: no PLE), the rows that complete an
     indexer block with the block index their key goes to, the rows whose states are kept (None: none), and whether a
-    lane has `kernels.gdn.LONG_RUN` or more rows (said only by eager forwards: a captured graph serves any rows)."""
+    lane has `kernels.gdn.LONG_RUN` or more rows (the prompt graphs say so for any rows: the bits are the same)."""
 
     pool: LanePool
     slot_of_row: torch.Tensor
@@ -64,6 +64,7 @@ class Round:
     keep_rows: torch.Tensor | None
     long_runs: bool = False
     kept: RowStates = field(default_factory=RowStates)
+    keep_places: torch.Tensor | None = None  # each row's place among keep_rows or -1, where a graph fixes it
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -170,14 +171,15 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     k = k.unflatten(-1, (m.key_heads, m.key_dim))
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
     beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
-    out, row_states = gdn_recurrent(
-        q, k, v, g, beta, states, rnd.slot_of_row, keep_states=keep, long_runs=rnd.long_runs
-    )
+    out, kept_states = gdn_recurrent(
+        q, k, v, g, beta, states, rnd.slot_of_row, keep, long_runs=rnd.long_runs, keep_rows=rnd.keep_rows,
+        keep_places=rnd.keep_places,
+    )  # fmt: skip
     z = z.unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
     if keep:  # only the rows asked for outlive the layer
         rnd.kept.gdn_conv[index] = row_tails.index_select(0, rnd.keep_rows)
-        rnd.kept.gdn_recurrent[index] = row_states.index_select(0, rnd.keep_rows)
+        rnd.kept.gdn_recurrent[index] = kept_states
     return m.tp.reduce(partial_out(y.view(n, m.v_width), m.out_proj, m.tp))
 
 

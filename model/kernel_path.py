@@ -215,13 +215,25 @@ def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGr
     def mtp(rnd: Round, token_ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return mtp_rows(model, token_ids, hidden, rnd)
 
-    bodies = {"trunk": trunk, "verify": trunk} | ({} if model.mtp is None else {"mtp": mtp})
+    # the prompt graphs before the MTP's: an MTP replay then never writes over a prompt round's kept states
+    bodies = {"trunk": trunk, "verify": trunk, "prompt": trunk} | ({} if model.mtp is None else {"mtp": mtp})
     rows = {kind: max_rows[kind] for kind in bodies if max_rows.get(kind)}
     pool = lane_pool(model)
     graphs = RoundGraphs(pool, bodies, rows, cfg.ngram_size, cfg.eos_token_id, cfg.wide_size, model.dtype, model.device)
     graphs.capture_all()
     model.round_graphs = graphs
     return graphs
+
+
+def graph_kind(graphs: RoundGraphs, batch: ForwardBatch, keeps: int) -> str | None:
+    """The graph that replays a round keeping `keeps` rows' states (None: run eagerly): a verify graph keeps every
+    row's; a prompt graph runs GDN's prompt-pass kernels (the same bits) and keeps a few listed rows'."""
+    rows = batch.token_ids.shape[0]
+    long_runs = max((seg.length for seg in batch.segments), default=0) >= LONG_RUN
+    smallest = (graphs.buckets.get("prompt") or (0,))[0]
+    prompt_sized = long_runs and rows > smallest // 2  # smaller rounds pad less in a trunk bucket
+    order = ("verify", "prompt") if keeps else ("prompt", "trunk") if prompt_sized else ("trunk",)
+    return next((kind for kind in order if graphs.covers(kind, rows, keeps)), None)
 
 
 def forward(
@@ -239,17 +251,19 @@ def forward(
         if first != seg.lane.length:
             raise ValueError(f"segment {i} starts at position {first} but its lane holds {seg.lane.length} tokens")
     pool = place(model, batch, starts)
-    graphs, kind = model.round_graphs, "verify" if keep_rows else "trunk"
-    replay = graphs is not None and graphs.covers(kind, batch.token_ids.shape[0])
+    graphs = model.round_graphs
+    kind = None if graphs is None else graph_kind(graphs, batch, len(keep_rows))
+    replay = kind is not None
     if replay:
         windows = ngram_windows(batch, model.cfg.ngram_size)
-        all_logits, wide, rnd = graphs.run(kind, batch.token_ids, batch.positions, row_slots(batch), windows)
+        slots = row_slots(batch)
+        all_logits, wide, rnd = graphs.run(kind, batch.token_ids, batch.positions, slots, windows, keep_rows=keep_rows)
     else:
         rnd = build_round(pool, batch, starts, keep_rows or None, ngram_size=model.cfg.ngram_size)
         windows = rnd.windows
         wide = run_layers(model, batch.token_ids, rnd)
         all_logits = None
-    snaps = {i: {} for i in snapshot_rows} | snapshots(rnd, windows, batch, starts, keep_rows, by_row=replay)
+    snaps = {i: {} for i in snapshot_rows} | snapshots(rnd, windows, batch, starts, keep_rows, kind == "verify")
     for seg in batch.segments:
         lane = seg.lane
         lane.ngram_history = windows[seg.start + seg.length - 1, 1:]

@@ -114,7 +114,8 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
     if resolve_graphs(args.cuda_graphs, model.kernels, model.device, args.ngram_table):
         started = time.monotonic()
         round_rows = args.prompt_budget + args.max_lanes * (args.drafts + 1)  # prompt chunks beside every window
-        rows = {"trunk": round_rows, "verify": min(args.max_lanes * (args.drafts + 1), VERIFY_ROWS), "mtp": round_rows}
+        verify_rows = min(args.max_lanes * (args.drafts + 1), VERIFY_ROWS)
+        rows = {"trunk": round_rows, "verify": verify_rows, "prompt": round_rows, "mtp": round_rows}
         graphs = kernel_path.enable_graphs(model, rows)
         log.info("CUDA graphs: buckets %s captured in %.1f s", graphs.buckets, time.monotonic() - started)
     return context

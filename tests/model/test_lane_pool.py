@@ -15,7 +15,7 @@ from make_checkpoint import make_checkpoint
 
 from model import kernel_path
 from model.flashnext import FlashNextModel, single_lane_batch
-from model.graphs import buckets_for
+from model.graphs import PROMPT_KEEPS, RoundGraphs, buckets_for
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, restore
 from model.weights import load_model
@@ -71,6 +71,7 @@ def test_buckets_cover_every_batch_size() -> None:
     assert buckets_for(1) == (1,)
     assert buckets_for(64) == (1, 2, 4, 8, 16, 32, 64)
     assert buckets_for(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert buckets_for(1280, first=128) == (128, 256, 512, 1024, 1280) and buckets_for(24, first=128) == (24,)
 
 
 def test_replayed_decode_rounds_equal_the_eager_ones_bit_for_bit(path, eager) -> None:
@@ -136,6 +137,50 @@ def test_replayed_prompt_verify_and_mtp_rows_equal_the_eager_ones_bit_for_bit(pa
     for a, b in zip(lanes, expected_lanes, strict=True):
         assert a.mtp_length == b.mtp_length
         assert torch.equal(a.mtp_attention.keys[: a.mtp_length], b.mtp_attention.keys[: b.mtp_length])
+
+
+def prompt_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneState]]:
+    """A 17-token prompt beside a decoding lane keeping the states after two of its rows, the lane restored to the
+    first and run on, then a 17-token prompt keeping nothing: (every round's logits, the lanes)."""
+    lanes = [model.new_lane() for _ in range(3)]
+    model(single_lane_batch(lanes[1], torch.tensor(PROMPTS[1]), 0))
+    prompt = torch.arange(17) * 7 % 97 + 1
+    both = ForwardBatch(
+        torch.cat([prompt, torch.tensor([5])]),
+        torch.tensor([*range(17), 3]),
+        [Segment(lanes[0], 0, 17), Segment(lanes[1], 17, 1)],
+    )
+    out = model(both, snapshot_rows={0: {8, 15}})
+    outs = [out.logits]
+    restore(lanes[0], out.snapshots[0][8])
+    outs.append(model(single_lane_batch(lanes[0], torch.tensor([11, 12]), 9)).logits)
+    outs.append(model(single_lane_batch(lanes[2], prompt.flip(0), 0)).logits)
+    return outs, lanes
+
+
+def test_replayed_prompt_rounds_keeping_listed_rows_equal_the_eager_ones_bit_for_bit(path) -> None:
+    eager = load_model(path, dtype="bfloat16", kernels="on")
+    kernel_path.lane_pool(eager, slots=4, context=32)
+    expected, expected_lanes = prompt_rounds(eager)
+    model = load_model(path, dtype="bfloat16", kernels="on")
+    kernel_path.lane_pool(model, slots=4, context=32)
+    graphs = kernel_path.enable_graphs(model, {"trunk": 4, "prompt": 18})
+    got, lanes = prompt_rounds(model)
+    assert graphs.buckets["prompt"] == (18,)
+    assert graphs.replays == {"trunk": 2, "prompt": 2}  # the two 17-token prompts; the 3-token one and the 2 rows
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert_same_lanes(lanes, expected_lanes)
+
+
+def test_a_prompt_graph_keeps_at_most_its_rows_and_a_verify_graph_any() -> None:
+    class Pool:
+        generation = 0
+
+    graphs = RoundGraphs.__new__(RoundGraphs)
+    graphs.pool, graphs.generation = Pool(), 0
+    graphs.buckets = {"trunk": (1, 2), "verify": (1, 2), "prompt": (16,)}
+    assert graphs.covers("prompt", 16, PROMPT_KEEPS) and not graphs.covers("prompt", 16, PROMPT_KEEPS + 1)
+    assert graphs.covers("verify", 2, 2) and not graphs.covers("trunk", 2, 1) and not graphs.covers("prompt", 17)
 
 
 def test_a_grown_pool_keeps_every_lane_and_stops_replaying(path, eager) -> None:
