@@ -63,3 +63,22 @@ def test_both_forms_give_every_row_the_same_bits_alone_and_batched(out_dtype: to
         assert torch.equal(alone[1], batched[1][lane : lane + 1]), lane
         assert torch.equal(alone[2], batched[2][start : start + n]), lane
         start += n
+
+
+@pytest.mark.parametrize("long_runs", [False, True])
+def test_listed_rows_keep_the_bits_of_every_row_kept(long_runs: bool) -> None:
+    """States kept for a few listed rows (a prompt pass's kept boundaries) equal those rows' states when every row
+    keeps one; outputs and final states are the same either way."""
+    data, seq = inputs(LENS, seed=3), sum(LENS)
+    listed = torch.tensor([0, 21, 30, 129, seq - 1], device="cuda")
+    lane_of_row = torch.repeat_interleave(torch.arange(len(LENS), device="cuda"), torch.tensor(LENS, device="cuda"))
+    args = [data[n] for n in ("q", "k", "v", "g", "beta")]
+    outs = []
+    for keep_rows in (None, listed):
+        state = data["state"].clone()
+        out, kept = gdn_recurrent(
+            *args, state, lane_of_row.int(), keep_states=True, long_runs=long_runs, keep_rows=keep_rows
+        )
+        outs.append((out, state, kept))
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
+    assert outs[1][2].shape[0] == listed.shape[0] and torch.equal(outs[1][2], outs[0][2][listed])

@@ -1,0 +1,148 @@
+"""Prompt rounds at the real shapes on one GPU, as rank 0 of tp=2 alone (dummy weights, collectives skipped): each
+case's prompt pass replayed from the captured graphs must give the eager forward's logits, lane states and kept
+states bit for bit; then a prompt round's wall time (synchronised, median) replayed and eager, with and without
+kept rows, and through a trunk graph (the prompt-pass GDN kernels left out).
+
+python3 scripts/gpu_prompt_graphs.py --out DIR [--rows 1024] [--model PATH]   # DIR/prompt_graphs.json; exit 1 on a
+                                                                                # mismatch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
+
+from gpu_step_profile import collectives_skipped  # noqa: E402
+
+from model import kernel_path  # noqa: E402
+from model.flashnext import FlashNextModel, single_lane_batch  # noqa: E402
+from model.parallel import TensorParallel  # noqa: E402
+from model.state import LaneState  # noqa: E402
+from model.weights import load_model  # noqa: E402
+
+CASES = ((1024, (511, 1022)), (1000, ()), (700, (0, 255, 511, 600, 698)))  # rows, kept rows
+VOCAB = 120_000  # prompt tokens are drawn below this
+REPS = 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for prompt_graphs.json")
+    ap.add_argument("--model", type=Path, default=ROOT / "configs/qwen3.8-flash-next", help="config folder")
+    ap.add_argument("--rows", type=int, default=1024, help="rows of the timed prompt round (default 1024)")
+    ap.add_argument("--round-rows", type=int, default=1280, help="the largest trunk and prompt bucket (default 1280)")
+    args = ap.parse_args(argv)
+    if not 4 <= args.rows <= args.round_rows:
+        ap.error(f"--rows: {args.rows} is outside [4, --round-rows {args.round_rows}]")
+    return args
+
+
+def lane_bits(lane: LaneState) -> list[torch.Tensor]:
+    """Copies of a lane's GDN recurrent states and conv tails."""
+    return [t.clone() for group in (lane.gdn_recurrent, lane.gdn_conv) for t in group.values()]
+
+
+def prompt_pass(model: FlashNextModel, prompt: torch.Tensor, keep: tuple[int, ...]) -> dict[str, object]:
+    """One lane's prompt pass from position 0: its logits, lane states, kept states, and the graphs it replayed."""
+    graphs = model.round_graphs
+    before = {} if graphs is None else dict(graphs.replays)
+    lane = model.new_lane()
+    out = model(single_lane_batch(lane, prompt, 0), snapshot_rows={0: keep} if keep else None)
+    replays = {} if graphs is None else {k: n - before[k] for k, n in graphs.replays.items() if n != before[k]}
+    kept = [lane_bits(out.snapshots[0][row]) for row in keep]
+    return {"logits": out.logits.clone(), "lane": lane_bits(lane), "kept": kept, "replays": replays}
+
+
+def all_equal(a: list, b: list) -> bool:
+    """Whether two (nested) lists of tensors are equal bit for bit."""
+    return len(a) == len(b) and all(
+        all_equal(x, y) if isinstance(x, list) else torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
+
+
+def median_ms(step: Callable[[], object]) -> float:
+    """Median wall ms of REPS synchronised calls after two warm-up calls."""
+    times = []
+    for i in range(REPS + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rng = random.Random(0)
+    with collectives_skipped():
+        model = load_model(
+            args.model, device=torch.device("cuda", 0), dtype="bfloat16", tp=TensorParallel(0, 2),
+            load_format="dummy", kernels="on",
+        )  # fmt: skip
+        kernel_path.lane_pool(model, slots=2 * len(CASES), context=args.round_rows)
+        started = time.monotonic()
+        rows = {"trunk": args.round_rows, "verify": 64, "prompt": args.round_rows}
+        graphs = kernel_path.enable_graphs(model, rows)
+        report: dict[str, object] = {"buckets": graphs.buckets, "capture_s": time.monotonic() - started, "cases": []}
+        failures = 0
+        for rows_, keep in CASES:
+            prompt = torch.tensor([rng.randrange(VOCAB) for _ in range(rows_)], device="cuda")
+            replayed = prompt_pass(model, prompt, keep)
+            model.round_graphs = None
+            eager = prompt_pass(model, prompt, keep)
+            model.round_graphs = graphs
+            same = {part: all_equal([replayed[part]], [eager[part]]) for part in ("logits", "lane", "kept")}
+            failures += not all(same.values())
+            case = {"rows": rows_, "keep": keep, "replays": replayed["replays"], "equal": same}
+            report["cases"].append(case)
+            print(json.dumps(case), flush=True)
+        lane = model.new_lane()
+        prompt = torch.tensor([rng.randrange(VOCAB) for _ in range(args.rows)], device="cuda")
+        keep = (args.rows // 2 - 1, args.rows - 2)
+
+        def round_of(kept: tuple[int, ...]) -> Callable[[], object]:
+            def step() -> None:
+                lane.length = 0  # the pass starts again at position 0 (states carry on: timing only)
+                for cache in lane.attention.values():
+                    cache.length = 0
+                model(single_lane_batch(lane, prompt, 0), snapshot_rows={0: kept} if kept else None)
+
+            return step
+
+        timings = {}
+        for label, on, kept in (
+            ("prompt graph, 2 kept", True, keep),
+            ("eager, 2 kept", False, keep),
+            ("prompt graph", True, ()),
+            ("eager", False, ()),
+        ):
+            model.round_graphs = graphs if on else None
+            timings[label] = median_ms(round_of(kept))
+        model.round_graphs = graphs
+        graphs.buckets["prompt"] = ()  # a trunk graph only: GDN's decode kernels over the prompt's rows
+        timings["trunk graph"] = median_ms(round_of(()))
+        for label, ms in timings.items():
+            print(f"{args.rows} rows, {label:22s} {ms:8.2f} ms", flush=True)
+        report |= {"rows": args.rows, "wall_ms": timings, "failures": failures}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prompt_graphs.json").write_text(json.dumps(report, indent=2))
+    print(f"{failures} of {len(CASES)} cases differ", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
