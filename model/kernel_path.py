@@ -7,8 +7,8 @@ share the round or where its segment sits: drafted = undrafted, concurrent = sol
 the kernels' [L, ...] layout, the kernels update the stack in place and the lanes take back views of it; QSA rows
 are written into each lane's cache, whose keys and values are concatenated for the attention. A persistent slot
 pool that the kernels update in place is the follow-up that removes these copies. A forward asked for snapshots
-keeps every row's GDN state and conv tails (`keep_states`, `row_tails`), so a verify window's lane restores to the
-state after any of its rows.
+keeps the GDN states and conv tails after the rows it lists (`keep_rows`; a verify window lists every row), so a
+lane restores to the state after any of them.
 """
 
 from __future__ import annotations
