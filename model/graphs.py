@@ -24,6 +24,7 @@ from model.lane_pool import LanePool
 Body = Callable[[Round, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 PROMPT_KEEPS = 8  # rows a prompt graph keeps states after (the cache grid's, message ends', a prompt's last but one)
 PROMPT_FIRST = 128  # the smallest prompt bucket: smaller rounds with kept rows fit a verify graph
+PROMPT_LOGITS = 320  # rows a prompt graph gives logits for: 64 lanes' 4-row windows and the prompts' last rows
 
 
 def buckets_for(max_rows: int, first: int = 1) -> tuple[int, ...]:
@@ -63,16 +64,19 @@ class RoundGraphs:
         self.hidden = torch.zeros(top, wide, dtype=dtype, device=device)
         self.keep_rows = torch.zeros(PROMPT_KEEPS, dtype=torch.long, device=device)
         self.keep_places = torch.full((top,), -1, dtype=torch.int32, device=device)
+        self.logit_rows = torch.zeros(PROMPT_LOGITS, dtype=torch.long, device=device)
         self.rounds: dict[tuple[str, int], Round] = {}
         self.outputs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.replays = dict.fromkeys(self.buckets, 0)
 
-    def covers(self, kind: str, rows: int, keeps: int = 0) -> bool:
-        """Whether a graph of `kind` runs `rows` rows keeping the states after `keeps` of them: within its largest
-        bucket (a prompt graph keeps up to PROMPT_KEEPS), the pool unmoved."""
+    def covers(self, kind: str, rows: int, keeps: int = 0, logits: int = 0) -> bool:
+        """Whether a graph of `kind` runs `rows` rows keeping the states after `keeps` of them and giving `logits`
+        rows' logits: within its largest bucket (a prompt graph keeps up to PROMPT_KEEPS and gives PROMPT_LOGITS),
+        the pool unmoved."""
         buckets = self.buckets.get(kind)
-        kept = keeps == 0 or kind == "verify" or (kind == "prompt" and keeps <= PROMPT_KEEPS)
+        prompt = kind == "prompt" and keeps <= PROMPT_KEEPS and logits <= PROMPT_LOGITS
+        kept = prompt or (kind != "prompt" and (keeps == 0 or kind == "verify"))
         return bool(buckets) and rows <= buckets[-1] and kept and self.pool.generation == self.generation
 
     def bucket_of(self, kind: str, rows: int) -> int:
@@ -88,8 +92,11 @@ class RoundGraphs:
         rows = torch.arange(size, device=positions.device)
         windows = None if kind == "mtp" else self.windows[:size]
         if kind == "prompt":
-            keep, places = self.keep_rows, self.keep_places[:size]
-            return Round(pool, self.slots[:size], positions, windows, rows, dest, keep, True, keep_places=places)
+            keep, places, wanted = self.keep_rows, self.keep_places[:size], self.logit_rows[: min(size, PROMPT_LOGITS)]
+            return Round(
+                pool, self.slots[:size], positions, windows, rows, dest, keep, True, keep_places=places,
+                logit_rows=wanted,
+            )  # fmt: skip
         keep = rows if kind == "verify" else None
         return Round(pool, self.slots[:size], positions, windows, rows, dest, keep)
 
@@ -127,17 +134,24 @@ class RoundGraphs:
         windows: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         keep_rows: Sequence[int] = (),
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Round]:
         """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are the
         graph's outputs: read them before the next replay), by replaying the graph of their bucket; a prompt graph
-        keeps the states after `keep_rows` (ascending), in their order."""
+        keeps the states after `keep_rows` (ascending), in their order, and gives the logits of `logit_rows` only
+        (None: every row), in their order."""
         n = token_ids.shape[0]
         size = self.bucket_of(kind, n)
+        wanted = n
         if kind == "prompt":
             places = torch.full((size,), -1, dtype=torch.int32)
             places[list(keep_rows)] = torch.arange(len(keep_rows), dtype=torch.int32)
             self.keep_places[:size].copy_(places)
             self.keep_rows.copy_(torch.tensor([*keep_rows, *[0] * (PROMPT_KEEPS - len(keep_rows))]))
+            rows = torch.arange(n) if logit_rows is None else logit_rows
+            wanted = rows.shape[0]
+            self.logit_rows[:wanted].copy_(rows)
+            self.logit_rows[wanted:].zero_()  # row 0's logits again: computed, never returned
         self.tokens[:n].copy_(token_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
@@ -154,4 +168,4 @@ class RoundGraphs:
         else:
             rnd, (logits, wide) = self._run_body(kind, size)
         self.replays[kind] += 1
-        return logits[:n].clone(), wide[:n].clone(), rnd
+        return logits[:wanted].clone(), wide[:n].clone(), rnd

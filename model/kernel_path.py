@@ -210,7 +210,8 @@ def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGr
 
     def trunk(rnd: Round, token_ids: torch.Tensor, _hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         wide = run_layers(model, token_ids, rnd)
-        return logits(model, wide), wide
+        rows = wide if rnd.logit_rows is None else wide.index_select(0, rnd.logit_rows)
+        return logits(model, rows), wide
 
     def mtp(rnd: Round, token_ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return mtp_rows(model, token_ids, hidden, rnd)
@@ -225,15 +226,16 @@ def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGr
     return graphs
 
 
-def graph_kind(graphs: RoundGraphs, batch: ForwardBatch, keeps: int) -> str | None:
-    """The graph that replays a round keeping `keeps` rows' states (None: run eagerly): a verify graph keeps every
-    row's; a prompt graph runs GDN's prompt-pass kernels (the same bits) and keeps a few listed rows'."""
+def graph_kind(graphs: RoundGraphs, batch: ForwardBatch, keeps: int, logits: int) -> str | None:
+    """The graph that replays a round keeping `keeps` rows' states and giving `logits` rows' logits (None: run
+    eagerly): a verify graph keeps every row's; a prompt graph runs GDN's prompt-pass kernels (the same bits), keeps a
+    few listed rows' states and gives the logits of a few rows."""
     rows = batch.token_ids.shape[0]
     long_runs = max((seg.length for seg in batch.segments), default=0) >= LONG_RUN
     smallest = (graphs.buckets.get("prompt") or (0,))[0]
     prompt_sized = long_runs and rows > smallest // 2  # smaller rounds pad less in a trunk bucket
     order = ("verify", "prompt") if keeps else ("prompt", "trunk") if prompt_sized else ("trunk",)
-    return next((kind for kind in order if graphs.covers(kind, rows, keeps)), None)
+    return next((kind for kind in order if graphs.covers(kind, rows, keeps, logits)), None)
 
 
 def forward(
@@ -252,12 +254,17 @@ def forward(
             raise ValueError(f"segment {i} starts at position {first} but its lane holds {seg.lane.length} tokens")
     pool = place(model, batch, starts)
     graphs = model.round_graphs
-    kind = None if graphs is None else graph_kind(graphs, batch, len(keep_rows))
+    wanted = batch.token_ids.shape[0] if logit_rows is None else logit_rows.shape[0]
+    kind = None if graphs is None else graph_kind(graphs, batch, len(keep_rows), wanted)
     replay = kind is not None
     if replay:
         windows = ngram_windows(batch, model.cfg.ngram_size)
         slots = row_slots(batch)
-        all_logits, wide, rnd = graphs.run(kind, batch.token_ids, batch.positions, slots, windows, keep_rows=keep_rows)
+        all_logits, wide, rnd = graphs.run(
+            kind, batch.token_ids, batch.positions, slots, windows, keep_rows=keep_rows, logit_rows=logit_rows
+        )
+        if kind == "prompt":  # its logits are already those of logit_rows
+            logit_rows = None
     else:
         rnd = build_round(pool, batch, starts, keep_rows or None, ngram_size=model.cfg.ngram_size)
         windows = rnd.windows

@@ -15,7 +15,7 @@ from make_checkpoint import make_checkpoint
 
 from model import kernel_path
 from model.flashnext import FlashNextModel, single_lane_batch
-from model.graphs import PROMPT_KEEPS, RoundGraphs, buckets_for
+from model.graphs import PROMPT_KEEPS, PROMPT_LOGITS, RoundGraphs, buckets_for
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, restore
 from model.weights import load_model
@@ -141,7 +141,8 @@ def test_replayed_prompt_verify_and_mtp_rows_equal_the_eager_ones_bit_for_bit(pa
 
 def prompt_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneState]]:
     """A 17-token prompt beside a decoding lane keeping the states after two of its rows, the lane restored to the
-    first and run on, then a 17-token prompt keeping nothing: (every round's logits, the lanes)."""
+    first and run on, then a 17-token prompt keeping nothing whose last and fourth rows' logits are asked for: (every
+    round's logits, the lanes)."""
     lanes = [model.new_lane() for _ in range(3)]
     model(single_lane_batch(lanes[1], torch.tensor(PROMPTS[1]), 0))
     prompt = torch.arange(17) * 7 % 97 + 1
@@ -154,7 +155,7 @@ def prompt_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneS
     outs = [out.logits]
     restore(lanes[0], out.snapshots[0][8])
     outs.append(model(single_lane_batch(lanes[0], torch.tensor([11, 12]), 9)).logits)
-    outs.append(model(single_lane_batch(lanes[2], prompt.flip(0), 0)).logits)
+    outs.append(model(single_lane_batch(lanes[2], prompt.flip(0), 0), logit_rows=torch.tensor([16, 3])).logits)
     return outs, lanes
 
 
@@ -172,7 +173,7 @@ def test_replayed_prompt_rounds_keeping_listed_rows_equal_the_eager_ones_bit_for
     assert_same_lanes(lanes, expected_lanes)
 
 
-def test_a_prompt_graph_keeps_at_most_its_rows_and_a_verify_graph_any() -> None:
+def test_a_prompt_graph_keeps_and_gives_logits_of_at_most_its_rows_and_a_verify_graph_any() -> None:
     class Pool:
         generation = 0
 
@@ -180,6 +181,7 @@ def test_a_prompt_graph_keeps_at_most_its_rows_and_a_verify_graph_any() -> None:
     graphs.pool, graphs.generation = Pool(), 0
     graphs.buckets = {"trunk": (1, 2), "verify": (1, 2), "prompt": (16,)}
     assert graphs.covers("prompt", 16, PROMPT_KEEPS) and not graphs.covers("prompt", 16, PROMPT_KEEPS + 1)
+    assert graphs.covers("prompt", 16, 0, PROMPT_LOGITS) and not graphs.covers("prompt", 16, 0, PROMPT_LOGITS + 1)
     assert graphs.covers("verify", 2, 2) and not graphs.covers("trunk", 2, 1) and not graphs.covers("prompt", 17)
 
 
