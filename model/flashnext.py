@@ -115,13 +115,15 @@ class FlashNextModel(nn.Module):
         return ForwardOutput(logits=self.logits(rows), hidden=hidden, snapshots=snapshots)
 
     @torch.no_grad()
-    def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits for position p+2 from rows (token p+1 at position p, trunk wide state at p), and the MTP's
-        own pre-mixer wide states for chaining."""
+    def mtp_forward(
+        self, batch: ForwardBatch, hidden: torch.Tensor, logit_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits for position p+2 from rows (token p+1 at position p, trunk wide state at p), of `logit_rows`
+        only (None: every row), and the MTP's own pre-mixer wide states of every row for chaining."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer")
         if self.kernels:
-            return _kernel_path().mtp_forward(self, batch, hidden)
+            return _kernel_path().mtp_forward(self, batch, hidden, logit_rows)
         logits, wides = [], []
         for seg in batch.segments:
             for r in range(seg.start, seg.start + seg.length):
@@ -130,7 +132,8 @@ class FlashNextModel(nn.Module):
                 logits.append(self.vocab_logits(mixed))
                 wides.append(wide)
                 seg.lane.mtp_length = int(batch.positions[r]) + 1
-        return torch.cat(logits), torch.cat(wides)
+        every = torch.cat(logits)
+        return every if logit_rows is None else every[logit_rows.to(every.device)], torch.cat(wides)
 
 
 def _kernel_path() -> ModuleType:

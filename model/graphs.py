@@ -2,7 +2,8 @@
 
 Four kinds: `trunk` (any rows: decode rows, prompt chunks, drafts' windows whose states are not kept), `verify`
 (the trunk keeping every row's state, for verify windows), `prompt` (the trunk with GDN's prompt-pass kernels, keeping
-the states after up to PROMPT_KEEPS listed rows) and `mtp` (the MTP layer's rows). A forward of n rows
+the states after up to PROMPT_KEEPS listed rows) and `mtp` (the MTP layer's rows); prompt and MTP graphs give the
+logits of up to LISTED_LOGITS listed rows only. A forward of n rows
 replays the graph of the smallest bucket >= n: its rows are copied into the graph's static inputs (token, position,
 lane-pool slot, n-gram window, MTP hidden row) and the rest of the bucket is padding that writes only the pool's
 scratch slot. The kernels index state by each row's slot and give a row the same bits whatever the batch, so a
@@ -24,7 +25,8 @@ from model.lane_pool import LanePool
 Body = Callable[[Round, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 PROMPT_KEEPS = 8  # rows a prompt graph keeps states after (the cache grid's, message ends', a prompt's last but one)
 PROMPT_FIRST = 128  # the smallest prompt bucket: smaller rounds with kept rows fit a verify graph
-PROMPT_LOGITS = 320  # rows a prompt graph gives logits for: 64 lanes' 4-row windows and the prompts' last rows
+LISTED_LOGITS = 320  # rows a prompt or MTP graph gives logits for: 64 lanes' 4-row windows and prompts' last rows
+LISTING_KINDS = ("prompt", "mtp")  # the kinds that give the logits of listed rows only
 
 
 def buckets_for(max_rows: int, first: int = 1) -> tuple[int, ...]:
@@ -64,7 +66,7 @@ class RoundGraphs:
         self.hidden = torch.zeros(top, wide, dtype=dtype, device=device)
         self.keep_rows = torch.zeros(PROMPT_KEEPS, dtype=torch.long, device=device)
         self.keep_places = torch.full((top,), -1, dtype=torch.int32, device=device)
-        self.logit_rows = torch.zeros(PROMPT_LOGITS, dtype=torch.long, device=device)
+        self.logit_rows = torch.zeros(LISTED_LOGITS, dtype=torch.long, device=device)
         self.rounds: dict[tuple[str, int], Round] = {}
         self.outputs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -72,12 +74,12 @@ class RoundGraphs:
 
     def covers(self, kind: str, rows: int, keeps: int = 0, logits: int = 0) -> bool:
         """Whether a graph of `kind` runs `rows` rows keeping the states after `keeps` of them and giving `logits`
-        rows' logits: within its largest bucket (a prompt graph keeps up to PROMPT_KEEPS and gives PROMPT_LOGITS),
-        the pool unmoved."""
+        rows' logits: within its largest bucket (a prompt graph keeps up to PROMPT_KEEPS; prompt and MTP graphs give
+        up to LISTED_LOGITS rows' logits), the pool unmoved."""
         buckets = self.buckets.get(kind)
-        prompt = kind == "prompt" and keeps <= PROMPT_KEEPS and logits <= PROMPT_LOGITS
-        kept = prompt or (kind != "prompt" and (keeps == 0 or kind == "verify"))
-        return bool(buckets) and rows <= buckets[-1] and kept and self.pool.generation == self.generation
+        kept = keeps <= PROMPT_KEEPS if kind == "prompt" else keeps == 0 or kind == "verify"
+        listed = kind not in LISTING_KINDS or logits <= LISTED_LOGITS
+        return bool(buckets) and rows <= buckets[-1] and kept and listed and self.pool.generation == self.generation
 
     def bucket_of(self, kind: str, rows: int) -> int:
         """The smallest bucket of `kind` holding `rows` rows."""
@@ -91,14 +93,15 @@ class RoundGraphs:
         dest = torch.where(completes, (positions + 1) // pool.ratio - 1, pool.block_capacity - 1)
         rows = torch.arange(size, device=positions.device)
         windows = None if kind == "mtp" else self.windows[:size]
+        wanted = self.logit_rows[: min(size, LISTED_LOGITS)] if kind in LISTING_KINDS else None
         if kind == "prompt":
-            keep, places, wanted = self.keep_rows, self.keep_places[:size], self.logit_rows[: min(size, PROMPT_LOGITS)]
+            keep, places = self.keep_rows, self.keep_places[:size]
             return Round(
                 pool, self.slots[:size], positions, windows, rows, dest, keep, True, keep_places=places,
                 logit_rows=wanted,
             )  # fmt: skip
         keep = rows if kind == "verify" else None
-        return Round(pool, self.slots[:size], positions, windows, rows, dest, keep)
+        return Round(pool, self.slots[:size], positions, windows, rows, dest, keep, logit_rows=wanted)
 
     def _run_body(self, kind: str, size: int) -> tuple[Round, tuple[torch.Tensor, torch.Tensor]]:
         rnd = self._round(kind, size)
@@ -138,8 +141,8 @@ class RoundGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor, Round]:
         """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are the
         graph's outputs: read them before the next replay), by replaying the graph of their bucket; a prompt graph
-        keeps the states after `keep_rows` (ascending), in their order, and gives the logits of `logit_rows` only
-        (None: every row), in their order."""
+        keeps the states after `keep_rows` (ascending), in their order; prompt and MTP graphs give the logits of
+        `logit_rows` only (None: every row), in their order."""
         n = token_ids.shape[0]
         size = self.bucket_of(kind, n)
         wanted = n
@@ -148,6 +151,7 @@ class RoundGraphs:
             places[list(keep_rows)] = torch.arange(len(keep_rows), dtype=torch.int32)
             self.keep_places[:size].copy_(places)
             self.keep_rows.copy_(torch.tensor([*keep_rows, *[0] * (PROMPT_KEEPS - len(keep_rows))]))
+        if kind in LISTING_KINDS:
             rows = torch.arange(n) if logit_rows is None else logit_rows
             wanted = rows.shape[0]
             self.logit_rows[:wanted].copy_(rows)

@@ -65,7 +65,7 @@ class Round:
     long_runs: bool = False
     kept: RowStates = field(default_factory=RowStates)
     keep_places: torch.Tensor | None = None  # each row's place among keep_rows or -1, where a graph fixes it
-    logit_rows: torch.Tensor | None = None  # the only rows a prompt graph gives logits for (None: every row)
+    logit_rows: torch.Tensor | None = None  # the only rows whose logits a forward makes (None: every row)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

@@ -285,7 +285,8 @@ def forward(
 def mtp_rows(
     model: FlashNextModel, token_ids: torch.Tensor, hidden: torch.Tensor, rnd: Round
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MTP layer over every row at once: (draft logits, the MTP's pre-mixer wide states)."""
+    """The MTP layer over every row at once: (draft logits of the round's logit rows, the MTP's pre-mixer wide
+    states of every row)."""
     mtp = model.mtp
     n = hidden.shape[0]
     e_norm, h_norm = mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden
@@ -293,20 +294,26 @@ def mtp_rows(
     streams = zc_rms_norm(hidden, h_norm.weight, h_norm.eps).view(n * mtp.hc, mtp.d)  # one RMS over every stream
     wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
     wide = layer_forward(mtp.layers[0], wide, rnd)
-    mixed, _ = hyper_read(mtp.hyper_connection_mixer, wide)
+    picked = wide if rnd.logit_rows is None else wide.index_select(0, rnd.logit_rows)
+    mixed, _ = hyper_read(mtp.hyper_connection_mixer, picked)
     return vocab_logits(model, mixed), wide
 
 
-def mtp_forward(model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mtp_forward(
+    model: FlashNextModel, batch: ForwardBatch, hidden: torch.Tensor, logit_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`FlashNextModel.mtp_forward` on the kernels: every row through the MTP layer at once (a replay of a
-    captured graph when the model has one for these rows)."""
+    captured graph when the model has one for these rows), logits for `logit_rows` only (None: every row)."""
     starts = segment_starts(batch)
     pool = place(model, batch, starts)
-    graphs = model.round_graphs
-    if graphs is not None and graphs.covers("mtp", batch.token_ids.shape[0]):
-        logits, wide, _ = graphs.run("mtp", batch.token_ids, batch.positions, row_slots(batch), hidden=hidden)
+    graphs, rows = model.round_graphs, batch.token_ids.shape[0]
+    if graphs is not None and graphs.covers("mtp", rows, 0, rows if logit_rows is None else logit_rows.shape[0]):
+        logits, wide, _ = graphs.run(
+            "mtp", batch.token_ids, batch.positions, row_slots(batch), hidden=hidden, logit_rows=logit_rows
+        )
     else:
         rnd = build_round(pool, batch, starts, None, ngram_size=None)
+        rnd.logit_rows = None if logit_rows is None else logit_rows.to(model.device)
         logits, wide = mtp_rows(model, batch.token_ids, hidden, rnd)
     for seg, first in zip(batch.segments, starts, strict=True):
         seg.lane.mtp_length = first + seg.length

@@ -284,10 +284,11 @@ class ModelRunner:
             positions.extend(range(m.start, m.start + len(m.tokens)))
             hidden.append(m.hidden)
         batch = ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)
-        logits, wide = self.model.mtp_forward(batch, torch.cat(hidden))
         ends = [(m.slot, seg.start + seg.length - 1) for m, seg in zip(live, segments, strict=True)]
         drafting = [(slot, last) for slot, last in ends if depth[slot]]
-        firsts = _argmaxes(logits[[last for _, last in drafting]]) if drafting else []
+        lasts = torch.tensor([last for _, last in drafting], dtype=torch.long, device=device)
+        logits, wide = self.model.mtp_forward(batch, torch.cat(hidden), logit_rows=lasts)  # drafting lanes' last rows
+        firsts = _argmaxes(logits) if drafting else []
         drafts = {slot: [token] for (slot, _), token in zip(drafting, firsts, strict=True)}
         state = {slot: (wide[last], positions[last]) for slot, last in drafting}
         for step in range(1, max(depth.values(), default=0)):

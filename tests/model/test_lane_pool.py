@@ -15,7 +15,7 @@ from make_checkpoint import make_checkpoint
 
 from model import kernel_path
 from model.flashnext import FlashNextModel, single_lane_batch
-from model.graphs import PROMPT_KEEPS, PROMPT_LOGITS, RoundGraphs, buckets_for
+from model.graphs import LISTED_LOGITS, PROMPT_KEEPS, RoundGraphs, buckets_for
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, restore
 from model.weights import load_model
@@ -89,7 +89,7 @@ def test_replayed_decode_rounds_equal_the_eager_ones_bit_for_bit(path, eager) ->
 
 def drafted_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneState]]:
     """Prompts in chunks of different lengths side by side, a verify window per lane with every row's state kept
-    and a rejection restoring each lane after its first row, then MTP rows of both lanes at once."""
+    and a rejection restoring each lane after its first row, then MTP rows of both lanes at once (two rows' logits)."""
     lanes = [model.new_lane() for _ in PROMPTS[:2]]
     outs = [
         model(
@@ -112,7 +112,7 @@ def drafted_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[Lane
     rows = ForwardBatch(
         torch.tensor([10, 13, 14]), torch.tensor([6, 3, 4]), [Segment(lanes[0], 0, 1), Segment(lanes[1], 1, 2)]
     )
-    outs.extend(model.mtp_forward(rows, out.hidden[[0, 3, 4]]))
+    outs.extend(model.mtp_forward(rows, out.hidden[[0, 3, 4]], logit_rows=torch.tensor([2, 0])))
     outs.append(
         model(
             ForwardBatch(
@@ -140,10 +140,9 @@ def test_replayed_prompt_verify_and_mtp_rows_equal_the_eager_ones_bit_for_bit(pa
 
 
 def prompt_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneState]]:
-    """A 17-token prompt beside a decoding lane keeping the states after two of its rows, the lane restored to the
-    first and run on, then a 17-token prompt keeping nothing whose last and fourth rows' logits are asked for: (every
-    round's logits, the lanes)."""
-    lanes = [model.new_lane() for _ in range(3)]
+    """A 17-token prompt beside a decoding lane, keeping the states after two of its rows and asking for three rows'
+    logits, then the lane restored to the first kept row and run on: (every round's logits, the lanes)."""
+    lanes = [model.new_lane() for _ in range(2)]
     model(single_lane_batch(lanes[1], torch.tensor(PROMPTS[1]), 0))
     prompt = torch.arange(17) * 7 % 97 + 1
     both = ForwardBatch(
@@ -151,11 +150,10 @@ def prompt_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneS
         torch.tensor([*range(17), 3]),
         [Segment(lanes[0], 0, 17), Segment(lanes[1], 17, 1)],
     )
-    out = model(both, snapshot_rows={0: {8, 15}})
+    out = model(both, logit_rows=torch.tensor([17, 16, 3]), snapshot_rows={0: {8, 15}})
     outs = [out.logits]
     restore(lanes[0], out.snapshots[0][8])
     outs.append(model(single_lane_batch(lanes[0], torch.tensor([11, 12]), 9)).logits)
-    outs.append(model(single_lane_batch(lanes[2], prompt.flip(0), 0), logit_rows=torch.tensor([16, 3])).logits)
     return outs, lanes
 
 
@@ -168,21 +166,52 @@ def test_replayed_prompt_rounds_keeping_listed_rows_equal_the_eager_ones_bit_for
     graphs = kernel_path.enable_graphs(model, {"trunk": 4, "prompt": 18})
     got, lanes = prompt_rounds(model)
     assert graphs.buckets["prompt"] == (18,)
-    assert graphs.replays == {"trunk": 2, "prompt": 2}  # the two 17-token prompts; the 3-token one and the 2 rows
+    assert graphs.replays == {"trunk": 2, "prompt": 1}  # the 17-token prompt; the 3-token one and the 2 rows
+    assert got[0].shape[0] == 3
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert_same_lanes(lanes, expected_lanes)
 
 
-def test_a_prompt_graph_keeps_and_gives_logits_of_at_most_its_rows_and_a_verify_graph_any() -> None:
+def fake_graphs(buckets: dict[str, tuple[int, ...]]) -> RoundGraphs:
+    """RoundGraphs with these buckets and nothing captured: enough for covers() and graph_kind()."""
+
     class Pool:
         generation = 0
 
     graphs = RoundGraphs.__new__(RoundGraphs)
-    graphs.pool, graphs.generation = Pool(), 0
-    graphs.buckets = {"trunk": (1, 2), "verify": (1, 2), "prompt": (16,)}
+    graphs.pool, graphs.generation, graphs.buckets = Pool(), 0, buckets
+    return graphs
+
+
+def test_a_prompt_graph_keeps_and_gives_logits_of_at_most_its_rows_and_a_verify_graph_any() -> None:
+    graphs = fake_graphs({"trunk": (1, 2), "verify": (1, 2), "prompt": (16,)})
     assert graphs.covers("prompt", 16, PROMPT_KEEPS) and not graphs.covers("prompt", 16, PROMPT_KEEPS + 1)
-    assert graphs.covers("prompt", 16, 0, PROMPT_LOGITS) and not graphs.covers("prompt", 16, 0, PROMPT_LOGITS + 1)
+    assert graphs.covers("prompt", 16, 0, LISTED_LOGITS) and not graphs.covers("prompt", 16, 0, LISTED_LOGITS + 1)
     assert graphs.covers("verify", 2, 2) and not graphs.covers("trunk", 2, 1) and not graphs.covers("prompt", 17)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "keeps", "kind"),
+    [
+        ([1, 1], 0, "trunk"),
+        ([1, 1], 2, "verify"),
+        ([20, 1], 0, "prompt"),  # a long run: the prompt graph's GDN kernels
+        ([20, 1], 3, "prompt"),
+        ([20, 1], PROMPT_KEEPS + 1, None),  # more kept rows than a prompt graph holds: eagerly
+        ([5, 1], 0, "trunk"),  # no long run
+        ([16, 40], 0, "trunk"),  # a long run, but a round too small for a prompt bucket's padding
+    ],
+)
+def test_graph_kind_takes_the_prompt_graph_for_long_runs_and_kept_rows(lengths, keeps, kind) -> None:
+    graphs = fake_graphs({"trunk": (1, 2, 4, 64), "verify": (1, 2), "prompt": (128,)})
+    if lengths == [20, 1]:
+        graphs.buckets["prompt"] = (16, 32)
+    segments, start = [], 0
+    for n in lengths:
+        segments.append(Segment(None, start, n))
+        start += n
+    batch = ForwardBatch(torch.zeros(start, dtype=torch.long), torch.arange(start), segments)
+    assert kernel_path.graph_kind(graphs, batch, keeps, 1) == kind
 
 
 def test_a_grown_pool_keeps_every_lane_and_stops_replaying(path, eager) -> None:

@@ -76,3 +76,5 @@ def test_mtp_rows_in_chunks_and_rewrites_equal_one_pass(tmp_path):
     ours.mtp_forward(mtp_rows(split, torch.tensor([1, 2]), 9), whole_wide[8:10])
     second, _ = ours.mtp_forward(mtp_rows(split, tokens[9:], 9), hidden[9:])
     assert torch.equal(torch.cat((first, second)), whole)
+    picked, picked_wide = ours.mtp_forward(mtp_rows(ours.new_lane(), tokens, 0), hidden, torch.tensor([5, 0]))
+    assert torch.equal(picked, whole[[5, 0]]) and torch.equal(picked_wide, whole_wide)
