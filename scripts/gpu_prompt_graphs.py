@@ -1,7 +1,8 @@
 """Prompt rounds at the real shapes on one GPU, as rank 0 of tp=2 alone (dummy weights, collectives skipped): each
-case's prompt pass replayed from the captured graphs must give the eager forward's logits, lane states and kept
-states bit for bit; then a prompt round's wall time (synchronised, median) replayed and eager, with and without
-kept rows, and through a trunk graph (the prompt-pass GDN kernels left out).
+case's prompt pass (asking for its last row's logits, as a served prompt round does) must replay the prompt graph
+and give the eager forward's logits, lane states and kept states bit for bit; then a prompt round's wall time
+(synchronised, median) replayed and eager, with and without kept rows, and through a trunk graph (the prompt-pass
+GDN kernels left out).
 
 python3 scripts/gpu_prompt_graphs.py --out DIR [--rows 1024] [--model PATH]   # DIR/prompt_graphs.json; exit 1 on a
                                                                                 # mismatch
@@ -59,7 +60,8 @@ def prompt_pass(model: FlashNextModel, prompt: torch.Tensor, keep: tuple[int, ..
     graphs = model.round_graphs
     before = {} if graphs is None else dict(graphs.replays)
     lane = model.new_lane()
-    out = model(single_lane_batch(lane, prompt, 0), snapshot_rows={0: keep} if keep else None)
+    last = torch.tensor([prompt.shape[0] - 1], device=prompt.device)  # a prompt round's draw: its last row's logits
+    out = model(single_lane_batch(lane, prompt, 0), logit_rows=last, snapshot_rows={0: keep} if keep else None)
     replays = {} if graphs is None else {k: n - before[k] for k, n in graphs.replays.items() if n != before[k]}
     kept = [lane_bits(out.snapshots[0][row]) for row in keep]
     return {"logits": out.logits.clone(), "lane": lane_bits(lane), "kept": kept, "replays": replays}
@@ -106,20 +108,21 @@ def main(argv: list[str] | None = None) -> int:
             eager = prompt_pass(model, prompt, keep)
             model.round_graphs = graphs
             same = {part: all_equal([replayed[part]], [eager[part]]) for part in ("logits", "lane", "kept")}
-            failures += not all(same.values())
+            failures += not all(same.values()) or replayed["replays"] != {"prompt": 1}
             case = {"rows": rows_, "keep": keep, "replays": replayed["replays"], "equal": same}
             report["cases"].append(case)
             print(json.dumps(case), flush=True)
         lane = model.new_lane()
         prompt = torch.tensor([rng.randrange(VOCAB) for _ in range(args.rows)], device="cuda")
         keep = (args.rows // 2 - 1, args.rows - 2)
+        last = torch.tensor([args.rows - 1], device="cuda")
 
         def round_of(kept: tuple[int, ...]) -> Callable[[], object]:
             def step() -> None:
                 lane.length = 0  # the pass starts again at position 0 (states carry on: timing only)
                 for cache in lane.attention.values():
                     cache.length = 0
-                model(single_lane_batch(lane, prompt, 0), snapshot_rows={0: kept} if kept else None)
+                model(single_lane_batch(lane, prompt, 0), logit_rows=last, snapshot_rows={0: kept} if kept else None)
 
             return step
 
