@@ -19,7 +19,6 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -101,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help=f"row counts (default {list(ROWS)})")
     ap.add_argument("--module", type=Path, help="another copy of kernels/moe.py (default: this tree's)")
     args = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # kernels defined from here on compile; the interpreter's cannot
     module = load_module(args.module)
     print(f"Triton {triton.__version__}, sm_90, {args.module or 'kernels/moe.py'}")
     for rows in args.rows:
