@@ -337,7 +337,7 @@ def gdn_recurrent(
     if seq == 0:
         return out, states
     if keep_places is None:
-        keep_places = _keep_places(keep_rows, seq) if listed else lane_of_row  # lane_of_row: a pointer never read
+        keep_places = kept_row_places(keep_rows, seq) if listed else lane_of_row  # lane_of_row: a pointer never read
     mode = KEEP_LISTED if listed else KEEP_EVERY if keep_states else KEEP_NONE
     if long_runs:
         q, k = _unit_qk(q, k)
@@ -384,7 +384,7 @@ def gdn_recurrent(
     return out, states
 
 
-def _keep_places(keep_rows: torch.Tensor, seq: int) -> torch.Tensor:
+def kept_row_places(keep_rows: torch.Tensor, seq: int) -> torch.Tensor:
     """Each of `seq` rows' place among `keep_rows` (int32; -1 for rows not kept), made on the rows' device."""
     places = torch.full((seq,), -1, dtype=torch.int32, device=keep_rows.device)
     places[keep_rows] = torch.arange(keep_rows.shape[0], dtype=torch.int32, device=keep_rows.device)

@@ -188,7 +188,7 @@ def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePla
     bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     tile_starts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
-    _plan_kernel[(triton.cdiv(num_pairs, PLAN_CHUNK),)](
+    _plan_kernel[(max(1, triton.cdiv(num_pairs, PLAN_CHUNK)),)](  # one program writes the bounds of no pairs
         expert_ids.reshape(-1).to(torch.int32),
         pairs,
         bounds,

@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from kernels.gdn import LONG_RUN
+from kernels.gdn import LONG_RUN, kept_row_places
 from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
@@ -121,8 +121,11 @@ def build_round(
     block_rows = torch.tensor([r for r, _ in completing], dtype=torch.long, device=device)
     block_dest = torch.tensor([b for _, b in completing], dtype=torch.long, device=device)
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
+    rows = batch.token_ids.shape[0]
+    places = None if kept is None or len(keep_rows) == rows else kept_row_places(kept, rows)  # once, not per layer
     long_runs = max((seg.length for seg in batch.segments), default=0) >= LONG_RUN
-    return Round(pool, row_slots(batch).to(device), batch.positions, windows, block_rows, block_dest, kept, long_runs)
+    slots = row_slots(batch).to(device)
+    return Round(pool, slots, batch.positions, windows, block_rows, block_dest, kept, long_runs, keep_places=places)
 
 
 def per_row(batch: ForwardBatch, values: list[int], device: torch.device | None = None) -> torch.Tensor:
@@ -247,7 +250,7 @@ def forward(
     """`FlashNextModel.forward` on the kernels: every segment's rows through each layer at once (a replay of a
     captured graph when the model has one for this many rows); states are kept only after the rows snapshot (a
     verify window's rows, a kept prompt boundary)."""
-    keep_rows = sorted(batch.segments[i].start + k for i, offsets in snapshot_rows.items() for k in offsets)
+    keep_rows = sorted({batch.segments[i].start + k for i, offsets in snapshot_rows.items() for k in offsets})
     starts = segment_starts(batch)
     for i, (seg, first) in enumerate(zip(batch.segments, starts, strict=True)):
         if first != seg.lane.length:

@@ -230,6 +230,12 @@ def test_plan_matches_torch_plan_and_python(block_m: int, seed: int, blocks: tup
     assert torch.equal(plan.bounds, torch.tensor([0, *flat.bincount(minlength=E).cumsum(0).tolist()]).int())
 
 
+def test_no_pairs_plan_no_tiles() -> None:
+    plan, ref = moe_plan(torch.empty(0, TOP_K, dtype=torch.int32), E, 4), moe_plan_reference(torch.empty(0), E, 4)
+    assert plan.bounds.tolist() == ref.bounds.tolist() == [0] * (E + 1)
+    assert plan.tile_experts.tolist() == ref.tile_experts.tolist() == [E] and plan.tile_starts.tolist() == [0]
+
+
 def test_tiles_past_the_last_get_no_expert() -> None:
     ids = torch.tensor([[2, 5], [2, 6], [2, 5]], dtype=torch.int32)  # 3 tiles where 6 pairs on 6 experts need 6
     for plan in (moe_plan(ids, E, 4), moe_plan_reference(ids, E, 4)):

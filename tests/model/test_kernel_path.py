@@ -182,7 +182,7 @@ def test_only_the_rows_asked_for_keep_their_states(models, monkeypatch) -> None:
     every = fold(ker, batch, snap=frozenset({1}))
     segments = [Segment(lanes[2], 0, 1), Segment(lanes[3], 1, 4)]
     rows = ForwardBatch(torch.tensor([3, 9, 10, 11, 12]), torch.tensor([6, 6, 7, 8, 9]), segments)
-    one = ker(rows, snapshot_rows={1: {2}})
+    one = ker(rows, snapshot_rows={1: [2, 2]})  # a row asked for twice is kept once
     assert kept_rows[-2] == [1, 2, 3, 4] and kept_rows[-1] == [3]  # batch rows, not every row of the forward
     assert list(one.snapshots) == [1] and list(one.snapshots[1]) == [2]
     a, b = one.snapshots[1][2], every.snapshots[1][2]
