@@ -204,7 +204,8 @@ def _gdn_recurrent_kernel(
                 q_at, k_at, v_at, g_at, beta_at, dk, dv, row + 1 < end, DK, DV
             )
             s = _delta_step(s, k, v, g, beta, INTERPRET)
-            _keep_state(states_at, states_ptr, keep_ptr, row, H, head, tile, s, KEEP, DK, DV)
+            if KEEP != KEEP_NONE:  # (a helper call costs the interpreter milliseconds a row)
+                _keep_state(states_at, states_ptr, keep_ptr, row, H, head, tile, s, KEEP, DK, DV)
             # Rotated: an iteration stores the previous row's output and makes row t's update, two independent sums
             # over Dk in one branch-free block; the same sums on the same values as one row at a time.
             for t in tl.range(row + 1, end):
@@ -222,7 +223,8 @@ def _gdn_recurrent_kernel(
                 q_up, k_up, v_up, g_up, beta_up = q_next, k_next, v_next, g_next, beta_next
                 out_at += stride_ot
                 states_at += H * DK * DV
-                _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
+                if KEEP != KEEP_NONE:
+                    _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
             tl.store(out_at + dv, _read_out(s, q, out_ptr))
         else:  # one row an iteration, each row's q and k brought to unit norm here (decode and verify rows)
             for t in tl.range(row, end):
@@ -241,7 +243,8 @@ def _gdn_recurrent_kernel(
                 q = _unit_q(q, SCALE, EPS)
                 s = _delta_step(s, _unit_k(k, EPS), v, g, beta, INTERPRET)
                 tl.store(out_at + dv, _read_out(s, q, out_ptr))
-                _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
+                if KEEP != KEEP_NONE:
+                    _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
                 q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
                 q_at += stride_qt
                 k_at += stride_kt

@@ -131,7 +131,7 @@ def test_long_runs_give_the_same_bits(keep_states: bool, key_heads: int) -> None
 
 
 @pytest.mark.parametrize("long_runs", [False, True])
-@pytest.mark.parametrize("rows", [[0], [3, 4, 11], [2, 17, 28], list(range(29))])
+@pytest.mark.parametrize("rows", [[0, 4, 11, 28], list(range(29))])
 def test_listed_rows_keep_only_their_states_with_the_same_bits(rows: list[int], long_runs: bool) -> None:
     """States kept for listed rows only (a prompt pass keeping a few boundaries) are, in the rows' order, the bits of
     the states kept for every row; outputs and final states are unchanged."""
