@@ -123,9 +123,20 @@ def build_round(
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
     rows = batch.token_ids.shape[0]
     places = None if kept is None or len(keep_rows) == rows else kept_row_places(kept, rows)  # once, not per layer
-    long_runs = max((seg.length for seg in batch.segments), default=0) >= LONG_RUN
     slots = row_slots(batch).to(device)
-    return Round(pool, slots, batch.positions, windows, block_rows, block_dest, kept, long_runs, keep_places=places)
+    return Round(
+        pool, slots, batch.positions, windows, block_rows, block_dest, kept, has_long_run(batch), keep_places=places
+    )
+
+
+def has_long_run(batch: ForwardBatch) -> bool:
+    """Whether a lane has `kernels.gdn.LONG_RUN` or more rows in the batch (GDN's prompt-pass kernels serve it)."""
+    return max((seg.length for seg in batch.segments), default=0) >= LONG_RUN
+
+
+def logit_inputs(rnd: Round, wide: torch.Tensor) -> torch.Tensor:
+    """The wide rows whose logits a forward makes: the round's logit rows, or every row."""
+    return wide if rnd.logit_rows is None else wide.index_select(0, rnd.logit_rows)
 
 
 def per_row(batch: ForwardBatch, values: list[int], device: torch.device | None = None) -> torch.Tensor:
@@ -213,8 +224,7 @@ def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGr
 
     def trunk(rnd: Round, token_ids: torch.Tensor, _hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         wide = run_layers(model, token_ids, rnd)
-        rows = wide if rnd.logit_rows is None else wide.index_select(0, rnd.logit_rows)
-        return logits(model, rows), wide
+        return logits(model, logit_inputs(rnd, wide)), wide
 
     def mtp(rnd: Round, token_ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return mtp_rows(model, token_ids, hidden, rnd)
@@ -234,9 +244,8 @@ def graph_kind(graphs: RoundGraphs, batch: ForwardBatch, keeps: int, logits: int
     eagerly): a verify graph keeps every row's; a prompt graph runs GDN's prompt-pass kernels (the same bits), keeps a
     few listed rows' states and gives the logits of a few rows."""
     rows = batch.token_ids.shape[0]
-    long_runs = max((seg.length for seg in batch.segments), default=0) >= LONG_RUN
     smallest = (graphs.buckets.get("prompt") or (0,))[0]
-    prompt_sized = long_runs and rows > smallest // 2  # smaller rounds pad less in a trunk bucket
+    prompt_sized = has_long_run(batch) and rows > smallest // 2  # smaller rounds pad less in a trunk bucket
     order = ("verify", "prompt") if keeps else ("prompt", "trunk") if prompt_sized else ("trunk",)
     return next((kind for kind in order if graphs.covers(kind, rows, keeps, logits)), None)
 
@@ -297,8 +306,7 @@ def mtp_rows(
     streams = zc_rms_norm(hidden, h_norm.weight, h_norm.eps).view(n * mtp.hc, mtp.d)  # one RMS over every stream
     wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
     wide = layer_forward(mtp.layers[0], wide, rnd)
-    picked = wide if rnd.logit_rows is None else wide.index_select(0, rnd.logit_rows)
-    mixed, _ = hyper_read(mtp.hyper_connection_mixer, picked)
+    mixed, _ = hyper_read(mtp.hyper_connection_mixer, logit_inputs(rnd, wide))
     return vocab_logits(model, mixed), wide
 
 

@@ -123,12 +123,16 @@ def drafted_rounds(model: FlashNextModel) -> tuple[list[torch.Tensor], list[Lane
     return outs, lanes
 
 
-def test_replayed_prompt_verify_and_mtp_rows_equal_the_eager_ones_bit_for_bit(path) -> None:
-    eager = load_model(path, dtype="bfloat16", kernels="on")
-    kernel_path.lane_pool(eager, slots=4, context=16)
-    expected, expected_lanes = drafted_rounds(eager)
+def pooled(path, context: int) -> FlashNextModel:
+    """The checkpoint on the kernel path with a lane pool of four slots of `context` positions."""
     model = load_model(path, dtype="bfloat16", kernels="on")
-    kernel_path.lane_pool(model, slots=4, context=16)
+    kernel_path.lane_pool(model, slots=4, context=context)
+    return model
+
+
+def test_replayed_prompt_verify_and_mtp_rows_equal_the_eager_ones_bit_for_bit(path) -> None:
+    expected, expected_lanes = drafted_rounds(pooled(path, 16))
+    model = pooled(path, 16)
     graphs = kernel_path.enable_graphs(model, {"trunk": 16, "verify": 8, "mtp": 4})
     got, lanes = drafted_rounds(model)
     assert graphs.replays == {"trunk": 2, "verify": 1, "mtp": 1}
@@ -158,11 +162,8 @@ def prompt_round(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneSt
 
 
 def test_replayed_prompt_rounds_keeping_listed_rows_equal_the_eager_ones_bit_for_bit(path) -> None:
-    eager = load_model(path, dtype="bfloat16", kernels="on")
-    kernel_path.lane_pool(eager, slots=4, context=32)
-    expected, expected_lanes = prompt_round(eager)
-    model = load_model(path, dtype="bfloat16", kernels="on")
-    kernel_path.lane_pool(model, slots=4, context=32)
+    expected, expected_lanes = prompt_round(pooled(path, 32))
+    model = pooled(path, 32)
     graphs = kernel_path.enable_graphs(model, {"trunk": 4, "prompt": 18})
     got, lanes = prompt_round(model)
     assert graphs.buckets["prompt"] == (18,) and graphs.replays == {"trunk": 0, "prompt": 1}
