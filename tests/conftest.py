@@ -1,4 +1,5 @@
-"""Test setup: the scripts folder is importable (checkpoint makers), and GPU tests skip without CUDA."""
+"""Test setup: the scripts folder is importable (checkpoint makers), GPU tests skip without CUDA, and the Triton
+interpreter does not patch triton.language again for every helper a kernel calls."""
 
 from __future__ import annotations
 
@@ -11,7 +12,48 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 
+def patch_language_once_per_launch() -> None:
+    """The interpreter patches triton.language when a kernel launches and again (scanning every member of the
+    language modules) on each call of a @triton.jit helper inside it; a fifth of an interpreted forward went to the
+    repeats. A helper whose language modules the running launch has patched already skips the repeat."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    launch, call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    patched: list[set[int]] = []  # per running launch: the language modules patched so far
+    modules: dict[object, frozenset[int]] = {}
+
+    def languages(fn) -> frozenset[int]:
+        """The language modules `fn` sees, as the interpreter's patch finds them."""
+        if fn not in modules:
+            modules[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return modules[fn]
+
+    def counted_launch(self, *args, **kwargs):
+        patched.append(set(languages(self.fn)))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def helper_call(self, *args, **kwargs):
+        if not patched or not languages(self.fn) <= patched[-1]:
+            if patched:
+                patched[-1] |= languages(self.fn)
+            return call(self, *args, **kwargs)
+        patch_lang, interpreter._patch_lang = interpreter._patch_lang, lambda fn: None
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            interpreter._patch_lang = patch_lang
+
+    interpreter.GridExecutor.__call__ = counted_launch
+    interpreter.InterpretedFunction.__call__ = helper_call
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "triton" in sys.modules:  # after the test modules chose the interpreter (TRITON_INTERPRET) and imported it
+        patch_language_once_per_launch()
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
