@@ -321,10 +321,12 @@ def gdn_recurrent(
     long_runs: bool = False,
     keep_rows: torch.Tensor | None = None,
     keep_places: torch.Tensor | None = None,
+    states_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states or None): with `keep_states` the
     state after every row, or with `keep_rows` (ascending row indices, distinct) only after those, in their order;
-    `keep_places` (int32 [T], each row's place among keep_rows or -1) spares making that map (a graph's input)."""
+    `keep_places` (int32 [T], each row's place among keep_rows or -1) spares making that map (a graph's input);
+    `states_out` receives the kept states instead of a new tensor."""
     # long_runs (a prompt pass): q and k go to unit norm in a kernel of their own first; the bits are the same
     _check_gdn(q, k, v, g, beta, state, lane_of_row)
     if keep_rows is not None and not keep_states:
@@ -336,7 +338,9 @@ def gdn_recurrent(
     listed = keep_places is not None or (keep_rows is not None and keep_rows.shape[0] != seq)  # else every row
     out = torch.empty((seq, heads, dv), dtype=out_dtype, device=v.device)
     kept = keep_rows.shape[0] if listed else seq
-    states = state.new_empty((kept, heads, dk, dv)) if keep_states else None
+    states = state.new_empty((kept, heads, dk, dv)) if keep_states and states_out is None else states_out
+    if states_out is not None:
+        _check_states_out(states_out, keep_states, (kept, heads, dk, dv), state.dtype)
     if seq == 0:
         return out, states
     if keep_places is None:
@@ -385,6 +389,16 @@ def gdn_recurrent(
         **launch_options(_gdn_recurrent_kernel, q.device),
     )
     return out, states
+
+
+def _check_states_out(out: torch.Tensor, keep_states: bool, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Refuse a `states_out` the kernel cannot write the kept states into."""
+    if not keep_states:
+        raise ValueError("states_out: given without keep_states")
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"states_out: expected a contiguous {dtype} tensor of {shape}, got {out.dtype} {tuple(out.shape)}"
+        )
 
 
 def kept_row_places(keep_rows: torch.Tensor, seq: int) -> torch.Tensor:

@@ -1,15 +1,15 @@
 """CUDA graphs of the kernel path's forwards, captured once per kind and batch bucket.
 
-Four kinds: `trunk` (any rows: decode rows, prompt chunks, drafts' windows whose states are not kept), `verify`
-(the trunk keeping every row's state, for verify windows), `prompt` (the trunk with GDN's prompt-pass kernels, keeping
-the states after up to PROMPT_KEEPS listed rows) and `mtp` (the MTP layer's rows); prompt and MTP graphs give the
-logits of up to LISTED_LOGITS listed rows only. A forward of n rows
-replays the graph of the smallest bucket >= n: its rows are copied into the graph's static inputs (token, position,
-lane-pool slot, n-gram window, MTP hidden row) and the rest of the bucket is padding that writes only the pool's
-scratch slot. The kernels index state by each row's slot and give a row the same bits whatever the batch, so a
-replay equals the eager forward bit for bit whatever the rows' layout. The graphs are captured once, at start, on
-every rank in the same order (their collectives must pair up); if the pool later grows, its tensors move and the
-graphs are no longer used.
+Four kinds: `trunk` (any rows: decode rows, prompt chunks, drafts' windows whose states are not kept), `verify` (the
+trunk keeping every row's state, for verify windows), `prompt` (the trunk with GDN's prompt-pass kernels, keeping the
+states after up to PROMPT_KEEPS listed rows) and `mtp` (the MTP layer's rows); prompt and MTP graphs give the logits
+of up to `listed_logits` listed rows only. A forward of n rows replays the graph of the smallest bucket >= n: its rows
+are copied into the graph's static inputs (token, position, lane-pool slot, n-gram window, MTP hidden row) and the
+rest of the bucket is padding that writes only the pool's scratch slot. The kernels index state by each row's slot
+and give a row the same bits whatever the batch, so a replay equals the eager forward bit for bit whatever the rows'
+layout. Every graph writes its logits and the states it keeps into one set of buffers (`SharedOutputs`, sized by the
+largest bucket), read before the next replay. The graphs are captured once, at start, on every rank in the same order
+(their collectives must pair up); if the pool later grows, its tensors move and the graphs are no longer used.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from model.kernel_blocks import Round
+from model.kernel_blocks import Round, SharedOutputs
 from model.lane_pool import LanePool
 
 # (round, token ids, hidden rows or None) -> (logits, pre-mixer wide states)
 Body = Callable[[Round, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 PROMPT_KEEPS = 8  # rows a prompt graph keeps states after (the cache grid's, message ends', a prompt's last but one)
 PROMPT_FIRST = 128  # the smallest prompt bucket: smaller rounds with kept rows fit a verify graph
-LISTED_LOGITS = 320  # rows a prompt or MTP graph gives logits for: 64 lanes' 4-row windows and prompts' last rows
+LISTED_LOGITS = 320  # rows a prompt or MTP graph gives logits for, unless the server says (lanes × window rows)
 LISTING_KINDS = ("prompt", "mtp")  # the kinds that give the logits of listed rows only
 
 
@@ -52,6 +52,7 @@ class RoundGraphs:
         wide: int,
         dtype: torch.dtype,
         device: torch.device,
+        listed_logits: int = LISTED_LOGITS,
     ) -> None:
         self.pool, self.bodies, self.capture = pool, dict(bodies), device.type == "cuda"
         self.generation = pool.generation
@@ -66,7 +67,9 @@ class RoundGraphs:
         self.hidden = torch.zeros(top, wide, dtype=dtype, device=device)
         self.keep_rows = torch.zeros(PROMPT_KEEPS, dtype=torch.long, device=device)
         self.keep_places = torch.full((top,), -1, dtype=torch.int32, device=device)
-        self.logit_rows = torch.zeros(LISTED_LOGITS, dtype=torch.long, device=device)
+        self.listed_logits = listed_logits
+        self.logit_rows = torch.zeros(listed_logits, dtype=torch.long, device=device)
+        self.shared = SharedOutputs()  # every bucket's logits and kept states
         self.rounds: dict[tuple[str, int], Round] = {}
         self.outputs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -75,10 +78,10 @@ class RoundGraphs:
     def covers(self, kind: str, rows: int, keeps: int = 0, logits: int = 0) -> bool:
         """Whether a graph of `kind` runs `rows` rows keeping the states after `keeps` of them and giving `logits`
         rows' logits: within its largest bucket (a prompt graph keeps up to PROMPT_KEEPS; prompt and MTP graphs give
-        up to LISTED_LOGITS rows' logits), the pool unmoved."""
+        up to `listed_logits` rows' logits), the pool unmoved."""
         buckets = self.buckets.get(kind)
         kept = keeps <= PROMPT_KEEPS if kind == "prompt" else keeps == 0 or kind == "verify"
-        listed = kind not in LISTING_KINDS or logits <= LISTED_LOGITS
+        listed = kind not in LISTING_KINDS or logits <= self.listed_logits
         return bool(buckets) and rows <= buckets[-1] and kept and listed and self.pool.generation == self.generation
 
     def bucket_of(self, kind: str, rows: int) -> int:
@@ -93,15 +96,17 @@ class RoundGraphs:
         dest = torch.where(completes, (positions + 1) // pool.ratio - 1, pool.block_capacity - 1)
         rows = torch.arange(size, device=positions.device)
         windows = None if kind == "mtp" else self.windows[:size]
-        wanted = self.logit_rows[: min(size, LISTED_LOGITS)] if kind in LISTING_KINDS else None
+        wanted = self.logit_rows[: min(size, self.listed_logits)] if kind in LISTING_KINDS else None
         if kind == "prompt":
             keep, places = self.keep_rows, self.keep_places[:size]
             return Round(
                 pool, self.slots[:size], positions, windows, rows, dest, keep, True, keep_places=places,
-                logit_rows=wanted,
+                logit_rows=wanted, shared=self.shared,
             )  # fmt: skip
         keep = rows if kind == "verify" else None
-        return Round(pool, self.slots[:size], positions, windows, rows, dest, keep, logit_rows=wanted)
+        return Round(
+            pool, self.slots[:size], positions, windows, rows, dest, keep, logit_rows=wanted, shared=self.shared
+        )
 
     def _run_body(self, kind: str, size: int) -> tuple[Round, tuple[torch.Tensor, torch.Tensor]]:
         rnd = self._round(kind, size)
@@ -139,10 +144,10 @@ class RoundGraphs:
         keep_rows: Sequence[int] = (),
         logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Round]:
-        """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are the
-        graph's outputs: read them before the next replay), by replaying the graph of their bucket; a prompt graph
-        keeps the states after `keep_rows` (ascending), in their order; prompt and MTP graphs give the logits of
-        `logit_rows` only (None: every row), in their order."""
+        """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are in the
+        shared buffers: read them before the next replay), by replaying the graph of their bucket; a
+        prompt graph keeps the states after `keep_rows` (ascending), in their order; prompt and MTP graphs give
+        the logits of `logit_rows` only (None: every row), in their order."""
         n = token_ids.shape[0]
         size = self.bucket_of(kind, n)
         wanted = n

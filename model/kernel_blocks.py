@@ -48,6 +48,28 @@ class RowStates:
     ple_conv: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+class SharedOutputs:
+    """Where captured graphs write what outlives a replay (the states they keep, logits), one buffer per layer and
+    output shared by every graph: a round reads them before the next round's forward, so no bucket holds its own."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def take(self, name: str, index: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """The first shape[0] rows of layer `index`'s buffer `name` (of `like`'s dtype and device); made (outside a
+        capture, on the largest bucket's warm-up) when absent or too small."""
+        buffer = self.buffers.get((name, index))
+        fits = buffer is not None and buffer.shape[0] >= shape[0] and buffer.shape[1:] == shape[1:]
+        if not fits or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = like.new_empty(shape)
+            self.buffers[name, index] = buffer
+        return buffer[: shape[0]]
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
 @dataclass(slots=True)
 class Round:
     """One forward's rows as the kernels take them, all on the GPU (so a CUDA graph can capture the layers): each
@@ -66,6 +88,20 @@ class Round:
     kept: RowStates = field(default_factory=RowStates)
     keep_places: torch.Tensor | None = None  # each row's place among keep_rows or -1, where a graph fixes it
     logit_rows: torch.Tensor | None = None  # the only rows whose logits a forward makes (None: every row)
+    shared: SharedOutputs | None = None  # where kept states and logits go (None: new tensors)
+
+
+def kept_buffer(rnd: Round, name: str, index: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Where layer `index` puts the states after the round's kept rows (rows shaped as `like`'s): the graphs'
+    shared buffer, or None for a new tensor."""
+    if rnd.keep_rows is None or rnd.shared is None:
+        return None
+    return rnd.shared.take(name, index, (rnd.keep_rows.shape[0], *like.shape[1:]), like)
+
+
+def keep_tails(rnd: Round, name: str, index: int, row_tails: torch.Tensor) -> torch.Tensor:
+    """The conv tails after the round's kept rows."""
+    return torch.index_select(row_tails, 0, rnd.keep_rows, out=kept_buffer(rnd, name, index, row_tails))
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -174,12 +210,12 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
     out, kept_states = gdn_recurrent(
         q, k, v, g, beta, states, rnd.slot_of_row, keep, long_runs=rnd.long_runs, keep_rows=rnd.keep_rows,
-        keep_places=rnd.keep_places,
+        keep_places=rnd.keep_places, states_out=kept_buffer(rnd, "gdn_recurrent", index, states),
     )  # fmt: skip
     z = z.unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
     if keep:  # only the rows asked for outlive the layer
-        rnd.kept.gdn_conv[index] = row_tails.index_select(0, rnd.keep_rows)
+        rnd.kept.gdn_conv[index] = keep_tails(rnd, "gdn_conv", index, row_tails)
         rnd.kept.gdn_recurrent[index] = kept_states
     return m.tp.reduce(partial_out(y.view(n, m.v_width), m.out_proj, m.tp))
 
@@ -280,7 +316,7 @@ def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor
         normed, tails, p.conv1d.weight[:, 0], rnd.slot_of_row, dilation=p.dilation, row_tails=row_tails
     )
     if keep:
-        rnd.kept.ple_conv[index] = row_tails.index_select(0, rnd.keep_rows)
+        rnd.kept.ple_conv[index] = keep_tails(rnd, "ple_conv", index, row_tails)
     return wide + (gated + conv)
 
 

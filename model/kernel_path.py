@@ -24,8 +24,8 @@ from kernels.gdn import LONG_RUN, kept_row_places
 from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
-from model.graphs import RoundGraphs
-from model.kernel_blocks import Round, block_keys_of, hyper_read, layer_forward, project
+from model.graphs import LISTED_LOGITS, RoundGraphs
+from model.kernel_blocks import Round, SharedOutputs, block_keys_of, hyper_read, layer_forward, project
 from model.lane_pool import MTP, LanePool
 from model.layers import ForwardBatch
 from model.parallel import TensorParallel
@@ -198,15 +198,18 @@ def fold_caches(lane_caches: list, end: int, ratio: int) -> None:
         cache.length, cache.blocks = end, end // ratio
 
 
-def vocab_logits(model: FlashNextModel, mixed: torch.Tensor) -> torch.Tensor:
-    """Logits over the whole vocabulary: each rank's lm_head rows by the linear kernel, gathered in rank order."""
-    return model.tp.gather(project(mixed, model.lm_head), dim=-1)
+def vocab_logits(model: FlashNextModel, mixed: torch.Tensor, shared: SharedOutputs | None = None) -> torch.Tensor:
+    """Logits over the whole vocabulary: each rank's lm_head rows by the linear kernel, gathered in rank order (into
+    the graphs' shared buffer when given)."""
+    local = project(mixed, model.lm_head)
+    shape = (local.shape[0], local.shape[1] * model.tp.world)
+    return model.tp.gather(local, dim=-1, out=None if shared is None else shared.take("logits", 0, shape, local))
 
 
-def logits(model: FlashNextModel, hidden: torch.Tensor) -> torch.Tensor:
+def logits(model: FlashNextModel, hidden: torch.Tensor, shared: SharedOutputs | None = None) -> torch.Tensor:
     """lm_head logits of pre-mixer wide rows [N, wide], all at once."""
     mixed, _ = hyper_read(model.hyper_connection_mixer, hidden.contiguous())
-    return vocab_logits(model, mixed)
+    return vocab_logits(model, mixed, shared)
 
 
 def run_layers(model: FlashNextModel, token_ids: torch.Tensor, rnd: Round) -> torch.Tensor:
@@ -217,14 +220,16 @@ def run_layers(model: FlashNextModel, token_ids: torch.Tensor, rnd: Round) -> to
     return wide
 
 
-def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGraphs:
-    """Capture the model's forwards for up to `max_rows` rows of each kind (trunk, verify, mtp) on CUDA; elsewhere
-    replays run eagerly."""
+def enable_graphs(
+    model: FlashNextModel, max_rows: Mapping[str, int], listed_logits: int = LISTED_LOGITS
+) -> RoundGraphs:
+    """Capture the model's forwards for up to `max_rows` rows of each kind (trunk, verify, prompt, mtp), prompt and
+    MTP graphs giving up to `listed_logits` rows' logits, on CUDA; elsewhere replays run eagerly."""
     cfg = model.cfg
 
     def trunk(rnd: Round, token_ids: torch.Tensor, _hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         wide = run_layers(model, token_ids, rnd)
-        return logits(model, logit_inputs(rnd, wide)), wide
+        return logits(model, logit_inputs(rnd, wide), rnd.shared), wide
 
     def mtp(rnd: Round, token_ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return mtp_rows(model, token_ids, hidden, rnd)
@@ -233,7 +238,9 @@ def enable_graphs(model: FlashNextModel, max_rows: Mapping[str, int]) -> RoundGr
     bodies = {"trunk": trunk, "verify": trunk, "prompt": trunk} | ({} if model.mtp is None else {"mtp": mtp})
     rows = {kind: max_rows[kind] for kind in bodies if max_rows.get(kind)}
     pool = lane_pool(model)
-    graphs = RoundGraphs(pool, bodies, rows, cfg.ngram_size, cfg.eos_token_id, cfg.wide_size, model.dtype, model.device)
+    graphs = RoundGraphs(
+        pool, bodies, rows, cfg.ngram_size, cfg.eos_token_id, cfg.wide_size, model.dtype, model.device, listed_logits
+    )
     graphs.capture_all()
     model.round_graphs = graphs
     return graphs
@@ -307,7 +314,7 @@ def mtp_rows(
     wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
     wide = layer_forward(mtp.layers[0], wide, rnd)
     mixed, _ = hyper_read(mtp.hyper_connection_mixer, logit_inputs(rnd, wide))
-    return vocab_logits(model, mixed), wide
+    return vocab_logits(model, mixed, rnd.shared), wide
 
 
 def mtp_forward(

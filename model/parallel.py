@@ -76,15 +76,15 @@ class TensorParallel:
             total = total + part
         return total
 
-    def gather(self, local: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate the ranks' slices along `dim`, in rank order."""
+    def gather(self, local: torch.Tensor, dim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate the ranks' slices along `dim`, in rank order (into `out` when given)."""
         if self.world == 1:
-            return local
+            return local if out is None else out.copy_(local)
         local = local.contiguous()
         self.counts.add("gather", local, self.world)
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local)
-        return torch.cat(parts, dim=dim)
+        return torch.cat(parts, dim=dim, out=out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,11 +113,12 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
     log.info("lane pool: %d slots of %d positions, %.2f GiB", pool.slots, pool.context, pool.nbytes() / 2**30)
     if resolve_graphs(args.cuda_graphs, model.kernels, model.device, args.ngram_table):
         started = time.monotonic()
-        round_rows = args.prompt_budget + args.max_lanes * (args.drafts + 1)  # prompt chunks beside every window
-        verify_rows = min(args.max_lanes * (args.drafts + 1), VERIFY_ROWS)
-        rows = {"trunk": round_rows, "verify": verify_rows, "prompt": round_rows, "mtp": round_rows}
-        graphs = kernel_path.enable_graphs(model, rows)
-        log.info("CUDA graphs: buckets %s captured in %.1f s", graphs.buckets, time.monotonic() - started)
+        windows = args.max_lanes * (args.drafts + 1)  # every lane's verify window: the most rows a round draws at
+        round_rows = args.prompt_budget + windows  # prompt chunks beside every window
+        rows = {"trunk": round_rows, "verify": min(windows, VERIFY_ROWS), "prompt": round_rows, "mtp": round_rows}
+        graphs = kernel_path.enable_graphs(model, rows, windows)
+        took, shared = time.monotonic() - started, graphs.shared.nbytes() / 2**30
+        log.info("CUDA graphs: buckets %s captured in %.1f s; outputs %.2f GiB", graphs.buckets, took, shared)
     return context
 
 

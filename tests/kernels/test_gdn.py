@@ -144,6 +144,28 @@ def test_listed_rows_keep_only_their_states_with_the_same_bits(rows: list[int], 
     assert torch.equal(listed[0], every[0]) and torch.equal(listed[1], every[1])
 
 
+@pytest.mark.parametrize("rows", [None, [2, 5]])
+def test_kept_states_go_into_a_given_buffer_with_the_same_bits(rows: list[int] | None) -> None:
+    """A graph's shared buffer (`states_out`) receives the kept states, every row's or the listed rows', bit for bit."""
+    lens, slots = [2, 4], [1, 3]
+    inputs, lanes = make_inputs(lens, 1, seed=3), lanes_of(lens, slots)
+    listed = {} if rows is None else {"keep_rows": torch.tensor(rows)}
+    fresh = call(gdn_recurrent, inputs, lanes, keep_states=True, **listed)
+    buffer = torch.full((8, HEADS, DIM, DIM), float("nan"))
+    into = buffer[: 6 if rows is None else 2]
+    given = call(gdn_recurrent, inputs, lanes, keep_states=True, states_out=into, **listed)
+    assert given[2].data_ptr() == buffer.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(given, fresh, strict=True))
+
+
+def test_a_kept_state_buffer_of_the_wrong_shape_or_without_kept_states_is_refused() -> None:
+    inputs, lanes = make_inputs([3], 1), lanes_of([3], [0])
+    with pytest.raises(ValueError, match="states_out"):
+        call(gdn_recurrent, inputs, lanes, keep_states=True, states_out=torch.empty(2, HEADS, DIM, DIM))
+    with pytest.raises(ValueError, match="states_out"):
+        call(gdn_recurrent, inputs, lanes, states_out=torch.empty(3, HEADS, DIM, DIM))
+
+
 def test_listed_rows_need_kept_states() -> None:
     inputs, lanes = make_inputs([2], 1), lanes_of([2], [0])
     with pytest.raises(ValueError, match="keep_rows"):

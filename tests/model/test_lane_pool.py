@@ -16,6 +16,7 @@ from make_checkpoint import make_checkpoint
 from model import kernel_path
 from model.flashnext import FlashNextModel, single_lane_batch
 from model.graphs import LISTED_LOGITS, PROMPT_KEEPS, RoundGraphs, buckets_for
+from model.kernel_blocks import SharedOutputs
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, restore
 from model.weights import load_model
@@ -170,6 +171,21 @@ def test_replayed_prompt_rounds_keeping_listed_rows_equal_the_eager_ones_bit_for
     assert got[0].shape[0] == 3 and len(got) == len(expected) > 1
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert_same_lanes(lanes, expected_lanes)
+    shared = {b.untyped_storage().data_ptr() for b in graphs.shared.buffers.values()}
+    assert all(t.untyped_storage().data_ptr() in shared for t in got[1:])  # no bucket holds kept states of its own
+    assert torch.equal(graphs.shared.buffers["logits", 0][:3], got[0])  # nor logits
+
+
+def test_shared_outputs_serve_smaller_takes_from_one_buffer_and_grow_when_too_small() -> None:
+    outputs, like = SharedOutputs(), torch.zeros(1)
+    big = outputs.take("gdn_recurrent", 4, (8, 3, 2), like)
+    small = outputs.take("gdn_recurrent", 4, (2, 3, 2), like)
+    assert big.shape == (8, 3, 2) and small.shape == (2, 3, 2) and small.data_ptr() == big.data_ptr()
+    assert outputs.take("gdn_conv", 4, (2, 3, 2), like).data_ptr() != big.data_ptr()  # another output
+    grown = outputs.take("gdn_recurrent", 4, (9, 3, 2), like)
+    assert grown.shape[0] == 9 and outputs.take("gdn_recurrent", 4, (8, 3, 2), like).data_ptr() == grown.data_ptr()
+    assert outputs.take("gdn_recurrent", 4, (2, 3, 5), like).shape == (2, 3, 5)  # other rows: a buffer of their own
+    assert outputs.nbytes() == (2 * 3 * 5 + 2 * 3 * 2) * 4
 
 
 def fake_graphs(buckets: dict[str, tuple[int, ...]]) -> RoundGraphs:
@@ -179,7 +195,7 @@ def fake_graphs(buckets: dict[str, tuple[int, ...]]) -> RoundGraphs:
         generation = 0
 
     graphs = RoundGraphs.__new__(RoundGraphs)
-    graphs.pool, graphs.generation, graphs.buckets = Pool(), 0, buckets
+    graphs.pool, graphs.generation, graphs.buckets, graphs.listed_logits = Pool(), 0, buckets, LISTED_LOGITS
     return graphs
 
 

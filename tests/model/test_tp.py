@@ -148,8 +148,12 @@ def reduce_rank_main(rank: int, port: int, results) -> None:
         partial = (torch.randn(7, 33, generator=gen) * 1e4).to(torch.bfloat16)
         wide = partial.float()  # the bf16 values in fp32, as the kernels store a partial for the reduction
         total = tp.reduce(wide)
+        into = torch.full((9, 66), float("nan"))
+        gathered = tp.gather(wide, out=into[:7])  # a graph's shared logits buffer
         results[rank] = (
             digest(total),
+            digest(gathered),
+            torch.equal(gathered, tp.gather(wide)) and gathered.data_ptr() == into.data_ptr(),
             total.data_ptr() == wide.data_ptr(),  # summed in place, no copy
             total.dtype == torch.float32,
             torch.equal(total.to(torch.bfloat16), tp.combine(partial)),  # rounded once by the consumer: combine's
@@ -164,10 +168,14 @@ def test_reduce_sums_fp32_partials_in_place_and_leaves_the_rounding_to_the_consu
     results = mp.Manager().dict()
     mp.start_processes(reduce_rank_main, args=(free_port(), results), nprocs=2, start_method="spawn")
     assert results[0] == results[1]
-    _, in_place, fp32, rounds_like_combine, upcasts, calls = results[0]
-    assert in_place and fp32 and rounds_like_combine and upcasts
+    _, _, gathered_into, in_place, fp32, rounds_like_combine, upcasts, calls = results[0]
+    assert gathered_into and in_place and fp32 and rounds_like_combine and upcasts
     assert calls == 4  # every reduce and combine counts
-    assert TensorParallel().reduce(partial := torch.ones(2, 3, dtype=torch.bfloat16)) is partial  # one rank
+    partial = torch.ones(2, 3, dtype=torch.bfloat16)
+    assert TensorParallel().reduce(partial) is partial  # one rank
+    into = torch.zeros(3, 3, dtype=torch.bfloat16)
+    gathered = TensorParallel().gather(partial, out=into[:2])
+    assert gathered.data_ptr() == into.data_ptr() and torch.equal(into[:2], partial)
 
 
 def test_world_two_all_reduce_gives_the_ordered_sums_bits_on_both_ranks():

@@ -93,3 +93,42 @@ def test_cuda_graphs_on_without_their_needs_is_refused_by_flag():
     assert not resolve_graphs("auto", True, "cuda", "host")  # a graph cannot gather table rows from host memory
     with pytest.raises(SystemExit, match="--cuda-graphs on: needs --ngram-table device, not host"):
         resolve_graphs("on", True, "cuda", "host")
+
+
+def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, monkeypatch):
+    """Verify graphs up to every lane's window (at most VERIFY_ROWS), prompt chunks beside them, and listed logits
+    for every lane's window: a round's draws."""
+    import argparse
+    import os
+
+    from make_checkpoint import make_checkpoint
+
+    from model import kernel_path
+    from model.kernel_blocks import SharedOutputs
+    from model.weights import load_model
+    from server import serve
+    from tests.tiny import text_config
+
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
+    text = text_config("base", linear_key_head_dim=16, linear_value_head_dim=16)
+    model = load_model(make_checkpoint(text, tmp_path, fmt="bf16"), dtype="bfloat16", kernels="on")
+    asked = []
+
+    class Captured:
+        buckets, shared = {}, SharedOutputs()
+
+    def enable_graphs(_model, rows, listed_logits):
+        asked.append((rows, listed_logits))
+        return Captured()
+
+    monkeypatch.setattr(serve, "resolve_graphs", lambda *_: True)
+    monkeypatch.setattr(kernel_path, "enable_graphs", enable_graphs)
+    for lanes, drafts in ((5, 2), (32, 3)):
+        args = argparse.Namespace(
+            context=64, max_lanes=lanes, cuda_graphs="on", ngram_table="device", prompt_budget=100, drafts=drafts
+        )
+        serve.plan_lanes(args, model)
+    windows = (15, 128)
+    assert asked == [
+        ({"trunk": 100 + w, "verify": min(w, serve.VERIFY_ROWS), "prompt": 100 + w, "mtp": 100 + w}, w) for w in windows
+    ]
