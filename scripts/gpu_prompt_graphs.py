@@ -2,7 +2,8 @@
 case's prompt pass (asking for its last row's logits, as a served prompt round does) must replay the prompt graph
 and give the eager forward's logits, lane states and kept states bit for bit; then a prompt round's wall time
 (synchronised, median) replayed and eager, with and without kept rows, and through a trunk graph (the prompt-pass
-GDN kernels left out).
+GDN kernels left out). It reports the memory the capture took (the buckets the server captures at 64 lanes and 3
+drafts, 1,024 prompt rows a round).
 
 python3 scripts/gpu_prompt_graphs.py --out DIR [--rows 1024] [--model PATH]   # DIR/prompt_graphs.json; exit 1 on a
                                                                                 # mismatch
@@ -35,6 +36,7 @@ from model.weights import load_model  # noqa: E402
 CASES = ((1024, (511, 1022)), (1000, ()), (700, (0, 255, 511, 600, 698)))  # rows, kept rows
 VOCAB = 120_000  # prompt tokens are drawn below this
 REPS = 5
+WINDOWS = 64 * 4  # the server's listed logits at 64 lanes and 3 drafts (its verify graphs stop at 64 rows)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,6 +76,17 @@ def all_equal(a: list, b: list) -> bool:
     )
 
 
+def memory_gib() -> dict[str, float]:
+    """GiB the process's tensors hold, its allocator reserves, and the GPU has in use."""
+    free, total = torch.cuda.mem_get_info()
+    gib = 2**30
+    return {
+        "allocated": torch.cuda.memory_allocated() / gib,
+        "reserved": torch.cuda.memory_reserved() / gib,
+        "in_use": (total - free) / gib,
+    }
+
+
 def median_ms(step: Callable[[], object]) -> float:
     """Median wall ms of REPS synchronised calls after two warm-up calls."""
     times = []
@@ -96,10 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             load_format="dummy", kernels="on",
         )  # fmt: skip
         kernel_path.lane_pool(model, slots=2 * len(CASES), context=args.round_rows)
-        started = time.monotonic()
-        rows = {"trunk": args.round_rows, "verify": 64, "prompt": args.round_rows}
-        graphs = kernel_path.enable_graphs(model, rows)
-        report: dict[str, object] = {"buckets": graphs.buckets, "capture_s": time.monotonic() - started, "cases": []}
+        started, before = time.monotonic(), memory_gib()
+        rows = {"trunk": args.round_rows, "verify": 64, "prompt": args.round_rows, "mtp": args.round_rows}
+        graphs = kernel_path.enable_graphs(model, rows, WINDOWS)  # as the server captures them for 64 lanes, 3 drafts
+        took, after = time.monotonic() - started, memory_gib()
+        memory = {k: round(after[k] - before[k], 3) for k in before} | {
+            "shared_outputs": graphs.shared.nbytes() / 2**30
+        }
+        print(f"capture {took:.1f} s, GiB taken: {memory}", flush=True)
+        report: dict[str, object] = {"buckets": graphs.buckets, "capture_s": took, "capture_gib": memory, "cases": []}
         failures = 0
         for rows_, keep in CASES:
             prompt = torch.tensor([rng.randrange(VOCAB) for _ in range(rows_)], device="cuda")
