@@ -19,7 +19,11 @@ def patch_language_once_per_launch() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    launch, call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    launch, call, patch_lang = (
+        interpreter.GridExecutor.__call__,
+        interpreter.InterpretedFunction.__call__,
+        interpreter._patch_lang,
+    )
     patched: list[set[int]] = []  # per running launch: the language modules patched so far
     modules: dict[object, frozenset[int]] = {}
 
@@ -37,15 +41,14 @@ def patch_language_once_per_launch() -> None:
             patched.pop()
 
     def helper_call(self, *args, **kwargs):
-        if not patched or not languages(self.fn) <= patched[-1]:
-            if patched:
-                patched[-1] |= languages(self.fn)
-            return call(self, *args, **kwargs)
-        patch_lang, interpreter._patch_lang = interpreter._patch_lang, lambda fn: None
+        repeat = bool(patched) and languages(self.fn) <= patched[-1]
+        if patched:
+            patched[-1] |= languages(self.fn)
+        outer, interpreter._patch_lang = interpreter._patch_lang, (lambda fn: None) if repeat else patch_lang
         try:
             return call(self, *args, **kwargs)
         finally:
-            interpreter._patch_lang = patch_lang
+            interpreter._patch_lang = outer
 
     interpreter.GridExecutor.__call__ = counted_launch
     interpreter.InterpretedFunction.__call__ = helper_call
