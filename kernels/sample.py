@@ -22,7 +22,8 @@ How each row stays identical to the one-row call:
 - top_p's cut, min_p's cut and the inverse-CDF pick are binary searches over those exact sums (and the sorted fp32
   probabilities) with the same fp64 products as the host: top_p · cdf[keep0-1], min_p · p[0], u · cdf[keep-1].
 - The uniform is splitmix64 of (seed, position) in 64-bit unsigned integer arithmetic, as `draw_uniform`.
-Greedy rows (temperature 0) take torch's argmax of the fp32 logits (the first maximal id).
+Greedy rows (temperature 0) take the first maximal id. A greedy round whose parameters are on the host (as the runner
+passes them) is one launch: `greedy_tokens`, one program per row keeping each lane's first maximum over the row.
 
 Work per call: torch's scaled softmax and stable sort of the rows that may draw (every row whose temperature is not
 0 when the temperatures are on the host; every row when they are on the device, whose values the host cannot see
@@ -45,6 +46,8 @@ from kernels.pdl import enter, launch_options
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCAN_BLOCK = 64 if INTERPRET else 4096  # small under the interpreter, so tests cross many chunks
 SCAN_WARPS = 8
+GREEDY_BLOCK = 64 if INTERPRET else 2048  # logits a greedy program compares at once
+GREEDY_WARPS = 8
 MASK64 = (1 << 64) - 1
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 MODE_INVALID, MODE_GREEDY, MODE_SAMPLE = 0, 1, 2
@@ -295,6 +298,62 @@ def scaled_softmax(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
+@triton.jit(do_not_specialize=["V"])
+def _greedy_kernel(x_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per row: the first id of the row's maximum, -1 if the row holds a NaN or no finite maximum."""
+    enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    best_at = tl.zeros((BLOCK,), dtype=tl.int32)
+    nan = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in tl.range(0, V, BLOCK):
+        at = start + offs
+        x = tl.load(x_ptr + row * stride_x + at, mask=at < V, other=float("-inf")).to(tl.float32)
+        nan = nan | (x != x).to(tl.int32)
+        take = x > best  # strictly greater: a lane keeps its first maximum
+        best = tl.where(take, x, best)
+        best_at = tl.where(take, at, best_at)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, best_at, V), axis=0)  # the lowest id among the lanes holding the maximum
+    finite = (top < float("inf")) & (top > float("-inf")) & (tl.max(nan, axis=0) == 0)
+    tl.store(out_ptr + row, tl.where(finite, first, -1).to(tl.int64))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """tokens [N] int64 of logits [N, V] (any float dtype): each row's first maximal id, -1 where the row holds a NaN
+    or its maximum is not finite (where `sample_token` at temperature 0 raises)."""
+    if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
+        raise ValueError(f"greedy_tokens takes logits [N, V] with V > 0 contiguous, got shape {tuple(logits.shape)}")
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    if logits.shape[0]:
+        _greedy_kernel[(logits.shape[0],)](
+            logits,
+            out,
+            logits.shape[1],
+            logits.stride(0),
+            BLOCK=GREEDY_BLOCK,
+            num_warps=GREEDY_WARPS,
+            **launch_options(_greedy_kernel, logits.device),
+        )
+    return out
+
+
+def greedy_tokens_reference(logits: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch `greedy_tokens`: torch's argmax of the fp32 rows where their maximum is finite, else -1."""
+    x = logits.float()
+    return torch.where(torch.isfinite(x.amax(dim=-1)), torch.argmax(x, dim=-1), -1)
+
+
+def valid_parameters(
+    temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Rows whose parameters `sample_token` accepts (on the parameters' device)."""
+    t64, k64 = temperature.to(torch.float64), top_k.to(torch.int64)
+    p64, m64 = top_p.to(torch.float64), min_p.to(torch.float64)
+    return (t64 >= 0) & (k64 >= 0) & (p64 > 0) & (p64 <= 1) & (m64 >= 0) & (m64 <= 1)
+
+
 def _drawn_rows(temperature: torch.Tensor, n: int, device: torch.device) -> torch.Tensor | None:
     """Indices on `device` of the rows that may draw (temperature not 0), found without a device sync when the
     temperatures are on the host (every row otherwise); None when none may."""
@@ -321,13 +380,16 @@ def sample_rows(
     dev = logits.device
     if vocab == 0:
         raise ValueError("sample_rows needs at least one logit per row")
+    params = (temperature, top_k, top_p, min_p)
+    if all(t.device.type == "cpu" for t in params) and not temperature.any():  # a greedy round: one launch
+        tokens, valid = greedy_tokens(logits.contiguous()), valid_parameters(*params)
+        return tokens if valid.all() else torch.where(valid.to(dev), tokens, -1)
     t64 = temperature.to(device=dev, dtype=torch.float64)
     k64 = top_k.to(device=dev, dtype=torch.int64).contiguous()
     p64 = top_p.to(device=dev, dtype=torch.float64).contiguous()
     m64 = min_p.to(device=dev, dtype=torch.float64).contiguous()
     x = logits.float()
-    valid = (t64 >= 0) & (k64 >= 0) & (p64 > 0) & (p64 <= 1) & (m64 >= 0) & (m64 <= 1)
-    valid &= torch.isfinite(x.amax(dim=-1))
+    valid = valid_parameters(t64, k64, p64, m64) & torch.isfinite(x.amax(dim=-1))
     greedy = t64 == 0
     tokens = torch.where(valid & greedy, torch.argmax(x, dim=-1), -1)
     drawn = _drawn_rows(temperature, n, dev)

@@ -220,7 +220,9 @@ def run_sample(n: int, vocab: int, dtype: str, mix: str, device: str, gen: torch
         copies = cold_copies(logits)
         t, how = time_us(lambda i: sample_rows(copies[i], *params), len(copies), device)
         sort_t, _ = time_us(lambda i: sorted_probs(copies[i], params[0]), len(copies), device)
-        host = (params[0].cpu(), *params[1:])  # as the runner passes them: greedy rows then skip the sort
+        # as the runner passes them: temperatures on the host (greedy rows skip the sort), and in a greedy round the
+        # other parameters too (one launch)
+        host = (*(a.cpu() for a in params[:4]), *params[4:]) if not params[0].any() else (params[0].cpu(), *params[1:])
         host_tokens = sample_rows(logits, *host).tolist()
         host_t, host_how = time_us(lambda i: sample_rows(copies[i], *host), len(copies), device)
         floor = floor_us(logits.numel() * logits.element_size())

@@ -229,10 +229,11 @@ class ModelRunner:
         if self.model.kernels:
             from kernels.sample import sample_rows
 
-            floats = _on(logits.device, [[s.top_p, s.min_p] for s, _ in keys], torch.float64)
-            ints = _on(logits.device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
             temperature = torch.tensor([s.temperature for s, _ in keys], dtype=torch.float64)  # on the host: greedy
-            # rows then skip the sort
+            # rows skip the sort, and a greedy round (its parameters on the host too) is one launch
+            device = logits.device if temperature.any() else torch.device("cpu")
+            floats = _on(device, [[s.top_p, s.min_p] for s, _ in keys], torch.float64)
+            ints = _on(device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
             tokens = sample_rows(logits, temperature, ints[:, 0], floats[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
             self.trace.gpu_mark("draw", logits.device)
             tokens = tokens.tolist()

@@ -9,8 +9,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
+import kernels.sample
 from kernels.sample import (
+    GREEDY_BLOCK,
     draw_uniforms,
+    greedy_tokens,
+    greedy_tokens_reference,
     sample_rows,
     sample_rows_reference,
     sequential_cumsum,
@@ -212,3 +216,45 @@ def test_only_rows_that_draw_are_sorted(monkeypatch) -> None:
     assert sorted_rows == []
     assert sample_rows(logits, *mixed).tolist() == expected[1]
     assert sorted_rows == [2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, GREEDY_BLOCK - 1, 3 * GREEDY_BLOCK + 5])
+def test_greedy_tokens_take_the_first_maximum_and_refuse_rows_without_a_finite_one(vocab: int, dtype) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen).to(dtype)
+    if vocab > GREEDY_BLOCK:
+        logits[1, [GREEDY_BLOCK + 2, 3, 2 * GREEDY_BLOCK]] = 9.0  # a tie across lanes: the lowest id, in a later lane
+        logits[2, [GREEDY_BLOCK + 1, 2 * GREEDY_BLOCK + 1]] = 9.0  # a tie within one lane: its first
+    logits[3, vocab // 2] = float("nan")
+    logits[4, vocab - 1] = float("inf")
+    logits[5] = float("-inf")
+    logits[6, : vocab // 2] = float("-inf")  # a finite maximum among minus infinities
+    logits[7] = 0.0  # every id ties: the first
+    expected = greedy_tokens_reference(logits)
+    assert greedy_tokens(logits).tolist() == expected.tolist()
+    assert expected[3:6].tolist() == [-1, -1, -1] and expected[7] == 0
+    if vocab > GREEDY_BLOCK:
+        assert expected[1:3].tolist() == [3, GREEDY_BLOCK + 1]
+
+
+def test_a_greedy_round_with_host_parameters_is_one_launch_and_refuses_by_row(monkeypatch) -> None:
+    """With every temperature 0 and the parameters on the host, sample_rows is `greedy_tokens` alone: no casts, no
+    sort; a row whose parameters sample_token refuses still gets -1."""
+    launches: list[int] = []
+    real = kernels.sample.greedy_tokens
+
+    def counted(logits: torch.Tensor) -> torch.Tensor:
+        launches.append(logits.shape[0])
+        return real(logits)
+
+    monkeypatch.setattr(kernels.sample, "greedy_tokens", counted)
+    monkeypatch.setattr(torch, "argmax", None)  # the general path's argmax would fail
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(5, 90, generator=gen).bfloat16()
+    logits[2, 40] = float("nan")
+    args = params(5, gen, ((0.0, 0, 1.0, 0.0), (0.0, 3, 0.5, 0.2), (0.0, 0, 1.0, 0.0), (0.0, -1, 1.0, 0.0)))
+    tokens = sample_rows(logits, *args).tolist()
+    monkeypatch.undo()
+    assert launches == [5]
+    assert tokens == server_tokens(logits, args) and tokens[2:4] == [-1, -1]
