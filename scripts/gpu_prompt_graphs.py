@@ -117,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             "shared_outputs": graphs.shared.nbytes() / 2**30
         }
         print(f"capture {took:.1f} s, GiB taken: {memory}", flush=True)
-        report: dict[str, object] = {"buckets": graphs.buckets, "capture_s": took, "capture_gib": memory, "cases": []}
+        report: dict[str, object] = {
+            "buckets": dict(graphs.buckets),
+            "capture_s": took,
+            "capture_gib": memory,
+            "cases": [],
+        }
         failures = 0
         for rows_, keep in CASES:
             prompt = torch.tensor([rng.randrange(VOCAB) for _ in range(rows_)], device="cuda")
