@@ -71,7 +71,8 @@ def sample_cases(smoke: bool) -> list[tuple[int, int, str, str]]:
         return [(1, 300, "fp32", "mixed"), (7, 300, "bf16", "mixed")]
     cases = [(n, VOCAB, "fp32", mix) for n in SAMPLE_ROWS for mix in ("mixed", "temperature", "typical")]
     extra = [(64, VOCAB, "fp32", "top_p"), (64, VOCAB, "fp32", "all"), (64, VOCAB, "bf16", "mixed")]
-    return [*cases, *extra, (1, VOCAB, "fp32", "greedy"), (64, VOCAB, "fp32", "greedy")]
+    greedy = [(n, VOCAB, dtype, "greedy") for dtype in ("fp32", "bf16") for n in (1, 64)]  # served logits are bf16
+    return [*cases, *extra, *greedy]
 
 
 def floor_us(num_bytes: int) -> float:
@@ -263,11 +264,12 @@ def line(row: dict[str, object]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command line: --out DIR; --smoke for tiny shapes; --only router|sample."""
+    """Command line: --out DIR; --smoke for tiny shapes; --only router|sample; --mix MIX (repeatable)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for router_sample.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (on the CPU under TRITON_INTERPRET=1)")
     parser.add_argument("--only", choices=("router", "sample"), help="run one kernel's cases")
+    parser.add_argument("--mix", choices=tuple(MIXES), action="append", help="sampling cases of these mixes only")
     return parser.parse_args(argv)
 
 
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line(rows[-1]), flush=True)
     if args.only in (None, "sample"):
         for case in sample_cases(args.smoke):
+            if args.mix and case[3] not in args.mix:
+                continue
             rows.append(run_sample(*case, device, gen))
             print(line(rows[-1]), flush=True)
     report = {
