@@ -320,9 +320,10 @@ def _greedy_kernel(x_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr, PDL: tl.con
     tl.store(out_ptr + row, tl.where(finite, first, -1).to(tl.int64))
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, block: int = GREEDY_BLOCK, warps: int = GREEDY_WARPS) -> torch.Tensor:
     """tokens [N] int64 of logits [N, V] (any float dtype): each row's first maximal id, -1 where the row holds a NaN
-    or its maximum is not finite (where `sample_token` at temperature 0 raises)."""
+    or its maximum is not finite (where `sample_token` at temperature 0 raises). The tile (`block` logits at once over
+    `warps` warps) changes no result."""
     if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
         raise ValueError(f"greedy_tokens takes logits [N, V] with V > 0 contiguous, got shape {tuple(logits.shape)}")
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -332,8 +333,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
             out,
             logits.shape[1],
             logits.stride(0),
-            BLOCK=GREEDY_BLOCK,
-            num_warps=GREEDY_WARPS,
+            BLOCK=block,
+            num_warps=warps,
             **launch_options(_greedy_kernel, logits.device),
         )
     return out
