@@ -46,8 +46,8 @@ from kernels.pdl import enter, launch_options
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCAN_BLOCK = 64 if INTERPRET else 4096  # small under the interpreter, so tests cross many chunks
 SCAN_WARPS = 8
-GREEDY_BLOCK = 64 if INTERPRET else 2048  # logits a greedy program compares at once
-GREEDY_WARPS = 8
+GREEDY_BLOCK = 64 if INTERPRET else 8192  # logits a greedy program compares at once (gpu_sweep_greedy.py)
+GREEDY_WARPS = 32
 MASK64 = (1 << 64) - 1
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 MODE_INVALID, MODE_GREEDY, MODE_SAMPLE = 0, 1, 2
