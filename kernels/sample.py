@@ -382,6 +382,8 @@ def sample_rows(
     if vocab == 0:
         raise ValueError("sample_rows needs at least one logit per row")
     params = (temperature, top_k, top_p, min_p)
+    if any(t.shape != (n,) for t in (*params, seed, position)):
+        raise ValueError(f"sample_rows: every parameter needs one value per row ({n})")
     if all(t.device.type == "cpu" for t in params) and not temperature.any():  # a greedy round: one launch
         tokens, valid = greedy_tokens(logits.contiguous()), valid_parameters(*params)
         return tokens if valid.all() else torch.where(valid.to(dev), tokens, -1)

@@ -20,7 +20,8 @@ from model.state import LaneSnapshot, LaneState, snapshot
 @dataclass(slots=True)
 class ForwardOutput:
     """Logits of the requested rows, every row's pre-mixer wide state (the MTP layer's input), and by segment index
-    and row offset the lane's snapshots asked for (to keep a prefix of a verify window, or a state mid-chunk)."""
+    and row offset the lane's snapshots asked for (to keep a prefix of a verify window, or a state mid-chunk; a
+    replayed graph's snapshots view buffers the next verify or prompt forward writes: copy them out before it)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor

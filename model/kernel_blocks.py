@@ -49,18 +49,21 @@ class RowStates:
 
 
 class SharedOutputs:
-    """Where captured graphs write what outlives a replay (the states they keep, logits), one buffer per layer and
-    output shared by every graph: a round reads them before the next round's forward, so no bucket holds its own."""
+    """Where captured graphs write what outlives a replay (the states they keep, logits at two ranks), one buffer per
+    layer and output shared by every graph: a round reads them before the next round's forward (the runner clones the
+    logits at once and copies kept states out before its next forward), so no bucket holds its own."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
 
     def take(self, name: str, index: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """The first shape[0] rows of layer `index`'s buffer `name` (of `like`'s dtype and device); made (outside a
-        capture, on the largest bucket's warm-up) when absent or too small."""
+        """The first shape[0] rows of layer `index`'s buffer `name` (of `like`'s dtype and device); made when absent
+        or too small, on the warm-up before a capture (graphs captured earlier keep the buffer they wrote)."""
         buffer = self.buffers.get((name, index))
         fits = buffer is not None and buffer.shape[0] >= shape[0] and buffer.shape[1:] == shape[1:]
         if not fits or buffer.dtype != like.dtype or buffer.device != like.device:
+            if like.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"shared output {name} of layer {index} must exist before its graph is captured")
             buffer = like.new_empty(shape)
             self.buffers[name, index] = buffer
         return buffer[: shape[0]]

@@ -200,10 +200,13 @@ def fold_caches(lane_caches: list, end: int, ratio: int) -> None:
 
 def vocab_logits(model: FlashNextModel, mixed: torch.Tensor, shared: SharedOutputs | None = None) -> torch.Tensor:
     """Logits over the whole vocabulary: each rank's lm_head rows by the linear kernel, gathered in rank order (into
-    the graphs' shared buffer when given)."""
+    the graphs' shared buffer when given; one rank's logits are the kernel's own output, which a copy would only
+    repeat)."""
     local = project(mixed, model.lm_head)
+    if shared is None or model.tp.world == 1:
+        return model.tp.gather(local, dim=-1)
     shape = (local.shape[0], local.shape[1] * model.tp.world)
-    return model.tp.gather(local, dim=-1, out=None if shared is None else shared.take("logits", 0, shape, local))
+    return model.tp.gather(local, dim=-1, out=shared.take("logits", 0, shape, local))
 
 
 def logits(model: FlashNextModel, hidden: torch.Tensor, shared: SharedOutputs | None = None) -> torch.Tensor:

@@ -258,3 +258,10 @@ def test_a_greedy_round_with_host_parameters_is_one_launch_and_refuses_by_row(mo
     monkeypatch.undo()
     assert launches == [5]
     assert tokens == server_tokens(logits, args) and tokens[2:4] == [-1, -1]
+
+
+def test_parameters_of_another_length_than_the_rows_are_refused() -> None:
+    gen = torch.Generator().manual_seed(2)
+    args = params(3, gen, ((0.0, 0, 1.0, 0.0),))
+    with pytest.raises(ValueError, match="one value per row"):
+        sample_rows(torch.randn(2, 30, generator=gen), *args)

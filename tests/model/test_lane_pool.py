@@ -33,9 +33,13 @@ def path(tmp_path_factory):
 
 
 def decode(model: FlashNextModel, lanes: list[LaneState]) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prefill each prompt alone, then STEPS greedy decode rounds of every lane together."""
+    """Prefill the prompts in one round, then STEPS greedy decode rounds of every lane together."""
+    segments, start = [], 0
     for lane, prompt in zip(lanes, PROMPTS, strict=True):
-        model(single_lane_batch(lane, torch.tensor(prompt), 0))
+        segments.append(Segment(lane, start, len(prompt)))
+        start += len(prompt)
+    positions = torch.cat([torch.arange(len(prompt)) for prompt in PROMPTS])
+    model(ForwardBatch(torch.tensor([t for prompt in PROMPTS for t in prompt]), positions, segments))
     tokens, logits = [[1], [2], [3]], []
     for _ in range(STEPS):
         segments = [Segment(lane, i, 1) for i, lane in enumerate(lanes)]
@@ -82,7 +86,7 @@ def test_replayed_decode_rounds_equal_the_eager_ones_bit_for_bit(path, eager) ->
     graphs = kernel_path.enable_graphs(model, {"trunk": 4})
     lanes = [model.new_lane() for _ in PROMPTS]
     logits, tokens = decode(model, lanes)
-    assert graphs.replays["trunk"] == STEPS + 1  # 3 lanes in the bucket of 4, and the 3-token prompt
+    assert graphs.replays["trunk"] == STEPS  # 3 lanes in the bucket of 4 (the 14 prompt rows run eagerly)
     assert tokens == eager_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits, strict=True))
     assert_same_lanes(lanes, eager_lanes)
@@ -173,7 +177,7 @@ def test_replayed_prompt_rounds_keeping_listed_rows_equal_the_eager_ones_bit_for
     assert_same_lanes(lanes, expected_lanes)
     shared = {b.untyped_storage().data_ptr() for b in graphs.shared.buffers.values()}
     assert all(t.untyped_storage().data_ptr() in shared for t in got[1:])  # no bucket holds kept states of its own
-    assert torch.equal(graphs.shared.buffers["logits", 0][:3], got[0])  # nor logits
+    assert ("logits", 0) not in graphs.shared.buffers  # one rank's logits stay the kernel's output: no copy
 
 
 def test_shared_outputs_serve_smaller_takes_from_one_buffer_and_grow_when_too_small() -> None:

@@ -8,7 +8,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_sweep_greedy
-import torch
 
 from kernels.sample import greedy_tokens_reference
 
@@ -25,4 +24,3 @@ def test_a_tile_that_gives_other_tokens_fails_the_run(tmp_path, monkeypatch) -> 
     argv = ["--out", str(tmp_path), "--smoke", "--rows", "1", "--blocks", "64", "128", "--warps", "2"]
     assert gpu_sweep_greedy.main(argv) == 1
     assert [r["same"] for r in json.loads((tmp_path / "greedy.json").read_text())] == [True, False]
-    assert torch.equal(greedy_tokens_reference(torch.tensor([[1.0, 3.0, 3.0]])), torch.tensor([1]))
