@@ -169,8 +169,7 @@ def test_verify_window_snapshots_restore_the_serial_state(models) -> None:
 def test_only_the_rows_asked_for_keep_their_states(models, monkeypatch) -> None:
     _, ker = models
     lanes = [ker.new_lane() for _ in range(4)]
-    for lane in lanes:
-        fold(ker, [(lane, PROMPT[:6])])
+    fold(ker, [(lane, PROMPT[:6]) for lane in lanes])
     kept_rows = []
     build_round = kernel_path.build_round
     monkeypatch.setattr(
