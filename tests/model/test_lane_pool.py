@@ -22,7 +22,8 @@ from model.state import LaneState, restore
 from model.weights import load_model
 from tests.tiny import text_config
 
-TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4}
+# three layers (GDN, QSA, GDN): two GDN layers, at three quarters of four layers' interpreter time
+TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
 PROMPTS = ([7, 19, 5, 33, 2, 91], [8, 13, 21], [4, 4, 4, 4, 4])
 STEPS = 3
 

@@ -18,7 +18,8 @@ from server.sampling import sample_token
 from tests.server import engine_harness
 from tests.tiny import text_config
 
-TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4}
+# three layers (GDN, QSA, GDN): two GDN layers, at three quarters of four layers' interpreter time
+TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
 
 
 def test_a_round_draws_once_and_every_row_equals_its_draw_alone(tmp_path, monkeypatch) -> None:
