@@ -289,7 +289,7 @@ class ModelRunner:
         drafting = [(slot, last) for slot, last in ends if depth[slot]]
         lasts = torch.tensor([last for _, last in drafting], dtype=torch.long, device=device)
         logits, wide = self.model.mtp_forward(batch, torch.cat(hidden), logit_rows=lasts)  # drafting lanes' last rows
-        firsts = _argmaxes(logits) if drafting else []
+        firsts = _argmaxes(logits, self.model.kernels) if drafting else []
         drafts = {slot: [token] for (slot, _), token in zip(drafting, firsts, strict=True)}
         state = {slot: (wide[last], positions[last]) for slot, last in drafting}
         for step in range(1, max(depth.values(), default=0)):
@@ -302,7 +302,7 @@ class ModelRunner:
                 [Segment(self.slots[s], i, 1) for i, s in enumerate(chained)],
             )
             logits, wide = self.model.mtp_forward(batch, torch.stack([state[s][0] for s in chained]))
-            for i, (s, token) in enumerate(zip(chained, _argmaxes(logits), strict=True)):
+            for i, (s, token) in enumerate(zip(chained, _argmaxes(logits, self.model.kernels), strict=True)):
                 drafts[s].append(token)
                 state[s] = (wide[i], state[s][1] + 1)
         return {s: tuple(d) for s, d in drafts.items()}
@@ -314,7 +314,14 @@ def _on(device: torch.device, rows: list[list], dtype: torch.dtype) -> torch.Ten
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
 
-def _argmaxes(logits: torch.Tensor) -> list[int]:
+def _argmaxes(logits: torch.Tensor, kernels: bool) -> list[int]:
     """Each row's most likely token, ties to the lower id (torch.argmax returns the first maximal index), in one
-    copy to the host."""
+    copy to the host: on the kernel path by one launch of `greedy_tokens` (rows without a finite maximum, which it
+    refuses, take torch's argmax as before)."""
+    if kernels:
+        from kernels.sample import greedy_tokens
+
+        tokens = greedy_tokens(logits.contiguous()).tolist()
+        if -1 not in tokens:
+            return tokens
     return torch.argmax(logits.float(), dim=-1).tolist()

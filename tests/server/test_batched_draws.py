@@ -49,3 +49,20 @@ def test_a_round_draws_once_and_every_row_equals_its_draw_alone(tmp_path, monkey
     assert len(rows) == sum(batched)
     assert {t for t, _, _ in rows} == {0.0, 0.9}
     assert all(token == alone for _, token, alone in rows)
+
+
+def test_mtp_drafts_take_each_rows_first_maximum_in_one_greedy_launch(monkeypatch) -> None:
+    """On the kernel path a drafting step's argmax is one `greedy_tokens` launch; a row without a finite maximum
+    (which greedy_tokens refuses) takes torch's argmax, as every row did before."""
+    from server import runner
+
+    launches, real = [], kernels.sample.greedy_tokens
+    monkeypatch.setattr(kernels.sample, "greedy_tokens", lambda x: launches.append(x.shape[0]) or real(x))
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4)).bfloat16()
+    logits[1, [40, 3]] = 9.0  # a tie: the lower id
+    assert runner._argmaxes(logits, True) == torch.argmax(logits.float(), dim=-1).tolist() and launches == [4]
+    assert runner._argmaxes(logits, True)[1] == 3
+    logits[2, 7] = float("nan")
+    assert runner._argmaxes(logits, True) == torch.argmax(logits.float(), dim=-1).tolist()
+    launches.clear()
+    assert runner._argmaxes(logits, False) == torch.argmax(logits.float(), dim=-1).tolist() and not launches
