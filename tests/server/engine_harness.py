@@ -9,6 +9,7 @@ from model.flashnext import FlashNextModel
 from rankwire.header import DrawSpec
 from server.drafters import Drafter
 from server.engine import Engine, Request, Update
+from server.prompt_cache import PromptCache
 from server.runner import LaneResult, ModelRunner
 
 
@@ -52,10 +53,16 @@ def run(
     drafter: Drafter | None = None,
     draft: bool = True,
     budget: int = 64,
+    cache_grid: int | None = None,
 ) -> tuple[list[list[int]], RecordingRunner]:
-    """Serve the prompts together (ignoring EOS) and return each one's tokens."""
+    """Serve the prompts together (ignoring EOS) and return each one's tokens; with `cache_grid` a prompt cache keeps
+    lane states on that grid and before each prompt's last token."""
     runner = RecordingRunner(model, max(len(prompts), 1))
-    engine = Engine(runner, context=4096, prompt_budget=budget, draft_depth=depth, drafter=drafter)
+    cache = None if cache_grid is None else PromptCache(1 << 30)
+    engine = Engine(
+        runner, context=4096, prompt_budget=budget, draft_depth=depth, drafter=drafter, prompt_cache=cache,
+        cache_grid=cache_grid or 512,
+    )  # fmt: skip
     runner.engine = engine
     outcomes = [Outcome() for _ in prompts]
     engine.start()
