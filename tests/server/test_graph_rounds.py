@@ -19,8 +19,8 @@ from tests.tiny import text_config
 
 # three layers (GDN, QSA, GDN): two GDN layers, at three quarters of four layers' interpreter time
 TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
-PROMPTS = [[7, 19, 5, 33, 2, 91, 8, 13], [8, 13, 21, 60, 17]]
-DRAWS = [DrawSpec(0.0, 0, 1.0, 0.0, 0), DrawSpec(0.9, 8, 0.9, 0.0, 1234)]
+PROMPTS = [[7, 19, 5, 33, 2, 91, 8, 13, 21, 60, 17, 4]]  # more rows than the largest verify graph: a prompt graph
+DRAWS = [DrawSpec(0.9, 8, 0.9, 0.0, 1234)]
 
 
 def states(lane) -> list[torch.Tensor]:
@@ -44,7 +44,7 @@ def test_rounds_through_graphs_give_the_eager_rounds_tokens_drafts_and_kept_stat
     tokens, rounds, kept, _ = serve(False)
     got_tokens, got_rounds, got_kept, graphs = serve(True)
     assert graphs.replays["prompt"] >= 1 and graphs.replays["verify"] >= 1 and graphs.replays["mtp"] >= 1
-    assert len(kept) >= 3  # grid and last-but-one keeps of both prompts, read after the round's MTP pass
+    assert len(kept) >= 3  # the grid's and the last-but-one keeps, read after the round's MTP pass
     assert got_tokens == tokens and got_rounds == rounds
     assert got_kept.keys() == kept.keys()
     for handle, (length, tensors) in kept.items():
