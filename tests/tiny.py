@@ -13,6 +13,10 @@ from make_checkpoint import make_checkpoint
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "tiny"
 VARIANTS = ("base", "gqa12-hc4", "no-ple")
+# Overrides of "base" for the kernel path's tests: GDN head dims the kernels take (powers of two >= 16); an indexer
+# budget of two 2-token blocks, so prompts of a few tokens already choose blocks; three layers (GDN, QSA with the PLE,
+# GDN): two GDN layers keep their states apart, at three quarters of four layers' interpreter time.
+KERNEL_TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
 
 
 def text_config(name: str = "base", **overrides: Any) -> dict[str, Any]:

@@ -20,12 +20,9 @@ from model.layers import ForwardBatch, Segment
 from model.ple import ngram_row_ids
 from model.state import LaneState, copy_lane, restore
 from model.weights import load_model, resolve_kernels
-from tests.tiny import text_config
+from tests.tiny import KERNEL_TEXT, text_config
 
-# GDN head dims the kernels take (powers of two >= 16); an indexer budget of two 2-token blocks, so that prompts of
-# a few tokens already choose blocks; three layers (GDN, QSA with the PLE, GDN): two GDN layers keep their states
-# apart, at three quarters of four layers' interpreter time. Token 5 is eos: the n-gram hash restarts after it.
-TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
+# The kernel path's tiny model (tests.tiny.KERNEL_TEXT). Token 5 is eos: the n-gram hash restarts after it.
 PROMPT = [7, 19, 5, 33, 2, 91, 5, 44]
 OTHER = [8, 13, 21, 60, 17]
 RATIO = text_config("base")["indexer_compress_ratio"]
@@ -34,7 +31,7 @@ RATIO = text_config("base")["indexer_compress_ratio"]
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("kernel_path")
-    text = text_config("base", **TEXT)
+    text = text_config("base", **KERNEL_TEXT)
     return {fmt: make_checkpoint(text, root / fmt, fmt=fmt) for fmt in ("bf16", "nvfp4")}
 
 

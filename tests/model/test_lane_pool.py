@@ -20,17 +20,15 @@ from model.kernel_blocks import SharedOutputs
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, restore
 from model.weights import load_model
-from tests.tiny import text_config
+from tests.tiny import KERNEL_TEXT, text_config
 
-# three layers (GDN, QSA, GDN): two GDN layers, at three quarters of four layers' interpreter time
-TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
 PROMPTS = ([7, 19, 5, 33, 2, 91], [8, 13, 21], [4, 4, 4, 4, 4])
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return make_checkpoint(text_config("base", **TEXT), tmp_path_factory.mktemp("lane_pool"), fmt="bf16")
+    return make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path_factory.mktemp("lane_pool"), fmt="bf16")
 
 
 def decode(model: FlashNextModel, lanes: list[LaneState]) -> tuple[list[torch.Tensor], list[list[int]]]:

@@ -16,15 +16,12 @@ from rankwire.header import DrawSpec
 from server.runner import ModelRunner
 from server.sampling import sample_token
 from tests.server import engine_harness
-from tests.tiny import text_config
-
-# three layers (GDN, QSA, GDN): two GDN layers, at three quarters of four layers' interpreter time
-TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
+from tests.tiny import KERNEL_TEXT, text_config
 
 
 def test_a_round_draws_once_and_every_row_equals_its_draw_alone(tmp_path, monkeypatch) -> None:
     model = load_model(
-        make_checkpoint(text_config("base", **TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
+        make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
     )
     batched, rows = [], []
     sample_rows, draw = kernels.sample.sample_rows, ModelRunner._draw

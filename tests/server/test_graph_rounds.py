@@ -15,10 +15,8 @@ from model import kernel_path
 from model.weights import load_model
 from rankwire.header import DrawSpec
 from tests.server import engine_harness
-from tests.tiny import text_config
+from tests.tiny import KERNEL_TEXT, text_config
 
-# three layers (GDN, QSA, GDN): two GDN layers, at three quarters of four layers' interpreter time
-TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
 PROMPTS = [[7, 19, 5, 33, 2, 91, 8, 13, 21, 60, 17, 4]]  # more rows than the largest verify graph: a prompt graph
 DRAWS = [DrawSpec(0.9, 8, 0.9, 0.0, 1234)]
 
@@ -29,7 +27,7 @@ def states(lane) -> list[torch.Tensor]:
 
 
 def test_rounds_through_graphs_give_the_eager_rounds_tokens_drafts_and_kept_states(tmp_path) -> None:
-    path = make_checkpoint(text_config("base", **TEXT), tmp_path, fmt="bf16")
+    path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
 
     def serve(graphs: bool):
         model = load_model(path, "cpu", "bfloat16", kernels="on")
