@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.hyper import round_to_act
+from kernels.fp32_ops import round_to_act
 from kernels.pdl import enter, launch_options
 
 # The interpreter has no libdevice, and its bf16 casts truncate and lose subnormals: there they go through the bits.

@@ -18,17 +18,15 @@ Read, three launches, each intermediate with its dtype and rounding:
      inject [N, hc] = act(2 · sigmoid(a_inj / hc)), with silu(v) = v / (1 + exp(-v)), sigmoid(v) = 1 / (1 + exp(-v)).
   3. u = h · W_upᵀ in fp32 (dots over BLOCK_R chunks of r in increasing order), g = sigmoid(u) fp32,
      x [N, d] = act((g_0·normed_0 + g_1·normed_1 + ...) / hc), the stream sum in fp32 in stream order.
-With `ReadTiles.via_linear` (bf16 only; the default) step 2 runs as three launches instead: the
+With `ReadTiles.via_linear` (bf16 only; the default) step 2 runs as two launches instead: the
 first kernel also stores normed [N, hc·d]; the linear kernel forms a and a_inj in one launch over [W_down; W_inject]
 (a view when the inject rows follow the down rows in memory, as the model stacks them), whose K ranges, tiles and
-range order are those above, so the sums have the same bits; `_finish_kernel` forms h and inject from them. Where
+range order are those above, so the sums have the same bits, and stores h and inject from them (`linear_gates`). Where
 the linear kernel would cut K = hc·d into other ranges (it picks them from its N and K), the fused kernel runs.
-With `ReadTiles.up_via_linear` (bf16 only; the default) step 3 runs as two launches over the stored
-normed rows: u = h · W_upᵀ by the linear kernel (K = r in one range of 128-wide tiles: the same chain of 16-deep MMA
-steps in increasing k as the 64-wide chunks above, then zero products past r; the fused kernel runs where the linear
-kernel would cut r into ranges), and `_gate_mix_kernel` forms x from
-u and normed as step 3 does. On the H200 both paths, alone and together, gave x and inject bit-identical to the
-fused kernels at 1, 64, 256 and 1,024 rows (scripts/gpu_sweep_hyper.py --via-linear).
+With `ReadTiles.up_over_normed` (bf16 only; the default) step 3 runs as one `_up_mix_kernel` launch over the stored
+normed rows: u = h · W_upᵀ summed over r in 128-wide tiles (the same chain of 16-deep MMA steps in increasing k as the
+64-wide chunks above, then zero products past r), kept in registers (never stored), and x formed from u and normed
+as step 3 does, so x has the fused kernels' bits (tests/kernels/test_hyper_gpu.py compares them on the GPU).
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
@@ -42,12 +40,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from kernels.counters import CounterPool
+from kernels.fp32_ops import hyper_gates, round_to_act, sigmoid_f32
+from kernels.linear import Gates, linear_gates
 from kernels.linear import k_ranges as linear_k_ranges
-from kernels.linear import linear
-from kernels.pdl import enter, launch_options
+from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 
 # The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
 # and rounding is done on the bits.
@@ -58,6 +56,7 @@ INJECT_BLOCK = 16  # inject columns padded to one 16-wide dot tile, so hc <= 16
 MAX_TILES = 1024
 MIN_PROGRAMS = 264
 WRITE_BLOCK = 256
+UP_BLOCK_K = 128  # the up projection sums r in tiles of the linear kernel's K tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +71,7 @@ class ReadTiles:
     num_warps: int
     num_stages: int
     via_linear: bool = False  # the down projection (and inject) by the linear kernel over stored normed rows
-    up_via_linear: bool = False  # the up projection by the linear kernel, then `_gate_mix_kernel` over normed rows
+    up_over_normed: bool = False  # the up projection and gated stream mean by `_up_mix_kernel` over stored normed rows
 
 
 def block_k(d: int) -> int:
@@ -93,47 +92,21 @@ def k_ranges(k: int, d: int) -> tuple[int, int]:
     return triton.cdiv(k, k_split), k_split
 
 
-def linear_paths(k: int, d: int, r: int, hc: int, inject: bool) -> tuple[bool, bool]:
-    """(down + inject, up): may the linear kernel take them? Only where it cuts K as the fused kernels do."""
-    return linear_k_ranges(r + (hc if inject else 0), k) == k_ranges(k, d), linear_k_ranges(k, r)[0] == 1
+def down_via_linear(k: int, d: int, r: int, hc: int, inject: bool) -> bool:
+    """May the linear kernel take the down (+ inject) projection? Only where it cuts K as the fused kernel does."""
+    return linear_k_ranges(r + (hc if inject else 0), k) == k_ranges(k, d)
 
 
 def read_tiles(n: int, r: int) -> ReadTiles:
-    """Tiles for n rows: both projections by the linear kernel (bf16), the fused kernels' tiles 16 or 64 rows high."""
+    """Tiles for n rows: down by the linear kernel and up over the stored normed rows (bf16), 16 or 64 rows high."""
     if INTERPRET:
         return ReadTiles(16, 16, 16, 16, False, 4, 1)
+    if n <= 32:
+        return ReadTiles(16, 32, 16, 16, False, 2, 3, via_linear=True, up_over_normed=True)
     if n <= 256:
-        return ReadTiles(16, 32, 16, 16, False, 4, 3, via_linear=True, up_via_linear=True)
+        return ReadTiles(16, 32, 64, 16, False, 4, 3, via_linear=True, up_over_normed=True)
     in_program = triton.cdiv(n, 64) * triton.cdiv(r, 64) >= MIN_PROGRAMS
-    return ReadTiles(64, 64, 64, 64, in_program, 4, 3, via_linear=True, up_via_linear=True)
-
-
-@triton.jit
-def round_to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> act, round to nearest even (on the bits under the interpreter, whose cast truncates)."""
-    if not ACT_BF16:
-        return x
-    elif INTERPRET:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _exp(x, INTERPRET: tl.constexpr):
-    """exp in fp32: libdevice's expf on the GPU, numpy's under the interpreter."""
-    if INTERPRET:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
-
-
-@triton.jit
-def _sigmoid(x, INTERPRET: tl.constexpr):
-    """1 / (1 + exp(-x)) in fp32, correctly rounded division."""
-    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, INTERPRET))
+    return ReadTiles(64, 64, 128, 32, in_program, 8, 3, via_linear=True, up_over_normed=True)
 
 
 @triton.jit
@@ -278,14 +251,12 @@ def _finish_down(
     INTERPRET: tl.constexpr,
 ):
     """Store h = act(silu(a / hc)) and, for the first column tile, inject = act(2·sigmoid(a_inj / hc))."""
-    v = tl.div_rn(acc, tl.full(acc.shape, HC, tl.float32))
-    h = tl.div_rn(v, 1.0 + _exp(-v, INTERPRET))
+    h, _no_inject = hyper_gates(acc, HC, INTERPRET)
     ok = row_ok[:, None] & col_ok[None, :]
     tl.store(h_ptr + rows.to(tl.int64)[:, None] * R + cols[None, :], round_to_act(h, ACT_BF16, INTERPRET), mask=ok)
     if with_inject:
         icols = tl.arange(0, BLOCK_I)
-        iv = tl.div_rn(iacc, tl.full(iacc.shape, HC, tl.float32))
-        inj = 2.0 * _sigmoid(iv, INTERPRET)
+        _no_h, inj = hyper_gates(iacc, HC, INTERPRET)
         tl.store(
             inj_ptr + rows.to(tl.int64)[:, None] * HC + icols[None, :],
             round_to_act(inj, ACT_BF16, INTERPRET),
@@ -510,69 +481,68 @@ def _mix_kernel(
         normed = _normed(
             wide_ptr, rstd_ptr, nw_ptr, rows, row_ok, wide_cols, col_ok, b, stride_w, HC, True, ACT_BF16, INTERPRET
         )
-        total = total + _sigmoid(u, INTERPRET) * normed.to(tl.float32)
+        total = total + sigmoid_f32(u, INTERPRET) * normed.to(tl.float32)
     x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["total"])
-def _finish_kernel(
-    sums_ptr,
+@triton.jit(do_not_specialize=["M"])
+def _up_mix_kernel(
     h_ptr,
-    inj_ptr,
-    total,
-    R,
-    W,
-    stride_s,
-    HC: tl.constexpr,
-    ACT_BF16: tl.constexpr,
-    BLOCK: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """From the down (and inject) projection's fp32 sums [M, W]: h = act(silu(a / hc)) for the first R columns,
-    inject = act(2·sigmoid(a_inj / hc)) for the rest, as `_finish_down` forms them."""
-    enter(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    row, col = offs // W, offs % W
-    a = tl.load(sums_ptr + row * stride_s + col, mask=ok, other=0.0)
-    v = tl.div_rn(a, tl.full(a.shape, HC, tl.float32))
-    is_h = col < R
-    h = tl.div_rn(v, 1.0 + _exp(-v, INTERPRET))
-    tl.store(h_ptr + row * R + col, round_to_act(h, ACT_BF16, INTERPRET), mask=ok & is_h)
-    inj = 2.0 * _sigmoid(v, INTERPRET)
-    tl.store(inj_ptr + row * HC + (col - R), round_to_act(inj, ACT_BF16, INTERPRET), mask=ok & ~is_h)
-
-
-@triton.jit(do_not_specialize=["total"])
-def _gate_mix_kernel(
-    u_ptr,
+    wu_ptr,
     normed_ptr,
     x_ptr,
-    total,
+    M,
     D,
-    stride_u,
+    R,
+    stride_wu,
     stride_n,
     HC: tl.constexpr,
+    HC_PAD: tl.constexpr,
     ACT_BF16: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """x = act(Σ_b sigmoid(u_b) · normed_b / hc) from the up projection's fp32 sums u [M, hc·d] and the stored
-    normed rows, streams summed in order from -0.0, as `_mix_kernel` forms it."""
+    """x tile = act(Σ_b sigmoid(u_b) · normed_b / hc) over the stored normed rows, streams summed in order from -0.0;
+    u = h · W_upᵀ for the tile's columns of every stream at once ([BLOCK_M, HC_PAD · BLOCK_D], stream-major), in fp32
+    as the linear kernel sums one K range (BLOCK_K tiles of r from zero, zero past r), kept in registers."""
+    pid_d = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    lanes = tl.arange(0, HC_PAD * BLOCK_D)
+    stream = lanes // BLOCK_D
+    cols = pid_d * BLOCK_D + lanes % BLOCK_D
+    lane_ok = (stream < HC) & (cols < D)
+    w_rows = (stream * D + tl.minimum(cols, D - 1)).to(tl.int64) * stride_wu
+    ks = tl.arange(0, BLOCK_K)
+    if PREFETCH:  # weights are never written by a kernel: fetch this program's into L2 while the previous one runs
+        for k0 in range(0, R, BLOCK_K):
+            prefetch_l2(wu_ptr + w_rows[None, :] + tl.minimum(k0 + tl.arange(0, BLOCK_K // 64) * 64, R - 1)[:, None])
     enter(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    row, col = offs // D, offs % D
-    acc = tl.full((BLOCK,), -0.0, tl.float32)
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
+    u = tl.zeros((BLOCK_M, HC_PAD * BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, R, BLOCK_K):
+        kk = k0 + ks
+        hh = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < R), other=0.0)
+        w = tl.load(wu_ptr + w_rows[None, :] + kk[:, None], mask=lane_ok[None, :] & (kk[:, None] < R), other=0.0)
+        u = _dot(hh, w, u, ACT_BF16, INTERPRET)
+    by_stream = tl.reshape(u, (BLOCK_M, HC_PAD, BLOCK_D))
+    which = tl.arange(0, HC_PAD)[None, :, None]
+    d_cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (d_cols < D)[None, :]
+    normed_rows = normed_ptr + rows.to(tl.int64)[:, None] * stride_n + d_cols[None, :]
+    total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
     for b in tl.static_range(HC):
-        u = tl.load(u_ptr + row * stride_u + b * D + col, mask=ok, other=0.0)
-        normed = tl.load(normed_ptr + row * stride_n + b * D + col, mask=ok, other=0.0)
-        acc = acc + _sigmoid(u, INTERPRET) * normed.to(tl.float32)
-    x = round_to_act(tl.div_rn(acc, tl.full(acc.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
-    tl.store(x_ptr + row * D + col, x, mask=ok)
+        u_b = tl.sum(tl.where(which == b, by_stream, 0.0), axis=1)  # one term and +0.0s: u_b's own value
+        normed = tl.load(normed_rows + b * D, mask=ok, other=0.0)
+        total = total + sigmoid_f32(u_b, INTERPRET) * normed.to(tl.float32)
+    x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
+    tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + d_cols[None, :], x, mask=ok)
 
 
 @triton.jit
@@ -719,28 +689,26 @@ def launch_read(
         return x, inject
     rstd = torch.empty((n, hc), dtype=torch.float32, device=dev)
     bf16 = act == torch.bfloat16
-    down_ok, up_ok = linear_paths(k, d, r, hc, w_inject is not None)
-    via_linear, up_via_linear = tiles.via_linear and bf16 and down_ok, tiles.up_via_linear and bf16 and up_ok
-    normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_via_linear else rstd
+    via_linear = tiles.via_linear and bf16 and down_via_linear(k, d, r, hc, w_inject is not None)
+    up_over_normed = tiles.up_over_normed and bf16
+    normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_over_normed else rstd
     _rstd_kernel[(n, hc)](
         wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,
-        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear or up_via_linear, ACT_BF16=bf16,
+        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear or up_over_normed, ACT_BF16=bf16,
         INTERPRET=INTERPRET, **launch_options(_rstd_kernel, wide.device),
     )  # fmt: skip
     h = torch.empty((n, r), dtype=act, device=dev)
-    if via_linear:  # one linear launch over the stacked down and inject weights: fp32 sums [n, r (+ hc)]
-        sums = linear(normed, w_down if w_inject is None else stacked_rows(w_down, w_inject), torch.float32)
-        _finish_kernel[(triton.cdiv(sums.numel(), WRITE_BLOCK),)](
-            sums, h, inject if inject is not None else h, sums.numel(), r, sums.shape[1], sums.stride(0),
-            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET, **launch_options(_finish_kernel, sums.device),
-        )  # fmt: skip
+    if via_linear:  # one linear launch over the stacked down and inject weights, storing h and inject
+        linear_gates(normed, w_down if w_inject is None else stacked_rows(w_down, w_inject), Gates(h, inject, hc))
     else:
         _launch_down(wide, rstd, hc_norm_weight, w_down, w_inject, h, inject, tiles, hc)
-    if up_via_linear:  # u = h · W_upᵀ [n, hc·d] fp32 in one linear launch, then the gated stream mean
-        u = linear(h, w_up, torch.float32)
-        _gate_mix_kernel[(triton.cdiv(n * d, WRITE_BLOCK),)](
-            u, normed, x, n * d, d, u.stride(0), normed.stride(0),
-            HC=hc, ACT_BF16=bf16, BLOCK=WRITE_BLOCK, INTERPRET=INTERPRET, **launch_options(_gate_mix_kernel, u.device),
+    if up_over_normed:  # u = h · W_upᵀ and the gated stream mean in one kernel, u never stored
+        _up_mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](
+            h, w_up, normed, x, n, d, r, w_up.stride(0), normed.stride(0),
+            HC=hc, HC_PAD=triton.next_power_of_2(hc), ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d,
+            BLOCK_K=UP_BLOCK_K, INTERPRET=INTERPRET,
+            PREFETCH=prefetch_enabled(wide.device), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **launch_options(_up_mix_kernel, wide.device),
         )  # fmt: skip
         return x, inject
     _mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.counters import CounterPool
+from kernels.fp32_ops import hyper_gates, round_to_act
 from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
@@ -53,6 +54,7 @@ def _linear_kernel(
     out_ptr,
     part_ptr,
     count_ptr,
+    inj_ptr,
     M,
     N,
     K,
@@ -68,9 +70,11 @@ def _linear_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    GATES_R: tl.constexpr,
+    GATES_HC: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order.
-    ROUND_BF16: the fp32 output holds the sums rounded to bf16."""
+    ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -105,7 +109,8 @@ def _linear_kernel(
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     mn = M.to(tl.int64) * N
     if FUSED_SPLIT == 0:
-        tl.store(out_ptr + pid_s * mn + offs, _output(acc, out_ptr, ROUND_BF16), mask=ok)
+        _store(acc, out_ptr + pid_s * mn, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
+               GATES_R, GATES_HC, INTERPRET)  # fmt: skip
     else:
         tl.store(part_ptr + pid_s * mn + offs, acc, mask=ok)
         tl.debug_barrier()
@@ -114,7 +119,8 @@ def _linear_kernel(
             total = tl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, FUSED_SPLIT):
                 total += tl.load(part_ptr + s * mn + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs, _output(total, out_ptr, ROUND_BF16), mask=ok)
+            _store(total, out_ptr, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
+                   GATES_R, GATES_HC, INTERPRET)  # fmt: skip
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -127,17 +133,36 @@ def _output(acc, out_ptr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _store(
+    total, out_ptr, inj_ptr, rows, cols, ok, N, ROUND_BF16: tl.constexpr, GATES_R: tl.constexpr,
+    GATES_HC: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Store a tile's fp32 sums a: as the output (GATES_R = 0), or as the hyper read's gates (`hyper_gates`): act(silu)
+    of the first GATES_R columns into out [M, GATES_R], act(2·sigmoid) of the rest into inj [M, hc]."""
+    if GATES_R == 0:
+        tl.store(out_ptr + rows * N + cols, _output(total, out_ptr, ROUND_BF16), mask=ok)
+    else:
+        act_bf16: tl.constexpr = out_ptr.dtype.element_ty == tl.bfloat16
+        h, inj = hyper_gates(total, GATES_HC, INTERPRET)
+        is_h = cols < GATES_R
+        tl.store(out_ptr + rows * GATES_R + cols, round_to_act(h, act_bf16, INTERPRET), mask=ok & is_h)
+        tl.store(inj_ptr + rows * GATES_HC + (cols - GATES_R), round_to_act(inj, act_bf16, INTERPRET), mask=ok & ~is_h)
+
+
+@triton.jit
 def _split_sum_kernel(
-    part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ROUND_BF16: tl.constexpr
-):
-    """Add the K-range partials [SPLIT, M·N] in range order and round once."""
+    part_ptr, out_ptr, inj_ptr, M, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ROUND_BF16: tl.constexpr, GATES_R: tl.constexpr, GATES_HC: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Add the K-range partials [SPLIT, M·N] in range order and store them once (`_store`)."""
     enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
+    mn = M.to(tl.int64) * N
+    ok = offs < mn
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, _output(acc, out_ptr, ROUND_BF16), mask=ok)
+        acc += tl.load(part_ptr + s * mn + offs, mask=ok, other=0.0)
+    _store(acc, out_ptr, inj_ptr, offs // N, offs % N, ok, N, ROUND_BF16, GATES_R, GATES_HC, INTERPRET)
 
 
 _POOL = CounterPool(MAX_TILES, "linear", "16-row output tiles")
@@ -171,6 +196,16 @@ def pick_tiles(m: int, n: int, split: int) -> Tiles:
     return Tiles(64, 64, 4, 4)
 
 
+@dataclass(frozen=True)
+class Gates:
+    """Where a launch stores the hyper read's gates instead of its sums (`_store`): h [M, r] from the weight's first r
+    rows and inject [M, hc] from the hc after them (None: the weight has r rows)."""
+
+    h: torch.Tensor
+    inject: torch.Tensor | None
+    hc: int
+
+
 def launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -179,25 +214,36 @@ def launch(
     split: int,
     k_split: int,
     round_bf16: bool = False,
+    gates: Gates | None = None,
 ) -> torch.Tensor:
-    """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn)."""
+    """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn); with `gates` the
+    output is gates.h (and gates.inject is written)."""
     m, k = x.shape
     n = w.shape[0]
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
         raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
-    out = torch.empty((m, n), dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
+    if gates is None:
+        out = torch.empty((m, n), dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
+        gates_r, gates_hc, inject = 0, 1, out
+    else:
+        out, gates_r, gates_hc = gates.h, gates.h.shape[1], gates.hc
+        inject = gates.inject if gates.inject is not None else out
+        if out.shape != (m, gates_r) or n != gates_r + (0 if gates.inject is None else gates_hc):
+            raise ValueError(f"launch: gates h {tuple(out.shape)} and hc {gates_hc} do not match w {tuple(w.shape)}")
     if m == 0:
-        return out.to(out_dtype)
+        return out if gates is not None else out.to(out_dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     fused = split > 1 and tiles.block_m == 16
+    later = split > 1 and not fused  # the K ranges are summed by the second kernel
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else out
+    counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else part
     _linear_kernel[grid](
         x,
         w,
-        part if split > 1 and not fused else out,
+        part if later else out,
         part,
         counters,
+        inject,
         m,
         n,
         k,
@@ -211,16 +257,20 @@ def launch(
         EVEN_K=k % BLOCK_K == 0,
         INTERPRET=INTERPRET,
         PREFETCH=prefetch_enabled(x.device),
-        ROUND_BF16=round_bf16 and not INTERPRET and not (split > 1 and not fused),  # partials stay exact fp32
+        ROUND_BF16=round_bf16 and not INTERPRET and not later,  # partials stay exact fp32
+        GATES_R=0 if later else gates_r,
+        GATES_HC=gates_hc,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **launch_options(_linear_kernel, x.device),
     )
-    if split > 1 and not fused:
+    if later:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
-            part, out, m * n, SPLIT=split, BLOCK=SUM_BLOCK, ROUND_BF16=round_bf16 and not INTERPRET,
-            **launch_options(_split_sum_kernel, x.device),
+            part, out, inject, m, n, SPLIT=split, BLOCK=SUM_BLOCK, ROUND_BF16=round_bf16 and not INTERPRET,
+            GATES_R=gates_r, GATES_HC=gates_hc, INTERPRET=INTERPRET, **launch_options(_split_sum_kernel, x.device),
         )  # fmt: skip
+    if gates is not None:
+        return out
     if INTERPRET and round_bf16:  # the kernels stored fp32 there: round in torch (nearest even)
         return out.to(torch.bfloat16).to(torch.float32)
     return out.to(out_dtype)
@@ -244,6 +294,16 @@ def linear(
     n, k = w.shape
     split, k_split = k_ranges(n, k)
     return launch(x, w, out_dtype, pick_tiles(x.shape[0], n, split), split, k_split, round_bf16)
+
+
+def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor:
+    """The hyper read's gates from its down (+ inject) projection in one launch: the sums of x · wᵀ formed as `linear`
+    forms them, then stored as `_store` says into gates.h (returned) and gates.inject."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
+        raise ValueError(f"linear_gates: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
+    n, k = w.shape
+    split, k_split = k_ranges(n, k)
+    return launch(x, w, torch.float32, pick_tiles(x.shape[0], n, split), split, k_split, gates=gates)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

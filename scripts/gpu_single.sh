@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # What one GPU can check of a change, in one call on nvidia-h200. CHECKS picks among (default: all, in this order):
 #   pytest        `pytest -m gpu` of PYTEST_FILES (default tests/kernels/test_gdn_gpu.py tests/kernels/test_sample_gpu.py)
+#   hyper         the hyper-connection reads' errors, rows and times at 1 to 1,024 rows (`gpu_check_hyper.py`)
+#   step          rank 0's half of a round alone, 1 and 64 lanes, replayed (`gpu_step_profile.py --alone-as 2`)
 #   prompt        prompt graphs against eager at the real shapes, with the capture's memory (`gpu_prompt_graphs.py`)
 #   draws         the greedy draws' bits and times (`gpu_check_router_sample.py --only sample --mix greedy`)
 #   graphs        the trunk graphs against eager (`gpu_graph_check.py`)
 #   serve         the shipped model at --tp 1 with CUDA graphs and MTP drafts (every graph kind), checked by eval_small:
 #                 drafted = "draft": false by token_sha, concurrent = solo at 1 and 8 streams
-# With BEFORE set to another tree's folder, `prompt` and `draws` run there too (an A/B).
+# With BEFORE set to another tree's folder, `hyper`, `step`, `prompt` and `draws` run there too (an A/B).
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_single.sh  # logs under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 source scripts/gpu_serve.sh
 start=$(date +%s)
 since() { echo "at $(( $(date +%s) - start )) s"; }
-checks=" ${CHECKS:-pytest prompt draws graphs serve} "
+checks=" ${CHECKS:-pytest hyper step prompt draws graphs serve} "
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
 both() {  # name, limit, script and flags: run in this tree, and in BEFORE when set
@@ -34,6 +36,10 @@ if [[ $checks == *" pytest "* ]]; then
     ${PYTEST_FILES:-tests/kernels/test_gdn_gpu.py tests/kernels/test_sample_gpu.py} > "$OUT/pytest_gpu.out" 2>&1
   echo "pytest -m gpu rc=$? $(since)"; tail -2 "$OUT/pytest_gpu.out"
 fi
+[[ $checks == *" hyper "* ]] && both hyper 150 scripts/gpu_check_hyper.py --only read read_mixer \
+  --batches 1 8 64 256 1024
+[[ $checks == *" step "* ]] && both step 200 scripts/gpu_step_profile.py --alone-as 2 --lanes 1 64 --rounds 10 \
+  --random-tokens 120000
 [[ $checks == *" prompt "* ]] && both prompt_graphs 240 scripts/gpu_prompt_graphs.py
 [[ $checks == *" draws "* ]] && both draws 200 scripts/gpu_check_router_sample.py --only sample --mix greedy
 if [[ $checks == *" graphs "* ]]; then

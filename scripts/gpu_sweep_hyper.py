@@ -41,12 +41,13 @@ KERNELS = {  # name: (module, kernel attribute) of every launch a read can make
     "rstd": (hyper, "_rstd_kernel"),
     "down": (hyper, "_down_kernel"),
     "linear": (linear_module, "_linear_kernel"),
-    "finish": (hyper, "_finish_kernel"),
+    "split_sum": (linear_module, "_split_sum_kernel"),
     "mix": (hyper, "_mix_kernel"),
-    "gate_mix": (hyper, "_gate_mix_kernel"),
+    "up_mix": (hyper, "_up_mix_kernel"),
 }
 # (down_r, in_program, up_d): one down-side and one up-side setting per candidate
 PAIRS = ((16, False, 16), (32, False, 32), (64, False, 64), (32, True, 128))
+UP_TILES = ((16, 8), (16, 16), (32, 16), (64, 16), (64, 32), (128, 32))  # (up_m, up_d) of `_up_mix_kernel`
 WARPS = (2, 4, 8)
 STAGES = (2, 3, 4, 5)
 
@@ -56,19 +57,21 @@ Row = dict[str, Any]
 
 
 def candidates(
-    warps: tuple[int, ...] = WARPS, stages: tuple[int, ...] = STAGES, via_linear: bool = False
+    warps: tuple[int, ...] = WARPS, stages: tuple[int, ...] = STAGES, via_linear: bool = False, up_only: bool = False
 ) -> list[ReadTiles]:
     """Every PAIRS setting at every (num_warps, num_stages), with 16-row tiles; with via_linear also the down
-    projection by the linear kernel under each up-side setting, the up projection by it under each down-side
-    setting, and both by it."""
+    projection by the linear kernel under each up-side setting, the up projection over stored normed rows under each
+    down-side setting, and both under each UP_TILES tile; with up_only just those last."""
     grid = list(itertools.product(warps, stages))
+    if up_only:
+        return [ReadTiles(16, 32, um, ud, False, w, s, True, True) for w, s in grid for um, ud in UP_TILES]
     tiles = [ReadTiles(16, dr, 16, ud, ip, w, s) for w, s in grid for dr, ip, ud in PAIRS]
     if via_linear:
         tiles += [ReadTiles(16, 32, 16, ud, False, w, s, True) for w, s in grid for ud in (16, 32)]
         tiles += [
             ReadTiles(16, dr, 16, 16, ip, w, s, False, True) for w, s in grid for dr, ip in ((16, False), (32, False))
         ]
-        tiles += [ReadTiles(16, 32, 16, 16, False, 4, 3, True, True)]
+        tiles += [ReadTiles(16, 32, um, ud, False, w, s, True, True) for w, s in grid for um, ud in UP_TILES]
     return tiles
 
 
@@ -150,7 +153,7 @@ def describe(row: Row) -> str:
     tiles = (
         f"down {t['down_m']}x{t['down_r']}{' in_program' if t['in_program'] else ''} up {t['up_m']}x{t['up_d']} "
         f"warps {t['num_warps']} stages {t['num_stages']}{' down via linear' if t.get('via_linear') else ''}"
-        f"{' up via linear' if t.get('up_via_linear') else ''}"
+        f"{' up over normed' if t.get('up_over_normed') else ''}"
     )
     if row["error"] is not None:
         return f"ERROR {tiles}: {row['error']}"
@@ -165,7 +168,7 @@ def report(n: int, rows: list[Row]) -> list[str]:
     differ = sum(r["error"] is None and not identical(r) for r in rows)
     lines = [f"N={n}: {len(rows)} tiles, {failed} failed, {differ} with other bits", f"  default  {describe(default)}"]
     lines += [f"  best {i}   {describe(r)}" for i, r in enumerate(best(rows), 1)]
-    for name in ("down", "linear", "mix", "gate_mix"):
+    for name in ("down", "linear", "mix", "up_mix"):
         timed = [r for r in rows if name in (r["kernel_us"] or {})]
         lines += [f"  {name:<8} {describe(r)}" for r in best(timed, lambda r, name=name: r["kernel_us"][name], 1)]
     return lines
@@ -179,7 +182,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, under TRITON_INTERPRET=1")
     parser.add_argument("--warps", nargs="+", type=int, default=list(WARPS), help="num_warps values to try")
     parser.add_argument("--stages", nargs="+", type=int, default=list(STAGES), help="num_stages values to try")
-    parser.add_argument("--via-linear", action="store_true", help="also try the linear kernel for both projections")
+    parser.add_argument("--via-linear", action="store_true", help="also try the paths over stored normed rows")
+    parser.add_argument("--up-only", action="store_true", help="only the up kernel's tiles, over stored normed rows")
     return parser.parse_args(argv)
 
 
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             ROWS,
             torch.device("cuda"),
             graph_us,
-            candidates(tuple(args.warps), tuple(args.stages), args.via_linear),
+            candidates(tuple(args.warps), tuple(args.stages), args.via_linear, args.up_only),
         )
     batches = args.rows or batches
     args.out.mkdir(parents=True, exist_ok=True)

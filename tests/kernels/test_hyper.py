@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -13,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
+import triton
 
 from kernels import hyper
 from kernels.hyper import (
@@ -269,9 +271,9 @@ def test_gpu_script_cpu_parts(tmp_path: Path) -> None:
 @pytest.mark.parametrize("down, up", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("inject", [True, False])
 def test_read_via_linear_matches_the_fused_kernels(inject: bool, down: bool, up: bool) -> None:
-    """The down and up projections by the linear kernel over stored normed rows: rows alone equal rows in a batch,
-    and the read equals the fused kernels' and the reference's within bf16 tolerance. Two streams of 64: a shape
-    whose K the linear kernel cuts as the fused kernel does (one range)."""
+    """The down projection by the linear kernel and the up projection by `_up_mix_kernel`, over stored normed rows:
+    rows alone equal rows in a batch, and the read equals the fused kernels' and the reference's within bf16
+    tolerance. Two streams of 64: a shape whose K the linear kernel cuts as the fused kernel does (one range)."""
     w, wide = weights(2, torch.bfloat16, seed=11, d=64), wide_rows(5, 2, torch.bfloat16, seed=12, d=64)
     assert k_ranges(2 * 64, 64) == linear_k_ranges(R + 2, 2 * 64) == linear_k_ranges(R, 2 * 64)
     if inject:  # the model's layout: the inject rows right after the down rows, in one tensor
@@ -280,7 +282,7 @@ def test_read_via_linear_matches_the_fused_kernels(inject: bool, down: bool, up:
         assert stacked_rows(w["w_down"], w["w_inject"]).data_ptr() == stacked.data_ptr()
     else:
         w["w_inject"] = None
-    via = dataclasses.replace(TILES[0], via_linear=down, up_via_linear=up)
+    via = dataclasses.replace(TILES[0], via_linear=down, up_over_normed=up)
     skipped = {"_down_kernel": down, "_mix_kernel": up}  # the fused kernels a via-linear path must not launch
     with ExitStack() as stack:
         for name in (name for name, skip in skipped.items() if skip):
@@ -303,17 +305,18 @@ def test_the_read_keeps_the_fused_down_kernel_where_the_linear_kernel_cuts_k_oth
     w, wide = weights(4, torch.bfloat16, seed=13), wide_rows(6, 4, torch.bfloat16, seed=14)
     assert k_ranges(4 * D, D) != linear_k_ranges(R + 4, 4 * D)
     fused = launch_read(wide, *w.values(), EPS, 4, TILES[0])
-    with mock.patch.object(hyper, "_finish_kernel", None):  # the linear path's second launch must not run
+    with mock.patch.object(hyper, "linear_gates", None):  # the linear path must not run
         via = launch_read(wide, *w.values(), EPS, 4, dataclasses.replace(TILES[0], via_linear=True))
     assert torch.equal(via[0], fused[0]) and torch.equal(via[1], fused[1])
 
 
-def test_reads_of_any_row_count_ask_for_the_linear_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the GPU every batch size asks for both projections by the linear kernel (prompt rounds included)."""
+def test_reads_of_any_row_count_ask_for_the_paths_over_stored_normed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU every batch size asks for the down projection by the linear kernel and the up projection over the
+    stored normed rows (prompt rounds included)."""
     monkeypatch.setattr(hyper, "INTERPRET", False)
     for n in (1, 256, 257, 1024, 8192):
         tiles = hyper.read_tiles(n, 320)
-        assert tiles.via_linear and tiles.up_via_linear, n
+        assert tiles.via_linear and tiles.up_over_normed, n
 
 
 def test_a_reduced_fp32_sum_writes_the_bits_of_the_combined_bf16_sum() -> None:
@@ -332,9 +335,49 @@ def test_a_reduced_fp32_sum_writes_the_bits_of_the_combined_bf16_sum() -> None:
     assert torch.equal(written, hc_write_reference(wide, total.bfloat16(), inject))
 
 
-def test_the_linear_paths_follow_the_fused_kernels_k_ranges() -> None:
-    """The down (+ inject) path only where the linear kernel cuts K into the fused ranges; up where r stays whole."""
-    assert hyper.linear_paths(4 * 32, 32, 8, 4, inject=True) == (False, True)  # 2 fused ranges, 1 linear
-    assert hyper.linear_paths(2 * 64, 64, 8, 2, inject=True) == (True, True)  # both 1 range
-    assert hyper.linear_paths(2 * 64, 64, 8, 2, inject=False) == (True, True)
-    assert hyper.linear_paths(2 * 16, 16, 2048, 2, inject=False)[1] is False  # the linear kernel would cut r = 2048
+def test_the_down_path_follows_the_fused_kernels_k_ranges() -> None:
+    """The down (+ inject) projection by the linear kernel only where it cuts K into the fused kernel's ranges."""
+    assert not hyper.down_via_linear(4 * 32, 32, 8, 4, inject=True)  # 2 fused ranges, 1 linear
+    assert hyper.down_via_linear(2 * 64, 64, 8, 2, inject=True)  # both 1 range
+    assert hyper.down_via_linear(2 * 64, 64, 8, 2, inject=False)
+
+
+@pytest.mark.parametrize("n", [1, 5, 20])
+def test_a_read_over_normed_rows_is_three_launches_that_store_no_fp32_sums(n: int) -> None:
+    """Over the stored normed rows a read is the rstd kernel, one linear launch that stores the gates h and inject
+    from its sums, and one kernel for the up projection and the gated stream mean: no other kernel, no fp32 sums
+    [N, r + hc] or [N, hc·d] in memory; x and inject equal the fused kernels' within bf16 tolerance, each row alone
+    as in the batch (20 rows: two row tiles)."""
+    w, wide = weights(2, torch.bfloat16, seed=17, d=64), wide_rows(n, 2, torch.bfloat16, seed=18, d=64)
+    stacked = torch.cat((w["w_down"], w["w_inject"]))  # the model's layout: one linear launch takes both
+    w["w_down"], w["w_inject"] = stacked[:R], stacked[R:]
+    via = dataclasses.replace(TILES[0], via_linear=True, up_over_normed=True)
+    made, real_empty = [], torch.empty
+
+    def recorded_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        made.append((tuple(out.shape), out.dtype))
+        return out
+
+    with recording_launches() as launched, mock.patch.object(torch, "empty", recorded_empty):
+        x, inj = launch_read(wide, *w.values(), EPS, 2, via)
+    assert launched == ["_rstd_kernel", "_linear_kernel", "_up_mix_kernel"], launched
+    assert not {((n, R + 2), torch.float32), ((n, 2 * 64), torch.float32)} & set(made), made
+    one = [launch_read(wide[i : i + 1], *w.values(), EPS, 2, via) for i in range(n)]
+    assert torch.equal(x, torch.cat([o[0] for o in one])) and torch.equal(inj, torch.cat([o[1] for o in one]))
+    fused_x, fused_inj = launch_read(wide, *w.values(), EPS, 2, TILES[0])
+    assert rel_err(x, fused_x) <= tol(torch.bfloat16) and rel_err(inj, fused_inj) <= tol(torch.bfloat16)
+
+
+@contextmanager
+def recording_launches() -> Iterator[list[str]]:
+    """Within: the name of every Triton kernel launched, in order."""
+    names: list[str] = []
+    real_run = triton.runtime.interpreter.InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return real_run(self, *args, **kwargs)
+
+    with mock.patch.object(triton.runtime.interpreter.InterpretedFunction, "run", run):
+        yield names

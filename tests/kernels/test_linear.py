@@ -10,7 +10,17 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from kernels.linear import BLOCK_K, Tiles, arrival_counters, k_ranges, launch, linear, linear_reference, pick_tiles
+from kernels.linear import (
+    BLOCK_K,
+    Gates,
+    Tiles,
+    arrival_counters,
+    k_ranges,
+    launch,
+    linear,
+    linear_reference,
+    pick_tiles,
+)
 
 N = 48
 SMALL = Tiles(16, 16, 2, 6)
@@ -85,6 +95,43 @@ def test_round_bf16_stores_the_bf16_result_as_fp32(tiles: Tiles, split: int) -> 
     assert torch.equal(linear(x, w, torch.float32, round_bf16=True), linear(x, w).float())
     with pytest.raises(TypeError, match="round_bf16"):
         linear(x, w, torch.bfloat16, round_bf16=True)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("inject", [True, False])
+def test_gates_store_silu_and_twice_sigmoid_of_the_sums_over_hc(split: int, inject: bool) -> None:
+    """The hyper read's down projection with its gates stored in the same launch (fused range sums, the sum kernel,
+    whole K): h = silu(a / hc) of the first r columns and inject = 2·sigmoid(a / hc) of the rest, from the sums the
+    plain launch stores, each within one bf16 step of torch's; every tile gives the same bits, rows alone as batched."""
+    hc, m = 4, 20
+    x, w = inputs(m, 300, seed=5)
+    w = w * 40  # sums of a few units, where silu and sigmoid are not flat
+    r = N - hc if inject else N
+    k_split = 384 if split == 1 else BLOCK_K
+
+    def gates(tiles: Tiles, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = x[rows].shape[0]
+        h = torch.empty(n, r, dtype=torch.bfloat16)
+        inj = torch.empty(n, hc, dtype=torch.bfloat16) if inject else None
+        assert launch(x[rows], w, torch.float32, tiles, split, k_split, gates=Gates(h, inj, hc)) is h
+        return h, inj
+
+    h, inj = gates(SMALL)
+    v = launch(x, w, torch.float32, SMALL, split, k_split) / hc
+    assert v.abs().max() > 2
+    torch.testing.assert_close(
+        h.float(), (v[:, :r] / (1 + torch.exp(-v[:, :r]))).bfloat16().float(), rtol=2**-7, atol=0
+    )
+    if inject:
+        twice = 2 / (1 + torch.exp(-v[:, r:]))
+        torch.testing.assert_close(inj.float(), twice.bfloat16().float(), rtol=2**-7, atol=0)
+    for tiles in WIDE:
+        other = gates(tiles)
+        assert torch.equal(other[0], h) and (not inject or torch.equal(other[1], inj)), tiles
+    alone = [gates(SMALL, slice(i, i + 1)) for i in range(m)]
+    assert torch.equal(torch.cat([a[0] for a in alone]), h)
+    with pytest.raises(ValueError, match="gates"):
+        launch(x, w, torch.float32, SMALL, split, k_split, gates=Gates(torch.empty(m, r + 1).bfloat16(), inj, hc))
 
 
 @pytest.mark.parametrize(

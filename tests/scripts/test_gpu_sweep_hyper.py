@@ -61,7 +61,7 @@ def test_each_kernel_is_timed_by_replaying_its_own_launch() -> None:
     with recording(KERNELS) as kept:
         x, _ = launch(w, rows, SMOKE, read_tiles(2, SMOKE.r))
     counts = {name: len(calls) for name, calls in kept.items()}
-    assert counts == {"rstd": 1, "down": 1, "linear": 0, "finish": 0, "mix": 1, "gate_mix": 0}
+    assert counts == {"rstd": 1, "down": 1, "linear": 0, "split_sum": 0, "mix": 1, "up_mix": 0}
     want = x.clone()
     x.zero_()
     kept["mix"][0]()  # the mix launch alone writes x again from the recorded rstd and h
@@ -141,16 +141,16 @@ def test_main_refuses_smoke_without_the_interpreter_and_the_gpu_run_with_it(tmp_
     assert not (tmp_path / "hyper_sweep.json").exists()
 
 
-def test_via_linear_candidates_launch_the_linear_kernel_instead_of_the_fused_ones() -> None:
-    """--via-linear adds the down path, the up path and both by the linear kernel; each is bit-compared and its
-    linear, finish and gate-mix launches are timed on their own."""
+def test_via_linear_candidates_launch_the_paths_over_normed_rows_instead_of_the_fused_kernels() -> None:
+    """--via-linear adds the down path by the linear kernel, the up path over stored normed rows and both; each is
+    bit-compared and its linear and up-mix launches are timed on their own."""
     tiles = candidates((4,), (1,), via_linear=True)
-    paths = {(t.via_linear, t.up_via_linear) for t in tiles}
+    paths = {(t.via_linear, t.up_over_normed) for t in tiles}
     assert paths == {(False, False), (True, False), (False, True), (True, True)}
-    down_only = next(t for t in tiles if t.via_linear and not t.up_via_linear)
-    up_only = next(t for t in tiles if t.up_via_linear and not t.via_linear)
-    rows = {(r["tiles"]["via_linear"], r["tiles"]["up_via_linear"]): r for r in run([down_only, up_only])}
-    assert set(rows[True, False]["kernel_us"]) == {"rstd", "linear", "finish", "mix"}
-    assert set(rows[False, True]["kernel_us"]) == {"rstd", "down", "linear", "gate_mix"}
+    down_only = next(t for t in tiles if t.via_linear and not t.up_over_normed)
+    up_only = next(t for t in tiles if t.up_over_normed and not t.via_linear)
+    rows = {(r["tiles"]["via_linear"], r["tiles"]["up_over_normed"]): r for r in run([down_only, up_only])}
+    assert set(rows[True, False]["kernel_us"]) == {"rstd", "linear", "mix"}
+    assert set(rows[False, True]["kernel_us"]) == {"rstd", "down", "up_mix"}
     for row in rows.values():
         assert row["error"] is None and row["x_mismatches"] is not None

@@ -1,0 +1,71 @@
+"""The hyper-connection read compiled on a GPU at the real per-rank shapes: the paths over stored normed rows give the
+fused kernels' bits, and every row its bits alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.hyper import ReadTiles, hc_read, launch_read, read_tiles
+
+HC, D, R, EPS = 4, 2560, 320, 1e-6
+ROWS = (1, 2, 7, 33, 64, 100, 257, 1024)
+# the fused kernels (norm + down, then mix), with 16- and 64-row tiles
+FUSED = (ReadTiles(16, 32, 16, 16, False, 4, 3), ReadTiles(64, 64, 64, 64, True, 4, 3))
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels"),
+]
+
+
+def model_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A read's weights as the model holds them: the inject rows stored right after the down rows."""
+    k = HC * D
+    stacked = (torch.randn(R + HC, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    return {
+        "hc_norm_weight": (torch.randn(k, device="cuda", generator=gen) * 0.1).bfloat16(),
+        "w_down": stacked[:R],
+        "w_up": (torch.randn(k, R, device="cuda", generator=gen) * 2 / R**0.5).bfloat16(),
+        "w_inject": stacked[R:],
+    }
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_the_default_read_has_the_fused_kernels_bits_and_each_row_its_own(inject: bool) -> None:
+    """At 1 to 1,024 rows the default read (down by the linear kernel, up and gate mix over the stored normed rows)
+    gives x and inject bit for bit as the fused kernels do, and each row as it does alone."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w = model_weights(gen)
+    if not inject:
+        w["w_inject"] = None
+    wide = (torch.randn(max(ROWS), HC * D, device="cuda", generator=gen) * 3).bfloat16()
+    alone = [hc_read(wide[i : i + 1], *w.values(), EPS, HC) for i in range(max(ROWS))]
+    for n in ROWS:
+        tiles = read_tiles(n, R)
+        assert tiles.via_linear and tiles.up_over_normed, n
+        x, inj = hc_read(wide[:n], *w.values(), EPS, HC)
+        assert torch.equal(x, torch.cat([a[0] for a in alone[:n]])), f"{n} rows"
+        for fused in FUSED:
+            fx, finj = launch_read(wide[:n], *w.values(), EPS, HC, fused)
+            assert torch.equal(x, fx), f"{n} rows, {fused}"
+            if inject:
+                assert torch.equal(inj, finj), f"{n} rows, {fused}"
+
+
+def test_up_tiles_decide_only_which_program_computes_an_element() -> None:
+    """Row and column tiles of the up kernel, at three warp counts, give the default's bits."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    w = model_weights(gen)
+    wide = (torch.randn(300, HC * D, device="cuda", generator=gen) * 3).bfloat16()
+    for n in (1, 64, 300):
+        x, inj = hc_read(wide[:n], *w.values(), EPS, HC)
+        for up_m, up_d, warps in ((16, 8, 2), (16, 16, 4), (32, 16, 4), (64, 16, 4), (128, 32, 8)):
+            tiles = dataclasses.replace(read_tiles(n, R), up_m=up_m, up_d=up_d, num_warps=warps)
+            tx, tinj = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
+            assert torch.equal(x, tx) and torch.equal(inj, tinj), f"{n} rows, {tiles}"
