@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -185,47 +183,16 @@ def experts_to_words(model: nn.Module) -> None:
         torch.cuda.empty_cache()
 
 
-@functools.cache
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream beside the current one on a CUDA device, where independent work of a layer runs concurrently."""
-    return torch.cuda.Stream(device)
-
-
-def beside(side_work: Callable[[], Any], main_work: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
-    """(side_work(), main_work()): on CUDA side_work runs on `side_stream`, forked after everything queued so far
-    and joined before anything queued after (a captured graph keeps the fork and the join); elsewhere in turn. The
-    kernels and their inputs are the same either way, so are the bits."""
-    if device.type != "cuda":
-        return side_work(), main_work()
-    main, side = torch.cuda.current_stream(device), side_stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        side_out = side_work()
-    main_out = main_work()
-    main.wait_stream(side)
-    return side_out, main_out
-
-
-def shared_expert(m: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the shared expert's output, its gate logit) for rows x."""
+def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Routed experts (router logits in fp32 from the linear kernel, top-k by the router kernel) plus the gated
+    shared expert."""
+    weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
+    routed = moe_forward(x, ids, weights, expert_bank(m.experts))
     s = m.shared_expert
     fused = linear(x, fused_weight(m, ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")))
     width = s.gate_proj.weight.shape[0]
     gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
-    return project(silu_mul(gate, up), s.down_proj), gate_logit
-
-
-def routed_experts(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """The routed experts' combined output: router logits in fp32 from the linear kernel, top-k by the router
-    kernel."""
-    weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
-    return moe_forward(x, ids, weights, expert_bank(m.experts))
-
-
-def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """Routed experts plus the gated shared expert, which runs beside them (its chain is independent until the
-    gated add)."""
-    (shared, gate_logit), routed = beside(lambda: shared_expert(m, x), lambda: routed_experts(m, x), x.device)
+    shared = project(silu_mul(gate, up), s.down_proj)
     return m.tp.reduce(gated_add(routed, gate_logit, shared, torch.float32 if m.tp.world > 1 else None))
 
 

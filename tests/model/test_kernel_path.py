@@ -281,31 +281,3 @@ def test_gpu_forward_check_pure_parts(tmp_path, models) -> None:
     assert script.state_diff(a, b) == "length"
     if not torch.cuda.is_available():
         assert script.main(["--out", str(tmp_path)]) == 2
-
-
-def test_each_moe_runs_its_shared_expert_beside_its_routed_experts(models, monkeypatch) -> None:
-    """Every MoE layer hands the shared expert (side) and the routed experts (main) to `beside`, which on CUDA runs them
-    on two streams; the fold's bits are those of the same layers run in turn."""
-    from model import kernel_blocks
-
-    _, ker = models
-    expected = fold(ker, [(ker.new_lane(), PROMPT[:5])])
-    devices = []
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("ran on the wrong side")
-
-    def in_turn(side_work, main_work, device):
-        with monkeypatch.context() as side:
-            side.setattr(kernel_blocks, "moe_forward", forbidden)
-            side_out = side_work()
-        with monkeypatch.context() as main:
-            main.setattr(kernel_blocks, "silu_mul", forbidden)
-            main_out = main_work()
-        devices.append(device)
-        return side_out, main_out
-
-    monkeypatch.setattr(kernel_blocks, "beside", in_turn)
-    got = fold(ker, [(ker.new_lane(), PROMPT[:5])])
-    assert len(devices) == len(ker.layers)
-    assert torch.equal(got.hidden, expected.hidden) and torch.equal(got.logits, expected.logits)
