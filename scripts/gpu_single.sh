@@ -22,11 +22,11 @@ both() {  # name, limit, script and flags: run in this tree, and in BEFORE when 
   local name=$1 limit=$2
   shift 2
   timeout "$limit" python3 "$@" --out "$OUT/$name" > "$OUT/$name.out" 2>&1
-  echo "$name rc=$? $(since)"; grep -v "it/s\]\|tensor/s\]" "$OUT/$name.out" | tail -12
+  echo "$name rc=$? $(since)"; grep -v "it/s\]\|tensor/s\]\|^ " "$OUT/$name.out" | tail -12
   if [ -n "${BEFORE:-}" ]; then
     (cd "$BEFORE" && PYTHONPATH=/tmp/site:. timeout "$limit" python3 "$@" --out "$OUT/${name}_before") \
       > "$OUT/${name}_before.out" 2>&1
-    echo "$name in $BEFORE rc=$? $(since)"; grep -v "it/s\]\|tensor/s\]" "$OUT/${name}_before.out" | tail -12
+    echo "$name in $BEFORE rc=$? $(since)"; grep -v "it/s\]\|tensor/s\]\|^ " "$OUT/${name}_before.out" | tail -12
   fi
 }
 

@@ -96,8 +96,10 @@ def restore_length(lane: LaneState, length: int) -> None:
 
 
 def per_round(events, rounds: int) -> list[dict]:
-    """Kernels by self GPU time, fastest last: ms and calls per round."""
-    timed = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+    """Kernels (device events only, so no host op counts its kernels again) by self GPU time, fastest last: ms and
+    calls per round."""
+    device = torch.autograd.DeviceType.CUDA
+    timed = [e for e in events if e.device_type == device and getattr(e, "self_device_time_total", 0) > 0]
     timed.sort(key=lambda e: e.self_device_time_total, reverse=True)
     return [{"name": e.key, "ms": e.self_device_time_total / 1e3 / rounds, "calls": e.count / rounds} for e in timed]
 
@@ -112,8 +114,10 @@ def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5) 
         torch.cuda.synchronize()
     events = prof.key_averages()
     if rank == 0:
-        print(f"kernels, {label}, per round:", flush=True)
-        for line in per_round(events, rounds)[:24]:
+        kernels = per_round(events, rounds)
+        total_ms, launches = sum(k["ms"] for k in kernels), sum(k["calls"] for k in kernels)
+        print(f"kernels, {label}, per round: {total_ms:.3f} ms in {launches:.0f} launches", flush=True)
+        for line in kernels[:24]:
             print(f"  {line['ms']:7.3f} ms {line['calls']:6.1f} calls  {line['name'][:90]}", flush=True)
         print(f"host, {label}, per round:", flush=True)
         for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_LINES]:
