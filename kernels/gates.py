@@ -98,9 +98,8 @@ def gated_add_values(routed, z, shared, ACT_BF16: tl.constexpr, OUT_F32: tl.cons
     gate = _round(_sigmoid(_f32(z, INTERPRET), INTERPRET), ACT_BF16, INTERPRET)
     scaled = _round(gate * _f32(shared, INTERPRET), ACT_BF16, INTERPRET)
     total = _f32(routed, INTERPRET) + scaled
-    if OUT_F32:
-        return _round(total, ACT_BF16, INTERPRET)
-    return _to_act(total, ACT_BF16, INTERPRET)
+    # one return: when Triton compiles it, a return inside a constexpr branch does not end the function
+    return _round(total, ACT_BF16, INTERPRET) if OUT_F32 else _to_act(total, ACT_BF16, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["total"])
