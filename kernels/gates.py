@@ -83,25 +83,6 @@ def _softplus(x, INTERPRET: tl.constexpr):
     return tl.where(x > 20.0, x, lp)
 
 
-@triton.jit
-def silu_mul_values(g, up, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """act(act(g / (1 + exp(-g))) · up) from gate and up values of any float dtype: silu_mul's step."""
-    g = _f32(g, INTERPRET)
-    act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
-    return _to_act(act * _f32(up, INTERPRET), ACT_BF16, INTERPRET)
-
-
-@triton.jit
-def gated_add_values(routed, z, shared, ACT_BF16: tl.constexpr, OUT_F32: tl.constexpr, INTERPRET: tl.constexpr):
-    """act(routed + act(act(sigmoid(z)) · shared)) from values of any float dtype: gated_add's step (OUT_F32: the
-    act-rounded value in fp32)."""
-    gate = _round(_sigmoid(_f32(z, INTERPRET), INTERPRET), ACT_BF16, INTERPRET)
-    scaled = _round(gate * _f32(shared, INTERPRET), ACT_BF16, INTERPRET)
-    total = _f32(routed, INTERPRET) + scaled
-    # one return: when Triton compiles it, a return inside a constexpr branch does not end the function
-    return _round(total, ACT_BF16, INTERPRET) if OUT_F32 else _to_act(total, ACT_BF16, INTERPRET)
-
-
 @triton.jit(do_not_specialize=["total"])
 def _gdn_gates_kernel(
     b_ptr,
@@ -152,9 +133,10 @@ def _silu_mul_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     row, col = offs // C, offs % C
-    g = tl.load(gate_ptr + row * stride_gate + col, mask=ok, other=0.0)
-    up = tl.load(up_ptr + row * stride_up + col, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, silu_mul_values(g, up, ACT_BF16, INTERPRET), mask=ok)
+    g = _f32(tl.load(gate_ptr + row * stride_gate + col, mask=ok, other=0.0), INTERPRET)
+    up = _f32(tl.load(up_ptr + row * stride_up + col, mask=ok, other=0.0), INTERPRET)
+    act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
+    tl.store(out_ptr + offs, _to_act(act * up, ACT_BF16, INTERPRET), mask=ok)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -177,10 +159,14 @@ def _gated_add_kernel(
     enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
-    z = tl.load(logit_ptr + (offs // D) * stride_logit, mask=ok, other=0.0)
-    shared = tl.load(shared_ptr + offs, mask=ok, other=0.0)
-    routed = tl.load(routed_ptr + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, gated_add_values(routed, z, shared, ACT_BF16, OUT_F32, INTERPRET), mask=ok)
+    z = _f32(tl.load(logit_ptr + (offs // D) * stride_logit, mask=ok, other=0.0), INTERPRET)
+    shared = _f32(tl.load(shared_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    routed = _f32(tl.load(routed_ptr + offs, mask=ok, other=0.0), INTERPRET)
+    scaled = _round(_round(_sigmoid(z, INTERPRET), ACT_BF16, INTERPRET) * shared, ACT_BF16, INTERPRET)
+    if OUT_F32:
+        tl.store(out_ptr + offs, _round(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
+    else:
+        tl.store(out_ptr + offs, _to_act(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:

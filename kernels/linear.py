@@ -11,10 +11,6 @@ the tile's last range to finish (an arrival counter picks it; it reloads every P
 the same whichever range arrives last), with wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
 that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an element,
 never how its sum is formed; on the H200 every tile shape (mma.sync and wgmma alike) gave identical bits.
-
-Two neighbours' elementwise steps may join a launch, with their own bits: the hyper read's gates after its down
-projection's sums (`linear_gates`), and the shared expert's silu_mul before its down projection (on x as it is
-loaded) with its gated_add after (`shared_expert_down`, one K range).
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ import triton.language as tl
 
 from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, round_to_act
-from kernels.gates import gated_add, gated_add_values, silu_mul, silu_mul_values
 from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
@@ -60,15 +55,12 @@ def _linear_kernel(
     part_ptr,
     count_ptr,
     inj_ptr,
-    routed_ptr,
-    logit_ptr,
     M,
     N,
     K,
     K_SPLIT,
     stride_xm,
     stride_wn,
-    stride_logit,
     FUSED_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -80,13 +72,9 @@ def _linear_kernel(
     ROUND_BF16: tl.constexpr,
     GATES_R: tl.constexpr,
     GATES_HC: tl.constexpr,
-    SILU_UP: tl.constexpr,
-    GATED_ADD: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order.
-    ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`).
-    SILU_UP > 0: x's elements are silu_mul(x[:, k], x[:, SILU_UP + k]), formed as they are loaded; GATED_ADD (one K
-    range): the output is gated_add(routed, the row's logit, the bf16 sums)."""
+    ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -113,12 +101,6 @@ def _linear_kernel(
         else:
             a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
             b = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk[:, None] < K), other=0.0)
-        if SILU_UP > 0:
-            if EVEN_K:
-                up = tl.load(x_rows + SILU_UP + kk[None, :], mask=row_ok[:, None], other=0.0)
-            else:
-                up = tl.load(x_rows + SILU_UP + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
-            a = silu_mul_values(a, up, True, INTERPRET)
         if INTERPRET:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -126,13 +108,7 @@ def _linear_kernel(
     ok = row_ok[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     mn = M.to(tl.int64) * N
-    if GATED_ADD:
-        at = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        routed = tl.load(routed_ptr + at, mask=ok, other=0.0)
-        z = tl.load(logit_ptr + rows.to(tl.int64)[:, None] * stride_logit + 0 * cols[None, :], mask=ok, other=0.0)
-        shared = round_to_act(acc, True, INTERPRET)  # the down projection's bf16 output
-        tl.store(out_ptr + at, gated_add_values(routed, z, shared, True, ROUND_BF16, INTERPRET), mask=ok)
-    elif FUSED_SPLIT == 0:
+    if FUSED_SPLIT == 0:
         _store(acc, out_ptr + pid_s * mn, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
                GATES_R, GATES_HC, INTERPRET)  # fmt: skip
     else:
@@ -239,13 +215,11 @@ def launch(
     k_split: int,
     round_bf16: bool = False,
     gates: Gates | None = None,
-    silu_up: int = 0,
-    gated_add_of: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn); with `gates` the
-    output is gates.h (and gates.inject is written); `silu_up` and `gated_add_of` (routed [M, N], logits [M, 1]) as
-    `_linear_kernel`'s SILU_UP and GATED_ADD, the latter with one K range."""
-    m, (n, k) = x.shape[0], w.shape
+    output is gates.h (and gates.inject is written)."""
+    m, k = x.shape
+    n = w.shape[0]
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
         raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
     if gates is None:
@@ -256,9 +230,6 @@ def launch(
         inject = gates.inject if gates.inject is not None else out
         if out.shape != (m, gates_r) or n != gates_r + (0 if gates.inject is None else gates_hc):
             raise ValueError(f"launch: gates h {tuple(out.shape)} and hc {gates_hc} do not match w {tuple(w.shape)}")
-    if gated_add_of is not None and split != 1:
-        raise ValueError(f"launch: the gated add takes one K range, not {split}")
-    routed, logits = gated_add_of if gated_add_of is not None else (out, out)
     if m == 0:
         return out if gates is not None else out.to(out_dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
@@ -273,15 +244,12 @@ def launch(
         part,
         counters,
         inject,
-        routed,
-        logits,
         m,
         n,
         k,
         k_split,
         x.stride(0),
         w.stride(0),
-        logits.stride(0),
         FUSED_SPLIT=split if fused else 0,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -292,11 +260,8 @@ def launch(
         ROUND_BF16=round_bf16 and not INTERPRET and not later,  # partials stay exact fp32
         GATES_R=0 if later else gates_r,
         GATES_HC=gates_hc,
-        SILU_UP=silu_up,
-        GATED_ADD=gated_add_of is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        **_elementwise_options(silu_up > 0 or gated_add_of is not None),
         **launch_options(_linear_kernel, x.device),
     )
     if later:
@@ -329,39 +294,6 @@ def linear(
     n, k = w.shape
     split, k_split = k_ranges(n, k)
     return launch(x, w, out_dtype, pick_tiles(x.shape[0], n, split), split, k_split, round_bf16)
-
-
-def _elementwise_options(gated: bool) -> dict[str, bool]:
-    """Compile options of a launch doing kernels/gates.py's steps: theirs (no fused multiply-adds, libdevice without
-    flushing subnormals), so it gives their bits; none otherwise."""
-    return {"enable_fp_fusion": False, "enable_reflect_ftz": False} if gated else {}
-
-
-def shared_expert_down(
-    gate_up: torch.Tensor, width: int, w_down: torch.Tensor, routed: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """routed + sigmoid(z) · silu_mul(gate, up) · w_downᵀ from the shared expert's fused projection output gate_up
-    [M, 2·width + 1] (gate, up, then the gate logit z) and the routed experts' output [M, D]: silu_mul, the linear
-    kernel and gated_add with their bits, in one launch where w_down's K is one range (else in three). out_dtype
-    fp32 holds the bf16 values, ready to all-reduce."""
-    m = gate_up.shape[0]
-    if gate_up.dim() != 2 or gate_up.shape[1] < 2 * width + 1 or gate_up.stride(1) != 1:
-        raise ValueError(f"shared_expert_down: gate_up {tuple(gate_up.shape)} is not [M, >= {2 * width + 1}] by rows")
-    if w_down.shape[1] != width or tuple(routed.shape) != (m, w_down.shape[0]):
-        raise ValueError(
-            f"shared_expert_down: w_down {tuple(w_down.shape)} and routed {tuple(routed.shape)} do not match width "
-            f"{width} and {m} rows"
-        )
-    gate, up, logit = gate_up[:, :width], gate_up[:, width : 2 * width], gate_up[:, 2 * width : 2 * width + 1]
-    n, k = w_down.shape
-    split, k_split = k_ranges(n, k)
-    if split != 1 or {gate_up.dtype, w_down.dtype, routed.dtype} != {torch.bfloat16}:
-        return gated_add(routed, logit, linear(silu_mul(gate, up), w_down), out_dtype)
-    out_f32 = out_dtype == torch.float32
-    return launch(
-        gate_up, w_down, out_dtype, pick_tiles(m, n, 1), 1, k_split, round_bf16=out_f32, silu_up=width,
-        gated_add_of=(routed.contiguous(), logit),
-    )  # fmt: skip
 
 
 def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor:

@@ -1,9 +1,8 @@
 """The decoder layer's sub-blocks on the kernel path: every row of a round at once, through the Triton kernels.
 
 Row reductions run in kernels whose per-row bits do not depend on the batch; what torch does here is elementwise
-(the same per element whatever the batch), gathers and copies. The GDN gates and RoPE with the cache writes are
-elementwise kernels (one launch each, not a handful of torch ops), and the shared expert's activation and gated add
-are steps of its down projection's launch; the sigmoid left
+(the same per element whatever the batch), gathers and copies. The GDN gates, the shared expert's activations and
+RoPE with the cache writes are elementwise kernels (one launch each, not a handful of torch ops); the sigmoid left
 here is an fp32 formula over exp rather than torch's own, which on the CPU rounds differently in the vector body and
 the scalar tail of a tensor and would tie a row's bits to the batch there too.
 """
@@ -19,10 +18,10 @@ from torch import nn
 
 from kernels.conv import causal_conv_update
 from kernels.fp4_words import kernel_bank
-from kernels.gates import gdn_gates
+from kernels.gates import gated_add, gdn_gates, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.hyper import hc_read, hc_write
-from kernels.linear import linear, shared_expert_down
+from kernels.linear import linear
 from kernels.moe import moe_forward
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
@@ -186,13 +185,15 @@ def experts_to_words(model: nn.Module) -> None:
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """Routed experts (router logits in fp32 from the linear kernel, top-k by the router kernel) plus the gated
-    shared expert, whose down projection forms its input and adds its output in the same launch."""
+    shared expert."""
     weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
     routed = moe_forward(x, ids, weights, expert_bank(m.experts))
     s = m.shared_expert
     fused = linear(x, fused_weight(m, ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")))
-    out_dtype = torch.float32 if m.tp.world > 1 else routed.dtype
-    return m.tp.reduce(shared_expert_down(fused, s.gate_proj.weight.shape[0], s.down_proj.weight, routed, out_dtype))
+    width = s.gate_proj.weight.shape[0]
+    gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
+    shared = project(silu_mul(gate, up), s.down_proj)
+    return m.tp.reduce(gated_add(routed, gate_logit, shared, torch.float32 if m.tp.world > 1 else None))
 
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
-import triton
 
-from kernels.gates import gated_add, silu_mul
 from kernels.linear import (
     BLOCK_K,
     Gates,
@@ -25,7 +20,6 @@ from kernels.linear import (
     linear,
     linear_reference,
     pick_tiles,
-    shared_expert_down,
 )
 
 N = 48
@@ -138,45 +132,6 @@ def test_gates_store_silu_and_twice_sigmoid_of_the_sums_over_hc(split: int, inje
     assert torch.equal(torch.cat([a[0] for a in alone]), h)
     with pytest.raises(ValueError, match="gates"):
         launch(x, w, torch.float32, SMALL, split, k_split, gates=Gates(torch.empty(m, r + 1).bfloat16(), inj, hc))
-
-
-@pytest.mark.parametrize("width", [96, 1280], ids=["one-range", "split"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_the_shared_expert_down_has_the_bits_of_its_three_steps(width: int, out_dtype: torch.dtype) -> None:
-    """silu_mul, the down projection and gated_add (fp32 out: the bf16 values, to all-reduce): one launch where the
-    down projection's K is one range, three otherwise; the bits of the three steps either way, rows alone as
-    batched."""
-    g = torch.Generator().manual_seed(6)
-    m = 5
-    gate_up = (torch.randn(m, 2 * width + 1, generator=g) * 2).bfloat16()
-    w_down = (torch.randn(N, width, generator=g) / width**0.5).bfloat16()
-    routed = torch.randn(m, N, generator=g).bfloat16()
-    gate, up, logit = gate_up[:, :width], gate_up[:, width : 2 * width], gate_up[:, 2 * width :]
-    steps = gated_add(routed, logit, linear(silu_mul(gate, up), w_down), out_dtype)
-    with recording_launches() as launched:
-        fused = shared_expert_down(gate_up, width, w_down, routed, out_dtype)
-    assert launched == (
-        ["_linear_kernel"] if width == 96 else ["_silu_mul_kernel", "_linear_kernel", "_gated_add_kernel"]
-    )
-    assert fused.dtype == out_dtype and torch.equal(fused, steps)
-    alone = [shared_expert_down(gate_up[i : i + 1], width, w_down, routed[i : i + 1], out_dtype) for i in range(m)]
-    assert torch.equal(torch.cat(alone), fused)
-    with pytest.raises(ValueError, match="gate_up"):
-        shared_expert_down(gate_up[:, : 2 * width], width, w_down, routed, out_dtype)
-
-
-@contextmanager
-def recording_launches() -> Iterator[list[str]]:
-    """Within: the name of every Triton kernel launched, in order."""
-    names: list[str] = []
-    real_run = triton.runtime.interpreter.InterpretedFunction.run
-
-    def run(self, *args, **kwargs):
-        names.append(self.fn.__name__)
-        return real_run(self, *args, **kwargs)
-
-    with mock.patch.object(triton.runtime.interpreter.InterpretedFunction, "run", run):
-        yield names
 
 
 @pytest.mark.parametrize(

@@ -44,26 +44,3 @@ def test_rows_alone_equal_rows_batched(n: int, k: int, out: str) -> None:
         assert torch.equal(batched, alone[:m]), f"{m} rows"
         if round_bf16:
             assert torch.equal(batched, linear(x[:m], w).float()), f"{m} rows, round_bf16 against bf16"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_the_shared_expert_down_in_one_launch_has_the_bits_of_its_three_steps(out_dtype: torch.dtype) -> None:
-    """At the per-rank shapes (width 320, d 2560) the one-launch shared expert gives silu_mul, the linear kernel and
-    gated_add's bits at every row count, each row as alone."""
-    from kernels.gates import gated_add, silu_mul
-    from kernels.linear import shared_expert_down
-
-    width, d = 320, 2560
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    gate_up = (torch.randn(max(ROWS), 2 * width + 1, device="cuda", generator=gen) * 2).bfloat16()
-    w_down = (torch.randn(d, width, device="cuda", generator=gen) / width**0.5).bfloat16()
-    routed = torch.randn(max(ROWS), d, device="cuda", generator=gen).bfloat16()
-    alone = torch.cat([shared_expert_down(gate_up[i : i + 1], width, w_down, routed[i : i + 1], out_dtype)
-                       for i in range(max(ROWS))])  # fmt: skip
-    for m in ROWS:
-        gate, up, logit = gate_up[:m, :width], gate_up[:m, width : 2 * width], gate_up[:m, 2 * width :]
-        steps = gated_add(routed[:m], logit, linear(silu_mul(gate, up), w_down), out_dtype)
-        fused = shared_expert_down(gate_up[:m], width, w_down, routed[:m], out_dtype)
-        assert torch.equal(fused, steps) and torch.equal(fused, alone[:m]), f"{m} rows"
