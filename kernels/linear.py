@@ -206,6 +206,14 @@ class Gates:
     hc: int
 
 
+def call_tiles(m: int, n: int, split: int) -> Tiles:
+    """The tiles a call takes: `pick_tiles`', or under the interpreter, which runs a launch's programs one by one in
+    Python, 64 columns wide (16 rows for few rows, 64 for more), so fewer programs: tiles never change the bits."""
+    if INTERPRET:
+        return Tiles(16, 64, 2, 1) if m <= 16 else Tiles(64, 64, 4, 1)
+    return pick_tiles(m, n, split)
+
+
 def launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -293,7 +301,7 @@ def linear(
     w = w if w.stride(1) == 1 else w.contiguous()
     n, k = w.shape
     split, k_split = k_ranges(n, k)
-    return launch(x, w, out_dtype, pick_tiles(x.shape[0], n, split), split, k_split, round_bf16)
+    return launch(x, w, out_dtype, call_tiles(x.shape[0], n, split), split, k_split, round_bf16)
 
 
 def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor:
@@ -303,7 +311,7 @@ def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor
         raise ValueError(f"linear_gates: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
     n, k = w.shape
     split, k_split = k_ranges(n, k)
-    return launch(x, w, torch.float32, pick_tiles(x.shape[0], n, split), split, k_split, gates=gates)
+    return launch(x, w, torch.float32, call_tiles(x.shape[0], n, split), split, k_split, gates=gates)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -15,6 +15,7 @@ from kernels.linear import (
     Gates,
     Tiles,
     arrival_counters,
+    call_tiles,
     k_ranges,
     launch,
     linear,
@@ -69,6 +70,21 @@ def test_small_and_wide_tiles_agree(split: int, out_dtype: torch.dtype) -> None:
     assert torch.equal(launch(x, w, out_dtype, SMALL, split, k_split), one)
     for tiles in WIDE:
         assert torch.equal(launch(x, w, out_dtype, tiles, split, k_split), one), tiles
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_calls_under_the_interpreter_take_wide_tiles_with_the_bits_of_the_gpus_tiles(m: int) -> None:
+    """The interpreter runs programs one by one in Python, so there a call takes 64-column tiles (16 or 64 rows):
+    fewer programs, and the bits of the tiles `pick_tiles` gives the GPU, whole K or split."""
+    x, w = inputs(m, 300, seed=7)
+    for split, k_split in ((1, 384), (3, BLOCK_K)):
+        tiles = call_tiles(m, N, split)
+        assert tiles.block_n == 64 and tiles.block_m == (16 if m <= 16 else 64)
+        assert tiles != pick_tiles(m, N, split)
+        assert torch.equal(
+            launch(x, w, torch.bfloat16, tiles, split, k_split),
+            launch(x, w, torch.bfloat16, pick_tiles(m, N, split), split, k_split),
+        )
 
 
 @pytest.mark.parametrize("tiles", [SMALL, WIDE[0]], ids=["fused-sum", "sum-kernel"])
