@@ -7,8 +7,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from kernels.fp32_ops import exp_f32
 from kernels.pdl import enter, launch_options
 
 SCAN_ROWS = 256
@@ -99,15 +99,6 @@ def _check_conv(
     tensors = (x, tail, weight, lane_of_row) if row_tails is None else (x, tail, weight, lane_of_row, row_tails)
     if len({t.device for t in tensors}) != 1:
         raise ValueError("x, tail, weight, lane_of_row and row_tails must be on one device")
-
-
-@triton.jit
-def exp_f32(x, INTERPRET: tl.constexpr):
-    """exp in fp32: libdevice's expf on the GPU (not tl.exp's ex2.approx), numpy's under the interpreter."""
-    if INTERPRET:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
 
 
 @triton.jit

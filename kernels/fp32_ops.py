@@ -23,7 +23,7 @@ def round_to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def exp_f32(x, INTERPRET: tl.constexpr):
-    """exp in fp32: libdevice's expf on the GPU, numpy's under the interpreter."""
+    """exp in fp32: libdevice's expf on the GPU (not tl.exp's ex2.approx), numpy's under the interpreter."""
     if INTERPRET:
         return tl.exp(x)
     else:

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.conv import exp_f32, lane_run_end, lane_runs
+from kernels.conv import lane_run_end, lane_runs
+from kernels.fp32_ops import exp_f32
 from kernels.pdl import enter, launch_options
 
 L2_EPS = 1e-6

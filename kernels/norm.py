@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.conv import exp_f32
-from kernels.fp32_ops import round_to_act
+from kernels.fp32_ops import exp_f32, round_to_act
 from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
