@@ -8,7 +8,7 @@ even, and every sum and transcendental runs in fp32 (sqrt and division correctly
 Read, three launches, each intermediate with its dtype and rounding:
   1. rstd [N, hc] fp32 = 1 / sqrt(Σ x² / d + eps) per stream; lane-wise fp32 sums over BLOCK_D chunks of d in
      increasing order, then one tree sum whose shape depends on d alone.
-  2. normed = act(x · rstd · (1 + w_norm)) (never stored: rebuilt identically wherever it is used);
+  2. normed = act(x · rstd · (1 + w_norm)) (rebuilt identically wherever it is used, or stored once, below);
      a [N, r] and a_inj [N, hc] fp32 = normed · W_downᵀ, normed · W_injectᵀ: the K = hc·d axis is cut into
      `split` ranges of `k_split` (from hc·d and d alone, `k_ranges`), each range a chain of tensor-core dots over
      BLOCK_K tiles in increasing k from zero, the range sums added ((P0 + P1) + P2) + ... in range order. Either
@@ -18,15 +18,18 @@ Read, three launches, each intermediate with its dtype and rounding:
      inject [N, hc] = act(2 · sigmoid(a_inj / hc)), with silu(v) = v / (1 + exp(-v)), sigmoid(v) = 1 / (1 + exp(-v)).
   3. u = h · W_upᵀ in fp32 (dots over BLOCK_R chunks of r in increasing order), g = sigmoid(u) fp32,
      x [N, d] = act((g_0·normed_0 + g_1·normed_1 + ...) / hc), the stream sum in fp32 in stream order.
-With `ReadTiles.via_linear` (bf16 only; the default) step 2 runs as two launches instead: the
+With `ReadTiles.via_linear` (bf16 only; the default) step 2 runs on the linear kernel instead: the
 first kernel also stores normed [N, hc·d]; the linear kernel forms a and a_inj in one launch over [W_down; W_inject]
 (a view when the inject rows follow the down rows in memory, as the model stacks them), whose K ranges, tiles and
-range order are those above, so the sums have the same bits, and stores h and inject from them (`linear_gates`). Where
-the linear kernel would cut K = hc·d into other ranges (it picks them from its N and K), the fused kernel runs.
+range order are those above, so the sums have the same bits, and stores h and inject from them (`linear_gates`; where
+its tiles are wider than 16 rows, its second kernel adds the K ranges' sums and stores them). Where the linear kernel
+would cut K = hc·d into other ranges (it picks them from its N and K), the fused kernel runs.
 With `ReadTiles.up_over_normed` (bf16 only; the default) step 3 runs as one `_up_mix_kernel` launch over the stored
-normed rows: u = h · W_upᵀ summed over r in 128-wide tiles (the same chain of 16-deep MMA steps in increasing k as the
-64-wide chunks above, then zero products past r), kept in registers (never stored), and x formed from u and normed
-as step 3 does, so x has the fused kernels' bits (tests/kernels/test_hyper_gpu.py compares them on the GPU).
+normed rows: u = h · W_upᵀ summed over r in 128-wide tiles (the same chain of 16-deep MMA steps in increasing k as
+step 3's BLOCK_R chunks, then zero products past r), kept in registers (never stored), and x formed from u and normed
+as step 3 does, so x has the fused kernels' bits (tests/kernels/test_hyper_gpu.py compares them on the GPU). Its
+tile holds every stream's columns, so it serves up to UP_MIX_COLUMNS of them (hc, padded to a power of two, times
+up_d); wider, the fused kernel runs.
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
@@ -56,7 +59,8 @@ INJECT_BLOCK = 16  # inject columns padded to one 16-wide dot tile, so hc <= 16
 MAX_TILES = 1024
 MIN_PROGRAMS = 264
 WRITE_BLOCK = 256
-UP_BLOCK_K = 128  # the up projection sums r in tiles of the linear kernel's K tile
+UP_BLOCK_K = 128  # `_up_mix_kernel`'s chunk of r
+UP_MIX_COLUMNS = 128  # the most columns (streams padded to a power of two, times up_d) of `_up_mix_kernel`'s tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +102,8 @@ def down_via_linear(k: int, d: int, r: int, hc: int, inject: bool) -> bool:
 
 
 def read_tiles(n: int, r: int) -> ReadTiles:
-    """Tiles for n rows: down by the linear kernel and up over the stored normed rows (bf16), 16 or 64 rows high."""
+    """Tiles for n rows: down by the linear kernel and up over the stored normed rows (bf16), the up tiles 16 to 128
+    rows high."""
     if INTERPRET:
         return ReadTiles(16, 16, 16, 16, False, 4, 1)
     if n <= 32:
@@ -509,7 +514,7 @@ def _up_mix_kernel(
 ):
     """x tile = act(Σ_b sigmoid(u_b) · normed_b / hc) over the stored normed rows, streams summed in order from -0.0;
     u = h · W_upᵀ for the tile's columns of every stream at once ([BLOCK_M, HC_PAD · BLOCK_D], stream-major), in fp32
-    as the linear kernel sums one K range (BLOCK_K tiles of r from zero, zero past r), kept in registers."""
+    as `_mix_kernel` sums it (one chain over r from zero, zero products past r), kept in registers."""
     pid_d = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -518,7 +523,7 @@ def _up_mix_kernel(
     stream = lanes // BLOCK_D
     cols = pid_d * BLOCK_D + lanes % BLOCK_D
     lane_ok = (stream < HC) & (cols < D)
-    w_rows = (stream * D + tl.minimum(cols, D - 1)).to(tl.int64) * stride_wu
+    w_rows = (tl.minimum(stream, HC - 1) * D + tl.minimum(cols, D - 1)).to(tl.int64) * stride_wu  # in W_up
     ks = tl.arange(0, BLOCK_K)
     if PREFETCH:  # weights are never written by a kernel: fetch this program's into L2 while the previous one runs
         for k0 in range(0, R, BLOCK_K):
@@ -690,7 +695,7 @@ def launch_read(
     rstd = torch.empty((n, hc), dtype=torch.float32, device=dev)
     bf16 = act == torch.bfloat16
     via_linear = tiles.via_linear and bf16 and down_via_linear(k, d, r, hc, w_inject is not None)
-    up_over_normed = tiles.up_over_normed and bf16
+    up_over_normed = tiles.up_over_normed and bf16 and triton.next_power_of_2(hc) * tiles.up_d <= UP_MIX_COLUMNS
     normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_over_normed else rstd
     _rstd_kernel[(n, hc)](
         wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,

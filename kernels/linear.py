@@ -238,6 +238,11 @@ def launch(
         inject = gates.inject if gates.inject is not None else out
         if out.shape != (m, gates_r) or n != gates_r + (0 if gates.inject is None else gates_hc):
             raise ValueError(f"launch: gates h {tuple(out.shape)} and hc {gates_hc} do not match w {tuple(w.shape)}")
+        if inject is not out and inject.shape != (m, gates_hc):
+            raise ValueError(f"launch: gates inject {tuple(inject.shape)} is not [{m}, {gates_hc}]")
+        for name, t in (("h", out), ("inject", inject)):
+            if not t.is_contiguous() or t.dtype not in (torch.bfloat16, torch.float32) or t.device != x.device:
+                raise ValueError(f"launch: gates {name} must be contiguous bf16 or fp32 on {x.device}")
     if m == 0:
         return out if gates is not None else out.to(out_dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
@@ -309,6 +314,8 @@ def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor
     forms them, then stored as `_store` says into gates.h (returned) and gates.inject."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
         raise ValueError(f"linear_gates: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
     n, k = w.shape
     split, k_split = k_ranges(n, k)
     return launch(x, w, torch.float32, call_tiles(x.shape[0], n, split), split, k_split, gates=gates)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.hyper import round_to_act
+from kernels.fp32_ops import round_to_act
 from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.

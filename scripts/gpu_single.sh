@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one GPU can check of a change, in one call on nvidia-h200. CHECKS picks among (default: all, in this order):
-#   pytest        `pytest -m gpu` of PYTEST_FILES (default tests/kernels/test_gdn_gpu.py tests/kernels/test_sample_gpu.py)
+#   pytest        `pytest -m gpu` of PYTEST_FILES (default: test_gdn_gpu, test_sample_gpu and test_hyper_gpu in tests/kernels)
 #   hyper         the hyper-connection reads' errors, rows and times at 1 to 1,024 rows (`gpu_check_hyper.py`)
 #   step          rank 0's half of a round alone, 1 and 64 lanes, replayed (`gpu_step_profile.py --alone-as 2`)
 #   prompt        prompt graphs against eager at the real shapes, with the capture's memory (`gpu_prompt_graphs.py`)
@@ -33,7 +33,8 @@ both() {  # name, limit, script and flags: run in this tree, and in BEFORE when 
 if [[ $checks == *" pytest "* ]]; then
   # shellcheck disable=SC2086
   TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -m gpu \
-    ${PYTEST_FILES:-tests/kernels/test_gdn_gpu.py tests/kernels/test_sample_gpu.py} > "$OUT/pytest_gpu.out" 2>&1
+    ${PYTEST_FILES:-tests/kernels/test_gdn_gpu.py tests/kernels/test_sample_gpu.py tests/kernels/test_hyper_gpu.py} \
+    > "$OUT/pytest_gpu.out" 2>&1
   echo "pytest -m gpu rc=$? $(since)"; tail -2 "$OUT/pytest_gpu.out"
 fi
 [[ $checks == *" hyper "* ]] && both hyper 150 scripts/gpu_check_hyper.py --only read read_mixer \

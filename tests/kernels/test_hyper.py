@@ -369,6 +369,22 @@ def test_a_read_over_normed_rows_is_three_launches_that_store_no_fp32_sums(n: in
     assert rel_err(x, fused_x) <= tol(torch.bfloat16) and rel_err(inj, fused_inj) <= tol(torch.bfloat16)
 
 
+def test_an_up_tile_wider_than_the_up_kernel_takes_runs_the_fused_mix() -> None:
+    """The up kernel's tile holds every stream's columns: past UP_MIX_COLUMNS of them (hc padded to a power of two,
+    times up_d) the read keeps the fused mix kernel, with the same x as a narrower tile through the up kernel."""
+    w, wide = weights(3, torch.bfloat16, seed=19, d=64), wide_rows(4, 3, torch.bfloat16, seed=20, d=64)
+    wide_tile = dataclasses.replace(TILES[0], up_d=64, up_over_normed=True)
+    assert 4 * wide_tile.up_d > hyper.UP_MIX_COLUMNS
+    with recording_launches() as launched:
+        x, inj = launch_read(wide, *w.values(), EPS, 3, wide_tile)
+    assert "_mix_kernel" in launched and "_up_mix_kernel" not in launched, launched
+    narrow = dataclasses.replace(wide_tile, up_d=16)
+    with recording_launches() as launched:
+        nx, ninj = launch_read(wide, *w.values(), EPS, 3, narrow)
+    assert "_up_mix_kernel" in launched, launched
+    assert rel_err(x, nx) <= tol(torch.bfloat16) and torch.equal(inj, ninj)
+
+
 @contextmanager
 def recording_launches() -> Iterator[list[str]]:
     """Within: the name of every Triton kernel launched, in order."""

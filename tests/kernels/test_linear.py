@@ -148,6 +148,9 @@ def test_gates_store_silu_and_twice_sigmoid_of_the_sums_over_hc(split: int, inje
     assert torch.equal(torch.cat([a[0] for a in alone]), h)
     with pytest.raises(ValueError, match="gates"):
         launch(x, w, torch.float32, SMALL, split, k_split, gates=Gates(torch.empty(m, r + 1).bfloat16(), inj, hc))
+    if inject:
+        with pytest.raises(ValueError, match="gates inject"):
+            launch(x, w, torch.float32, SMALL, split, k_split, gates=Gates(h, torch.empty(m, hc + 1).bfloat16(), hc))
 
 
 @pytest.mark.parametrize(
