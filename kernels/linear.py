@@ -240,9 +240,11 @@ def launch(
             raise ValueError(f"launch: gates h {tuple(out.shape)} and hc {gates_hc} do not match w {tuple(w.shape)}")
         if inject is not out and inject.shape != (m, gates_hc):
             raise ValueError(f"launch: gates inject {tuple(inject.shape)} is not [{m}, {gates_hc}]")
-        for name, t in (("h", out), ("inject", inject)):
+        for name, t in (("h", out), ("inject", inject)):  # both are rounded to h's dtype
             if not t.is_contiguous() or t.dtype not in (torch.bfloat16, torch.float32) or t.device != x.device:
                 raise ValueError(f"launch: gates {name} must be contiguous bf16 or fp32 on {x.device}")
+        if inject.dtype != out.dtype:
+            raise ValueError(f"launch: gates inject is {inject.dtype}, h {out.dtype}: they must share a dtype")
     if m == 0:
         return out if gates is not None else out.to(out_dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)

@@ -151,6 +151,8 @@ def test_gates_store_silu_and_twice_sigmoid_of_the_sums_over_hc(split: int, inje
     if inject:
         with pytest.raises(ValueError, match="gates inject"):
             launch(x, w, torch.float32, SMALL, split, k_split, gates=Gates(h, torch.empty(m, hc + 1).bfloat16(), hc))
+        with pytest.raises(ValueError, match="share a dtype"):
+            launch(x, w, torch.float32, SMALL, split, k_split, gates=Gates(h, torch.empty(m, hc), hc))
 
 
 @pytest.mark.parametrize(
