@@ -2,10 +2,13 @@
 
 `moe_forward(x, expert_ids, weights, bank)` computes, for each row and each of its k (row, expert) pairs,
 `h = bf16(silu(x·Wgᵀ) * (x·Wuᵀ))` and `y = h·Wdᵀ`, then `out = Σ weight·y` over the row's experts in ascending
-expert id, in fp32, rounded once to the output dtype. Four launches, no host synchronisation, so one CUDA graph
-replays any routing: a plan (pairs grouped by expert, expert bounds, each row tile's expert and first pair), the
-gate-up kernel (writes h per pair), the down kernel (writes fp32 y per pair) and the combine kernel (the ordered
-weighted sum per row).
+expert id, in fp32, rounded once to the output dtype. No host synchronisation, so one CUDA graph replays any
+routing. Grouped path, four launches: a plan (pairs grouped by expert, expert bounds, each row tile's expert and first
+pair), the gate-up kernel (writes h per pair), the down kernel (writes fp32 y per pair) and the combine kernel (the
+ordered weighted sum per row). Pairs path, below PAIR_ROWS rows, two launches: each pair alone in a row tile of its
+own, h placed in its row's ascending-expert order, and the down kernel's last pair of a row to finish a column tile
+adds the row's weighted y in that order. A pair alone is the grouped tile with one row, so both paths give the same
+bits.
 
 Reduction order (the exactness contract). Every dot accumulates in fp32 through tensor-core MMA steps 16 wide, in
 increasing index order over the reduced axis, starting from zero: the gate/up sums run over d, the down sum over I.
@@ -38,11 +41,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.counters import CounterPool
 from kernels.fp4_words import PACKED_KEYS, from_words
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
 PLAN_MAX_PAIRS = 12288  # beyond, the kernel's scans of every earlier pair cost more than the torch ops' sort
+# Below PAIR_ROWS rows each pair runs alone: no plan, and the combine inside the down launch. One row only: a lane's
+# verify rows share experts, whose weights the grouped path reads once per tile (docs/performance.md, tenth session).
+PAIR_ROWS = 2
+PAIR_COUNTERS = 2048  # arrival counters of the pairs path: each row's column tiles of the down projection
 PLAN_CHUNK, PLAN_SCAN = 64, 256  # pairs one plan program places; ids it counts a step
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
@@ -302,6 +310,33 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_tile(
+    x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP4: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """bf16(silu(x·Wgᵀ) * x·Wuᵀ) [BLOCK_M, BLOCK_N] of expert e for the rows at `x_rows` (those in `ok`)."""
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < D)[None, :]
+        a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
+        wg = _weight_tile(w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET)
+        gate = _mma(a, wg, gate, INTERPRET)
+        wu = _weight_tile(
+            w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+        )
+        up = _mma(a, wu, up, INTERPRET)
+    if FP4:
+        gate = gate * (tl.load(s2_ptr + e * 2) * 128.0)
+        up = up * (tl.load(s2_ptr + e * 2 + 1) * 128.0)
+    return _round_bf16(gate * tl.sigmoid(gate) * up, INTERPRET)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     pairs_ptr,
@@ -340,26 +375,67 @@ def _gate_up_kernel(
     x_rows = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_xn
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
-    w_e = w_ptr + e.to(tl.int64) * stride_we
-    s_e = s_ptr + e.to(tl.int64) * stride_se
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < D)[None, :]
-        a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
-        wg = _weight_tile(w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET)
-        gate = _mma(a, wg, gate, INTERPRET)
-        wu = _weight_tile(
-            w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
-        )
-        up = _mma(a, wu, up, INTERPRET)
-    if FP4:
-        gate = gate * (tl.load(s2_ptr + e * 2) * 128.0)
-        up = up * (tl.load(s2_ptr + e * 2 + 1) * 128.0)
-    h = gate * tl.sigmoid(gate) * up
-    h_ptrs = h_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :]
-    tl.store(h_ptrs, _round_bf16(h, INTERPRET), mask=ok[:, None] & col_ok[None, :])
+    h = _gate_up_tile(
+        x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET,
+    )  # fmt: skip
+    tl.store(h_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :], h, mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gate_up_pairs_kernel(
+    x_ptr,
+    ids_ptr,
+    wts_ptr,
+    w_ptr,
+    s_ptr,
+    s2_ptr,
+    h_ptr,
+    order_ids_ptr,
+    order_wts_ptr,
+    D,
+    INTER,
+    stride_xn,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP4: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """h of one (row, slot) pair in one column tile, alone in a BLOCK_M-row tile (the grouped kernel's tile with one
+    row), stored at the pair's place in its row's ascending-expert order; the first column tile's program also stores
+    the pair's expert and weight there."""
+    enter(PDL)
+    n_blocks = tl.cdiv(INTER, BLOCK_N)
+    pair = tl.program_id(0) // n_blocks
+    nb = tl.program_id(0) % n_blocks
+    row = pair // TOP_K
+    slots = tl.arange(0, K_POW2)
+    row_ids = tl.load(ids_ptr + row * TOP_K + slots, mask=slots < TOP_K, other=2147483647)
+    e = tl.load(ids_ptr + pair)
+    before = (row_ids < e) | ((row_ids == e) & (slots < pair % TOP_K))
+    place = row * TOP_K + tl.sum(before.to(tl.int32), 0)
+    if nb == 0:
+        tl.store(order_ids_ptr + place, e)
+        tl.store(order_wts_ptr + place, tl.load(wts_ptr + pair))
+    ok = tl.arange(0, BLOCK_M) == 0
+    x_rows = x_ptr + row.to(tl.int64) * stride_xn + tl.zeros((BLOCK_M, 1), dtype=tl.int64)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    h = _gate_up_tile(
+        x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET,
+    )  # fmt: skip
+    h_rows = h_ptr + place.to(tl.int64) * INTER + tl.zeros((BLOCK_M, 1), dtype=tl.int64)
+    tl.store(h_rows + cols[None, :], h, mask=ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -460,6 +536,78 @@ def _combine_kernel(
         tl.store(out_ptr + row.to(tl.int64) * D + cols, acc, mask=col_ok)
 
 
+@triton.jit
+def _down_pairs_kernel(
+    h_ptr,
+    order_ids_ptr,
+    order_wts_ptr,
+    w_ptr,
+    s_ptr,
+    s2_ptr,
+    y_ptr,
+    count_ptr,
+    out_ptr,
+    D,
+    INTER,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP4: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y = h·Wdᵀ of the pair at one place in one column tile, formed as `_down_kernel` forms it (the pair alone in a
+    BLOCK_M-row tile) and stored by place; the last of the row's pairs to arrive at the column tile (an arrival
+    counter picks it) adds the row's weighted y in place order, ascending expert id, as `_combine_kernel` adds them,
+    and stores the output: the same order whichever pair arrives last."""
+    enter(PDL)
+    n_cols = tl.cdiv(D, BLOCK_N)
+    place = tl.program_id(0) // n_cols
+    col_tile = tl.program_id(0) % n_cols
+    row = place // TOP_K
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    ok = tl.arange(0, BLOCK_M) == 0
+    no_rows = tl.zeros((BLOCK_M, 1), dtype=tl.int64)
+    e = tl.load(order_ids_ptr + place)
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    h_row = h_ptr + place.to(tl.int64) * INTER + no_rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
+        a = tl.load(h_row + kk[None, :], mask=a_mask, other=0.0)
+        w = _weight_tile(
+            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+        )
+        acc = _mma(a, w, acc, INTERPRET)
+    scale_2 = tl.load(s2_ptr + e) * 128.0 if FP4 else 1.0
+    mask = ok[:, None] & col_ok[None, :]
+    tl.store(y_ptr + place.to(tl.int64) * D + no_rows + cols[None, :], acc * scale_2, mask=mask)
+    tl.debug_barrier()
+    counter = count_ptr + row * n_cols + col_tile
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(TOP_K):
+            y_row = y_ptr + (row * TOP_K + j).to(tl.int64) * D + no_rows
+            y = tl.load(y_row + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            total = total + tl.load(order_wts_ptr + row * TOP_K + j) * y
+        out = out_ptr + row.to(tl.int64) * D + no_rows + cols[None, :]
+        if OUT_BF16:
+            tl.store(out, _round_bf16(total, INTERPRET), mask=mask)
+        else:
+            tl.store(out, total, mask=mask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
 def _bank_layout(bank: Mapping[str, torch.Tensor]) -> tuple[bool, int, int, int]:
     """(is NVFP4, experts E, hidden d, intermediate I) of a bank, checking its tensors' shapes and dtypes."""
     if any(key in bank for key in PACKED_KEYS):
@@ -501,6 +649,34 @@ def _bank_layout(bank: Mapping[str, torch.Tensor]) -> tuple[bool, int, int, int]
     return fp4, e, d, inter
 
 
+_COUNTERS = CounterPool(PAIR_COUNTERS, "moe_forward", "row column tiles of the pairs path")
+
+
+@dataclass(frozen=True, slots=True)
+class _Weights:
+    """A checked bank as the kernels take it (the BF16 bank's scale slots hold placeholders no kernel reads)."""
+
+    fp4: bool
+    experts: int
+    d: int
+    inter: int
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor
+    gate_up_scale_2: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+    down_scale_2: torch.Tensor
+
+
+def _weights(bank: Mapping[str, torch.Tensor]) -> _Weights:
+    """The bank's tensors in the kernels' argument order, checked by `_bank_layout`."""
+    fp4, experts, d, inter = _bank_layout(bank)
+    if fp4:
+        return _Weights(fp4, experts, d, inter, *(bank[key] for key in FP4_KEYS))
+    gate_up, down = bank["gate_up"], bank["down"]
+    return _Weights(fp4, experts, d, inter, gate_up, gate_up, gate_up, down, down, down)
+
+
 def moe_forward(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -509,106 +685,88 @@ def moe_forward(
     out_dtype: torch.dtype = torch.bfloat16,
     tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
-    """Routed experts of x [N, d] bf16 with expert_ids [N, k] and weights [N, k] -> [N, d] out_dtype (bf16/fp32)."""
-    fp4, num_experts, d, inter = _bank_layout(bank)
+    """Routed experts of x [N, d] bf16 with expert_ids [N, k] and weights [N, k] -> [N, d] out_dtype (bf16/fp32):
+    below PAIR_ROWS rows each pair alone (two launches), else grouped by expert (four); the same bits either way."""
+    wb = _weights(bank)
     n, top_k = expert_ids.shape
-    if x.shape != (n, d) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
-        raise ValueError(f"x: expected ({n}, {d}) bf16 contiguous rows, got {tuple(x.shape)} {x.dtype}")
+    if x.shape != (n, wb.d) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        raise ValueError(f"x: expected ({n}, {wb.d}) bf16 contiguous rows, got {tuple(x.shape)} {x.dtype}")
     if weights.shape != (n, top_k):
         raise ValueError(f"weights: expected {(n, top_k)}, got {tuple(weights.shape)}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    out = torch.empty(n, d, dtype=out_dtype, device=x.device)
+    out = torch.empty(n, wb.d, dtype=out_dtype, device=x.device)
     if n == 0:
         return out
-    tiles = tiles or moe_tiles(n, top_k, num_experts)
-    interpret = _interpreting()
+    tiles = tiles or moe_tiles(n, top_k, wb.experts)
     ids = expert_ids.to(torch.int32).contiguous()
-    plan = moe_plan(ids, num_experts, tiles.block_m)
-    num_pairs = n * top_k
-    if fp4:
-        gu_w, gu_s, gu_s2 = bank["gate_up_words"], bank["gate_up_scale"], bank["gate_up_scale_2"]
-        dn_w, dn_s, dn_s2 = bank["down_words"], bank["down_scale"], bank["down_scale_2"]
+    wts = weights.to(torch.float32).contiguous()
+    if n < PAIR_ROWS:
+        _pairs_forward(x, ids, wts, wb, out, tiles)
     else:
-        gu_w, dn_w = bank["gate_up"], bank["down"]
-        gu_s, gu_s2, dn_s, dn_s2 = gu_w, gu_w, dn_w, dn_w  # unread placeholders
-    h = torch.empty(num_pairs, inter, dtype=torch.bfloat16, device=x.device)
-    grid = (plan.max_tiles * triton.cdiv(inter, tiles.gate_up_n),)
-    _gate_up_kernel[grid](
-        x,
-        plan.pairs,
-        plan.bounds,
-        plan.tile_experts,
-        plan.tile_starts,
-        gu_w,
-        gu_s,
-        gu_s2,
-        h,
-        d,
-        inter,
-        x.stride(0),
-        gu_w.stride(0),
-        gu_w.stride(1),
-        gu_s.stride(0),
-        gu_s.stride(1),
-        TOP_K=top_k,
-        E=num_experts,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=tiles.gate_up_k,
-        EVEN_K=d % tiles.gate_up_k == 0,
-        FP4=fp4,
-        INTERPRET=interpret,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **launch_options(_gate_up_kernel, x.device),
-    )
-    y = torch.empty(num_pairs, d, dtype=torch.float32, device=x.device)
-    grid = (plan.max_tiles * triton.cdiv(triton.cdiv(d, tiles.down_n), tiles.down_group),)
-    _down_kernel[grid](
-        h,
-        plan.pairs,
-        plan.bounds,
-        plan.tile_experts,
-        plan.tile_starts,
-        dn_w,
-        dn_s,
-        dn_s2,
-        y,
-        d,
-        inter,
-        dn_w.stride(0),
-        dn_w.stride(1),
-        dn_s.stride(0),
-        dn_s.stride(1),
-        E=num_experts,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.down_n,
-        BLOCK_K=tiles.down_k,
-        GROUP=tiles.down_group,
-        EVEN_K=inter % tiles.down_k == 0,
-        FP4=fp4,
-        INTERPRET=interpret,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **launch_options(_down_kernel, h.device),
-    )
-    block_d = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(n, triton.cdiv(d, block_d))](
-        y,
-        ids,
-        weights.to(torch.float32).contiguous(),
-        out,
-        d,
-        TOP_K=top_k,
-        K_POW2=triton.next_power_of_2(top_k),
-        BLOCK_D=block_d,
-        OUT_BF16=out_dtype == torch.bfloat16,
-        INTERPRET=interpret,
-        num_warps=4,
-        **launch_options(_combine_kernel, y.device),
-    )
+        _grouped_forward(x, ids, wts, wb, out, tiles)
     return out
+
+
+def _pairs_forward(
+    x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, wb: _Weights, out: torch.Tensor, tiles: MoeTiles
+) -> None:
+    """Each (row, expert) pair in its own programs: h by place in each row's ascending-expert order, then the down
+    projection with the ordered weighted sum in the same launch; no plan."""
+    n, top_k = ids.shape
+    h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
+    order_ids = torch.empty(n * top_k, dtype=torch.int32, device=x.device)
+    order_wts = torch.empty(n * top_k, dtype=torch.float32, device=x.device)
+    _gate_up_pairs_kernel[(n * top_k * triton.cdiv(wb.inter, tiles.gate_up_n),)](
+        x, ids, wts, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, order_ids, order_wts, wb.d, wb.inter,
+        x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
+        wb.gate_up_scale.stride(1), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.gate_up_k, EVEN_K=wb.d % tiles.gate_up_k == 0, FP4=wb.fp4,
+        INTERPRET=_interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(_gate_up_pairs_kernel, x.device),
+    )  # fmt: skip
+    n_cols = triton.cdiv(wb.d, tiles.down_n)
+    y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
+    _down_pairs_kernel[(n * top_k * n_cols,)](
+        h, order_ids, order_wts, wb.down, wb.down_scale, wb.down_scale_2, y, _COUNTERS.get(x.device, n * n_cols), out,
+        wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1),
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
+        EVEN_K=wb.inter % tiles.down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
+        INTERPRET=_interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(_down_pairs_kernel, x.device),
+    )  # fmt: skip
+
+
+def _grouped_forward(
+    x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, wb: _Weights, out: torch.Tensor, tiles: MoeTiles
+) -> None:
+    """The rows' pairs grouped by expert through the plan: gate-up and down by row tile, then the combine."""
+    n, top_k = ids.shape
+    interpret = _interpreting()
+    plan = moe_plan(ids, wb.experts, tiles.block_m)
+    plan_args = (plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts)
+    h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
+    _gate_up_kernel[(plan.max_tiles * triton.cdiv(wb.inter, tiles.gate_up_n),)](
+        x, *plan_args, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, wb.d, wb.inter, x.stride(0),
+        wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1),
+        TOP_K=top_k, E=wb.experts, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.gate_up_k,
+        EVEN_K=wb.d % tiles.gate_up_k == 0, FP4=wb.fp4, INTERPRET=interpret, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **launch_options(_gate_up_kernel, x.device),
+    )  # fmt: skip
+    y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
+    _down_kernel[(plan.max_tiles * triton.cdiv(triton.cdiv(wb.d, tiles.down_n), tiles.down_group),)](
+        h, *plan_args, wb.down, wb.down_scale, wb.down_scale_2, y, wb.d, wb.inter, wb.down.stride(0),
+        wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1), E=wb.experts, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, GROUP=tiles.down_group, EVEN_K=wb.inter % tiles.down_k == 0,
+        FP4=wb.fp4, INTERPRET=interpret, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(_down_kernel, x.device),
+    )  # fmt: skip
+    block_d = min(1024, triton.next_power_of_2(wb.d))
+    _combine_kernel[(n, triton.cdiv(wb.d, block_d))](
+        y, ids, wts, out, wb.d, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d,
+        OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpret, num_warps=4,
+        **launch_options(_combine_kernel, x.device),
+    )  # fmt: skip
 
 
 def fp4_lut(device: torch.device | str | None = None) -> torch.Tensor:

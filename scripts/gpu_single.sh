@@ -2,6 +2,8 @@
 # What one GPU can check of a change, in one call on nvidia-h200. CHECKS picks among (default: all, in this order):
 #   pytest        `pytest -m gpu` of PYTEST_FILES (default: test_gdn_gpu, test_sample_gpu and test_hyper_gpu in tests/kernels)
 #   hyper         the hyper-connection reads' errors, rows and times at 1 to 1,024 rows (`gpu_check_hyper.py`)
+#   moe           with BEFORE: the routed MoE's bits and time against BEFORE's (`gpu_ab_moe.py`); then its tiles swept
+#                 at MOE_ROWS (default 1 4) over 4 warps and 3 or 4 stages (`gpu_sweep_moe.py`)
 #   step          rank 0's half of a round alone, 1 and 64 lanes, replayed (`gpu_step_profile.py --alone-as 2`)
 #   prompt        prompt graphs against eager at the real shapes, with the capture's memory (`gpu_prompt_graphs.py`)
 #   draws         the greedy draws' bits and times (`gpu_check_router_sample.py --only sample --mix greedy`)
@@ -15,7 +17,7 @@ set -u
 source scripts/gpu_serve.sh
 start=$(date +%s)
 since() { echo "at $(( $(date +%s) - start )) s"; }
-checks=" ${CHECKS:-pytest hyper step prompt draws graphs serve} "
+checks=" ${CHECKS:-pytest hyper moe step prompt draws graphs serve} "
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
 both() {  # name, limit, script and flags: run in this tree, and in BEFORE when set
@@ -39,6 +41,17 @@ if [[ $checks == *" pytest "* ]]; then
 fi
 [[ $checks == *" hyper "* ]] && both hyper 150 scripts/gpu_check_hyper.py --only read read_mixer \
   --batches 1 8 64 256 1024
+if [[ $checks == *" moe "* ]]; then
+  if [ -n "${BEFORE:-}" ]; then
+    timeout 200 python3 scripts/gpu_ab_moe.py --before "$BEFORE/kernels/moe.py" --rows 1 2 4 7 8 64 \
+      > "$OUT/ab_moe.out" 2>&1
+    echo "moe A/B rc=$? $(since)"; tail -8 "$OUT/ab_moe.out"
+  fi
+  # shellcheck disable=SC2086
+  timeout 240 python3 scripts/gpu_sweep_moe.py --out "$OUT/moe_sweep" --rows ${MOE_ROWS:-1 4} --warps 4 \
+    --stages 3 4 > "$OUT/moe_sweep.out" 2>&1
+  echo "moe sweep rc=$? $(since)"; grep -v "^  best [2-5]" "$OUT/moe_sweep.out" | tail -24
+fi
 [[ $checks == *" step "* ]] && both step 200 scripts/gpu_step_profile.py --alone-as 2 --lanes 1 64 --rounds 10 \
   --random-tokens 120000
 [[ $checks == *" prompt "* ]] && both prompt_graphs 240 scripts/gpu_prompt_graphs.py

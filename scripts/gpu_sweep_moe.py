@@ -51,17 +51,20 @@ CALLS = 20  # calls per timed graph at least, as gpu_check_hyper
 REPLAYS = 25
 COLD_BYTES = 300_000_000  # down weights read between two uses of one routing set: several times the L2
 MAX_SETS = 64
-KERNELS = {  # name: (module, kernel attribute) of each launch a call makes
+KERNELS = {  # name: (module, kernel attribute) of each launch a call makes (grouped path, then the pairs path)
     "plan": (moe, "_plan_kernel"),
     "gate_up": (moe, "_gate_up_kernel"),
     "down": (moe, "_down_kernel"),
     "combine": (moe, "_combine_kernel"),
+    "gate_up_pairs": (moe, "_gate_up_pairs_kernel"),
+    "down_pairs": (moe, "_down_pairs_kernel"),
 }
+ROLES = {"gate_up": ("gate_up", "gate_up_pairs"), "down": ("down", "down_pairs")}  # the GEMM kernels of each path
 # (gate_up_n, gate_up_k) and (down_n, down_k). Left out: gate/up 16x128 (2 KB of weights a step per program, too
 # little in flight) and 64x512 (ptxas for sm_90 at block_m 16: 255 registers and spills at every num_warps, 1.5 KB
 # of stack at 2)
 GATE_UP = tuple(t for t in itertools.product((16, 32, 64), (128, 256, 512)) if t not in ((16, 128), (64, 512)))
-DOWN = tuple(itertools.product((32, 64, 128), (64, 128)))
+DOWN = tuple(itertools.product((16, 32, 64, 128), (64, 128)))
 # the interpreter's fp32 dot sums a K tile in its own order: K tiles at or past d and I keep the smoke run's bits
 SMOKE_GATE_UP = ((16, 32), (32, 64))
 SMOKE_DOWN = ((16, 32), (32, 64))
@@ -87,6 +90,11 @@ def candidates(
     pairs = [(gate_up[i % len(gate_up)], down[i % len(down)]) for i in range(max(len(gate_up), len(down)))]
     grid = itertools.product(block_m, warps, stages)
     return [MoeTiles(m, *gu, *dn, w, s) for m, w, s in grid for gu, dn in pairs]
+
+
+def role_us(row: Row, role: str) -> float | None:
+    """µs of the kernel that played `role` (gate_up or down) in a measured row, whichever path ran; None if none."""
+    return next((row["kernel_us"][k] for k in ROLES[role] if k in (row["kernel_us"] or {})), None)
 
 
 def launch(bank: Bank, routing: Routing, tiles: MoeTiles | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -162,10 +170,10 @@ def joined(rows: list[Row]) -> MoeTiles | None:
         groups.setdefault((t["block_m"], t["num_warps"], t["num_stages"]), []).append(row)
     options = []
     for group in groups.values():
-        gate_up = min(group, key=lambda r: r["kernel_us"]["gate_up"])
-        down = min(group, key=lambda r: r["kernel_us"]["down"])
+        gate_up = min(group, key=lambda r: role_us(r, "gate_up"))
+        down = min(group, key=lambda r: role_us(r, "down"))
         tiles = MoeTiles(**{**gate_up["tiles"], "down_n": down["tiles"]["down_n"], "down_k": down["tiles"]["down_k"]})
-        options.append((gate_up["kernel_us"]["gate_up"] + down["kernel_us"]["down"], tiles))
+        options.append((role_us(gate_up, "gate_up") + role_us(down, "down"), tiles))
     return min(options, key=lambda o: o[0])[1] if options else None
 
 
@@ -228,9 +236,9 @@ def report(n: int, rows: list[Row], floor: float) -> list[str]:
     lines = [f"N={n}: {len(rows)} tiles, {failed} failed, {differ} with other bits", f"  default  {describe(default)}"]
     lines.append(f"  floor    {floor:8.2f} us (bytes of the touched experts and the activations at HBM bandwidth)")
     lines += [f"  best {i}   {describe(r)}" for i, r in enumerate(best(rows), 1)]
-    for name in ("gate_up", "down"):
-        timed = [r for r in rows if name in (r["kernel_us"] or {})]
-        lines += [f"  {name:<8} {describe(r)}" for r in best(timed, lambda r, name=name: r["kernel_us"][name], 1)]
+    for name in ROLES:
+        timed = [r for r in rows if role_us(r, name) is not None]
+        lines += [f"  {name:<8} {describe(r)}" for r in best(timed, lambda r, name=name: role_us(r, name), 1)]
     lines += [f"  joined   {describe(r)}" for r in rows if r["joined"]]
     return lines
 

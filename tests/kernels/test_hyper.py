@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -14,7 +13,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
-import triton
 
 from kernels import hyper
 from kernels.hyper import (
@@ -30,6 +28,7 @@ from kernels.hyper import (
 )
 from kernels.linear import k_ranges as linear_k_ranges
 from model.hyper import GatedResidual
+from tests.kernels.launches import recording_launches
 
 D, R, EPS = 32, 8, 1e-6
 TILES = (
@@ -384,16 +383,3 @@ def test_an_up_tile_wider_than_the_up_kernel_takes_runs_the_fused_mix() -> None:
     assert "_up_mix_kernel" in launched, launched
     assert rel_err(x, nx) <= tol(torch.bfloat16) and torch.equal(inj, ninj)
 
-
-@contextmanager
-def recording_launches() -> Iterator[list[str]]:
-    """Within: the name of every Triton kernel launched, in order."""
-    names: list[str] = []
-    real_run = triton.runtime.interpreter.InterpretedFunction.run
-
-    def run(self, *args, **kwargs):
-        names.append(self.fn.__name__)
-        return real_run(self, *args, **kwargs)
-
-    with mock.patch.object(triton.runtime.interpreter.InterpretedFunction, "run", run):
-        yield names

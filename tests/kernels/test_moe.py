@@ -22,6 +22,7 @@ from kernels.moe import (
     moe_plan_reference,
 )
 from model.quant import dequantize_nvfp4, quantize_nvfp4
+from tests.kernels.launches import recording_launches
 
 E, D, INTER, TOP_K = 8, 64, 32, 2
 
@@ -87,6 +88,11 @@ def assert_matches_reference(out32: torch.Tensor, x, ids, w, bank) -> None:
     if not ties.all():
         assert rel_err(out32[~ties], ref[~ties]) <= 1e-5
     assert rel_err(out32, ref) <= 1e-3
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a bf16 or fp32 tensor, so that equality means the same bits (signed zeros, NaNs)."""
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 PACKED = make_bank(True)
@@ -276,3 +282,37 @@ def test_down_column_tiles_run_in_turn_give_the_same_bits(group: int, down_k: in
         got = moe_forward(x, ids, w, bank, torch.float32, tiles=grouped)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
         assert rel_err(got, moe_forward_reference(x, ids, w, bank, torch.float32)) <= 1e-3  # h's bf16 roundings
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_rows_below_pair_rows_run_each_pair_alone_with_the_grouped_bits(kind: str, n: int, monkeypatch) -> None:
+    """Below PAIR_ROWS (one row; four with the limit raised) a call is two launches (no plan, the combine inside the
+    down launch) and gives the bits of the grouped path's four, in both output dtypes, also where rows share experts
+    and slots are out of order."""
+    x, ids, w = make_routing(n, seed=30 + n)
+    ids[-1] = ids[0].flip(0)  # the last row takes the first row's experts, in the other slot order
+    assert moe.PAIR_ROWS == 2
+    monkeypatch.setattr(moe, "PAIR_ROWS", n + 1)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        with recording_launches() as launched:
+            pairs = moe_forward(x, ids, w, BANKS[kind], out_dtype)
+        assert launched == ["_gate_up_pairs_kernel", "_down_pairs_kernel"], launched
+        with monkeypatch.context() as patched:
+            patched.setattr(moe, "PAIR_ROWS", 0)
+            with recording_launches() as launched:
+                grouped = moe_forward(x, ids, w, BANKS[kind], out_dtype)
+        assert launched == ["_plan_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"], launched
+        assert torch.equal(bits(pairs), bits(grouped))
+    assert_matches_reference(moe_forward(x, ids, w, BANKS[kind], torch.float32), x, ids, w, BANKS[kind])
+
+
+def test_a_row_alone_equals_the_row_in_a_grouped_batch() -> None:
+    """A row alone (pairs path) equals the same row in a batch (grouped path), bit for bit."""
+    n = moe.PAIR_ROWS + 1
+    x, ids, w = make_routing(n, seed=41)
+    for bank in BANKS.values():
+        batch = moe_forward(x, ids, w, bank, torch.float32)
+        for r in (0, n - 1):
+            alone = moe_forward(x[r : r + 1], ids[r : r + 1], w[r : r + 1], bank, torch.float32)
+            assert torch.equal(bits(alone[0]), bits(batch[r])), f"row {r}"

@@ -86,3 +86,21 @@ def test_plan_equals_the_torch_plan(n: int, skewed: bool) -> None:
     plan, ref = moe_plan(ids, E, block_m), moe_plan_reference(ids, E, block_m)
     for field in ("pairs", "bounds", "tile_experts", "tile_starts"):
         assert torch.equal(getattr(plan, field), getattr(ref, field)), field
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize("n", [1, 4, 7])
+def test_pairs_path_equals_the_grouped_path(n: int, monkeypatch) -> None:
+    """The pairs path (each pair alone, two launches; the default at one row) gives the grouped path's bits, in both
+    output dtypes, at 1 to 7 rows."""
+    from kernels import moe
+
+    bank, (x, ids, w) = bank_and_routing(n)
+    ids[-1] = ids[0].flip(0)  # two rows on the same experts, in other slot orders
+    monkeypatch.setattr(moe, "PAIR_ROWS", n + 1)
+    pairs = [moe_forward(x, ids, w, bank, dtype) for dtype in (torch.float32, torch.bfloat16)]
+    monkeypatch.setattr(moe, "PAIR_ROWS", 0)
+    grouped = [moe_forward(x, ids, w, bank, dtype) for dtype in (torch.float32, torch.bfloat16)]
+    assert torch.equal(pairs[0].view(torch.int32), grouped[0].view(torch.int32))
+    assert torch.equal(pairs[1].view(torch.int16), grouped[1].view(torch.int16))

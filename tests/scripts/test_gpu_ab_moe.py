@@ -13,6 +13,9 @@ import pytest
 
 from kernels import moe
 
+H = "gate * tl.sigmoid(gate) * up, INTERPRET)"  # the gate-up kernels' h, before its bf16 rounding
+H_OFF = "gate * tl.sigmoid(gate) * up * 1.01, INTERPRET)"
+
 
 def test_a_copy_of_the_kernel_gives_the_same_bits(tmp_path: Path) -> None:
     before = tmp_path / "moe_before.py"
@@ -23,8 +26,8 @@ def test_a_copy_of_the_kernel_gives_the_same_bits(tmp_path: Path) -> None:
 def test_a_kernel_with_other_sums_is_reported(tmp_path: Path) -> None:
     before = tmp_path / "moe_before.py"
     source = Path(moe.__file__).read_text()
-    assert "h = gate * tl.sigmoid(gate) * up\n" in source
-    before.write_text(source.replace("h = gate * tl.sigmoid(gate) * up\n", "h = gate * tl.sigmoid(gate) * up * 1.01\n"))
+    assert H in source
+    before.write_text(source.replace(H, H_OFF))
     assert gpu_ab_moe.main(["--before", str(before), "--smoke"]) == 1
 
 
@@ -42,5 +45,5 @@ def test_after_replaces_the_current_kernels(tmp_path: Path) -> None:
     before, after = tmp_path / "moe_before.py", tmp_path / "moe_after.py"
     source = Path(moe.__file__).read_text()
     before.write_text(source)
-    after.write_text(source.replace("h = gate * tl.sigmoid(gate) * up\n", "h = gate * tl.sigmoid(gate) * up * 1.01\n"))
+    after.write_text(source.replace(H, H_OFF))
     assert gpu_ab_moe.main(["--before", str(before), "--after", str(after), "--smoke"]) == 1

@@ -32,6 +32,8 @@ from gpu_sweep_moe import (
     sweep,
 )
 
+from kernels import moe
+
 CPU = torch.device("cpu")
 KEYS = {"rows", "tiles", "default", "joined", "us", "kernel_us", "mismatches", "error"}
 SAME = MoeTiles(16, 16, 32, 16, 32, 4, 1)  # the interpreter gives the default tiles' bits with these
@@ -41,13 +43,13 @@ BROKEN = MoeTiles(32, 32, 32, 32, 32, 2, 1)  # made to raise below
 
 def test_candidates_pair_every_setting_of_both_kernels_at_every_warps_and_stages() -> None:
     tiles = candidates()
-    assert len(tiles) == 63 == len(set(tiles)) and {t.block_m for t in tiles} == {16}
+    assert len(tiles) == 72 == len(set(tiles)) and {t.block_m for t in tiles} == {16}
     for w, s in itertools.product((2, 4, 8), (2, 3, 4)):
         here = [t for t in tiles if (t.num_warps, t.num_stages) == (w, s)]
-        assert len(here) == 7 and {(t.gate_up_n, t.gate_up_k) for t in here} == set(GATE_UP)
-        assert {(t.down_n, t.down_k) for t in here} == set(DOWN) == set(itertools.product((32, 64, 128), (64, 128)))
+        assert len(here) == 8 and {(t.gate_up_n, t.gate_up_k) for t in here} == set(GATE_UP)
+        assert {(t.down_n, t.down_k) for t in here} == set(DOWN) == set(itertools.product((16, 32, 64, 128), (64, 128)))
     both = candidates((4,), (3,), (16, 32))
-    assert len(both) == 14 and {t.block_m for t in both} == {16, 32}
+    assert len(both) == 16 and {t.block_m for t in both} == {16, 32}
 
 
 def test_cold_sets_read_enough_weights_between_two_uses_of_a_set() -> None:
@@ -56,14 +58,16 @@ def test_cold_sets_read_enough_weights_between_two_uses_of_a_set() -> None:
     assert [cold_sets(n, real, False) for n in (1, 8, 64)] == [20, 4, 2]  # BF16 experts are 3.5 times the bytes
 
 
-def test_each_kernel_is_timed_by_replaying_its_own_launch() -> None:
-    bank, routings = inputs(SMOKE, True, {2: 1}, CPU)
+@pytest.mark.parametrize(("n", "last"), [(1, "down_pairs"), (moe.PAIR_ROWS, "combine")])
+def test_each_kernel_is_timed_by_replaying_its_own_launch(n: int, last: str) -> None:
+    bank, routings = inputs(SMOKE, True, {n: 1}, CPU)
     with recording(KERNELS) as kept:
-        out = launch(bank, routings[2][0], None, torch.bfloat16)
-    assert {name: len(calls) for name, calls in kept.items()} == dict.fromkeys(KERNELS, 1)
+        out = launch(bank, routings[n][0], None, torch.bfloat16)
+    path = ("gate_up_pairs", "down_pairs") if n < moe.PAIR_ROWS else ("plan", "gate_up", "down", "combine")
+    assert {name: len(calls) for name, calls in kept.items()} == {name: int(name in path) for name in KERNELS}
     want = out.clone()
     out.zero_()
-    kept["combine"][0]()  # the combine launch alone writes the output again from the recorded y
+    kept[last][0]()  # the last launch alone writes the output again from what the launches before it stored
     assert torch.equal(out, want)
 
 
@@ -117,16 +121,13 @@ def test_sweep_counts_other_bits_records_errors_and_runs_the_joined_best() -> No
     ]
 
 
-def test_a_joined_best_already_run_is_marked_and_kernels_not_launched_are_not_timed(monkeypatch) -> None:
-    import gpu_sweep_moe
-
-    monkeypatch.setattr(gpu_sweep_moe.moe, "moe_plan", gpu_sweep_moe.moe.moe_plan_reference)  # no plan kernel launched
+def test_a_joined_best_already_run_is_marked_and_kernels_not_launched_are_not_timed() -> None:
     bank, routings = inputs(SMOKE, True, {1: 1}, CPU)
     rows = sweep(1, SMOKE, bank, routings[1], [SAME], lambda calls: 7.0)
     assert [(r["default"], r["joined"]) for r in rows] == [(True, True), (False, False)]  # ties: the default's
     assert all(
-        r["mismatches"] == 0 and r["kernel_us"] == dict.fromkeys(("gate_up", "down", "combine"), 7.0) for r in rows
-    )
+        r["mismatches"] == 0 and r["kernel_us"] == dict.fromkeys(("gate_up_pairs", "down_pairs"), 7.0) for r in rows
+    )  # one row: the pairs path's two kernels, the grouped path's never launched
 
 
 def test_joined_adds_the_fastest_gate_up_and_down_at_shared_warps_and_stages() -> None:
@@ -152,7 +153,7 @@ def test_main_smoke_writes_the_json(tmp_path, capsys) -> None:
     rows = result["rows"]
     assert rows[0]["default"] and len(rows) >= 3 and sum(r["joined"] for r in rows) == 1
     assert all(set(r) == KEYS and r["error"] is None and r["mismatches"] == 0 and r["us"] > 0 for r in rows)
-    assert all(list(r["kernel_us"]) == list(KERNELS) for r in rows)
+    assert all(list(r["kernel_us"]) == ["gate_up_pairs", "down_pairs"] for r in rows)
     out = capsys.readouterr().out
     assert out.startswith("N=1: ") and out.count("  default ") == 1 and out.count("  joined ") == 1
 
