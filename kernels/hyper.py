@@ -154,32 +154,71 @@ def _normed(
 
 
 @triton.jit
+def _write_y(y_ptr, row, cols, ok, stride_yr, stride_yn, RANKS: tl.constexpr, ACT_BF16: tl.constexpr,
+             INTERPRET: tl.constexpr):  # fmt: skip
+    """The write's y at `cols` of one row in fp32: as given, or act(Σ partials in rank order) if RANKS."""
+    y_row = y_ptr + row * stride_yn + cols
+    if RANKS == 0:
+        return tl.load(y_row, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(y_row, mask=ok, other=0.0)
+    for rank in tl.static_range(1, RANKS):
+        y += tl.load(y_row + rank * stride_yr, mask=ok, other=0.0)
+    return round_to_act(y, ACT_BF16, INTERPRET).to(tl.float32)
+
+
+@triton.jit
+def _written(wide_ptr, inj_ptr, y, row, b, cols, ok, D, stride_w, stride_i, ACT_BF16: tl.constexpr,
+             INTERPRET: tl.constexpr):  # fmt: skip
+    """The write's new X_b at `cols` of one row: act(X_b + inject_b · y)."""
+    s = tl.load(inj_ptr + row * stride_i + b).to(tl.float32)
+    x = tl.load(wide_ptr + row * stride_w + b * D + cols, mask=ok, other=0.0).to(tl.float32)
+    return round_to_act(x + s * y, ACT_BF16, INTERPRET)
+
+
+@triton.jit
 def _rstd_kernel(
     wide_ptr,
     rstd_ptr,
     nw_ptr,
     normed_ptr,
+    y_ptr,
+    inj_ptr,
+    new_ptr,
     D,
     stride_w,
+    stride_new,
     stride_n,
+    stride_yr,
+    stride_yn,
+    stride_i,
     eps,
     HC: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
+    WRITE: tl.constexpr,
+    RANKS: tl.constexpr,
     ACT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32, lane sums then one tree sum; with
-    WRITE_NORMED also stream b of normed = act(x · rstd · (1 + w))."""
+    WRITE_NORMED also stream b of normed = act(x · rstd · (1 + w)). With WRITE, x is first the write's new X_b
+    (`_written`), stored to new_ptr and read from there."""
     enter(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)
-    base = wide_ptr + row.to(tl.int64) * stride_w + b * D
+    base = (new_ptr + row.to(tl.int64) * stride_new if WRITE else wide_ptr + row.to(tl.int64) * stride_w) + b * D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(base + cols, mask=cols < D, other=0.0).to(tl.float32)
+        if WRITE:
+            y = _write_y(y_ptr, row.to(tl.int64), cols, cols < D, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
+            written = _written(wide_ptr, inj_ptr, y, row.to(tl.int64), b, cols, cols < D, D, stride_w, stride_i,
+                               ACT_BF16, INTERPRET)  # fmt: skip
+            tl.store(base + cols, written, mask=cols < D)
+            x = written.to(tl.float32)
+        else:
+            x = tl.load(base + cols, mask=cols < D, other=0.0).to(tl.float32)
         acc += x * x
     mean = tl.div_rn(tl.sum(acc, axis=0), D.to(tl.float32))
     rs = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
@@ -574,18 +613,10 @@ def _write_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
-    y_row = y_ptr + row * stride_yn + cols
-    if RANKS == 0:
-        y = tl.load(y_row, mask=ok, other=0.0).to(tl.float32)
-    else:
-        y = tl.load(y_row, mask=ok, other=0.0)
-        for rank in tl.static_range(1, RANKS):
-            y += tl.load(y_row + rank * stride_yr, mask=ok, other=0.0)
-        y = round_to_act(y, ACT_BF16, INTERPRET).to(tl.float32)
+    y = _write_y(y_ptr, row, cols, ok, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
     for b in tl.static_range(HC):
-        s = tl.load(inj_ptr + row * stride_i + b).to(tl.float32)
-        x = tl.load(wide_ptr + row * stride_w + b * D + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + b * D + cols, round_to_act(x + s * y, ACT_BF16, INTERPRET), mask=ok)
+        x = _written(wide_ptr, inj_ptr, y, row, b, cols, ok, D, stride_w, stride_i, ACT_BF16, INTERPRET)
+        tl.store(out_ptr + row * stride_o + b * D + cols, x, mask=ok)
 
 
 _POOL = CounterPool(MAX_TILES, "hc_read", "output tiles with K ranges across programs")
@@ -594,6 +625,28 @@ _POOL = CounterPool(MAX_TILES, "hc_read", "output tiles with K ranges across pro
 def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the current stream of `device`; every launch leaves them zero."""
     return _POOL.get(device, tiles)
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """A write fused into the next read's first launch: y [N, d] (or fp32 partials [R, N, d]), the write's inject
+    weights [N, hc], and out [N, hc·d], where the new rows go (the rows read are the old ones, never overwritten)."""
+
+    y_or_partials: torch.Tensor
+    inject: torch.Tensor
+    out: torch.Tensor
+
+
+def _check_fused_write(wide: torch.Tensor, write: Write, hc: int) -> None:
+    """Raise on a fused write that hc_write would refuse, or whose streams, out or rows the read cannot take."""
+    _check_write(wide, write.y_or_partials, write.inject)
+    if write.inject.shape[1] != hc:
+        raise ValueError(f"write inject: {write.inject.shape[1]} streams, the read has {hc}")
+    out = write.out
+    if out.shape != wide.shape or out.dtype != wide.dtype or out.stride(-1) != 1 or out.device != wide.device:
+        raise ValueError(f"write out: expected {wide.dtype} {tuple(wide.shape)} with contiguous rows on {wide.device}")
+    if out.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr():
+        raise ValueError("write out must not share memory with wide: the read's programs load old rows of every stream")
 
 
 def _check_read(
@@ -682,9 +735,13 @@ def launch_read(
     eps: float,
     hc: int,
     tiles: ReadTiles,
+    write: Write | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hc_read with explicit launch tiles (the knob tests and benchmarks turn)."""
+    """hc_read with explicit launch tiles (the knob tests and benchmarks turn); with `write`, of the rows that write
+    puts into write.out, in the read's first launch."""
     _check_read(wide, hc_norm_weight, w_down, w_up, w_inject, hc)
+    if write is not None:
+        _check_fused_write(wide, write, hc)
     n, k = wide.shape
     d, r = k // hc, w_down.shape[0]
     act, dev = wide.dtype, wide.device
@@ -697,11 +754,16 @@ def launch_read(
     via_linear = tiles.via_linear and bf16 and down_via_linear(k, d, r, hc, w_inject is not None)
     up_over_normed = tiles.up_over_normed and bf16 and triton.next_power_of_2(hc) * tiles.up_d <= UP_MIX_COLUMNS
     normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_over_normed else rstd
+    y, inj, new = (write.y_or_partials, write.inject, write.out) if write is not None else (rstd, rstd, wide)
+    ranks = y.shape[0] if write is not None and y.dim() == 3 else 0
     _rstd_kernel[(n, hc)](
-        wide, rstd, hc_norm_weight, normed, d, wide.stride(0), normed.stride(0), eps,
-        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear or up_over_normed, ACT_BF16=bf16,
-        INTERPRET=INTERPRET, **launch_options(_rstd_kernel, wide.device),
+        wide, rstd, hc_norm_weight, normed, y, inj, new, d, wide.stride(0), new.stride(0), normed.stride(0),
+        y.stride(0) if ranks else 0, y.stride(-2), inj.stride(0), eps,
+        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear or up_over_normed,
+        WRITE=write is not None, RANKS=ranks, ACT_BF16=bf16, INTERPRET=INTERPRET,
+        **launch_options(_rstd_kernel, wide.device),
     )  # fmt: skip
+    wide = new  # the later launches read the rows the write stored
     h = torch.empty((n, r), dtype=act, device=dev)
     if via_linear:  # one linear launch over the stacked down and inject weights, storing h and inject
         linear_gates(normed, w_down if w_inject is None else stacked_rows(w_down, w_inject), Gates(h, inject, hc))
@@ -736,6 +798,27 @@ def hc_read(
     """Sub-block input x [N, d] and inject weights [N, hc] (None without w_inject) from wide [N, hc·d], in its dtype."""
     tiles = read_tiles(wide.shape[0], w_down.shape[0])
     return launch_read(wide, hc_norm_weight, w_down, w_up, w_inject, eps, hc, tiles)
+
+
+def hc_write_read(
+    wide: torch.Tensor,
+    y_or_partials: torch.Tensor,
+    inject: torch.Tensor,
+    hc_norm_weight: torch.Tensor,
+    w_down: torch.Tensor,
+    w_up: torch.Tensor,
+    w_inject: torch.Tensor | None,
+    eps: float,
+    hc: int = HC_COUNT,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`hc_write` then `hc_read` of its rows, the write inside the read's first launch: (the new wide rows, x, the
+    read's inject), each with the bits of the two calls."""
+    out = torch.empty(wide.shape, dtype=wide.dtype, device=wide.device)
+    tiles = read_tiles(wide.shape[0], w_down.shape[0])
+    x, read_inject = launch_read(
+        wide, hc_norm_weight, w_down, w_up, w_inject, eps, hc, tiles, Write(y_or_partials, inject, out)
+    )
+    return out, x, read_inject
 
 
 def hc_read_reference(

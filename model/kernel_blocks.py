@@ -20,7 +20,7 @@ from kernels.conv import causal_conv_update
 from kernels.fp4_words import kernel_bank
 from kernels.gates import gated_add, gdn_gates, silu_mul
 from kernels.gdn import gdn_recurrent
-from kernels.hyper import hc_read, hc_write
+from kernels.hyper import hc_read, hc_write, hc_write_read
 from kernels.linear import linear
 from kernels.moe import moe_forward
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
@@ -148,13 +148,44 @@ def fused_weight(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
     return fused
 
 
-def hyper_read(hc: GatedResidual, wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The sub-block input and inject weights of a hyper-connection (the final mixer has no inject)."""
+def read_weights(hc: GatedResidual) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, int]:
+    """A read's arguments after the rows, as `hc_read` takes them: norm weight, down, up and inject weights (None at
+    the final mixer), eps, streams."""
     if hc.block_inject_weight is not None:  # stored after the down rows, so one linear launch may take both
         fused_weight(hc, ("input_mix_weight_down", "block_inject_weight"))
     inject = None if hc.block_inject_weight is None else hc.block_inject_weight.weight
     w_down, w_up = hc.input_mix_weight_down.weight, hc.input_mix_weight_up.weight
-    return hc_read(wide, hc.hc_norm.weight, w_down, w_up, inject, hc.hc_norm.eps, hc.hc)
+    return hc.hc_norm.weight, w_down, w_up, inject, hc.hc_norm.eps, hc.hc
+
+
+def hyper_read(hc: GatedResidual, wide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sub-block input and inject weights of a hyper-connection (the final mixer has no inject)."""
+    return hc_read(wide, *read_weights(hc))
+
+
+@dataclass(frozen=True, slots=True)
+class PendingWrite:
+    """A hyper-connection write not yet run: the rows before it, the sub-block output as `hc_write` takes it, and the
+    inject weights. The next read runs it inside its first launch (`read_after`); anything else runs it first
+    (`settle`)."""
+
+    wide: torch.Tensor
+    y: torch.Tensor
+    inject: torch.Tensor
+
+
+def settle(wide: torch.Tensor | PendingWrite) -> torch.Tensor:
+    """The wide rows, after the pending write if there is one."""
+    return hc_write(wide.wide, wide.y, wide.inject) if isinstance(wide, PendingWrite) else wide
+
+
+def read_after(
+    hc: GatedResidual, wide: torch.Tensor | PendingWrite
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(the wide rows, the sub-block input, inject weights) of a read, a pending write run in its first launch."""
+    if not isinstance(wide, PendingWrite):
+        return wide, *hyper_read(hc, wide)
+    return hc_write_read(wide.wide, wide.y, wide.inject, *read_weights(hc))
 
 
 def expert_bank(bank: ExpertBank) -> dict[str, torch.Tensor]:
@@ -323,15 +354,15 @@ def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor
     return wide + (gated + conv)
 
 
-def layer_forward(layer: DecoderLayer, wide: torch.Tensor, rnd: Round) -> torch.Tensor:
-    """One decoder layer over every row of the round: optional PLE, the mixer and the MoE between hyper-connections."""
+def layer_forward(layer: DecoderLayer, wide: torch.Tensor | PendingWrite, rnd: Round) -> PendingWrite:
+    """One decoder layer over every row of the round: optional PLE, the mixer and the MoE between hyper-connections.
+    Its last write is left pending (the next layer's first read runs it; `settle` does where nothing reads next)."""
     if layer.ple is not None:
-        wide = ple(layer.ple, layer.index, wide, rnd)
-    x, inject = hyper_read(layer.attn_hyper_connection, wide)
+        wide = ple(layer.ple, layer.index, settle(wide), rnd)
+    wide, x, inject = read_after(layer.attn_hyper_connection, wide)
     if layer.kind == LINEAR:
         y = gdn(layer.linear_attn, layer.index, x, rnd)
     else:
         y = qsa(layer.self_attn, MTP if layer.is_mtp else layer.index, x, rnd)
-    wide = hc_write(wide, write_input(y, wide), inject)
-    x, inject = hyper_read(layer.mlp_hyper_connection, wide)
-    return hc_write(wide, write_input(moe(layer.mlp, x), wide), inject)
+    wide, x, inject = read_after(layer.mlp_hyper_connection, PendingWrite(wide, write_input(y, wide), inject))
+    return PendingWrite(wide, write_input(moe(layer.mlp, x), wide), inject)

@@ -25,7 +25,7 @@ from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
 from model.graphs import LISTED_LOGITS, RoundGraphs
-from model.kernel_blocks import Round, SharedOutputs, block_keys_of, hyper_read, layer_forward, project
+from model.kernel_blocks import Round, SharedOutputs, block_keys_of, hyper_read, layer_forward, project, settle
 from model.lane_pool import MTP, LanePool
 from model.layers import ForwardBatch
 from model.parallel import TensorParallel
@@ -220,7 +220,7 @@ def run_layers(model: FlashNextModel, token_ids: torch.Tensor, rnd: Round) -> to
     wide = model.embed_tokens(token_ids).repeat(1, model.cfg.hc_count)
     for layer in model.layers:
         wide = layer_forward(layer, wide, rnd)
-    return wide
+    return settle(wide)
 
 
 def enable_graphs(
@@ -315,7 +315,7 @@ def mtp_rows(
     u = project(zc_rms_norm(model.embed_tokens(token_ids), e_norm.weight, e_norm.eps), mtp.fc_embedding)
     streams = zc_rms_norm(hidden, h_norm.weight, h_norm.eps).view(n * mtp.hc, mtp.d)  # one RMS over every stream
     wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
-    wide = layer_forward(mtp.layers[0], wide, rnd)
+    wide = settle(layer_forward(mtp.layers[0], wide, rnd))
     mixed, _ = hyper_read(mtp.hyper_connection_mixer, logit_inputs(rnd, wide))
     return vocab_logits(model, mixed, rnd.shared), wide
 

@@ -17,10 +17,12 @@ import torch
 from kernels import hyper
 from kernels.hyper import (
     ReadTiles,
+    Write,
     arrival_counters,
     hc_read,
     hc_read_reference,
     hc_write,
+    hc_write_read,
     hc_write_reference,
     k_ranges,
     launch_read,
@@ -383,3 +385,39 @@ def test_an_up_tile_wider_than_the_up_kernel_takes_runs_the_fused_mix() -> None:
     assert "_up_mix_kernel" in launched, launched
     assert rel_err(x, nx) <= tol(torch.bfloat16) and torch.equal(inj, ninj)
 
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("partials", [False, True])
+@pytest.mark.parametrize("tiles", [TILES[0], dataclasses.replace(TILES[1], via_linear=True, up_over_normed=True)])
+def test_a_write_fused_into_the_read_gives_both_calls_bits(act, partials: bool, tiles: ReadTiles) -> None:
+    """The write inside the read's first launch: the new rows, x and inject have the bits of hc_write then the read
+    (fused kernels, or the linear and up-mix launches over stored normed rows), one launch fewer, the old rows kept."""
+    g = torch.Generator().manual_seed(50)
+    w, wide = weights(4, act, seed=51), wide_rows(5, 4, act, seed=52)
+    y = torch.randn(2, 5, D, generator=g) if partials else torch.randn(5, D, generator=g).to(act)
+    inj = (torch.rand(5, 4, generator=g) * 2).to(act)
+    old = wide.clone()
+    args = (w["hc_norm_weight"], w["w_down"], w["w_up"], w["w_inject"], EPS, 4, tiles)
+    with recording_launches() as apart:
+        written = hc_write(wide, y, inj)
+        want_x, want_inj = launch_read(written, *args)
+    out = torch.empty_like(wide)
+    with recording_launches() as fused:
+        x, read_inj = launch_read(wide, *args, write=Write(y, inj, out))
+    assert apart[0] == "_write_kernel" and fused == apart[1:], (apart, fused)
+    assert torch.equal(out, written) and torch.equal(x, want_x) and torch.equal(read_inj, want_inj)
+    assert torch.equal(wide, old)
+    new_wide, x2, inj2 = hc_write_read(wide, y, inj, *args[:-1])
+    assert torch.equal(new_wide, written) and torch.equal(x2, x) and torch.equal(inj2, read_inj)
+
+
+def test_a_fused_write_refuses_what_the_read_cannot_take() -> None:
+    w, wide = weights(4, torch.float32, seed=53), wide_rows(3, 4, torch.float32, seed=54)
+    y, inj = torch.randn(3, D), torch.rand(3, 4)
+    args = (w["hc_norm_weight"], w["w_down"], w["w_up"], w["w_inject"], EPS, 4, TILES[0])
+    with pytest.raises(ValueError, match="must not share memory"):
+        launch_read(wide, *args, write=Write(y, inj, wide))
+    with pytest.raises(ValueError, match="write inject: 2 streams"):  # a write of two streams of 2·D
+        launch_read(wide, *args, write=Write(torch.randn(3, 2 * D), torch.rand(3, 2), torch.empty_like(wide)))
+    with pytest.raises(ValueError, match="write out"):
+        launch_read(wide, *args, write=Write(y, inj, torch.empty(3, 4 * D, dtype=torch.bfloat16)))

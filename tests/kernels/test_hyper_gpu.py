@@ -1,5 +1,5 @@
 """The hyper-connection read compiled on a GPU at the real per-rank shapes: the paths over stored normed rows give the
-fused kernels' bits, and every row its bits alone."""
+fused kernels' bits, every row its bits alone, and a write run inside the read gives the two calls' bits."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.hyper import ReadTiles, hc_read, launch_read, read_tiles
+from kernels.hyper import ReadTiles, hc_read, hc_write, hc_write_read, launch_read, read_tiles
 
 HC, D, R, EPS = 4, 2560, 320, 1e-6
 ROWS = (1, 2, 7, 33, 64, 100, 257, 1024)
@@ -69,3 +69,22 @@ def test_up_tiles_decide_only_which_program_computes_an_element() -> None:
             tiles = dataclasses.replace(read_tiles(n, R), up_m=up_m, up_d=up_d, num_warps=warps)
             tx, tinj = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
             assert torch.equal(x, tx) and torch.equal(inj, tinj), f"{n} rows, {tiles}"
+
+
+@pytest.mark.parametrize("partials", [False, True])
+def test_a_write_inside_the_read_gives_the_write_then_the_read(partials: bool) -> None:
+    """At 1 to 1,024 rows, hc_write_read's new rows, x and inject equal hc_write's rows and hc_read's of them, with y
+    as one rank's bf16 output or as the fp32 sum of tp=2's reduction."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    w = model_weights(gen)
+    n_max = max(ROWS)
+    wide = (torch.randn(n_max, HC * D, device="cuda", generator=gen) * 3).bfloat16()
+    y = torch.randn(1, n_max, D, device="cuda", generator=gen)
+    y = y.bfloat16().float() if partials else y[0].bfloat16()
+    inj = (torch.rand(n_max, HC, device="cuda", generator=gen) * 2).bfloat16()
+    for n in ROWS:
+        rows_y = y[:, :n] if partials else y[:n]
+        written = hc_write(wide[:n], rows_y, inj[:n])
+        x, read_inj = hc_read(written, *w.values(), EPS, HC)
+        new, fx, finj = hc_write_read(wide[:n], rows_y, inj[:n], *w.values(), EPS, HC)
+        assert torch.equal(new, written) and torch.equal(fx, x) and torch.equal(finj, read_inj), f"{n} rows"

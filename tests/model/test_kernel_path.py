@@ -15,11 +15,12 @@ from make_checkpoint import make_checkpoint
 from kernels.gdn import LONG_RUN
 from model import kernel_path
 from model.flashnext import FlashNextModel, ForwardOutput, single_lane_batch
-from model.kernel_blocks import ngram_rows
+from model.kernel_blocks import PendingWrite, hyper_read, ngram_rows, read_after, settle
 from model.layers import ForwardBatch, Segment
 from model.ple import ngram_row_ids
 from model.state import LaneState, copy_lane, restore
 from model.weights import load_model, resolve_kernels
+from tests.kernels.launches import recording_launches
 from tests.tiny import KERNEL_TEXT, text_config
 
 # The kernel path's tiny model (tests.tiny.KERNEL_TEXT). Token 5 is eos: the n-gram hash restarts after it.
@@ -89,6 +90,32 @@ def test_logits_close_and_greedy_tokens_equal_the_reference(models) -> None:
     got, tokens = greedy(ker, 3)
     assert rel_err(got, want) < 0.05
     assert tokens == ref_tokens
+
+
+def test_hyper_writes_run_inside_the_next_read(models) -> None:
+    """A forward launches the write kernel only where no read follows a write: before a PLE layer (after the first
+    layer) and after the last layer; every other write runs in the next read's first launch."""
+    model = models[1]
+    layers = model.layers
+    with recording_launches() as launched:
+        model(single_lane_batch(model.new_lane(), torch.tensor(PROMPT[:3]), 0))
+    assert launched.count("_write_kernel") == 1 + sum(layer.ple is not None for layer in layers[1:])
+    assert launched.count("_rstd_kernel") == 2 * len(layers) + 1  # each layer's two reads and the final mixer's
+
+
+def test_a_pending_write_read_equals_the_write_then_the_read(models) -> None:
+    """`read_after` of a pending write gives `settle`'s rows and the read of them, bit for bit."""
+    hc = models[1].layers[0].mlp_hyper_connection
+    g = torch.Generator().manual_seed(3)
+    width = hc.hc_norm.weight.shape[0]
+    wide = torch.randn(3, width, generator=g).bfloat16()
+    y, inject = torch.randn(3, width // hc.hc, generator=g).bfloat16(), torch.rand(3, hc.hc, generator=g).bfloat16()
+    pending = PendingWrite(wide, y, inject)
+    new, x, read_inject = read_after(hc, pending)
+    written = settle(pending)
+    want_x, want_inject = hyper_read(hc, written)
+    assert torch.equal(new, written) and torch.equal(x, want_x) and torch.equal(read_inject, want_inject)
+    assert not torch.equal(written, wide) and read_after(hc, wide)[0] is wide
 
 
 def test_nvfp4_experts_run_in_the_moe_kernel(paths) -> None:
