@@ -104,8 +104,8 @@ def down_via_linear(k: int, d: int, r: int, hc: int, inject: bool) -> bool:
 def read_tiles(n: int, r: int) -> ReadTiles:
     """Tiles for n rows: down by the linear kernel and up over the stored normed rows (bf16), the up tiles 16 to 128
     rows high."""
-    if INTERPRET:
-        return ReadTiles(16, 16, 16, 16, False, 4, 1)
+    if INTERPRET:  # one program runs a read's K ranges, and tiles are wide: the interpreter runs programs one by one
+        return ReadTiles(64, 16, 64, 64, True, 4, 1)
     if n <= 32:
         return ReadTiles(16, 32, 16, 16, False, 2, 3, via_linear=True, up_over_normed=True)
     if n <= 256:

@@ -43,6 +43,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 4096
 MAX_PASS = 256
 NUM_WARPS = 4
+INTERPRET_ROWS = 16  # rows a program takes under the interpreter, which runs them one by one (no bits change)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
@@ -69,6 +70,7 @@ def _rope_kernel(
     out_ptr,
     slot_ptr,
     index_ptr,
+    N,
     H,
     D,
     half,
@@ -80,44 +82,47 @@ def _rope_kernel(
     ROTATE: tl.constexpr,
     SCATTER: tl.constexpr,
     ACT_BF16: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_P: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Row n, BLOCK_H heads: rotate the first 2·half dims (ROTATE; else half is 0), copy the rest, to out[n] or the
-    row's cache entry."""
+    """ROWS rows, BLOCK_H heads: rotate the first 2·half dims (ROTATE; else half is 0), copy the rest, to out[n] or
+    the row's cache entry."""
     enter(PDL)
-    n = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    n_ok = n < N
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = (heads < H)[:, None]
-    x_at = x_ptr + n * stride_xn + heads.to(tl.int64)[:, None] * stride_xh
+    ok = n_ok[:, None, None] & (heads < H)[None, :, None]
+    x_at = x_ptr + n[:, None, None] * stride_xn + heads.to(tl.int64)[None, :, None] * stride_xh
     if SCATTER:
-        slot = tl.load(slot_ptr + n).to(tl.int64)
-        out_at = out_ptr + slot * stride_os + tl.load(index_ptr + n).to(tl.int64) * stride_oc
+        slot = tl.load(slot_ptr + n, mask=n_ok, other=0).to(tl.int64)
+        out_row = out_ptr + slot * stride_os + tl.load(index_ptr + n, mask=n_ok, other=0).to(tl.int64) * stride_oc
     else:
-        out_at = out_ptr + n * stride_os
-    out_at = out_at + heads.to(tl.int64)[:, None] * stride_oh
+        out_row = out_ptr + n * stride_os
+    out_at = out_row[:, None, None] + heads.to(tl.int64)[None, :, None] * stride_oh
     if ROTATE:
         j = tl.arange(0, BLOCK_HALF)
-        f = tl.load(pos_ptr + n).to(tl.float32) * tl.load(inv_ptr + j, mask=j < half, other=0.0)
+        pos = tl.load(pos_ptr + n, mask=n_ok, other=0).to(tl.float32)
+        f = pos[:, None] * tl.load(inv_ptr + j, mask=j < half, other=0.0)[None, :]
         cos, sin = _cos_sin(f, INTERPRET)
-        cos = round_to_act(cos, ACT_BF16, INTERPRET).to(tl.float32)[None, :]
-        sin = round_to_act(sin, ACT_BF16, INTERPRET).to(tl.float32)[None, :]
-        mask = h_ok & (j < half)[None, :]
-        x1 = tl.load(x_at + j[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_at + half + j[None, :], mask=mask, other=0.0).to(tl.float32)
+        cos = round_to_act(cos, ACT_BF16, INTERPRET).to(tl.float32)[:, None, :]
+        sin = round_to_act(sin, ACT_BF16, INTERPRET).to(tl.float32)[:, None, :]
+        mask = ok & (j < half)[None, None, :]
+        x1 = tl.load(x_at + j[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + half + j[None, None, :], mask=mask, other=0.0).to(tl.float32)
         a1 = round_to_act(x1 * cos, ACT_BF16, INTERPRET).to(tl.float32)
         b1 = round_to_act(-x2 * sin, ACT_BF16, INTERPRET).to(tl.float32)
         a2 = round_to_act(x2 * cos, ACT_BF16, INTERPRET).to(tl.float32)
         b2 = round_to_act(x1 * sin, ACT_BF16, INTERPRET).to(tl.float32)
-        tl.store(out_at + j[None, :], round_to_act(a1 + b1, ACT_BF16, INTERPRET), mask=mask)
-        tl.store(out_at + half + j[None, :], round_to_act(a2 + b2, ACT_BF16, INTERPRET), mask=mask)
+        tl.store(out_at + j[None, None, :], round_to_act(a1 + b1, ACT_BF16, INTERPRET), mask=mask)
+        tl.store(out_at + half + j[None, None, :], round_to_act(a2 + b2, ACT_BF16, INTERPRET), mask=mask)
     for c0 in range(2 * half, D, BLOCK_P):
         cols = c0 + tl.arange(0, BLOCK_P)
-        keep = h_ok & (cols < D)[None, :]
-        tl.store(out_at + cols[None, :], tl.load(x_at + cols[None, :], mask=keep), mask=keep)
+        keep = ok & (cols < D)[None, None, :]
+        tl.store(out_at + cols[None, None, :], tl.load(x_at + cols[None, None, :], mask=keep), mask=keep)
 
 
 def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -174,12 +179,13 @@ def _launch(
     block_half = triton.next_power_of_2(max(half, 1))
     block_p = min(triton.next_power_of_2(max(d - 2 * half, 1)), MAX_PASS)
     block_h = min(triton.next_power_of_2(h), max(1, TILE // max(block_half, block_p)))
+    rows = INTERPRET_ROWS if INTERPRET else 1
     scatter = slot_of_row is not None
-    _rope_kernel[(n, triton.cdiv(h, block_h))](
+    _rope_kernel[(triton.cdiv(n, rows), triton.cdiv(h, block_h))](
         x3, positions, positions if inv_freq is None else inv_freq, out4,
         slot_of_row if scatter else positions, index if scatter else positions,
-        h, d, half, x3.stride(0), x3.stride(1), out4.stride(0), out4.stride(1), out4.stride(2),
-        ROTATE=half > 0, SCATTER=scatter, ACT_BF16=x3.dtype == torch.bfloat16, BLOCK_H=block_h,
+        n, h, d, half, x3.stride(0), x3.stride(1), out4.stride(0), out4.stride(1), out4.stride(2),
+        ROTATE=half > 0, SCATTER=scatter, ACT_BF16=x3.dtype == torch.bfloat16, ROWS=rows, BLOCK_H=block_h,
         BLOCK_HALF=block_half, BLOCK_P=block_p, INTERPRET=INTERPRET, num_warps=NUM_WARPS, enable_fp_fusion=False,
         **launch_options(_rope_kernel, x3.device),
     )  # fmt: skip
