@@ -48,7 +48,7 @@ def test_candidates_cover_every_setting_within_the_budget() -> None:
 def test_identical_candidates_report_zero_mismatches() -> None:
     rows = run(candidates((4,), (1,)))
     assert rows[0]["tiles"] == asdict(read_tiles(3, SMOKE.r)) and rows[0]["default"]
-    assert len(rows) == 4  # the default is also a candidate: run once
+    assert len(rows) == 5  # the interpreter's default tiles, then the four candidates
     for r in rows:
         assert set(r) == KEYS and r["error"] is None and r["rows"] == 3
         assert r["x_mismatches"] == 0 and r["inject_mismatches"] == 0
@@ -102,7 +102,7 @@ def test_best_is_sorted_and_bit_identical_even_when_a_mismatch_is_fastest() -> N
             x[0, 0] += 1
         return x, inj
 
-    order = [*candidates((4,), (1,)), bad, broken]
+    order = [read_tiles(3, SMOKE.r), *candidates((4,), (1,)), bad, broken]
     speed = {t: 100.0 - i for i, t in enumerate(order)}  # later candidates faster, the mismatching one fastest
 
     def timer(calls):
@@ -115,17 +115,17 @@ def test_best_is_sorted_and_bit_identical_even_when_a_mismatch_is_fastest() -> N
     assert by_tiles[bad]["us"] == 1.0 == min(r["us"] for r in rows if r["us"] is not None)
     assert by_tiles[broken]["error"] == "RuntimeError('no compile')" and by_tiles[broken]["us"] is None
     top = best(rows)
-    assert [r["us"] for r in top] == sorted(speed[t] for t in order[:4])
+    assert [r["us"] for r in top] == sorted(speed[t] for t in order[:5])
     assert all(r["x_mismatches"] == r["inject_mismatches"] == 0 and r["error"] is None for r in top)
     lines = report(3, rows)
-    assert lines[0] == "N=3: 6 tiles, 1 failed, 1 with other bits" and len(lines) == 2 + 4 + 2
-    assert lines[2].startswith("  best 1      97.00 us")
+    assert lines[0] == "N=3: 7 tiles, 1 failed, 1 with other bits" and len(lines) == 2 + 5 + 2
+    assert lines[2].startswith("  best 1      96.00 us")
 
 
 def test_main_smoke_writes_the_json(tmp_path, capsys) -> None:
     assert main(["--out", str(tmp_path), "--smoke"]) == 0
     rows = json.loads((tmp_path / "hyper_sweep.json").read_text())
-    assert [r["rows"] for r in rows] == [1] * 4 + [3] * 4
+    assert [r["rows"] for r in rows] == [1] * 5 + [3] * 5
     assert all(set(r) == KEYS and r["error"] is None and r["us"] > 0 for r in rows)
     assert all(set(r["kernel_us"]) == {"rstd", "down", "mix"} for r in rows)
     out = capsys.readouterr().out
