@@ -32,6 +32,9 @@ tile holds every stream's columns, so it serves up to UP_MIX_COLUMNS of them (hc
 up_d); wider, the fused kernel runs.
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
+Write then read (`hc_write_read`): the read's first launch forms the write's new rows itself (`Write`), stores them
+into a tensor of their own and norms them as step 1 does, so the rows, x and inject have the two calls' bits, in one
+launch fewer.
 Launch tiles (`ReadTiles`) decide only which program computes an element, never how its sums are formed.
 """
 
@@ -224,6 +227,8 @@ def _rstd_kernel(
     rs = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
     tl.store(rstd_ptr + row * HC + b, rs)
     if WRITE_NORMED:
+        if WRITE:  # the loop below loads the rows this program stored above
+            tl.debug_barrier()
         out = normed_ptr + row.to(tl.int64) * stride_n + b * D
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
@@ -645,8 +650,9 @@ def _check_fused_write(wide: torch.Tensor, write: Write, hc: int) -> None:
     out = write.out
     if out.shape != wide.shape or out.dtype != wide.dtype or out.stride(-1) != 1 or out.device != wide.device:
         raise ValueError(f"write out: expected {wide.dtype} {tuple(wide.shape)} with contiguous rows on {wide.device}")
-    if out.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr():
-        raise ValueError("write out must not share memory with wide: the read's programs load old rows of every stream")
+    shared = {t.untyped_storage().data_ptr() for t in (wide, write.y_or_partials, write.inject)}
+    if out.untyped_storage().data_ptr() in shared:
+        raise ValueError("write out must be a tensor of its own, not sharing memory with wide, y or inject")
 
 
 def _check_read(

@@ -175,7 +175,7 @@ def row_invariance(bank: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Te
 def mma_kinds() -> dict[str, list[str]]:
     """Which tensor-core instructions each compiled GEMM kernel uses (wgmma would break the invariance argument)."""
     kinds: dict[str, list[str]] = {}
-    for name in ("_gate_up_kernel", "_down_kernel"):
+    for name in ("_gate_up_kernel", "_down_kernel", "_gate_up_pairs_kernel", "_down_pairs_kernel"):
         found = set()
         for cache in getattr(moe, name).device_caches.values():
             for kernel in cache[0].values():

@@ -415,8 +415,11 @@ def test_a_fused_write_refuses_what_the_read_cannot_take() -> None:
     w, wide = weights(4, torch.float32, seed=53), wide_rows(3, 4, torch.float32, seed=54)
     y, inj = torch.randn(3, D), torch.rand(3, 4)
     args = (w["hc_norm_weight"], w["w_down"], w["w_up"], w["w_inject"], EPS, 4, TILES[0])
-    with pytest.raises(ValueError, match="must not share memory"):
-        launch_read(wide, *args, write=Write(y, inj, wide))
+    buf = torch.zeros(3 * 4 * D + 3 * D + 3 * 4)  # out, then a y and an inject in the same memory
+    out, y_in, inj_in = buf[: 3 * 4 * D].view(3, 4 * D), buf[3 * 4 * D : -12].view(3, D), buf[-12:].view(3, 4)
+    for write in (Write(y, inj, wide), Write(y_in, inj, out), Write(y, inj_in, out)):
+        with pytest.raises(ValueError, match="a tensor of its own"):
+            launch_read(wide, *args, write=write)
     with pytest.raises(ValueError, match="write inject: 2 streams"):  # a write of two streams of 2·D
         launch_read(wide, *args, write=Write(torch.randn(3, 2 * D), torch.rand(3, 2), torch.empty_like(wide)))
     with pytest.raises(ValueError, match="write out"):

@@ -59,12 +59,12 @@ def make_bank(fp4: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def make_routing(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_routing(n: int, seed: int, top_k: int = TOP_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x [n, D] bf16, distinct expert ids [n, k] int32 in random order, renormalised weights [n, k] fp32)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, D, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(n)]).to(torch.int32)
-    w = torch.rand(n, TOP_K, generator=g) + 0.1
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(n)]).to(torch.int32)
+    w = torch.rand(n, top_k, generator=g) + 0.1
     return x, ids, w / w.sum(-1, keepdim=True)
 
 
@@ -316,3 +316,15 @@ def test_a_row_alone_equals_the_row_in_a_grouped_batch() -> None:
         for r in (0, n - 1):
             alone = moe_forward(x[r : r + 1], ids[r : r + 1], w[r : r + 1], bank, torch.float32)
             assert torch.equal(bits(alone[0]), bits(batch[r])), f"row {r}"
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_the_pairs_path_adds_a_rows_experts_in_ascending_id(kind: str, monkeypatch) -> None:
+    """With four experts a row (three additions, whose order changes the fp32 sum), the pairs path gives the grouped
+    path's bits: it adds the row's weighted outputs in ascending expert id, not in slot order."""
+    x, ids, w = make_routing(3, seed=60, top_k=4)
+    monkeypatch.setattr(moe, "PAIR_ROWS", 4)
+    pairs = moe_forward(x, ids, w, BANKS[kind], torch.float32)
+    monkeypatch.setattr(moe, "PAIR_ROWS", 0)
+    grouped = moe_forward(x, ids, w, BANKS[kind], torch.float32)
+    assert torch.equal(bits(pairs), bits(grouped))

@@ -69,7 +69,7 @@ def test_reference_and_inv_freq_are_the_models(dtype: torch.dtype, theta: float)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 64])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 33, 64])  # 33: programs of 16 rows under the interpreter, one partial
 @pytest.mark.parametrize(("heads", "dim", "rot"), SHAPES)
 def test_rope_matches_model(n: int, heads: int, dim: int, rot: int, dtype: torch.dtype) -> None:
     x, pos = rows(n, heads, dim, dtype=dtype), positions_of(n)
@@ -122,7 +122,7 @@ def cache_rows(n: int, slots: int, context: int, seed: int = 5) -> tuple[torch.T
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 7])
+@pytest.mark.parametrize("n", [0, 1, 7, 33])
 def test_rope_into_cache_is_index_put_of_the_result(n: int, dtype: torch.dtype) -> None:
     inv, pos = rope_inv_freq(64, THETA, "cpu"), positions_of(n)
     slot_of_row, index = cache_rows(n, 3, 40)
@@ -161,7 +161,7 @@ def test_block_keys_into_a_one_head_cache(two_dim: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 7, 64])
+@pytest.mark.parametrize("n", [0, 1, 7, 33, 64])
 def test_scatter_rows_is_index_put(n: int, dtype: torch.dtype) -> None:
     slot_of_row, pos = cache_rows(n, 4, 40)
     v = rows(n, 2, 128, dtype=dtype)
