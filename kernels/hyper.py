@@ -210,14 +210,16 @@ def _rstd_kernel(
     enter(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)
-    base = (new_ptr + row.to(tl.int64) * stride_new if WRITE else wide_ptr + row.to(tl.int64) * stride_w) + b * D
+    row64 = row.to(tl.int64)
+    base = (new_ptr + row64 * stride_new if WRITE else wide_ptr + row64 * stride_w) + b * D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         if WRITE:
-            y = _write_y(y_ptr, row.to(tl.int64), cols, cols < D, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
-            written = _written(wide_ptr, inj_ptr, y, row.to(tl.int64), b, cols, cols < D, D, stride_w, stride_i,
-                               ACT_BF16, INTERPRET)  # fmt: skip
+            y = _write_y(y_ptr, row64, cols, cols < D, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
+            written = _written(
+                wide_ptr, inj_ptr, y, row64, b, cols, cols < D, D, stride_w, stride_i, ACT_BF16, INTERPRET
+            )
             tl.store(base + cols, written, mask=cols < D)
             x = written.to(tl.float32)
         else:
@@ -229,7 +231,7 @@ def _rstd_kernel(
     if WRITE_NORMED:
         if WRITE:  # the loop below loads the rows this program stored above
             tl.debug_barrier()
-        out = normed_ptr + row.to(tl.int64) * stride_n + b * D
+        out = normed_ptr + row64 * stride_n + b * D
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             ok = cols < D

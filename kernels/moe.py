@@ -714,6 +714,7 @@ def _pairs_forward(
     """Each (row, expert) pair in its own programs: h by place in each row's ascending-expert order, then the down
     projection with the ordered weighted sum in the same launch; no plan."""
     n, top_k = ids.shape
+    interpret = _interpreting()
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
     order_ids = torch.empty(n * top_k, dtype=torch.int32, device=x.device)
     order_wts = torch.empty(n * top_k, dtype=torch.float32, device=x.device)
@@ -722,7 +723,7 @@ def _pairs_forward(
         x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
         wb.gate_up_scale.stride(1), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.gate_up_k, EVEN_K=wb.d % tiles.gate_up_k == 0, FP4=wb.fp4,
-        INTERPRET=_interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        INTERPRET=interpret, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(_gate_up_pairs_kernel, x.device),
     )  # fmt: skip
     n_cols = triton.cdiv(wb.d, tiles.down_n)
@@ -732,7 +733,7 @@ def _pairs_forward(
         wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1),
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
         EVEN_K=wb.inter % tiles.down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
-        INTERPRET=_interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        INTERPRET=interpret, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(_down_pairs_kernel, x.device),
     )  # fmt: skip
 
