@@ -139,6 +139,7 @@ def _gdn_recurrent_kernel(
     out_ptr,
     states_ptr,
     keep_ptr,
+    firsts_ptr,
     T,
     H,
     RATIO,
@@ -165,11 +166,14 @@ def _gdn_recurrent_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, value head, Dv tile); a lane's first row loops over its rows (UNIT_QK: q, k come unit)."""
+    """One program per (row, value head, Dv tile); a lane's first row loops over its rows (UNIT_QK: q, k come unit;
+    rows of lane -1 are skipped)."""
     enter(PDL)
     pid = tl.program_id(0)
     tiles = DV // BV
     row = pid // (H * tiles)
+    if INTERPRET:  # programs only for the runs' first rows (`_run_firsts`): the interpreter pays for every program
+        row = tl.load(firsts_ptr + row)
     head = (pid // tiles) % H
     dk = tl.arange(0, DK)
     dv = (pid % tiles) * BV + tl.arange(0, BV)
@@ -186,7 +190,8 @@ def _gdn_recurrent_kernel(
     states_at = states_ptr + (row64 * H + head) * DK * DV  # a row's kept state when every row keeps one
     # Issue every independent load before the first wait: the lane ids, this row's inputs, the state.
     lane = tl.load(lane_ptr + row)
-    first = lane != tl.load(lane_ptr + row - 1, mask=row > 0, other=-1)
+    # a lane id of -1 marks rows another kernel ran (a prompt's whole chunks): they start no run
+    first = lane != tl.where(lane >= 0, tl.load(lane_ptr + row - 1, mask=row > 0, other=-1), lane)
     idx = row + tl.arange(0, SCAN)
     ids = tl.load(lane_ptr + idx, mask=idx < tl.where(first, T, 0), other=-1)
     q, k, v, g, beta = _row_inputs(q_at, k_at, v_at, g_at, beta_at, dk, dv, first, DK, DV)
@@ -323,11 +328,14 @@ def gdn_recurrent(
     keep_rows: torch.Tensor | None = None,
     keep_places: torch.Tensor | None = None,
     states_out: torch.Tensor | None = None,
+    unit_given: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states or None): with `keep_states` the
     state after every row, or with `keep_rows` (ascending row indices, distinct) only after those, in their order;
     `keep_places` (int32 [T], each row's place among keep_rows or -1) spares making that map (a graph's input);
-    `states_out` receives the kept states instead of a new tensor."""
+    `states_out` receives the kept states instead of a new tensor. Rows of lane -1 are left alone (their outputs
+    in `out`, when given, are kept). `unit_given`: q and k come from `unit_qk`."""
     # long_runs (a prompt pass): q and k go to unit norm in a kernel of their own first; the bits are the same
     _check_gdn(q, k, v, g, beta, state, lane_of_row)
     if keep_rows is not None and not keep_states:
@@ -337,7 +345,10 @@ def gdn_recurrent(
     seq, heads, dv = v.shape
     dk = q.shape[2]
     listed = keep_places is not None or (keep_rows is not None and keep_rows.shape[0] != seq)  # else every row
-    out = torch.empty((seq, heads, dv), dtype=out_dtype, device=v.device)
+    if out is None:
+        out = torch.empty((seq, heads, dv), dtype=out_dtype, device=v.device)
+    elif out.shape != v.shape or out.stride(2) != 1 or out.device != v.device:
+        raise ValueError(f"out: expected [T, H, Dv] {tuple(v.shape)} with contiguous Dv on {v.device}")
     kept = keep_rows.shape[0] if listed else seq
     states = state.new_empty((kept, heads, dk, dv)) if keep_states and states_out is None else states_out
     if states_out is not None:
@@ -347,10 +358,15 @@ def gdn_recurrent(
     if keep_places is None:
         keep_places = kept_row_places(keep_rows, seq) if listed else lane_of_row  # lane_of_row: a pointer never read
     mode = KEEP_LISTED if listed else KEEP_EVERY if keep_states else KEEP_NONE
-    if long_runs:
-        q, k = _unit_qk(q, k)
+    if long_runs and not unit_given:
+        q, k = unit_qk(q, k)
     block_v = min(BLOCK_V, dv)
-    _gdn_recurrent_kernel[(seq * heads * (dv // block_v),)](
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    firsts = _run_firsts(lane_of_row) if interpret else lane_of_row  # lane_of_row: a pointer never read
+    rows = firsts.shape[0] if interpret else seq
+    if rows == 0:  # every row is another kernel's
+        return out, states
+    _gdn_recurrent_kernel[(rows * heads * (dv // block_v),)](
         q,
         k,
         v,
@@ -361,6 +377,7 @@ def gdn_recurrent(
         out,
         state if states is None else states,
         keep_places,
+        firsts,
         seq,
         heads,
         heads // q.shape[1],
@@ -381,15 +398,22 @@ def gdn_recurrent(
         DV=dv,
         BV=block_v,
         EPS=L2_EPS,
-        UNIT_QK=long_runs,
+        UNIT_QK=long_runs or unit_given,
         KEEP=mode.value,
         SCAN=SCAN,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRET=interpret,
         num_warps=NUM_WARPS,
         enable_fp_fusion=True,
         **launch_options(_gdn_recurrent_kernel, q.device),
     )
     return out, states
+
+
+def _run_firsts(lane_of_row: torch.Tensor) -> torch.Tensor:
+    """The rows that start a run of a lane (not lane -1): the only rows whose programs do work."""
+    lanes = lane_of_row.long()
+    before = torch.cat((lanes.new_full((1,), -1), lanes[:-1]))
+    return torch.nonzero((lanes != before) & (lanes >= 0)).flatten()
 
 
 def _check_states_out(out: torch.Tensor, keep_states: bool, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -409,7 +433,7 @@ def kept_row_places(keep_rows: torch.Tensor, seq: int) -> torch.Tensor:
     return places
 
 
-def _unit_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unit_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k [T, Hk, Dk] at unit L2 norm in fp32, q also divided by sqrt(Dk), as the recurrence kernel makes them."""
     seq, key_heads, dk = q.shape
     q_unit = torch.empty((seq, key_heads, dk), dtype=torch.float32, device=q.device)
