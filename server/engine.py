@@ -95,6 +95,8 @@ class Engine:
         self.accepted_at = [0] * draft_depth
         self.cache = prompt_cache or PromptCache(0)
         self.cache_grid = cache_grid
+        # a budget under the runner's alignment never fills a whole chunk, so passes may stop anywhere
+        self.align = runner.prompt_align if prompt_budget >= runner.prompt_align else 1
         self.ops: list[LaneOp] = []
         self.new_keeps: list[tuple[bytes, Kept]] = []
         self.waiting: deque[Request] = deque()
@@ -214,7 +216,9 @@ class Engine:
                 drafts = request.drafts[: max(room, 0)]
                 rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
             elif budget > 0:
-                take = min(budget, len(prompt) - request.prefilled)
+                take = self._pass_length(request, budget)
+                if take == 0:
+                    continue
                 while request.keeps and request.keeps[0] <= request.prefilled + take:  # kept inside this round
                     self._keep_state(request, ops, request.keeps[0] - request.prefilled)
                 chunk = tuple(prompt[request.prefilled : request.prefilled + take])
@@ -226,9 +230,17 @@ class Engine:
         free, self.to_free = tuple(self.to_free), []
         return RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
 
+    def _pass_length(self, request: Request, budget: int) -> int:
+        """Rows of this round's prompt pass: the rest of the prompt if the budget holds it, else as many as the
+        budget holds up to a multiple of the alignment (0: none this round)."""
+        rest = len(request.prompt_ids) - request.prefilled
+        if rest <= budget:
+            return rest
+        return max((request.prefilled + budget) // self.align * self.align - request.prefilled, 0)
+
     def _admit(self, request: Request, ops: list[LaneOp]) -> None:
         """Resume the longest kept prefix of the prompt, and plan where its prompt pass keeps states: a grid of
-        positions, the given message boundaries, and one token before the end."""
+        positions, the given message boundaries, and one token before the end, each rounded down to the alignment."""
         prompt = request.prompt_ids
         request.depth = self.draft_depth if request.draft else 0
         hit = self.cache.lookup(prompt)
@@ -237,7 +249,7 @@ class Engine:
             request.prefilled = request.cached = hit.length
         if self.cache.enabled:
             grid = range(self.cache_grid, len(prompt) - 1, self.cache_grid)
-            marks = {*grid, *request.keep_at, len(prompt) - 1}
+            marks = {k // self.align * self.align for k in (*grid, *request.keep_at, len(prompt) - 1)}
             request.keeps = sorted(k for k in marks if request.prefilled < k < len(prompt))
 
     def _keep_state(self, request: Request, ops: list[LaneOp], after: int) -> None:

@@ -69,6 +69,16 @@ class ModelRunner:
     def can_draft(self) -> bool:
         return self.model.mtp is not None
 
+    @property
+    def prompt_align(self) -> int:
+        """Where a prompt pass may stop short of its end or keep a state: the kernels' GDN chunk (a pass's rows in
+        whole chunks take the chunked form, so its chunks must not depend on how it was cut), else anywhere."""
+        if not self.model.kernels:
+            return 1
+        from kernels.gdn_chunk import CHUNK  # the kernels are loaded once the model runs on them
+
+        return CHUNK
+
     def _apply(self, op: LaneOp) -> str | None:
         """Keep, restore or drop a prompt state; a reason when this rank cannot."""
         if op.code is LaneOpCode.DROP:

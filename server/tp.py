@@ -32,6 +32,10 @@ class LinkedRunner:
         return self.runner.can_draft
 
     @property
+    def prompt_align(self) -> int:
+        return self.runner.prompt_align
+
+    @property
     def trace(self) -> RoundTrace:
         return self.runner.trace
 
