@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from kernels.gdn_chunk import CHUNK, ChunkPlan, Run, plan_chunks, recurrent_lanes
 from model.kernel_blocks import Round, SharedOutputs
 from model.lane_pool import LanePool
 
@@ -67,6 +68,10 @@ class RoundGraphs:
         self.hidden = torch.zeros(top, wide, dtype=dtype, device=device)
         self.keep_rows = torch.zeros(PROMPT_KEEPS, dtype=torch.long, device=device)
         self.keep_places = torch.full((top,), -1, dtype=torch.int32, device=device)
+        chunks = max(top // CHUNK, 1)  # a prompt round's GDN chunks (`plan_chunks`) and its other rows' lanes
+        self.chunk_rows = torch.full((chunks,), -1, dtype=torch.int32, device=device)
+        self.chunk_runs = torch.zeros((chunks, 3), dtype=torch.int32, device=device)
+        self.recurrent_lanes = torch.full((top,), pool.scratch, dtype=torch.long, device=device)
         self.listed_logits = listed_logits
         self.logit_rows = torch.zeros(listed_logits, dtype=torch.long, device=device)
         self.shared = SharedOutputs()  # every bucket's logits and kept states
@@ -98,10 +103,12 @@ class RoundGraphs:
         windows = None if kind == "mtp" else self.windows[:size]
         wanted = self.logit_rows[: min(size, self.listed_logits)] if kind in LISTING_KINDS else None
         if kind == "prompt":
-            keep, places = self.keep_rows, self.keep_places[:size]
+            keep, places, chunks = self.keep_rows, self.keep_places[:size], max(size // CHUNK, 1)
             return Round(
                 pool, self.slots[:size], positions, windows, rows, dest, keep, True, keep_places=places,
                 logit_rows=wanted, shared=self.shared,
+                chunks=ChunkPlan(self.chunk_rows[:chunks], self.chunk_runs[:chunks]),
+                recurrent_lanes=self.recurrent_lanes[:size],
             )  # fmt: skip
         keep = rows if kind == "verify" else None
         return Round(
@@ -143,11 +150,13 @@ class RoundGraphs:
         hidden: torch.Tensor | None = None,
         keep_rows: Sequence[int] = (),
         logit_rows: torch.Tensor | None = None,
+        runs: Sequence[Run] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, Round]:
         """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are in the
         shared buffers: read them before the next replay), by replaying the graph of their bucket; a
-        prompt graph keeps the states after `keep_rows` (ascending), in their order; prompt and MTP graphs give
-        the logits of `logit_rows` only (None: every row), in their order."""
+        prompt graph keeps the states after `keep_rows` (ascending), in their order, and runs GDN's chunked form over
+        the whole chunks of the lanes' `runs`; prompt and MTP graphs give the logits of `logit_rows` only (None:
+        every row), in their order."""
         n = token_ids.shape[0]
         size = self.bucket_of(kind, n)
         wanted = n
@@ -156,6 +165,11 @@ class RoundGraphs:
             places[list(keep_rows)] = torch.arange(len(keep_rows), dtype=torch.int32)
             self.keep_places[:size].copy_(places)
             self.keep_rows.copy_(torch.tensor([*keep_rows, *[0] * (PROMPT_KEEPS - len(keep_rows))]))
+            plan = plan_chunks(list(runs), size, torch.device("cpu"))
+            self.chunk_rows[: plan.chunk_rows.shape[0]].copy_(plan.chunk_rows)
+            self.chunk_runs[: plan.runs.shape[0]].copy_(plan.runs)
+            self.recurrent_lanes[:n].copy_(recurrent_lanes(slots, list(runs)))
+            self.recurrent_lanes[n:size].fill_(self.pool.scratch)
         if kind in LISTING_KINDS:
             rows = torch.arange(n) if logit_rows is None else logit_rows
             wanted = rows.shape[0]

@@ -20,6 +20,7 @@ from kernels.conv import causal_conv_update
 from kernels.fp4_words import kernel_bank
 from kernels.gates import gated_add, gdn_gates, silu_mul
 from kernels.gdn import gdn_recurrent
+from kernels.gdn_chunk import ChunkPlan, gdn_prompt
 from kernels.hyper import hc_read, hc_write, hc_write_read
 from kernels.linear import linear
 from kernels.moe import moe_forward
@@ -78,7 +79,8 @@ class Round:
     """One forward's rows as the kernels take them, all on the GPU (so a CUDA graph can capture the layers): each
     row's lane-pool slot and absolute position, its n-gram window (None: no PLE), the rows that complete an
     indexer block with the block index their key goes to, the rows whose states are kept (None: none), and whether a
-    lane has `kernels.gdn.LONG_RUN` or more rows (the prompt graphs say so for any rows: the bits are the same)."""
+    lane has `kernels.gdn.LONG_RUN` or more rows (the prompt graphs say so for any rows: the bits are the same); with
+    `chunks`, the prompt rows GDN takes in whole chunks, and `recurrent_lanes`, each row's slot or -1 for those rows."""
 
     pool: LanePool
     slot_of_row: torch.Tensor
@@ -92,6 +94,8 @@ class Round:
     keep_places: torch.Tensor | None = None  # each row's place among keep_rows or -1, where a graph fixes it
     logit_rows: torch.Tensor | None = None  # the only rows whose logits a forward makes (None: every row)
     shared: SharedOutputs | None = None  # where kept states and logits go (None: new tensors)
+    chunks: ChunkPlan | None = None
+    recurrent_lanes: torch.Tensor | None = None
 
 
 def kept_buffer(rnd: Round, name: str, index: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -242,16 +246,35 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     k = k.unflatten(-1, (m.key_heads, m.key_dim))
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
     beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
-    out, kept_states = gdn_recurrent(
-        q, k, v, g, beta, states, rnd.slot_of_row, keep, long_runs=rnd.long_runs, keep_rows=rnd.keep_rows,
-        keep_places=rnd.keep_places, states_out=kept_buffer(rnd, "gdn_recurrent", index, states),
-    )  # fmt: skip
+    out, kept_states = gdn_rows(q, k, v, g, beta, states, rnd, kept_buffer(rnd, "gdn_recurrent", index, states))
     z = z.unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
     if keep:  # only the rows asked for outlive the layer
         rnd.kept.gdn_conv[index] = keep_tails(rnd, "gdn_conv", index, row_tails)
         rnd.kept.gdn_recurrent[index] = kept_states
     return m.tp.reduce(partial_out(y.view(n, m.v_width), m.out_proj, m.tp))
+
+
+def gdn_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    rnd: Round,
+    states_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(o, kept states) of the round's rows: prompts' whole chunks in the chunked form first (`rnd.chunks`), then every
+    other row by the recurrence, from the states the chunks left."""
+    keep = rnd.keep_rows is not None
+    if rnd.chunks is None:
+        return gdn_recurrent(
+            q, k, v, g, beta, states, rnd.slot_of_row, keep, long_runs=rnd.long_runs, keep_rows=rnd.keep_rows,
+            keep_places=rnd.keep_places, states_out=states_out,
+        )  # fmt: skip
+    places = rnd.keep_places if keep else None
+    return gdn_prompt(q, k, v, g, beta, states, rnd.chunks, rnd.recurrent_lanes, rnd.keep_rows, places, states_out)
 
 
 @functools.cache

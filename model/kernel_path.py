@@ -21,6 +21,7 @@ from collections.abc import Collection, Mapping
 import torch
 
 from kernels.gdn import LONG_RUN, kept_row_places
+from kernels.gdn_chunk import CHUNK, Run, chunk_spans, plan_chunks, recurrent_lanes
 from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
@@ -104,11 +105,27 @@ def segment_starts(batch: ForwardBatch) -> list[int]:
     return starts
 
 
+def lane_runs(batch: ForwardBatch, starts: list[int]) -> list[Run]:
+    """Each segment's rows as a run of its lane."""
+    return [(seg.start, seg.length, first, seg.lane.slot) for seg, first in zip(batch.segments, starts, strict=True)]
+
+
+def check_keeps(runs: list[Run], keep_rows: list[int]) -> None:
+    """Refuse a state kept inside a chunk: the chunked form makes a state only at a chunk's end."""
+    for span in chunk_spans(runs):
+        inside = [r for r in keep_rows if r in span and (r - span.start) % CHUNK != CHUNK - 1]
+        if inside:
+            raise ValueError(
+                f"a state is kept after row {inside[0]}, inside a GDN chunk of rows {span.start}..{span.stop - 1}: "
+                f"prompt passes keep states only at positions that are multiples of {CHUNK}"
+            )
+
+
 def build_round(
     pool: LanePool, batch: ForwardBatch, starts: list[int], keep_rows: list[int] | None, ngram_size: int | None
 ) -> Round:
     """The round's rows as the kernels take them (the lanes placed in the pool), keeping the states after
-    `keep_rows` (batch row indices, ascending)."""
+    `keep_rows` (batch row indices, ascending); prompts' whole chunks go to GDN's chunked form."""
     device = batch.token_ids.device
     windows = None if ngram_size is None else ngram_windows(batch, ngram_size)
     ratio = pool.ratio
@@ -122,11 +139,19 @@ def build_round(
     block_dest = torch.tensor([b for _, b in completing], dtype=torch.long, device=device)
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
     rows = batch.token_ids.shape[0]
-    places = None if kept is None or len(keep_rows) == rows else kept_row_places(kept, rows)  # once, not per layer
-    slots = row_slots(batch).to(device)
-    return Round(
-        pool, slots, batch.positions, windows, block_rows, block_dest, kept, has_long_run(batch), keep_places=places
-    )
+    runs = lane_runs(batch, starts)
+    chunked = any(chunk_spans(runs))
+    every = keep_rows is not None and len(keep_rows) == rows and not chunked
+    places = None if kept is None or every else kept_row_places(kept, rows)  # once, not per layer
+    slots = row_slots(batch)
+    rnd = Round(
+        pool, slots.to(device), batch.positions, windows, block_rows, block_dest, kept, has_long_run(batch),
+        keep_places=places,
+    )  # fmt: skip
+    if chunked:
+        rnd.chunks = plan_chunks(runs, rows, device)
+        rnd.recurrent_lanes = recurrent_lanes(slots, runs).to(device)
+    return rnd
 
 
 def has_long_run(batch: ForwardBatch) -> bool:
@@ -249,14 +274,18 @@ def enable_graphs(
     return graphs
 
 
-def graph_kind(graphs: RoundGraphs, batch: ForwardBatch, keeps: int, logits: int) -> str | None:
+def graph_kind(graphs: RoundGraphs, batch: ForwardBatch, keeps: int, logits: int, chunked: bool) -> str | None:
     """The graph that replays a round keeping `keeps` rows' states and giving `logits` rows' logits (None: run
-    eagerly): a verify graph keeps every row's; a prompt graph runs GDN's prompt-pass kernels (the same bits), keeps a
-    few listed rows' states and gives the logits of a few rows."""
+    eagerly): a verify graph keeps every row's; a prompt graph runs GDN's prompt-pass kernels (the same bits) and its
+    chunked form (the only kind that does, so a `chunked` round takes no other), keeps a few listed rows' states and
+    gives the logits of a few rows."""
     rows = batch.token_ids.shape[0]
     smallest = (graphs.buckets.get("prompt") or (0,))[0]
     prompt_sized = has_long_run(batch) and rows > smallest // 2  # smaller rounds pad less in a trunk bucket
-    order = ("verify", "prompt") if keeps else ("prompt", "trunk") if prompt_sized else ("trunk",)
+    if chunked:
+        order: tuple[str, ...] = ("prompt",)
+    else:
+        order = ("verify", "prompt") if keeps else ("prompt", "trunk") if prompt_sized else ("trunk",)
     return next((kind for kind in order if graphs.covers(kind, rows, keeps, logits)), None)
 
 
@@ -275,16 +304,20 @@ def forward(
         if first != seg.lane.length:
             raise ValueError(f"segment {i} starts at position {first} but its lane holds {seg.lane.length} tokens")
     pool = place(model, batch, starts)
+    runs = lane_runs(batch, starts)
+    check_keeps(runs, keep_rows)
     graphs = model.round_graphs
     wanted = batch.token_ids.shape[0] if logit_rows is None else logit_rows.shape[0]
-    kind = None if graphs is None else graph_kind(graphs, batch, len(keep_rows), wanted)
+    chunked = any(chunk_spans(runs))
+    kind = None if graphs is None else graph_kind(graphs, batch, len(keep_rows), wanted, chunked)
     replay = kind is not None
     if replay:
         windows = ngram_windows(batch, model.cfg.ngram_size)
         slots = row_slots(batch)
         all_logits, wide, rnd = graphs.run(
-            kind, batch.token_ids, batch.positions, slots, windows, keep_rows=keep_rows, logit_rows=logit_rows
-        )
+            kind, batch.token_ids, batch.positions, slots, windows, keep_rows=keep_rows, logit_rows=logit_rows,
+            runs=runs,
+        )  # fmt: skip
         if kind == "prompt":  # its logits are already those of logit_rows
             logit_rows = None
     else:

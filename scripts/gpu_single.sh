@@ -10,6 +10,9 @@
 #   graphs        the trunk graphs against eager (`gpu_graph_check.py`)
 #   serve         the shipped model at --tp 1 with CUDA graphs and MTP drafts (every graph kind), checked by eval_small:
 #                 drafted = "draft": false by token_sha, concurrent = solo at 1 and 8 streams
+#   resume        the shipped model with a prompt budget of 128 and the cache on: a 700-token prompt cold (passes cut
+#                 by the budget, GDN's whole chunks), then resumed twice and by 4 concurrent streams, all with the
+#                 cold request's token_sha (`bench_cache.py`)
 # With BEFORE set to another tree's folder, `hyper`, `step`, `prompt` and `draws` run there too (an A/B).
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_single.sh  # logs under $OUT
 set -u
@@ -17,7 +20,7 @@ set -u
 source scripts/gpu_serve.sh
 start=$(date +%s)
 since() { echo "at $(( $(date +%s) - start )) s"; }
-checks=" ${CHECKS:-pytest hyper moe step prompt draws graphs serve} "
+checks=" ${CHECKS:-pytest hyper moe step prompt draws graphs serve resume} "
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
 both() {  # name, limit, script and flags: run in this tree, and in BEFORE when set
@@ -72,4 +75,17 @@ if [[ $checks == *" serve "* ]]; then
   fi
   stop_server
   grep -i "error\|Traceback" "$OUT/serve_tp1.log" | head -5
+fi
+if [[ $checks == *" resume "* ]]; then
+  port=8601
+  serve_until_up 200 $port "$OUT/serve_resume.log" --tp 1 --device cuda --cuda-graphs on --prompt-budget 128 \
+    --prompt-cache-grid 200 && up=1 || up=0
+  echo "shipped model, prompt budget 128, up=$up $(since)"
+  if [ $up = 1 ]; then
+    timeout 200 python3 scripts/bench_cache.py --base-url "http://127.0.0.1:$port" --random-prompt 700 --vocab 4000 \
+      --tokens 24 --repeats 2 --streams 4 --require-cold --require-reuse --json "$OUT/resume.json" 2>&1 | tail -8
+    echo "resume rc=${PIPESTATUS[0]} $(since)"
+  fi
+  stop_server
+  grep -i "error\|Traceback" "$OUT/serve_resume.log" | head -5
 fi

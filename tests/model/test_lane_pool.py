@@ -210,27 +210,32 @@ def test_a_prompt_graph_keeps_and_gives_logits_of_at_most_its_rows_and_a_verify_
 
 
 @pytest.mark.parametrize(
-    ("lengths", "keeps", "kind"),
+    ("lengths", "keeps", "kind", "chunked"),
     [
-        ([1, 1], 0, "trunk"),
-        ([1, 1], 2, "verify"),
-        ([20, 1], 0, "prompt"),  # a long run: the prompt graph's GDN kernels
-        ([20, 1], 3, "prompt"),
-        ([20, 1], PROMPT_KEEPS + 1, None),  # more kept rows than a prompt graph holds: eagerly
-        ([5, 1], 0, "trunk"),  # no long run
-        ([16, 40], 0, "trunk"),  # a long run, but a round too small for a prompt bucket's padding
+        ([1, 1], 0, "trunk", False),
+        ([1, 1], 2, "verify", False),
+        ([20, 1], 0, "prompt", False),  # a long run: the prompt graph's GDN kernels
+        ([20, 1], 3, "prompt", False),
+        ([20, 1], PROMPT_KEEPS + 1, None, False),  # more kept rows than a prompt graph holds: eagerly
+        ([5, 1], 0, "trunk", False),  # no long run
+        ([16, 40], 0, "trunk", False),  # a long run, but a round too small for a prompt bucket's padding
+        ([16, 40], 0, "prompt", True),  # a whole GDN chunk: only the prompt graph runs the chunked form
+        ([20, 1], 2, "prompt", True),  # a verify graph would keep every row, inside the chunk too
+        ([1, 1], 0, None, True),  # no prompt bucket holds it: eagerly
     ],
 )
-def test_graph_kind_takes_the_prompt_graph_for_long_runs_and_kept_rows(lengths, keeps, kind) -> None:
+def test_graph_kind_takes_the_prompt_graph_for_long_runs_and_kept_rows(lengths, keeps, kind, chunked) -> None:
     graphs = fake_graphs({"trunk": (1, 2, 4, 64), "verify": (1, 2), "prompt": (128,)})
     if lengths == [20, 1]:
         graphs.buckets["prompt"] = (16, 32)
+    if lengths == [1, 1]:
+        del graphs.buckets["prompt"]
     segments, start = [], 0
     for n in lengths:
         segments.append(Segment(None, start, n))
         start += n
     batch = ForwardBatch(torch.zeros(start, dtype=torch.long), torch.arange(start), segments)
-    assert kernel_path.graph_kind(graphs, batch, keeps, 1) == kind
+    assert kernel_path.graph_kind(graphs, batch, keeps, 1, chunked) == kind
 
 
 def test_a_grown_pool_keeps_every_lane_and_stops_replaying(path, eager) -> None:
