@@ -164,16 +164,19 @@ def _gdn_recurrent_kernel(
     KEEP: tl.constexpr,
     SCAN: tl.constexpr,
     INTERPRET: tl.constexpr,
+    MAPPED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, value head, Dv tile); a lane's first row loops over its rows (UNIT_QK: q, k come unit;
-    rows of lane -1 are skipped)."""
+    """One program per (row, value head, Dv tile), or with MAPPED per (listed run start, ...); a lane's first row
+    loops over its rows (UNIT_QK: q, k come unit; rows of lane -1 are skipped)."""
     enter(PDL)
     pid = tl.program_id(0)
     tiles = DV // BV
     row = pid // (H * tiles)
-    if INTERPRET:  # programs only for the runs' first rows (`_run_firsts`): the interpreter pays for every program
+    if MAPPED:  # a program per listed run start (-1: none), not per row
         row = tl.load(firsts_ptr + row)
+    listed = row >= 0
+    row = tl.maximum(row, 0)
     head = (pid // tiles) % H
     dk = tl.arange(0, DK)
     dv = (pid % tiles) * BV + tl.arange(0, BV)
@@ -189,7 +192,7 @@ def _gdn_recurrent_kernel(
     out_at = out_ptr + row64 * stride_ot + head * stride_oh
     states_at = states_ptr + (row64 * H + head) * DK * DV  # a row's kept state when every row keeps one
     # Issue every independent load before the first wait: the lane ids, this row's inputs, the state.
-    lane = tl.load(lane_ptr + row)
+    lane = tl.where(listed, tl.load(lane_ptr + row), -1)
     # a lane id of -1 marks rows another kernel ran (a prompt's whole chunks): they start no run
     first = lane != tl.where(lane >= 0, tl.load(lane_ptr + row - 1, mask=row > 0, other=-1), lane)
     idx = row + tl.arange(0, SCAN)
@@ -330,12 +333,14 @@ def gdn_recurrent(
     states_out: torch.Tensor | None = None,
     unit_given: bool = False,
     out: torch.Tensor | None = None,
+    firsts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over each lane's consecutive rows; (o [T, H, Dv], states or None): with `keep_states` the
     state after every row, or with `keep_rows` (ascending row indices, distinct) only after those, in their order;
     `keep_places` (int32 [T], each row's place among keep_rows or -1) spares making that map (a graph's input);
     `states_out` receives the kept states instead of a new tensor. Rows of lane -1 are left alone (their outputs
-    in `out`, when given, are kept). `unit_given`: q and k come from `unit_qk`."""
+    in `out`, when given, are kept). `unit_given`: q and k come from `unit_qk`. `firsts` (int32 or int64, -1 for
+    none) lists every row that starts a run: the launch then has programs for those alone."""
     # long_runs (a prompt pass): q and k go to unit norm in a kernel of their own first; the bits are the same
     _check_gdn(q, k, v, g, beta, state, lane_of_row)
     if keep_rows is not None and not keep_states:
@@ -362,8 +367,11 @@ def gdn_recurrent(
         q, k = unit_qk(q, k)
     block_v = min(BLOCK_V, dv)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    firsts = _run_firsts(lane_of_row) if interpret else lane_of_row  # lane_of_row: a pointer never read
-    rows = firsts.shape[0] if interpret else seq
+    if firsts is None and interpret:  # the interpreter pays for every program
+        firsts = _run_firsts(lane_of_row)
+    mapped = firsts is not None
+    rows = firsts.shape[0] if mapped else seq
+    firsts = firsts if mapped else lane_of_row  # lane_of_row: a pointer never read
     if rows == 0:  # every row is another kernel's
         return out, states
     _gdn_recurrent_kernel[(rows * heads * (dv // block_v),)](
@@ -402,6 +410,7 @@ def gdn_recurrent(
         KEEP=mode.value,
         SCAN=SCAN,
         INTERPRET=interpret,
+        MAPPED=mapped,
         num_warps=NUM_WARPS,
         enable_fp_fusion=True,
         **launch_options(_gdn_recurrent_kernel, q.device),
@@ -414,6 +423,14 @@ def _run_firsts(lane_of_row: torch.Tensor) -> torch.Tensor:
     lanes = lane_of_row.long()
     before = torch.cat((lanes.new_full((1,), -1), lanes[:-1]))
     return torch.nonzero((lanes != before) & (lanes >= 0)).flatten()
+
+
+def run_firsts(lane_of_row: torch.Tensor, size: int) -> torch.Tensor:
+    """`_run_firsts` of host lane ids as int32, padded with -1 to `size` entries (a graph's static input)."""
+    starts = _run_firsts(lane_of_row)
+    if starts.shape[0] > size:
+        raise ValueError(f"firsts: {starts.shape[0]} runs start, more than the {size} entries")
+    return torch.cat((starts, starts.new_full((size - starts.shape[0],), -1))).int()
 
 
 def _check_states_out(out: torch.Tensor, keep_states: bool, shape: tuple[int, ...], dtype: torch.dtype) -> None:

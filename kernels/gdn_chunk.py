@@ -3,8 +3,9 @@
 Per value head, with fp32 state S [Dk, Dv] and unit q, k (q also divided by sqrt(Dk), as `unit_qk` makes them),
 the recurrence is S_t = exp(g_t) S_{t-1} + k_t delta_t^T with delta_t = beta_t (v_t - (exp(g_t) S_{t-1})^T k_t),
 and o_t = S_t^T q_t. Over a chunk of CHUNK consecutive rows of one lane, with b the inclusive cumulative sum of g
-inside the chunk, A[i, j] = -beta_i (k_i . k_j) exp(b_i - b_j) for j < i (else 0) and T = (I - A)^-1 (forward
-substitution), the chunk's rows are, from the state S at its start:
+inside the chunk, A[i, j] = -beta_i (k_i . k_j) exp(b_i - b_j) for j < i (else 0) and T = (I - A)^-1 (by DOT_K-row
+blocks: substitution inside the diagonal blocks, block forward substitution below), the chunk's rows are, from the
+state S at its start:
 
     u = T (beta v),  w = T (beta exp(b) k),  v_new = u - w S
     o = (q exp(b)) S + (tril(q k^T exp(b_i - b_j)) v_new),  S' = exp(b_last) S + (k exp(b_last - b))^T v_new
@@ -42,7 +43,7 @@ from kernels.pdl import enter, launch_options
 
 CHUNK = 64
 BLOCK_V = 32  # Dv columns of the state a sequential program carries
-DOT_K = 16  # terms of a product's sum taken from memory at a time
+DOT_K = 16  # terms of a product's sum taken from memory at a time, and the rows of T's blocks
 PREPARE_COLUMNS = 32  # columns of u and w a prepare program makes at a time
 PREPARE_WARPS = 4
 SCAN_WARPS = 8
@@ -164,14 +165,38 @@ def _gdn_chunk_prepare_kernel(
             kk = tl.dot(tl.load(k_ptr + qk_rows[:, None] + d + kb[None, :]), k_t, kk, input_precision="ieee")
         below = i[:, None] > i[None, :]
         a = tl.where(below, -(beta[:, None] * kk) * _decay(b, INTERPRET), 0.0)
-        # Forward substitution for T - I = A + A (T - I), row by row: row r from A's row r and the final rows < r.
-        for r in range(1, C):
-            pick = i[:, None] == r
-            a_r = tl.sum(tl.where(pick, a, 0.0), axis=0)  # A[r, :], zero from column r on
-            a = tl.where(pick, (a_r + tl.sum(a_r[:, None] * a, axis=0))[None, :], a)
-        # T goes through aqk's scratch so that u and w can take its columns KB at a time.
-        tl.store(aqk_ptr + rows_h[:, None] * C + i[None, :], tl.where(i[:, None] == i[None, :], 1.0, a))
-        tl.debug_barrier()  # T and b written for every thread
+        # T = (I - A)^-1 by KB x KB blocks, in aqk's scratch (u and w then read it KB columns at a time): A first.
+        t_at = aqk_ptr + (row0.to(tl.int64) * H + head) * C  # T[r, c] at t_at + r * H * C + c
+        tl.store(t_at + i[:, None] * H * C + i[None, :], a)
+        tl.debug_barrier()  # A and b written for every thread
+        # The diagonal blocks D_n = (I - A_nn)^-1 all at once, by substitution on D = I + D A_nn column by column from
+        # the right: column c is e_c + D A_nn[:, c] from the final columns > c (A_nn[k, c] = 0 for k <= c), the last
+        # e_{KB-1}. A step's sums run along D's rows, within a warp; A's columns come from memory, off the chain.
+        blk = tl.arange(0, C // KB)[:, None, None] * KB
+        r3 = kb[None, :, None]
+        c3 = kb[None, None, :]
+        diag_at = t_at + (blk + r3) * H * C + blk + c3
+        a_cols = t_at + (blk + c3) * H * C + blk  # + c: A_nn[:, c] as a row
+        d = tl.where(r3 == c3, 1.0, tl.load(diag_at))  # [C / KB, KB, KB]
+        for c in tl.static_range(KB - 2, -1, -1):
+            d_c = tl.sum(d * tl.load(a_cols + c), axis=2, keep_dims=True)
+            d = tl.where(c3 == c, tl.where(r3 == c, 1.0, d_c), d)
+        tl.debug_barrier()  # A's diagonal blocks read by every thread
+        tl.store(diag_at, d)
+        tl.debug_barrier()  # D written for every thread
+        # The blocks below, a block row [KB, C] at a time from the final rows above: T_nm = D_n sum_{m <= l < n} A_nl
+        # T_lm, zero from column n * KB on (A's blocks right of the diagonal are zero), where T keeps D_n and zeros.
+        # Rows go through memory: held in registers they take 190 registers a thread, 2 programs an SM instead of 3.
+        for n in tl.static_range(1, C // KB):
+            row_n = t_at + (n * KB + kb)[:, None] * H * C
+            acc = tl.zeros((KB, C), tl.float32)
+            for m in tl.static_range(n):
+                t_m = tl.load(t_at + (m * KB + kb)[:, None] * H * C + i[None, :])
+                acc = tl.dot(tl.load(row_n + m * KB + kb[None, :]), t_m, acc, input_precision="ieee")
+            t_n = tl.dot(tl.load(row_n + n * KB + kb[None, :]), acc, input_precision="ieee")
+            tl.debug_barrier()  # A's block row n read by every thread
+            tl.store(row_n + i[None, :], t_n, mask=i[None, :] < n * KB)
+            tl.debug_barrier()  # T's block row n written for every thread
         # u and w PB columns at a time, to keep the accumulator small.
         pb = tl.arange(0, PB)
         for col in range(0, DV, PB):
@@ -454,10 +479,12 @@ def gdn_prompt(
     keep_rows: torch.Tensor | None = None,
     keep_places: torch.Tensor | None = None,
     states_out: torch.Tensor | None = None,
+    firsts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(o fp32 [T, H, Dv], kept states or None) of rows holding prompts' whole chunks: the plan's chunks in the
     chunked form, then the other rows (`lanes`: each row's slot, -1 on the chunks' rows) by the recurrence from the
-    states the chunks left; states are kept after `keep_rows` (with their `keep_places`), chunk ends or other rows."""
+    states the chunks left (`firsts`: the rows that start its runs, `gdn.run_firsts`); states are kept after
+    `keep_rows` (with their `keep_places`), chunk ends or other rows."""
     if (keep_rows is None) != (keep_places is None):
         raise ValueError("keep_rows: given without keep_places, or keep_places without keep_rows")
     q, k = unit_qk(q, k)
@@ -467,7 +494,7 @@ def gdn_prompt(
     gdn_chunked(q, k, v, g, beta, state, plan, out, keep_places=keep_places, states_out=states_out)
     return gdn_recurrent(
         q, k, v, g, beta, state, lanes, keep_rows is not None, keep_rows=keep_rows, keep_places=keep_places,
-        states_out=states_out, unit_given=True, out=out,
+        states_out=states_out, unit_given=True, out=out, firsts=firsts,
     )  # fmt: skip
 
 

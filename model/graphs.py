@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from kernels.gdn import run_firsts
 from kernels.gdn_chunk import CHUNK, ChunkPlan, Run, plan_chunks, recurrent_lanes
 from model.kernel_blocks import Round, SharedOutputs
 from model.lane_pool import LanePool
@@ -72,6 +73,8 @@ class RoundGraphs:
         self.chunk_rows = torch.full((chunks,), -1, dtype=torch.int32, device=device)
         self.chunk_runs = torch.zeros((chunks, 3), dtype=torch.int32, device=device)
         self.recurrent_lanes = torch.full((top,), pool.scratch, dtype=torch.long, device=device)
+        # the rows that start the recurrence's runs: one a lane at most, and the padding's
+        self.recurrent_firsts = torch.full((min(top, pool.slots + 1),), -1, dtype=torch.int32, device=device)
         self.listed_logits = listed_logits
         self.logit_rows = torch.zeros(listed_logits, dtype=torch.long, device=device)
         self.shared = SharedOutputs()  # every bucket's logits and kept states
@@ -88,6 +91,10 @@ class RoundGraphs:
         kept = keeps <= PROMPT_KEEPS if kind == "prompt" else keeps == 0 or kind == "verify"
         listed = kind not in LISTING_KINDS or logits <= self.listed_logits
         return bool(buckets) and rows <= buckets[-1] and kept and listed and self.pool.generation == self.generation
+
+    def first_entries(self, size: int) -> int:
+        """Entries of a bucket's list of the recurrence's run starts: a run a lane at most, and the padding's."""
+        return min(size, self.recurrent_firsts.shape[0])
 
     def bucket_of(self, kind: str, rows: int) -> int:
         """The smallest bucket of `kind` holding `rows` rows."""
@@ -109,6 +116,7 @@ class RoundGraphs:
                 logit_rows=wanted, shared=self.shared,
                 chunks=ChunkPlan(self.chunk_rows[:chunks], self.chunk_runs[:chunks]),
                 recurrent_lanes=self.recurrent_lanes[:size],
+                recurrent_firsts=self.recurrent_firsts[: self.first_entries(size)],
             )  # fmt: skip
         keep = rows if kind == "verify" else None
         return Round(
@@ -168,8 +176,9 @@ class RoundGraphs:
             plan = plan_chunks(list(runs), size, torch.device("cpu"))
             self.chunk_rows[: plan.chunk_rows.shape[0]].copy_(plan.chunk_rows)
             self.chunk_runs[: plan.runs.shape[0]].copy_(plan.runs)
-            self.recurrent_lanes[:n].copy_(recurrent_lanes(slots, list(runs)))
-            self.recurrent_lanes[n:size].fill_(self.pool.scratch)
+            lanes = torch.cat((recurrent_lanes(slots, list(runs)), slots.new_full((size - n,), self.pool.scratch)))
+            self.recurrent_lanes[:size].copy_(lanes)
+            self.recurrent_firsts[: self.first_entries(size)].copy_(run_firsts(lanes, self.first_entries(size)))
         if kind in LISTING_KINDS:
             rows = torch.arange(n) if logit_rows is None else logit_rows
             wanted = rows.shape[0]

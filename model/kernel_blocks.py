@@ -96,6 +96,7 @@ class Round:
     shared: SharedOutputs | None = None  # where kept states and logits go (None: new tensors)
     chunks: ChunkPlan | None = None
     recurrent_lanes: torch.Tensor | None = None
+    recurrent_firsts: torch.Tensor | None = None  # the rows that start the recurrence's runs (-1: none)
 
 
 def kept_buffer(rnd: Round, name: str, index: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -274,7 +275,10 @@ def gdn_rows(
             keep_places=rnd.keep_places, states_out=states_out,
         )  # fmt: skip
     places = rnd.keep_places if keep else None
-    return gdn_prompt(q, k, v, g, beta, states, rnd.chunks, rnd.recurrent_lanes, rnd.keep_rows, places, states_out)
+    return gdn_prompt(
+        q, k, v, g, beta, states, rnd.chunks, rnd.recurrent_lanes, rnd.keep_rows, places, states_out,
+        rnd.recurrent_firsts,
+    )  # fmt: skip
 
 
 @functools.cache

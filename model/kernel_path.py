@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from kernels.gdn import LONG_RUN, kept_row_places
+from kernels.gdn import LONG_RUN, kept_row_places, run_firsts
 from kernels.gdn_chunk import CHUNK, Run, chunk_spans, plan_chunks, recurrent_lanes
 from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
@@ -149,8 +149,10 @@ def build_round(
         keep_places=places,
     )  # fmt: skip
     if chunked:
+        lanes = recurrent_lanes(slots, runs)
         rnd.chunks = plan_chunks(runs, rows, device)
-        rnd.recurrent_lanes = recurrent_lanes(slots, runs).to(device)
+        rnd.recurrent_lanes = lanes.to(device)
+        rnd.recurrent_firsts = run_firsts(lanes, len(runs)).to(device)  # a segment's rows start one run at most
     return rnd
 
 

@@ -103,6 +103,21 @@ def runs_of(lanes: torch.Tensor) -> list[tuple[int, int, int, int]]:
     return runs
 
 
+def chunk_layout(lanes: torch.Tensor) -> tuple:
+    """What the model lays out on the host for a round with whole chunks: the plan, the recurrence's lane ids and
+    the rows that start its runs (a graph's capture cannot read lanes back to the host)."""
+    from kernels.gdn import run_firsts
+    from kernels.gdn_chunk import plan_chunks, recurrent_lanes
+
+    runs = runs_of(lanes)
+    rest = recurrent_lanes(lanes.cpu(), runs)
+    return (
+        plan_chunks(runs, lanes.shape[0], lanes.device),
+        rest.to(lanes.device),
+        run_firsts(rest, len(runs)).to(lanes.device),
+    )
+
+
 def gdn_inputs(cfg: Config, lens: tuple[int, ...], gen: torch.Generator, device: torch.device) -> dict:
     """q, k, v as views of one post-conv qkv buffer, g and beta as the model makes them, a random fp32 state."""
     seq, qk = sum(lens), cfg.key_heads * cfg.dk
@@ -138,7 +153,7 @@ def run(
     """Run the kernel (or its reference) on copies of the state or tails (or on them, in_place); outputs, state."""
     from kernels.conv import causal_conv_update, causal_conv_update_reference
     from kernels.gdn import LONG_RUN, gdn_recurrent, gdn_recurrent_reference
-    from kernels.gdn_chunk import gdn_prompt, plan_chunks, recurrent_lanes
+    from kernels.gdn_chunk import gdn_prompt
 
     if case.kernel in ("gdn", "gdn_chunked"):
         state = inputs["state"] if in_place else inputs["state"].clone()
@@ -146,9 +161,8 @@ def run(
         if reference:
             out, states = gdn_recurrent_reference(*args, lanes, keep_states=case.keep)
         elif case.kernel == "gdn_chunked":  # as the model calls it: whole chunks, then the other rows
-            runs = runs_of(lanes)
-            plan = plan_chunks(runs, lanes.shape[0], lanes.device)
-            out, states = gdn_prompt(*args, plan, recurrent_lanes(lanes, runs))
+            layout = inputs["layout"] if "layout" in inputs else chunk_layout(lanes)  # made before a capture
+            out, states = gdn_prompt(*args, *layout[:2], firsts=layout[2])
         else:  # as the model calls it: a prompt pass normalizes q and k in a kernel of their own
             out, states = gdn_recurrent(*args, lanes, keep_states=case.keep, long_runs=max(case.lens) >= LONG_RUN)
         return {"out": out, "state": state} | ({"states": states} if states is not None else {})
@@ -245,6 +259,8 @@ def run_case(cfg: Config, case: Case, args: argparse.Namespace, device: torch.de
             res["flop_floor_us"] = flops / BF16_RATE * 1e6
         if device.type == "cuda":
             timed = {name: t.clone() if name in ("state", "tail") else t for name, t in inputs.items()}
+            if case.kernel == "gdn_chunked":
+                timed["layout"] = chunk_layout(lanes)
             res["time_us"] = time_graph(lambda: run(case, timed, lanes, in_place=True), args.reps)
             res["ratio"] = res["time_us"] / res["floor_us"]
             if flops:

@@ -103,6 +103,21 @@ def test_matches_the_recurrence() -> None:
         assert torch.equal(state[1], data["state"][1]), "a slot no run names must not change"
 
 
+def test_nearly_parallel_keys_match_the_recurrence() -> None:
+    """Nearly parallel keys, no decay and beta near 1 (T far from I, in its diagonal blocks and below them): the
+    recurrence's outputs and state to fp32 rounding."""
+    data = make_inputs(CHUNK, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    data["k"] = (data["k"][:1].float() + 0.1 * torch.randn(data["k"].shape, generator=gen)).bfloat16()
+    data["q_unit"], data["k_unit"] = unit_qk(data["q"], data["k"])
+    data["g"] = torch.zeros_like(data["g"])
+    data["beta"] = torch.full_like(data["beta"], 0.99)
+    runs: list[Run] = [(0, CHUNK, 0, 0)]
+    out, state, _ = chunked(gdn_chunked, data, runs)
+    ref_out, ref_state, _ = recurrence(data, runs)
+    assert rel(out, ref_out) <= 1e-5 and rel(state[0], ref_state[0]) <= 1e-5
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_chunked_reference(out_dtype: torch.dtype) -> None:
     """The kernel and its torch reference agree on outputs, final and kept states (same maths, other sum orders)."""
