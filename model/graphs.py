@@ -173,12 +173,13 @@ class RoundGraphs:
             places[list(keep_rows)] = torch.arange(len(keep_rows), dtype=torch.int32)
             self.keep_places[:size].copy_(places)
             self.keep_rows.copy_(torch.tensor([*keep_rows, *[0] * (PROMPT_KEEPS - len(keep_rows))]))
-            plan = plan_chunks(list(runs), size, torch.device("cpu"))
+            plan = plan_chunks(runs, size, torch.device("cpu"))
             self.chunk_rows[: plan.chunk_rows.shape[0]].copy_(plan.chunk_rows)
             self.chunk_runs[: plan.runs.shape[0]].copy_(plan.runs)
-            lanes = torch.cat((recurrent_lanes(slots, list(runs)), slots.new_full((size - n,), self.pool.scratch)))
+            lanes = torch.cat((recurrent_lanes(slots, runs), slots.new_full((size - n,), self.pool.scratch)))
             self.recurrent_lanes[:size].copy_(lanes)
-            self.recurrent_firsts[: self.first_entries(size)].copy_(run_firsts(lanes, self.first_entries(size)))
+            entries = self.first_entries(size)
+            self.recurrent_firsts[:entries].copy_(run_firsts(lanes, entries))
         if kind in LISTING_KINDS:
             rows = torch.arange(n) if logit_rows is None else logit_rows
             wanted = rows.shape[0]

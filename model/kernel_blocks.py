@@ -274,9 +274,8 @@ def gdn_rows(
             q, k, v, g, beta, states, rnd.slot_of_row, keep, long_runs=rnd.long_runs, keep_rows=rnd.keep_rows,
             keep_places=rnd.keep_places, states_out=states_out,
         )  # fmt: skip
-    places = rnd.keep_places if keep else None
     return gdn_prompt(
-        q, k, v, g, beta, states, rnd.chunks, rnd.recurrent_lanes, rnd.keep_rows, places, states_out,
+        q, k, v, g, beta, states, rnd.chunks, rnd.recurrent_lanes, rnd.keep_rows, rnd.keep_places, states_out,
         rnd.recurrent_firsts,
     )  # fmt: skip
 

@@ -110,9 +110,10 @@ def lane_runs(batch: ForwardBatch, starts: list[int]) -> list[Run]:
     return [(seg.start, seg.length, first, seg.lane.slot) for seg, first in zip(batch.segments, starts, strict=True)]
 
 
-def check_keeps(runs: list[Run], keep_rows: list[int]) -> None:
-    """Refuse a state kept inside a chunk: the chunked form makes a state only at a chunk's end."""
-    for span in chunk_spans(runs):
+def check_keeps(spans: list[range], keep_rows: list[int]) -> None:
+    """Refuse a state kept inside a chunk (`spans`: the rows the chunked form takes, `chunk_spans`): the chunked form
+    makes a state only at a chunk's end."""
+    for span in spans:
         inside = [r for r in keep_rows if r in span and (r - span.start) % CHUNK != CHUNK - 1]
         if inside:
             raise ValueError(
@@ -140,15 +141,13 @@ def build_round(
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
     rows = batch.token_ids.shape[0]
     runs = lane_runs(batch, starts)
-    chunked = any(chunk_spans(runs))
-    every = keep_rows is not None and len(keep_rows) == rows and not chunked
-    places = None if kept is None or every else kept_row_places(kept, rows)  # once, not per layer
+    places = None if kept is None or len(keep_rows) == rows else kept_row_places(kept, rows)  # once, not per layer
     slots = row_slots(batch)
     rnd = Round(
         pool, slots.to(device), batch.positions, windows, block_rows, block_dest, kept, has_long_run(batch),
         keep_places=places,
     )  # fmt: skip
-    if chunked:
+    if any(chunk_spans(runs)):
         lanes = recurrent_lanes(slots, runs)
         rnd.chunks = plan_chunks(runs, rows, device)
         rnd.recurrent_lanes = lanes.to(device)
@@ -307,11 +306,11 @@ def forward(
             raise ValueError(f"segment {i} starts at position {first} but its lane holds {seg.lane.length} tokens")
     pool = place(model, batch, starts)
     runs = lane_runs(batch, starts)
-    check_keeps(runs, keep_rows)
+    spans = chunk_spans(runs)
+    check_keeps(spans, keep_rows)
     graphs = model.round_graphs
     wanted = batch.token_ids.shape[0] if logit_rows is None else logit_rows.shape[0]
-    chunked = any(chunk_spans(runs))
-    kind = None if graphs is None else graph_kind(graphs, batch, len(keep_rows), wanted, chunked)
+    kind = None if graphs is None else graph_kind(graphs, batch, len(keep_rows), wanted, any(spans))
     replay = kind is not None
     if replay:
         windows = ngram_windows(batch, model.cfg.ngram_size)
