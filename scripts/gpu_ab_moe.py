@@ -7,7 +7,8 @@ python3 scripts/gpu_ab_moe.py --before /tmp/moe_before.py [--rows 1 8 64 1024]  
 TRITON_INTERPRET=1 python3 scripts/gpu_ab_moe.py --before FILE --smoke            # tiny shapes on the CPU, untimed
 
 A copy that predates the word layout (its FP4 keys name `*_packed` codes) is given the checkpoint-layout bank; a later
-one gets the same codes moved by `kernel_bank`.
+one gets the same codes moved by `kernel_bank`. Besides the elements with other bits, each row count reports
+||now - before|| / ||before|| of the fp32 outputs.
 """
 
 from __future__ import annotations
@@ -85,15 +86,18 @@ def compare(
             sum(int((a.view(torch.int32) != b.view(torch.int32)).sum()) for a, b in zip(got, want, strict=True))
             for got, want in zip(outs["now"], outs["before"], strict=True)
         ]
+        now32 = torch.stack([got[0] for got in outs["now"]]).double()
+        before32 = torch.stack([want[0] for want in outs["before"]]).double()
+        rel_diff = ((now32 - before32).norm() / before32.norm()).item()
         times = {}
         if timed:
             for label, m in modules.items():
                 calls = [lambda r=r, m=m, b=banks[label]: m.moe_forward(*r, b) for r in sets]
                 times[label] = graph_median_us(calls, len(calls), REPLAYS)
-        row = {"rows": n, "elements_differing": sum(differ), "us": times}
+        row = {"rows": n, "elements_differing": sum(differ), "rel_diff": rel_diff, "us": times}
         results.append(row)
         print(
-            f"rows {n:5d}  elements with other bits {sum(differ)}  "
+            f"rows {n:5d}  elements with other bits {sum(differ)}  rel. difference {rel_diff:.2e}  "
             + "  ".join(f"{k} {v:8.1f} us" for k, v in times.items()),
             flush=True,
         )

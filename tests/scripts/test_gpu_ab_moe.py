@@ -17,18 +17,21 @@ H = "gate * tl.sigmoid(gate) * up, INTERPRET)"  # the gate-up kernels' h, before
 H_OFF = "gate * tl.sigmoid(gate) * up * 1.01, INTERPRET)"
 
 
-def test_a_copy_of_the_kernel_gives_the_same_bits(tmp_path: Path) -> None:
+def test_a_copy_of_the_kernel_gives_the_same_bits(tmp_path: Path, capsys) -> None:
     before = tmp_path / "moe_before.py"
     before.write_text(Path(moe.__file__).read_text())
     assert gpu_ab_moe.main(["--before", str(before), "--smoke"]) == 0
+    assert "rel. difference 0.00e+00" in capsys.readouterr().out
 
 
-def test_a_kernel_with_other_sums_is_reported(tmp_path: Path) -> None:
+def test_a_kernel_with_other_sums_is_reported(tmp_path: Path, capsys) -> None:
     before = tmp_path / "moe_before.py"
     source = Path(moe.__file__).read_text()
     assert H in source
     before.write_text(source.replace(H, H_OFF))
     assert gpu_ab_moe.main(["--before", str(before), "--smoke"]) == 1
+    differences = [float(line.split("rel. difference ")[1].split()[0]) for line in capsys.readouterr().out.splitlines()]
+    assert differences and all(d > 1e-3 for d in differences)  # h scaled by 1.01: about 1% of each output
 
 
 def test_a_copy_before_the_word_layout_takes_the_checkpoint_bank(tmp_path: Path) -> None:
