@@ -45,7 +45,7 @@ CHUNK = 64
 BLOCK_V = 32  # Dv columns of the state a sequential program carries
 DOT_K = 16  # terms of a product's sum taken from memory at a time, and the rows of T's blocks
 PREPARE_COLUMNS = 32  # columns of u and w a prepare program makes at a time
-PREPARE_WARPS = 4
+PREPARE_WARPS = 4  # part of the sums' order: other counts give other bits (the scan's shapes do not)
 SCAN_WARPS = 8
 SCAN_STAGES = 3  # the sequential kernel's inner loads run that many blocks ahead (it waits on them, not the FMAs)
 
