@@ -1,8 +1,10 @@
-"""Test setup: the scripts folder is importable (checkpoint makers), GPU tests skip without CUDA, and the Triton
-interpreter does not patch triton.language again for every helper a kernel calls."""
+"""Test setup: the scripts folder is importable (checkpoint makers), GPU tests skip without CUDA, a GPU run that
+would only interpret kernels is refused, and the Triton interpreter does not patch triton.language again for every
+helper a kernel calls."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +12,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+INTERPRET_GIVEN = os.environ.get("TRITON_INTERPRET")  # before test modules default it to the interpreter
+
+
+def interpreter_trap(markexpr: str, cuda: bool, given: str | None) -> str | None:
+    """Why a run must stop: `-m gpu` on a CUDA machine without TRITON_INTERPRET=0, where the GPU test modules fall
+    back to the interpreter and skip every compiled-kernel test (a run that would pass having checked nothing)."""
+    if cuda and "gpu" in markexpr and given != "0":
+        return "-m gpu runs compiled kernels only with TRITON_INTERPRET=0 set; without it they all skip"
+    return None
 
 
 def patch_language_once_per_launch() -> None:
@@ -57,6 +68,9 @@ def patch_language_once_per_launch() -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "triton" in sys.modules:  # after the test modules chose the interpreter (TRITON_INTERPRET) and imported it
         patch_language_once_per_launch()
+    trap = interpreter_trap(config.getoption("markexpr") or "", torch.cuda.is_available(), INTERPRET_GIVEN)
+    if trap:
+        raise pytest.UsageError(trap)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
