@@ -123,10 +123,16 @@ def check_keeps(spans: list[range], keep_rows: list[int]) -> None:
 
 
 def build_round(
-    pool: LanePool, batch: ForwardBatch, starts: list[int], keep_rows: list[int] | None, ngram_size: int | None
+    pool: LanePool,
+    batch: ForwardBatch,
+    starts: list[int],
+    keep_rows: list[int] | None,
+    ngram_size: int | None,
+    chunked_runs: list[Run] | None = None,
 ) -> Round:
     """The round's rows as the kernels take them (the lanes placed in the pool), keeping the states after
-    `keep_rows` (batch row indices, ascending); prompts' whole chunks go to GDN's chunked form."""
+    `keep_rows` (batch row indices, ascending); with `chunked_runs` (the lanes' runs of a round with whole GDN chunks,
+    `lane_runs`) those chunks go to GDN's chunked form."""
     device = batch.token_ids.device
     windows = None if ngram_size is None else ngram_windows(batch, ngram_size)
     ratio = pool.ratio
@@ -140,18 +146,17 @@ def build_round(
     block_dest = torch.tensor([b for _, b in completing], dtype=torch.long, device=device)
     kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
     rows = batch.token_ids.shape[0]
-    runs = lane_runs(batch, starts)
     places = None if kept is None or len(keep_rows) == rows else kept_row_places(kept, rows)  # once, not per layer
     slots = row_slots(batch)
     rnd = Round(
         pool, slots.to(device), batch.positions, windows, block_rows, block_dest, kept, has_long_run(batch),
         keep_places=places,
     )  # fmt: skip
-    if any(chunk_spans(runs)):
-        lanes = recurrent_lanes(slots, runs)
-        rnd.chunks = plan_chunks(runs, rows, device)
+    if chunked_runs is not None:
+        lanes = recurrent_lanes(slots, chunked_runs)
+        rnd.chunks = plan_chunks(chunked_runs, rows, device)
         rnd.recurrent_lanes = lanes.to(device)
-        rnd.recurrent_firsts = run_firsts(lanes, len(runs)).to(device)  # a segment's rows start one run at most
+        rnd.recurrent_firsts = run_firsts(lanes, len(chunked_runs)).to(device)  # a segment starts one run at most
     return rnd
 
 
@@ -322,7 +327,8 @@ def forward(
         if kind == "prompt":  # its logits are already those of logit_rows
             logit_rows = None
     else:
-        rnd = build_round(pool, batch, starts, keep_rows or None, ngram_size=model.cfg.ngram_size)
+        chunked = runs if any(spans) else None
+        rnd = build_round(pool, batch, starts, keep_rows or None, ngram_size=model.cfg.ngram_size, chunked_runs=chunked)
         windows = rnd.windows
         wide = run_layers(model, batch.token_ids, rnd)
         all_logits = None

@@ -12,7 +12,7 @@ import pytest
 import torch
 from make_checkpoint import make_checkpoint
 
-from kernels.gdn_chunk import CHUNK
+from kernels.gdn_chunk import CHUNK, chunk_spans
 from model import kernel_path
 from model.config import LINEAR
 from model.flashnext import FlashNextModel, single_lane_batch
@@ -81,11 +81,13 @@ def test_only_runs_starting_on_a_chunk_boundary_take_whole_chunks(ker) -> None:
     batch = ForwardBatch(torch.zeros(len(positions), dtype=torch.long), torch.tensor(positions), segments)
     starts = kernel_path.segment_starts(batch)
     pool = kernel_path.place(ker, batch, starts)
-    rnd = kernel_path.build_round(pool, batch, starts, None, ngram_size=None)
+    runs = kernel_path.lane_runs(batch, starts)
+    rnd = kernel_path.build_round(pool, batch, starts, None, ngram_size=None, chunked_runs=runs)
     assert rnd.chunks.chunk_rows[0] == 0 and (rnd.chunks.chunk_rows[1:] == -1).all()
     lanes_of_rows = rnd.recurrent_lanes.tolist()
     assert lanes_of_rows[:CHUNK] == [-1] * CHUNK and -1 not in lanes_of_rows[CHUNK:]
     decode = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.tensor([0]), [Segment(lanes[2], 0, 1)])
+    assert not any(chunk_spans(kernel_path.lane_runs(decode, [0])))  # so the forward gives build_round no runs
     assert kernel_path.build_round(pool, decode, [0], None, ngram_size=None).chunks is None
 
 
