@@ -43,7 +43,7 @@ from rankwire.header import DrawSpec  # noqa: E402
 from server.cli import build_parser  # noqa: E402
 from server.engine import Engine, Request, Update  # noqa: E402
 from server.ranks import free_port, rank_env  # noqa: E402
-from server.serve import connect_ranks, create_state, load_rank  # noqa: E402
+from server.serve import connect_ranks, create_serving, load_rank  # noqa: E402
 from server.settings import read_environment  # noqa: E402
 from server.tp import LinkedRunner  # noqa: E402
 
@@ -227,7 +227,7 @@ def engine_phase(args: argparse.Namespace) -> dict[str, float]:
     ranks = rank_env(serve.tp)
     link = connect_ranks(serve, ranks, env) if ranks.world > 1 else None
     runner = load_rank(serve, ranks, env)
-    state = create_state(serve, runner.model, LinkedRunner(runner, link) if link else runner)
+    state = create_serving(serve, runner.model, LinkedRunner(runner, link) if link else runner)
     state.engine.start()
     try:
         for run, prompts in enumerate(workloads(args)):  # the last run is the measured one

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -15,9 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.engine import ContextLengthError, Engine, EngineStopped
-from server.generation import Generation, Outcome, deliver_on
-from server.metrics import EngineMetrics
+from server.engine import ContextLengthError, EngineStopped
+from server.generation import Generation, Outcome
+from server.handle import EngineHandle
 from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
 from server.textout import prompt_opens_thinking
 
@@ -26,19 +25,15 @@ PUBLIC_PATHS = ("/health", "/metrics")
 
 @dataclass(slots=True)
 class ServerState:
-    """What the routes need: the engine, the tokenizer and the model's limits."""
+    """What the routes need: the engine (in this process or another), the tokenizer and the model's limits."""
 
-    engine: Engine
+    engine: EngineHandle
     tokenizer: Any | None
     model_name: str
     context: int
     vocab_size: int
     eos_ids: tuple[int, ...]
-    metrics: EngineMetrics
     api_key: str | None = None
-
-
-ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -51,22 +46,15 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The FastAPI app over a started-on-startup engine."""
+    """The FastAPI app over an engine that delivers on the app's loop from startup to shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        previous = sys.getswitchinterval()
-        # the engine thread and the event loop share the GIL: bound how long the engine waits for it while the loop
-        # streams a round's updates (Python's default lets one thread hold it for 5 ms)
-        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
-        state.engine.deliver = deliver_on(asyncio.get_running_loop())
-        state.engine.start()
+        await state.engine.attach(asyncio.get_running_loop())
         yield
-        state.engine.stop()
-        sys.setswitchinterval(previous)
+        state.engine.detach()
 
     app = FastAPI(title="flashnext", lifespan=lifespan)
-    state.metrics.track_counts(state.engine.counts)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -164,7 +152,7 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         text = render_chat(body)
         prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
-        keep_at = message_ends(body, prompt_ids) if state.engine.cache.enabled else ()
+        keep_at = message_ends(body, prompt_ids) if state.engine.cache_enabled else ()
         generation = start(prompt_ids, body, "messages", prompt_opens_thinking(text), keep_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -301,36 +289,19 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        running, waiting = state.engine.counts()
-        engine = state.engine
-        return {
-            "status": "ok",
-            "model": state.model_name,
-            "requests_running": running,
-            "requests_waiting": waiting,
-            "lanes": engine.max_lanes,
-            "context": state.context,
-            "draft_depth": engine.draft_depth,
-            "draft_tokens": engine.drafted,
-            "accepted_draft_tokens": engine.accepted,
-            "draft_acceptance": engine.accepted / engine.drafted if engine.drafted else None,
-            "draft_acceptance_per_position": [
-                accepted / drafted if drafted else None
-                for drafted, accepted in zip(engine.drafted_at, engine.accepted_at, strict=True)
-            ],
-            "prompt_cache": {
-                "budget_bytes": engine.cache.budget,
-                "bytes": engine.cache.nbytes,
-                "entries": len(engine.cache.entries),
-                "queries": engine.cache.queries,
-                "hits": engine.cache.hits,
-                "cached_tokens": engine.cache.cached_tokens,
-            },
-        }
+        try:
+            stats = await state.engine.stats()
+        except EngineStopped as exc:
+            raise ApiError(str(exc), status=503, type="server_error") from exc
+        return {"status": "ok", "model": state.model_name, "context": state.context, **stats}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        try:
+            text = await state.engine.metrics()
+        except EngineStopped as exc:
+            raise ApiError(str(exc), status=503, type="server_error") from exc
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from model.shipped import SHIPPED_MODEL
 
+FRONTENDS = ("process", "thread")  # where the HTTP front end runs (server/frontend.py)
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -145,6 +147,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         choices=(1, 2),
         default=None,
         help="tensor parallel ranks; 2 starts both ranks itself (default: WORLD_SIZE under torchrun, else 1)",
+    )
+    parser.add_argument(
+        "--frontend",
+        choices=FRONTENDS,
+        default="process",
+        help="where the HTTP front end (tokenizing, detokenizing, JSON and SSE) runs: process (its own, beside rank "
+        "0's engine) or thread (in rank 0's engine process) (default process)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the model id in the API (default: the checkpoint folder's name)"

@@ -62,6 +62,16 @@ class Request:
 Outbox = list[tuple[Request, Update]]
 
 
+def check_context(request: Request, context: int) -> None:
+    """Refuse a request whose prompt plus max_tokens can never fit `context` tokens."""
+    need = len(request.prompt_ids) + request.max_tokens
+    if need > context:
+        raise ContextLengthError(
+            f"this model's context is {context} tokens; the prompt has {len(request.prompt_ids)} and "
+            f"max_tokens asks for {request.max_tokens} more ({need} in all)"
+        )
+
+
 def deliver_each(batch: Outbox) -> None:
     """Hand each update to its request's sink, in order, on the calling thread."""
     for request, update in batch:
@@ -139,12 +149,7 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request; one that can never fit the context is refused at once."""
-        need = len(request.prompt_ids) + request.max_tokens
-        if need > self.context:
-            raise ContextLengthError(
-                f"this model's context is {self.context} tokens; the prompt has {len(request.prompt_ids)} and "
-                f"max_tokens asks for {request.max_tokens} more ({need} in all)"
-            )
+        check_context(request, self.context)
         with self.cond:
             if self.stopped:
                 raise EngineStopped("the server is shutting down")
@@ -161,6 +166,31 @@ class Engine:
         """(requests running, requests waiting)."""
         with self.cond:
             return len(self.running), len(self.waiting)
+
+    def stats(self) -> dict[str, object]:
+        """The engine's part of /health: requests, lanes, drafts and the prompt cache."""
+        running, waiting = self.counts()
+        return {
+            "requests_running": running,
+            "requests_waiting": waiting,
+            "lanes": self.max_lanes,
+            "draft_depth": self.draft_depth,
+            "draft_tokens": self.drafted,
+            "accepted_draft_tokens": self.accepted,
+            "draft_acceptance": self.accepted / self.drafted if self.drafted else None,
+            "draft_acceptance_per_position": [
+                accepted / drafted if drafted else None
+                for drafted, accepted in zip(self.drafted_at, self.accepted_at, strict=True)
+            ],
+            "prompt_cache": {
+                "budget_bytes": self.cache.budget,
+                "bytes": self.cache.nbytes,
+                "entries": len(self.cache.entries),
+                "queries": self.cache.queries,
+                "hits": self.cache.hits,
+                "cached_tokens": self.cache.cached_tokens,
+            },
+        }
 
     def _idle(self) -> bool:
         """Whether no round is due (lock held)."""

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from rankwire.header import DrawSpec
-from server.engine import Engine, Outbox, Request, Update, deliver_each
+from server.engine import Request, Update
+from server.handle import EngineHandle
 from server.protocol import ApiError, SamplingParams
 from server.sampling import fresh_seed
 from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
 
 THINK_TAGS = ("<think>", "</think>")
-
-
-def deliver_on(loop: asyncio.AbstractEventLoop) -> Callable[[Outbox], None]:
-    """An engine `deliver` that hands each round's updates to `loop` in one wake-up; the sinks run there."""
-    return lambda batch: loop.call_soon_threadsafe(deliver_each, batch)
 
 
 @dataclass(slots=True)
@@ -48,7 +44,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineHandle,
         tokenizer: Any | None,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -69,7 +65,7 @@ class Generation:
             max_tokens,
             draw,
             stop_ids,
-            sink=self.queue.put_nowait,  # runs on the event loop: the app's engine delivers there (`deliver_on`)
+            sink=self.queue.put_nowait,  # runs on the event loop: every EngineHandle delivers there
             draft=params.draft,
             keep_at=keep_at,
         )

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import logging
 import os
-import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,9 +19,11 @@ from model.state import slot_state_bytes
 from model.weights import load_model, resolve_kernels
 from rankwire.errors import SettingsMismatch
 from rankwire.link import ControlLink
-from server.app import ServerState, build_app
+from server.app import ServerState
 from server.drafters import DRAFTERS
 from server.engine import Engine
+from server.frontend import FrontendProcess, FrontSettings, http_server
+from server.handle import LocalEngine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
 from server.ranks import RankEnv, init_group, launch, rank_env
@@ -144,8 +146,26 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
     }
 
 
-def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=None) -> ServerState:
-    """Everything rank 0's app needs, from the serve flags (a model and runner may be given)."""
+@dataclass(slots=True)
+class Serving:
+    """Rank 0's side of serving: the engine and its metrics, the tokenizer, and what the HTTP side is told."""
+
+    engine: Engine
+    metrics: EngineMetrics
+    tokenizer: Any | None
+    front: FrontSettings
+
+    def local_state(self) -> ServerState:
+        """The app's state with the engine on a thread of this process (`--frontend thread`)."""
+        front = self.front
+        engine = LocalEngine(self.engine, self.metrics)
+        return ServerState(
+            engine, self.tokenizer, front.model_name, front.context, front.vocab_size, front.eos_ids, front.api_key
+        )
+
+
+def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=None) -> Serving:
+    """Rank 0's engine and what its front end needs, from the serve flags (a model and runner may be given)."""
     model = model or load_model(
         args.model,
         device=args.device,
@@ -184,6 +204,7 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
     )
     metrics.track_cache(cache)
     metrics.track_collectives(model.tp.counts)
+    metrics.track_counts(engine.counts)
     log.info(
         "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round, tp %d",
         args.model,
@@ -193,16 +214,18 @@ def create_state(args: argparse.Namespace, model=None, runner=None, on_fatal=Non
         args.prompt_budget,
         model.tp.world,
     )
-    return ServerState(
-        engine=engine,
-        tokenizer=tokenizer,
+    front = FrontSettings(
+        model_path=args.model,
         model_name=name,
         context=context,
         vocab_size=cfg.vocab_size,
         eos_ids=eos_token_ids(args.model, tokenizer, cfg.eos_token_id),
-        metrics=metrics,
         api_key=args.api_key,
+        cache_enabled=cache.enabled,
+        host=args.host,
+        port=args.port,
     )
+    return Serving(engine, metrics, tokenizer, front)
 
 
 def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> ControlLink:
@@ -264,43 +287,36 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     runner = load_rank(args, ranks, env)
     model = runner.model
     if ranks.rank == 1:
-        plan_lanes(args, model)  # rank 0 plans in create_state: the same pool, graphs captured in the same order
+        plan_lanes(args, model)  # rank 0 plans in create_serving: the same pool, graphs captured in the same order
         return follow(link, runner)
     return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link)
 
 
 def serve_http(args: argparse.Namespace, model, runner, link: ControlLink | None) -> int:
-    """Rank 0: the HTTP server; SIGTERM/SIGINT shut it down cleanly (exit 0), a fatal failure ends every request
-    with an error and exits 1."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # uvicorn re-raises the signal after shutdown; a clean stop should exit 0
-            def shut_down(_signum, _frame) -> None:
-                self.should_exit = True
-
-            previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    exit_code = [0]
-    server: uvicorn.Server | None = None
+    """Rank 0: the engine, and the HTTP front end in its own process or on this one's main thread; SIGTERM/SIGINT
+    shut down cleanly (exit 0), a fatal failure ends every request with an error and exits 1."""
+    exit_code = 0
+    stop_serving = None
 
     def fatal(message: str) -> None:
-        exit_code[0] = 1
-        if server is not None:
-            server.should_exit = True
+        nonlocal exit_code
+        exit_code = 1
+        if stop_serving is not None:
+            stop_serving()
         threading.Timer(15, os._exit, (1,)).start()  # a shutdown that hangs still ends the process
 
-    state = create_state(args, model, runner, fatal if link is not None else None)
-    server = Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
+    serving = create_serving(args, model, runner, fatal if link is not None else None)
     stop_watch = threading.Event()
     if link is not None:
-        threading.Thread(target=watch_peer, args=(link, state.engine.fail, stop_watch), daemon=True).start()
-    server.run()
+        threading.Thread(target=watch_peer, args=(link, serving.engine.fail, stop_watch), daemon=True).start()
+    if args.frontend == "process":
+        frontend = FrontendProcess(serving.front, serving.engine, serving.metrics)
+        stop_serving = frontend.request_stop
+        code = frontend.run()
+    else:
+        server = http_server(serving.local_state(), serving.front)
+        stop_serving = lambda: setattr(server, "should_exit", True)  # noqa: E731
+        server.run()
+        code = 0
     stop_watch.set()
-    return exit_code[0]
+    return max(code, exit_code)

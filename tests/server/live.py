@@ -16,7 +16,7 @@ from make_checkpoint import hf_model, make_checkpoint
 from server.app import build_app
 from server.cli import build_parser
 from server.ranks import free_port
-from server.serve import create_state
+from server.serve import create_serving
 from tests.tiny import text_config
 
 
@@ -49,7 +49,7 @@ def serve(path: Path, *flags: str) -> Iterator[Live]:
     port = free_port()
     args = build_parser().parse_args(["serve", str(path), "--host", "127.0.0.1", "--port", str(port), *flags])
     server = uvicorn.Server(
-        uvicorn.Config(build_app(create_state(args)), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(build_app(create_serving(args).local_state()), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

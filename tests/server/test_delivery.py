@@ -9,7 +9,7 @@ import threading
 from model.weights import load_model
 from rankwire.header import DrawSpec
 from server.engine import Engine, Outbox, Request, Update, deliver_each
-from server.generation import deliver_on
+from server.handle import deliver_on
 from server.runner import ModelRunner
 from tests.server.engine_harness import Outcome, RecordingRunner
 from tests.tiny import checkpoint
@@ -104,12 +104,13 @@ def test_the_app_delivers_on_its_loop_and_shortens_the_switch_interval_while_it_
     ENGINE_SWITCH_INTERVAL_S; shutting down restores both the engine and the interval."""
     from fastapi.testclient import TestClient
 
-    from server.app import ENGINE_SWITCH_INTERVAL_S, ServerState, build_app
+    from server.app import ServerState, build_app
+    from server.handle import ENGINE_SWITCH_INTERVAL_S, LocalEngine
     from server.metrics import EngineMetrics
 
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
     engine = Engine(ModelRunner(model, 1), context=256, prompt_budget=64)
-    state = ServerState(engine, None, "m", 256, model.cfg.vocab_size, (), EngineMetrics("m"))
+    state = ServerState(LocalEngine(engine, EngineMetrics("m")), None, "m", 256, model.cfg.vocab_size, ())
     before = sys.getswitchinterval()
     assert before != ENGINE_SWITCH_INTERVAL_S
     with TestClient(build_app(state)) as http:

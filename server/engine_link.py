@@ -1,0 +1,259 @@
+"""The local socket between rank 0's engine process and a front end in a process of its own (`--frontend process`):
+requests and aborts one way, each round's updates the other, and /health and /metrics asked for and answered.
+
+Frames are `length: u32 | pickle`, both ends being this program. The engine's end blocks (a reader thread, and the
+engine thread sending a round's updates in one frame); the front end's end is asyncio streams on its event loop,
+whose writes never block, so neither side can wait on the other while both wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from rankwire.header import DrawSpec
+from server.engine import ContextLengthError, Engine, EngineStopped, Outbox, Request, Update, check_context
+from server.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("<I")
+LOST = "the engine process went away"
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A request, as the engine process rebuilds it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    draw: DrawSpec
+    stop_ids: frozenset[int]
+    draft: bool
+    keep_at: tuple[int, ...]
+    arrival: float
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """End a request early."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A question for the engine process: "stats" (`Engine.stats`) or "metrics" (the Prometheus text)."""
+
+    ask_id: int
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The reply to an Ask."""
+
+    ask_id: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """One round's updates: (request id, cached prompt tokens, token ids, finish reason, error) each."""
+
+    updates: list[tuple[str, int, tuple[int, ...], str | None, str | None]]
+
+
+def encode(message: object) -> bytes:
+    """One frame."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    """Exactly `size` bytes; EOFError if the peer closes first."""
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(size - len(buf))
+        if not chunk:
+            raise EOFError("the front end closed its link")
+        buf += chunk
+    return bytes(buf)
+
+
+def _ignore(_: Update) -> None:
+    """A request's sink in the engine process: its updates leave through the host's `deliver`, a round at a time."""
+
+
+class EngineHost:
+    """The engine process's end: runs the front end's submits, aborts and questions; sends each round's updates."""
+
+    def __init__(self, engine: Engine, metrics: EngineMetrics, sock: socket.socket) -> None:
+        self.engine, self.metrics, self.sock = engine, metrics, sock
+        self.send_lock = threading.Lock()
+        self.closed = threading.Event()  # set once the front end's end is gone
+        self.thread = threading.Thread(target=self._serve, name="engine-link", daemon=True)
+
+    def start(self) -> None:
+        """Start the engine, delivering over the link, and the thread that reads it."""
+        self.engine.deliver = self._deliver
+        self.engine.start()
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine and close the link."""
+        self.engine.stop()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+    def _send(self, message: object) -> None:
+        frame = encode(message)
+        with self.send_lock:
+            try:
+                self.sock.sendall(frame)
+            except OSError:
+                self.closed.set()
+
+    def _deliver(self, batch: Outbox) -> None:
+        self._send(Delivered([(r.request_id, r.cached, u.token_ids, u.finish_reason, u.error) for r, u in batch]))
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                (length,) = _LENGTH.unpack(_recv_exact(self.sock, _LENGTH.size))
+                self._handle(pickle.loads(_recv_exact(self.sock, length)))
+        except (EOFError, OSError):
+            self.closed.set()
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Submit):
+            request = Request(
+                message.request_id,
+                message.prompt_ids,
+                message.max_tokens,
+                message.draw,
+                message.stop_ids,
+                _ignore,
+                draft=message.draft,
+                keep_at=message.keep_at,
+                arrival=message.arrival,
+            )
+            try:
+                self.engine.submit(request)
+            except (ContextLengthError, EngineStopped) as exc:
+                self._send(Delivered([(request.request_id, 0, (), "error", str(exc))]))
+        elif isinstance(message, Abort):
+            self.engine.abort(message.request_id)
+        elif isinstance(message, Ask):
+            value = self.engine.stats() if message.what == "stats" else self.metrics.render()
+            self._send(Answer(message.ask_id, value))
+        else:
+            log.error("engine link: ignored a %s", type(message).__name__)
+
+
+class EngineClient:
+    """The front end's end: an EngineHandle whose engine runs in rank 0's process. When the link ends, every open
+    request ends with an error and `on_lost` is called."""
+
+    def __init__(self, sock: socket.socket, context: int, cache_enabled: bool, on_lost=None) -> None:
+        self.sock, self.context, self.cache_enabled, self.on_lost = sock, context, cache_enabled, on_lost
+        self.requests: dict[str, Request] = {}
+        self.asks: dict[int, asyncio.Future] = {}
+        self.next_ask = 0
+        self.lost: str | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.reading: asyncio.Task | None = None
+
+    async def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        reader, self.writer = await asyncio.open_connection(sock=self.sock)
+        self.reading = loop.create_task(self._read(reader))
+
+    def detach(self) -> None:
+        if self.reading is not None:
+            self.reading.cancel()
+        if self.writer is not None:
+            self.writer.close()
+
+    def submit(self, request: Request) -> None:
+        check_context(request, self.context)
+        if self.lost is not None:
+            raise EngineStopped(self.lost)
+        self.requests[request.request_id] = request
+        self._send(
+            Submit(
+                request.request_id,
+                request.prompt_ids,
+                request.max_tokens,
+                request.draw,
+                request.stop_ids,
+                request.draft,
+                request.keep_at,
+                request.arrival,
+            )
+        )
+
+    def abort(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self._send(Abort(request_id))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._ask("stats")
+
+    async def metrics(self) -> bytes:
+        return await self._ask("metrics")
+
+    async def _ask(self, what: str) -> Any:
+        if self.lost is not None:
+            raise EngineStopped(self.lost)
+        self.next_ask += 1
+        future = asyncio.get_running_loop().create_future()
+        self.asks[self.next_ask] = future
+        self._send(Ask(self.next_ask, what))
+        return await future
+
+    def _send(self, message: object) -> None:
+        """Queue a frame on the stream (never blocks)."""
+        assert self.writer is not None, "the engine link is used before the app started"
+        self.writer.write(encode(message))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+                self._handle(pickle.loads(await reader.readexactly(length)))
+        except (asyncio.IncompleteReadError, OSError):
+            self._lose(LOST)
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Delivered):
+            for request_id, cached, token_ids, finish, error in message.updates:
+                request = self.requests.get(request_id) if finish is None else self.requests.pop(request_id, None)
+                if request is not None:  # an aborted request's last updates are dropped
+                    request.cached = cached
+                    request.sink(Update(token_ids, finish, error))
+        elif isinstance(message, Answer):
+            future = self.asks.pop(message.ask_id, None)
+            if future is not None and not future.done():
+                future.set_result(message.value)
+
+    def _lose(self, message: str) -> None:
+        """The engine is gone: end every open request and question with `message`."""
+        self.lost = message
+        requests, self.requests = self.requests, {}
+        for request in requests.values():
+            request.sink(Update((), "error", message))
+        asks, self.asks = self.asks, {}
+        for future in asks.values():
+            if not future.done():
+                future.set_exception(EngineStopped(message))
+        if self.on_lost is not None:
+            self.on_lost(message)

@@ -1,0 +1,129 @@
+"""Where the HTTP front end runs: uvicorn in rank 0's engine process (`--frontend thread`), or in a process of its own
+that rank 0 spawns (`--frontend process`), which tokenizes, detokenizes and streams while the engine process only
+plans and runs rounds."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from server.app import ServerState, build_app
+from server.engine import Engine
+from server.engine_link import EngineClient, EngineHost
+from server.metrics import EngineMetrics
+from server.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSettings:
+    """What the HTTP side knows of the served model and where it listens (sent to a front-end process)."""
+
+    model_path: Path
+    model_name: str
+    context: int
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    api_key: str | None
+    cache_enabled: bool
+    host: str
+    port: int
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn, whose SIGTERM/SIGINT end a clean shutdown (exit 0) instead of being raised again after it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        def shut_down(_signum, _frame) -> None:
+            self.should_exit = True
+
+        previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def http_server(state: ServerState, settings: FrontSettings) -> HttpServer:
+    """The server of `state`'s app at the settings' address."""
+    config = uvicorn.Config(build_app(state), host=settings.host, port=settings.port, log_level="warning")
+    return HttpServer(config)
+
+
+def run_frontend(settings: FrontSettings, sock: socket.socket) -> None:
+    """A front-end process: the tokenizer and the app over the engine link, until told to stop or the engine goes."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server: HttpServer | None = None
+
+    def engine_lost(message: str) -> None:
+        log.error("stopping the front end: %s", message)
+        if server is not None:
+            server.should_exit = True
+
+    client = EngineClient(sock, settings.context, settings.cache_enabled, engine_lost)
+    state = ServerState(
+        client,
+        load_tokenizer(settings.model_path),
+        settings.model_name,
+        settings.context,
+        settings.vocab_size,
+        settings.eos_ids,
+        settings.api_key,
+    )
+    server = http_server(state, settings)
+    server.run()
+
+
+class FrontendProcess:
+    """Rank 0's front end in a process of its own, over a socket pair to an EngineHost of this process's engine."""
+
+    def __init__(self, settings: FrontSettings, engine: Engine, metrics: EngineMetrics) -> None:
+        ours, theirs = socket.socketpair()
+        self.host = EngineHost(engine, metrics, ours)
+        spawn = multiprocessing.get_context("spawn")  # the engine process holds CUDA: never fork it
+        self.process = spawn.Process(target=run_frontend, args=(settings, theirs), name="flashnext-http", daemon=True)
+        self.theirs = theirs
+        self.stopping = threading.Event()
+
+    def request_stop(self) -> None:
+        """End `run` (any thread)."""
+        self.stopping.set()
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT or `request_stop` (0), or until the front end exits by itself (1); then stop
+        it, letting open responses finish, and the engine."""
+        self.host.start()
+        self.process.start()
+        self.theirs.close()
+        previous = {sig: signal.signal(sig, lambda *_: self.stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not self.stopping.wait(0.1):
+                if not self.process.is_alive():
+                    log.error("the front-end process exited with %s", self.process.exitcode)
+                    break
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._stop_process()
+            self.host.stop()
+        return 0 if self.stopping.is_set() else 1
+
+    def _stop_process(self, grace_s: float = 30) -> None:
+        """SIGTERM (uvicorn finishes open responses), then SIGKILL after `grace_s`."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(grace_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()

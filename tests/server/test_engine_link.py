@@ -1,0 +1,220 @@
+"""The engine link: a front end in another process reaches the engine over a socket pair and sees what the engine's
+own sinks would see (here both ends in one process: the host's threads, and the client on a test event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from model.weights import load_model
+from rankwire.header import DrawSpec
+from server.engine import ContextLengthError, Engine, EngineStopped, Request, Update
+from server.engine_link import LOST, EngineClient, EngineHost
+from server.metrics import EngineMetrics
+from server.prompt_cache import PromptCache
+from server.runner import ModelRunner
+from tests.server.engine_harness import Outcome
+from tests.tiny import checkpoint
+
+GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
+SAMPLED = DrawSpec(1.0, 0, 1.0, 0.0, 1234)
+PROMPTS = ([5, 9, 14, 3, 7, 8, 2, 11], [6, 6, 6, 6], [40, 41, 42])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(checkpoint(tmp_path_factory.mktemp("link") / "m"), dtype="float32")
+
+
+def engine_for(model, cache_bytes: int = 0) -> Engine:
+    return Engine(ModelRunner(model, 3), context=256, prompt_budget=64, prompt_cache=PromptCache(cache_bytes),
+                  cache_grid=4)  # fmt: skip
+
+
+def direct(model, draws: list[DrawSpec], tokens: int) -> list[list[int]]:
+    """Each prompt's tokens from the engine's own sinks, all served together."""
+    engine = engine_for(model)
+    outcomes = [Outcome() for _ in PROMPTS]
+    engine.start()
+    try:
+        for i, (prompt, draw) in enumerate(zip(PROMPTS, draws, strict=True)):
+            engine.submit(Request(f"r{i}", prompt, tokens, draw, frozenset(), outcomes[i].sink))
+        assert all(o.done.wait(120) for o in outcomes)
+    finally:
+        engine.stop()
+    return [o.tokens for o in outcomes]
+
+
+class Collected:
+    """A request's updates on the event loop, and a future set when it ends."""
+
+    def __init__(self) -> None:
+        self.updates: list[Update] = []
+        self.ended = asyncio.get_running_loop().create_future()
+
+    def sink(self, update: Update) -> None:
+        self.updates.append(update)
+        if update.finish_reason is not None and not self.ended.done():
+            self.ended.set_result(update)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for u in self.updates for t in u.token_ids]
+
+
+async def linked(engine: Engine, lost: list[str] | None = None) -> tuple[EngineHost, EngineClient]:
+    """A started host of `engine` and a client attached to the running loop."""
+    ours, theirs = socket.socketpair()
+    host = EngineHost(engine, EngineMetrics("m"), ours)
+    host.start()
+    client = EngineClient(theirs, engine.context, engine.cache.enabled, lost.append if lost is not None else None)
+    await client.attach(asyncio.get_running_loop())
+    return host, client
+
+
+def test_requests_over_the_link_get_the_tokens_the_engine_gives_its_own_sinks(model) -> None:
+    draws = [GREEDY, SAMPLED, GREEDY]
+    expected = direct(model, draws, 6)
+
+    async def main() -> list[list[int]]:
+        host, client = await linked(engine_for(model))
+        try:
+            seen = [Collected() for _ in PROMPTS]
+            for i, (prompt, draw) in enumerate(zip(PROMPTS, draws, strict=True)):
+                client.submit(Request(f"r{i}", prompt, 6, draw, frozenset(), seen[i].sink))
+            ends = await asyncio.wait_for(asyncio.gather(*(s.ended for s in seen)), 120)
+            assert [u.finish_reason for u in ends] == ["length"] * 3
+            assert client.requests == {}  # finished requests are forgotten
+            return [s.tokens for s in seen]
+        finally:
+            client.detach()
+            host.stop()
+
+    assert asyncio.run(main()) == expected
+
+
+def test_a_resumed_prompt_reports_its_cached_tokens_and_the_health_and_metrics_answer(model) -> None:
+    async def main() -> None:
+        engine = engine_for(model, cache_bytes=1 << 30)
+        host, client = await linked(engine)
+        try:
+            seen = [Collected(), Collected()]
+            requests = [Request(f"r{i}", PROMPTS[0], 3, GREEDY, frozenset(), s.sink) for i, s in enumerate(seen)]
+            for request, collected in zip(requests, seen, strict=True):  # one after the other: the second resumes
+                client.submit(request)
+                await asyncio.wait_for(collected.ended, 120)
+            assert requests[0].cached == 0 and requests[1].cached == engine.cache.cached_tokens > 0
+            assert seen[0].tokens == seen[1].tokens
+            stats = await asyncio.wait_for(client.stats(), 10)
+            assert stats == engine.stats() and stats["prompt_cache"]["hits"] == 1
+            text = (await asyncio.wait_for(client.metrics(), 10)).decode()
+            assert "flashnext:round_seconds_count" in text
+        finally:
+            client.detach()
+            host.stop()
+
+    asyncio.run(main())
+
+
+def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> None:
+    async def main() -> None:
+        engine = engine_for(model)
+        host, client = await linked(engine)
+        try:
+            seen = Collected()
+            client.submit(Request("long", PROMPTS[0], 240, GREEDY, frozenset(), seen.sink))
+            while not seen.updates:
+                await asyncio.sleep(0.01)
+            client.abort("long")
+            count = len(seen.updates)
+            for _ in range(500):
+                if (await client.stats())["requests_running"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await client.stats())["requests_running"] == 0
+            assert len(seen.updates) == count and not seen.ended.done()
+        finally:
+            client.detach()
+            host.stop()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_cannot_fit_is_refused_before_it_is_sent(model) -> None:
+    async def main() -> None:
+        engine = engine_for(model)
+        host, client = await linked(engine)
+        try:
+            with pytest.raises(ContextLengthError, match="context is 256 tokens"):
+                client.submit(Request("big", PROMPTS[0], 250, GREEDY, frozenset(), Collected().sink))
+            assert client.requests == {}
+            assert (await client.stats())["requests_waiting"] == 0
+        finally:
+            client.detach()
+            host.stop()
+
+    asyncio.run(main())
+
+
+def test_when_the_engine_side_goes_every_open_request_and_question_ends_with_an_error(model) -> None:
+    async def main() -> None:
+        lost: list[str] = []
+        host, client = await linked(engine_for(model), lost)
+        seen = Collected()
+        client.submit(Request("long", PROMPTS[1], 240, GREEDY, frozenset(), seen.sink))
+        while not seen.updates:
+            await asyncio.sleep(0.01)
+        host.stop()  # the engine process's end closes, as when that process dies
+        end = await asyncio.wait_for(seen.ended, 10)
+        assert (end.finish_reason, end.error) == ("error", LOST) and lost == [LOST]
+        with pytest.raises(EngineStopped):
+            client.submit(Request("late", PROMPTS[1], 3, GREEDY, frozenset(), Collected().sink))
+        with pytest.raises(EngineStopped):
+            await client.stats()
+        client.detach()
+
+    asyncio.run(main())
+
+
+class RecordingEngine:
+    """Just enough of an Engine for the host: it records what it is given."""
+
+    def __init__(self) -> None:
+        self.submitted: list[Request] = []
+        self.got = threading.Event()
+        self.context = 1 << 22
+        self.deliver = None
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def submit(self, request: Request) -> None:
+        self.submitted.append(request)
+        self.got.set()
+
+
+def test_a_prompt_larger_than_the_socket_buffers_arrives_whole() -> None:
+    prompt = list(range(600_000))  # a few MB pickled: many socket buffers
+
+    async def main() -> None:
+        engine = RecordingEngine()
+        ours, theirs = socket.socketpair()
+        host = EngineHost(engine, EngineMetrics("m"), ours)
+        host.start()
+        client = EngineClient(theirs, engine.context, False)
+        await client.attach(asyncio.get_running_loop())
+        try:
+            client.submit(Request("big", prompt, 8, SAMPLED, frozenset({2}), Collected().sink, keep_at=(64,)))
+            assert await asyncio.to_thread(engine.got.wait, 30)
+            (got,) = engine.submitted
+            assert (got.request_id, got.prompt_ids, got.max_tokens, got.draw) == ("big", prompt, 8, SAMPLED)
+            assert (got.stop_ids, got.keep_at) == (frozenset({2}), (64,))
+        finally:
+            client.detach()
+            host.stop()
+
+    asyncio.run(main())

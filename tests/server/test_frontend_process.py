@@ -1,0 +1,140 @@
+"""`--frontend process`: the HTTP front end in a process of its own serves what the in-process one serves, and the
+two processes end together."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.live import free_port, tiny_chat_checkpoint
+from tests.server.test_tp_server import QUIET, stop, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return tiny_chat_checkpoint(tmp_path_factory.mktemp("frontend") / "tiny")
+
+
+def start(ckpt: Path, port: int, frontend: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "server", str(ckpt), "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, **QUIET}
+    argv += ["--frontend", frontend, "--max-lanes", "4"]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's spawned children (Linux; not multiprocessing's resource tracker)."""
+    pids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in pids if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie is not)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+BODIES = (
+    {"prompt": [5, 9, 14, 3], "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    {"prompt": [7, 7, 8], "max_tokens": 10, "temperature": 1.0, "seed": 11, "ignore_eos": True, "stream": True},
+    {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0.7, "seed": 3},
+    {"prompt": "some text", "max_tokens": 9, "temperature": 0, "stop": ["e"], "stream": True},
+)
+
+
+def answer(url: str, body: dict) -> tuple[str, str]:
+    """(token_sha, text) of one request, streamed or not."""
+    path = "chat/completions" if "messages" in body else "completions"
+    if not body.get("stream"):
+        reply = httpx.post(f"{url}/v1/{path}", json=body, timeout=120).json()
+        choice = reply["choices"][0]
+        return reply["token_sha"], choice.get("text") or choice["message"]["content"]
+    sha, text = "", ""
+    with httpx.stream("POST", f"{url}/v1/{path}", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = httpx.Response(200, content=line[6:]).json()
+                sha = event.get("token_sha", sha)
+                text += "".join(c.get("text", "") for c in event["choices"])
+    return sha, text
+
+
+def answers(url: str) -> list[tuple[str, str]]:
+    """Every body's answer, sent all at once."""
+    with concurrent.futures.ThreadPoolExecutor(len(BODIES)) as pool:
+        return list(pool.map(lambda body: answer(url, body), BODIES))
+
+
+def test_a_front_end_process_serves_what_the_in_process_one_serves(ckpt) -> None:
+    got = {}
+    for frontend in ("process", "thread"):
+        port = free_port()
+        proc = start(ckpt, port, frontend)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", [proc])
+            assert len(children(proc.pid)) == (frontend == "process")
+            got[frontend] = answers(f"http://127.0.0.1:{port}")
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert "flashnext:generation_tokens_total" in metrics and "flashnext:num_requests_running 0.0" in metrics
+        finally:
+            stop([proc])
+    assert all(sha for sha, _ in got["process"])
+    assert got["process"] == got["thread"]
+
+
+def test_sigterm_stops_both_processes_cleanly(ckpt) -> None:
+    port = free_port()
+    proc = start(ckpt, port, "process")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        (front,) = children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert wait_until(lambda: not running(front), 10)
+    finally:
+        stop([proc])
+
+
+def test_the_front_end_exits_when_the_engine_process_is_killed(ckpt) -> None:
+    port = free_port()
+    proc = start(ckpt, port, "process")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        (front,) = children(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        assert wait_until(lambda: not running(front), 20), "the front end outlived its engine"
+    finally:
+        stop([proc])
+
+
+def test_the_engine_process_exits_1_when_its_front_end_dies(ckpt) -> None:
+    port = free_port()
+    proc = start(ckpt, port, "process")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        (front,) = children(proc.pid)
+        os.kill(front, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        stop([proc])
