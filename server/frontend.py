@@ -55,13 +55,25 @@ class HttpServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP address, bound before the model loads so that one in use is refused at once, naming the flags."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"--host {host} --port {port}: cannot listen there: {exc.strerror or exc}") from exc
+    return sock
+
+
 def http_server(state: ServerState, settings: FrontSettings) -> HttpServer:
-    """The server of `state`'s app at the settings' address."""
+    """The server of `state`'s app (it listens on the socket given to `run`)."""
     config = uvicorn.Config(build_app(state), host=settings.host, port=settings.port, log_level="warning")
     return HttpServer(config)
 
 
-def run_frontend(settings: FrontSettings, sock: socket.socket) -> None:
+def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.socket) -> None:
     """A front-end process: the tokenizer and the app over the engine link, until told to stop or the engine goes."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server: HttpServer | None = None
@@ -82,18 +94,22 @@ def run_frontend(settings: FrontSettings, sock: socket.socket) -> None:
         settings.api_key,
     )
     server = http_server(state, settings)
-    server.run()
+    server.run(sockets=[listener])
 
 
 class FrontendProcess:
     """Rank 0's front end in a process of its own, over a socket pair to an EngineHost of this process's engine."""
 
-    def __init__(self, settings: FrontSettings, engine: Engine, metrics: EngineMetrics) -> None:
+    def __init__(
+        self, settings: FrontSettings, listener: socket.socket, engine: Engine, metrics: EngineMetrics
+    ) -> None:
         ours, theirs = socket.socketpair()
         self.host = EngineHost(engine, metrics, ours)
         spawn = multiprocessing.get_context("spawn")  # the engine process holds CUDA: never fork it
-        self.process = spawn.Process(target=run_frontend, args=(settings, theirs), name="flashnext-http", daemon=True)
-        self.theirs = theirs
+        self.process = spawn.Process(
+            target=run_frontend, args=(settings, theirs, listener), name="flashnext-http", daemon=True
+        )
+        self.handed = (theirs, listener)  # closed here once the child has them
         self.stopping = threading.Event()
 
     def request_stop(self) -> None:
@@ -105,7 +121,8 @@ class FrontendProcess:
         it, letting open responses finish, and the engine."""
         self.host.start()
         self.process.start()
-        self.theirs.close()
+        for sock in self.handed:
+            sock.close()
         previous = {sig: signal.signal(sig, lambda *_: self.stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             while not self.stopping.wait(0.1):

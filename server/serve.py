@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from rankwire.link import ControlLink
 from server.app import ServerState
 from server.drafters import DRAFTERS
 from server.engine import Engine
-from server.frontend import FrontendProcess, FrontSettings, http_server
+from server.frontend import FrontendProcess, FrontSettings, http_server, listen_socket
 from server.handle import LocalEngine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
@@ -277,6 +278,7 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     ranks = rank_env(args.tp)
     if ranks.world > 1 and "WORLD_SIZE" not in os.environ:
         return launch(argv, ranks.world)
+    listener = listen_socket(args.host, args.port) if ranks.rank == 0 else None  # before minutes of loading
     link = None
     if ranks.world > 1:
         try:
@@ -286,13 +288,13 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
             return 1
     runner = load_rank(args, ranks, env)
     model = runner.model
-    if ranks.rank == 1:
+    if listener is None:
         plan_lanes(args, model)  # rank 0 plans in create_serving: the same pool, graphs captured in the same order
         return follow(link, runner)
-    return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link)
+    return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link, listener)
 
 
-def serve_http(args: argparse.Namespace, model, runner, link: ControlLink | None) -> int:
+def serve_http(args: argparse.Namespace, model, runner, link: ControlLink | None, listener: socket.socket) -> int:
     """Rank 0: the engine, and the HTTP front end in its own process or on this one's main thread; SIGTERM/SIGINT
     shut down cleanly (exit 0), a fatal failure ends every request with an error and exits 1."""
     exit_code = 0
@@ -310,13 +312,13 @@ def serve_http(args: argparse.Namespace, model, runner, link: ControlLink | None
     if link is not None:
         threading.Thread(target=watch_peer, args=(link, serving.engine.fail, stop_watch), daemon=True).start()
     if args.frontend == "process":
-        frontend = FrontendProcess(serving.front, serving.engine, serving.metrics)
+        frontend = FrontendProcess(serving.front, listener, serving.engine, serving.metrics)
         stop_serving = frontend.request_stop
         code = frontend.run()
     else:
         server = http_server(serving.local_state(), serving.front)
         stop_serving = lambda: setattr(server, "should_exit", True)  # noqa: E731
-        server.run()
+        server.run(sockets=[listener])
         code = 0
     stop_watch.set()
     return max(code, exit_code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -132,3 +133,22 @@ def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, 
     assert asked == [
         ({"trunk": 100 + w, "verify": min(w, serve.VERIFY_ROWS), "prompt": 100 + w, "mtp": 100 + w}, w) for w in windows
     ]
+
+
+def test_a_port_in_use_is_refused_by_flag_before_the_model_loads():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        taken.close()
+    assert proc.returncode == 1
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in proc.stderr
+    assert "loaded" not in proc.stderr  # refused before any weights were read
