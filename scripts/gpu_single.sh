@@ -13,9 +13,9 @@
 #   resume        the shipped model with a prompt budget of 128 and the cache on: a 700-token prompt cold (passes cut
 #                 by the budget, GDN's whole chunks), then resumed twice and by 4 concurrent streams, all with the
 #                 cold request's token_sha (`bench_cache.py`)
-#   frontend      the shipped model at --tp 1: rank 0's rounds with no HTTP against 64 streaming clients of
-#                 FRONTEND_TOKENS tokens (default 128), for each front end in FRONTENDS (default "process thread
-#                 process"; `bench_frontend.py`)
+#   frontend      the shipped model at --tp 1: rank 0's rounds with no HTTP against FRONTEND_CLIENTS (default 64)
+#                 streaming clients of FRONTEND_TOKENS tokens (default 128), for each front end in FRONTENDS
+#                 (default "process thread process"; `bench_frontend.py`)
 # With BEFORE set to another tree's folder, `hyper`, `step`, `prompt` and `draws` run there too (an A/B).
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_single.sh  # logs under $OUT
 set -u
@@ -96,7 +96,7 @@ if [[ $checks == *" frontend "* ]]; then
   run=0
   for frontend in ${FRONTENDS:-process thread process}; do
     run=$((run + 1))
-    timeout 400 python3 scripts/bench_frontend.py --device cuda --clients 64 --max-tokens "${FRONTEND_TOKENS:-128}" \
+    timeout 400 python3 scripts/bench_frontend.py --device cuda --clients "${FRONTEND_CLIENTS:-64}" --max-tokens "${FRONTEND_TOKENS:-128}" \
       --prompt-tokens 64 --frontend "$frontend" --json "$OUT/frontend_${run}_$frontend.json" > "$OUT/frontend_${run}_$frontend.out" 2>&1
     echo "front end $frontend rc=$? $(since)"; tail -10 "$OUT/frontend_${run}_$frontend.out"
   done
