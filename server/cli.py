@@ -180,7 +180,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Load, tokenize, generate, print one JSON line."""
     from model.weights import load_model
     from server.generate import GenerateParams, generate
-    from server.sampling import fresh_seed
+    from server.protocol import fresh_seed
     from server.tokenizer import eos_token_ids, load_tokenizer
 
     model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)

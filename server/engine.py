@@ -8,12 +8,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.drafters import Drafter, History, MtpDrafter
 from server.metrics import EngineMetrics
 from server.prompt_cache import Kept, PromptCache, prefix_digests
-from server.runner import ModelRunner
+
+if TYPE_CHECKING:  # the front-end process imports this module for Request and Update: it needs no torch
+    from server.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ from typing import Any
 from rankwire.header import DrawSpec
 from server.engine import Request, Update
 from server.handle import EngineHandle
-from server.protocol import ApiError, SamplingParams
-from server.sampling import fresh_seed
+from server.protocol import ApiError, SamplingParams, fresh_seed
 from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
 
 THINK_TAGS = ("<think>", "</think>")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -18,6 +19,11 @@ _MAX_QUOTED_CHARS = 60
 _HARMLESS: dict[str, Any] = {"logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def fresh_seed() -> int:
+    """A random 63-bit seed for a request that did not bring one."""
+    return secrets.randbits(63)
 
 
 @dataclass(frozen=True, slots=True)

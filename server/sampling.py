@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import secrets
 
 import torch
 
@@ -23,11 +22,6 @@ def draw_uniform(seed: int, position: int) -> float:
     """A uniform in [0, 1) from (seed, position), each taken modulo 2**64, in pure integer arithmetic."""
     z = _mix64(_mix64(seed & MASK64) ^ (position & MASK64))
     return (z >> 11) * 2.0**-53
-
-
-def fresh_seed() -> int:
-    """A random 63-bit seed for a request that did not bring one."""
-    return secrets.randbits(63)
 
 
 def sample_token(

@@ -86,34 +86,31 @@ def answers(url: str) -> list[tuple[str, str]]:
         return list(pool.map(lambda body: answer(url, body), BODIES))
 
 
-def test_a_front_end_process_serves_what_the_in_process_one_serves(ckpt) -> None:
+def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_stops_both(ckpt) -> None:
     got = {}
     for frontend in ("process", "thread"):
         port = free_port()
         proc = start(ckpt, port, frontend)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", [proc])
-            assert len(children(proc.pid)) == (frontend == "process")
+            fronts = children(proc.pid)
+            assert len(fronts) == (frontend == "process")
             got[frontend] = answers(f"http://127.0.0.1:{port}")
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             assert "flashnext:generation_tokens_total" in metrics and "flashnext:num_requests_running 0.0" in metrics
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+            assert wait_until(lambda: not any(running(f) for f in fronts), 10)  # noqa: B023
         finally:
             stop([proc])
     assert all(sha for sha, _ in got["process"])
     assert got["process"] == got["thread"]
 
 
-def test_sigterm_stops_both_processes_cleanly(ckpt) -> None:
-    port = free_port()
-    proc = start(ckpt, port, "process")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", [proc])
-        (front,) = children(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        assert wait_until(lambda: not running(front), 10)
-    finally:
-        stop([proc])
+def test_the_front_end_imports_no_torch() -> None:
+    """A front-end process starts without torch (seconds of import and hundreds of MB it never uses)."""
+    code = "import sys, server.frontend; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
 def test_the_front_end_exits_when_the_engine_process_is_killed(ckpt) -> None:

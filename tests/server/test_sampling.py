@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.sampling import _mix64, draw_uniform, fresh_seed, sample_token
+from server.protocol import fresh_seed
+from server.sampling import _mix64, draw_uniform, sample_token
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -0.5, -3.0])
 
