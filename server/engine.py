@@ -171,11 +171,15 @@ class Engine:
             return len(self.running), len(self.waiting)
 
     def stats(self) -> dict[str, object]:
-        """The engine's part of /health: requests, lanes, drafts and the prompt cache."""
-        running, waiting = self.counts()
+        """The engine's part of /health: requests, lanes, drafts and the prompt cache (read under the lock: the
+        engine thread changes them)."""
+        with self.cond:
+            return self._stats()
+
+    def _stats(self) -> dict[str, object]:
         return {
-            "requests_running": running,
-            "requests_waiting": waiting,
+            "requests_running": len(self.running),
+            "requests_waiting": len(self.waiting),
             "lanes": self.max_lanes,
             "draft_depth": self.draft_depth,
             "draft_tokens": self.drafted,

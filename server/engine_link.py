@@ -59,10 +59,11 @@ class Ask:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """The reply to an Ask."""
+    """The reply to an Ask: its value, or why there is none."""
 
     ask_id: int
     value: Any
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +128,24 @@ class EngineHost:
         self._send(Delivered([(r.request_id, r.cached, u.token_ids, u.finish_reason, u.error) for r, u in batch]))
 
     def _serve(self) -> None:
+        """Run messages until the front end's end closes. One that fails is logged (a question that fails is answered
+        with the error) and the link stays up; if reading itself fails the link is shut, so the front end knows."""
         try:
             while True:
                 (length,) = _LENGTH.unpack(_recv_exact(self.sock, _LENGTH.size))
-                self._handle(pickle.loads(_recv_exact(self.sock, length)))
+                message = pickle.loads(_recv_exact(self.sock, length))
+                try:
+                    self._handle(message)
+                except Exception as exc:
+                    log.exception("engine link: a %s failed", type(message).__name__)
+                    if isinstance(message, Ask):
+                        self._send(Answer(message.ask_id, None, f"{type(exc).__name__}: {exc}"))
         except (EOFError, OSError):
+            pass
+        finally:
             self.closed.set()
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Submit):
@@ -242,8 +255,12 @@ class EngineClient:
                     request.sink(Update(token_ids, finish, error))
         elif isinstance(message, Answer):
             future = self.asks.pop(message.ask_id, None)
-            if future is not None and not future.done():
+            if future is None or future.done():
+                return
+            if message.error is None:
                 future.set_result(message.value)
+            else:
+                future.set_exception(RuntimeError(f"the engine could not answer: {message.error}"))
 
     def _lose(self, message: str) -> None:
         """The engine is gone: end every open request and question with `message`."""

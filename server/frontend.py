@@ -61,6 +61,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # only a listening socket holds the port against another bound with SO_REUSEADDR
     except OSError as exc:
         sock.close()
         raise SystemExit(f"--host {host} --port {port}: cannot listen there: {exc.strerror or exc}") from exc
@@ -110,31 +111,36 @@ class FrontendProcess:
             target=run_frontend, args=(settings, theirs, listener), name="flashnext-http", daemon=True
         )
         self.handed = (theirs, listener)  # closed here once the child has them
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # set by `request_stop`
+        self.signalled = False  # set by SIGTERM/SIGINT: a handler must not take the Event's lock, which `run` may hold
 
     def request_stop(self) -> None:
         """End `run` (any thread)."""
         self.stopping.set()
 
+    def _on_signal(self, _signum, _frame) -> None:
+        self.signalled = True
+
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT or `request_stop` (0), or until the front end exits by itself (1); then stop
-        it, letting open responses finish, and the engine."""
+        it, letting open responses finish, and the engine. Signals during the shutdown change nothing."""
         self.host.start()
         self.process.start()
         for sock in self.handed:
             sock.close()
-        previous = {sig: signal.signal(sig, lambda *_: self.stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            while not self.stopping.wait(0.1):
+            while not self.stopping.wait(0.1) and not self.signalled:
                 if not self.process.is_alive():
                     log.error("the front-end process exited with %s", self.process.exitcode)
                     break
+            asked = self.stopping.is_set() or self.signalled
+            self._stop_process()
+            self.host.stop()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._stop_process()
-            self.host.stop()
-        return 0 if self.stopping.is_set() else 1
+        return 0 if asked else 1
 
     def _stop_process(self, grace_s: float = 30) -> None:
         """SIGTERM (uvicorn finishes open responses), then SIGKILL after `grace_s`."""

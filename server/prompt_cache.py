@@ -37,14 +37,11 @@ class PromptCache:
         self.entries: OrderedDict[bytes, Kept] = OrderedDict()
         self.next_handle = 1
         self.queries = self.hits = self.cached_tokens = 0
+        self.nbytes = 0  # of the entries: kept as a total, so other threads can read it while entries change
 
     @property
     def enabled(self) -> bool:
         return self.budget > 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
 
     def lookup(self, prompt: Sequence[int]) -> Kept | None:
         """The longest kept prefix of `prompt` that leaves at least one token to run."""
@@ -73,9 +70,12 @@ class PromptCache:
     def add(self, digest: bytes, kept: Kept) -> list[int]:
         """Index a kept state; returns the handles evicted to stay within the budget (the new one too if it alone
         does not fit)."""
+        replaced = self.entries.pop(digest, None)
+        self.nbytes += kept.nbytes - (replaced.nbytes if replaced is not None else 0)
         self.entries[digest] = kept
         evicted = []
         while self.entries and self.nbytes > self.budget:
             _, old = self.entries.popitem(last=False)
+            self.nbytes -= old.nbytes
             evicted.append(old.handle)
         return evicted

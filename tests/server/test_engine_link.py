@@ -30,8 +30,14 @@ def model(tmp_path_factory):
 
 
 def engine_for(model, cache_bytes: int = 0) -> Engine:
-    return Engine(ModelRunner(model, 3), context=256, prompt_budget=64, prompt_cache=PromptCache(cache_bytes),
-                  cache_grid=4)  # fmt: skip
+    return Engine(ModelRunner(model, 3), context=256, prompt_budget=64, metrics=EngineMetrics("m"),
+                  prompt_cache=PromptCache(cache_bytes), cache_grid=4)  # fmt: skip
+
+
+def finished(engine: Engine, reason: str) -> float:
+    """Requests the engine ended for `reason`."""
+    value = engine.metrics.registry.get_sample_value("flashnext:request_success_total", {"finished_reason": reason})
+    return value or 0.0
 
 
 def direct(model, draws: list[DrawSpec], tokens: int) -> list[list[int]]:
@@ -68,7 +74,7 @@ class Collected:
 async def linked(engine: Engine, lost: list[str] | None = None) -> tuple[EngineHost, EngineClient]:
     """A started host of `engine` and a client attached to the running loop."""
     ours, theirs = socket.socketpair()
-    host = EngineHost(engine, EngineMetrics("m"), ours)
+    host = EngineHost(engine, engine.metrics, ours)
     host.start()
     client = EngineClient(theirs, engine.context, engine.cache.enabled, lost.append if lost is not None else None)
     await client.attach(asyncio.get_running_loop())
@@ -136,6 +142,7 @@ def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> 
                 await asyncio.sleep(0.02)
             assert (await client.stats())["requests_running"] == 0
             assert len(seen.updates) == count and not seen.ended.done()
+            assert (finished(engine, "abort"), finished(engine, "length")) == (1, 0)  # ended by the abort
         finally:
             client.detach()
             host.stop()
@@ -151,7 +158,6 @@ def test_a_request_that_cannot_fit_is_refused_before_it_is_sent(model) -> None:
             with pytest.raises(ContextLengthError, match="context is 256 tokens"):
                 client.submit(Request("big", PROMPTS[0], 250, GREEDY, frozenset(), Collected().sink))
             assert client.requests == {}
-            assert (await client.stats())["requests_waiting"] == 0
         finally:
             client.detach()
             host.stop()
@@ -175,6 +181,27 @@ def test_when_the_engine_side_goes_every_open_request_and_question_ends_with_an_
         with pytest.raises(EngineStopped):
             await client.stats()
         client.detach()
+
+    asyncio.run(main())
+
+
+def test_a_question_that_fails_is_answered_with_the_error_and_the_link_stays_up(model) -> None:
+    async def main() -> None:
+        engine = engine_for(model)
+        real_stats = engine.stats
+        engine.stats = lambda: (_ for _ in ()).throw(RuntimeError("mid-change"))  # the next question fails
+        host, client = await linked(engine)
+        try:
+            with pytest.raises(RuntimeError, match="the engine could not answer: RuntimeError: mid-change"):
+                await asyncio.wait_for(client.stats(), 10)
+            engine.stats = real_stats
+            seen = Collected()
+            client.submit(Request("after", PROMPTS[2], 3, GREEDY, frozenset(), seen.sink))
+            assert (await asyncio.wait_for(seen.ended, 60)).finish_reason == "length"
+            assert (await asyncio.wait_for(client.stats(), 10))["requests_running"] == 0
+        finally:
+            client.detach()
+            host.stop()
 
     asyncio.run(main())
 

@@ -135,3 +135,15 @@ def test_the_engine_process_exits_1_when_its_front_end_dies(ckpt) -> None:
         assert proc.wait(timeout=60) == 1
     finally:
         stop([proc])
+
+
+def test_a_second_server_cannot_take_an_address_one_has_bound() -> None:
+    from server.frontend import listen_socket
+
+    first = listen_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    try:
+        with pytest.raises(SystemExit, match=f"--host 127.0.0.1 --port {port}: cannot listen there"):
+            listen_socket("127.0.0.1", port)
+    finally:
+        first.close()

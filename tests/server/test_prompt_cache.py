@@ -44,6 +44,16 @@ def cached(out: dict) -> int:
     return out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def test_the_cache_keeps_its_byte_total_through_adds_replacements_and_evictions() -> None:
+    cache = PromptCache(100)
+    assert cache.add(b"a", Kept(1, 4, 40)) == [] and cache.nbytes == 40
+    assert cache.add(b"b", Kept(2, 8, 50)) == [] and cache.nbytes == 90
+    assert cache.add(b"a", Kept(3, 4, 30)) == [] and cache.nbytes == 80  # a prefix kept again replaces its entry
+    assert cache.add(b"c", Kept(4, 9, 60)) == [2]  # b is the least recently used
+    assert cache.nbytes == 90 == sum(e.nbytes for e in cache.entries.values())
+    assert cache.add(b"d", Kept(5, 9, 101)) == [3, 4, 5] and cache.nbytes == 0 and not cache.entries
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 77}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("draft", [True, False], ids=["drafted", "serial"])
 def test_a_prompt_resumed_at_a_grid_boundary_equals_it_fresh(servers, sampling, draft):
