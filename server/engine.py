@@ -177,6 +177,7 @@ class Engine:
             return self._stats()
 
     def _stats(self) -> dict[str, object]:
+        """`stats` with the lock held."""
         return {
             "requests_running": len(self.running),
             "requests_waiting": len(self.waiting),

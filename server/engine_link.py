@@ -15,6 +15,7 @@ import pickle
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +178,9 @@ class EngineClient:
     """The front end's end: an EngineHandle whose engine runs in rank 0's process. When the link ends, every open
     request ends with an error and `on_lost` is called."""
 
-    def __init__(self, sock: socket.socket, context: int, cache_enabled: bool, on_lost=None) -> None:
+    def __init__(
+        self, sock: socket.socket, context: int, cache_enabled: bool, on_lost: Callable[[str], None] | None = None
+    ) -> None:
         self.sock, self.context, self.cache_enabled, self.on_lost = sock, context, cache_enabled, on_lost
         self.requests: dict[str, Request] = {}
         self.asks: dict[int, asyncio.Future] = {}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from server.engine import Engine, Request, deliver_each
+from server.engine import Engine, Outbox, Request, deliver_each
 from server.metrics import EngineMetrics
 
 # the engine thread and the event loop share the GIL: bound how long the engine waits for it while the loop streams a
@@ -38,7 +39,7 @@ class EngineHandle(Protocol):
         """The Prometheus exposition of the engine's metrics."""
 
 
-def deliver_on(loop: asyncio.AbstractEventLoop):
+def deliver_on(loop: asyncio.AbstractEventLoop) -> Callable[[Outbox], None]:
     """An engine `deliver` that hands each round's updates to `loop` in one wake-up; the sinks run there."""
     return lambda batch: loop.call_soon_threadsafe(deliver_each, batch)
 
