@@ -15,7 +15,7 @@
 #                 cold request's token_sha (`bench_cache.py`)
 #   frontend      the shipped model at --tp 1: rank 0's rounds with no HTTP against FRONTEND_CLIENTS (default 64)
 #                 streaming clients of FRONTEND_TOKENS tokens (default 128), for each front end in FRONTENDS
-#                 (default "process thread process"; `bench_frontend.py`)
+#                 (default "process thread process"; `bench_frontend.py`), with FRONTEND_FLAGS for the server
 # With BEFORE set to another tree's folder, `hyper`, `step`, `prompt` and `draws` run there too (an A/B).
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_single.sh  # logs under $OUT
 set -u
@@ -97,7 +97,7 @@ if [[ $checks == *" frontend "* ]]; then
   for frontend in ${FRONTENDS:-process thread process}; do
     run=$((run + 1))
     timeout 400 python3 scripts/bench_frontend.py --device cuda --clients "${FRONTEND_CLIENTS:-64}" --max-tokens "${FRONTEND_TOKENS:-128}" \
-      --prompt-tokens 64 --frontend "$frontend" --json "$OUT/frontend_${run}_$frontend.json" > "$OUT/frontend_${run}_$frontend.out" 2>&1
+      --prompt-tokens 64 --frontend "$frontend" ${FRONTEND_FLAGS:-} --json "$OUT/frontend_${run}_$frontend.json" > "$OUT/frontend_${run}_$frontend.out" 2>&1
     echo "front end $frontend rc=$? $(since)"; tail -10 "$OUT/frontend_${run}_$frontend.out"
   done
 fi
