@@ -174,31 +174,27 @@ class Engine:
         """The engine's part of /health: requests, lanes, drafts and the prompt cache (read under the lock: the
         engine thread changes them)."""
         with self.cond:
-            return self._stats()
-
-    def _stats(self) -> dict[str, object]:
-        """`stats` with the lock held."""
-        return {
-            "requests_running": len(self.running),
-            "requests_waiting": len(self.waiting),
-            "lanes": self.max_lanes,
-            "draft_depth": self.draft_depth,
-            "draft_tokens": self.drafted,
-            "accepted_draft_tokens": self.accepted,
-            "draft_acceptance": self.accepted / self.drafted if self.drafted else None,
-            "draft_acceptance_per_position": [
-                accepted / drafted if drafted else None
-                for drafted, accepted in zip(self.drafted_at, self.accepted_at, strict=True)
-            ],
-            "prompt_cache": {
-                "budget_bytes": self.cache.budget,
-                "bytes": self.cache.nbytes,
-                "entries": len(self.cache.entries),
-                "queries": self.cache.queries,
-                "hits": self.cache.hits,
-                "cached_tokens": self.cache.cached_tokens,
-            },
-        }
+            return {
+                "requests_running": len(self.running),
+                "requests_waiting": len(self.waiting),
+                "lanes": self.max_lanes,
+                "draft_depth": self.draft_depth,
+                "draft_tokens": self.drafted,
+                "accepted_draft_tokens": self.accepted,
+                "draft_acceptance": self.accepted / self.drafted if self.drafted else None,
+                "draft_acceptance_per_position": [
+                    accepted / drafted if drafted else None
+                    for drafted, accepted in zip(self.drafted_at, self.accepted_at, strict=True)
+                ],
+                "prompt_cache": {
+                    "budget_bytes": self.cache.budget,
+                    "bytes": self.cache.nbytes,
+                    "entries": len(self.cache.entries),
+                    "queries": self.cache.queries,
+                    "hits": self.cache.hits,
+                    "cached_tokens": self.cache.cached_tokens,
+                },
+            }
 
     def _idle(self) -> bool:
         """Whether no round is due (lock held)."""

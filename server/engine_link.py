@@ -1,5 +1,6 @@
 """The local socket between rank 0's engine process and a front end in a process of its own (`--frontend process`):
-requests and aborts one way, each round's updates the other, and /health and /metrics asked for and answered.
+requests (sent as themselves, their sink left behind) and aborts one way, each round's updates the other, and
+/health and /metrics asked for and answered.
 
 Frames are `length: u32 | pickle`, both ends being this program. The engine's end blocks (a reader thread, and the
 engine thread sending a round's updates in one frame); the front end's end is asyncio streams on its event loop,
@@ -16,10 +17,9 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from rankwire.header import DrawSpec
 from server.engine import ContextLengthError, Engine, EngineStopped, Outbox, Request, Update, check_context
 from server.metrics import EngineMetrics
 
@@ -27,20 +27,6 @@ log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<I")
 LOST = "the engine process went away"
-
-
-@dataclass(frozen=True, slots=True)
-class Submit:
-    """A request, as the engine process rebuilds it."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    draw: DrawSpec
-    stop_ids: frozenset[int]
-    draft: bool
-    keep_at: tuple[int, ...]
-    arrival: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +78,8 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 def _ignore(_: Update) -> None:
-    """A request's sink in the engine process: its updates leave through the host's `deliver`, a round at a time."""
+    """A request's sink as sent to the engine process: its updates leave through the host's `deliver`, a round at a
+    time."""
 
 
 class EngineHost:
@@ -101,7 +88,6 @@ class EngineHost:
     def __init__(self, engine: Engine, metrics: EngineMetrics, sock: socket.socket) -> None:
         self.engine, self.metrics, self.sock = engine, metrics, sock
         self.send_lock = threading.Lock()
-        self.closed = threading.Event()  # set once the front end's end is gone
         self.thread = threading.Thread(target=self._serve, name="engine-link", daemon=True)
 
     def start(self) -> None:
@@ -119,11 +105,8 @@ class EngineHost:
 
     def _send(self, message: object) -> None:
         frame = encode(message)
-        with self.send_lock:
-            try:
-                self.sock.sendall(frame)
-            except OSError:
-                self.closed.set()
+        with self.send_lock, contextlib.suppress(OSError):  # the front end is gone: its process's exit stops serving
+            self.sock.sendall(frame)
 
     def _deliver(self, batch: Outbox) -> None:
         self._send(Delivered([(r.request_id, r.cached, u.token_ids, u.finish_reason, u.error) for r, u in batch]))
@@ -144,27 +127,15 @@ class EngineHost:
         except (EOFError, OSError):
             pass
         finally:
-            self.closed.set()
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
 
     def _handle(self, message: object) -> None:
-        if isinstance(message, Submit):
-            request = Request(
-                message.request_id,
-                message.prompt_ids,
-                message.max_tokens,
-                message.draw,
-                message.stop_ids,
-                _ignore,
-                draft=message.draft,
-                keep_at=message.keep_at,
-                arrival=message.arrival,
-            )
+        if isinstance(message, Request):
             try:
-                self.engine.submit(request)
+                self.engine.submit(message)
             except (ContextLengthError, EngineStopped) as exc:
-                self._send(Delivered([(request.request_id, 0, (), "error", str(exc))]))
+                self._send(Delivered([(message.request_id, 0, (), "error", str(exc))]))
         elif isinstance(message, Abort):
             self.engine.abort(message.request_id)
         elif isinstance(message, Ask):
@@ -204,18 +175,7 @@ class EngineClient:
         if self.lost is not None:
             raise EngineStopped(self.lost)
         self.requests[request.request_id] = request
-        self._send(
-            Submit(
-                request.request_id,
-                request.prompt_ids,
-                request.max_tokens,
-                request.draw,
-                request.stop_ids,
-                request.draft,
-                request.keep_at,
-                request.arrival,
-            )
-        )
+        self._send(replace(request, sink=_ignore))
 
     def abort(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:

@@ -4,8 +4,10 @@ own sinks would see (here both ends in one process: the host's threads, and the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -71,14 +73,19 @@ class Collected:
         return [t for u in self.updates for t in u.token_ids]
 
 
-async def linked(engine: Engine, lost: list[str] | None = None) -> tuple[EngineHost, EngineClient]:
-    """A started host of `engine` and a client attached to the running loop."""
+@contextlib.asynccontextmanager
+async def linked(engine: Engine, lost: list[str] | None = None) -> AsyncIterator[tuple[EngineHost, EngineClient]]:
+    """A started host of `engine` and a client attached to the running loop, both stopped at the end."""
     ours, theirs = socket.socketpair()
     host = EngineHost(engine, engine.metrics, ours)
     host.start()
     client = EngineClient(theirs, engine.context, engine.cache.enabled, lost.append if lost is not None else None)
     await client.attach(asyncio.get_running_loop())
-    return host, client
+    try:
+        yield host, client
+    finally:
+        client.detach()
+        host.stop()
 
 
 def test_requests_over_the_link_get_the_tokens_the_engine_gives_its_own_sinks(model) -> None:
@@ -86,8 +93,7 @@ def test_requests_over_the_link_get_the_tokens_the_engine_gives_its_own_sinks(mo
     expected = direct(model, draws, 6)
 
     async def main() -> list[list[int]]:
-        host, client = await linked(engine_for(model))
-        try:
+        async with linked(engine_for(model)) as (_, client):
             seen = [Collected() for _ in PROMPTS]
             for i, (prompt, draw) in enumerate(zip(PROMPTS, draws, strict=True)):
                 client.submit(Request(f"r{i}", prompt, 6, draw, frozenset(), seen[i].sink))
@@ -95,9 +101,6 @@ def test_requests_over_the_link_get_the_tokens_the_engine_gives_its_own_sinks(mo
             assert [u.finish_reason for u in ends] == ["length"] * 3
             assert client.requests == {}  # finished requests are forgotten
             return [s.tokens for s in seen]
-        finally:
-            client.detach()
-            host.stop()
 
     assert asyncio.run(main()) == expected
 
@@ -105,8 +108,7 @@ def test_requests_over_the_link_get_the_tokens_the_engine_gives_its_own_sinks(mo
 def test_a_resumed_prompt_reports_its_cached_tokens_and_the_health_and_metrics_answer(model) -> None:
     async def main() -> None:
         engine = engine_for(model, cache_bytes=1 << 30)
-        host, client = await linked(engine)
-        try:
+        async with linked(engine) as (_, client):
             seen = [Collected(), Collected()]
             requests = [Request(f"r{i}", PROMPTS[0], 3, GREEDY, frozenset(), s.sink) for i, s in enumerate(seen)]
             for request, collected in zip(requests, seen, strict=True):  # one after the other: the second resumes
@@ -118,9 +120,6 @@ def test_a_resumed_prompt_reports_its_cached_tokens_and_the_health_and_metrics_a
             assert stats == engine.stats() and stats["prompt_cache"]["hits"] == 1
             text = (await asyncio.wait_for(client.metrics(), 10)).decode()
             assert "flashnext:round_seconds_count" in text
-        finally:
-            client.detach()
-            host.stop()
 
     asyncio.run(main())
 
@@ -128,8 +127,7 @@ def test_a_resumed_prompt_reports_its_cached_tokens_and_the_health_and_metrics_a
 def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> None:
     async def main() -> None:
         engine = engine_for(model)
-        host, client = await linked(engine)
-        try:
+        async with linked(engine) as (_, client):
             seen = Collected()
             client.submit(Request("long", PROMPTS[0], 240, GREEDY, frozenset(), seen.sink))
             while not seen.updates:
@@ -143,9 +141,6 @@ def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> 
             assert (await client.stats())["requests_running"] == 0
             assert len(seen.updates) == count and not seen.ended.done()
             assert (finished(engine, "abort"), finished(engine, "length")) == (1, 0)  # ended by the abort
-        finally:
-            client.detach()
-            host.stop()
 
     asyncio.run(main())
 
@@ -153,14 +148,10 @@ def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> 
 def test_a_request_that_cannot_fit_is_refused_before_it_is_sent(model) -> None:
     async def main() -> None:
         engine = engine_for(model)
-        host, client = await linked(engine)
-        try:
+        async with linked(engine) as (_, client):
             with pytest.raises(ContextLengthError, match="context is 256 tokens"):
                 client.submit(Request("big", PROMPTS[0], 250, GREEDY, frozenset(), Collected().sink))
             assert client.requests == {}
-        finally:
-            client.detach()
-            host.stop()
 
     asyncio.run(main())
 
@@ -168,19 +159,18 @@ def test_a_request_that_cannot_fit_is_refused_before_it_is_sent(model) -> None:
 def test_when_the_engine_side_goes_every_open_request_and_question_ends_with_an_error(model) -> None:
     async def main() -> None:
         lost: list[str] = []
-        host, client = await linked(engine_for(model), lost)
-        seen = Collected()
-        client.submit(Request("long", PROMPTS[1], 240, GREEDY, frozenset(), seen.sink))
-        while not seen.updates:
-            await asyncio.sleep(0.01)
-        host.stop()  # the engine process's end closes, as when that process dies
-        end = await asyncio.wait_for(seen.ended, 10)
-        assert (end.finish_reason, end.error) == ("error", LOST) and lost == [LOST]
-        with pytest.raises(EngineStopped):
-            client.submit(Request("late", PROMPTS[1], 3, GREEDY, frozenset(), Collected().sink))
-        with pytest.raises(EngineStopped):
-            await client.stats()
-        client.detach()
+        async with linked(engine_for(model), lost) as (host, client):
+            seen = Collected()
+            client.submit(Request("long", PROMPTS[1], 240, GREEDY, frozenset(), seen.sink))
+            while not seen.updates:
+                await asyncio.sleep(0.01)
+            host.stop()  # the engine process's end closes, as when that process dies
+            end = await asyncio.wait_for(seen.ended, 10)
+            assert (end.finish_reason, end.error) == ("error", LOST) and lost == [LOST]
+            with pytest.raises(EngineStopped):
+                client.submit(Request("late", PROMPTS[1], 3, GREEDY, frozenset(), Collected().sink))
+            with pytest.raises(EngineStopped):
+                await client.stats()
 
     asyncio.run(main())
 
@@ -190,8 +180,7 @@ def test_a_question_that_fails_is_answered_with_the_error_and_the_link_stays_up(
         engine = engine_for(model)
         real_stats = engine.stats
         engine.stats = lambda: (_ for _ in ()).throw(RuntimeError("mid-change"))  # the next question fails
-        host, client = await linked(engine)
-        try:
+        async with linked(engine) as (_, client):
             with pytest.raises(RuntimeError, match="the engine could not answer: RuntimeError: mid-change"):
                 await asyncio.wait_for(client.stats(), 10)
             engine.stats = real_stats
@@ -199,9 +188,6 @@ def test_a_question_that_fails_is_answered_with_the_error_and_the_link_stays_up(
             client.submit(Request("after", PROMPTS[2], 3, GREEDY, frozenset(), seen.sink))
             assert (await asyncio.wait_for(seen.ended, 60)).finish_reason == "length"
             assert (await asyncio.wait_for(client.stats(), 10))["requests_running"] == 0
-        finally:
-            client.detach()
-            host.stop()
 
     asyncio.run(main())
 
@@ -214,6 +200,8 @@ class RecordingEngine:
         self.got = threading.Event()
         self.context = 1 << 22
         self.deliver = None
+        self.metrics = EngineMetrics("m")
+        self.cache = PromptCache(0)
 
     def start(self) -> None: ...
 
@@ -229,19 +217,11 @@ def test_a_prompt_larger_than_the_socket_buffers_arrives_whole() -> None:
 
     async def main() -> None:
         engine = RecordingEngine()
-        ours, theirs = socket.socketpair()
-        host = EngineHost(engine, EngineMetrics("m"), ours)
-        host.start()
-        client = EngineClient(theirs, engine.context, False)
-        await client.attach(asyncio.get_running_loop())
-        try:
+        async with linked(engine) as (_, client):
             client.submit(Request("big", prompt, 8, SAMPLED, frozenset({2}), Collected().sink, keep_at=(64,)))
             assert await asyncio.to_thread(engine.got.wait, 30)
             (got,) = engine.submitted
             assert (got.request_id, got.prompt_ids, got.max_tokens, got.draw) == ("big", prompt, 8, SAMPLED)
             assert (got.stop_ids, got.keep_at) == (frozenset({2}), (64,))
-        finally:
-            client.detach()
-            host.stop()
 
     asyncio.run(main())

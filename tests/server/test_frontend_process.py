@@ -4,11 +4,13 @@ two processes end together."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,11 +27,21 @@ def ckpt(tmp_path_factory) -> Path:
     return tiny_chat_checkpoint(tmp_path_factory.mktemp("frontend") / "tiny")
 
 
-def start(ckpt: Path, port: int, frontend: str) -> subprocess.Popen:
+@contextlib.contextmanager
+def served(ckpt: Path, frontend: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python -m server` with `--frontend frontend`, once /health answers: the process and its URL; stopped at the
+    end if it still runs."""
+    port = free_port()
     argv = [sys.executable, "-m", "server", str(ckpt), "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, **QUIET}
     argv += ["--frontend", frontend, "--max-lanes", "4"]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, **QUIET}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [proc])
+        yield proc, url
+    finally:
+        stop([proc])
 
 
 def children(pid: int) -> list[int]:
@@ -89,20 +101,15 @@ def answers(url: str) -> list[tuple[str, str]]:
 def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_stops_both(ckpt) -> None:
     got = {}
     for frontend in ("process", "thread"):
-        port = free_port()
-        proc = start(ckpt, port, frontend)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        with served(ckpt, frontend) as (proc, url):
             fronts = children(proc.pid)
             assert len(fronts) == (frontend == "process")
-            got[frontend] = answers(f"http://127.0.0.1:{port}")
-            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            got[frontend] = answers(url)
+            metrics = httpx.get(f"{url}/metrics").text
             assert "flashnext:generation_tokens_total" in metrics and "flashnext:num_requests_running 0.0" in metrics
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
             assert wait_until(lambda: not any(running(f) for f in fronts), 10)  # noqa: B023
-        finally:
-            stop([proc])
     assert all(sha for sha, _ in got["process"])
     assert got["process"] == got["thread"]
 
@@ -114,27 +121,17 @@ def test_the_front_end_imports_no_torch() -> None:
 
 
 def test_the_front_end_exits_when_the_engine_process_is_killed(ckpt) -> None:
-    port = free_port()
-    proc = start(ckpt, port, "process")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+    with served(ckpt, "process") as (proc, _):
         (front,) = children(proc.pid)
         proc.send_signal(signal.SIGKILL)
         assert wait_until(lambda: not running(front), 20), "the front end outlived its engine"
-    finally:
-        stop([proc])
 
 
 def test_the_engine_process_exits_1_when_its_front_end_dies(ckpt) -> None:
-    port = free_port()
-    proc = start(ckpt, port, "process")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+    with served(ckpt, "process") as (proc, _):
         (front,) = children(proc.pid)
         os.kill(front, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
-    finally:
-        stop([proc])
 
 
 def test_a_second_server_cannot_take_an_address_one_has_bound() -> None:
