@@ -42,17 +42,22 @@ TWO_POW_119 = gl.constexpr(2.0**119)
 SPAN = 128  # k one permutation covers
 REPLAYS = 20
 SETS = {1: 32, 8: 8, 64: 4, 1024: 2}  # routings a timed graph cycles through, so the weights are cold
-# name: (warps, column tiles a warp, row tiles of 8, spans a K step, stages: 0 loads into registers)
+# name: (warps, column tiles a warp, row tiles of 8, spans a K step, stages: 0 loads into registers, split: the
+# operand's first half of columns are gate's and its second half up's, so each warp runs one of them)
 VARIANTS = {
-    "registers, 2 warps, 32x8, k128": (2, 1, 1, 1, 0),
-    "registers, 2 warps, 32x8, k256": (2, 1, 1, 2, 0),
-    "registers, 2 warps, 32x8, k512": (2, 1, 1, 4, 0),
-    "registers, 1 warp, 16x8, k512": (1, 1, 1, 4, 0),
-    "registers, 4 warps, 64x8, k256": (4, 1, 1, 2, 0),
-    "registers, 2 warps, 32x32, k128": (2, 1, 4, 1, 0),
-    "cp.async, 2 warps, 32x8, k128, 4 stages": (2, 1, 1, 1, 4),
-    "cp.async, 2 warps, 32x8, k256, 3 stages": (2, 1, 1, 2, 3),
-    "cp.async, 4 warps, 64x32, k128, 3 stages": (4, 1, 4, 1, 3),
+    "registers, 2 warps, 32x8, k128": (2, 1, 1, 1, 0, 0),
+    "registers, 2 warps, 32x8, k256": (2, 1, 1, 2, 0, 0),
+    "registers, 2 warps, 32x8, k512": (2, 1, 1, 4, 0, 0),
+    "registers, 1 warp, 16x8, k512": (1, 1, 1, 4, 0, 0),
+    "registers, 4 warps, 64x8, k256": (4, 1, 1, 2, 0, 0),
+    "registers, 2 warps, 32x32, k128": (2, 1, 4, 1, 0, 0),
+    "cp.async, 2 warps, 32x8, k128, 4 stages": (2, 1, 1, 1, 4, 0),
+    "cp.async, 2 warps, 32x8, k256, 3 stages": (2, 1, 1, 2, 3, 0),
+    "cp.async, 4 warps, 64x32, k128, 3 stages": (4, 1, 4, 1, 3, 0),
+    "split, registers, 2 warps, 16x8, k512": (2, 1, 1, 4, 0, 1),
+    "split, cp.async, 2 warps, 16x8, k256, 4 stages": (2, 1, 1, 2, 4, 1),
+    "split, cp.async, 2 warps, 16x8, k512, 2 stages": (2, 1, 1, 4, 2, 1),
+    "split, cp.async, 4 warps, 32x8, k256, 4 stages": (4, 1, 1, 2, 4, 1),
 }
 Launch = tuple[Callable[[], None], torch.Tensor, object]  # the call, its h, its plan (None: h by pair id)
 TIMED = {
@@ -92,7 +97,8 @@ def layouts(warps: int, col_reps: int, row_reps: int, spans: int) -> dict[str, o
     return {
         "MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, 2), "X_OP": gl.DotOperandLayout(1, mma, 2), "L_W": words,
         "L_W3": words3, "L_S": gl.SliceLayout(2, words3), "L_X": pairs, "COPY": copy, "BLOCK_N": block_n,
-        "BLOCK_M": block_m, "SPANS": spans,
+        "BLOCK_M": block_m, "SPANS": spans, "L_OUT": gl.BlockedLayout([1, 1], [32 // block_m, block_m], [warps, 1],
+        [1, 0]),
     }  # fmt: skip
 
 
@@ -157,15 +163,38 @@ def _x_operand(x, BLOCK_M: gl.constexpr, SPANS: gl.constexpr, X_OP: gl.constexpr
 
 @gluon.jit
 def _store_h(gate, up, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N: gl.constexpr,
-             BLOCK_M: gl.constexpr, MMA: gl.constexpr):  # fmt: skip
+             BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
     """h = bf16(silu(gate) · up), the sums scaled by scale_2·2^7, stored at the tile's plan positions."""
     gate = gate * (gl.load(s2_ptr + e * 2) * 128.0)
     up = up * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
     h = (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)
-    pos = gl.load(tile_starts_ptr + t) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    pos = gl.load(tile_starts_ptr + t) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LAYOUT))
     ok = pos < gl.load(bounds_ptr + e + 1)
-    cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
     gl.store(h_ptr + pos.to(gl.int64)[None, :] * INTER + cols[:, None], h, mask=ok[None, :])
+
+
+@gluon.jit
+def _weight_rows(r, nb, INTER, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
+    """The weight rows of operand columns r: gate's then up's halves (SPLIT), or gate's only (up at + INTER)."""
+    if SPLIT:
+        return (r // (BLOCK_N // 2)) * INTER + nb * (BLOCK_N // 2) + r % (BLOCK_N // 2)
+    return nb * BLOCK_N + r
+
+
+@gluon.jit
+def _finish(gate, up, acc, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N: gl.constexpr,
+            BLOCK_M: gl.constexpr, MMA: gl.constexpr, L_OUT: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """Store h: from gate and up, or (SPLIT) from acc's two halves, parted through shared memory."""
+    if SPLIT:
+        part = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        part.store(acc)
+        gl.thread_barrier()
+        g = part.slice(0, BLOCK_N // 2).load(L_OUT)
+        u = part.slice(BLOCK_N // 2, BLOCK_N // 2).load(L_OUT)
+        _store_h(g, u, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N // 2, BLOCK_M, L_OUT)
+    else:
+        _store_h(gate, up, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N, BLOCK_M, MMA)
 
 
 @gluon.jit
@@ -174,11 +203,11 @@ def _gate_up_registers(
     stride_xn, stride_we, stride_wn, stride_se, stride_sn, TOP_K: gl.constexpr, E: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPANS: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
     X_OP: gl.constexpr, L_W: gl.constexpr, L_W3: gl.constexpr, L_S: gl.constexpr, L_X: gl.constexpr,
-    COPY: gl.constexpr,
+    COPY: gl.constexpr, L_OUT: gl.constexpr, SPLIT: gl.constexpr,
 ):  # fmt: skip
     """h for one tile of one expert's pairs, each K step's operands loaded into registers at its top."""
     BLOCK_K: gl.constexpr = 128 * SPANS
-    n_blocks = gl.cdiv(INTER, BLOCK_N)
+    n_blocks = gl.cdiv(INTER, BLOCK_N // 2 if SPLIT else BLOCK_N)
     t = gl.program_id(0) // n_blocks
     nb = gl.program_id(0) % n_blocks
     e = gl.load(tile_experts_ptr + t)
@@ -190,10 +219,10 @@ def _gate_up_registers(
     x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     xp = (x32 + (pair // TOP_K).to(gl.int64)[:, None] * (stride_xn // 2)
           + gl.arange(0, 64 * SPANS, layout=gl.SliceLayout(0, L_X))[None, :])  # fmt: skip
-    cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_W))
+    cols = _weight_rows(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_W)), nb, INTER, BLOCK_N, SPLIT)
     wp = (w_ptr + e.to(gl.int64) * stride_we + (cols * stride_wn)[:, None]
           + gl.arange(0, 16 * SPANS, layout=gl.SliceLayout(0, L_W))[None, :])  # fmt: skip
-    s_cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_S))
+    s_cols = _weight_rows(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_S)), nb, INTER, BLOCK_N, SPLIT)
     sp = (s_ptr + e.to(gl.int64) * stride_se + (s_cols * stride_sn)[:, None]
           + gl.arange(0, 8 * SPANS, layout=gl.SliceLayout(0, L_S))[None, :])  # fmt: skip
     gate = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
@@ -202,22 +231,27 @@ def _gate_up_registers(
         xb = _x_operand(gl.load(xp), BLOCK_M, SPANS, X_OP)
         wg = _w_operand(gl.load(wp), gl.load(sp), BLOCK_N, SPANS, L_W3, W_OP)
         gate = gl.nvidia.ampere.mma_v2(wg, xb, gate)
-        wu = _w_operand(gl.load(wp + INTER * stride_wn), gl.load(sp + INTER * stride_sn), BLOCK_N, SPANS, L_W3, W_OP)
-        up = gl.nvidia.ampere.mma_v2(wu, xb, up)
+        if not SPLIT:
+            wu = _w_operand(
+                gl.load(wp + INTER * stride_wn), gl.load(sp + INTER * stride_sn), BLOCK_N, SPANS, L_W3, W_OP
+            )
+            up = gl.nvidia.ampere.mma_v2(wu, xb, up)
         xp += BLOCK_K // 2
         wp += BLOCK_K // 8
         sp += BLOCK_K // 16
-    _store_h(gate, up, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N, BLOCK_M, MMA)
+    _finish(gate, up, gate, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N, BLOCK_M, MMA, L_OUT,
+            SPLIT)  # fmt: skip
 
 
 @gluon.jit
-def _issue(xs, wgs, wus, sgs, sus, stage, xp, wp, sp, up_words, up_scales):
-    """Start copying one K step's x pairs, gate/up words and gate/up scales into `stage` of the buffers."""
+def _issue(xs, wgs, wus, sgs, sus, stage, xp, wp, sp, up_words, up_scales, SPLIT: gl.constexpr):
+    """Start copying one K step's x pairs, gate (and up) words and scales into `stage` of the buffers."""
     gl.nvidia.ampere.async_copy.async_copy_global_to_shared(xs.index(stage), xp)
     gl.nvidia.ampere.async_copy.async_copy_global_to_shared(wgs.index(stage), wp)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(wus.index(stage), wp + up_words)
     gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage), sp)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sus.index(stage), sp + up_scales)
+    if not SPLIT:
+        gl.nvidia.ampere.async_copy.async_copy_global_to_shared(wus.index(stage), wp + up_words)
+        gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sus.index(stage), sp + up_scales)
     gl.nvidia.ampere.async_copy.commit_group()
 
 
@@ -227,12 +261,13 @@ def _gate_up_async(
     stride_xn, stride_we, stride_wn, stride_se, stride_sn, TOP_K: gl.constexpr, E: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPANS: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
     X_OP: gl.constexpr, L_W: gl.constexpr, L_W3: gl.constexpr, L_S: gl.constexpr, L_X: gl.constexpr,
-    COPY: gl.constexpr, STAGES: gl.constexpr,
+    COPY: gl.constexpr, L_OUT: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """The same h, each K step's operands copied STAGES - 1 steps ahead into shared memory (D a multiple of K step)."""
     BLOCK_K: gl.constexpr = 128 * SPANS
     SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    n_blocks = gl.cdiv(INTER, BLOCK_N)
+    UP_STAGES: gl.constexpr = 1 if SPLIT else STAGES
+    n_blocks = gl.cdiv(INTER, BLOCK_N // 2 if SPLIT else BLOCK_N)
     t = gl.program_id(0) // n_blocks
     nb = gl.program_id(0) % n_blocks
     e = gl.load(tile_experts_ptr + t)
@@ -243,7 +278,7 @@ def _gate_up_async(
     x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     xp = (x32 + (pair // TOP_K).to(gl.int64)[:, None] * (stride_xn // 2)
           + gl.arange(0, 64 * SPANS, layout=gl.SliceLayout(0, COPY))[None, :])  # fmt: skip
-    cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY))
+    cols = _weight_rows(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY)), nb, INTER, BLOCK_N, SPLIT)
     wp = (w_ptr + e.to(gl.int64) * stride_we + (cols * stride_wn)[:, None]
           + gl.arange(0, 16 * SPANS, layout=gl.SliceLayout(0, COPY))[None, :])  # fmt: skip
     s32 = s_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # the scales copy as int32, four at a time
@@ -253,13 +288,13 @@ def _gate_up_async(
     up_scales = INTER * (stride_sn // 4)
     xs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, 64 * SPANS], SMEM)
     wgs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16 * SPANS], SMEM)
-    wus = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16 * SPANS], SMEM)
+    wus = gl.allocate_shared_memory(gl.int32, [UP_STAGES, BLOCK_N, 16 * SPANS], SMEM)
     sgs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 2 * SPANS], SMEM)
-    sus = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 2 * SPANS], SMEM)
+    sus = gl.allocate_shared_memory(gl.int32, [UP_STAGES, BLOCK_N, 2 * SPANS], SMEM)
     steps = D // BLOCK_K
     for i in gl.static_range(STAGES - 1):
         _issue(xs, wgs, wus, sgs, sus, i, xp + i * (BLOCK_K // 2), wp + i * (BLOCK_K // 8),
-               sp + i * (BLOCK_K // 64), up_words, up_scales)  # fmt: skip
+               sp + i * (BLOCK_K // 64), up_words, up_scales, SPLIT)  # fmt: skip
     gate = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     for i in range(steps):
@@ -268,21 +303,24 @@ def _gate_up_async(
         stage = i % STAGES
         xa = xs.index(stage).load(L_X)
         wg = wgs.index(stage).load(L_W)
-        wu = wus.index(stage).load(L_W)
         sg = sgs.index(stage)._reinterpret(gl.uint8, [BLOCK_N, 8 * SPANS], SMEM).load(L_S)
-        su = sus.index(stage)._reinterpret(gl.uint8, [BLOCK_N, 8 * SPANS], SMEM).load(L_S)
+        if not SPLIT:
+            wu = wus.index(stage).load(L_W)
+            su = sus.index(stage)._reinterpret(gl.uint8, [BLOCK_N, 8 * SPANS], SMEM).load(L_S)
         ahead = gl.minimum(i + STAGES - 1, steps - 1)  # past the end the last step is copied again, unused
         _issue(xs, wgs, wus, sgs, sus, (i + STAGES - 1) % STAGES, xp + ahead * (BLOCK_K // 2),
-               wp + ahead * (BLOCK_K // 8), sp + ahead * (BLOCK_K // 64), up_words, up_scales)  # fmt: skip
+               wp + ahead * (BLOCK_K // 8), sp + ahead * (BLOCK_K // 64), up_words, up_scales, SPLIT)  # fmt: skip
         xb = _x_operand(xa, BLOCK_M, SPANS, X_OP)
         gate = gl.nvidia.ampere.mma_v2(
             _w_operand(wg, sg.to(gl.float8e4nv, bitcast=True), BLOCK_N, SPANS, L_W3, W_OP), xb, gate
         )
-        up = gl.nvidia.ampere.mma_v2(
-            _w_operand(wu, su.to(gl.float8e4nv, bitcast=True), BLOCK_N, SPANS, L_W3, W_OP), xb, up
-        )
+        if not SPLIT:
+            up = gl.nvidia.ampere.mma_v2(
+                _w_operand(wu, su.to(gl.float8e4nv, bitcast=True), BLOCK_N, SPANS, L_W3, W_OP), xb, up
+            )
     gl.nvidia.ampere.async_copy.wait_group(0)
-    _store_h(gate, up, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N, BLOCK_M, MMA)
+    _finish(gate, up, gate, s2_ptr, h_ptr, tile_starts_ptr, bounds_ptr, t, e, nb, INTER, BLOCK_N, BLOCK_M, MMA, L_OUT,
+            SPLIT)  # fmt: skip
 
 
 class Bench:
@@ -345,19 +383,19 @@ class Bench:
 
     def gluon(self, x: torch.Tensor, ids: torch.Tensor, variant: str) -> Launch:
         """One Gluon variant's launch on a plan of its own row tiles."""
-        warps, col_reps, row_reps, spans, stages = VARIANTS[variant]
+        warps, col_reps, row_reps, spans, stages, split = VARIANTS[variant]
         lay = layouts(warps, col_reps, row_reps, spans)
         n, wb = ids.shape[0], self.wb
         plan = moe.moe_plan(ids, self.e, lay["BLOCK_M"])
         h = torch.empty(n * self.k, self.i, dtype=torch.bfloat16, device=self.device)
         kernel, extra = (_gate_up_async, {"STAGES": stages}) if stages else (_gate_up_registers, {})
-        grid = (plan.max_tiles * triton.cdiv(self.i, lay["BLOCK_N"]),)
+        grid = (plan.max_tiles * triton.cdiv(self.i, lay["BLOCK_N"] // (2 if split else 1)),)
 
         def call() -> None:
             kernel[grid](
                 x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, *self._weight_args(), h, self.d,
                 self.i, x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
-                wb.gate_up_scale.stride(1), TOP_K=self.k, E=self.e, num_warps=warps, **lay, **extra,
+                wb.gate_up_scale.stride(1), TOP_K=self.k, E=self.e, SPLIT=split, num_warps=warps, **lay, **extra,
             )  # fmt: skip
 
         return call, h, plan
