@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,29 +66,35 @@ def init_group(env: RankEnv, device: str, timeout_s: float) -> torch.device:
     return where
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on the loopback (held together while they are picked)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
 def free_port() -> int:
     """A free TCP port on the loopback."""
-    import socket
+    return free_ports(1)[0]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def rank_environments(world: int, environ: dict[str, str]) -> list[dict[str, str]]:
+    """Each rank's environment for `--tp`: torchrun's variables on a free master port, and a control link port
+    checked free as well unless FLASHNEXT_LINK_PORT names one (the port after the master's may be taken)."""
+    master, link = free_ports(2)
+    shared = {**environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
+    shared.setdefault("FLASHNEXT_LINK_PORT", str(link))
+    return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
 
 def launch(argv: list[str], world: int) -> int:
     """Start `world` rank processes of `python -m server ARGV` with torchrun's variables; stop all when one fails."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(subprocess.Popen([sys.executable, "-m", "server", *argv], env=env))
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "server", *argv], env=env)
+        for env in rank_environments(world, dict(os.environ))
+    ]
 
     def forward(signum: int, _frame) -> None:
         # rank 0 shuts down gracefully and tells rank 1 to stop over the control link

@@ -15,6 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.config import load_config
+from server.ranks import free_ports
 from tests.server.live import free_port, oracle, tiny_chat_checkpoint
 from tests.tiny import ties_to_lower_index
 
@@ -53,8 +54,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
-def start_rank(rank: int, master_port: int, http_port: int, ckpt: Path, *flags: str) -> subprocess.Popen:
-    """One rank as torchrun would start it."""
+def start_rank(rank: int, rank_ports: list[int], http_port: int, ckpt: Path, *flags: str) -> subprocess.Popen:
+    """One rank as torchrun would start it, on the master and control link ports `rank_ports`."""
+    master_port, link_port = rank_ports
     env = {
         **os.environ,
         **QUIET,
@@ -63,6 +65,7 @@ def start_rank(rank: int, master_port: int, http_port: int, ckpt: Path, *flags: 
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(master_port),
+        "FLASHNEXT_LINK_PORT": str(link_port),
     }
     argv = [sys.executable, "-m", "server", str(ckpt), "--host", "127.0.0.1", "--port", str(http_port), *flags]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -153,9 +156,8 @@ def test_torchrun_launch_serves_the_same_tokens(ckpt):
         "--port",
         str(port),
     ]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env={**os.environ, **QUIET}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    env = {**os.environ, **QUIET, "FLASHNEXT_LINK_PORT": str(free_port())}  # not the port after the master's
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", [proc])
         assert greedy_ids(f"http://127.0.0.1:{port}") == expected_greedy(ckpt)
@@ -164,8 +166,8 @@ def test_torchrun_launch_serves_the_same_tokens(ckpt):
 
 
 def test_killing_rank_1_ends_the_request_with_an_error_and_rank_0_exits(ckpt):
-    master, port = free_port(), free_port()
-    ranks = [start_rank(r, master, port, ckpt) for r in (0, 1)]
+    rank_ports, port = free_ports(2), free_port()
+    ranks = [start_rank(r, rank_ports, port, ckpt) for r in (0, 1)]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, ranks)
@@ -184,8 +186,8 @@ def test_killing_rank_1_ends_the_request_with_an_error_and_rank_0_exits(ckpt):
 
 
 def test_killing_rank_0_makes_rank_1_exit(ckpt):
-    master, port = free_port(), free_port()
-    ranks = [start_rank(r, master, port, ckpt) for r in (0, 1)]
+    rank_ports, port = free_ports(2), free_port()
+    ranks = [start_rank(r, rank_ports, port, ckpt) for r in (0, 1)]
     try:
         wait_healthy(f"http://127.0.0.1:{port}", ranks)
         ranks[0].send_signal(signal.SIGKILL)
@@ -196,8 +198,8 @@ def test_killing_rank_0_makes_rank_1_exit(ckpt):
 
 
 def test_a_settings_mismatch_stops_both_ranks_naming_the_setting(ckpt):
-    master, port = free_port(), free_port()
-    ranks = [start_rank(0, master, port, ckpt, "--context", "2048"), start_rank(1, master, port, ckpt)]
+    rank_ports, port = free_ports(2), free_port()
+    ranks = [start_rank(0, rank_ports, port, ckpt, "--context", "2048"), start_rank(1, rank_ports, port, ckpt)]
     try:
         for proc in ranks:
             proc.wait(timeout=60)
@@ -225,8 +227,8 @@ def test_flashnext_settings_are_refused_by_name_before_any_device_work(ckpt, nam
 
 
 def test_rank_0_exits_when_an_idle_rank_1_dies(ckpt):
-    master, port = free_port(), free_port()
-    ranks = [start_rank(r, master, port, ckpt) for r in (0, 1)]
+    rank_ports, port = free_ports(2), free_port()
+    ranks = [start_rank(r, rank_ports, port, ckpt) for r in (0, 1)]
     try:
         wait_healthy(f"http://127.0.0.1:{port}", ranks)
         ranks[1].send_signal(signal.SIGKILL)
