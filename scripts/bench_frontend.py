@@ -42,7 +42,7 @@ from model.config import load_config  # noqa: E402
 from rankwire.header import DrawSpec  # noqa: E402
 from server.cli import build_parser  # noqa: E402
 from server.engine import Engine, Request, Update  # noqa: E402
-from server.ranks import free_port, rank_env  # noqa: E402
+from server.ranks import free_port, rank_env, rank_environments  # noqa: E402
 from server.serve import connect_ranks, create_serving, load_rank  # noqa: E402
 from server.settings import read_environment  # noqa: E402
 from server.tp import LinkedRunner  # noqa: E402
@@ -256,23 +256,17 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def rank_vars(world: int, rank: int, port: int) -> dict[str, str]:
-    """torchrun's variables for one of `world` ranks (none at tp 1)."""
-    if world == 1:
-        return {}
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port)}
-
-
 def run_phase_a(args: argparse.Namespace, argv: list[str]) -> dict[str, float]:
     """(A) in fresh processes: this script as rank 0 with --engine-only, and `python -m server` as rank 1 at tp 2."""
-    world, port = args.serve.tp or 1, free_port()
+    world = args.serve.tp or 1
+    envs = rank_environments(world, {}) if world > 1 else [{}]  # torchrun's variables and a checked link port
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
         rank0 = [sys.executable, str(Path(__file__).resolve()), *argv, "--engine-only", str(out)]
-        procs = [subprocess.Popen(rank0, cwd=ROOT, env=child_env(**rank_vars(world, 0, port)))]
+        procs = [subprocess.Popen(rank0, cwd=ROOT, env=child_env(**envs[0]))]
         for rank in range(1, world):
             server = [sys.executable, "-m", "server", *args.server_args]
-            procs.append(subprocess.Popen(server, cwd=ROOT, env=child_env(**rank_vars(world, rank, port))))
+            procs.append(subprocess.Popen(server, cwd=ROOT, env=child_env(**envs[rank])))
         try:
             while procs[0].poll() is None and all(p.poll() in (None, 0) for p in procs[1:]):
                 time.sleep(0.2)
