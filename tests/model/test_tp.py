@@ -15,7 +15,7 @@ from model.flashnext import single_lane_batch
 from model.layers import ForwardBatch, Segment
 from model.parallel import TensorParallel
 from model.weights import load_model
-from tests.server.live import free_port
+from server.ranks import free_port
 from tests.tiny import checkpoint, hf_model, ties_to_lower_index
 
 PROMPT = torch.tensor([7, 19, 5, 33, 2, 91, 5, 44, 8, 13, 21, 60, 17, 3, 99, 12, 40, 41, 42, 5, 6, 70])

@@ -15,7 +15,7 @@ from make_checkpoint import hf_model, make_checkpoint
 
 from server.app import build_app
 from server.cli import build_parser
-from server.ranks import free_port
+from server.frontend import listen_socket
 from server.serve import create_serving
 from tests.tiny import text_config
 
@@ -46,12 +46,13 @@ def oracle(path: Path, seed: int = 0):
 @contextlib.contextmanager
 def serve(path: Path, *flags: str) -> Iterator[Live]:
     """Serve a checkpoint until the block ends."""
-    port = free_port()
+    sock = listen_socket("127.0.0.1", 0)  # bound now: no port picked here and bound later
+    port = sock.getsockname()[1]
     args = build_parser().parse_args(["serve", str(path), "--host", "127.0.0.1", "--port", str(port), *flags])
     server = uvicorn.Server(
         uvicorn.Config(build_app(create_serving(args).local_state()), host="127.0.0.1", port=port, log_level="warning")
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -63,3 +64,4 @@ def serve(path: Path, *flags: str) -> Iterator[Live]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        sock.close()

@@ -307,6 +307,7 @@ def test_drafted_equals_draft_false_and_drafting_shows_in_metrics(live):
             httpx.post(
                 f"{live.v1}/completions",
                 json={"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "draft": draft, **body},
+                timeout=120,
             ).json()
             for draft in (True, False)
         ]

@@ -73,6 +73,12 @@ class Collected:
         return [t for u in self.updates for t in u.token_ids]
 
 
+async def first_update(seen: Collected) -> None:
+    """Return once `seen` has an update (callers bound it with a deadline)."""
+    while not seen.updates:
+        await asyncio.sleep(0.01)
+
+
 @contextlib.asynccontextmanager
 async def linked(engine: Engine, lost: list[str] | None = None) -> AsyncIterator[tuple[EngineHost, EngineClient]]:
     """A started host of `engine` and a client attached to the running loop, both stopped at the end."""
@@ -130,8 +136,7 @@ def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> 
         async with linked(engine) as (_, client):
             seen = Collected()
             client.submit(Request("long", PROMPTS[0], 240, GREEDY, frozenset(), seen.sink))
-            while not seen.updates:
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(first_update(seen), 60)
             client.abort("long")
             count = len(seen.updates)
             for _ in range(500):
@@ -162,8 +167,7 @@ def test_when_the_engine_side_goes_every_open_request_and_question_ends_with_an_
         async with linked(engine_for(model), lost) as (host, client):
             seen = Collected()
             client.submit(Request("long", PROMPTS[1], 240, GREEDY, frozenset(), seen.sink))
-            while not seen.updates:
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(first_update(seen), 60)
             host.stop()  # the engine process's end closes, as when that process dies
             end = await asyncio.wait_for(seen.ended, 10)
             assert (end.finish_reason, end.error) == ("error", LOST) and lost == [LOST]

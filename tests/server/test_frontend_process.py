@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.live import free_port, tiny_chat_checkpoint
+from server.ranks import free_port
+from tests.server.live import tiny_chat_checkpoint
 from tests.server.test_tp_server import QUIET, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

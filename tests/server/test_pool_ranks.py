@@ -16,7 +16,7 @@ from model.parallel import TensorParallel
 from model.state import slot_state_bytes
 from model.weights import load_model
 from server import serve
-from tests.server.live import free_port
+from server.ranks import free_port
 from tests.tiny import text_config
 
 TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4}

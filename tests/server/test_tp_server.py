@@ -15,8 +15,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.config import load_config
-from server.ranks import free_ports
-from tests.server.live import free_port, oracle, tiny_chat_checkpoint
+from server.ranks import free_port, free_ports
+from tests.server.live import oracle, tiny_chat_checkpoint
 from tests.tiny import ties_to_lower_index
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,9 +52,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
-def start_rank(rank: int, rank_ports: list[int], http_port: int, ckpt: Path, *flags: str) -> subprocess.Popen:
+def start_rank(rank: int, rank_ports: tuple[int, int], http_port: int, ckpt: Path, *flags: str) -> subprocess.Popen:
     """One rank as torchrun would start it, on the master and control link ports `rank_ports`."""
     master_port, link_port = rank_ports
     env = {
@@ -139,7 +140,7 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
 
 
 def test_torchrun_launch_serves_the_same_tokens(ckpt):
-    port = free_port()
+    master, link, port = free_ports(3)
     argv = [
         sys.executable,
         "-m",
@@ -147,7 +148,7 @@ def test_torchrun_launch_serves_the_same_tokens(ckpt):
         "--nproc-per-node",
         "2",
         "--master-port",
-        str(free_port()),
+        str(master),
         "-m",
         "server",
         str(ckpt),
@@ -156,7 +157,7 @@ def test_torchrun_launch_serves_the_same_tokens(ckpt):
         "--port",
         str(port),
     ]
-    env = {**os.environ, **QUIET, "FLASHNEXT_LINK_PORT": str(free_port())}  # not the port after the master's
+    env = {**os.environ, **QUIET, "FLASHNEXT_LINK_PORT": str(link)}  # not the port after the master's
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", [proc])
@@ -166,8 +167,8 @@ def test_torchrun_launch_serves_the_same_tokens(ckpt):
 
 
 def test_killing_rank_1_ends_the_request_with_an_error_and_rank_0_exits(ckpt):
-    rank_ports, port = free_ports(2), free_port()
-    ranks = [start_rank(r, rank_ports, port, ckpt) for r in (0, 1)]
+    master, link, port = free_ports(3)
+    ranks = [start_rank(r, (master, link), port, ckpt) for r in (0, 1)]
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, ranks)
@@ -186,8 +187,8 @@ def test_killing_rank_1_ends_the_request_with_an_error_and_rank_0_exits(ckpt):
 
 
 def test_killing_rank_0_makes_rank_1_exit(ckpt):
-    rank_ports, port = free_ports(2), free_port()
-    ranks = [start_rank(r, rank_ports, port, ckpt) for r in (0, 1)]
+    master, link, port = free_ports(3)
+    ranks = [start_rank(r, (master, link), port, ckpt) for r in (0, 1)]
     try:
         wait_healthy(f"http://127.0.0.1:{port}", ranks)
         ranks[0].send_signal(signal.SIGKILL)
@@ -198,8 +199,8 @@ def test_killing_rank_0_makes_rank_1_exit(ckpt):
 
 
 def test_a_settings_mismatch_stops_both_ranks_naming_the_setting(ckpt):
-    rank_ports, port = free_ports(2), free_port()
-    ranks = [start_rank(0, rank_ports, port, ckpt, "--context", "2048"), start_rank(1, rank_ports, port, ckpt)]
+    master, link, port = free_ports(3)
+    ranks = [start_rank(0, (master, link), port, ckpt, "--context", "2048"), start_rank(1, (master, link), port, ckpt)]
     try:
         for proc in ranks:
             proc.wait(timeout=60)
@@ -227,8 +228,8 @@ def test_flashnext_settings_are_refused_by_name_before_any_device_work(ckpt, nam
 
 
 def test_rank_0_exits_when_an_idle_rank_1_dies(ckpt):
-    rank_ports, port = free_ports(2), free_port()
-    ranks = [start_rank(r, rank_ports, port, ckpt) for r in (0, 1)]
+    master, link, port = free_ports(3)
+    ranks = [start_rank(r, (master, link), port, ckpt) for r in (0, 1)]
     try:
         wait_healthy(f"http://127.0.0.1:{port}", ranks)
         ranks[1].send_signal(signal.SIGKILL)
