@@ -80,6 +80,11 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def control_link_port(ranks: RankEnv, link_port: int | None) -> int:
+    """The control link's port: FLASHNEXT_LINK_PORT's when set, else the one after the master's."""
+    return link_port or ranks.master_port + 1
+
+
 def rank_environments(world: int, environ: dict[str, str]) -> list[dict[str, str]]:
     """Each rank's environment for `--tp`: torchrun's variables on a free master port, and a control link port
     checked free as well unless FLASHNEXT_LINK_PORT names one (the port after the master's may be taken)."""

@@ -27,7 +27,7 @@ from server.frontend import FrontendProcess, FrontSettings, http_server, listen_
 from server.handle import LocalEngine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
-from server.ranks import RankEnv, init_group, launch, rank_env
+from server.ranks import RankEnv, control_link_port, init_group, launch, rank_env
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
 from server.settings import EnvSettings, read_environment
@@ -231,7 +231,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
 
 def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> ControlLink:
     """Open the control link (rank 0 listens, rank 1 connects) and compare settings."""
-    port = env.link_port or ranks.master_port + 1
+    port = control_link_port(ranks, env.link_port)
     if ranks.rank == 0:
         listener = ControlLink.listen("0.0.0.0", port)
         try:

@@ -36,7 +36,8 @@ class CountingPoll:
 
     def __call__(self, fd: int, timeout: float | None, events: int) -> int:
         now = time.monotonic()
-        self.t0 = now if self.t0 is None else self.t0
+        if self.t0 is None:
+            self.t0 = now
         started = now - self.t0
         try:
             revents = self.inner(fd, timeout, events)

@@ -46,22 +46,20 @@ def oracle(path: Path, seed: int = 0):
 @contextlib.contextmanager
 def serve(path: Path, *flags: str) -> Iterator[Live]:
     """Serve a checkpoint until the block ends."""
-    sock = listen_socket("127.0.0.1", 0)  # bound now: no port picked here and bound later
-    port = sock.getsockname()[1]
-    args = build_parser().parse_args(["serve", str(path), "--host", "127.0.0.1", "--port", str(port), *flags])
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(create_serving(args).local_state()), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield Live(f"http://127.0.0.1:{port}", path.name, path)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with contextlib.closing(listen_socket("127.0.0.1", 0)) as sock:  # bound now: no port picked, then bound later
+        port = sock.getsockname()[1]
+        args = build_parser().parse_args(["serve", str(path), "--host", "127.0.0.1", "--port", str(port), *flags])
+        app = build_app(create_serving(args).local_state())
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        try:
+            yield Live(f"http://127.0.0.1:{port}", path.name, path)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)

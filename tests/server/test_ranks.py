@@ -11,8 +11,8 @@ from server.settings import read_environment
 
 
 def effective_link_port(env: dict[str, str]) -> int:
-    """The control link port a rank with this environment listens on or connects to (as serve.py picks it)."""
-    return read_environment(env).link_port or int(env["MASTER_PORT"]) + 1
+    """The control link port a rank with this environment listens on or connects to."""
+    return ranks.control_link_port(ranks.rank_env(None, env), read_environment(env).link_port)
 
 
 def test_the_link_port_is_free_even_when_the_port_after_the_masters_is_taken(monkeypatch):
