@@ -1,0 +1,451 @@
+"""An experiment on one H200: NVFP4 words stored in the tensor cores' fragment order, read by a Gluon gate_up and by
+kernels/moe.py's Triton kernels, against kernels/moe.py on today's word layout.
+
+Why: the fourteenth session's Gluon gate_up was 20% faster at 64 rows, but it permuted K, so its bits differed from
+kernels/moe.py's and every MoE path would have had to move to its order. Here the words move instead. Word (column
+group ng of 16, step s of 16 k, lane 4g + t) holds the eight codes that lane's mma.m16n8k16 A fragment takes:
+register j = 2·kh + nh holds column 16ng + 8nh + g at k = 16s + 8kh + 2t and + 1. Steps go in increasing order and
+each MMA adds one natural 16-set of k, as kernels/moe.py's do, so the bits should not change. Words of V = 4
+consecutive steps of a lane are adjacent (one 16-byte load); the block scales keep their layout.
+
+python3 scripts/gpu_fragment_moe.py --out $OUT   # tp=2's per-rank widths: E=512, d=2560, I=320, top-10
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
+
+from gpu_check_moe import Shape, packed_bank  # noqa: E402
+
+from kernels import moe  # noqa: E402
+from kernels.fp4_words import to_words  # noqa: E402
+from kernels.pdl import launch_options  # noqa: E402
+
+TWO_POW_119 = gl.constexpr(2.0**119)
+V_STEPS = 4
+V = gl.constexpr(V_STEPS)  # steps of 16 k whose words a lane loads at once
+REPLAYS = 20
+# name: (warps, column groups a warp, row tiles of 8, quads of steps a K step, stages: 0 loads into registers)
+VARIANTS = {
+    "registers, 2 warps, 32x8, k256": (2, 1, 1, 4, 0),
+    "registers, 2 warps, 32x8, k512": (2, 1, 1, 8, 0),
+    "cp.async, 2 warps, 32x8, k256, 3 stages": (2, 1, 1, 4, 3),
+    "cp.async, 2 warps, 32x8, k256, 4 stages": (2, 1, 1, 4, 4),
+    "cp.async, 2 warps, 32x8, k128, 4 stages": (2, 1, 1, 2, 4),
+    "cp.async, 1 warp, 16x8, k256, 4 stages": (1, 1, 1, 4, 4),
+    "cp.async, 4 warps, 64x8, k256, 3 stages": (4, 1, 1, 4, 3),
+}
+Launch = tuple[Callable[[], None], torch.Tensor, object]
+SETS = {1: 32, 8: 8, 64: 4, 1024: 1}
+
+
+def fragment_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint codes uint8 [..., N, K/2] -> the same codes reordered so that, read as words of eight, word
+    (ng, s // V, lane, s % V) holds lane's A fragment of column group ng at step s (element 2j + b: register j)."""
+    *lead, n, half = packed.shape
+    k = 2 * half
+    codes = torch.stack((packed & 0xF, packed >> 4), -1).reshape(
+        *lead, n // 16, 2, 8, k // (16 * V_STEPS), V_STEPS, 2, 4, 2
+    )
+    lead_dims = list(range(len(lead)))
+    at = len(lead)  # dims: ng, nh, g, q, v, kh, t, b -> ng, q, g, t, v, kh, nh, b
+    codes = codes.permute(*lead_dims, *(at + i for i in (0, 3, 2, 6, 4, 5, 1, 7))).reshape(*lead, n, half, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
+
+
+def fragment_bank(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint-layout bank as kernels take it, with the words in fragment order."""
+    out = {key: value for key, value in packed.items() if not key.endswith("_packed")}
+    for key in ("gate_up", "down"):
+        out[f"{key}_words"] = to_words(fragment_packed(packed[f"{key}_packed"]))
+    return out
+
+
+@triton.jit
+def _weight_tile_fragment(
+    w_ptr, s_ptr, rows, row_ok, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """kernels/moe.py's weight tile, from fragment-order words (rows in aligned groups of 16, K a multiple of 64)."""
+    NG: tl.constexpr = BLOCK_N // 16
+    QB: tl.constexpr = BLOCK_K // (16 * V)
+    first = tl.min(tl.reshape(rows, [NG, 16]), axis=1)
+    ok = tl.max(tl.reshape(row_ok.to(tl.int32), [NG, 16]), axis=1) > 0
+    q = k0 // (16 * V) + tl.arange(0, QB)
+    lane = tl.arange(0, 32)
+    v = tl.arange(0, V)
+    q_ok = q < K // (16 * V)
+    mask = ok[:, None, None, None] & q_ok[None, :, None, None]
+    off = (first[:, None, None, None] * stride_wn + q[None, :, None, None] * (32 * V) + lane[None, None, :, None] * V
+           + v[None, None, None, :])  # fmt: skip
+    words = tl.load(w_ptr + off, mask=mask, other=0)
+    s_off = ((first[:, None, None, None] + (lane // 4)[None, None, :, None]) * stride_sn
+             + (q * V)[None, :, None, None] + v[None, None, None, :])  # fmt: skip
+    s0 = tl.load(s_ptr + s_off, mask=mask, other=0.0)
+    s1 = tl.load(s_ptr + s_off + 8 * stride_sn, mask=mask, other=0.0)
+    r0, r1, r2, r3 = moe._bf16_pairs(words)
+    l0, h0 = moe._halves(r0, INTERPRET)
+    l1, h1 = moe._halves(r1, INTERPRET)
+    l2, h2 = moe._halves(r2, INTERPRET)
+    l3, h3 = moe._halves(r3, INTERPRET)
+    m0 = s0.to(l0.dtype) * moe.TWO_POW_119
+    m1 = s1.to(l0.dtype) * moe.TWO_POW_119
+    lo = tl.join(tl.join(l0 * m0, l2 * m0), tl.join(l1 * m1, l3 * m1))  # [..., kh, nh]
+    hi = tl.join(tl.join(h0 * m0, h2 * m0), tl.join(h1 * m1, h3 * m1))
+    w = tl.join(lo, hi).reshape(NG, QB, 8, 4, V, 2, 2, 2)  # ng, q, g, t, v, kh, nh, b
+    w = tl.permute(w, (0, 6, 2, 1, 4, 5, 3, 7))  # ng, nh, g, q, v, kh, t, b
+    return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
+
+
+def fragment_moe_module():
+    """A fresh copy of kernels/moe.py whose kernels read fragment-order words."""
+    spec = importlib.util.spec_from_file_location("moe_fragment", ROOT / "kernels" / "moe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module._weight_tile = _weight_tile_fragment
+    return module
+
+
+def _bits(n: int) -> list[int]:
+    """Powers of two below n (n a power of two)."""
+    return [1 << i for i in range(int(math.log2(n)))]
+
+
+def layouts(warps: int, col_reps: int, row_reps: int, quads: int) -> dict[str, object]:
+    """Layouts for BLOCK_N = 16·warps·col_reps columns, BLOCK_M = 8·row_reps rows, BLOCK_K = 64·quads: words
+    [NG, quads, 32, V] as loaded, x pairs [M, 32·quads], the MMA's operands."""
+    ng = warps * col_reps
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2]] + [[0, b, 0, 0] for b in _bits(quads)]
+        + [[warps * b, 0, 0, 0] for b in _bits(col_reps)],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0], [0, 0, 16, 0]],
+        warp_bases=[[b, 0, 0, 0] for b in _bits(warps)], block_bases=[], shape=[ng, quads, 32, V])  # fmt: skip
+    pairs = gl.DistributedLinearLayout(
+        reg_bases=[[0, 4], [0, 8], [0, 16]] + [[0, 32 * b] for b in _bits(quads)]
+        + [[8 * b, 0] for b in _bits(row_reps)],
+        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0] for _ in _bits(warps)], block_bases=[], shape=[8 * row_reps, 32 * quads])  # fmt: skip
+    return {
+        "MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, 2), "X_OP": gl.DotOperandLayout(1, mma, 2), "L_W": words,
+        "L_X": pairs, "NG": ng, "BLOCK_M": 8 * row_reps, "QUADS": quads,
+    }  # fmt: skip
+
+
+@gluon.jit
+def _hmul2(r, s):
+    """Packed bf16 pairs times packed bf16 pairs, as uint32."""
+    return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, s], dtype=gl.uint32, is_pure=True,
+                                     pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _scale_pairs(scale):
+    """fp8 e4m3 block scales -> uint32 holding bf16(scale·2^119) in both halves (exact)."""
+    f = scale.to(gl.float32) * TWO_POW_119
+    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f", [f], dtype=gl.uint32, is_pure=True,
+                                     pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _halves(r):
+    """uint32 -> its (low, high) bf16 halves."""
+    return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r], dtype=(gl.bfloat16, gl.bfloat16),
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _w_operand(words, s0, s1, NG: gl.constexpr, QUADS: gl.constexpr, W_OP: gl.constexpr):
+    """Fragment words [NG, QUADS, 32, V] and their columns' scales -> bf16 [16·NG, 64·QUADS] in W_OP (no moves)."""
+    w = words.to(gl.uint32, bitcast=True)
+    r0 = w & 0x81C081C0
+    r1 = ((w << 13) | (w >> 19)) & 0x81C081C0
+    r2 = ((w & 0x00390039) * 0x8008) & 0x81C081C0
+    r3 = (((w << 10) | (w >> 22)) & 0x01C001C0) | (((w << 14) | (w >> 18)) & 0x80008000)
+    m0 = _scale_pairs(s0)
+    m1 = _scale_pairs(s1)
+    u = gl.join(gl.join(_hmul2(r0, m0), _hmul2(r2, m0)), gl.join(_hmul2(r1, m1), _hmul2(r3, m1)))  # [.., kh, nh]
+    lo, hi = _halves(u)
+    v = gl.join(lo, hi).reshape([NG, QUADS, 8, 4, 4, 2, 2, 2])  # ng, q, g, t, v, kh, nh, b
+    v = v.permute((0, 6, 2, 1, 4, 5, 3, 7)).reshape([16 * NG, 64 * QUADS])
+    return gl.convert_layout(v, W_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _x_operand(x, BLOCK_M: gl.constexpr, QUADS: gl.constexpr, X_OP: gl.constexpr):
+    """x as int32 pairs [M, 32·QUADS] -> bf16 [64·QUADS, M] in X_OP (no moves)."""
+    lo, hi = _halves(x)
+    v = gl.join(lo, hi).reshape([BLOCK_M, 64 * QUADS]).permute((1, 0))
+    return gl.convert_layout(v, X_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _gate_up_fragment(
+    x_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, D, INTER,
+    stride_xn, stride_we, stride_wn, stride_se, stride_sn, TOP_K: gl.constexpr, E: gl.constexpr,
+    NG: gl.constexpr, BLOCK_M: gl.constexpr, QUADS: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
+    X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """h for one tile of one expert's pairs from fragment-order words: loads into registers (STAGES 0) or words and
+    scales copied STAGES - 1 K steps ahead into shared memory."""
+    BLOCK_N: gl.constexpr = 16 * NG
+    BLOCK_K: gl.constexpr = 64 * QUADS
+    n_blocks = gl.cdiv(INTER, BLOCK_N)
+    t = gl.program_id(0) // n_blocks
+    nb = gl.program_id(0) % n_blocks
+    e = gl.load(tile_experts_ptr + t)
+    if e >= E:
+        return
+    pos = gl.load(tile_starts_ptr + t) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_X))
+    ok = pos < gl.load(bounds_ptr + e + 1)
+    pair = gl.load(pairs_ptr + pos, mask=ok, other=0)  # a padded row reads row 0: its sums are never stored
+    x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    xp = (x32 + (pair // TOP_K).to(gl.int64)[:, None] * (stride_xn // 2)
+          + gl.arange(0, 32 * QUADS, layout=gl.SliceLayout(0, L_X))[None, :])  # fmt: skip
+    L3: gl.constexpr = gl.SliceLayout(3, L_W)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    ng = nb * NG + gl.arange(0, NG, layout=gl.SliceLayout(1, L2))
+    q = gl.arange(0, QUADS, layout=gl.SliceLayout(0, L2))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    vv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L_W))))
+    ng4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(ng, 1), 2), 3)
+    q4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(q, 0), 2), 3)
+    lane4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(lane, 0), 1), 3)
+    v4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(vv, 0), 1), 2)
+    w_e = w_ptr + e.to(gl.int64) * stride_we
+    s_e = s_ptr + e.to(gl.int64) * stride_se
+    wp = w_e + ng4 * (16 * stride_wn) + q4 * 128 + lane4 * 4 + v4
+    sp = s_e + (ng4 * 16 + lane4 // 4) * stride_sn + q4 * 4 + v4
+    up_w = INTER * stride_wn
+    up_s = INTER * stride_sn
+    gate = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    steps = D // BLOCK_K
+    if STAGES == 0:
+        for i in range(steps):
+            xb = _x_operand(gl.load(xp + i * (BLOCK_K // 2)), BLOCK_M, QUADS, X_OP)
+            wo = i * (QUADS * 32 * V)
+            so = i * (BLOCK_K // 16)
+            wg = _w_operand(gl.load(wp + wo), gl.load(sp + so), gl.load(sp + so + 8 * stride_sn), NG, QUADS, W_OP)
+            gate = gl.nvidia.ampere.mma_v2(wg, xb, gate)
+            wu = _w_operand(gl.load(wp + wo + up_w), gl.load(sp + so + up_s), gl.load(sp + so + up_s + 8 * stride_sn),
+                            NG, QUADS, W_OP)  # fmt: skip
+            up = gl.nvidia.ampere.mma_v2(wu, xb, up)
+    else:
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        wgs = gl.allocate_shared_memory(gl.int32, [STAGES, NG, QUADS, 32, 4], SMEM)
+        wus = gl.allocate_shared_memory(gl.int32, [STAGES, NG, QUADS, 32, 4], SMEM)
+        sgs = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, NG, QUADS, 32, 4], SMEM)
+        for j in gl.static_range(STAGES - 1):
+            _issue(wgs, wus, sgs, j, STAGES, wp + j * (QUADS * 32 * V), sp + j * (BLOCK_K // 16), up_w, up_s,
+                   stride_sn)  # fmt: skip
+        for i in range(steps):
+            gl.nvidia.ampere.async_copy.wait_group(STAGES - 2)
+            stage = i % STAGES
+            xa = gl.load(xp + i * (BLOCK_K // 2))
+            wg_words = wgs.index(stage).load(L_W)
+            wu_words = wus.index(stage).load(L_W)
+            sg0 = sgs.index(stage * 4).load(L_W)
+            sg1 = sgs.index(stage * 4 + 1).load(L_W)
+            su0 = sgs.index(stage * 4 + 2).load(L_W)
+            su1 = sgs.index(stage * 4 + 3).load(L_W)
+            ahead = gl.minimum(i + STAGES - 1, steps - 1)  # past the end the last step is copied again, unused
+            _issue(wgs, wus, sgs, (i + STAGES - 1) % STAGES, STAGES, wp + ahead * (QUADS * 32 * V),
+                   sp + ahead * (BLOCK_K // 16), up_w, up_s, stride_sn)  # fmt: skip
+            xb = _x_operand(xa, BLOCK_M, QUADS, X_OP)
+            gate = gl.nvidia.ampere.mma_v2(_w_operand(wg_words, sg0, sg1, NG, QUADS, W_OP), xb, gate)
+            up = gl.nvidia.ampere.mma_v2(_w_operand(wu_words, su0, su1, NG, QUADS, W_OP), xb, up)
+        gl.nvidia.ampere.async_copy.wait_group(0)
+    gate = gate * (gl.load(s2_ptr + e * 2) * 128.0)
+    up = up * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
+    h = (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)
+    pos_o = gl.load(tile_starts_ptr + t) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    ok_o = pos_o < gl.load(bounds_ptr + e + 1)
+    cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    gl.store(h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None], h, mask=ok_o[None, :])
+
+
+@gluon.jit
+def _issue(wgs, wus, sgs, stage, STAGES: gl.constexpr, wp, sp, up_w, up_s, stride_sn):
+    """Start copying one K step's gate and up words and their four scale sets into `stage`."""
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(wgs.index(stage), wp)
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(wus.index(stage), wp + up_w)
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4), sp)
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4 + 1), sp + 8 * stride_sn)
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4 + 2), sp + up_s)
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4 + 3), sp + up_s + 8 * stride_sn)
+    gl.nvidia.ampere.async_copy.commit_group()
+
+
+class Bench:
+    """One random NVFP4 bank at tp=2's per-rank widths in both word layouts, and the gate_up launches on them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        shape = Shape()
+        self.e, self.d, self.i, self.k = shape.experts, shape.hidden, shape.inter, shape.top_k
+        packed = packed_bank(shape, torch.Generator(device=device).manual_seed(0), device)
+        from kernels.fp4_words import kernel_bank
+
+        self.bank = kernel_bank(packed)
+        self.fbank = fragment_bank(packed)
+        self.moe_f = fragment_moe_module()
+
+    def routing(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, d] bf16 and n rows of k distinct random experts."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        x = torch.randn(n, self.d, device=self.device, generator=gen).bfloat16()
+        ids = torch.rand(n, self.e, device=self.device, generator=gen).argsort(dim=1)[:, : self.k]
+        return x, ids.to(torch.int32).contiguous()
+
+    def triton(self, x: torch.Tensor, ids: torch.Tensor, fragment: bool) -> Launch:
+        """kernels/moe.py's gate_up as moe_forward launches it, on today's words or (its copy) on fragment words."""
+        mod = self.moe_f if fragment else moe
+        bank = self.fbank if fragment else self.bank
+        n, wb, dev = ids.shape[0], mod._weights(bank), self.device
+        tiles = mod.moe_tiles(n, self.k, self.e)
+        h = torch.empty(n * self.k, self.i, dtype=torch.bfloat16, device=dev)
+        args = (wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2)
+        strides = (wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1))
+        common = {
+            "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.gate_up_k, "EVEN_K": True,
+            "FP4": True, "INTERPRET": False, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
+        }  # fmt: skip
+        programs = triton.cdiv(self.i, tiles.gate_up_n)
+        if n < mod.PAIR_ROWS:
+            wts = torch.full((n, self.k), 1.0 / self.k, device=dev)
+            order_ids = torch.empty(n * self.k, dtype=torch.int32, device=dev)
+            order_wts = torch.empty(n * self.k, dtype=torch.float32, device=dev)
+            kernel = mod._gate_up_pairs_kernel
+
+            def call() -> None:
+                kernel[(n * self.k * programs,)](
+                    x, ids, wts, *args, h, order_ids, order_wts, self.d, self.i, x.stride(0), *strides,
+                    TOP_K=self.k, K_POW2=triton.next_power_of_2(self.k), **common, **launch_options(kernel, dev),
+                )  # fmt: skip
+
+            return call, h, "pairs"
+        plan = mod.moe_plan(ids, self.e, tiles.block_m)
+        kernel = mod._gate_up_kernel
+
+        def call() -> None:
+            kernel[(plan.max_tiles * programs,)](
+                x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, *args, h, self.d, self.i,
+                x.stride(0), *strides, TOP_K=self.k, E=self.e, **common, **launch_options(kernel, dev),
+            )  # fmt: skip
+
+        return call, h, plan
+
+    def gluon(self, x: torch.Tensor, ids: torch.Tensor, variant: str) -> Launch:
+        """One Gluon variant's launch on fragment words, on a plan of its own row tiles."""
+        warps, col_reps, row_reps, quads, stages = VARIANTS[variant]
+        lay = layouts(warps, col_reps, row_reps, quads)
+        n, wb = ids.shape[0], moe._weights(self.fbank)
+        plan = moe.moe_plan(ids, self.e, lay["BLOCK_M"])
+        h = torch.empty(n * self.k, self.i, dtype=torch.bfloat16, device=self.device)
+        grid = (plan.max_tiles * triton.cdiv(self.i, 16 * lay["NG"]),)
+
+        def call() -> None:
+            _gate_up_fragment[grid](
+                x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, wb.gate_up, wb.gate_up_scale,
+                wb.gate_up_scale_2, h, self.d, self.i, x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1),
+                wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1), TOP_K=self.k, E=self.e, STAGES=stages,
+                num_warps=warps, **lay,
+            )  # fmt: skip
+
+        return call, h, plan
+
+
+def by_pair(h: torch.Tensor, plan: object) -> torch.Tensor:
+    """h in pair-id order (grouped kernels store by plan position; the pairs kernel by place, the same here since
+    every row's experts are distinct and compared sorted)."""
+    if isinstance(plan, str):
+        return h
+    out = torch.empty_like(h)
+    out[plan.pairs[: h.shape[0]].long()] = h
+    return out
+
+
+def run(call: Callable[[], None], h: torch.Tensor, plan: object) -> torch.Tensor:
+    """One launch, synchronised; its h by pair id."""
+    call()
+    torch.cuda.synchronize()
+    return by_pair(h, plan)
+
+
+def differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """bf16 elements whose bits differ."""
+    return int((a.view(torch.int16) != b.view(torch.int16)).sum())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gpu_timing import graph_median_us
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for fragment_moe.json")
+    ap.add_argument("--rows", default="1,8,64,1024")
+    args = ap.parse_args(argv)
+    bench = Bench(torch.device("cuda"))
+    log: dict[str, object] = {}
+
+    def say(key: str, value: object) -> None:
+        log[key] = value
+        print(f"{key}: {value}", flush=True)
+
+    for rows in (8, 64, 256):
+        x, ids = bench.routing(rows, 1)
+        now = run(*bench.triton(x, ids, False))
+        say(
+            f"{rows} rows: Triton on fragment words, elements differing from today",
+            differing(run(*bench.triton(x, ids, True)), now),
+        )
+        for variant in VARIANTS:
+            try:
+                got = run(*bench.gluon(x, ids, variant))
+                say(f"{rows} rows: {variant}, elements differing from today", differing(got, now))
+            except Exception as exc:  # an experiment: report a variant that fails to build and go on
+                say(f"{variant}: failed", repr(exc)[:400])
+    x, ids = bench.routing(64, 1)
+    now = run(*bench.triton(x, ids, False))
+    alone = sum(differing(run(*bench.triton(x[r:r + 1], ids[r:r + 1], True)), now[r * bench.k:(r + 1) * bench.k])
+                for r in (0, 17, 63))  # fmt: skip
+    say("Triton pairs kernel on fragment words, rows 0, 17, 63 alone against today's in 64: differing", alone)
+    for rows in (int(r) for r in args.rows.split(",")):
+        sets = [bench.routing(rows, 100 + s) for s in range(SETS[rows])]
+        captured = len(sets) * max(1, 32 // len(sets))
+        for name, make in (
+            ("today", lambda r: bench.triton(*r, False)),
+            ("Triton, fragment", lambda r: bench.triton(*r, True)),
+        ):
+            say(f"{rows} rows: {name} us", graph_median_us([make(r)[0] for r in sets], captured, REPLAYS))
+        for variant in VARIANTS:
+            try:
+                say(
+                    f"{rows} rows: {variant} us",
+                    graph_median_us([bench.gluon(*r, variant)[0] for r in sets], captured, REPLAYS),
+                )
+            except Exception as exc:
+                say(f"{rows} rows: {variant} failed", repr(exc)[:400])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fragment_moe.json").write_text(json.dumps(log, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
