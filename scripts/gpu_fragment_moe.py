@@ -40,15 +40,16 @@ TWO_POW_119 = gl.constexpr(2.0**119)
 V_STEPS = 4
 V = gl.constexpr(V_STEPS)  # steps of 16 k whose words a lane loads at once
 REPLAYS = 20
-# name: (warps, column groups a warp, row tiles of 8, quads of steps a K step, stages: 0 loads into registers)
+# name: (role, warps, column groups a warp, row reps, quads of steps a K step, prefetch one K step ahead)
 VARIANTS = {
-    "registers, 2 warps, 32x8, k256": (2, 1, 1, 4, 0),
-    "registers, 2 warps, 32x8, k512": (2, 1, 1, 8, 0),
-    "cp.async, 2 warps, 32x8, k256, 3 stages": (2, 1, 1, 4, 3),
-    "cp.async, 2 warps, 32x8, k256, 4 stages": (2, 1, 1, 4, 4),
-    "cp.async, 2 warps, 32x8, k128, 4 stages": (2, 1, 1, 2, 4),
-    "cp.async, 1 warp, 16x8, k256, 4 stages": (1, 1, 1, 4, 4),
-    "cp.async, 4 warps, 64x8, k256, 3 stages": (4, 1, 1, 4, 3),
+    "wA, 2 warps, 32x8, k512": ("wA", 2, 1, 1, 8, 0),
+    "wA, 2 warps, 32x8, k256, prefetch": ("wA", 2, 1, 1, 4, 1),
+    "wA, 1 warp, 16x8, k256, prefetch": ("wA", 1, 1, 1, 4, 1),
+    "xA, 2 warps, 16x32, k512": ("xA", 2, 1, 1, 8, 0),
+    "xA, 2 warps, 16x32, k256, prefetch": ("xA", 2, 1, 1, 4, 1),
+    "xA, 1 warp, 16x16, k256, prefetch": ("xA", 1, 1, 1, 4, 1),
+    "xA, 4 warps, 32x64, k256, prefetch": ("xA", 4, 1, 2, 4, 1),
+    "xA, 4 warps, 64x64, k128, prefetch": ("xA", 4, 1, 4, 2, 1),
 }
 Launch = tuple[Callable[[], None], torch.Tensor, object]
 SETS = {1: 32, 8: 8, 64: 4, 1024: 1}
@@ -127,52 +128,64 @@ def _bits(n: int) -> list[int]:
     return [1 << i for i in range(int(math.log2(n)))]
 
 
-def layouts(warps: int, col_reps: int, row_reps: int, quads: int) -> dict[str, object]:
-    """Layouts for BLOCK_N = 16·warps·col_reps columns, BLOCK_M = 8·row_reps rows, BLOCK_K = 64·quads: words
-    [NG, quads, 32, V] as loaded, x pairs [M, 32·quads], the MMA's operands."""
+def layouts(role: str, warps: int, col_reps: int, row_reps: int, quads: int) -> dict[str, object]:
+    """Layouts for 16·warps·col_reps columns (NG groups of 16) and BLOCK_K = 64·quads. Role "wA": the weights are the
+    MMA's first operand and x its second (8-row tiles); "xA": x first (16-row tiles), the weights second, as
+    kernels/moe.py's tl.dot has them. Words load as [NG, quads, 32, V]; x pairs as [BLOCK_M, 32·quads]."""
     ng = warps * col_reps
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
     words = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2]] + [[0, b, 0, 0] for b in _bits(quads)]
         + [[warps * b, 0, 0, 0] for b in _bits(col_reps)],
         lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 8, 0], [0, 0, 16, 0]],
         warp_bases=[[b, 0, 0, 0] for b in _bits(warps)], block_bases=[], shape=[ng, quads, 32, V])  # fmt: skip
+    steps = [[0, 4], [0, 8], [0, 16]] + [[0, 32 * b] for b in _bits(quads)]
+    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    if role == "wA":
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+        block_m = 8 * row_reps
+        rows = [[8 * b, 0] for b in _bits(row_reps)]
+        w_op, x_op = gl.DotOperandLayout(0, mma, 2), gl.DotOperandLayout(1, mma, 2)
+    else:
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, warps], instr_shape=[16, 8])
+        block_m = 16 * row_reps
+        rows = [[16 * b, 0] for b in _bits(row_reps)]
+        w_op, x_op = gl.DotOperandLayout(1, mma, 2), gl.DotOperandLayout(0, mma, 2)
+        steps = [[8, 0], *steps]  # a thread's rows g and g + 8
     pairs = gl.DistributedLinearLayout(
-        reg_bases=[[0, 4], [0, 8], [0, 16]] + [[0, 32 * b] for b in _bits(quads)]
-        + [[8 * b, 0] for b in _bits(row_reps)],
-        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[0, 0] for _ in _bits(warps)], block_bases=[], shape=[8 * row_reps, 32 * quads])  # fmt: skip
-    return {
-        "MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, 2), "X_OP": gl.DotOperandLayout(1, mma, 2), "L_W": words,
-        "L_X": pairs, "NG": ng, "BLOCK_M": 8 * row_reps, "QUADS": quads,
-    }  # fmt: skip
+        reg_bases=steps + rows, lane_bases=lanes, warp_bases=[[0, 0] for _ in _bits(warps)], block_bases=[],
+        shape=[block_m, 32 * quads])  # fmt: skip
+    return {"MMA": mma, "W_OP": w_op, "X_OP": x_op, "L_W": words, "L_X": pairs, "NG": ng, "BLOCK_M": block_m,
+            "QUADS": quads}  # fmt: skip
 
 
 @gluon.jit
 def _hmul2(r, s):
     """Packed bf16 pairs times packed bf16 pairs, as uint32."""
-    return gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, s], dtype=gl.uint32, is_pure=True,
-                                     pack=1)  # fmt: skip
+    return gl.inline_asm_elementwise(
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, s], dtype=gl.uint32, is_pure=True, pack=1
+    )
 
 
 @gluon.jit
 def _scale_pairs(scale):
     """fp8 e4m3 block scales -> uint32 holding bf16(scale·2^119) in both halves (exact)."""
     f = scale.to(gl.float32) * TWO_POW_119
-    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f", [f], dtype=gl.uint32, is_pure=True,
-                                     pack=1)  # fmt: skip
+    return gl.inline_asm_elementwise(
+        "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f", [f], dtype=gl.uint32, is_pure=True, pack=1
+    )
 
 
 @gluon.jit
 def _halves(r):
     """uint32 -> its (low, high) bf16 halves."""
-    return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r], dtype=(gl.bfloat16, gl.bfloat16),
-                                     is_pure=True, pack=1)  # fmt: skip
+    return gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [r], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
+    )
 
 
 @gluon.jit
-def _w_operand(words, s0, s1, NG: gl.constexpr, QUADS: gl.constexpr, W_OP: gl.constexpr):
-    """Fragment words [NG, QUADS, 32, V] and their columns' scales -> bf16 [16·NG, 64·QUADS] in W_OP (no moves)."""
+def _registers(words, s0, s1):
+    """Fragment words and their two column sets' scales -> the four A-fragment registers, scaled (packed bf16)."""
     w = words.to(gl.uint32, bitcast=True)
     r0 = w & 0x81C081C0
     r1 = ((w << 13) | (w >> 19)) & 0x81C081C0
@@ -180,19 +193,49 @@ def _w_operand(words, s0, s1, NG: gl.constexpr, QUADS: gl.constexpr, W_OP: gl.co
     r3 = (((w << 10) | (w >> 22)) & 0x01C001C0) | (((w << 14) | (w >> 18)) & 0x80008000)
     m0 = _scale_pairs(s0)
     m1 = _scale_pairs(s1)
-    u = gl.join(gl.join(_hmul2(r0, m0), _hmul2(r2, m0)), gl.join(_hmul2(r1, m1), _hmul2(r3, m1)))  # [.., kh, nh]
-    lo, hi = _halves(u)
+    return _hmul2(r0, m0), _hmul2(r1, m1), _hmul2(r2, m0), _hmul2(r3, m1)
+
+
+@gluon.jit
+def _w_first(words, s0, s1, NG: gl.constexpr, QUADS: gl.constexpr, W_OP: gl.constexpr):
+    """Role wA: bf16 weights [16·NG, 64·QUADS] in W_OP (no moves)."""
+    p0, p1, p2, p3 = _registers(words, s0, s1)
+    lo, hi = _halves(gl.join(gl.join(p0, p2), gl.join(p1, p3)))  # [.., kh, nh]
     v = gl.join(lo, hi).reshape([NG, QUADS, 8, 4, 4, 2, 2, 2])  # ng, q, g, t, v, kh, nh, b
     v = v.permute((0, 6, 2, 1, 4, 5, 3, 7)).reshape([16 * NG, 64 * QUADS])
     return gl.convert_layout(v, W_OP, assert_trivial=True)
 
 
 @gluon.jit
-def _x_operand(x, BLOCK_M: gl.constexpr, QUADS: gl.constexpr, X_OP: gl.constexpr):
-    """x as int32 pairs [M, 32·QUADS] -> bf16 [64·QUADS, M] in X_OP (no moves)."""
+def _w_second_half(p_lo, p_hi, NG: gl.constexpr, QUADS: gl.constexpr, W_OP: gl.constexpr):
+    """Role xA: one half (columns 16ng + 8nh + g of one nh) as bf16 [64·QUADS, 8·NG] in W_OP (no moves)."""
+    lo, hi = _halves(gl.join(p_lo, p_hi))  # [.., kh]
+    v = gl.join(lo, hi).reshape([NG, QUADS, 8, 4, 4, 2, 2])  # ng, q, g, t, v, kh, b
+    v = v.permute((1, 4, 5, 3, 6, 0, 2)).reshape([64 * QUADS, 8 * NG])
+    return gl.convert_layout(v, W_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _x_second(x, BLOCK_M: gl.constexpr, QUADS: gl.constexpr, X_OP: gl.constexpr):
+    """Role wA: x as int32 pairs [M, 32·QUADS] -> bf16 [64·QUADS, M] in X_OP (no moves)."""
     lo, hi = _halves(x)
     v = gl.join(lo, hi).reshape([BLOCK_M, 64 * QUADS]).permute((1, 0))
     return gl.convert_layout(v, X_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _x_first(x, BLOCK_M: gl.constexpr, QUADS: gl.constexpr, X_OP: gl.constexpr):
+    """Role xA: x as int32 pairs [M, 32·QUADS] -> bf16 [M, 64·QUADS] in X_OP (no moves)."""
+    lo, hi = _halves(x)
+    return gl.convert_layout(gl.join(lo, hi).reshape([BLOCK_M, 64 * QUADS]), X_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _silu_mul(gate, up, s2_ptr, e):
+    """bf16(silu(gate) · up) of the sums scaled by scale_2·2^7, as kernels/moe.py forms it."""
+    gate = gate * (gl.load(s2_ptr + e * 2) * 128.0)
+    up = up * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
+    return (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)
 
 
 @gluon.jit
@@ -200,10 +243,10 @@ def _gate_up_fragment(
     x_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, D, INTER,
     stride_xn, stride_we, stride_wn, stride_se, stride_sn, TOP_K: gl.constexpr, E: gl.constexpr,
     NG: gl.constexpr, BLOCK_M: gl.constexpr, QUADS: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
-    X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, STAGES: gl.constexpr,
+    X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, X_FIRST: gl.constexpr, PREFETCH: gl.constexpr,
 ):  # fmt: skip
-    """h for one tile of one expert's pairs from fragment-order words: loads into registers (STAGES 0) or words and
-    scales copied STAGES - 1 K steps ahead into shared memory."""
+    """h for one tile of one expert's pairs from fragment-order words, operands loaded into registers (PREFETCH: one
+    K step ahead)."""
     BLOCK_N: gl.constexpr = 16 * NG
     BLOCK_K: gl.constexpr = 64 * QUADS
     n_blocks = gl.cdiv(INTER, BLOCK_N)
@@ -228,69 +271,67 @@ def _gate_up_fragment(
     q4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(q, 0), 2), 3)
     lane4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(lane, 0), 1), 3)
     v4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(vv, 0), 1), 2)
-    w_e = w_ptr + e.to(gl.int64) * stride_we
-    s_e = s_ptr + e.to(gl.int64) * stride_se
-    wp = w_e + ng4 * (16 * stride_wn) + q4 * 128 + lane4 * 4 + v4
-    sp = s_e + (ng4 * 16 + lane4 // 4) * stride_sn + q4 * 4 + v4
+    wp = w_ptr + e.to(gl.int64) * stride_we + ng4 * (16 * stride_wn) + q4 * 128 + lane4 * 4 + v4
+    sp = s_ptr + e.to(gl.int64) * stride_se + (ng4 * 16 + lane4 // 4) * stride_sn + q4 * 4 + v4
     up_w = INTER * stride_wn
+    s8 = 8 * stride_sn
     up_s = INTER * stride_sn
-    gate = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-    up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    W_STEP: gl.constexpr = QUADS * 32 * V
+    S_STEP: gl.constexpr = BLOCK_K // 16
     steps = D // BLOCK_K
-    if STAGES == 0:
-        for i in range(steps):
-            xb = _x_operand(gl.load(xp + i * (BLOCK_K // 2)), BLOCK_M, QUADS, X_OP)
-            wo = i * (QUADS * 32 * V)
-            so = i * (BLOCK_K // 16)
-            wg = _w_operand(gl.load(wp + wo), gl.load(sp + so), gl.load(sp + so + 8 * stride_sn), NG, QUADS, W_OP)
-            gate = gl.nvidia.ampere.mma_v2(wg, xb, gate)
-            wu = _w_operand(gl.load(wp + wo + up_w), gl.load(sp + so + up_s), gl.load(sp + so + up_s + 8 * stride_sn),
-                            NG, QUADS, W_OP)  # fmt: skip
-            up = gl.nvidia.ampere.mma_v2(wu, xb, up)
+    xa = gl.load(xp)
+    wg, sg0, sg1 = gl.load(wp), gl.load(sp), gl.load(sp + s8)
+    wu, su0, su1 = gl.load(wp + up_w), gl.load(sp + up_s), gl.load(sp + up_s + s8)
+    if X_FIRST:
+        g0 = gl.zeros([BLOCK_M, 8 * NG], gl.float32, MMA)
+        g1 = gl.zeros([BLOCK_M, 8 * NG], gl.float32, MMA)
+        u0 = gl.zeros([BLOCK_M, 8 * NG], gl.float32, MMA)
+        u1 = gl.zeros([BLOCK_M, 8 * NG], gl.float32, MMA)
     else:
-        SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        wgs = gl.allocate_shared_memory(gl.int32, [STAGES, NG, QUADS, 32, 4], SMEM)
-        wus = gl.allocate_shared_memory(gl.int32, [STAGES, NG, QUADS, 32, 4], SMEM)
-        sgs = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, NG, QUADS, 32, 4], SMEM)
-        for j in gl.static_range(STAGES - 1):
-            _issue(wgs, wus, sgs, j, STAGES, wp + j * (QUADS * 32 * V), sp + j * (BLOCK_K // 16), up_w, up_s,
-                   stride_sn)  # fmt: skip
-        for i in range(steps):
-            gl.nvidia.ampere.async_copy.wait_group(STAGES - 2)
-            stage = i % STAGES
+        g0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        u0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        g1 = g0
+        u1 = u0
+    for i in range(steps):
+        if PREFETCH:
+            j = gl.minimum(i + 1, steps - 1)  # the last step loads itself again, unused
+            xn = gl.load(xp + j * (BLOCK_K // 2))
+            wgn, sg0n, sg1n = gl.load(wp + j * W_STEP), gl.load(sp + j * S_STEP), gl.load(sp + j * S_STEP + s8)
+            wun = gl.load(wp + j * W_STEP + up_w)
+            su0n, su1n = gl.load(sp + j * S_STEP + up_s), gl.load(sp + j * S_STEP + up_s + s8)
+        else:
             xa = gl.load(xp + i * (BLOCK_K // 2))
-            wg_words = wgs.index(stage).load(L_W)
-            wu_words = wus.index(stage).load(L_W)
-            sg0 = sgs.index(stage * 4).load(L_W)
-            sg1 = sgs.index(stage * 4 + 1).load(L_W)
-            su0 = sgs.index(stage * 4 + 2).load(L_W)
-            su1 = sgs.index(stage * 4 + 3).load(L_W)
-            ahead = gl.minimum(i + STAGES - 1, steps - 1)  # past the end the last step is copied again, unused
-            _issue(wgs, wus, sgs, (i + STAGES - 1) % STAGES, STAGES, wp + ahead * (QUADS * 32 * V),
-                   sp + ahead * (BLOCK_K // 16), up_w, up_s, stride_sn)  # fmt: skip
-            xb = _x_operand(xa, BLOCK_M, QUADS, X_OP)
-            gate = gl.nvidia.ampere.mma_v2(_w_operand(wg_words, sg0, sg1, NG, QUADS, W_OP), xb, gate)
-            up = gl.nvidia.ampere.mma_v2(_w_operand(wu_words, su0, su1, NG, QUADS, W_OP), xb, up)
-        gl.nvidia.ampere.async_copy.wait_group(0)
-    gate = gate * (gl.load(s2_ptr + e * 2) * 128.0)
-    up = up * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
-    h = (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)
-    pos_o = gl.load(tile_starts_ptr + t) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    ok_o = pos_o < gl.load(bounds_ptr + e + 1)
-    cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    gl.store(h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None], h, mask=ok_o[None, :])
-
-
-@gluon.jit
-def _issue(wgs, wus, sgs, stage, STAGES: gl.constexpr, wp, sp, up_w, up_s, stride_sn):
-    """Start copying one K step's gate and up words and their four scale sets into `stage`."""
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(wgs.index(stage), wp)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(wus.index(stage), wp + up_w)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4), sp)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4 + 1), sp + 8 * stride_sn)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4 + 2), sp + up_s)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(sgs.index(stage * 4 + 3), sp + up_s + 8 * stride_sn)
-    gl.nvidia.ampere.async_copy.commit_group()
+            wg, sg0, sg1 = gl.load(wp + i * W_STEP), gl.load(sp + i * S_STEP), gl.load(sp + i * S_STEP + s8)
+            wu = gl.load(wp + i * W_STEP + up_w)
+            su0, su1 = gl.load(sp + i * S_STEP + up_s), gl.load(sp + i * S_STEP + up_s + s8)
+        if X_FIRST:
+            xo = _x_first(xa, BLOCK_M, QUADS, X_OP)
+            p0, p1, p2, p3 = _registers(wg, sg0, sg1)
+            g0 = gl.nvidia.ampere.mma_v2(xo, _w_second_half(p0, p2, NG, QUADS, W_OP), g0)
+            g1 = gl.nvidia.ampere.mma_v2(xo, _w_second_half(p1, p3, NG, QUADS, W_OP), g1)
+            p0, p1, p2, p3 = _registers(wu, su0, su1)
+            u0 = gl.nvidia.ampere.mma_v2(xo, _w_second_half(p0, p2, NG, QUADS, W_OP), u0)
+            u1 = gl.nvidia.ampere.mma_v2(xo, _w_second_half(p1, p3, NG, QUADS, W_OP), u1)
+        else:
+            xo = _x_second(xa, BLOCK_M, QUADS, X_OP)
+            g0 = gl.nvidia.ampere.mma_v2(_w_first(wg, sg0, sg1, NG, QUADS, W_OP), xo, g0)
+            u0 = gl.nvidia.ampere.mma_v2(_w_first(wu, su0, su1, NG, QUADS, W_OP), xo, u0)
+        if PREFETCH:
+            xa, wg, sg0, sg1, wu, su0, su1 = xn, wgn, sg0n, sg1n, wun, su0n, su1n
+    start = gl.load(tile_starts_ptr + t)
+    end = gl.load(bounds_ptr + e + 1)
+    if X_FIRST:
+        pos_o = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+        n = gl.arange(0, 8 * NG, layout=gl.SliceLayout(0, MMA))
+        cols = nb * BLOCK_N + 16 * (n // 8) + n % 8
+        out = h_ptr + pos_o.to(gl.int64)[:, None] * INTER + cols[None, :]
+        gl.store(out, _silu_mul(g0, u0, s2_ptr, e), mask=(pos_o < end)[:, None])
+        gl.store(out + 8, _silu_mul(g1, u1, s2_ptr, e), mask=(pos_o < end)[:, None])
+    else:
+        pos_o = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        out = h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None]
+        gl.store(out, _silu_mul(g0, u0, s2_ptr, e), mask=(pos_o < end)[None, :])
 
 
 class Bench:
@@ -354,8 +395,8 @@ class Bench:
 
     def gluon(self, x: torch.Tensor, ids: torch.Tensor, variant: str) -> Launch:
         """One Gluon variant's launch on fragment words, on a plan of its own row tiles."""
-        warps, col_reps, row_reps, quads, stages = VARIANTS[variant]
-        lay = layouts(warps, col_reps, row_reps, quads)
+        role, warps, col_reps, row_reps, quads, prefetch = VARIANTS[variant]
+        lay = layouts(role, warps, col_reps, row_reps, quads)
         n, wb = ids.shape[0], moe._weights(self.fbank)
         plan = moe.moe_plan(ids, self.e, lay["BLOCK_M"])
         h = torch.empty(n * self.k, self.i, dtype=torch.bfloat16, device=self.device)
@@ -365,8 +406,8 @@ class Bench:
             _gate_up_fragment[grid](
                 x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, wb.gate_up, wb.gate_up_scale,
                 wb.gate_up_scale_2, h, self.d, self.i, x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1),
-                wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1), TOP_K=self.k, E=self.e, STAGES=stages,
-                num_warps=warps, **lay,
+                wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1), TOP_K=self.k, E=self.e,
+                X_FIRST=role == "xA", PREFETCH=prefetch, num_warps=warps, **lay,
             )  # fmt: skip
 
         return call, h, plan
@@ -423,9 +464,33 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"{variant}: failed", repr(exc)[:400])
     x, ids = bench.routing(64, 1)
     now = run(*bench.triton(x, ids, False))
-    alone = sum(differing(run(*bench.triton(x[r:r + 1], ids[r:r + 1], True)), now[r * bench.k:(r + 1) * bench.k])
-                for r in (0, 17, 63))  # fmt: skip
-    say("Triton pairs kernel on fragment words, rows 0, 17, 63 alone against today's in 64: differing", alone)
+
+    def alone(launch: Callable[[torch.Tensor, torch.Tensor], Launch]) -> int:
+        """Elements of rows 0, 17 and 63, each run alone, whose bits differ from today's kernels' in the 64."""
+        count = 0
+        for r in (0, 17, 63):
+            call, h, plan = launch(x[r : r + 1], ids[r : r + 1])
+            got = run(call, h, plan)
+            if plan == "pairs":  # stored by place: the row's slots in ascending expert order
+                by_slot = torch.empty_like(got)
+                by_slot[ids[r].long().argsort()] = got
+                got = by_slot
+            count += differing(got, now[r * bench.k : (r + 1) * bench.k])
+        return count
+
+    say(
+        "Triton pairs kernel, today's words: rows alone against in 64, differing",
+        alone(lambda a, b: bench.triton(a, b, False)),
+    )
+    say(
+        "Triton pairs kernel, fragment words: rows alone against today's in 64, differing",
+        alone(lambda a, b: bench.triton(a, b, True)),
+    )
+    for variant in VARIANTS:
+        say(
+            f"{variant}: rows alone against today's in 64, differing",
+            alone(lambda a, b, v=variant: bench.gluon(a, b, v)),
+        )
     for rows in (int(r) for r in args.rows.split(",")):
         sets = [bench.routing(rows, 100 + s) for s in range(SETS[rows])]
         captured = len(sets) * max(1, 32 // len(sets))
