@@ -51,6 +51,19 @@ VARIANTS = {
     "xA, 4 warps, 32x64, k256, prefetch": ("xA", 4, 1, 2, 4, 1),
     "xA, 4 warps, 64x64, k128, prefetch": ("xA", 4, 1, 4, 2, 1),
 }
+# name: (warps, column tiles a warp, blocks of 32 k a K step, row tiles of 8, prefetch, spanned words)
+TODAY = {
+    "today's words, 2 warps, 32x8, k256": (2, 1, 8, 1, 0, 0),
+    "spanned, 2 warps, 32x8, k128": (2, 1, 4, 1, 0, 1),
+    "spanned, 2 warps, 32x8, k256": (2, 1, 8, 1, 0, 1),
+    "spanned, 2 warps, 32x8, k512": (2, 1, 16, 1, 0, 1),
+    "spanned, 2 warps, 32x8, k256, prefetch": (2, 1, 8, 1, 1, 1),
+    "spanned, 1 warp, 16x8, k256, prefetch": (1, 1, 8, 1, 1, 1),
+    "spanned, 1 warp, 16x8, k512": (1, 1, 16, 1, 0, 1),
+    "spanned, 2 warps, 32x16, k256": (2, 1, 8, 2, 0, 1),
+    "spanned, 4 warps, 64x32, k128, prefetch": (4, 1, 4, 4, 1, 1),
+    "spanned, 4 warps, 64x64, k128, prefetch": (4, 1, 4, 8, 1, 1),
+}
 Launch = tuple[Callable[[], None], torch.Tensor, object]
 SETS = {1: 32, 8: 8, 64: 4, 1024: 1}
 
@@ -75,6 +88,41 @@ def fragment_bank(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key in ("gate_up", "down"):
         out[f"{key}_words"] = to_words(fragment_packed(packed[f"{key}_packed"]))
     return out
+
+
+def spanned_bank(bank: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Today's kernel bank with gate_up's words and scales moved within each 128-k span: word position 16s + 4t + b
+    takes natural word 16s + 4b + t, scale position 8s + 4h + b takes group 8s + 2b + h."""
+    out = dict(bank)
+    w = bank["gate_up_words"]
+    out["gate_up_words"] = w.reshape(*w.shape[:-1], -1, 4, 4).transpose(-1, -2).reshape(w.shape).contiguous()
+    sc = bank["gate_up_scale"]
+    out["gate_up_scale"] = sc.reshape(*sc.shape[:-1], -1, 4, 2).transpose(-1, -2).reshape(sc.shape).contiguous()
+    return out
+
+
+@triton.jit
+def _weight_tile_spanned(
+    w_ptr, s_ptr, rows, row_ok, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """kernels/moe.py's weight tile from spanned words and scales (K a multiple of 128)."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    kg = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    words = tl.load(w_ptr + rows[:, None] * stride_wn + (16 * (kw // 16) + 4 * (kw % 4) + (kw // 4) % 4)[None, :],
+                    mask=row_ok[:, None], other=0)  # fmt: skip
+    scale = tl.load(s_ptr + rows[:, None] * stride_sn + (8 * (kg // 8) + 4 * (kg % 2) + (kg // 2) % 4)[None, :],
+                    mask=row_ok[:, None], other=0.0)  # fmt: skip
+    r0, r1, r2, r3 = moe._bf16_pairs(words)
+    l0, h0 = moe._halves(r0, INTERPRET)
+    l1, h1 = moe._halves(r1, INTERPRET)
+    l2, h2 = moe._halves(r2, INTERPRET)
+    l3, h3 = moe._halves(r3, INTERPRET)
+    low = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+    high = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+    codes = tl.join(low, high).reshape(BLOCK_N, BLOCK_K // 16, 16)
+    w = codes * (scale.to(codes.dtype) * moe.TWO_POW_119)[:, :, None]
+    return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
 
 
 @triton.jit
@@ -113,13 +161,13 @@ def _weight_tile_fragment(
     return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
 
 
-def fragment_moe_module():
-    """A fresh copy of kernels/moe.py whose kernels read fragment-order words."""
-    spec = importlib.util.spec_from_file_location("moe_fragment", ROOT / "kernels" / "moe.py")
+def fragment_moe_module(tile: object = None, name: str = "moe_fragment"):
+    """A fresh copy of kernels/moe.py whose kernels read fragment-order (or `tile`'s) words."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "kernels" / "moe.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    module._weight_tile = _weight_tile_fragment
+    module._weight_tile = tile or _weight_tile_fragment
     return module
 
 
@@ -244,6 +292,7 @@ def _gate_up_fragment(
     stride_xn, stride_we, stride_wn, stride_se, stride_sn, TOP_K: gl.constexpr, E: gl.constexpr,
     NG: gl.constexpr, BLOCK_M: gl.constexpr, QUADS: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
     X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, X_FIRST: gl.constexpr, PREFETCH: gl.constexpr,
+    sums_ptr=None, SUMS: gl.constexpr = False,
 ):  # fmt: skip
     """h for one tile of one expert's pairs from fragment-order words, operands loaded into registers (PREFETCH: one
     K step ahead)."""
@@ -332,6 +381,138 @@ def _gate_up_fragment(
         cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
         out = h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None]
         gl.store(out, _silu_mul(g0, u0, s2_ptr, e), mask=(pos_o < end)[None, :])
+        if SUMS:  # the scaled fp32 sums, by plan position: [position, gate or up, column]
+            sums = sums_ptr + pos_o.to(gl.int64)[None, :] * (2 * INTER) + cols[:, None]
+            gl.store(sums, g0 * (gl.load(s2_ptr + e * 2) * 128.0), mask=(pos_o < end)[None, :])
+            gl.store(sums + INTER, u0 * (gl.load(s2_ptr + e * 2 + 1) * 128.0), mask=(pos_o < end)[None, :])
+
+
+def layouts_today(warps: int, col_reps: int, blocks: int, row_reps: int, spanned: bool = False) -> dict[str, object]:
+    """Layouts for today's words with kWidth 8 operands (as Triton's tl.dot takes them): weights first,
+    BLOCK_N = 16·warps·col_reps, BLOCK_K = 32·blocks, BLOCK_M = 8·row_reps; words [N, 4·blocks], x [M, K]."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+    k_regs = [[0, 4 * b] for b in _bits(blocks)]
+    k_lanes = [[0, 1], [0, 2]]
+    if spanned:  # word position 16s + 4t + b holds natural word 16s + 4b + t
+        k_regs = [[0, 1], [0, 2]] + [[0, 16 * b] for b in _bits(blocks // 4)]
+        k_lanes = [[0, 4], [0, 8]]
+    words = gl.DistributedLinearLayout(
+        reg_bases=([*k_regs[:2], [8, 0], *k_regs[2:]] if spanned else [[8, 0], *k_regs])
+        + [[16 * warps * b, 0] for b in _bits(col_reps)],
+        lane_bases=[*k_lanes, [1, 0], [2, 0], [4, 0]], warp_bases=[[16 * b, 0] for b in _bits(warps)],
+        block_bases=[], shape=[16 * warps * col_reps, 4 * blocks])  # fmt: skip
+    x = gl.DistributedLinearLayout(  # x as int32 pairs: four consecutive a thread
+        reg_bases=[[0, 1], [0, 2]] + [[0, 16 * b] for b in _bits(blocks)] + [[8 * b, 0] for b in _bits(row_reps)],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0] for _ in _bits(warps)],
+        block_bases=[], shape=[8 * row_reps, 16 * blocks])  # fmt: skip
+    return {"MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, 8), "X_OP": gl.DotOperandLayout(1, mma, 8),
+            "L_W": words, "L_X": x, "BLOCK_N": 16 * warps * col_reps, "BLOCK_M": 8 * row_reps,
+            "BLOCK_K": 32 * blocks, "SPANNED": spanned}  # fmt: skip
+
+
+@gluon.jit
+def _w_today(words, scales, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, W_OP: gl.constexpr, SPANNED: gl.constexpr):
+    """Today's words [N, K/8] and each word's block scale -> bf16 [N, K] in W_OP (no moves)."""
+    p0, p1, p2, p3 = _registers(words, scales, scales)
+    lo, hi = _halves(gl.join(gl.join(p0, p2), gl.join(p1, p3)))  # [.., k bit 2, k bit 1]
+    v = gl.join(lo, hi)
+    if SPANNED:  # [n, span, t, b, element] -> natural k = 128·span + 32b + 8t + element
+        v = v.reshape([BLOCK_N, BLOCK_K // 128, 4, 4, 8]).permute((0, 1, 3, 2, 4))
+    return gl.convert_layout(v.reshape([BLOCK_N, BLOCK_K]), W_OP, assert_trivial=not SPANNED)
+
+
+@gluon.jit
+def _gate_up_today(
+    x_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, D, INTER,
+    stride_xn, stride_we, stride_wn, stride_se, stride_sn, TOP_K: gl.constexpr, E: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
+    X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, PREFETCH: gl.constexpr, SPANNED: gl.constexpr,
+):  # fmt: skip
+    """h for one tile of one expert's pairs from today's words (or spanned ones), kWidth 8 operands in registers."""
+    n_blocks = gl.cdiv(INTER, BLOCK_N)
+    t = gl.program_id(0) // n_blocks
+    nb = gl.program_id(0) % n_blocks
+    e = gl.load(tile_experts_ptr + t)
+    if e >= E:
+        return
+    pos = gl.load(tile_starts_ptr + t) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_X))
+    ok = pos < gl.load(bounds_ptr + e + 1)
+    pair = gl.load(pairs_ptr + pos, mask=ok, other=0)  # a padded row reads row 0: its sums are never stored
+    x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    xp = (x32 + (pair // TOP_K).to(gl.int64)[:, None] * (stride_xn // 2)
+          + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, L_X))[None, :])  # fmt: skip
+    rows = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_W))
+    kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, L_W))
+    wp = w_ptr + e.to(gl.int64) * stride_we + rows[:, None] * stride_wn + kw[None, :]
+    if SPANNED:  # scale position 8s + 4h + b holds group 8s + 2b + h
+        sp = (
+            s_ptr
+            + e.to(gl.int64) * stride_se
+            + rows[:, None] * stride_sn
+            + (8 * (kw // 16) + 4 * ((kw // 4) % 4 // 2) + kw % 4)[None, :]
+        )
+    else:
+        sp = s_ptr + e.to(gl.int64) * stride_se + rows[:, None] * stride_sn + (kw // 2)[None, :]
+    up_w = INTER * stride_wn
+    up_s = INTER * stride_sn
+    steps = D // BLOCK_K
+    xa = gl.load(xp)
+    wg, sg, wu, su = gl.load(wp), gl.load(sp), gl.load(wp + up_w), gl.load(sp + up_s)
+    gate = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    for i in range(steps):
+        if PREFETCH:
+            j = gl.minimum(i + 1, steps - 1)  # the last step loads itself again, unused
+            xn = gl.load(xp + j * (BLOCK_K // 2))
+            wgn, sgn = gl.load(wp + j * (BLOCK_K // 8)), gl.load(sp + j * (BLOCK_K // 16))
+            wun, sun = gl.load(wp + j * (BLOCK_K // 8) + up_w), gl.load(sp + j * (BLOCK_K // 16) + up_s)
+        else:
+            xa = gl.load(xp + i * (BLOCK_K // 2))
+            wg, sg = gl.load(wp + i * (BLOCK_K // 8)), gl.load(sp + i * (BLOCK_K // 16))
+            wu, su = gl.load(wp + i * (BLOCK_K // 8) + up_w), gl.load(sp + i * (BLOCK_K // 16) + up_s)
+        lo, hi = _halves(xa)
+        xo = gl.convert_layout(gl.join(lo, hi).reshape([BLOCK_M, BLOCK_K]).permute((1, 0)), X_OP, assert_trivial=True)
+        gate = gl.nvidia.ampere.mma_v2(_w_today(wg, sg, BLOCK_N, BLOCK_K, W_OP, SPANNED), xo, gate)
+        up = gl.nvidia.ampere.mma_v2(_w_today(wu, su, BLOCK_N, BLOCK_K, W_OP, SPANNED), xo, up)
+        if PREFETCH:
+            xa, wg, sg, wu, su = xn, wgn, sgn, wun, sun
+    pos_o = gl.load(tile_starts_ptr + t) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    out = h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None]
+    gl.store(out, _silu_mul(gate, up, s2_ptr, e), mask=(pos_o < gl.load(bounds_ptr + e + 1))[None, :])
+
+
+@triton.jit
+def _gate_up_sums(
+    x_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, sums_ptr, D, INTER,
+    stride_xn, stride_we, stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr, E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """kernels/moe.py's gate_up loop on today's words, storing the scaled fp32 sums (gate, up) by plan position."""
+    n_blocks = tl.cdiv(INTER, BLOCK_N)
+    t = tl.program_id(0) // n_blocks
+    nb = tl.program_id(0) % n_blocks
+    e, pos, ok, pair = moe._tile_rows(pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, t, E, BLOCK_M)
+    if e >= E:
+        return
+    x_rows = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_xn
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        a = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=ok[:, None], other=0.0)
+        wg = moe._weight_tile(w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, True, True, False)
+        gate = moe._mma(a, wg, gate, False)
+        wu = moe._weight_tile(
+            w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, True, True, False
+        )
+        up = moe._mma(a, wu, up, False)
+    sums = sums_ptr + pos.to(tl.int64)[:, None] * (2 * INTER) + cols[None, :]
+    tl.store(sums, gate * (tl.load(s2_ptr + e * 2) * 128.0), mask=ok[:, None])
+    tl.store(sums + INTER, up * (tl.load(s2_ptr + e * 2 + 1) * 128.0), mask=ok[:, None])
 
 
 class Bench:
@@ -347,6 +528,8 @@ class Bench:
         self.bank = kernel_bank(packed)
         self.fbank = fragment_bank(packed)
         self.moe_f = fragment_moe_module()
+        self.sbank = spanned_bank(self.bank)
+        self.moe_s = fragment_moe_module(_weight_tile_spanned, "moe_spanned")
 
     def routing(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, d] bf16 and n rows of k distinct random experts."""
@@ -355,10 +538,11 @@ class Bench:
         ids = torch.rand(n, self.e, device=self.device, generator=gen).argsort(dim=1)[:, : self.k]
         return x, ids.to(torch.int32).contiguous()
 
-    def triton(self, x: torch.Tensor, ids: torch.Tensor, fragment: bool) -> Launch:
-        """kernels/moe.py's gate_up as moe_forward launches it, on today's words or (its copy) on fragment words."""
-        mod = self.moe_f if fragment else moe
-        bank = self.fbank if fragment else self.bank
+    def triton(self, x: torch.Tensor, ids: torch.Tensor, fragment: bool | str) -> Launch:
+        """kernels/moe.py's gate_up as moe_forward launches it, on today's words or (its copy) on fragment words
+        (or on spanned words: fragment == "spanned")."""
+        mod = {False: moe, True: self.moe_f, "spanned": self.moe_s}[fragment]
+        bank = {False: self.bank, True: self.fbank, "spanned": self.sbank}[fragment]
         n, wb, dev = ids.shape[0], mod._weights(bank), self.device
         tiles = mod.moe_tiles(n, self.k, self.e)
         h = torch.empty(n * self.k, self.i, dtype=torch.bfloat16, device=dev)
@@ -412,6 +596,25 @@ class Bench:
 
         return call, h, plan
 
+    def today(self, x: torch.Tensor, ids: torch.Tensor, variant: str) -> Launch:
+        """A Gluon launch on today's words (kWidth 8), on a plan of its own row tiles."""
+        warps, col_reps, blocks, row_reps, prefetch, spanned = TODAY[variant]
+        lay = layouts_today(warps, col_reps, blocks, row_reps, bool(spanned))
+        n, wb = ids.shape[0], moe._weights(self.sbank if spanned else self.bank)
+        plan = moe.moe_plan(ids, self.e, lay["BLOCK_M"])
+        h = torch.empty(n * self.k, self.i, dtype=torch.bfloat16, device=self.device)
+        grid = (plan.max_tiles * triton.cdiv(self.i, lay["BLOCK_N"]),)
+
+        def call() -> None:
+            _gate_up_today[grid](
+                x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, wb.gate_up, wb.gate_up_scale,
+                wb.gate_up_scale_2, h, self.d, self.i, x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1),
+                wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1), TOP_K=self.k, E=self.e, PREFETCH=prefetch,
+                num_warps=warps, **lay,
+            )  # fmt: skip
+
+        return call, h, plan
+
 
 def by_pair(h: torch.Tensor, plan: object) -> torch.Tensor:
     """h in pair-id order (grouped kernels store by plan position; the pairs kernel by place, the same here since
@@ -441,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for fragment_moe.json")
     ap.add_argument("--rows", default="1,8,64,1024")
+    ap.add_argument("--today", action="store_true", help="only the Gluon kernels on today's words")
     args = ap.parse_args(argv)
     bench = Bench(torch.device("cuda"))
     log: dict[str, object] = {}
@@ -448,6 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     def say(key: str, value: object) -> None:
         log[key] = value
         print(f"{key}: {value}", flush=True)
+
+    if args.today:
+        return today_main(bench, args, say, log)
 
     for rows in (8, 64, 256):
         x, ids = bench.routing(rows, 1)
@@ -491,6 +698,48 @@ def main(argv: list[str] | None = None) -> int:
             f"{variant}: rows alone against today's in 64, differing",
             alone(lambda a, b, v=variant: bench.gluon(a, b, v)),
         )
+    x, ids = bench.routing(64, 1)
+    wb_now, wb_frag = moe._weights(bench.bank), moe._weights(bench.fbank)
+    tiles = moe.moe_tiles(64, bench.k, bench.e)
+    plan = moe.moe_plan(ids, bench.e, tiles.block_m)
+    sums_now = torch.zeros(64 * bench.k, 2 * bench.i, device=x.device)
+    _gate_up_sums[(plan.max_tiles * triton.cdiv(bench.i, tiles.gate_up_n),)](
+        x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, wb_now.gate_up, wb_now.gate_up_scale,
+        wb_now.gate_up_scale_2, sums_now, bench.d, bench.i, x.stride(0), wb_now.gate_up.stride(0),
+        wb_now.gate_up.stride(1), wb_now.gate_up_scale.stride(0), wb_now.gate_up_scale.stride(1), TOP_K=bench.k,
+        E=bench.e, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.gate_up_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    sums_now = by_pair(sums_now, plan)
+    variant = "wA, 2 warps, 32x8, k512"
+    role, warps, col_reps, row_reps, quads, prefetch = VARIANTS[variant]
+    lay = layouts(role, warps, col_reps, row_reps, quads)
+    gplan = moe.moe_plan(ids, bench.e, lay["BLOCK_M"])
+    sums_g = torch.zeros(64 * bench.k, 2 * bench.i, device=x.device)
+    h_g = torch.empty(64 * bench.k, bench.i, dtype=torch.bfloat16, device=x.device)
+    _gate_up_fragment[(gplan.max_tiles * triton.cdiv(bench.i, 16 * lay["NG"]),)](
+        x, gplan.pairs, gplan.bounds, gplan.tile_experts, gplan.tile_starts, wb_frag.gate_up, wb_frag.gate_up_scale,
+        wb_frag.gate_up_scale_2, h_g, bench.d, bench.i, x.stride(0), wb_frag.gate_up.stride(0),
+        wb_frag.gate_up.stride(1), wb_frag.gate_up_scale.stride(0), wb_frag.gate_up_scale.stride(1), TOP_K=bench.k,
+        E=bench.e, X_FIRST=False, PREFETCH=prefetch, num_warps=warps, sums_ptr=sums_g, SUMS=True, **lay,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    sums_g = by_pair(sums_g, gplan)
+    diff = sums_g.view(torch.int32) != sums_now.view(torch.int32)
+    say("64 rows: fp32 gate and up sums differing, Gluon against kernels/moe.py's loop", int(diff.sum()))
+    if diff.any():
+        ulps = (sums_g.view(torch.int32).long() - sums_now.view(torch.int32).long()).abs()[diff]
+        say("  their fp32 ulps apart: max, median", (int(ulps.max()), float(ulps.float().median())))
+    h_now = run(*bench.triton(x, ids, False))
+    hd = by_pair(h_g, gplan).view(torch.int16) != h_now.view(torch.int16)
+    say("64 rows: h differing", int(hd.sum()))
+    g, u = sums_now[:, : bench.i], sums_now[:, bench.i :]
+    say("  of those, with both sums equal", int((hd & ~diff[:, : bench.i] & ~diff[:, bench.i :]).sum()))
+    torch_h = (g * (1 / (1 + torch.exp(-g))) * u).bfloat16()
+    say(
+        "  torch's epilogue on today's sums: h differing from today's",
+        int((torch_h.view(torch.int16) != h_now.view(torch.int16)).sum()),
+    )
     for rows in (int(r) for r in args.rows.split(",")):
         sets = [bench.routing(rows, 100 + s) for s in range(SETS[rows])]
         captured = len(sets) * max(1, 32 // len(sets))
@@ -509,6 +758,40 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"{rows} rows: {variant} failed", repr(exc)[:400])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fragment_moe.json").write_text(json.dumps(log, indent=1))
+    return 0
+
+
+def today_main(bench: Bench, args: argparse.Namespace, say: Callable[[str, object], None], log: dict) -> int:
+    """Bits and times of the Gluon gate_up on today's words against kernels/moe.py's."""
+    from gpu_timing import graph_median_us
+
+    for rows in (2, 8, 64, 256, 1024):
+        x, ids = bench.routing(rows, 1)
+        now = run(*bench.triton(x, ids, False))
+        for variant in TODAY:
+            say(
+                f"{rows} rows: {variant}, elements differing from today",
+                differing(run(*bench.today(x, ids, variant)), now),
+            )
+    x, ids = bench.routing(64, 1)
+    now = run(*bench.triton(x, ids, False))
+    for variant in TODAY:
+        count = 0
+        for r in (0, 17, 63):
+            got = run(*bench.today(x[r : r + 1], ids[r : r + 1], variant))
+            count += differing(got, now[r * bench.k : (r + 1) * bench.k])
+        say(f"{variant}: rows 0, 17, 63 alone against today's in 64, differing", count)
+    for rows in (int(r) for r in args.rows.split(",")):
+        sets = [bench.routing(rows, 100 + s) for s in range(SETS[rows])]
+        captured = len(sets) * max(1, 32 // len(sets))
+        say(f"{rows} rows: today us", graph_median_us([bench.triton(*r, False)[0] for r in sets], captured, REPLAYS))
+        calls = [bench.triton(*r, "spanned")[0] for r in sets]
+        say(f"{rows} rows: Triton, spanned us", graph_median_us(calls, captured, REPLAYS))
+        for variant in TODAY:
+            calls = [bench.today(*r, variant)[0] for r in sets]
+            say(f"{rows} rows: {variant} us", graph_median_us(calls, captured, REPLAYS))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gluon_today_words.json").write_text(json.dumps(log, indent=1))
     return 0
 
 
