@@ -63,7 +63,6 @@ TODAY = {
     "spanned, 4 warps, 64x32, k256, prefetch": (4, 1, 8, 4, 1, 1),
     "spanned, 4 warps, 64x16, k128, prefetch 2": (4, 1, 4, 2, 2, 1),
     "spanned, 2 warps, 32x32, k128, prefetch": (2, 1, 4, 4, 1, 1),
-    "spanned, 8 warps, 128x32, k128, prefetch": (8, 1, 4, 4, 1, 1),
 }
 Launch = tuple[Callable[[], None], torch.Tensor, object]
 SETS = {1: 32, 8: 8, 64: 4, 1024: 1}
