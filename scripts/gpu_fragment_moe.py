@@ -54,15 +54,6 @@ VARIANTS = {
 # name: (warps, column tiles a warp, blocks of 32 k a K step, row tiles of 8, prefetch, spanned words)
 TODAY = {
     "spanned, 2 warps, 32x8, k256, prefetch": (2, 1, 8, 1, 1, 1),
-    "spanned, 2 warps, 32x8, k256, prefetch 2": (2, 1, 8, 1, 2, 1),
-    "spanned, 2 warps, 32x8, k128, prefetch 2": (2, 1, 4, 1, 2, 1),
-    "spanned, 1 warp, 16x8, k256, prefetch 2": (1, 1, 8, 1, 2, 1),
-    "spanned, 1 warp, 16x8, k128, prefetch 2": (1, 1, 4, 1, 2, 1),
-    "spanned, 4 warps, 64x8, k128, prefetch 2": (4, 1, 4, 1, 2, 1),
-    "spanned, 4 warps, 64x32, k128, prefetch": (4, 1, 4, 4, 1, 1),
-    "spanned, 4 warps, 64x32, k256, prefetch": (4, 1, 8, 4, 1, 1),
-    "spanned, 4 warps, 64x16, k128, prefetch 2": (4, 1, 4, 2, 2, 1),
-    "spanned, 2 warps, 32x32, k128, prefetch": (2, 1, 4, 4, 1, 1),
 }
 Launch = tuple[Callable[[], None], torch.Tensor, object]
 SETS = {1: 32, 8: 8, 64: 4, 1024: 1}
@@ -91,13 +82,16 @@ def fragment_bank(packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def spanned_bank(bank: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Today's kernel bank with gate_up's words and scales moved within each 128-k span: word position 16s + 4t + b
-    takes natural word 16s + 4b + t, scale position 8s + 4h + b takes group 8s + 2b + h."""
+    """Today's kernel bank with the words and scales of each matrix whose K is a multiple of 128 moved within each
+    128-k span: word position 16s + 4t + b takes natural word 16s + 4b + t, scale position 8s + 4h + b takes group
+    8s + 2b + h."""
     out = dict(bank)
-    w = bank["gate_up_words"]
-    out["gate_up_words"] = w.reshape(*w.shape[:-1], -1, 4, 4).transpose(-1, -2).reshape(w.shape).contiguous()
-    sc = bank["gate_up_scale"]
-    out["gate_up_scale"] = sc.reshape(*sc.shape[:-1], -1, 4, 2).transpose(-1, -2).reshape(sc.shape).contiguous()
+    for key in ("gate_up", "down"):
+        w, sc = bank[f"{key}_words"], bank[f"{key}_scale"]
+        if w.shape[-1] % 16:
+            continue
+        out[f"{key}_words"] = w.reshape(*w.shape[:-1], -1, 4, 4).transpose(-1, -2).reshape(w.shape).contiguous()
+        out[f"{key}_scale"] = sc.reshape(*sc.shape[:-1], -1, 4, 2).transpose(-1, -2).reshape(sc.shape).contiguous()
     return out
 
 
@@ -113,6 +107,31 @@ def _weight_tile_spanned(
                     mask=row_ok[:, None], other=0)  # fmt: skip
     scale = tl.load(s_ptr + rows[:, None] * stride_sn + (8 * (kg // 8) + 4 * (kg % 2) + (kg // 2) % 4)[None, :],
                     mask=row_ok[:, None], other=0.0)  # fmt: skip
+    r0, r1, r2, r3 = moe._bf16_pairs(words)
+    l0, h0 = moe._halves(r0, INTERPRET)
+    l1, h1 = moe._halves(r1, INTERPRET)
+    l2, h2 = moe._halves(r2, INTERPRET)
+    l3, h3 = moe._halves(r3, INTERPRET)
+    low = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+    high = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+    codes = tl.join(low, high).reshape(BLOCK_N, BLOCK_K // 16, 16)
+    w = codes * (scale.to(codes.dtype) * moe.TWO_POW_119)[:, :, None]
+    return w.reshape(BLOCK_N, BLOCK_K).to(tl.bfloat16)
+
+
+@triton.jit
+def _weight_tile_spanned_loads(
+    w_ptr, s_ptr, rows, row_ok, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The same tile, the words and scales loaded in memory order and put back in natural order in registers."""
+    SPANS: tl.constexpr = BLOCK_K // 128
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    kg = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    words = tl.load(w_ptr + rows[:, None] * stride_wn + kw[None, :], mask=row_ok[:, None], other=0)
+    words = tl.permute(words.reshape(BLOCK_N, SPANS, 4, 4), (0, 1, 3, 2)).reshape(BLOCK_N, BLOCK_K // 8)
+    scale = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None], other=0.0)
+    scale = tl.permute(scale.reshape(BLOCK_N, SPANS, 2, 4), (0, 1, 3, 2)).reshape(BLOCK_N, BLOCK_K // 16)
     r0, r1, r2, r3 = moe._bf16_pairs(words)
     l0, h0 = moe._halves(r0, INTERPRET)
     l1, h1 = moe._halves(r1, INTERPRET)
@@ -539,6 +558,7 @@ class Bench:
         self.moe_f = fragment_moe_module()
         self.sbank = spanned_bank(self.bank)
         self.moe_s = fragment_moe_module(_weight_tile_spanned, "moe_spanned")
+        self.moe_s2 = fragment_moe_module(_weight_tile_spanned_loads, "moe_spanned_loads")
 
     def routing(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, d] bf16 and n rows of k distinct random experts."""
@@ -550,8 +570,8 @@ class Bench:
     def triton(self, x: torch.Tensor, ids: torch.Tensor, fragment: bool | str) -> Launch:
         """kernels/moe.py's gate_up as moe_forward launches it, on today's words or (its copy) on fragment words
         (or on spanned words: fragment == "spanned")."""
-        mod = {False: moe, True: self.moe_f, "spanned": self.moe_s}[fragment]
-        bank = {False: self.bank, True: self.fbank, "spanned": self.sbank}[fragment]
+        mod = {False: moe, True: self.moe_f, "spanned": self.moe_s, "spanned loads": self.moe_s2}[fragment]
+        bank = {False: self.bank, True: self.fbank, "spanned": self.sbank, "spanned loads": self.sbank}[fragment]
         n, wb, dev = ids.shape[0], mod._weights(bank), self.device
         tiles = mod.moe_tiles(n, self.k, self.e)
         h = torch.empty(n * self.k, self.i, dtype=torch.bfloat16, device=dev)
@@ -779,6 +799,8 @@ def today_main(bench: Bench, args: argparse.Namespace, say: Callable[[str, objec
         now = run(*bench.triton(x, ids, False))
         got = run(*bench.triton(x, ids, "spanned"))
         say(f"{rows} rows: Triton on spanned words, elements differing from today", differing(got, now))
+        got = run(*bench.triton(x, ids, "spanned loads"))
+        say(f"{rows} rows: Triton, spanned words in memory order, elements differing from today", differing(got, now))
         for variant in TODAY:
             say(
                 f"{rows} rows: {variant}, elements differing from today",
@@ -796,6 +818,8 @@ def today_main(bench: Bench, args: argparse.Namespace, say: Callable[[str, objec
         sets = [bench.routing(rows, 100 + s) for s in range(SETS[rows])]
         captured = len(sets) * max(1, 32 // len(sets))
         say(f"{rows} rows: today us", graph_median_us([bench.triton(*r, False)[0] for r in sets], captured, REPLAYS))
+        calls = [bench.triton(*r, "spanned loads")[0] for r in sets]
+        say(f"{rows} rows: Triton, spanned words in memory order us", graph_median_us(calls, captured, REPLAYS))
         for variant in TODAY:
             calls = [bench.today(*r, variant)[0] for r in sets]
             say(f"{rows} rows: {variant} us", graph_median_us(calls, captured, REPLAYS))
