@@ -41,8 +41,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import moe_gluon
 from kernels.counters import CounterPool
-from kernels.fp4_words import PACKED_KEYS, from_words
+from kernels.fp4_words import PACKED_KEYS, SPAN_K, from_words, natural_scales, spanned
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
@@ -263,9 +264,11 @@ def _weight_tile(
     EVEN_K: tl.constexpr,
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
+    SPANNED: tl.constexpr,
 ):
     """Weight rows [BLOCK_N] x columns [k0, k0+BLOCK_K) as bf16; NVFP4 codes (int32 words of 8 in the kernels'
-    layout) times block scales times 2^-7, exact in bf16."""
+    layout) times block scales times 2^-7, exact in bf16. SPANNED: words and scales moved within spans
+    (kernels/fp4_words.py; BLOCK_K a multiple of SPAN_K), loaded as stored and put back in k order in registers."""
     if FP4:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         kg = k0 // 16 + tl.arange(0, BLOCK_K // 16)
@@ -273,6 +276,11 @@ def _weight_tile(
         s_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kg < K // 16)[None, :]
         words = tl.load(w_ptr + rows[:, None] * stride_wn + kw[None, :], mask=w_mask, other=0)
         scale = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=s_mask, other=0.0)
+        if SPANNED:
+            words = tl.permute(words.reshape(BLOCK_N, BLOCK_K // 128, 4, 4), (0, 1, 3, 2))
+            words = words.reshape(BLOCK_N, BLOCK_K // 8)
+            scale = tl.permute(scale.reshape(BLOCK_N, BLOCK_K // 128, 2, 4), (0, 1, 3, 2))
+            scale = scale.reshape(BLOCK_N, BLOCK_K // 16)
         r0, r1, r2, r3 = _bf16_pairs(words)
         l0, h0 = _halves(r0, INTERPRET)
         l1, h1 = _halves(r1, INTERPRET)
@@ -313,7 +321,7 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
 def _gate_up_tile(
     x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP4: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, SPANNED: tl.constexpr,
 ):  # fmt: skip
     """bf16(silu(x·Wgᵀ) * x·Wuᵀ) [BLOCK_M, BLOCK_N] of expert e for the rows at `x_rows` (those in `ok`)."""
     w_e = w_ptr + e.to(tl.int64) * stride_we
@@ -324,11 +332,14 @@ def _gate_up_tile(
         kk = k0 + tl.arange(0, BLOCK_K)
         a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < D)[None, :]
         a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
-        wg = _weight_tile(w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET)
+        wg = _weight_tile(
+            w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED
+        )
         gate = _mma(a, wg, gate, INTERPRET)
         wu = _weight_tile(
-            w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
-        )
+            w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET,
+            SPANNED,
+        )  # fmt: skip
         up = _mma(a, wu, up, INTERPRET)
     if FP4:
         gate = gate * (tl.load(s2_ptr + e * 2) * 128.0)
@@ -363,6 +374,7 @@ def _gate_up_kernel(
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    SPANNED: tl.constexpr,
 ):
     """h [BLOCK_M pairs, BLOCK_N] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for one tile of one expert's pairs."""
     enter(PDL)
@@ -377,7 +389,7 @@ def _gate_up_kernel(
     col_ok = cols < INTER
     h = _gate_up_tile(
         x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED,
     )  # fmt: skip
     tl.store(h_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :], h, mask=ok[:, None] & col_ok[None, :])
 
@@ -409,6 +421,7 @@ def _gate_up_pairs_kernel(
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    SPANNED: tl.constexpr,
 ):
     """h of one (row, slot) pair in one column tile, alone in a BLOCK_M-row tile (the grouped kernel's tile with one
     row), stored at the pair's place in its row's ascending-expert order; the first column tile's program also stores
@@ -432,7 +445,7 @@ def _gate_up_pairs_kernel(
     col_ok = cols < INTER
     h = _gate_up_tile(
         x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED,
     )  # fmt: skip
     h_rows = h_ptr + place.to(tl.int64) * INTER + tl.zeros((BLOCK_M, 1), dtype=tl.int64)
     tl.store(h_rows + cols[None, :], h, mask=ok[:, None] & col_ok[None, :])
@@ -464,6 +477,7 @@ def _down_kernel(
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    SPANNED: tl.constexpr,
 ):
     """y [BLOCK_M pairs, GROUP column tiles of BLOCK_N] = h·Wdᵀ in fp32 for one tile of one expert's pairs, stored by
     pair id: the column tiles in turn, as one loop over (column tile, K tile), so the pipeline does not drain between
@@ -490,7 +504,7 @@ def _down_kernel(
         a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
         a = tl.load(h_rows + kk[None, :], mask=a_mask, other=0.0)
         w = _weight_tile(
-            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED
         )
         acc = _mma(a, w, acc, INTERPRET)
         if step % k_tiles == k_tiles - 1:
@@ -562,6 +576,7 @@ def _down_pairs_kernel(
     OUT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    SPANNED: tl.constexpr,
 ):
     """y = h·Wdᵀ of the pair at one place in one column tile, formed as `_down_kernel` forms it (the pair alone in a
     BLOCK_M-row tile) and stored by place; the last of the row's pairs to arrive at the column tile (an arrival
@@ -586,7 +601,7 @@ def _down_pairs_kernel(
         a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
         a = tl.load(h_row + kk[None, :], mask=a_mask, other=0.0)
         w = _weight_tile(
-            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET
+            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED
         )
         acc = _mma(a, w, acc, INTERPRET)
     scale_2 = tl.load(s2_ptr + e) * 128.0 if FP4 else 1.0
@@ -708,6 +723,14 @@ def moe_forward(
     return out
 
 
+def _k_tile(block_k: int, fp4: bool, k: int) -> tuple[int, bool]:
+    """(reduction tile, whether the matrix is spanned) for an NVFP4 (or BF16) matrix reducing over k: a spanned
+    matrix takes whole spans a tile (the bits do not depend on the tile)."""
+    if fp4 and spanned(k):
+        return max(block_k, SPAN_K), True
+    return block_k, False
+
+
 def _pairs_forward(
     x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, wb: _Weights, out: torch.Tensor, tiles: MoeTiles
 ) -> None:
@@ -718,12 +741,14 @@ def _pairs_forward(
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
     order_ids = torch.empty(n * top_k, dtype=torch.int32, device=x.device)
     order_wts = torch.empty(n * top_k, dtype=torch.float32, device=x.device)
+    gate_up_k, gate_up_spanned = _k_tile(tiles.gate_up_k, wb.fp4, wb.d)
+    down_k, down_spanned = _k_tile(tiles.down_k, wb.fp4, wb.inter)
     _gate_up_pairs_kernel[(n * top_k * triton.cdiv(wb.inter, tiles.gate_up_n),)](
         x, ids, wts, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, order_ids, order_wts, wb.d, wb.inter,
         x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
         wb.gate_up_scale.stride(1), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.gate_up_k, EVEN_K=wb.d % tiles.gate_up_k == 0, FP4=wb.fp4,
-        INTERPRET=interpret, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k, EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4,
+        INTERPRET=interpret, SPANNED=gate_up_spanned, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(_gate_up_pairs_kernel, x.device),
     )  # fmt: skip
     n_cols = triton.cdiv(wb.d, tiles.down_n)
@@ -731,9 +756,9 @@ def _pairs_forward(
     _down_pairs_kernel[(n * top_k * n_cols,)](
         h, order_ids, order_wts, wb.down, wb.down_scale, wb.down_scale_2, y, _COUNTERS.get(x.device, n * n_cols), out,
         wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1),
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
-        EVEN_K=wb.inter % tiles.down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
-        INTERPRET=interpret, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=down_k,
+        EVEN_K=wb.inter % down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
+        INTERPRET=interpret, SPANNED=down_spanned, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(_down_pairs_kernel, x.device),
     )  # fmt: skip
 
@@ -747,19 +772,23 @@ def _grouped_forward(
     plan = moe_plan(ids, wb.experts, tiles.block_m)
     plan_args = (plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts)
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
-    _gate_up_kernel[(plan.max_tiles * triton.cdiv(wb.inter, tiles.gate_up_n),)](
-        x, *plan_args, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, wb.d, wb.inter, x.stride(0),
-        wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1),
-        TOP_K=top_k, E=wb.experts, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.gate_up_k,
-        EVEN_K=wb.d % tiles.gate_up_k == 0, FP4=wb.fp4, INTERPRET=interpret, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **launch_options(_gate_up_kernel, x.device),
-    )  # fmt: skip
+    gate_up_k, gate_up_spanned = _k_tile(tiles.gate_up_k, wb.fp4, wb.d)
+    down_k, down_spanned = _k_tile(tiles.down_k, wb.fp4, wb.inter)
+    if not (gate_up_spanned and moe_gluon.gate_up(x, plan, wb, h, top_k, interpret)):
+        _gate_up_kernel[(plan.max_tiles * triton.cdiv(wb.inter, tiles.gate_up_n),)](
+            x, *plan_args, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, wb.d, wb.inter, x.stride(0),
+            wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1),
+            TOP_K=top_k, E=wb.experts, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k,
+            EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4, INTERPRET=interpret, SPANNED=gate_up_spanned,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(_gate_up_kernel, x.device),
+        )  # fmt: skip
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
     _down_kernel[(plan.max_tiles * triton.cdiv(triton.cdiv(wb.d, tiles.down_n), tiles.down_group),)](
         h, *plan_args, wb.down, wb.down_scale, wb.down_scale_2, y, wb.d, wb.inter, wb.down.stride(0),
         wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1), E=wb.experts, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, GROUP=tiles.down_group, EVEN_K=wb.inter % tiles.down_k == 0,
-        FP4=wb.fp4, INTERPRET=interpret, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_N=tiles.down_n, BLOCK_K=down_k, GROUP=tiles.down_group, EVEN_K=wb.inter % down_k == 0,
+        FP4=wb.fp4, INTERPRET=interpret, SPANNED=down_spanned, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         **launch_options(_down_kernel, x.device),
     )  # fmt: skip
     block_d = min(1024, triton.next_power_of_2(wb.d))
@@ -789,10 +818,12 @@ def expert_weights(bank: Mapping[str, torch.Tensor], e: int) -> tuple[torch.Tens
     if not fp4:
         gate_up = bank["gate_up"][e].float()
         return gate_up[:inter], gate_up[inter:], bank["down"][e].float()
-    packed, scale, s2 = from_words(bank["gate_up_words"][e]), bank["gate_up_scale"][e], bank["gate_up_scale_2"][e]
+    packed, s2 = from_words(bank["gate_up_words"][e]), bank["gate_up_scale_2"][e]
+    scale = natural_scales(bank["gate_up_scale"][e])
     gate = dequantize_nvfp4(packed[:inter], scale[:inter], s2[0])
     up = dequantize_nvfp4(packed[inter:], scale[inter:], s2[1])
-    down = dequantize_nvfp4(from_words(bank["down_words"][e]), bank["down_scale"][e], bank["down_scale_2"][e])
+    down_scale = natural_scales(bank["down_scale"][e])
+    down = dequantize_nvfp4(from_words(bank["down_words"][e]), down_scale, bank["down_scale_2"][e])
     return gate, up, down
 
 

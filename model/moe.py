@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp4_words import from_words
+from kernels.fp4_words import from_words, natural_scales
 from model.config import FlashNextConfig
 from model.hyper import linear
 from model.ops import swiglu
@@ -47,14 +47,16 @@ class ExpertBank(nn.Module):
     def _dequantize(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's NVFP4 weights as dense (gate_up, down) in `dtype`."""
         w = self.nvfp4
+        gate_up_scale, down_scale = w["gate_up_scale"][e], w["down_scale"][e]
         if "gate_up_words" in w:  # the MoE kernels' layout: back to the checkpoint's
             gate_up_codes, down_codes = from_words(w["gate_up_words"][e]), from_words(w["down_words"][e])
+            gate_up_scale, down_scale = natural_scales(gate_up_scale), natural_scales(down_scale)
         else:
             gate_up_codes, down_codes = w["gate_up_packed"][e], w["down_packed"][e]
         half = gate_up_codes.shape[0] // 2
-        gate = dequantize_nvfp4(gate_up_codes[:half], w["gate_up_scale"][e, :half], w["gate_up_scale_2"][e, 0])
-        up = dequantize_nvfp4(gate_up_codes[half:], w["gate_up_scale"][e, half:], w["gate_up_scale_2"][e, 1])
-        down = dequantize_nvfp4(down_codes, w["down_scale"][e], w["down_scale_2"][e])
+        gate = dequantize_nvfp4(gate_up_codes[:half], gate_up_scale[:half], w["gate_up_scale_2"][e, 0])
+        up = dequantize_nvfp4(gate_up_codes[half:], gate_up_scale[half:], w["gate_up_scale_2"][e, 1])
+        down = dequantize_nvfp4(down_codes, down_scale, w["down_scale_2"][e])
         return torch.cat((gate, up)).to(dtype), down.to(dtype)
 
 

@@ -6,8 +6,9 @@ git show REV:kernels/moe.py > /tmp/moe_before.py
 python3 scripts/gpu_ab_moe.py --before /tmp/moe_before.py [--rows 1 8 64 1024]   # tp=2's per-rank widths, one H200
 TRITON_INTERPRET=1 python3 scripts/gpu_ab_moe.py --before FILE --smoke            # tiny shapes on the CPU, untimed
 
-A copy that predates the word layout (its FP4 keys name `*_packed` codes) is given the checkpoint-layout bank; a later
-one gets the same codes moved by `kernel_bank`. Besides the elements with other bits, each row count reports
+A copy that predates the word layout (its FP4 keys name `*_packed` codes) is given the checkpoint-layout bank, one
+that predates the spans (kernels/fp4_words.py) the words without them, a later one the bank `kernel_bank` makes.
+Besides the elements with other bits, each row count reports
 ||now - before|| / ||before|| of the fp32 outputs.
 """
 
@@ -28,7 +29,7 @@ from gpu_check_moe import Shape, packed_bank  # noqa: E402
 from gpu_timing import graph_median_us  # noqa: E402
 
 from kernels import moe  # noqa: E402
-from kernels.fp4_words import kernel_bank  # noqa: E402
+from kernels.fp4_words import PACKED_KEYS, kernel_bank, to_words  # noqa: E402
 
 REAL = (512, 2560, 320, 10)  # experts, d, I per rank, top-k
 SMOKE = (8, 64, 32, 2)
@@ -64,8 +65,14 @@ def routings(shape: tuple[int, int, int, int], n: int, count: int, device: torch
 
 
 def bank_for(module: ModuleType, packed: Bank) -> Bank:
-    """The bank as `module` takes it: the word layout if it has one, else the checkpoint's."""
-    return kernel_bank(packed) if "gate_up_words" in module.FP4_KEYS else packed
+    """The bank as `module` takes it: the word layout with spans if it reads them, without them if it predates them
+    (no `_k_tile`), else the checkpoint's."""
+    if "gate_up_words" not in module.FP4_KEYS:
+        return packed
+    if hasattr(module, "_k_tile"):
+        return kernel_bank(packed)
+    words = {key.replace("_packed", "_words"): to_words(packed[key]) for key in PACKED_KEYS}
+    return {**{key: value for key, value in packed.items() if key not in PACKED_KEYS}, **words}
 
 
 def compare(

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels import moe
-from kernels.fp4_words import WORD_BITS, from_words, kernel_bank
+from kernels.fp4_words import WORD_BITS, from_words, kernel_bank, natural_scales, to_words
 from kernels.moe import (
     expert_weights,
     moe_forward,
@@ -32,16 +32,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def make_bank(fp4: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_bank(fp4: bool, seed: int = 0, d: int = D, inter: int = INTER) -> dict[str, torch.Tensor]:
     """A random bank of E experts, quantized per matrix by the checkpoint's NVFP4 quantizer when fp4."""
     g = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(E, 2 * INTER, D, generator=g) * D**-0.5
-    down = torch.randn(E, D, INTER, generator=g) * INTER**-0.5
+    gate_up = torch.randn(E, 2 * inter, d, generator=g) * d**-0.5
+    down = torch.randn(E, d, inter, generator=g) * inter**-0.5
     if not fp4:
         return {"gate_up": gate_up.bfloat16(), "down": down.bfloat16()}
     parts: dict[str, list[torch.Tensor]] = {key: [] for key in ("gup", "gus", "gus2", "dp", "ds", "ds2")}
     for e in range(E):
-        halves = [quantize_nvfp4(gate_up[e, :INTER]), quantize_nvfp4(gate_up[e, INTER:])]
+        halves = [quantize_nvfp4(gate_up[e, :inter]), quantize_nvfp4(gate_up[e, inter:])]
         parts["gup"].append(torch.cat([halves[0][0], halves[1][0]]))
         parts["gus"].append(torch.cat([halves[0][1], halves[1][1]]))
         parts["gus2"].append(torch.stack([halves[0][2], halves[1][2]]))
@@ -169,6 +169,47 @@ def test_word_layout_round_trips_and_moves_every_bit() -> None:
     assert torch.equal(from_words(words.transpose(0, 1)), packed.transpose(0, 1).contiguous())
 
 
+def test_spans_move_words_and_scales_and_are_undone() -> None:
+    """In a matrix with K a multiple of 128 each thread's four words (and scales) of a span sit together."""
+    gen = torch.Generator().manual_seed(9)
+    packed = torch.randint(0, 256, (2, 3, 128), dtype=torch.uint8, generator=gen)  # K = 256: spanned
+    short = torch.randint(0, 256, (2, 3, 32), dtype=torch.uint8, generator=gen)  # K = 64: not
+    scale = torch.randint(0, 120, (2, 3, 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    short_scale = torch.randint(0, 120, (2, 3, 4), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    bank = {"gate_up_packed": packed, "gate_up_scale": scale, "down_packed": short, "down_scale": short_scale}
+    moved = kernel_bank(bank)
+    natural = to_words(packed)
+    t, b = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    for span in range(2):  # word position 16s + 4t + b holds natural word 16s + 4b + t
+        got = moved["gate_up_words"][..., 16 * span + 4 * t + b]
+        assert torch.equal(got, natural[..., 16 * span + 4 * b + t])
+    h, b = torch.meshgrid(torch.arange(2), torch.arange(4), indexing="ij")
+    for span in range(2):  # scale position 8s + 4h + b holds group 8s + 2b + h
+        got = moved["gate_up_scale"].view(torch.uint8)[..., 8 * span + 4 * h + b]
+        assert torch.equal(got, scale.view(torch.uint8)[..., 8 * span + 2 * b + h])
+    assert torch.equal(from_words(moved["gate_up_words"]), packed)
+    assert torch.equal(natural_scales(moved["gate_up_scale"]).view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(moved["down_words"], to_words(short)) and moved["down_scale"] is short_scale
+    assert torch.equal(bank["gate_up_scale"].view(torch.uint8), scale.view(torch.uint8))  # not in place: untouched
+
+
+SPANNED_D, SPANNED_INTER = 256, 128  # both matrices spanned
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_spanned_bank_matches_reference_and_rows_alone(n: int) -> None:
+    bank = kernel_bank(make_bank(True, seed=4, d=SPANNED_D, inter=SPANNED_INTER))
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, SPANNED_D, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(n)]).to(torch.int32)
+    w = torch.rand(n, TOP_K, generator=gen) + 0.1
+    out = moe_forward(x, ids, w, bank, out_dtype=torch.float32)
+    assert_matches_reference(out, x, ids, w, bank)
+    for r in range(n):
+        alone = moe_forward(x[r : r + 1], ids[r : r + 1], w[r : r + 1], bank, out_dtype=torch.float32)
+        assert torch.equal(bits(alone[0]), bits(out[r]))
+
+
 def bf16_value(bits: int) -> float:
     """The bf16 whose bit pattern is the low 16 bits of `bits`, as a float."""
     return torch.tensor([(bits & 0xFFFF) << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
@@ -190,7 +231,8 @@ def test_word_extractions_give_every_code_scaled_by_two_to_minus_126() -> None:
     lut = moe.fp4_lut()
     gen = torch.Generator().manual_seed(5)
     packed = torch.cat([torch.arange(256).repeat(4), torch.randint(0, 256, (3072,), generator=gen)]).to(torch.uint8)
-    words = kernel_bank({"gate_up_packed": packed, "down_packed": packed[:4]})["gate_up_words"]
+    rows = packed.view(-1, 32)  # K = 64: words in k order (no spans)
+    words = kernel_bank({"gate_up_packed": rows, "down_packed": packed[:4]})["gate_up_words"]
     registers = torch.empty(words.numel(), 4, dtype=torch.int32)
     _extract[(1,)](words, registers, N=words.numel())
     codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten().view(-1, 8)

@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from kernels import moe, moe_gluon
 from kernels.fp4_words import kernel_bank
 from kernels.moe import moe_forward, moe_forward_reference, moe_plan, moe_plan_reference, moe_tiles
 
@@ -104,3 +105,31 @@ def test_pairs_path_equals_the_grouped_path(n: int, monkeypatch) -> None:
     grouped = [moe_forward(x, ids, w, bank, dtype) for dtype in (torch.float32, torch.bfloat16)]
     assert torch.equal(pairs[0].view(torch.int32), grouped[0].view(torch.int32))
     assert torch.equal(pairs[1].view(torch.int16), grouped[1].view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize("n", [2, 8, 64, 256])
+def test_the_gluon_gate_up_gives_the_triton_kernels_bits(n: int, monkeypatch) -> None:
+    """kernels/moe_gluon.py's gate-up runs on these widths and its outputs are the Triton kernel's, bit for bit."""
+    bank, (x, ids, w) = bank_and_routing(n)
+    gluon_gate_up = moe_gluon.gate_up
+    ran: list[bool] = []
+    monkeypatch.setattr(moe_gluon, "gate_up", lambda *args: ran.append(gluon_gate_up(*args)) or ran[-1])
+    with_gluon = moe_forward(x, ids, w, bank, torch.float32)
+    assert ran == [True]
+    monkeypatch.setattr(moe_gluon, "gate_up", lambda *args: False)
+    without = moe_forward(x, ids, w, bank, torch.float32)
+    assert torch.equal(with_gluon.view(torch.int32), without.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+def test_flashnext_gluon_0_runs_the_triton_kernel(monkeypatch) -> None:
+    bank, (x, ids, _) = bank_and_routing(8)
+    plan = moe_plan(ids, E, 16)
+    weights = moe._weights(bank)
+    h = torch.empty(ids.numel(), INTER, dtype=torch.bfloat16, device="cuda")
+    assert moe_gluon.gate_up(x, plan, weights, h, TOP_K, False)
+    monkeypatch.setenv(moe_gluon.ENV, "0")
+    assert not moe_gluon.gate_up(x, plan, weights, h, TOP_K, False)
