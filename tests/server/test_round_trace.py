@@ -113,10 +113,12 @@ def test_gpu_spans_name_each_span_after_its_end_point():
     assert len(trace.events) == 3
 
 
-def test_profile_and_pdl_settings_are_parsed_and_refused_by_name():
-    env = read_environment({"FLASHNEXT_ROUND_PROFILE": "64", "FLASHNEXT_PDL": "0", "FLASHNEXT_PDL_PREFETCH": "1"})
+def test_profile_pdl_and_gluon_settings_are_parsed_and_refused_by_name():
+    env = read_environment(
+        {"FLASHNEXT_ROUND_PROFILE": "64", "FLASHNEXT_PDL": "0", "FLASHNEXT_PDL_PREFETCH": "1", "FLASHNEXT_GLUON": "0"}
+    )
     assert env.round_profile == 64
-    for name, value in (("FLASHNEXT_ROUND_PROFILE", "0"), ("FLASHNEXT_PDL", "off")):
+    for name, value in (("FLASHNEXT_ROUND_PROFILE", "0"), ("FLASHNEXT_PDL", "off"), ("FLASHNEXT_GLUON", "no")):
         with pytest.raises(ValueError, match=name):
             read_environment({name: value})
 
