@@ -27,7 +27,9 @@ and an AND; two rotates, two ANDs and an OR) leave the bf16 bit patterns of fp4(
 the low and high halves of one register, which the tensor-core operands take as they are. The checkpoint's layout
 (element 2j in the low nibble of byte j) would need shifts, masks and byte permutes for every pair, and turning codes
 into bf16 is what bounds these kernels. `kernels/fp4_words.py` owns the layout (`WORD_BITS`); the extractions here
-must match it.
+must match it. In a matrix whose K is a multiple of SPAN_K it also moves each row's words and scales within spans,
+which the kernels here load as stored and put back in k order in registers, and which `kernels/moe_gluon.py`'s
+gate-up (the grouped path's, for decode batches on CUDA; the same bits) loads straight into its MMA operands.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ PLAN_CHUNK, PLAN_SCAN = 64, 256  # pairs one plan program places; ids it counts 
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
 TWO_POW_119 = tl.constexpr(2.0**119)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
+SPAN = tl.constexpr(SPAN_K)  # the kernels' copy of fp4_words' span
 BF16_KEYS = ("gate_up", "down")
 
 
@@ -277,9 +280,9 @@ def _weight_tile(
         words = tl.load(w_ptr + rows[:, None] * stride_wn + kw[None, :], mask=w_mask, other=0)
         scale = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=s_mask, other=0.0)
         if SPANNED:
-            words = tl.permute(words.reshape(BLOCK_N, BLOCK_K // 128, 4, 4), (0, 1, 3, 2))
+            words = tl.permute(words.reshape(BLOCK_N, BLOCK_K // SPAN, 4, 4), (0, 1, 3, 2))
             words = words.reshape(BLOCK_N, BLOCK_K // 8)
-            scale = tl.permute(scale.reshape(BLOCK_N, BLOCK_K // 128, 2, 4), (0, 1, 3, 2))
+            scale = tl.permute(scale.reshape(BLOCK_N, BLOCK_K // SPAN, 2, 4), (0, 1, 3, 2))
             scale = scale.reshape(BLOCK_N, BLOCK_K // 16)
         r0, r1, r2, r3 = _bf16_pairs(words)
         l0, h0 = _halves(r0, INTERPRET)
