@@ -193,10 +193,10 @@ def test_spans_move_words_and_scales_and_are_undone() -> None:
     assert torch.equal(bank["gate_up_scale"].view(torch.uint8), scale.view(torch.uint8))  # not in place: untouched
 
 
-SPANNED_D, SPANNED_INTER = 256, 128  # both matrices spanned
+SPANNED_D, SPANNED_INTER = 128, 128  # both matrices spanned, one span each
 
 
-@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("n", [1, 3])
 def test_spanned_bank_matches_reference_and_rows_alone(n: int) -> None:
     bank = kernel_bank(make_bank(True, seed=4, d=SPANNED_D, inter=SPANNED_INTER))
     gen = torch.Generator().manual_seed(n)
