@@ -13,6 +13,7 @@ way), and kernels/moe.py runs its Triton kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -40,6 +41,7 @@ def _bits(n: int) -> list[int]:
     return [1 << i for i in range(int(math.log2(n)))]
 
 
+@functools.cache
 def _layouts() -> dict[str, object]:
     """The kernel's layouts: words [BLOCK_N, BLOCK_K / 8] as stored (position 16s + 4t + b in a span is block b of
     lane t), x as int32 pairs [ROWS, BLOCK_K / 2], and the MMA's operands (kWidth 8)."""
@@ -188,14 +190,21 @@ def _gate_up_kernel(
     gl.store(h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None], h, mask=(pos_o < end)[None, :])
 
 
+@functools.cache
+def _nvidia_ampere_or_later(index: int) -> bool:
+    """Whether CUDA device `index` is an NVIDIA GPU with mma.sync for bf16 (compute capability 8.0 or later)."""
+    return triton.runtime.driver.active.get_current_target().backend == "cuda" and (
+        torch.cuda.get_device_capability(index) >= (8, 0)
+    )
+
+
 def usable(device: torch.device, d: int, inter: int, plan_block_m: int) -> bool:
     """Whether `gate_up` runs for a spanned NVFP4 bank of these widths on `device` with plans of this row tile."""
     if gluon is None or os.environ.get(ENV) == "0" or device.type != "cuda":
         return False
-    if triton.runtime.driver.active.get_current_target().backend != "cuda":
+    if d % BLOCK_K or inter % (16 * WARPS) or plan_block_m != PLAN_BLOCK_M:
         return False
-    shapes_fit = d % BLOCK_K == 0 and inter % (16 * WARPS) == 0 and plan_block_m == PLAN_BLOCK_M
-    return shapes_fit and torch.cuda.get_device_capability(device) >= (8, 0)
+    return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gate_up(x: torch.Tensor, plan: object, weights: object, h: torch.Tensor, top_k: int, interpreting: bool) -> bool:
