@@ -1,6 +1,6 @@
 """Test setup: the scripts folder is importable (checkpoint makers), GPU tests skip without CUDA, a GPU run that
-would only interpret kernels is refused, and the Triton interpreter does not patch triton.language again for every
-helper a kernel calls."""
+would only interpret kernels is refused, the Triton interpreter does not patch triton.language again for every
+helper a kernel calls, and its fp32 dots give the same bits on every machine."""
 
 from __future__ import annotations
 
@@ -65,9 +65,30 @@ def patch_language_once_per_launch() -> None:
     interpreter.InterpretedFunction.__call__ = helper_call
 
 
+def machine_independent_dots() -> None:
+    """The interpreter's tl.dot is NumPy's matmul, whose BLAS sums in an order it picks for the machine and the shape,
+    so two tiles of one fp32 sum could differ on one machine and not on another (tests that compare tiles failed on
+    an AVX2 AMD EPYC with OpenBLAS's Haswell kernels). An fp32 dot here forms its exact products in float64, adds
+    them in k order, rounds once to fp32 and then adds the accumulator, as the same steps on any machine."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    blas_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not a.data.dtype == b.data.dtype == d.data.dtype == np.float32 or a.data.ndim != 2:
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        products = a.data.astype(np.float64)[:, :, None] * b.data.astype(np.float64)[None, :, :]
+        sums = np.add.reduce(products, axis=1).astype(np.float32)  # over a middle axis: k in order, row by row
+        return interpreter.TensorHandle(sums + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "triton" in sys.modules:  # after the test modules chose the interpreter (TRITON_INTERPRET) and imported it
         patch_language_once_per_launch()
+        machine_independent_dots()
     trap = interpreter_trap(config.getoption("markexpr") or "", torch.cuda.is_available(), INTERPRET_GIVEN)
     if trap:
         raise pytest.UsageError(trap)
