@@ -4,11 +4,12 @@ where kernels/moe.py's four extractions find them (torch only, so the reference 
 In the checkpoint's layout, element i of a word (the low nibble of byte i // 2 for even i) has its mantissa, two
 exponent bits and sign at bits 4i to 4i + 3. `WORD_BITS[i]` gives where they go instead.
 
-Spans. In a matrix whose reduced width K is a multiple of SPAN_K, the words and block scales of each row are also
-moved within each span of SPAN_K k: word position 16s + 4t + b holds natural word 16s + 4b + t, and scale position
-8s + 4h + b holds group 8s + 2b + h. The tensor cores take k in blocks of 32 (eight k a thread, as Triton's dot
-operands have them), so thread t of a quad needs words t, 4 + t, 8 + t and 12 + t of a span and their scales: moved,
-each thread's four words are one 16-byte load and its four scales one 4-byte load.
+Spans. In a matrix whose reduced width K is a multiple of a span width (`span_k`: 128 k, else 64), the words and
+block scales of each row are also moved within each span: with B = span / 32 blocks of 32 k a span, word position
+4Bs + Bt + b holds natural word 4Bs + 4b + t, and scale position 2Bs + Bh + b holds group 2Bs + 2b + h. The tensor
+cores take k in blocks of 32 (eight k a thread, as Triton's dot operands have them), so thread t of a quad needs words
+t, 4 + t, ... of a span and the scale of each of its blocks: moved, each thread's words of a span are one load (16
+bytes in a 128-k span, 8 in a 64-k one) and its scales another.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 PACKED_KEYS = ("gate_up_packed", "down_packed")
 SCALE_KEYS = ("gate_up_scale", "down_scale")
 CHUNK_WORDS = 1 << 22  # words moved at a time
-SPAN_K = 128  # k whose words and scales move together (16 words, 8 scales)
+SPAN_WIDTHS = (128, 64)  # k whose words and scales move together, widest first (16 words and 8 scales, or 8 and 4)
 # where bit b (0 mantissa, 1-2 exponent, 3 sign) of element i of a word goes in the kernels' layout: element 2j's
 # magnitude bits end at bf16 bits 6-8 and its sign at 15 of register j, element 2j+1's at 22-24 and 31
 WORD_BITS = (
@@ -77,14 +78,16 @@ def from_words(words: torch.Tensor) -> torch.Tensor:
     tensor)."""
     back = {dst: src for src, dst in _checkpoint_to_word_moves().items()}
     words = words.clone(memory_format=torch.contiguous_format)
-    if spanned(8 * words.shape[-1]):
-        _move_in_spans(words, 4, 4)
+    span = span_k(8 * words.shape[-1])
+    if span:
+        _move_in_spans(words, 4, span // 32)
     return _move_bits(words, back, CHUNK_WORDS).view(torch.uint8)
 
 
-def spanned(k: int) -> bool:
-    """Whether a matrix reducing over k has its words and scales moved within spans (module docstring)."""
-    return k % SPAN_K == 0
+def span_k(k: int) -> int:
+    """The span width of a matrix reducing over k (module docstring): the widest of SPAN_WIDTHS dividing k, or 0
+    where its words and scales stay in k order."""
+    return next((width for width in SPAN_WIDTHS if k % width == 0), 0)
 
 
 def _move_in_spans(values: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -100,14 +103,15 @@ def _move_in_spans(values: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def natural_scales(scale: torch.Tensor) -> torch.Tensor:
     """Block scales [..., K/16] as `kernel_bank` leaves them -> in k order (a new tensor when they were moved)."""
-    if not spanned(16 * scale.shape[-1]):
+    span = span_k(16 * scale.shape[-1])
+    if not span:
         return scale
-    return _move_in_spans(scale.clone(memory_format=torch.contiguous_format), 2, 4)
+    return _move_in_spans(scale.clone(memory_format=torch.contiguous_format), 2, span // 32)
 
 
 def kernel_bank(bank: Mapping[str, torch.Tensor], in_place: bool = False) -> dict[str, torch.Tensor]:
     """A checkpoint-layout NVFP4 bank (`*_packed` uint8) as the kernels take it (`*_words` int32, and the words and
-    scales of a matrix whose K is a multiple of SPAN_K moved within spans); other tensors shared. In place, the
+    scales of a matrix whose K is a multiple of a span width moved within spans); other tensors shared. In place, the
     packed tensors' memory is rewritten and must not be read as codes again, and moved scales are moved in their own
     memory; every tensor is checked before any is touched."""
     for key in PACKED_KEYS:
@@ -121,10 +125,11 @@ def kernel_bank(bank: Mapping[str, torch.Tensor], in_place: bool = False) -> dic
     for key in PACKED_KEYS:
         words = to_words(bank[key], in_place)
         scale_key = key.replace("_packed", "_scale")
-        if spanned(8 * words.shape[-1]):
-            _move_in_spans(words, 4, 4)
+        span = span_k(8 * words.shape[-1])
+        if span:
+            _move_in_spans(words, span // 32, 4)
             if scale_key in bank:  # a bank of codes alone (tests of the word layout) has none
                 scale = bank[scale_key] if in_place else bank[scale_key].clone()
-                out[scale_key] = _move_in_spans(scale.view(torch.uint8), 4, 2).view(scale.dtype)
+                out[scale_key] = _move_in_spans(scale.view(torch.uint8), span // 32, 2).view(scale.dtype)
         out[key.replace("_packed", "_words")] = words
     return out

@@ -27,9 +27,10 @@ and an AND; two rotates, two ANDs and an OR) leave the bf16 bit patterns of fp4(
 the low and high halves of one register, which the tensor-core operands take as they are. The checkpoint's layout
 (element 2j in the low nibble of byte j) would need shifts, masks and byte permutes for every pair, and turning codes
 into bf16 is what bounds these kernels. `kernels/fp4_words.py` owns the layout (`WORD_BITS`); the extractions here
-must match it. In a matrix whose K is a multiple of SPAN_K it also moves each row's words and scales within spans,
-which the kernels here load as stored and put back in k order in registers, and which `kernels/moe_gluon.py`'s
-gate-up (the grouped path's, for decode batches on CUDA; the same bits) loads straight into its MMA operands.
+must match it. In a matrix whose K is a multiple of a span width it also moves each row's words and scales within
+spans, which the kernels here load as stored and put back in k order in registers, and which `kernels/moe_gluon.py`'s
+gate-up and down kernels (the grouped path's, for decode batches on CUDA; the same bits) load straight into their MMA
+operands.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import triton.language as tl
 
 from kernels import moe_gluon
 from kernels.counters import CounterPool
-from kernels.fp4_words import PACKED_KEYS, SPAN_K, from_words, natural_scales, spanned
+from kernels.fp4_words import PACKED_KEYS, from_words, natural_scales, span_k
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
@@ -58,7 +59,6 @@ PLAN_CHUNK, PLAN_SCAN = 64, 256  # pairs one plan program places; ids it counts 
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
 TWO_POW_119 = tl.constexpr(2.0**119)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
-SPAN = tl.constexpr(SPAN_K)  # the kernels' copy of fp4_words' span
 BF16_KEYS = ("gate_up", "down")
 
 
@@ -267,11 +267,12 @@ def _weight_tile(
     EVEN_K: tl.constexpr,
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
-    SPANNED: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
     """Weight rows [BLOCK_N] x columns [k0, k0+BLOCK_K) as bf16; NVFP4 codes (int32 words of 8 in the kernels'
-    layout) times block scales times 2^-7, exact in bf16. SPANNED: words and scales moved within spans
-    (kernels/fp4_words.py; BLOCK_K a multiple of SPAN_K), loaded as stored and put back in k order in registers."""
+    layout) times block scales times 2^-7, exact in bf16. SPAN (0: none): the width of the spans the words and
+    scales were moved within (kernels/fp4_words.py; BLOCK_K a multiple of it), loaded as stored and put back in k
+    order in registers."""
     if FP4:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         kg = k0 // 16 + tl.arange(0, BLOCK_K // 16)
@@ -279,10 +280,10 @@ def _weight_tile(
         s_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (kg < K // 16)[None, :]
         words = tl.load(w_ptr + rows[:, None] * stride_wn + kw[None, :], mask=w_mask, other=0)
         scale = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=s_mask, other=0.0)
-        if SPANNED:
-            words = tl.permute(words.reshape(BLOCK_N, BLOCK_K // SPAN, 4, 4), (0, 1, 3, 2))
+        if SPAN:
+            words = tl.permute(words.reshape(BLOCK_N, BLOCK_K // SPAN, 4, SPAN // 32), (0, 1, 3, 2))
             words = words.reshape(BLOCK_N, BLOCK_K // 8)
-            scale = tl.permute(scale.reshape(BLOCK_N, BLOCK_K // SPAN, 2, 4), (0, 1, 3, 2))
+            scale = tl.permute(scale.reshape(BLOCK_N, BLOCK_K // SPAN, 2, SPAN // 32), (0, 1, 3, 2))
             scale = scale.reshape(BLOCK_N, BLOCK_K // 16)
         r0, r1, r2, r3 = _bf16_pairs(words)
         l0, h0 = _halves(r0, INTERPRET)
@@ -324,7 +325,7 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
 def _gate_up_tile(
     x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP4: tl.constexpr,
-    INTERPRET: tl.constexpr, SPANNED: tl.constexpr,
+    INTERPRET: tl.constexpr, SPAN: tl.constexpr,
 ):  # fmt: skip
     """bf16(silu(x·Wgᵀ) * x·Wuᵀ) [BLOCK_M, BLOCK_N] of expert e for the rows at `x_rows` (those in `ok`)."""
     w_e = w_ptr + e.to(tl.int64) * stride_we
@@ -336,12 +337,12 @@ def _gate_up_tile(
         a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < D)[None, :]
         a = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
         wg = _weight_tile(
-            w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED
+            w_e, s_e, cols, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPAN
         )
         gate = _mma(a, wg, gate, INTERPRET)
         wu = _weight_tile(
             w_e, s_e, cols + INTER, col_ok, k0, D, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET,
-            SPANNED,
+            SPAN,
         )  # fmt: skip
         up = _mma(a, wu, up, INTERPRET)
     if FP4:
@@ -377,7 +378,7 @@ def _gate_up_kernel(
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    SPANNED: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
     """h [BLOCK_M pairs, BLOCK_N] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for one tile of one expert's pairs."""
     enter(PDL)
@@ -392,7 +393,7 @@ def _gate_up_kernel(
     col_ok = cols < INTER
     h = _gate_up_tile(
         x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPAN,
     )  # fmt: skip
     tl.store(h_ptr + pos.to(tl.int64)[:, None] * INTER + cols[None, :], h, mask=ok[:, None] & col_ok[None, :])
 
@@ -424,7 +425,7 @@ def _gate_up_pairs_kernel(
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    SPANNED: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
     """h of one (row, slot) pair in one column tile, alone in a BLOCK_M-row tile (the grouped kernel's tile with one
     row), stored at the pair's place in its row's ascending-expert order; the first column tile's program also stores
@@ -448,7 +449,7 @@ def _gate_up_pairs_kernel(
     col_ok = cols < INTER
     h = _gate_up_tile(
         x_rows, ok, e, w_ptr, s_ptr, s2_ptr, cols, col_ok, D, INTER, stride_we, stride_wn, stride_se, stride_sn,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPAN,
     )  # fmt: skip
     h_rows = h_ptr + place.to(tl.int64) * INTER + tl.zeros((BLOCK_M, 1), dtype=tl.int64)
     tl.store(h_rows + cols[None, :], h, mask=ok[:, None] & col_ok[None, :])
@@ -480,7 +481,7 @@ def _down_kernel(
     FP4: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    SPANNED: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
     """y [BLOCK_M pairs, GROUP column tiles of BLOCK_N] = h·Wdᵀ in fp32 for one tile of one expert's pairs, stored by
     pair id: the column tiles in turn, as one loop over (column tile, K tile), so the pipeline does not drain between
@@ -507,7 +508,7 @@ def _down_kernel(
         a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
         a = tl.load(h_rows + kk[None, :], mask=a_mask, other=0.0)
         w = _weight_tile(
-            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED
+            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPAN
         )
         acc = _mma(a, w, acc, INTERPRET)
         if step % k_tiles == k_tiles - 1:
@@ -579,7 +580,7 @@ def _down_pairs_kernel(
     OUT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    SPANNED: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
     """y = h·Wdᵀ of the pair at one place in one column tile, formed as `_down_kernel` forms it (the pair alone in a
     BLOCK_M-row tile) and stored by place; the last of the row's pairs to arrive at the column tile (an arrival
@@ -604,7 +605,7 @@ def _down_pairs_kernel(
         a_mask = ok[:, None] if EVEN_K else ok[:, None] & (kk < INTER)[None, :]
         a = tl.load(h_row + kk[None, :], mask=a_mask, other=0.0)
         w = _weight_tile(
-            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPANNED
+            w_e, s_e, cols, col_ok, k0, INTER, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K, FP4, INTERPRET, SPAN
         )
         acc = _mma(a, w, acc, INTERPRET)
     scale_2 = tl.load(s2_ptr + e) * 128.0 if FP4 else 1.0
@@ -726,12 +727,11 @@ def moe_forward(
     return out
 
 
-def _k_tile(block_k: int, fp4: bool, k: int) -> tuple[int, bool]:
-    """(reduction tile, whether the matrix is spanned) for an NVFP4 (or BF16) matrix reducing over k: a spanned
-    matrix takes whole spans a tile (the bits do not depend on the tile)."""
-    if fp4 and spanned(k):
-        return max(block_k, SPAN_K), True
-    return block_k, False
+def _k_tile(block_k: int, fp4: bool, k: int) -> tuple[int, int]:
+    """(reduction tile, span width or 0) for an NVFP4 (or BF16) matrix reducing over k: a spanned matrix takes
+    whole spans a tile (the bits do not depend on the tile)."""
+    span = span_k(k) if fp4 else 0
+    return max(block_k, span), span
 
 
 def _pairs_forward(
@@ -744,14 +744,14 @@ def _pairs_forward(
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
     order_ids = torch.empty(n * top_k, dtype=torch.int32, device=x.device)
     order_wts = torch.empty(n * top_k, dtype=torch.float32, device=x.device)
-    gate_up_k, gate_up_spanned = _k_tile(tiles.gate_up_k, wb.fp4, wb.d)
-    down_k, down_spanned = _k_tile(tiles.down_k, wb.fp4, wb.inter)
+    gate_up_k, gate_up_span = _k_tile(tiles.gate_up_k, wb.fp4, wb.d)
+    down_k, down_span = _k_tile(tiles.down_k, wb.fp4, wb.inter)
     _gate_up_pairs_kernel[(n * top_k * triton.cdiv(wb.inter, tiles.gate_up_n),)](
         x, ids, wts, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, order_ids, order_wts, wb.d, wb.inter,
         x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
         wb.gate_up_scale.stride(1), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k, EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4,
-        INTERPRET=interpret, SPANNED=gate_up_spanned, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        INTERPRET=interpret, SPAN=gate_up_span, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(_gate_up_pairs_kernel, x.device),
     )  # fmt: skip
     n_cols = triton.cdiv(wb.d, tiles.down_n)
@@ -761,7 +761,7 @@ def _pairs_forward(
         wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1),
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=down_k,
         EVEN_K=wb.inter % down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
-        INTERPRET=interpret, SPANNED=down_spanned, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        INTERPRET=interpret, SPAN=down_span, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(_down_pairs_kernel, x.device),
     )  # fmt: skip
 
@@ -773,32 +773,48 @@ def _grouped_forward(
     n, top_k = ids.shape
     interpret = _interpreting()
     plan = moe_plan(ids, wb.experts, tiles.block_m)
-    plan_args = (plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts)
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
-    gate_up_k, gate_up_spanned = _k_tile(tiles.gate_up_k, wb.fp4, wb.d)
-    down_k, down_spanned = _k_tile(tiles.down_k, wb.fp4, wb.inter)
-    if not (gate_up_spanned and moe_gluon.gate_up(x, plan, wb, h, top_k, interpret)):
-        _gate_up_kernel[(plan.max_tiles * triton.cdiv(wb.inter, tiles.gate_up_n),)](
-            x, *plan_args, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, wb.d, wb.inter, x.stride(0),
-            wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1),
-            TOP_K=top_k, E=wb.experts, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k,
-            EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4, INTERPRET=interpret, SPANNED=gate_up_spanned,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **launch_options(_gate_up_kernel, x.device),
-        )  # fmt: skip
+    _gate_up_grouped(x, plan, wb, h, top_k, tiles, interpret)
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
-    _down_kernel[(plan.max_tiles * triton.cdiv(triton.cdiv(wb.d, tiles.down_n), tiles.down_group),)](
-        h, *plan_args, wb.down, wb.down_scale, wb.down_scale_2, y, wb.d, wb.inter, wb.down.stride(0),
-        wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1), E=wb.experts, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.down_n, BLOCK_K=down_k, GROUP=tiles.down_group, EVEN_K=wb.inter % down_k == 0,
-        FP4=wb.fp4, INTERPRET=interpret, SPANNED=down_spanned, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **launch_options(_down_kernel, x.device),
-    )  # fmt: skip
+    _down_grouped(h, plan, wb, y, tiles, interpret)
     block_d = min(1024, triton.next_power_of_2(wb.d))
     _combine_kernel[(n, triton.cdiv(wb.d, block_d))](
         y, ids, wts, out, wb.d, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d,
         OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpret, num_warps=4,
         **launch_options(_combine_kernel, x.device),
+    )  # fmt: skip
+
+
+def _gate_up_grouped(
+    x: torch.Tensor, plan: MoePlan, wb: _Weights, h: torch.Tensor, top_k: int, tiles: MoeTiles, interpret: bool
+) -> None:
+    """h by plan position from x: kernels/moe_gluon.py's gate-up kernel where it runs, else ours."""
+    gate_up_k, gate_up_span = _k_tile(tiles.gate_up_k, wb.fp4, wb.d)
+    if gate_up_span and moe_gluon.gate_up(x, plan, wb, h, top_k, interpret):
+        return
+    _gate_up_kernel[(plan.max_tiles * triton.cdiv(wb.inter, tiles.gate_up_n),)](
+        x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, wb.gate_up, wb.gate_up_scale,
+        wb.gate_up_scale_2, h, wb.d, wb.inter, x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1),
+        wb.gate_up_scale.stride(0), wb.gate_up_scale.stride(1), TOP_K=top_k, E=wb.experts, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k, EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4, INTERPRET=interpret,
+        SPAN=gate_up_span, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(_gate_up_kernel, x.device),
+    )  # fmt: skip
+
+
+def _down_grouped(
+    h: torch.Tensor, plan: MoePlan, wb: _Weights, y: torch.Tensor, tiles: MoeTiles, interpret: bool
+) -> None:
+    """fp32 y by pair id from h by plan position: kernels/moe_gluon.py's down kernel where it runs, else ours."""
+    down_k, down_span = _k_tile(tiles.down_k, wb.fp4, wb.inter)
+    if down_span and moe_gluon.down(h, plan, wb, y, interpret):
+        return
+    _down_kernel[(plan.max_tiles * triton.cdiv(triton.cdiv(wb.d, tiles.down_n), tiles.down_group),)](
+        h, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, wb.down, wb.down_scale, wb.down_scale_2, y,
+        wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1),
+        E=wb.experts, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=down_k, GROUP=tiles.down_group,
+        EVEN_K=wb.inter % down_k == 0, FP4=wb.fp4, INTERPRET=interpret, SPAN=down_span, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **launch_options(_down_kernel, h.device),
     )  # fmt: skip
 
 

@@ -1,14 +1,15 @@
-"""The grouped NVFP4 gate-up in Gluon (Triton's explicit-layout dialect): kernels/moe.py's `_gate_up_kernel` bit for
-bit, with fewer instructions while each expert sees few rows (docs/performance.md, fifteenth session).
+"""The grouped NVFP4 gate-up and down projections in Gluon (Triton's explicit-layout dialect): kernels/moe.py's
+`_gate_up_kernel` and `_down_kernel` bit for bit, with fewer instructions while each expert sees few rows
+(docs/performance.md, fifteenth and sixteenth sessions).
 
 Triton's tl.dot takes both operands with kWidth 8: in each block of 32 k a thread holds eight consecutive k of its
 rows, and each MMA adds four of them, so the MMAs add the same k in the same order here as there, and the bits are
-the same in any tile. The weights are the MMA's first operand (16 columns) and the activations its second (8 rows a
-tile, half of the plan's 16-row tile: a program for the second half stops at once when the tile has at most eight
-rows). In a spanned matrix (kernels/fp4_words.py) a thread's words of a span are one 16-byte load and their scales
-one 4-byte load, taken as the operand registers with no data moved; each K step's loads are issued one step ahead.
-Gluon has no interpreter: `gate_up` declines there, off CUDA, and with FLASHNEXT_GLUON=0 (the same bits either
-way), and kernels/moe.py runs its Triton kernel.
+the same in any tile. The weights are the MMA's first operand (16 columns a warp) and the activations its second (8
+rows a tile, half of the plan's 16-row tile: a program for the second half stops at once when the tile has at most
+eight rows). In a spanned matrix (kernels/fp4_words.py) a thread's words of a span are one load and their scales
+another, taken as the operand registers with no data moved; each K step's loads are issued one step ahead.
+Gluon has no interpreter: `gate_up` and `down` decline there, off CUDA, and with FLASHNEXT_GLUON=0 (the same bits
+either way), and kernels/moe.py runs its Triton kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import torch
 import triton
 
-from kernels.fp4_words import SPAN_K
+from kernels.fp4_words import span_k
 from kernels.pdl import launch_options
 
 try:
@@ -29,11 +30,14 @@ try:
 except ImportError:  # a Triton without Gluon: kernels/moe.py runs its Triton kernel
     gluon = gl = None
 
-ENV = "FLASHNEXT_GLUON"  # "0": kernels/moe.py's Triton kernel instead
-WARPS = 2  # column groups of 16, one a warp
-BLOCK_K = 2 * SPAN_K
+ENV = "FLASHNEXT_GLUON"  # "0": kernels/moe.py's Triton kernels instead
+GATE_UP_WARPS = 2  # column groups of 16, one a warp
+GATE_UP_SPAN = 128  # the gate-up's span width, and its K step in spans
+GATE_UP_SPANS = 2
+DOWN_WARPS = 2
+DOWN_GROUP = 4  # column groups of 16·DOWN_WARPS a down program runs in turn; its K step is one span
 ROWS = 8  # rows of a tile half
-PLAN_BLOCK_M = 16  # the plan's row tile this kernel reads in halves
+PLAN_BLOCK_M = 16  # the plan's row tile these kernels read in halves
 
 
 def _bits(n: int) -> list[int]:
@@ -42,19 +46,19 @@ def _bits(n: int) -> list[int]:
 
 
 @functools.cache
-def _layouts() -> dict[str, object]:
-    """The kernel's layouts: words [BLOCK_N, BLOCK_K / 8] as stored (position 16s + 4t + b in a span is block b of
-    lane t), x as int32 pairs [ROWS, BLOCK_K / 2], and the MMA's operands (kWidth 8)."""
-    spans = BLOCK_K // SPAN_K
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS])
+def _layouts(span: int, block_k: int, warps: int) -> dict[str, object]:
+    """A kernel's layouts: words [16·warps, block_k / 8] as stored (word 4Bs + Bt + b of a span, B = span / 32, is
+    block b of lane t), x as int32 pairs [ROWS, block_k / 2], and the MMA's operands (kWidth 8)."""
+    blocks = span // 32
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, ROWS])
     words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]] + [[0, 16 * b] for b in _bits(spans)],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16 * b, 0] for b in _bits(WARPS)],
-        block_bases=[], shape=[16 * WARPS, BLOCK_K // 8])  # fmt: skip
+        reg_bases=[[0, b] for b in _bits(blocks)] + [[8, 0]] + [[0, 4 * blocks * b] for b in _bits(block_k // span)],
+        lane_bases=[[0, blocks], [0, 2 * blocks], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 * b, 0] for b in _bits(warps)], block_bases=[], shape=[16 * warps, block_k // 8])  # fmt: skip
     pairs = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2]] + [[0, 16 * b] for b in _bits(BLOCK_K // 32)],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0] for _ in _bits(WARPS)],
-        block_bases=[], shape=[ROWS, BLOCK_K // 2])  # fmt: skip
+        reg_bases=[[0, 1], [0, 2]] + [[0, 16 * b] for b in _bits(block_k // 32)],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0] for _ in _bits(warps)],
+        block_bases=[], shape=[ROWS, block_k // 2])  # fmt: skip
     return {
         "MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, 8), "X_OP": gl.DotOperandLayout(1, mma, 8), "L_W": words,
         "L_X": pairs,
@@ -71,10 +75,7 @@ def _constexpr(value: float) -> object:
     return gl.constexpr(value) if gl is not None else value
 
 
-_WARPS = _constexpr(WARPS)  # the kernels' copies of the module's widths
-_BLOCK_K = _constexpr(BLOCK_K)
-_SPAN_K = _constexpr(SPAN_K)
-_ROWS = _constexpr(ROWS)
+_ROWS = _constexpr(ROWS)  # the kernels' copy of the module's tile half
 _TWO_POW_119 = _constexpr(2.0**119)
 
 
@@ -114,7 +115,7 @@ def _halves(r):
 
 
 @_jit
-def _weights(words, scales, BLOCK_N: gl.constexpr, W_OP: gl.constexpr):
+def _weights(words, scales, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPAN: gl.constexpr, W_OP: gl.constexpr):
     """Spanned words [BLOCK_N, BLOCK_K / 8] and their block scales -> bf16 fp4·scale·2^-7 [BLOCK_N, BLOCK_K]
     in k order, in W_OP; kernels/moe.py's four extractions (kernels/fp4_words.py owns the bits)."""
     w = words.to(gl.uint32, bitcast=True)
@@ -124,29 +125,43 @@ def _weights(words, scales, BLOCK_N: gl.constexpr, W_OP: gl.constexpr):
     r2 = _packed_mul(((w & 0x00390039) * 0x8008) & 0x81C081C0, m)
     r3 = _packed_mul((((w << 10) | (w >> 22)) & 0x01C001C0) | (((w << 14) | (w >> 18)) & 0x80008000), m)
     lo, hi = _halves(gl.join(gl.join(r0, r2), gl.join(r1, r3)))  # [.., k bit 2, k bit 1]
-    v = gl.join(lo, hi).reshape([BLOCK_N, _BLOCK_K // _SPAN_K, 4, 4, 8])  # [column, span, lane t, block b, k]
-    v = v.permute((0, 1, 3, 2, 4)).reshape([BLOCK_N, _BLOCK_K])  # k = 128·span + 32b + 8t + element
+    v = gl.join(lo, hi).reshape([BLOCK_N, BLOCK_K // SPAN, 4, SPAN // 32, 8])  # [column, span, lane t, block b, k]
+    v = v.permute((0, 1, 3, 2, 4)).reshape([BLOCK_N, BLOCK_K])  # k = span·s + 32b + 8t + element
     return gl.convert_layout(v, W_OP)  # a renaming of registers: no data moves
 
 
 @_jit
-def _step_loads(xp, wp, sp, up_w, up_s, i):
+def _scale_positions(kw, SPAN: gl.constexpr):
+    """Word positions of a spanned row -> the positions of their block scales (kernels/fp4_words.py)."""
+    B: gl.constexpr = SPAN // 32
+    return 2 * B * (kw // (4 * B)) + B * ((kw // B) % 4 // 2) + kw % B
+
+
+@_jit
+def _x_operand(pairs, BLOCK_K: gl.constexpr, X_OP: gl.constexpr):
+    """int32 pairs [ROWS, BLOCK_K / 2] of bf16 activations -> the MMA's second operand [BLOCK_K, ROWS]."""
+    lo, hi = _halves(pairs)
+    return gl.convert_layout(gl.join(lo, hi).reshape([_ROWS, BLOCK_K]).permute((1, 0)), X_OP)
+
+
+@_jit
+def _gate_up_loads(xp, wp, sp, up_w, up_s, i, BLOCK_K: gl.constexpr):
     """K step i's x pairs, gate words and scales, up words and scales."""
-    w = wp + i * (_BLOCK_K // 8)
-    s = sp + i * (_BLOCK_K // 16)
-    return gl.load(xp + i * (_BLOCK_K // 2)), gl.load(w), gl.load(s), gl.load(w + up_w), gl.load(s + up_s)
+    w = wp + i * (BLOCK_K // 8)
+    s = sp + i * (BLOCK_K // 16)
+    return gl.load(xp + i * (BLOCK_K // 2)), gl.load(w), gl.load(s), gl.load(w + up_w), gl.load(s + up_s)
 
 
 @_jit
 def _gate_up_kernel(
     x_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, D, INTER,
     stride_xn, stride_we, stride_wn, stride_se, stride_sn, num_programs, TOP_K: gl.constexpr, E: gl.constexpr,
-    MMA: gl.constexpr, W_OP: gl.constexpr, X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr,
-    PDL: gl.constexpr,
+    WARPS: gl.constexpr, SPAN: gl.constexpr, BLOCK_K: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
+    X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """h [8 pairs, 16·WARPS columns] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for one half of one plan tile."""
     enter(PDL)
-    BLOCK_N: gl.constexpr = 16 * _WARPS
+    BLOCK_N: gl.constexpr = 16 * WARPS
     half = gl.program_id(0) // num_programs  # second halves last: most stop at once
     n_blocks = gl.cdiv(INTER, BLOCK_N)
     t = gl.program_id(0) % num_programs // n_blocks
@@ -162,25 +177,23 @@ def _gate_up_kernel(
     pair = gl.load(pairs_ptr + pos, mask=pos < end, other=0)  # a padded row reads row 0: never stored
     x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     xp = (x32 + (pair // TOP_K).to(gl.int64)[:, None] * (stride_xn // 2)
-          + gl.arange(0, _BLOCK_K // 2, layout=gl.SliceLayout(0, L_X))[None, :])  # fmt: skip
+          + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, L_X))[None, :])  # fmt: skip
     rows = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_W))
-    kw = gl.arange(0, _BLOCK_K // 8, layout=gl.SliceLayout(0, L_W))
+    kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, L_W))
     wp = w_ptr + e.to(gl.int64) * stride_we + rows[:, None] * stride_wn + kw[None, :]
-    s_pos = 8 * (kw // 16) + 4 * ((kw // 4) % 4 // 2) + kw % 4  # word position -> its scale's position
-    sp = s_ptr + e.to(gl.int64) * stride_se + rows[:, None] * stride_sn + s_pos[None, :]
+    sp = s_ptr + e.to(gl.int64) * stride_se + rows[:, None] * stride_sn + _scale_positions(kw, SPAN)[None, :]
     up_w = INTER * stride_wn
     up_s = INTER * stride_sn
-    steps = D // _BLOCK_K
+    steps = D // BLOCK_K
     gate = gl.zeros([BLOCK_N, _ROWS], gl.float32, MMA)
     up = gl.zeros([BLOCK_N, _ROWS], gl.float32, MMA)
-    now = _step_loads(xp, wp, sp, up_w, up_s, 0)
+    now = _gate_up_loads(xp, wp, sp, up_w, up_s, 0, BLOCK_K)
     for i in range(steps):
-        ahead = _step_loads(xp, wp, sp, up_w, up_s, gl.minimum(i + 1, steps - 1))  # the last loads itself again
+        ahead = _gate_up_loads(xp, wp, sp, up_w, up_s, gl.minimum(i + 1, steps - 1), BLOCK_K)  # the last: again
         xa, wg, sg, wu, su = now
-        lo, hi = _halves(xa)
-        xo = gl.convert_layout(gl.join(lo, hi).reshape([_ROWS, _BLOCK_K]).permute((1, 0)), X_OP)
-        gate = gl.nvidia.ampere.mma_v2(_weights(wg, sg, BLOCK_N, W_OP), xo, gate)
-        up = gl.nvidia.ampere.mma_v2(_weights(wu, su, BLOCK_N, W_OP), xo, up)
+        xo = _x_operand(xa, BLOCK_K, X_OP)
+        gate = gl.nvidia.ampere.mma_v2(_weights(wg, sg, BLOCK_N, BLOCK_K, SPAN, W_OP), xo, gate)
+        up = gl.nvidia.ampere.mma_v2(_weights(wu, su, BLOCK_N, BLOCK_K, SPAN, W_OP), xo, up)
         now = ahead
     gate = gate * (gl.load(s2_ptr + e * 2) * 128.0)
     up = up * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
@@ -188,6 +201,71 @@ def _gate_up_kernel(
     pos_o = first + gl.arange(0, _ROWS, layout=gl.SliceLayout(0, MMA))
     cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     gl.store(h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None], h, mask=(pos_o < end)[None, :])
+
+
+@_jit
+def _down_loads(hp, wp, sp, col_w, col_s, i, k_steps, SPAN: gl.constexpr):
+    """Step i's h pairs, words and scales: column group i // k_steps, K span i % k_steps."""
+    c = i // k_steps
+    k = i % k_steps
+    words = gl.load(wp + c * col_w + k * (SPAN // 8))
+    return gl.load(hp + k * (SPAN // 2)), words, gl.load(sp + c * col_s + k * (SPAN // 16))
+
+
+@_jit
+def _down_kernel(
+    h_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, D, INTER,
+    stride_we, spans_wn, stride_se, spans_sn, num_programs, E: gl.constexpr, WARPS: gl.constexpr,
+    GROUP: gl.constexpr, SPAN: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr, X_OP: gl.constexpr,
+    L_W: gl.constexpr, L_X: gl.constexpr, PDL: gl.constexpr,
+):  # fmt: skip
+    """y [8 pairs, GROUP column groups of 16·WARPS] = h·Wdᵀ·scale_2 in fp32 for one half of one plan tile, stored
+    by pair id; each column group's sum runs over I a span at a time from zero, as kernels/moe.py's. The row
+    strides come in spans (spans_wn, spans_sn), so that the compiler knows a thread's words and scales of a span
+    are aligned for one load (I / 8 words, 40 at I = 320, is not a multiple of 16)."""
+    enter(PDL)
+    BLOCK_N: gl.constexpr = 16 * WARPS
+    half = gl.program_id(0) // num_programs
+    n_groups = gl.cdiv(D, BLOCK_N * GROUP)
+    t = gl.program_id(0) % num_programs // n_groups
+    first_col = gl.program_id(0) % n_groups * (BLOCK_N * GROUP)
+    e = gl.load(tile_experts_ptr + t)
+    if e >= E:
+        return
+    first = gl.load(tile_starts_ptr + t) + half * _ROWS
+    end = gl.load(bounds_ptr + e + 1)
+    if first >= end:
+        return
+    pos = gl.minimum(first + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, L_X)), end - 1)  # padded: never stored
+    h32 = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    k_pairs = gl.arange(0, SPAN // 2, layout=gl.SliceLayout(0, L_X))
+    hp = h32 + pos.to(gl.int64)[:, None] * (INTER // 2) + k_pairs[None, :]
+    rows = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_W))
+    kw = gl.arange(0, SPAN // 8, layout=gl.SliceLayout(0, L_W))
+    stride_wn = spans_wn * (SPAN // 8)
+    stride_sn = spans_sn * (SPAN // 16)
+    wp = w_ptr + e.to(gl.int64) * stride_we + rows[:, None] * stride_wn + kw[None, :]
+    sp = s_ptr + e.to(gl.int64) * stride_se + rows[:, None] * stride_sn + _scale_positions(kw, SPAN)[None, :]
+    pos_o = first + gl.arange(0, _ROWS, layout=gl.SliceLayout(0, MMA))
+    stored = pos_o < end
+    pair = gl.load(pairs_ptr + pos_o, mask=stored, other=0)
+    cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    y_cols = y_ptr + pair.to(gl.int64)[None, :] * D + cols[:, None]
+    scale_2 = gl.load(s2_ptr + e) * 128.0
+    k_steps = INTER // SPAN
+    steps = GROUP * k_steps
+    now = _down_loads(hp, wp, sp, BLOCK_N * stride_wn, BLOCK_N * stride_sn, 0, k_steps, SPAN)
+    for c in range(GROUP):
+        acc = gl.zeros([BLOCK_N, _ROWS], gl.float32, MMA)
+        for k in range(k_steps):
+            i = c * k_steps + k
+            ahead = _down_loads(
+                hp, wp, sp, BLOCK_N * stride_wn, BLOCK_N * stride_sn, gl.minimum(i + 1, steps - 1), k_steps, SPAN
+            )  # the last loads itself again
+            ha, w, s = now
+            acc = gl.nvidia.ampere.mma_v2(_weights(w, s, BLOCK_N, SPAN, SPAN, W_OP), _x_operand(ha, SPAN, X_OP), acc)
+            now = ahead
+        gl.store(y_cols + c * BLOCK_N, acc * scale_2, mask=stored[None, :])
 
 
 @functools.cache
@@ -198,25 +276,64 @@ def _nvidia_ampere_or_later(index: int) -> bool:
     )
 
 
-def usable(device: torch.device, d: int, inter: int, plan_block_m: int) -> bool:
-    """Whether `gate_up` runs for a spanned NVFP4 bank of these widths on `device` with plans of this row tile."""
-    if gluon is None or os.environ.get(ENV) == "0" or device.type != "cuda":
+def _usable(device: torch.device, plan_block_m: int, interpreting: bool) -> bool:
+    """Whether these kernels can run on `device` for plans of this row tile."""
+    if gluon is None or interpreting or os.environ.get(ENV) == "0" or device.type != "cuda":
         return False
-    if d % BLOCK_K or inter % (16 * WARPS) or plan_block_m != PLAN_BLOCK_M:
+    if plan_block_m != PLAN_BLOCK_M:
         return False
     return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def gate_up_usable(device: torch.device, d: int, inter: int, plan_block_m: int, interpreting: bool = False) -> bool:
+    """Whether `gate_up` runs for an NVFP4 bank of these widths on `device` with plans of this row tile."""
+    block_k = GATE_UP_SPAN * GATE_UP_SPANS
+    if span_k(d) != GATE_UP_SPAN or d % block_k or inter % (16 * GATE_UP_WARPS):
+        return False
+    return _usable(device, plan_block_m, interpreting)
+
+
+def down_usable(weights: object, plan_block_m: int, interpreting: bool = False) -> bool:
+    """Whether `down` runs for this NVFP4 bank (`kernels.moe._Weights`) with plans of this row tile: its rows
+    strided in whole spans."""
+    span = span_k(weights.inter)
+    if not span or weights.d % (16 * DOWN_WARPS * DOWN_GROUP):
+        return False
+    if weights.down.stride(1) % (span // 8) or weights.down_scale.stride(1) % (span // 16):
+        return False
+    return _usable(weights.down.device, plan_block_m, interpreting)
 
 
 def gate_up(x: torch.Tensor, plan: object, weights: object, h: torch.Tensor, top_k: int, interpreting: bool) -> bool:
     """h by plan position from x and the spanned NVFP4 gate-up weights; False, doing nothing, where this kernel
     does not run (kernels/moe.py then runs its own)."""
-    if interpreting or not usable(x.device, weights.d, weights.inter, plan.block_m):
+    if not gate_up_usable(x.device, weights.d, weights.inter, plan.block_m, interpreting):
         return False
     w, s = weights.gate_up, weights.gate_up_scale
-    programs = plan.max_tiles * triton.cdiv(weights.inter, 16 * WARPS)
+    block_k = GATE_UP_SPAN * GATE_UP_SPANS
+    programs = plan.max_tiles * triton.cdiv(weights.inter, 16 * GATE_UP_WARPS)
     _gate_up_kernel[(2 * programs,)](
         x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.gate_up_scale_2, h, weights.d,
         weights.inter, x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), programs, TOP_K=top_k,
-        E=weights.experts, num_warps=WARPS, **_layouts(), **launch_options(_gate_up_kernel, x.device),
+        E=weights.experts, WARPS=GATE_UP_WARPS, SPAN=GATE_UP_SPAN, BLOCK_K=block_k, num_warps=GATE_UP_WARPS,
+        **_layouts(GATE_UP_SPAN, block_k, GATE_UP_WARPS), **launch_options(_gate_up_kernel, x.device),
+    )  # fmt: skip
+    return True
+
+
+def down(h: torch.Tensor, plan: object, weights: object, y: torch.Tensor, interpreting: bool) -> bool:
+    """fp32 y by pair id from h by plan position and the spanned NVFP4 down weights; False, doing nothing, where
+    this kernel does not run (kernels/moe.py then runs its own)."""
+    if not down_usable(weights, plan.block_m, interpreting):
+        return False
+    w, s = weights.down, weights.down_scale
+    span = span_k(weights.inter)
+    programs = plan.max_tiles * triton.cdiv(weights.d, 16 * DOWN_WARPS * DOWN_GROUP)
+    _down_kernel[(2 * programs,)](
+        h, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.down_scale_2, y, weights.d,
+        weights.inter, w.stride(0), w.stride(1) // (span // 8), s.stride(0), s.stride(1) // (span // 16), programs,
+        E=weights.experts,
+        WARPS=DOWN_WARPS, GROUP=DOWN_GROUP, SPAN=span, num_warps=DOWN_WARPS, **_layouts(span, span, DOWN_WARPS),
+        **launch_options(_down_kernel, h.device),
     )  # fmt: skip
     return True

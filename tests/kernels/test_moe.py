@@ -148,9 +148,9 @@ def test_dequantization_matches_checkpoint_formula() -> None:
     for e in (0, E - 1):
         gate, up, down = expert_weights(bank, e)
         ref_gate = dequantize_nvfp4(
-            PACKED["gate_up_packed"][e, :INTER], bank["gate_up_scale"][e, :INTER], bank["gate_up_scale_2"][e, 0]
+            PACKED["gate_up_packed"][e, :INTER], PACKED["gate_up_scale"][e, :INTER], PACKED["gate_up_scale_2"][e, 0]
         )
-        ref_down = dequantize_nvfp4(PACKED["down_packed"][e], bank["down_scale"][e], bank["down_scale_2"][e])
+        ref_down = dequantize_nvfp4(PACKED["down_packed"][e], PACKED["down_scale"][e], PACKED["down_scale_2"][e])
         assert torch.equal(gate, ref_gate) and torch.equal(down, ref_down)
         assert up.shape == (INTER, D)
 
@@ -169,31 +169,36 @@ def test_word_layout_round_trips_and_moves_every_bit() -> None:
     assert torch.equal(from_words(words.transpose(0, 1)), packed.transpose(0, 1).contiguous())
 
 
-def test_spans_move_words_and_scales_and_are_undone() -> None:
-    """In a matrix with K a multiple of 128 each thread's four words (and scales) of a span sit together."""
+def spans_moved(natural: torch.Tensor, moved: torch.Tensor, span: int, per_block: int, threads: int) -> bool:
+    """Whether, in each span of the last axis (span // 32 blocks of `per_block` values), position
+    `per_block·blocks·s + blocks·t + b` of `moved` holds value `per_block·blocks·s + threads·b + t` of `natural`."""
+    blocks = span // 32
+    spans = natural.shape[-1] // (per_block * blocks)
+    s, t, b = torch.meshgrid(torch.arange(spans), torch.arange(threads), torch.arange(blocks), indexing="ij")
+    base = per_block * blocks * s
+    return torch.equal(moved[..., base + blocks * t + b], natural[..., base + threads * b + t])
+
+
+@pytest.mark.parametrize("span", [128, 64])
+def test_spans_move_words_and_scales_and_are_undone(span: int) -> None:
+    """In a matrix with K a multiple of a span width each thread's words (and scales) of a span sit together."""
     gen = torch.Generator().manual_seed(9)
-    packed = torch.randint(0, 256, (2, 3, 128), dtype=torch.uint8, generator=gen)  # K = 256: spanned
-    short = torch.randint(0, 256, (2, 3, 32), dtype=torch.uint8, generator=gen)  # K = 64: not
-    scale = torch.randint(0, 120, (2, 3, 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
-    short_scale = torch.randint(0, 120, (2, 3, 4), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    k = 3 * span if span == 64 else 2 * span  # K = 192 is spanned by 64 only
+    packed = torch.randint(0, 256, (2, 3, k // 2), dtype=torch.uint8, generator=gen)
+    short = torch.randint(0, 256, (2, 3, 16), dtype=torch.uint8, generator=gen)  # K = 32: not spanned
+    scale = torch.randint(0, 120, (2, 3, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    short_scale = torch.randint(0, 120, (2, 3, 2), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
     bank = {"gate_up_packed": packed, "gate_up_scale": scale, "down_packed": short, "down_scale": short_scale}
     moved = kernel_bank(bank)
-    natural = to_words(packed)
-    t, b = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
-    for span in range(2):  # word position 16s + 4t + b holds natural word 16s + 4b + t
-        got = moved["gate_up_words"][..., 16 * span + 4 * t + b]
-        assert torch.equal(got, natural[..., 16 * span + 4 * b + t])
-    h, b = torch.meshgrid(torch.arange(2), torch.arange(4), indexing="ij")
-    for span in range(2):  # scale position 8s + 4h + b holds group 8s + 2b + h
-        got = moved["gate_up_scale"].view(torch.uint8)[..., 8 * span + 4 * h + b]
-        assert torch.equal(got, scale.view(torch.uint8)[..., 8 * span + 2 * b + h])
+    assert spans_moved(to_words(packed), moved["gate_up_words"], span, 4, 4)
+    assert spans_moved(scale.view(torch.uint8), moved["gate_up_scale"].view(torch.uint8), span, 2, 2)
     assert torch.equal(from_words(moved["gate_up_words"]), packed)
     assert torch.equal(natural_scales(moved["gate_up_scale"]).view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(moved["down_words"], to_words(short)) and moved["down_scale"] is short_scale
     assert torch.equal(bank["gate_up_scale"].view(torch.uint8), scale.view(torch.uint8))  # not in place: untouched
 
 
-SPANNED_D, SPANNED_INTER = 128, 128  # both matrices spanned, one span each
+SPANNED_D, SPANNED_INTER = 128, 64  # the gate-up one span of 128 k a row, the down one of 64
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -231,7 +236,7 @@ def test_word_extractions_give_every_code_scaled_by_two_to_minus_126() -> None:
     lut = moe.fp4_lut()
     gen = torch.Generator().manual_seed(5)
     packed = torch.cat([torch.arange(256).repeat(4), torch.randint(0, 256, (3072,), generator=gen)]).to(torch.uint8)
-    rows = packed.view(-1, 32)  # K = 64: words in k order (no spans)
+    rows = packed.view(-1, 16)  # K = 32: words in k order (no spans)
     words = kernel_bank({"gate_up_packed": rows, "down_packed": packed[:4]})["gate_up_words"]
     registers = torch.empty(words.numel(), 4, dtype=torch.int32)
     _extract[(1,)](words, registers, N=words.numel())

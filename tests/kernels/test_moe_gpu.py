@@ -125,11 +125,34 @@ def test_the_gluon_gate_up_gives_the_triton_kernels_bits(n: int, monkeypatch) ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
-def test_flashnext_gluon_0_runs_the_triton_kernel(monkeypatch) -> None:
+@pytest.mark.parametrize("n", [2, 8, 64, 256])
+def test_the_gluon_down_gives_the_triton_kernels_bits(n: int, monkeypatch) -> None:
+    """kernels/moe_gluon.py's down projection runs on these widths (I = 320: spans of 64 k) and every y it stores is
+    the Triton kernel's, bit for bit."""
+    bank, (_, ids, _) = bank_and_routing(n)
+    weights, tiles = moe._weights(bank), moe_tiles(n, TOP_K, E)
+    plan = moe_plan(ids, E, tiles.block_m)
+    h = torch.randn(n * TOP_K, INTER, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n))
+    h = h.bfloat16()
+    assert moe_gluon.down(h, plan, weights, torch.empty(n * TOP_K, D, device="cuda"), False)
+    with_gluon = torch.full((n * TOP_K, D), float("nan"), device="cuda")
+    moe._down_grouped(h, plan, weights, with_gluon, tiles, False)
+    monkeypatch.setattr(moe_gluon, "down", lambda *args: False)
+    without = torch.full_like(with_gluon, float("nan"))
+    moe._down_grouped(h, plan, weights, without, tiles, False)
+    assert not without.isnan().any()
+    assert torch.equal(with_gluon.view(torch.int32), without.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+def test_flashnext_gluon_0_runs_the_triton_kernels(monkeypatch) -> None:
     bank, (x, ids, _) = bank_and_routing(8)
     plan = moe_plan(ids, E, 16)
     weights = moe._weights(bank)
     h = torch.empty(ids.numel(), INTER, dtype=torch.bfloat16, device="cuda")
-    assert moe_gluon.gate_up(x, plan, weights, h, TOP_K, False)
+    y = torch.empty(ids.numel(), D, device="cuda")
+    assert moe_gluon.gate_up(x, plan, weights, h, TOP_K, False) and moe_gluon.down(h, plan, weights, y, False)
     monkeypatch.setenv(moe_gluon.ENV, "0")
     assert not moe_gluon.gate_up(x, plan, weights, h, TOP_K, False)
+    assert not moe_gluon.down(h, plan, weights, y, False)

@@ -1,0 +1,94 @@
+"""The grouped gate-up and down projections alone on one GPU at tp=2's per-rank widths: kernels/moe_gluon.py's
+kernels (the down one in several (warps, column groups) shapes) against kernels/moe.py's Triton kernels, bits of
+every h and y and µs per call (CUDA-graph replays cycling through routings enough to keep the weights cold in L2).
+
+python3 scripts/gpu_down_sweep.py [--rows 2 8 64 256 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
+
+from gpu_check_moe import Shape, packed_bank  # noqa: E402
+from gpu_timing import graph_median_us  # noqa: E402
+
+from kernels import moe, moe_gluon  # noqa: E402
+from kernels.fp4_words import kernel_bank  # noqa: E402
+
+ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 819)
+SHAPES = ((2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (2, 8))  # (warps, column groups)
+SETS = 32
+REPLAYS = 25
+
+
+def outputs(sets: list, calls: list, index: int) -> list[torch.Tensor]:
+    """Each set's output `index` after `calls`, from a NaN-filled start."""
+    for s, call in zip(sets, calls, strict=True):
+        s[index].fill_(float("nan"))
+        call()
+    return [s[index].clone() for s in sets]
+
+
+def differ(got: list[torch.Tensor], want: list[torch.Tensor]) -> int:
+    """Elements whose bits differ."""
+    ints = torch.int16 if want[0].dtype == torch.bfloat16 else torch.int32
+    return sum(int((a.view(ints) != b.view(ints)).sum()) for a, b in zip(got, want, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    args = ap.parse_args(argv)
+    shape = Shape()
+    bank = kernel_bank(packed_bank(shape, torch.Generator(device="cuda").manual_seed(0)), in_place=True)
+    weights = moe._weights(bank)
+    gluon_down, gluon_gate_up = moe_gluon.down, moe_gluon.gate_up
+    differing = 0
+    for n in args.rows:
+        tiles = moe.moe_tiles(n, shape.top_k, shape.experts)
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        sets = []
+        for _ in range(SETS):
+            ids = torch.rand(n, shape.experts, device="cuda", generator=gen).argsort(dim=1)[:, : shape.top_k]
+            plan = moe.moe_plan(ids.to(torch.int32), shape.experts, tiles.block_m)
+            x = torch.randn(n, shape.hidden, device="cuda", generator=gen).bfloat16()
+            h = torch.empty(n * shape.top_k, shape.inter, device="cuda", dtype=torch.bfloat16)
+            sets.append((x, plan, h, torch.empty(n * shape.top_k, shape.hidden, device="cuda")))
+        ups = [
+            lambda s=s, t=tiles: moe._gate_up_grouped(s[0], s[1], weights, s[2], shape.top_k, t, False) for s in sets
+        ]
+        downs = [lambda s=s, t=tiles: moe._down_grouped(s[2], s[1], weights, s[3], t, False) for s in sets]
+
+        moe_gluon.down = moe_gluon.gate_up = lambda *a: False
+        want_h = outputs(sets, ups, 2)
+        want_y = outputs(sets, downs, 3)
+        line = [f"rows {n:4d}  gate-up triton {graph_median_us(ups, SETS, REPLAYS):7.1f}"]
+        moe_gluon.gate_up = gluon_gate_up
+        if moe_gluon.gate_up_usable(sets[0][0].device, shape.hidden, shape.inter, tiles.block_m):
+            bad = differ(outputs(sets, ups, 2), want_h)
+            differing += bad
+            line.append(f"gluon {graph_median_us(ups, SETS, REPLAYS):7.1f}" + (f" ({bad} differ)" if bad else ""))
+        line.append(f"| down triton {graph_median_us(downs, SETS, REPLAYS):7.1f}")
+        moe_gluon.down = gluon_down
+        for warps, group in SHAPES:
+            moe_gluon.DOWN_WARPS, moe_gluon.DOWN_GROUP = warps, group
+            if not moe_gluon.down_usable(weights, tiles.block_m):
+                continue
+            bad = differ(outputs(sets, downs, 3), want_y)
+            differing += bad
+            line.append(
+                f"{warps}w{group}g {graph_median_us(downs, SETS, REPLAYS):7.1f}" + (f" ({bad} differ)" if bad else "")
+            )
+        print("  ".join(line), flush=True)
+    return 1 if differing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
