@@ -34,10 +34,14 @@ ENV = "FLASHNEXT_GLUON"  # "0": kernels/moe.py's Triton kernels instead
 GATE_UP_WARPS = 2  # column groups of 16, one a warp
 GATE_UP_SPAN = 128  # the gate-up's span width, and its K step in spans
 GATE_UP_SPANS = 2
-DOWN_WARPS = 2
-DOWN_GROUP = 4  # column groups of 16·DOWN_WARPS a down program runs in turn; its K step is one span
 ROWS = 8  # rows of a tile half
 PLAN_BLOCK_M = 16  # the plan's row tile these kernels read in halves
+# Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth session): up to 6 pairs an
+# expert on average (beyond, most tiles hold more than 8 rows and their halves read the weights twice), the gate-up
+# from 80 pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast)
+MAX_PAIRS_PER_EXPERT = 6
+GATE_UP_MIN_PAIRS = 80
+DOWN_SHAPES = ((40, 2, 1), (160, 2, 2), (None, 4, 4))  # (below this many pairs, warps, column groups a program)
 
 
 def _bits(n: int) -> list[int]:
@@ -276,38 +280,44 @@ def _nvidia_ampere_or_later(index: int) -> bool:
     )
 
 
-def _usable(device: torch.device, plan_block_m: int, interpreting: bool) -> bool:
-    """Whether these kernels can run on `device` for plans of this row tile."""
+def _usable(weights: object, plan: object, interpreting: bool) -> bool:
+    """Whether these kernels can run for this bank (`kernels.moe._Weights`) and plan, and beat the Triton ones."""
+    device = weights.gate_up.device
     if gluon is None or interpreting or os.environ.get(ENV) == "0" or device.type != "cuda":
         return False
-    if plan_block_m != PLAN_BLOCK_M:
+    if plan.block_m != PLAN_BLOCK_M or plan.pairs.numel() > MAX_PAIRS_PER_EXPERT * weights.experts:
         return False
     return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gate_up_usable(device: torch.device, d: int, inter: int, plan_block_m: int, interpreting: bool = False) -> bool:
-    """Whether `gate_up` runs for an NVFP4 bank of these widths on `device` with plans of this row tile."""
+def gate_up_usable(weights: object, plan: object, interpreting: bool = False) -> bool:
+    """Whether `gate_up` runs for this NVFP4 bank and plan."""
     block_k = GATE_UP_SPAN * GATE_UP_SPANS
-    if span_k(d) != GATE_UP_SPAN or d % block_k or inter % (16 * GATE_UP_WARPS):
+    if span_k(weights.d) != GATE_UP_SPAN or weights.d % block_k or weights.inter % (16 * GATE_UP_WARPS):
         return False
-    return _usable(device, plan_block_m, interpreting)
+    return plan.pairs.numel() >= GATE_UP_MIN_PAIRS and _usable(weights, plan, interpreting)
 
 
-def down_usable(weights: object, plan_block_m: int, interpreting: bool = False) -> bool:
-    """Whether `down` runs for this NVFP4 bank (`kernels.moe._Weights`) with plans of this row tile: its rows
-    strided in whole spans."""
+def down_shape(pairs: int) -> tuple[int, int]:
+    """(warps, column groups a program) of the down kernel for this many pairs: more, narrower programs for fewer."""
+    return next((warps, groups) for below, warps, groups in DOWN_SHAPES if below is None or pairs < below)
+
+
+def down_usable(weights: object, plan: object, interpreting: bool = False) -> bool:
+    """Whether `down` runs for this NVFP4 bank and plan: its rows strided in whole spans."""
     span = span_k(weights.inter)
-    if not span or weights.d % (16 * DOWN_WARPS * DOWN_GROUP):
+    warps, groups = down_shape(plan.pairs.numel())
+    if not span or weights.d % (16 * warps * groups):
         return False
     if weights.down.stride(1) % (span // 8) or weights.down_scale.stride(1) % (span // 16):
         return False
-    return _usable(weights.down.device, plan_block_m, interpreting)
+    return _usable(weights, plan, interpreting)
 
 
 def gate_up(x: torch.Tensor, plan: object, weights: object, h: torch.Tensor, top_k: int, interpreting: bool) -> bool:
     """h by plan position from x and the spanned NVFP4 gate-up weights; False, doing nothing, where this kernel
     does not run (kernels/moe.py then runs its own)."""
-    if not gate_up_usable(x.device, weights.d, weights.inter, plan.block_m, interpreting):
+    if not gate_up_usable(weights, plan, interpreting):
         return False
     w, s = weights.gate_up, weights.gate_up_scale
     block_k = GATE_UP_SPAN * GATE_UP_SPANS
@@ -324,16 +334,17 @@ def gate_up(x: torch.Tensor, plan: object, weights: object, h: torch.Tensor, top
 def down(h: torch.Tensor, plan: object, weights: object, y: torch.Tensor, interpreting: bool) -> bool:
     """fp32 y by pair id from h by plan position and the spanned NVFP4 down weights; False, doing nothing, where
     this kernel does not run (kernels/moe.py then runs its own)."""
-    if not down_usable(weights, plan.block_m, interpreting):
+    if not down_usable(weights, plan, interpreting):
         return False
     w, s = weights.down, weights.down_scale
     span = span_k(weights.inter)
-    programs = plan.max_tiles * triton.cdiv(weights.d, 16 * DOWN_WARPS * DOWN_GROUP)
+    warps, groups = down_shape(plan.pairs.numel())
+    programs = plan.max_tiles * triton.cdiv(weights.d, 16 * warps * groups)
     _down_kernel[(2 * programs,)](
         h, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.down_scale_2, y, weights.d,
         weights.inter, w.stride(0), w.stride(1) // (span // 8), s.stride(0), s.stride(1) // (span // 16), programs,
         E=weights.experts,
-        WARPS=DOWN_WARPS, GROUP=DOWN_GROUP, SPAN=span, num_warps=DOWN_WARPS, **_layouts(span, span, DOWN_WARPS),
+        WARPS=warps, GROUP=groups, SPAN=span, num_warps=warps, **_layouts(span, span, warps),
         **launch_options(_down_kernel, h.device),
     )  # fmt: skip
     return True

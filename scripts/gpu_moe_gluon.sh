@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on one H200 after a change to the routed MoE's Gluon kernels: the GPU MoE tests (the Gluon kernels' bits
-# against the Triton kernels' among them), the down projection's shapes (scripts/gpu_down_sweep.py), the whole MoE
-# against an earlier kernels/moe.py (bits and time), then, while the call has time left (STEP_BY seconds since it
-# began), one rank's replayed round at 64 and 1 lanes with the Gluon kernels off and on.
+# against the Triton kernels' among them), each projection alone at 2 to 819 rows (scripts/gpu_gluon_sweep.py), the
+# whole MoE against an earlier kernels/moe.py (bits and time), then, while the call has time left (STEP_BY seconds
+# since it began), one rank's replayed round at 64 and 1 lanes with the Gluon kernels off and on.
 # Usage, from the repo root there:  BEFORE=path/to/old_moe.py bash scripts/gpu_moe_gluon.sh   # logs under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
@@ -12,8 +12,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=. TRITON_INTERPRET=0
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_gpu.py -k "${TESTS:-gluon or alone or reference or pairs}" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? at ${SECONDS}s"; tail -3 "$OUT/pytest.log"
-timeout 150 python3 scripts/gpu_down_sweep.py > "$OUT/down_sweep.log" 2>&1
-echo "down sweep rc=$? at ${SECONDS}s"; tail -8 "$OUT/down_sweep.log"
+timeout 150 python3 scripts/gpu_gluon_sweep.py > "$OUT/gluon_sweep.log" 2>&1
+echo "gluon sweep rc=$? at ${SECONDS}s"; tail -12 "$OUT/gluon_sweep.log"
 timeout 120 python3 scripts/gpu_ab_moe.py --before "$BEFORE" --rows 1 2 8 64 256 1024 8192 > "$OUT/ab.log" 2>&1
 echo "ab rc=$? at ${SECONDS}s"; tail -8 "$OUT/ab.log"
 for gluon in 0 1; do

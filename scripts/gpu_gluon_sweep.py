@@ -1,8 +1,9 @@
 """The grouped gate-up and down projections alone on one GPU at tp=2's per-rank widths: kernels/moe_gluon.py's
-kernels (the down one in several (warps, column groups) shapes) against kernels/moe.py's Triton kernels, bits of
-every h and y and µs per call (CUDA-graph replays cycling through routings enough to keep the weights cold in L2).
+kernels at every row count (the down one in several (warps, column groups) shapes) against kernels/moe.py's Triton
+kernels, bits of every h and y and µs per call (CUDA-graph replays cycling through routings enough to keep the
+weights cold in L2): the figures moe_gluon's row ranges and DOWN_SHAPES come from.
 
-python3 scripts/gpu_down_sweep.py [--rows 2 8 64 256 512]
+python3 scripts/gpu_gluon_sweep.py [--rows 2 8 64 256 512]
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     bank = kernel_bank(packed_bank(shape, torch.Generator(device="cuda").manual_seed(0)), in_place=True)
     weights = moe._weights(bank)
     gluon_down, gluon_gate_up = moe_gluon.down, moe_gluon.gate_up
+    moe_gluon.GATE_UP_MIN_PAIRS, moe_gluon.MAX_PAIRS_PER_EXPERT = 0, shape.top_k * max(args.rows)  # every row count
     differing = 0
     for n in args.rows:
         tiles = moe.moe_tiles(n, shape.top_k, shape.experts)
@@ -71,15 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         want_y = outputs(sets, downs, 3)
         line = [f"rows {n:4d}  gate-up triton {graph_median_us(ups, SETS, REPLAYS):7.1f}"]
         moe_gluon.gate_up = gluon_gate_up
-        if moe_gluon.gate_up_usable(sets[0][0].device, shape.hidden, shape.inter, tiles.block_m):
+        if moe_gluon.gate_up_usable(weights, sets[0][1]):
             bad = differ(outputs(sets, ups, 2), want_h)
             differing += bad
             line.append(f"gluon {graph_median_us(ups, SETS, REPLAYS):7.1f}" + (f" ({bad} differ)" if bad else ""))
         line.append(f"| down triton {graph_median_us(downs, SETS, REPLAYS):7.1f}")
         moe_gluon.down = gluon_down
         for warps, group in SHAPES:
-            moe_gluon.DOWN_WARPS, moe_gluon.DOWN_GROUP = warps, group
-            if not moe_gluon.down_usable(weights, tiles.block_m):
+            moe_gluon.DOWN_SHAPES = ((None, warps, group),)
+            if not moe_gluon.down_usable(weights, sets[0][1]):
                 continue
             bad = differ(outputs(sets, downs, 3), want_y)
             differing += bad
