@@ -41,7 +41,7 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
     "FLASHNEXT_ROUND_TRACE": (str, "a folder where each rank writes every round's phase timings (JSON lines)"),
     "FLASHNEXT_PDL": (_switch, "0 turns off programmatic dependent launch of the Triton kernels (kernels/pdl.py)"),
     "FLASHNEXT_PDL_PREFETCH": (_switch, "0 keeps PDL but drops the linear kernel's weight prefetch (kernels/pdl.py)"),
-    "FLASHNEXT_GLUON": (_switch, "0 runs the MoE gate-up's Triton kernel, not its Gluon one (kernels/moe_gluon.py)"),
+    "FLASHNEXT_GLUON": (_switch, "0 runs the MoE's Triton gate-up and down, not its Gluon ones (kernels/moe_gluon.py)"),
     "FLASHNEXT_ROUND_PROFILE": (
         _lanes,
         "with FLASHNEXT_ROUND_TRACE: the kernel table (rank{r}.profile.txt) of 5 rounds after one of this many lanes",
