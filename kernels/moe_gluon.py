@@ -36,12 +36,13 @@ GATE_UP_SPAN = 128  # the gate-up's span width, and its K step in spans
 GATE_UP_SPANS = 2
 ROWS = 8  # rows of a tile half
 PLAN_BLOCK_M = 16  # the plan's row tile these kernels read in halves
-# Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth session): up to 6 pairs an
-# expert on average (beyond, most tiles hold more than 8 rows and their halves read the weights twice), the gate-up
-# from 80 pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast)
+# Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth session): the gate-up from 80
+# pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast) up to 6 pairs an expert on average
+# (beyond, most tiles hold more than 8 rows and their halves read the weights twice); the down kernel at every batch
+# of 16-row plans
 MAX_PAIRS_PER_EXPERT = 6
 GATE_UP_MIN_PAIRS = 80
-DOWN_SHAPES = ((40, 2, 1), (160, 2, 2), (None, 4, 4))  # (below this many pairs, warps, column groups a program)
+DOWN_SHAPES = ((40, 2, 2), (320, 4, 4), (None, 4, 8))  # (below this many pairs, warps, column groups a program)
 
 
 def _bits(n: int) -> list[int]:
@@ -208,27 +209,49 @@ def _gate_up_kernel(
 
 
 @_jit
-def _down_loads(hp, wp, sp, col_w, col_s, i, k_steps, SPAN: gl.constexpr):
-    """Step i's h pairs, words and scales: column group i // k_steps, K span i % k_steps."""
-    c = i // k_steps
-    k = i % k_steps
-    words = gl.load(wp + c * col_w + k * (SPAN // 8))
-    return gl.load(hp + k * (SPAN // 2)), words, gl.load(sp + c * col_s + k * (SPAN // 16))
+def _down_loads(wp, sp, wp_rest, sp_rest, col_w, col_s, c):
+    """Column group c's words and scales: its main spans, then the rest."""
+    return gl.load(wp + c * col_w), gl.load(sp + c * col_s), gl.load(wp_rest + c * col_w), gl.load(sp_rest + c * col_s)
+
+
+@_jit
+def _h_operand(h32, first, end, INTER, k0: gl.constexpr, BLOCK_K: gl.constexpr, L_X: gl.constexpr,
+               X_OP: gl.constexpr):  # fmt: skip
+    """The tile half's h over [k0, k0 + BLOCK_K) as the MMA's second operand (a padded row reads the half's last)."""
+    pos = gl.minimum(first + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, L_X)), end - 1)
+    k_pairs = k0 // 2 + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, L_X))
+    return _x_operand(gl.load(h32 + pos.to(gl.int64)[:, None] * (INTER // 2) + k_pairs[None, :]), BLOCK_K, X_OP)
+
+
+@_jit
+def _weight_pointers(w_e, s_e, first_col, stride_wn, stride_sn, k0: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, SPAN: gl.constexpr, L_W: gl.constexpr):  # fmt: skip
+    """Pointers to the spanned words and scales of columns [first_col, first_col + BLOCK_N) over [k0, k0 + BLOCK_K)."""
+    rows = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_W))
+    kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, L_W))
+    wp = w_e + rows[:, None] * stride_wn + (k0 // 8 + kw)[None, :]
+    sp = s_e + rows[:, None] * stride_sn + (k0 // 16 + _scale_positions(kw, SPAN))[None, :]
+    return wp, sp
 
 
 @_jit
 def _down_kernel(
     h_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, D, INTER,
     stride_we, spans_wn, stride_se, spans_sn, num_programs, E: gl.constexpr, WARPS: gl.constexpr,
-    GROUP: gl.constexpr, SPAN: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr, X_OP: gl.constexpr,
-    L_W: gl.constexpr, L_X: gl.constexpr, PDL: gl.constexpr,
+    GROUP: gl.constexpr, SPAN: gl.constexpr, MAIN_SPANS: gl.constexpr, REST_SPANS: gl.constexpr, MMA: gl.constexpr,
+    W_OP: gl.constexpr, X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, L_W_REST: gl.constexpr,
+    L_X_REST: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """y [8 pairs, GROUP column groups of 16·WARPS] = h·Wdᵀ·scale_2 in fp32 for one half of one plan tile, stored
-    by pair id; each column group's sum runs over I a span at a time from zero, as kernels/moe.py's. The row
-    strides come in spans (spans_wn, spans_sn), so that the compiler knows a thread's words and scales of a span
-    are aligned for one load (I / 8 words, 40 at I = 320, is not a multiple of 16)."""
+    by pair id. I is MAIN_SPANS + REST_SPANS spans (powers of two, as tiles must be): h is loaded once as two
+    operands, and each column group's sum runs over the main spans and then the rest from zero, the MMAs in k order
+    as kernels/moe.py's; its loads are issued a column group ahead. The row strides come in spans (spans_wn,
+    spans_sn), so that the compiler knows a thread's words and scales of a span are aligned for one load (I / 8
+    words, 40 at I = 320, is not a multiple of 16)."""
     enter(PDL)
     BLOCK_N: gl.constexpr = 16 * WARPS
+    MAIN_K: gl.constexpr = MAIN_SPANS * SPAN
+    REST_K: gl.constexpr = REST_SPANS * SPAN
     half = gl.program_id(0) // num_programs
     n_groups = gl.cdiv(D, BLOCK_N * GROUP)
     t = gl.program_id(0) % num_programs // n_groups
@@ -240,36 +263,33 @@ def _down_kernel(
     end = gl.load(bounds_ptr + e + 1)
     if first >= end:
         return
-    pos = gl.minimum(first + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, L_X)), end - 1)  # padded: never stored
     h32 = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    k_pairs = gl.arange(0, SPAN // 2, layout=gl.SliceLayout(0, L_X))
-    hp = h32 + pos.to(gl.int64)[:, None] * (INTER // 2) + k_pairs[None, :]
-    rows = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_W))
-    kw = gl.arange(0, SPAN // 8, layout=gl.SliceLayout(0, L_W))
+    x_main = _h_operand(h32, first, end, INTER, 0, MAIN_K, L_X, X_OP)
+    x_rest = _h_operand(h32, first, end, INTER, MAIN_K, REST_K, L_X_REST, X_OP)
+    w_e = w_ptr + e.to(gl.int64) * stride_we
+    s_e = s_ptr + e.to(gl.int64) * stride_se
     stride_wn = spans_wn * (SPAN // 8)
     stride_sn = spans_sn * (SPAN // 16)
-    wp = w_ptr + e.to(gl.int64) * stride_we + rows[:, None] * stride_wn + kw[None, :]
-    sp = s_ptr + e.to(gl.int64) * stride_se + rows[:, None] * stride_sn + _scale_positions(kw, SPAN)[None, :]
+    wp, sp = _weight_pointers(w_e, s_e, first_col, stride_wn, stride_sn, 0, BLOCK_N, MAIN_K, SPAN, L_W)
+    wp_rest, sp_rest = _weight_pointers(w_e, s_e, first_col, stride_wn, stride_sn, MAIN_K, BLOCK_N, REST_K, SPAN,
+                                        L_W_REST)  # fmt: skip
     pos_o = first + gl.arange(0, _ROWS, layout=gl.SliceLayout(0, MMA))
     stored = pos_o < end
     pair = gl.load(pairs_ptr + pos_o, mask=stored, other=0)
     cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     y_cols = y_ptr + pair.to(gl.int64)[None, :] * D + cols[:, None]
     scale_2 = gl.load(s2_ptr + e) * 128.0
-    k_steps = INTER // SPAN
-    steps = GROUP * k_steps
-    now = _down_loads(hp, wp, sp, BLOCK_N * stride_wn, BLOCK_N * stride_sn, 0, k_steps, SPAN)
+    col_w = BLOCK_N * stride_wn
+    col_s = BLOCK_N * stride_sn
+    now = _down_loads(wp, sp, wp_rest, sp_rest, col_w, col_s, 0)
     for c in range(GROUP):
+        ahead = _down_loads(wp, sp, wp_rest, sp_rest, col_w, col_s, gl.minimum(c + 1, GROUP - 1))  # the last: again
+        w, s, w_rest, s_rest = now
         acc = gl.zeros([BLOCK_N, _ROWS], gl.float32, MMA)
-        for k in range(k_steps):
-            i = c * k_steps + k
-            ahead = _down_loads(
-                hp, wp, sp, BLOCK_N * stride_wn, BLOCK_N * stride_sn, gl.minimum(i + 1, steps - 1), k_steps, SPAN
-            )  # the last loads itself again
-            ha, w, s = now
-            acc = gl.nvidia.ampere.mma_v2(_weights(w, s, BLOCK_N, SPAN, SPAN, W_OP), _x_operand(ha, SPAN, X_OP), acc)
-            now = ahead
+        acc = gl.nvidia.ampere.mma_v2(_weights(w, s, BLOCK_N, MAIN_K, SPAN, W_OP), x_main, acc)
+        acc = gl.nvidia.ampere.mma_v2(_weights(w_rest, s_rest, BLOCK_N, REST_K, SPAN, W_OP), x_rest, acc)
         gl.store(y_cols + c * BLOCK_N, acc * scale_2, mask=stored[None, :])
+        now = ahead
 
 
 @functools.cache
@@ -281,11 +301,11 @@ def _nvidia_ampere_or_later(index: int) -> bool:
 
 
 def _usable(weights: object, plan: object, interpreting: bool) -> bool:
-    """Whether these kernels can run for this bank (`kernels.moe._Weights`) and plan, and beat the Triton ones."""
+    """Whether these kernels can run for this bank (`kernels.moe._Weights`) and plan."""
     device = weights.gate_up.device
     if gluon is None or interpreting or os.environ.get(ENV) == "0" or device.type != "cuda":
         return False
-    if plan.block_m != PLAN_BLOCK_M or plan.pairs.numel() > MAX_PAIRS_PER_EXPERT * weights.experts:
+    if plan.block_m != PLAN_BLOCK_M:
         return False
     return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -295,7 +315,10 @@ def gate_up_usable(weights: object, plan: object, interpreting: bool = False) ->
     block_k = GATE_UP_SPAN * GATE_UP_SPANS
     if span_k(weights.d) != GATE_UP_SPAN or weights.d % block_k or weights.inter % (16 * GATE_UP_WARPS):
         return False
-    return plan.pairs.numel() >= GATE_UP_MIN_PAIRS and _usable(weights, plan, interpreting)
+    pairs = plan.pairs.numel()
+    if pairs < GATE_UP_MIN_PAIRS or pairs > MAX_PAIRS_PER_EXPERT * weights.experts:
+        return False
+    return _usable(weights, plan, interpreting)
 
 
 def down_shape(pairs: int) -> tuple[int, int]:
@@ -303,11 +326,23 @@ def down_shape(pairs: int) -> tuple[int, int]:
     return next((warps, groups) for below, warps, groups in DOWN_SHAPES if below is None or pairs < below)
 
 
+def down_spans(inter: int) -> tuple[int, int] | None:
+    """I's spans as (main, rest), both powers of two, main the larger (5 = 4 + 1, 4 = 2 + 2); None where I is not
+    spanned or its spans do not split so."""
+    span = span_k(inter)
+    spans = inter // span if span else 0
+    main = 1 << (spans.bit_length() - 1) if spans else 0
+    if main == spans:
+        main //= 2
+    rest = spans - main
+    return (main, rest) if main and rest and rest & (rest - 1) == 0 else None
+
+
 def down_usable(weights: object, plan: object, interpreting: bool = False) -> bool:
     """Whether `down` runs for this NVFP4 bank and plan: its rows strided in whole spans."""
     span = span_k(weights.inter)
     warps, groups = down_shape(plan.pairs.numel())
-    if not span or weights.d % (16 * warps * groups):
+    if down_spans(weights.inter) is None or weights.d % (16 * warps * groups):
         return False
     if weights.down.stride(1) % (span // 8) or weights.down_scale.stride(1) % (span // 16):
         return False
@@ -339,12 +374,14 @@ def down(h: torch.Tensor, plan: object, weights: object, y: torch.Tensor, interp
     w, s = weights.down, weights.down_scale
     span = span_k(weights.inter)
     warps, groups = down_shape(plan.pairs.numel())
+    main, rest = down_spans(weights.inter)
     programs = plan.max_tiles * triton.cdiv(weights.d, 16 * warps * groups)
+    rest_layouts = _layouts(span, rest * span, warps)
     _down_kernel[(2 * programs,)](
         h, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.down_scale_2, y, weights.d,
         weights.inter, w.stride(0), w.stride(1) // (span // 8), s.stride(0), s.stride(1) // (span // 16), programs,
-        E=weights.experts,
-        WARPS=warps, GROUP=groups, SPAN=span, num_warps=warps, **_layouts(span, span, warps),
+        E=weights.experts, WARPS=warps, GROUP=groups, SPAN=span, MAIN_SPANS=main, REST_SPANS=rest, num_warps=warps,
+        **_layouts(span, main * span, warps), L_W_REST=rest_layouts["L_W"], L_X_REST=rest_layouts["L_X"],
         **launch_options(_down_kernel, h.device),
     )  # fmt: skip
     return True

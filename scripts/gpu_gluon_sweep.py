@@ -24,7 +24,7 @@ from kernels import moe, moe_gluon  # noqa: E402
 from kernels.fp4_words import kernel_bank  # noqa: E402
 
 ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 819)
-SHAPES = ((2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (2, 8))  # (warps, column groups)
+SHAPES = ((2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (2, 8), (4, 8))  # (warps, column groups)
 SETS = 32
 REPLAYS = 25
 

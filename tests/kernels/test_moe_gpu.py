@@ -125,7 +125,7 @@ def test_the_gluon_gate_up_gives_the_triton_kernels_bits(n: int, monkeypatch) ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
-@pytest.mark.parametrize("n", [2, 8, 64, 256])
+@pytest.mark.parametrize("n", [2, 8, 64, 512])
 def test_the_gluon_down_gives_the_triton_kernels_bits(n: int, monkeypatch) -> None:
     """kernels/moe_gluon.py's down projection runs on these widths (I = 320: spans of 64 k) in each of its shapes
     and every y it stores is the Triton kernel's, bit for bit."""
@@ -161,10 +161,12 @@ def test_flashnext_gluon_0_runs_the_triton_kernels(monkeypatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
 def test_the_gluon_kernels_run_only_where_they_are_faster() -> None:
-    """The gate-up from 8 rows (80 pairs), both up to 6 pairs an expert (307 rows at top-10 of 512)."""
+    """The gate-up from 8 rows (80 pairs) up to 6 pairs an expert (307 rows at top-10 of 512), the down kernel for
+    every 16-row plan (up to 819 rows)."""
     bank, _ = bank_and_routing(8)
     weights = moe._weights(bank)
-    for n, gate_up_runs, down_runs in ((2, False, True), (8, True, True), (307, True, True), (308, False, False)):
+    cases = ((2, False, True), (8, True, True), (307, True, True), (308, False, True), (819, False, True))
+    for n, gate_up_runs, down_runs in (*cases, (820, False, False)):
         ids = torch.rand(n, E, device="cuda").argsort(dim=1)[:, :TOP_K].to(torch.int32)
         plan = moe_plan(ids, E, moe_tiles(n, TOP_K, E).block_m)
         assert moe_gluon.gate_up_usable(weights, plan) == gate_up_runs, n
