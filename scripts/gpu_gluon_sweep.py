@@ -1,9 +1,10 @@
 """The grouped gate-up and down projections alone on one GPU at tp=2's per-rank widths: kernels/moe_gluon.py's
-kernels at every row count (the down one in several (warps, column groups) shapes) against kernels/moe.py's Triton
-kernels, bits of every h and y and µs per call (CUDA-graph replays cycling through routings enough to keep the
-weights cold in L2): the figures moe_gluon's row ranges and DOWN_SHAPES come from.
+kernels at every row count (the gate-up in (warps)x(128-k spans a step) shapes, the down one in (warps)x(column
+groups) shapes) against kernels/moe.py's Triton kernels, bits of every h and y and µs per call (CUDA-graph replays
+cycling through routings enough to keep the weights cold in L2): the figures moe_gluon's row ranges and
+DOWN_SHAPES come from.
 
-python3 scripts/gpu_gluon_sweep.py [--rows 2 8 64 256 512]
+python3 scripts/gpu_gluon_sweep.py [--rows 2 8 64 256 512] [--gate-up-shapes 2x2 4x2] [--down-shapes 2x2 4x8]
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kernels import moe, moe_gluon  # noqa: E402
 from kernels.fp4_words import kernel_bank  # noqa: E402
 
 ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 819)
-SHAPES = ((2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (2, 8), (4, 8))  # (warps, column groups)
+GATE_UP_SHAPES = ("2x2",)  # warps x spans a K step
+DOWN_SHAPES = ("2x1", "2x2", "2x4", "4x2", "4x4", "2x8", "4x8")  # warps x column groups
 SETS = 32
 REPLAYS = 25
 
@@ -46,6 +48,8 @@ def differ(got: list[torch.Tensor], want: list[torch.Tensor]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    ap.add_argument("--gate-up-shapes", nargs="+", default=list(GATE_UP_SHAPES))
+    ap.add_argument("--down-shapes", nargs="+", default=list(DOWN_SHAPES))
     args = ap.parse_args(argv)
     shape = Shape()
     bank = kernel_bank(packed_bank(shape, torch.Generator(device="cuda").manual_seed(0)), in_place=True)
@@ -73,20 +77,25 @@ def main(argv: list[str] | None = None) -> int:
         want_y = outputs(sets, downs, 3)
         line = [f"rows {n:4d}  gate-up triton {graph_median_us(ups, SETS, REPLAYS):7.1f}"]
         moe_gluon.gate_up = gluon_gate_up
-        if moe_gluon.gate_up_usable(weights, sets[0][1]):
+        for gate_up_shape in args.gate_up_shapes:
+            moe_gluon.GATE_UP_WARPS, moe_gluon.GATE_UP_SPANS = map(int, gate_up_shape.split("x"))
+            if not moe_gluon.gate_up_usable(weights, sets[0][1]):
+                continue
             bad = differ(outputs(sets, ups, 2), want_h)
             differing += bad
-            line.append(f"gluon {graph_median_us(ups, SETS, REPLAYS):7.1f}" + (f" ({bad} differ)" if bad else ""))
+            us = graph_median_us(ups, SETS, REPLAYS)
+            line.append(f"{gate_up_shape} {us:7.1f}" + (f" ({bad} differ)" if bad else ""))
         line.append(f"| down triton {graph_median_us(downs, SETS, REPLAYS):7.1f}")
         moe_gluon.down = gluon_down
-        for warps, group in SHAPES:
+        for down_shape in args.down_shapes:
+            warps, group = map(int, down_shape.split("x"))
             moe_gluon.DOWN_SHAPES = ((None, warps, group),)
             if not moe_gluon.down_usable(weights, sets[0][1]):
                 continue
             bad = differ(outputs(sets, downs, 3), want_y)
             differing += bad
             line.append(
-                f"{warps}w{group}g {graph_median_us(downs, SETS, REPLAYS):7.1f}" + (f" ({bad} differ)" if bad else "")
+                f"{down_shape} {graph_median_us(downs, SETS, REPLAYS):7.1f}" + (f" ({bad} differ)" if bad else "")
             )
         print("  ".join(line), flush=True)
     return 1 if differing else 0
