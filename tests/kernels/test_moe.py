@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import moe
-from kernels.fp4_words import WORD_BITS, from_words, kernel_bank, natural_scales, to_words
+from kernels import moe, moe_gluon
+from kernels.fp4_words import WORD_BITS, from_words, kernel_bank, natural_scales, span_k, to_words
 from kernels.moe import (
     expert_weights,
     moe_forward,
@@ -196,6 +196,21 @@ def test_spans_move_words_and_scales_and_are_undone(span: int) -> None:
     assert torch.equal(natural_scales(moved["gate_up_scale"]).view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(moved["down_words"], to_words(short)) and moved["down_scale"] is short_scale
     assert torch.equal(bank["gate_up_scale"].view(torch.uint8), scale.view(torch.uint8))  # not in place: untouched
+
+
+def test_a_down_projection_splits_its_spans_into_two_powers_of_two() -> None:
+    """The Gluon down kernel's I as a main run of spans and a shorter rest, both powers of two (tiles must be)."""
+    powers = {1 << i for i in range(8)}
+    for inter in range(16, 8192 + 1, 16):
+        span = span_k(inter)
+        split = moe_gluon.down_spans(inter)
+        spans = inter // span if span else 0
+        fits = any(spans - main in powers and main >= spans - main for main in powers if main < spans)
+        assert (split is not None) == fits, inter
+        if split is not None:
+            main, rest = split
+            assert main in powers and rest in powers and main >= rest and main + rest == spans, inter
+    assert moe_gluon.down_spans(320) == (4, 1)  # the real I per rank at tp=2: five 64-k spans
 
 
 SPANNED_D, SPANNED_INTER = 128, 64  # the gate-up one span of 128 k a row, the down one of 64
