@@ -7,7 +7,8 @@ rows, and each MMA adds four of them, so the MMAs add the same k in the same ord
 the same in any tile. The weights are the MMA's first operand (16 columns a warp) and the activations its second (8
 rows a tile, half of the plan's 16-row tile: a program for the second half stops at once when the tile has at most
 eight rows). In a spanned matrix (kernels/fp4_words.py) a thread's words of a span are one load and their scales
-another, taken as the operand registers with no data moved; each K step's loads are issued one step ahead.
+another, taken as the operand registers with no data moved. The gate-up issues each K step's loads one step ahead;
+the down kernel loads its h once and each column group's weights a group ahead.
 Gluon has no interpreter: `gate_up` and `down` decline there, off CUDA, and with FLASHNEXT_GLUON=0 (the same bits
 either way), and kernels/moe.py runs its Triton kernels.
 """
