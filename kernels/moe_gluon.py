@@ -35,8 +35,8 @@ ENV = "FLASHNEXT_GLUON"  # "0": kernels/moe.py's Triton kernels instead
 GATE_UP_WARPS = 2  # column groups of 16, one a warp
 GATE_UP_SPAN = 128  # the gate-up's span width, and its K step in spans
 GATE_UP_SPANS = 2
-ROWS = 8  # rows of a tile half
-PLAN_BLOCK_M = 16  # the plan's row tile these kernels read in halves
+PLAN_BLOCK_M = 16  # the plan's row tile
+GATE_UP_ROWS = DOWN_ROWS = 8  # rows of a plan tile a program takes (8: halves; 16: the whole tile)
 # Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth session): the gate-up from 80
 # pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast) up to 6 pairs an expert on average
 # (beyond, most tiles hold more than 8 rows and their halves read the weights twice); the down kernel at every batch
@@ -52,19 +52,20 @@ def _bits(n: int) -> list[int]:
 
 
 @functools.cache
-def _layouts(span: int, block_k: int, warps: int) -> dict[str, object]:
+def _layouts(span: int, block_k: int, warps: int, rows: int) -> dict[str, object]:
     """A kernel's layouts: words [16·warps, block_k / 8] as stored (word 4Bs + Bt + b of a span, B = span / 32, is
-    block b of lane t), x as int32 pairs [ROWS, block_k / 2], and the MMA's operands (kWidth 8)."""
+    block b of lane t), x as int32 pairs [rows, block_k / 2], and the MMA's operands (kWidth 8; 8 rows an MMA)."""
     blocks = span // 32
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, ROWS])
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
     words = gl.DistributedLinearLayout(
         reg_bases=[[0, b] for b in _bits(blocks)] + [[8, 0]] + [[0, 4 * blocks * b] for b in _bits(block_k // span)],
         lane_bases=[[0, blocks], [0, 2 * blocks], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16 * b, 0] for b in _bits(warps)], block_bases=[], shape=[16 * warps, block_k // 8])  # fmt: skip
+    row_halves = [[8 * b, 0] for b in _bits(rows // 8)]  # rows 8 to 15 in a register of their own
     pairs = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2]] + [[0, 16 * b] for b in _bits(block_k // 32)],
+        reg_bases=[[0, 1], [0, 2]] + [[0, 16 * b] for b in _bits(block_k // 32)] + row_halves,
         lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0] for _ in _bits(warps)],
-        block_bases=[], shape=[ROWS, block_k // 2])  # fmt: skip
+        block_bases=[], shape=[rows, block_k // 2])  # fmt: skip
     return {
         "MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, 8), "X_OP": gl.DotOperandLayout(1, mma, 8), "L_W": words,
         "L_X": pairs,
@@ -81,7 +82,6 @@ def _constexpr(value: float) -> object:
     return gl.constexpr(value) if gl is not None else value
 
 
-_ROWS = _constexpr(ROWS)  # the kernels' copy of the module's tile half
 _TWO_POW_119 = _constexpr(2.0**119)
 
 
@@ -144,10 +144,10 @@ def _scale_positions(kw, SPAN: gl.constexpr):
 
 
 @_jit
-def _x_operand(pairs, BLOCK_K: gl.constexpr, X_OP: gl.constexpr):
+def _x_operand(pairs, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, X_OP: gl.constexpr):
     """int32 pairs [ROWS, BLOCK_K / 2] of bf16 activations -> the MMA's second operand [BLOCK_K, ROWS]."""
     lo, hi = _halves(pairs)
-    return gl.convert_layout(gl.join(lo, hi).reshape([_ROWS, BLOCK_K]).permute((1, 0)), X_OP)
+    return gl.convert_layout(gl.join(lo, hi).reshape([ROWS, BLOCK_K]).permute((1, 0)), X_OP)
 
 
 @_jit
@@ -162,24 +162,24 @@ def _gate_up_loads(xp, wp, sp, up_w, up_s, i, BLOCK_K: gl.constexpr):
 def _gate_up_kernel(
     x_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, D, INTER,
     stride_xn, stride_we, stride_wn, stride_se, stride_sn, num_programs, TOP_K: gl.constexpr, E: gl.constexpr,
-    WARPS: gl.constexpr, SPAN: gl.constexpr, BLOCK_K: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr,
-    X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, PDL: gl.constexpr,
+    WARPS: gl.constexpr, ROWS: gl.constexpr, SPAN: gl.constexpr, BLOCK_K: gl.constexpr, MMA: gl.constexpr,
+    W_OP: gl.constexpr, X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
-    """h [8 pairs, 16·WARPS columns] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for one half of one plan tile."""
+    """h [ROWS pairs, 16·WARPS columns] = bf16(silu(x·Wgᵀ) * x·Wuᵀ) for ROWS rows of one plan tile."""
     enter(PDL)
     BLOCK_N: gl.constexpr = 16 * WARPS
-    half = gl.program_id(0) // num_programs  # second halves last: most stop at once
+    half = gl.program_id(0) // num_programs  # with 8 rows a program, second halves last: most stop at once
     n_blocks = gl.cdiv(INTER, BLOCK_N)
     t = gl.program_id(0) % num_programs // n_blocks
     nb = gl.program_id(0) % n_blocks
     e = gl.load(tile_experts_ptr + t)
     if e >= E:
         return
-    first = gl.load(tile_starts_ptr + t) + half * _ROWS
+    first = gl.load(tile_starts_ptr + t) + half * ROWS
     end = gl.load(bounds_ptr + e + 1)
     if first >= end:
         return
-    pos = first + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, L_X))
+    pos = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_X))
     pair = gl.load(pairs_ptr + pos, mask=pos < end, other=0)  # a padded row reads row 0: never stored
     x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     xp = (x32 + (pair // TOP_K).to(gl.int64)[:, None] * (stride_xn // 2)
@@ -191,20 +191,20 @@ def _gate_up_kernel(
     up_w = INTER * stride_wn
     up_s = INTER * stride_sn
     steps = D // BLOCK_K
-    gate = gl.zeros([BLOCK_N, _ROWS], gl.float32, MMA)
-    up = gl.zeros([BLOCK_N, _ROWS], gl.float32, MMA)
+    gate = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
+    up = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
     now = _gate_up_loads(xp, wp, sp, up_w, up_s, 0, BLOCK_K)
     for i in range(steps):
         ahead = _gate_up_loads(xp, wp, sp, up_w, up_s, gl.minimum(i + 1, steps - 1), BLOCK_K)  # the last: again
         xa, wg, sg, wu, su = now
-        xo = _x_operand(xa, BLOCK_K, X_OP)
+        xo = _x_operand(xa, ROWS, BLOCK_K, X_OP)
         gate = gl.nvidia.ampere.mma_v2(_weights(wg, sg, BLOCK_N, BLOCK_K, SPAN, W_OP), xo, gate)
         up = gl.nvidia.ampere.mma_v2(_weights(wu, su, BLOCK_N, BLOCK_K, SPAN, W_OP), xo, up)
         now = ahead
     gate = gate * (gl.load(s2_ptr + e * 2) * 128.0)
     up = up * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
     h = (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)  # as tl.sigmoid forms it
-    pos_o = first + gl.arange(0, _ROWS, layout=gl.SliceLayout(0, MMA))
+    pos_o = first + gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
     cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     gl.store(h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None], h, mask=(pos_o < end)[None, :])
 
@@ -216,12 +216,12 @@ def _down_loads(wp, sp, wp_rest, sp_rest, col_w, col_s, c):
 
 
 @_jit
-def _h_operand(h32, first, end, INTER, k0: gl.constexpr, BLOCK_K: gl.constexpr, L_X: gl.constexpr,
-               X_OP: gl.constexpr):  # fmt: skip
-    """The tile half's h over [k0, k0 + BLOCK_K) as the MMA's second operand (a padded row reads the half's last)."""
-    pos = gl.minimum(first + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, L_X)), end - 1)
+def _h_operand(h32, first, end, INTER, ROWS: gl.constexpr, k0: gl.constexpr, BLOCK_K: gl.constexpr,
+               L_X: gl.constexpr, X_OP: gl.constexpr):  # fmt: skip
+    """The program's h over [k0, k0 + BLOCK_K) as the MMA's second operand (a padded row reads the tile's last)."""
+    pos = gl.minimum(first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_X)), end - 1)
     k_pairs = k0 // 2 + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, L_X))
-    return _x_operand(gl.load(h32 + pos.to(gl.int64)[:, None] * (INTER // 2) + k_pairs[None, :]), BLOCK_K, X_OP)
+    return _x_operand(gl.load(h32 + pos.to(gl.int64)[:, None] * (INTER // 2) + k_pairs[None, :]), ROWS, BLOCK_K, X_OP)
 
 
 @_jit
@@ -239,12 +239,12 @@ def _weight_pointers(w_e, s_e, first_col, stride_wn, stride_sn, k0: gl.constexpr
 def _down_kernel(
     h_ptr, pairs_ptr, bounds_ptr, tile_experts_ptr, tile_starts_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, D, INTER,
     stride_we, spans_wn, stride_se, spans_sn, num_programs, E: gl.constexpr, WARPS: gl.constexpr,
-    GROUP: gl.constexpr, SPAN: gl.constexpr, MAIN_SPANS: gl.constexpr, REST_SPANS: gl.constexpr, MMA: gl.constexpr,
-    W_OP: gl.constexpr, X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, L_W_REST: gl.constexpr,
-    L_X_REST: gl.constexpr, PDL: gl.constexpr,
+    ROWS: gl.constexpr, GROUP: gl.constexpr, SPAN: gl.constexpr, MAIN_SPANS: gl.constexpr, REST_SPANS: gl.constexpr,
+    MMA: gl.constexpr, W_OP: gl.constexpr, X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr,
+    L_W_REST: gl.constexpr, L_X_REST: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
-    """y [8 pairs, GROUP column groups of 16·WARPS] = h·Wdᵀ·scale_2 in fp32 for one half of one plan tile, stored
-    by pair id. I is MAIN_SPANS + REST_SPANS spans (powers of two, as tiles must be): h is loaded once as two
+    """y [ROWS pairs, GROUP column groups of 16·WARPS] = h·Wdᵀ·scale_2 in fp32 for ROWS rows of one plan tile,
+    stored by pair id. I is MAIN_SPANS + REST_SPANS spans (powers of two, as tiles must be): h is loaded once as two
     operands, and each column group's sum runs over the main spans and then the rest from zero, the MMAs in k order
     as kernels/moe.py's; its loads are issued a column group ahead. The row strides come in spans (spans_wn,
     spans_sn), so that the compiler knows a thread's words and scales of a span are aligned for one load (I / 8
@@ -260,13 +260,13 @@ def _down_kernel(
     e = gl.load(tile_experts_ptr + t)
     if e >= E:
         return
-    first = gl.load(tile_starts_ptr + t) + half * _ROWS
+    first = gl.load(tile_starts_ptr + t) + half * ROWS
     end = gl.load(bounds_ptr + e + 1)
     if first >= end:
         return
     h32 = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    x_main = _h_operand(h32, first, end, INTER, 0, MAIN_K, L_X, X_OP)
-    x_rest = _h_operand(h32, first, end, INTER, MAIN_K, REST_K, L_X_REST, X_OP)
+    x_main = _h_operand(h32, first, end, INTER, ROWS, 0, MAIN_K, L_X, X_OP)
+    x_rest = _h_operand(h32, first, end, INTER, ROWS, MAIN_K, REST_K, L_X_REST, X_OP)
     w_e = w_ptr + e.to(gl.int64) * stride_we
     s_e = s_ptr + e.to(gl.int64) * stride_se
     stride_wn = spans_wn * (SPAN // 8)
@@ -274,7 +274,7 @@ def _down_kernel(
     wp, sp = _weight_pointers(w_e, s_e, first_col, stride_wn, stride_sn, 0, BLOCK_N, MAIN_K, SPAN, L_W)
     wp_rest, sp_rest = _weight_pointers(w_e, s_e, first_col, stride_wn, stride_sn, MAIN_K, BLOCK_N, REST_K, SPAN,
                                         L_W_REST)  # fmt: skip
-    pos_o = first + gl.arange(0, _ROWS, layout=gl.SliceLayout(0, MMA))
+    pos_o = first + gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
     stored = pos_o < end
     pair = gl.load(pairs_ptr + pos_o, mask=stored, other=0)
     cols = first_col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
@@ -286,7 +286,7 @@ def _down_kernel(
     for c in range(GROUP):
         ahead = _down_loads(wp, sp, wp_rest, sp_rest, col_w, col_s, gl.minimum(c + 1, GROUP - 1))  # the last: again
         w, s, w_rest, s_rest = now
-        acc = gl.zeros([BLOCK_N, _ROWS], gl.float32, MMA)
+        acc = gl.zeros([BLOCK_N, ROWS], gl.float32, MMA)
         acc = gl.nvidia.ampere.mma_v2(_weights(w, s, BLOCK_N, MAIN_K, SPAN, W_OP), x_main, acc)
         acc = gl.nvidia.ampere.mma_v2(_weights(w_rest, s_rest, BLOCK_N, REST_K, SPAN, W_OP), x_rest, acc)
         gl.store(y_cols + c * BLOCK_N, acc * scale_2, mask=stored[None, :])
@@ -358,11 +358,12 @@ def gate_up(x: torch.Tensor, plan: object, weights: object, h: torch.Tensor, top
     w, s = weights.gate_up, weights.gate_up_scale
     block_k = GATE_UP_SPAN * GATE_UP_SPANS
     programs = plan.max_tiles * triton.cdiv(weights.inter, 16 * GATE_UP_WARPS)
-    _gate_up_kernel[(2 * programs,)](
+    _gate_up_kernel[(PLAN_BLOCK_M // GATE_UP_ROWS * programs,)](
         x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.gate_up_scale_2, h, weights.d,
         weights.inter, x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), programs, TOP_K=top_k,
-        E=weights.experts, WARPS=GATE_UP_WARPS, SPAN=GATE_UP_SPAN, BLOCK_K=block_k, num_warps=GATE_UP_WARPS,
-        **_layouts(GATE_UP_SPAN, block_k, GATE_UP_WARPS), **launch_options(_gate_up_kernel, x.device),
+        E=weights.experts, WARPS=GATE_UP_WARPS, ROWS=GATE_UP_ROWS, SPAN=GATE_UP_SPAN, BLOCK_K=block_k,
+        num_warps=GATE_UP_WARPS, **_layouts(GATE_UP_SPAN, block_k, GATE_UP_WARPS, GATE_UP_ROWS),
+        **launch_options(_gate_up_kernel, x.device),
     )  # fmt: skip
     return True
 
@@ -377,12 +378,13 @@ def down(h: torch.Tensor, plan: object, weights: object, y: torch.Tensor, interp
     warps, groups = down_shape(plan.pairs.numel())
     main, rest = down_spans(weights.inter)
     programs = plan.max_tiles * triton.cdiv(weights.d, 16 * warps * groups)
-    rest_layouts = _layouts(span, rest * span, warps)
-    _down_kernel[(2 * programs,)](
+    rest_layouts = _layouts(span, rest * span, warps, DOWN_ROWS)
+    _down_kernel[(PLAN_BLOCK_M // DOWN_ROWS * programs,)](
         h, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.down_scale_2, y, weights.d,
         weights.inter, w.stride(0), w.stride(1) // (span // 8), s.stride(0), s.stride(1) // (span // 16), programs,
-        E=weights.experts, WARPS=warps, GROUP=groups, SPAN=span, MAIN_SPANS=main, REST_SPANS=rest, num_warps=warps,
-        **_layouts(span, main * span, warps), L_W_REST=rest_layouts["L_W"], L_X_REST=rest_layouts["L_X"],
+        E=weights.experts, WARPS=warps, ROWS=DOWN_ROWS, GROUP=groups, SPAN=span, MAIN_SPANS=main, REST_SPANS=rest,
+        num_warps=warps, **_layouts(span, main * span, warps, DOWN_ROWS), L_W_REST=rest_layouts["L_W"],
+        L_X_REST=rest_layouts["L_X"],
         **launch_options(_down_kernel, h.device),
     )  # fmt: skip
     return True

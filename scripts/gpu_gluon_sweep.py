@@ -1,15 +1,17 @@
 """The grouped gate-up and down projections alone on one GPU at tp=2's per-rank widths: kernels/moe_gluon.py's
 kernels at every row count (the gate-up in (warps)x(128-k spans a step) shapes, the down one in (warps)x(column
-groups) shapes) against kernels/moe.py's Triton kernels, bits of every h and y and µs per call (CUDA-graph replays
-cycling through routings enough to keep the weights cold in L2): the figures moe_gluon's row ranges and
-DOWN_SHAPES come from.
+groups) shapes, each program taking 8 rows of a plan tile or, with --program-rows 16, all 16) against
+kernels/moe.py's Triton kernels, bits of every h and y and µs per call (CUDA-graph replays cycling through routings
+enough to keep the weights cold in L2): the figures moe_gluon's row ranges and DOWN_SHAPES come from.
 
 python3 scripts/gpu_gluon_sweep.py [--rows 2 8 64 256 512] [--gate-up-shapes 2x2 4x2] [--down-shapes 2x2 4x8]
+    [--program-rows 8 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--gate-up-shapes", nargs="+", default=list(GATE_UP_SHAPES))
     ap.add_argument("--down-shapes", nargs="+", default=list(DOWN_SHAPES))
+    ap.add_argument("--program-rows", type=int, nargs="+", default=[8], help="rows of a plan tile a program takes")
     args = ap.parse_args(argv)
     shape = Shape()
     bank = kernel_bank(packed_bank(shape, torch.Generator(device="cuda").manual_seed(0)), in_place=True)
@@ -77,25 +80,28 @@ def main(argv: list[str] | None = None) -> int:
         want_y = outputs(sets, downs, 3)
         line = [f"rows {n:4d}  gate-up triton {graph_median_us(ups, SETS, REPLAYS):7.1f}"]
         moe_gluon.gate_up = gluon_gate_up
-        for gate_up_shape in args.gate_up_shapes:
+        for gate_up_shape, rows in itertools.product(args.gate_up_shapes, args.program_rows):
             moe_gluon.GATE_UP_WARPS, moe_gluon.GATE_UP_SPANS = map(int, gate_up_shape.split("x"))
+            moe_gluon.GATE_UP_ROWS = rows
             if not moe_gluon.gate_up_usable(weights, sets[0][1]):
                 continue
             bad = differ(outputs(sets, ups, 2), want_h)
             differing += bad
             us = graph_median_us(ups, SETS, REPLAYS)
-            line.append(f"{gate_up_shape} {us:7.1f}" + (f" ({bad} differ)" if bad else ""))
+            label = gate_up_shape + ("" if rows == 8 else f"r{rows}")
+            line.append(f"{label} {us:7.1f}" + (f" ({bad} differ)" if bad else ""))
         line.append(f"| down triton {graph_median_us(downs, SETS, REPLAYS):7.1f}")
         moe_gluon.down = gluon_down
-        for down_shape in args.down_shapes:
+        for down_shape, rows in itertools.product(args.down_shapes, args.program_rows):
             warps, group = map(int, down_shape.split("x"))
-            moe_gluon.DOWN_SHAPES = ((None, warps, group),)
+            moe_gluon.DOWN_SHAPES, moe_gluon.DOWN_ROWS = ((None, warps, group),), rows
             if not moe_gluon.down_usable(weights, sets[0][1]):
                 continue
             bad = differ(outputs(sets, downs, 3), want_y)
             differing += bad
             line.append(
-                f"{down_shape} {graph_median_us(downs, SETS, REPLAYS):7.1f}" + (f" ({bad} differ)" if bad else "")
+                f"{down_shape}{'' if rows == 8 else f'r{rows}'} {graph_median_us(downs, SETS, REPLAYS):7.1f}"
+                + (f" ({bad} differ)" if bad else "")
             )
         print("  ".join(line), flush=True)
     return 1 if differing else 0

@@ -171,3 +171,26 @@ def test_the_gluon_kernels_run_only_where_they_are_faster() -> None:
         plan = moe_plan(ids, E, moe_tiles(n, TOP_K, E).block_m)
         assert moe_gluon.gate_up_usable(weights, plan) == gate_up_runs, n
         assert moe_gluon.down_usable(weights, plan) == down_runs, n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize("n", [64, 512])
+def test_programs_of_sixteen_rows_give_the_same_bits(n: int, monkeypatch) -> None:
+    """The Gluon kernels taking a whole 16-row plan tile a program (the sweep's `--program-rows 16`) give every h and
+    y of the 8-row programs and of the Triton kernels."""
+    bank, (x, ids, w) = bank_and_routing(n)
+    monkeypatch.setattr(moe_gluon, "GATE_UP_MIN_PAIRS", 0)
+    monkeypatch.setattr(moe_gluon, "MAX_PAIRS_PER_EXPERT", E)
+    halves = moe_forward(x, ids, w, bank, torch.float32)
+    monkeypatch.setattr(moe_gluon, "GATE_UP_ROWS", 16)
+    monkeypatch.setattr(moe_gluon, "DOWN_ROWS", 16)
+    weights, tiles = moe._weights(bank), moe_tiles(n, TOP_K, E)
+    plan = moe_plan(ids, E, tiles.block_m)
+    assert moe_gluon.gate_up_usable(weights, plan) and moe_gluon.down_usable(weights, plan)
+    whole = moe_forward(x, ids, w, bank, torch.float32)
+    monkeypatch.setattr(moe_gluon, "gate_up", lambda *args: False)
+    monkeypatch.setattr(moe_gluon, "down", lambda *args: False)
+    triton_only = moe_forward(x, ids, w, bank, torch.float32)
+    assert torch.equal(whole.view(torch.int32), halves.view(torch.int32))
+    assert torch.equal(whole.view(torch.int32), triton_only.view(torch.int32))
