@@ -6,8 +6,9 @@ Triton's tl.dot takes both operands with kWidth 8: in each block of 32 k a threa
 rows, and each MMA adds four of them, so the MMAs add the same k in the same order here as there, and the bits are
 the same in any tile. The weights are the MMA's first operand (16 columns a warp) and the activations its second (8
 rows a tile, half of the plan's 16-row tile: a program for the second half stops at once when the tile has at most
-eight rows). In a spanned matrix (kernels/fp4_words.py) a thread's words of a span are one load and their scales
-another, taken as the operand registers with no data moved. The gate-up issues each K step's loads one step ahead;
+eight rows; a down program takes the whole tile where experts average more than six pairs). In a spanned matrix
+(kernels/fp4_words.py) a thread's words of a span are one load and their scales another, taken as the operand
+registers with no data moved. The gate-up issues each K step's loads one step ahead;
 the down kernel loads its h once and each column group's weights a group ahead.
 Gluon has no interpreter: `gate_up` and `down` decline there, off CUDA, and with FLASHNEXT_GLUON=0 (the same bits
 either way), and kernels/moe.py runs its Triton kernels.
@@ -37,10 +38,11 @@ GATE_UP_SPAN = 128  # the gate-up's span width, and its K step in spans
 GATE_UP_SPANS = 2
 PLAN_BLOCK_M = 16  # the plan's row tile
 GATE_UP_ROWS = DOWN_ROWS = 8  # rows of a plan tile a program takes (8: halves; 16: the whole tile)
-# Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth session): the gate-up from 80
-# pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast) up to 6 pairs an expert on average
-# (beyond, most tiles hold more than 8 rows and their halves read the weights twice); the down kernel at every batch
-# of 16-row plans
+# Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth and seventeenth sessions): the
+# gate-up from 80 pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast) up to 6 pairs an expert
+# on average (beyond, most tiles hold more than 8 rows and their halves read the weights twice; whole-tile programs
+# lose there too); the down kernel at every batch of 16-row plans, its programs taking the whole tile beyond 6 pairs
+# an expert
 MAX_PAIRS_PER_EXPERT = 6
 GATE_UP_MIN_PAIRS = 80
 DOWN_SHAPES = ((40, 2, 2), (320, 4, 4), (None, 4, 8))  # (below this many pairs, warps, column groups a program)
@@ -327,6 +329,12 @@ def down_shape(pairs: int) -> tuple[int, int]:
     return next((warps, groups) for below, warps, groups in DOWN_SHAPES if below is None or pairs < below)
 
 
+def down_rows(pairs: int, experts: int) -> int:
+    """Rows of a plan tile a down program takes: DOWN_ROWS while experts average at most MAX_PAIRS_PER_EXPERT pairs
+    (most tiles then fit in half of one), the whole tile beyond."""
+    return DOWN_ROWS if pairs <= MAX_PAIRS_PER_EXPERT * experts else PLAN_BLOCK_M
+
+
 def down_spans(inter: int) -> tuple[int, int] | None:
     """I's spans as (main, rest), both powers of two, main the larger (5 = 4 + 1, 4 = 2 + 2); None where I is not
     spanned or its spans do not split so."""
@@ -376,14 +384,15 @@ def down(h: torch.Tensor, plan: object, weights: object, y: torch.Tensor, interp
     w, s = weights.down, weights.down_scale
     span = span_k(weights.inter)
     warps, groups = down_shape(plan.pairs.numel())
+    rows = down_rows(plan.pairs.numel(), weights.experts)
     main, rest = down_spans(weights.inter)
     programs = plan.max_tiles * triton.cdiv(weights.d, 16 * warps * groups)
-    rest_layouts = _layouts(span, rest * span, warps, DOWN_ROWS)
-    _down_kernel[(PLAN_BLOCK_M // DOWN_ROWS * programs,)](
+    rest_layouts = _layouts(span, rest * span, warps, rows)
+    _down_kernel[(PLAN_BLOCK_M // rows * programs,)](
         h, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.down_scale_2, y, weights.d,
         weights.inter, w.stride(0), w.stride(1) // (span // 8), s.stride(0), s.stride(1) // (span // 16), programs,
-        E=weights.experts, WARPS=warps, ROWS=DOWN_ROWS, GROUP=groups, SPAN=span, MAIN_SPANS=main, REST_SPANS=rest,
-        num_warps=warps, **_layouts(span, main * span, warps, DOWN_ROWS), L_W_REST=rest_layouts["L_W"],
+        E=weights.experts, WARPS=warps, ROWS=rows, GROUP=groups, SPAN=span, MAIN_SPANS=main, REST_SPANS=rest,
+        num_warps=warps, **_layouts(span, main * span, warps, rows), L_W_REST=rest_layouts["L_W"],
         L_X_REST=rest_layouts["L_X"],
         **launch_options(_down_kernel, h.device),
     )  # fmt: skip
