@@ -36,8 +36,10 @@ ENV = "FLASHNEXT_GLUON"  # "0": kernels/moe.py's Triton kernels instead
 GATE_UP_WARPS = 2  # column groups of 16, one a warp
 GATE_UP_SPAN = 128  # the gate-up's span width, and its K step in spans
 GATE_UP_SPANS = 2
-PLAN_BLOCK_M = 16  # the plan's row tile
-GATE_UP_ROWS = DOWN_ROWS = 8  # rows of a plan tile a program takes (8: halves; 16: the whole tile)
+PLAN_BLOCK_M = 16  # the decode batches' plan row tile
+PROMPT_BLOCK_M = 32  # the prompts' plan row tile (kernels/moe.py's moe_tiles)
+GATE_UP_ROWS = DOWN_ROWS = 8  # rows of a 16-row plan tile a program takes (8: halves; 16: the whole tile)
+PROMPT_ROWS = 32  # rows of a 32-row plan tile a program takes; its gate-up steps one span (two spill registers)
 # Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth and seventeenth sessions): the
 # gate-up from 80 pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast) up to 6 pairs an expert
 # on average (beyond, most tiles hold more than 8 rows and their halves read the weights twice; whole-tile programs
@@ -308,18 +310,26 @@ def _usable(weights: object, plan: object, interpreting: bool) -> bool:
     device = weights.gate_up.device
     if gluon is None or interpreting or os.environ.get(ENV) == "0" or device.type != "cuda":
         return False
-    if plan.block_m != PLAN_BLOCK_M:
+    if plan.block_m not in (PLAN_BLOCK_M, PROMPT_BLOCK_M):
         return False
     return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def gate_up_rows(plan: object) -> tuple[int, int]:
+    """(rows of a plan tile a gate-up program takes, spans a K step) for this plan."""
+    if plan.block_m == PLAN_BLOCK_M:
+        return GATE_UP_ROWS, GATE_UP_SPANS
+    return PROMPT_ROWS, 1 if PROMPT_ROWS > PLAN_BLOCK_M else GATE_UP_SPANS
+
+
 def gate_up_usable(weights: object, plan: object, interpreting: bool = False) -> bool:
     """Whether `gate_up` runs for this NVFP4 bank and plan."""
-    block_k = GATE_UP_SPAN * GATE_UP_SPANS
+    block_k = GATE_UP_SPAN * gate_up_rows(plan)[1]
     if span_k(weights.d) != GATE_UP_SPAN or weights.d % block_k or weights.inter % (16 * GATE_UP_WARPS):
         return False
     pairs = plan.pairs.numel()
-    if pairs < GATE_UP_MIN_PAIRS or pairs > MAX_PAIRS_PER_EXPERT * weights.experts:
+    few_rows = plan.block_m == PLAN_BLOCK_M
+    if few_rows and (pairs < GATE_UP_MIN_PAIRS or pairs > MAX_PAIRS_PER_EXPERT * weights.experts):
         return False
     return _usable(weights, plan, interpreting)
 
@@ -329,9 +339,11 @@ def down_shape(pairs: int) -> tuple[int, int]:
     return next((warps, groups) for below, warps, groups in DOWN_SHAPES if below is None or pairs < below)
 
 
-def down_rows(pairs: int, experts: int) -> int:
-    """Rows of a plan tile a down program takes: DOWN_ROWS while experts average at most MAX_PAIRS_PER_EXPERT pairs
-    (most tiles then fit in half of one), the whole tile beyond."""
+def down_rows(block_m: int, pairs: int, experts: int) -> int:
+    """Rows of a plan tile a down program takes: PROMPT_ROWS of a prompt's tile; of a 16-row tile DOWN_ROWS while
+    experts average at most MAX_PAIRS_PER_EXPERT pairs (most tiles then fit in half of one), the whole tile beyond."""
+    if block_m != PLAN_BLOCK_M:
+        return PROMPT_ROWS
     return DOWN_ROWS if pairs <= MAX_PAIRS_PER_EXPERT * experts else PLAN_BLOCK_M
 
 
@@ -364,13 +376,14 @@ def gate_up(x: torch.Tensor, plan: object, weights: object, h: torch.Tensor, top
     if not gate_up_usable(weights, plan, interpreting):
         return False
     w, s = weights.gate_up, weights.gate_up_scale
-    block_k = GATE_UP_SPAN * GATE_UP_SPANS
+    rows, spans = gate_up_rows(plan)
+    block_k = GATE_UP_SPAN * spans
     programs = plan.max_tiles * triton.cdiv(weights.inter, 16 * GATE_UP_WARPS)
-    _gate_up_kernel[(PLAN_BLOCK_M // GATE_UP_ROWS * programs,)](
+    _gate_up_kernel[(plan.block_m // rows * programs,)](
         x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.gate_up_scale_2, h, weights.d,
         weights.inter, x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), programs, TOP_K=top_k,
-        E=weights.experts, WARPS=GATE_UP_WARPS, ROWS=GATE_UP_ROWS, SPAN=GATE_UP_SPAN, BLOCK_K=block_k,
-        num_warps=GATE_UP_WARPS, **_layouts(GATE_UP_SPAN, block_k, GATE_UP_WARPS, GATE_UP_ROWS),
+        E=weights.experts, WARPS=GATE_UP_WARPS, ROWS=rows, SPAN=GATE_UP_SPAN, BLOCK_K=block_k,
+        num_warps=GATE_UP_WARPS, **_layouts(GATE_UP_SPAN, block_k, GATE_UP_WARPS, rows),
         **launch_options(_gate_up_kernel, x.device),
     )  # fmt: skip
     return True
@@ -384,11 +397,11 @@ def down(h: torch.Tensor, plan: object, weights: object, y: torch.Tensor, interp
     w, s = weights.down, weights.down_scale
     span = span_k(weights.inter)
     warps, groups = down_shape(plan.pairs.numel())
-    rows = down_rows(plan.pairs.numel(), weights.experts)
+    rows = down_rows(plan.block_m, plan.pairs.numel(), weights.experts)
     main, rest = down_spans(weights.inter)
     programs = plan.max_tiles * triton.cdiv(weights.d, 16 * warps * groups)
     rest_layouts = _layouts(span, rest * span, warps, rows)
-    _down_kernel[(PLAN_BLOCK_M // rows * programs,)](
+    _down_kernel[(plan.block_m // rows * programs,)](
         h, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.down_scale_2, y, weights.d,
         weights.inter, w.stride(0), w.stride(1) // (span // 8), s.stride(0), s.stride(1) // (span // 16), programs,
         E=weights.experts, WARPS=warps, ROWS=rows, GROUP=groups, SPAN=span, MAIN_SPANS=main, REST_SPANS=rest,

@@ -1,11 +1,12 @@
 """The grouped gate-up and down projections alone on one GPU at tp=2's per-rank widths: kernels/moe_gluon.py's
 kernels at every row count (the gate-up in (warps)x(128-k spans a step) shapes, the down one in (warps)x(column
-groups) shapes, each program taking 8 rows of a plan tile or, with --program-rows 16, all 16) against
+groups) shapes, each program taking 8 rows of a 16-row plan tile or, with --program-rows 16, all 16; of a prompt's
+32-row tile 16 or 32) against
 kernels/moe.py's Triton kernels, bits of every h and y and µs per call (CUDA-graph replays cycling through routings
 enough to keep the weights cold in L2): the figures moe_gluon's row ranges and DOWN_SHAPES come from.
 
 python3 scripts/gpu_gluon_sweep.py [--rows 2 8 64 256 512] [--gate-up-shapes 2x2 4x2] [--down-shapes 2x2 4x8]
-    [--program-rows 8 16]
+    [--program-rows 8 16 32]
 """
 
 from __future__ import annotations
@@ -47,12 +48,25 @@ def differ(got: list[torch.Tensor], want: list[torch.Tensor]) -> int:
     return sum(int((a.view(ints) != b.view(ints)).sum()) for a, b in zip(got, want, strict=True))
 
 
+def sets_for(rows: int) -> int:
+    """Routings cycled through at this many rows: SETS up to 1,024 rows, fewer beyond (each reads every expert)."""
+    return max(4, min(SETS, SETS * 1024 // rows))
+
+
+def program_rows(rows: int, block_m: int) -> bool:
+    """Set the rows of a `block_m`-row plan tile a Gluon program takes; False where no program takes so many."""
+    if rows not in (block_m // 2, block_m):
+        return False
+    moe_gluon.GATE_UP_ROWS = moe_gluon.DOWN_ROWS = moe_gluon.PROMPT_ROWS = rows
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--gate-up-shapes", nargs="+", default=list(GATE_UP_SHAPES))
     ap.add_argument("--down-shapes", nargs="+", default=list(DOWN_SHAPES))
-    ap.add_argument("--program-rows", type=int, nargs="+", default=[8], help="rows of a plan tile a program takes")
+    ap.add_argument("--program-rows", type=int, nargs="+", default=[8, 32], help="rows of a plan tile a program takes")
     args = ap.parse_args(argv)
     shape = Shape()
     bank = kernel_bank(packed_bank(shape, torch.Generator(device="cuda").manual_seed(0)), in_place=True)
@@ -64,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         tiles = moe.moe_tiles(n, shape.top_k, shape.experts)
         gen = torch.Generator(device="cuda").manual_seed(n)
         sets = []
-        for _ in range(SETS):
+        for _ in range(sets_for(n)):
             ids = torch.rand(n, shape.experts, device="cuda", generator=gen).argsort(dim=1)[:, : shape.top_k]
             plan = moe.moe_plan(ids.to(torch.int32), shape.experts, tiles.block_m)
             x = torch.randn(n, shape.hidden, device="cuda", generator=gen).bfloat16()
@@ -78,29 +92,28 @@ def main(argv: list[str] | None = None) -> int:
         moe_gluon.down = moe_gluon.gate_up = lambda *a: False
         want_h = outputs(sets, ups, 2)
         want_y = outputs(sets, downs, 3)
-        line = [f"rows {n:4d}  gate-up triton {graph_median_us(ups, SETS, REPLAYS):7.1f}"]
+        line = [f"rows {n:4d}  gate-up triton {graph_median_us(ups, len(sets), REPLAYS):7.1f}"]
         moe_gluon.gate_up = gluon_gate_up
         for gate_up_shape, rows in itertools.product(args.gate_up_shapes, args.program_rows):
             moe_gluon.GATE_UP_WARPS, moe_gluon.GATE_UP_SPANS = map(int, gate_up_shape.split("x"))
-            moe_gluon.GATE_UP_ROWS = rows
-            if not moe_gluon.gate_up_usable(weights, sets[0][1]):
+            if not program_rows(rows, tiles.block_m) or not moe_gluon.gate_up_usable(weights, sets[0][1]):
                 continue
             bad = differ(outputs(sets, ups, 2), want_h)
             differing += bad
-            us = graph_median_us(ups, SETS, REPLAYS)
-            label = gate_up_shape + ("" if rows == 8 else f"r{rows}")
+            us = graph_median_us(ups, len(sets), REPLAYS)
+            label = f"{gate_up_shape}r{rows}"
             line.append(f"{label} {us:7.1f}" + (f" ({bad} differ)" if bad else ""))
-        line.append(f"| down triton {graph_median_us(downs, SETS, REPLAYS):7.1f}")
+        line.append(f"| down triton {graph_median_us(downs, len(sets), REPLAYS):7.1f}")
         moe_gluon.down = gluon_down
         for down_shape, rows in itertools.product(args.down_shapes, args.program_rows):
             warps, group = map(int, down_shape.split("x"))
-            moe_gluon.DOWN_SHAPES, moe_gluon.DOWN_ROWS = ((None, warps, group),), rows
-            if not moe_gluon.down_usable(weights, sets[0][1]):
+            moe_gluon.DOWN_SHAPES = ((None, warps, group),)
+            if not program_rows(rows, tiles.block_m) or not moe_gluon.down_usable(weights, sets[0][1]):
                 continue
             bad = differ(outputs(sets, downs, 3), want_y)
             differing += bad
             line.append(
-                f"{down_shape}{'' if rows == 8 else f'r{rows}'} {graph_median_us(downs, SETS, REPLAYS):7.1f}"
+                f"{down_shape}r{rows} {graph_median_us(downs, len(sets), REPLAYS):7.1f}"
                 + (f" ({bad} differ)" if bad else "")
             )
         print("  ".join(line), flush=True)

@@ -218,8 +218,10 @@ def test_down_programs_take_whole_tiles_beyond_six_pairs_an_expert() -> None:
     most tiles hold more than eight rows and two half programs would each read the weights)."""
     experts = 512
     limit = moe_gluon.MAX_PAIRS_PER_EXPERT * experts
-    assert [moe_gluon.down_rows(pairs, experts) for pairs in (1, 80, limit, limit + 1, 8190)] == [8, 8, 8, 16, 16]
-    assert moe_gluon.down_rows(3080, experts) == 16 and moe_gluon.down_rows(3070, experts) == 8  # 308 and 307 rows
+    rows = [moe_gluon.down_rows(16, pairs, experts) for pairs in (1, 80, limit, limit + 1, 8190)]
+    assert rows == [8, 8, 8, 16, 16]
+    assert moe_gluon.down_rows(16, 3080, experts) == 16 and moe_gluon.down_rows(16, 3070, experts) == 8  # 308, 307 rows
+    assert moe_gluon.down_rows(32, 8200, experts) == moe_gluon.PROMPT_ROWS  # a prompt's 32-row tiles
 
 
 SPANNED_D, SPANNED_INTER = 128, 64  # the gate-up one span of 128 k a row, the down one of 64

@@ -194,3 +194,23 @@ def test_programs_of_sixteen_rows_give_the_same_bits(n: int, monkeypatch) -> Non
     triton_only = moe_forward(x, ids, w, bank, torch.float32)
     assert torch.equal(whole.view(torch.int32), halves.view(torch.int32))
     assert torch.equal(whole.view(torch.int32), triton_only.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize("rows", [16, 32])
+@pytest.mark.parametrize("n", [820, 1024, 3000])
+def test_prompt_tiles_give_the_triton_kernels_bits(n: int, rows: int, monkeypatch) -> None:
+    """A prompt's 32-row plan tiles through the Gluon kernels, 16 or 32 rows a program, give every output bit of the
+    Triton kernels."""
+    bank, (x, ids, w) = bank_and_routing(n)
+    monkeypatch.setattr(moe_gluon, "PROMPT_ROWS", rows)
+    weights, tiles = moe._weights(bank), moe_tiles(n, TOP_K, E)
+    plan = moe_plan(ids, E, tiles.block_m)
+    assert tiles.block_m == moe_gluon.PROMPT_BLOCK_M
+    assert moe_gluon.gate_up_usable(weights, plan) and moe_gluon.down_usable(weights, plan)
+    gluon = moe_forward(x, ids, w, bank, torch.float32)
+    monkeypatch.setattr(moe_gluon, "gate_up", lambda *args: False)
+    monkeypatch.setattr(moe_gluon, "down", lambda *args: False)
+    triton_only = moe_forward(x, ids, w, bank, torch.float32)
+    assert torch.equal(gluon.view(torch.int32), triton_only.view(torch.int32))
