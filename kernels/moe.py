@@ -29,8 +29,8 @@ the low and high halves of one register, which the tensor-core operands take as 
 into bf16 is what bounds these kernels. `kernels/fp4_words.py` owns the layout (`WORD_BITS`); the extractions here
 must match it. In a matrix whose K is a multiple of a span width it also moves each row's words and scales within
 spans, which the kernels here load as stored and put back in k order in registers, and which `kernels/moe_gluon.py`'s
-gate-up and down kernels (the grouped path's, for decode batches on CUDA; the same bits) load straight into their MMA
-operands.
+gate-up and down kernels (the grouped path's on CUDA: the gate-up for decode batches, the down for every batch; the
+same bits) load straight into their MMA operands.
 """
 
 from __future__ import annotations

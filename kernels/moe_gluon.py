@@ -1,14 +1,14 @@
 """The grouped NVFP4 gate-up and down projections in Gluon (Triton's explicit-layout dialect): kernels/moe.py's
 `_gate_up_kernel` and `_down_kernel` bit for bit, with fewer instructions while each expert sees few rows
-(docs/performance.md, fifteenth and sixteenth sessions).
+(docs/performance.md, fifteenth to seventeenth sessions).
 
 Triton's tl.dot takes both operands with kWidth 8: in each block of 32 k a thread holds eight consecutive k of its
 rows, and each MMA adds four of them, so the MMAs add the same k in the same order here as there, and the bits are
 the same in any tile. The weights are the MMA's first operand (16 columns a warp) and the activations its second (8
 rows a tile, half of the plan's 16-row tile: a program for the second half stops at once when the tile has at most
-eight rows; a down program takes the whole tile where experts average more than six pairs). In a spanned matrix
-(kernels/fp4_words.py) a thread's words of a span are one load and their scales another, taken as the operand
-registers with no data moved. The gate-up issues each K step's loads one step ahead;
+eight rows; a down program takes the whole tile where experts average more than six pairs, and half of a prompt's
+32-row tile). In a spanned matrix (kernels/fp4_words.py) a thread's words of a span are one load and their scales
+another, taken as the operand registers with no data moved. The gate-up issues each K step's loads one step ahead;
 the down kernel loads its h once and each column group's weights a group ahead.
 Gluon has no interpreter: `gate_up` and `down` decline there, off CUDA, and with FLASHNEXT_GLUON=0 (the same bits
 either way), and kernels/moe.py runs its Triton kernels.
@@ -39,12 +39,12 @@ GATE_UP_SPANS = 2
 PLAN_BLOCK_M = 16  # the decode batches' plan row tile
 PROMPT_BLOCK_M = 32  # the prompts' plan row tile (kernels/moe.py's moe_tiles)
 GATE_UP_ROWS = DOWN_ROWS = 8  # rows of a 16-row plan tile a program takes (8: halves; 16: the whole tile)
-PROMPT_ROWS = 32  # rows of a 32-row plan tile a program takes; its gate-up steps one span (two spill registers)
+PROMPT_ROWS = 16  # rows of a prompt's 32-row plan tile a down program takes (the gate-up leaves prompts to Triton)
 # Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth and seventeenth sessions): the
 # gate-up from 80 pairs (8 rows at top-10; below, the Triton kernel's four warps are as fast) up to 6 pairs an expert
 # on average (beyond, most tiles hold more than 8 rows and their halves read the weights twice; whole-tile programs
-# lose there too); the down kernel at every batch of 16-row plans, its programs taking the whole tile beyond 6 pairs
-# an expert
+# and prompt tiles tie or lose); the down kernel at every batch, its programs taking the whole 16-row tile beyond 6
+# pairs an expert and half a prompt's tile
 MAX_PAIRS_PER_EXPERT = 6
 GATE_UP_MIN_PAIRS = 80
 DOWN_SHAPES = ((40, 2, 2), (320, 4, 4), (None, 4, 8))  # (below this many pairs, warps, column groups a program)
@@ -315,21 +315,13 @@ def _usable(weights: object, plan: object, interpreting: bool) -> bool:
     return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gate_up_rows(plan: object) -> tuple[int, int]:
-    """(rows of a plan tile a gate-up program takes, spans a K step) for this plan."""
-    if plan.block_m == PLAN_BLOCK_M:
-        return GATE_UP_ROWS, GATE_UP_SPANS
-    return PROMPT_ROWS, 1 if PROMPT_ROWS > PLAN_BLOCK_M else GATE_UP_SPANS
-
-
 def gate_up_usable(weights: object, plan: object, interpreting: bool = False) -> bool:
-    """Whether `gate_up` runs for this NVFP4 bank and plan."""
-    block_k = GATE_UP_SPAN * gate_up_rows(plan)[1]
+    """Whether `gate_up` runs for this NVFP4 bank and plan (16-row plans only)."""
+    block_k = GATE_UP_SPAN * GATE_UP_SPANS
     if span_k(weights.d) != GATE_UP_SPAN or weights.d % block_k or weights.inter % (16 * GATE_UP_WARPS):
         return False
     pairs = plan.pairs.numel()
-    few_rows = plan.block_m == PLAN_BLOCK_M
-    if few_rows and (pairs < GATE_UP_MIN_PAIRS or pairs > MAX_PAIRS_PER_EXPERT * weights.experts):
+    if plan.block_m != PLAN_BLOCK_M or pairs < GATE_UP_MIN_PAIRS or pairs > MAX_PAIRS_PER_EXPERT * weights.experts:
         return False
     return _usable(weights, plan, interpreting)
 
@@ -376,14 +368,13 @@ def gate_up(x: torch.Tensor, plan: object, weights: object, h: torch.Tensor, top
     if not gate_up_usable(weights, plan, interpreting):
         return False
     w, s = weights.gate_up, weights.gate_up_scale
-    rows, spans = gate_up_rows(plan)
-    block_k = GATE_UP_SPAN * spans
+    block_k = GATE_UP_SPAN * GATE_UP_SPANS
     programs = plan.max_tiles * triton.cdiv(weights.inter, 16 * GATE_UP_WARPS)
-    _gate_up_kernel[(plan.block_m // rows * programs,)](
+    _gate_up_kernel[(PLAN_BLOCK_M // GATE_UP_ROWS * programs,)](
         x, plan.pairs, plan.bounds, plan.tile_experts, plan.tile_starts, w, s, weights.gate_up_scale_2, h, weights.d,
         weights.inter, x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), programs, TOP_K=top_k,
-        E=weights.experts, WARPS=GATE_UP_WARPS, ROWS=rows, SPAN=GATE_UP_SPAN, BLOCK_K=block_k,
-        num_warps=GATE_UP_WARPS, **_layouts(GATE_UP_SPAN, block_k, GATE_UP_WARPS, rows),
+        E=weights.experts, WARPS=GATE_UP_WARPS, ROWS=GATE_UP_ROWS, SPAN=GATE_UP_SPAN, BLOCK_K=block_k,
+        num_warps=GATE_UP_WARPS, **_layouts(GATE_UP_SPAN, block_k, GATE_UP_WARPS, GATE_UP_ROWS),
         **launch_options(_gate_up_kernel, x.device),
     )  # fmt: skip
     return True

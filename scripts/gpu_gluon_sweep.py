@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--gate-up-shapes", nargs="+", default=list(GATE_UP_SHAPES))
     ap.add_argument("--down-shapes", nargs="+", default=list(DOWN_SHAPES))
-    ap.add_argument("--program-rows", type=int, nargs="+", default=[8, 32], help="rows of a plan tile a program takes")
+    ap.add_argument("--program-rows", type=int, nargs="+", default=[8, 16], help="rows of a plan tile a program takes")
     args = ap.parse_args(argv)
     shape = Shape()
     bank = kernel_bank(packed_bank(shape, torch.Generator(device="cuda").manual_seed(0)), in_place=True)

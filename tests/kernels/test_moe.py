@@ -213,15 +213,15 @@ def test_a_down_projection_splits_its_spans_into_two_powers_of_two() -> None:
     assert moe_gluon.down_spans(320) == (4, 1)  # the real I per rank at tp=2: five 64-k spans
 
 
-def test_down_programs_take_whole_tiles_beyond_six_pairs_an_expert() -> None:
+def test_rows_a_down_program_takes() -> None:
     """Half a 16-row plan tile a down program while experts average at most six pairs, the whole tile beyond (where
-    most tiles hold more than eight rows and two half programs would each read the weights)."""
+    most tiles hold more than eight rows and two half programs would each read the weights), half a prompt's tile."""
     experts = 512
     limit = moe_gluon.MAX_PAIRS_PER_EXPERT * experts
     rows = [moe_gluon.down_rows(16, pairs, experts) for pairs in (1, 80, limit, limit + 1, 8190)]
     assert rows == [8, 8, 8, 16, 16]
     assert moe_gluon.down_rows(16, 3080, experts) == 16 and moe_gluon.down_rows(16, 3070, experts) == 8  # 308, 307 rows
-    assert moe_gluon.down_rows(32, 8200, experts) == moe_gluon.PROMPT_ROWS  # a prompt's 32-row tiles
+    assert moe_gluon.down_rows(32, 8200, experts) == 16  # half of a prompt's 32-row tile
 
 
 SPANNED_D, SPANNED_INTER = 128, 64  # the gate-up one span of 128 k a row, the down one of 64

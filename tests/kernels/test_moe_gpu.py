@@ -162,11 +162,11 @@ def test_flashnext_gluon_0_runs_the_triton_kernels(monkeypatch) -> None:
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
 def test_the_gluon_kernels_run_only_where_they_are_faster() -> None:
     """The gate-up from 8 rows (80 pairs) up to 6 pairs an expert (307 rows at top-10 of 512), the down kernel for
-    every 16-row plan (up to 819 rows)."""
+    every batch: 16-row plans (up to 819 rows) and prompts' 32-row plans."""
     bank, _ = bank_and_routing(8)
     weights = moe._weights(bank)
     cases = ((2, False, True), (8, True, True), (307, True, True), (308, False, True), (819, False, True))
-    for n, gate_up_runs, down_runs in (*cases, (820, False, False)):
+    for n, gate_up_runs, down_runs in (*cases, (820, False, True), (8192, False, True)):
         ids = torch.rand(n, E, device="cuda").argsort(dim=1)[:, :TOP_K].to(torch.int32)
         plan = moe_plan(ids, E, moe_tiles(n, TOP_K, E).block_m)
         assert moe_gluon.gate_up_usable(weights, plan) == gate_up_runs, n
@@ -201,14 +201,14 @@ def test_programs_of_sixteen_rows_give_the_same_bits(n: int, monkeypatch) -> Non
 @pytest.mark.parametrize("rows", [16, 32])
 @pytest.mark.parametrize("n", [820, 1024, 3000])
 def test_prompt_tiles_give_the_triton_kernels_bits(n: int, rows: int, monkeypatch) -> None:
-    """A prompt's 32-row plan tiles through the Gluon kernels, 16 or 32 rows a program, give every output bit of the
-    Triton kernels."""
+    """A prompt's 32-row plan tiles through the Gluon down kernel, 16 or 32 rows a program, give every output bit of
+    the Triton kernel."""
     bank, (x, ids, w) = bank_and_routing(n)
     monkeypatch.setattr(moe_gluon, "PROMPT_ROWS", rows)
     weights, tiles = moe._weights(bank), moe_tiles(n, TOP_K, E)
     plan = moe_plan(ids, E, tiles.block_m)
     assert tiles.block_m == moe_gluon.PROMPT_BLOCK_M
-    assert moe_gluon.gate_up_usable(weights, plan) and moe_gluon.down_usable(weights, plan)
+    assert not moe_gluon.gate_up_usable(weights, plan) and moe_gluon.down_usable(weights, plan)
     gluon = moe_forward(x, ids, w, bank, torch.float32)
     monkeypatch.setattr(moe_gluon, "gate_up", lambda *args: False)
     monkeypatch.setattr(moe_gluon, "down", lambda *args: False)
