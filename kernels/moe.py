@@ -50,7 +50,12 @@ from kernels.fp4_words import PACKED_KEYS, from_words, natural_scales, span_k
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
-PLAN_MAX_PAIRS = 12288  # beyond, the kernel's scans of every earlier pair cost more than the torch ops' sort
+# The plan's launches, by pairs (docs/performance.md, seventeenth session): from PLAN_COUNTED_PAIRS a launch first
+# counts each PLAN_COUNT pairs' experts (faster from 640 pairs, 64 rows at top-10; one launch at 10 pairs); beyond
+# PLAN_MAX_PAIRS (8,192 rows measured) torch ops, as the kernel's sums over every count row grow with the square
+PLAN_MAX_PAIRS = 81920
+PLAN_COUNTED_PAIRS = 640
+PLAN_COUNT = 256
 # Below PAIR_ROWS rows each pair runs alone: no plan, and the combine inside the down launch. One row only: a lane's
 # verify rows share experts, whose weights the grouped path reads once per tile (docs/performance.md, tenth session).
 PAIR_ROWS = 2
@@ -113,9 +118,31 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs, (num_pairs + used * (block_m - 1)) // block_m))
 
 
+@triton.jit
+def _histogram(ids_ptr, start, end, E_POW2: tl.constexpr, SCAN: tl.constexpr):
+    """How many of pairs [start, end) each expert has, SCAN ids a step."""
+    scan = tl.arange(0, SCAN)
+    counts = tl.zeros((E_POW2,), tl.int32)
+    for first in range(start, end, SCAN):
+        q = first + scan
+        counts += tl.histogram(tl.load(ids_ptr + q, mask=q < end, other=0), E_POW2, mask=q < end)
+    return counts
+
+
+@triton.jit(do_not_specialize=["P"])
+def _count_kernel(ids_ptr, counts_ptr, P, E_POW2: tl.constexpr, COUNT: tl.constexpr, SCAN: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    """Row c of counts [cdiv(P, COUNT), E_POW2]: how many of pairs [c·COUNT, (c+1)·COUNT) each expert has."""
+    enter(PDL)
+    lo = tl.program_id(0) * COUNT
+    counts = _histogram(ids_ptr, lo, tl.minimum(lo + COUNT, P), E_POW2, SCAN)
+    tl.store(counts_ptr + tl.program_id(0) * E_POW2 + tl.arange(0, E_POW2), counts)
+
+
 @triton.jit(do_not_specialize=["P", "T"])
 def _plan_kernel(
     ids_ptr,
+    counts_ptr,
     pairs_ptr,
     bounds_ptr,
     tile_experts_ptr,
@@ -127,23 +154,30 @@ def _plan_kernel(
     CHUNK: tl.constexpr,
     SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    COUNTED: tl.constexpr,
+    COUNT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program p places pairs [p·CHUNK, (p+1)·CHUNK) with no sort: a pair's sorted position is its expert's first
     position plus its rank, the number of earlier pairs with its expert (a stable sort's order), counted from a
-    histogram of the pairs before the chunk and comparisons within it. A pair whose rank is a multiple of BLOCK_M
-    starts a tile; tiles past the last, up to T, get E; program 0 writes the bounds."""
+    histogram of the pairs before the chunk and comparisons within it. The histograms come from scans of every pair
+    or, when COUNTED, from `_count_kernel`'s rows (the pairs between the last whole row and the chunk scanned). A
+    pair whose rank is a multiple of BLOCK_M starts a tile; tiles past the last, up to T, get E; program 0 writes
+    the bounds."""
     enter(PDL)
     lo = tl.program_id(0) * CHUNK
-    scan = tl.arange(0, SCAN)
-    before = tl.zeros((E_POW2,), tl.int32)
-    for start in range(0, lo, SCAN):
-        q = start + scan
-        before += tl.histogram(tl.load(ids_ptr + q, mask=q < lo, other=0), E_POW2, mask=q < lo)
-    total = before
-    for start in range(lo, P, SCAN):
-        q = start + scan
-        total += tl.histogram(tl.load(ids_ptr + q, mask=q < P, other=0), E_POW2, mask=q < P)
+    if COUNTED:
+        e_all = tl.arange(0, E_POW2)
+        rows_before = lo // COUNT
+        before = _histogram(ids_ptr, rows_before * COUNT, lo, E_POW2, SCAN)
+        total = tl.zeros((E_POW2,), tl.int32)
+        for r in range(0, tl.cdiv(P, COUNT)):
+            row = tl.load(counts_ptr + r * E_POW2 + e_all)
+            total += row
+            before += tl.where(r < rows_before, row, 0)
+    else:
+        before = _histogram(ids_ptr, 0, lo, E_POW2, SCAN)
+        total = before + _histogram(ids_ptr, lo, P, E_POW2, SCAN)
     c = tl.arange(0, CHUNK)
     q = lo + c
     valid = q < P
@@ -190,7 +224,8 @@ def moe_plan_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
-    """The routing plan of expert_ids [N, k]: one launch of CHUNK pairs a program, or torch ops for many pairs."""
+    """The routing plan of expert_ids [N, k]: one launch of CHUNK pairs a program (from PLAN_COUNTED_PAIRS pairs after
+    a launch that counts the experts of each PLAN_COUNT pairs), or torch ops for many pairs."""
     num_pairs = expert_ids.numel()
     if num_pairs > PLAN_MAX_PAIRS:
         return moe_plan_reference(expert_ids, num_experts, block_m)
@@ -200,8 +235,19 @@ def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePla
     bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
     tile_starts = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    ids = expert_ids.reshape(-1).to(torch.int32)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    counted = num_pairs >= PLAN_COUNTED_PAIRS
+    counts = pairs  # read only when counted
+    if counted:
+        counts = torch.empty(triton.cdiv(num_pairs, PLAN_COUNT), e_pow2, dtype=torch.int32, device=dev)
+        _count_kernel[(counts.shape[0],)](
+            ids, counts, num_pairs, E_POW2=e_pow2, COUNT=PLAN_COUNT, SCAN=PLAN_SCAN, num_warps=4,
+            **launch_options(_count_kernel, dev),
+        )  # fmt: skip
     _plan_kernel[(max(1, triton.cdiv(num_pairs, PLAN_CHUNK)),)](  # one program writes the bounds of no pairs
-        expert_ids.reshape(-1).to(torch.int32),
+        ids,
+        counts,
         pairs,
         bounds,
         tile_experts,
@@ -209,10 +255,12 @@ def moe_plan(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> MoePla
         num_pairs,
         num_tiles,
         E=num_experts,
-        E_POW2=triton.next_power_of_2(num_experts),
+        E_POW2=e_pow2,
         CHUNK=PLAN_CHUNK,
         SCAN=PLAN_SCAN,
         BLOCK_M=block_m,
+        COUNTED=counted,
+        COUNT=PLAN_COUNT,
         num_warps=4,
         **launch_options(_plan_kernel, expert_ids.device),
     )

@@ -290,9 +290,16 @@ def tile_map(ids: torch.Tensor, num_experts: int, block_m: int, num_tiles: int) 
 @pytest.mark.parametrize("block_m", [1, 2, 4, 16])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("blocks", [(8, 16), (64, 256)])
-def test_plan_matches_torch_plan_and_python(block_m: int, seed: int, blocks: tuple[int, int], monkeypatch) -> None:
+@pytest.mark.parametrize("counted", [False, True])
+def test_plan_matches_torch_plan_and_python(
+    block_m: int, seed: int, blocks: tuple[int, int], counted: bool, monkeypatch
+) -> None:
+    """Scanning every earlier pair or reading counts made a launch before (counted: rows of 1.5 chunks, so a chunk
+    also scans the pairs after the last whole row), the plan is the stable sort's."""
     monkeypatch.setattr(moe, "PLAN_CHUNK", blocks[0])  # small: several programs, each counting in several steps
     monkeypatch.setattr(moe, "PLAN_SCAN", blocks[1])
+    monkeypatch.setattr(moe, "PLAN_COUNTED_PAIRS", 0 if counted else 1 << 30)
+    monkeypatch.setattr(moe, "PLAN_COUNT", 3 * blocks[0] // 2)
     g = torch.Generator().manual_seed(seed)
     n, k = (7, TOP_K) if seed == 0 else (int(torch.randint(1, 40, (1,), generator=g)), 1 + seed)
     ids = torch.randint(0, E, (n, k), generator=g, dtype=torch.int32)
