@@ -1,15 +1,16 @@
-"""The elementwise gates around the GDN and shared-expert projections, each site in one launch over its elements.
+"""The elementwise gates around the GDN, shared-expert, QSA and PLE projections, each site in one launch.
 
 `gdn_gates(b, a, a_log, dt_bias)` gives beta = act_b(1 / (1 + exp(-b))) in b's dtype and
 g = (-exp(a_log)) · softplus(a + dt_bias) in fp32, with softplus(x) = x above 20, else log1p(exp(x)) (exp rounded to
 fp32 before log1p; a_log and dt_bias [H] broadcast over the rows); `silu_mul(gate, up)` gives
 act(act(g / (1 + exp(-g))) · up); `gated_add(routed, gate_logit, shared)` gives
-act(routed + act(act(1 / (1 + exp(-z))) · shared)) with one logit z per row. Every input is widened to fp32, each
-operation runs in fp32 in the order written (divisions correctly rounded, no fused multiply-adds), and `act(·)`
-rounds fp32 to the activation dtype, to nearest even: bf16 in the model (torch's bf16 ops compute in fp32 and round
-once, so these are its bits), nothing for fp32. exp and log1p are libdevice's on the GPU without flushing
-subnormals, as torch's CUDA ops use them; under the interpreter they are numpy's fp64 ones rounded once to fp32
-(correctly rounded), within 1 ulp of torch's CPU ones.
+act(routed + act(act(1 / (1 + exp(-z))) · shared)) with one logit z per row; `sigmoid_mul(x, gate)` gives
+act(x · act(1 / (1 + exp(-gate)))) over [N, H, D] views (QSA's output gate, PLE's gated values). Every input is
+widened to fp32, each operation runs in fp32 in the order written (divisions correctly rounded, no fused
+multiply-adds), and `act(·)` rounds fp32 to the activation dtype, to nearest even: bf16 in the model (torch's bf16
+ops compute in fp32 and round once, so these are its bits), nothing for fp32. exp and log1p are libdevice's on the
+GPU without flushing subnormals, as torch's CUDA ops use them; under the interpreter they are numpy's fp64 ones
+rounded once to fp32 (correctly rounded), within 1 ulp of torch's CPU ones.
 """
 
 from __future__ import annotations
@@ -169,6 +170,37 @@ def _gated_add_kernel(
         tl.store(out_ptr + offs, _to_act(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
 
 
+@triton.jit(do_not_specialize=["total"])
+def _sigmoid_mul_kernel(
+    x_ptr,
+    gate_ptr,
+    out_ptr,
+    total,
+    H,
+    D,
+    stride_xn,
+    stride_xh,
+    stride_xd,
+    stride_gn,
+    stride_gh,
+    stride_gd,
+    ACT_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out = act(x · act(sigmoid(gate))) for BLOCK elements of [N, H, D], out contiguous, x and gate at their own
+    strides (0 where a view broadcasts)."""
+    enter(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    n, h, d = offs // (H * D), offs // D % H, offs % D
+    x = _f32(tl.load(x_ptr + n * stride_xn + h * stride_xh + d * stride_xd, mask=ok, other=0.0), INTERPRET)
+    g = _f32(tl.load(gate_ptr + n * stride_gn + h * stride_gh + d * stride_gd, mask=ok, other=0.0), INTERPRET)
+    tl.store(out_ptr + offs, _to_act(x * _round(_sigmoid(g, INTERPRET), ACT_BF16, INTERPRET), ACT_BF16, INTERPRET),
+             mask=ok)  # fmt: skip
+
+
 def _check(t: torch.Tensor, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
     """Raise TypeError if t's dtype is not in dtypes, ValueError if its shape is not `shape`."""
     if t.dtype not in dtypes:
@@ -297,3 +329,33 @@ def gated_add_reference(routed: torch.Tensor, gate_logit: torch.Tensor, shared: 
     _check_gated_add(routed, gate_logit, shared)
     gate = (1.0 / (1.0 + torch.exp(-gate_logit.float()))).to(gate_logit.dtype)
     return routed + gate * shared
+
+
+def _check_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> None:
+    """Raise on the dtypes, shapes or devices sigmoid_mul cannot take."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x: expected bf16 or fp32, got {x.dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [N, H, D], got shape {list(x.shape)}")
+    _check(gate, "gate", tuple(x.shape), (x.dtype,))
+    _check_device(x=x, gate=gate)
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x · sigmoid(gate) for x, gate [N, H, D] views at any strides (expanded ones too), contiguous, in x's dtype."""
+    _check_sigmoid_mul(x, gate)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = x.numel()
+    if total:
+        _sigmoid_mul_kernel[(triton.cdiv(total, BLOCK),)](
+            x, gate, out, total, x.shape[1], x.shape[2], *x.stride(), *gate.stride(),
+            ACT_BF16=x.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_sigmoid_mul_kernel, x.device),
+        )  # fmt: skip
+    return out
+
+
+def sigmoid_mul_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch sigmoid_mul: the model's `x * sigmoid(gate)`, the sigmoid in fp32 over exp."""
+    _check_sigmoid_mul(x, gate)
+    return x * (1.0 / (1.0 + torch.exp(-gate.float()))).to(gate.dtype)

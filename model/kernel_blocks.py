@@ -1,10 +1,10 @@
 """The decoder layer's sub-blocks on the kernel path: every row of a round at once, through the Triton kernels.
 
 Row reductions run in kernels whose per-row bits do not depend on the batch; what torch does here is elementwise
-(the same per element whatever the batch), gathers and copies. The GDN gates, the shared expert's activations and
-RoPE with the cache writes are elementwise kernels (one launch each, not a handful of torch ops); the sigmoid left
-here is an fp32 formula over exp rather than torch's own, which on the CPU rounds differently in the vector body and
-the scalar tail of a tensor and would tie a row's bits to the batch there too.
+(the same per element whatever the batch), gathers and copies. The GDN gates, the shared expert's activations, the
+sigmoid gates of QSA's output and PLE's values and RoPE with the cache writes are elementwise kernels (one launch
+each, not a handful of torch ops); their sigmoid is an fp32 formula over exp rather than torch's own, which on the
+CPU rounds differently in the vector body and the scalar tail of a tensor and would tie a row's bits to the batch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from kernels.conv import causal_conv_update
 from kernels.fp4_words import kernel_bank
-from kernels.gates import gated_add, gdn_gates, silu_mul
+from kernels.gates import gated_add, gdn_gates, sigmoid_mul, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.gdn_chunk import ChunkPlan, gdn_prompt
 from kernels.hyper import hc_read, hc_write, hc_write_read
@@ -110,11 +110,6 @@ def kept_buffer(rnd: Round, name: str, index: int, like: torch.Tensor) -> torch.
 def keep_tails(rnd: Round, name: str, index: int, row_tails: torch.Tensor) -> torch.Tensor:
     """The conv tails after the round's kept rows."""
     return torch.index_select(row_tails, 0, rnd.keep_rows, out=kept_buffer(rnd, name, index, row_tails))
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)) in fp32, rounded to x's dtype."""
-    return (1.0 / (1.0 + torch.exp(-x.float()))).to(x.dtype)
 
 
 def project(x: torch.Tensor, proj: Linear, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -333,7 +328,7 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     indices, counts = qsa_index(index_q, block_keys, slot_of_row, positions, idx.ratio, idx.top_blocks)
     out = qsa_sparse_attention(q, keys, values, slot_of_row, indices, counts)
     n = x.shape[0]
-    out = out.reshape(n, -1) * sigmoid(gate.reshape(n, -1))
+    out = sigmoid_mul(out.view(gate.shape), gate).view(n, -1)
     return m.tp.reduce(partial_out(out, m.o_proj, m.tp))
 
 
@@ -367,7 +362,8 @@ def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor
     query = zc_rms_norm(wide.view(n, p.hc, p.d), p.norm_query.weight, p.eps)
     gate = group_dot(key, query).to(dtype) / math.sqrt(p.d)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-    gated = (sigmoid(gate).unsqueeze(-1) * project(embedded, p.value_proj).unsqueeze(-2)).flatten(-2)
+    value = project(embedded, p.value_proj).unsqueeze(-2).expand(n, p.hc, p.d)
+    gated = sigmoid_mul(value, gate.unsqueeze(-1).expand(n, p.hc, p.d)).flatten(-2)
     normed = zc_rms_norm(gated.view(n, p.hc, p.d), p.norm_conv.weight, p.eps).view(n, -1)
     tails = rnd.pool.ple_conv[index]
     keep = rnd.keep_rows is not None

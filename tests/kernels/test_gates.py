@@ -22,10 +22,11 @@ from kernels.gates import (
     gated_add_reference,
     gdn_gates,
     gdn_gates_reference,
+    sigmoid_mul,
+    sigmoid_mul_reference,
     silu_mul,
     silu_mul_reference,
 )
-from model import kernel_blocks
 
 # zeros, the softplus threshold and its fp32 neighbours, exp's fp32 overflow (88.72) and subnormal (-87.3) edges
 SPECIAL = (
@@ -140,6 +141,28 @@ def test_gated_add_into_fp32_holds_the_act_values(act: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("act", DTYPES)
+def test_sigmoid_mul_matches_reference(act: torch.dtype, exact_math: None) -> None:
+    x, gate = values(N, D, act, 9).view(N, 4, D // 4), values(N, D, act, 10).view(N, 4, D // 4)
+    out = sigmoid_mul(x, gate)
+    assert out.is_contiguous()
+    assert_same_bits(out, sigmoid_mul_reference(x, gate))
+
+
+def test_sigmoid_mul_takes_strided_and_expanded_views(exact_math: None) -> None:
+    """QSA's gate: the second half of each head in a fused projection; PLE's: one gate a stream times one value row."""
+    fused = values(N, 4 * 2 * 8 + 3, torch.bfloat16, 11)
+    gate = fused[:, 3:].unflatten(-1, (4, 16)).chunk(2, dim=-1)[1]
+    x = values(N, 4 * 8, torch.bfloat16, 12).view(N, 4, 8)
+    assert not gate.is_contiguous()
+    assert_same_bits(sigmoid_mul(x, gate), sigmoid_mul(x, gate.contiguous()))
+    value, stream_gate = values(N, D, torch.bfloat16, 13), values(N, 4, torch.bfloat16, 14)
+    value, stream_gate = value.unsqueeze(-2).expand(N, 4, D), stream_gate.unsqueeze(-1).expand(N, 4, D)
+    expanded = sigmoid_mul(value, stream_gate)
+    assert_same_bits(expanded, sigmoid_mul(value.contiguous(), stream_gate.contiguous()))
+    assert_same_bits(expanded, sigmoid_mul_reference(value, stream_gate))
+
+
+@pytest.mark.parametrize("act", DTYPES)
 def test_kernels_near_references_with_torch_math(act: torch.dtype) -> None:
     b, a, a_log, dt_bias = gdn_inputs(act, act)
     for out, ref in zip(gdn_gates(b, a, a_log, dt_bias), gdn_gates_reference(b, a, a_log, dt_bias), strict=True):
@@ -148,16 +171,21 @@ def test_kernels_near_references_with_torch_math(act: torch.dtype) -> None:
     assert_near(silu_mul(gate, up), silu_mul_reference(gate, up))
     routed, logit = values(N, D, act, 5), values(N, 1, act, 6)
     assert_near(gated_add(routed, logit, up), gated_add_reference(routed, logit, up), up.double().abs())
+    x3, gate3 = up.view(N, 4, D // 4), routed.view(N, 4, D // 4)
+    assert_near(sigmoid_mul(x3, gate3), sigmoid_mul_reference(x3, gate3))
 
 
 @pytest.mark.parametrize("act", DTYPES)
-def test_references_use_the_kernel_paths_sigmoid(act: torch.dtype) -> None:
+def test_references_share_one_sigmoid(act: torch.dtype) -> None:
+    """beta, the shared expert's gate and sigmoid_mul's gate: one fp32 formula over exp, rounded once."""
     b, a, a_log, dt_bias = gdn_inputs(act, act)
     beta, _ = gdn_gates_reference(b, a, a_log, dt_bias)
-    assert_same_bits(beta, kernel_blocks.sigmoid(b))
+    sigmoid = sigmoid_mul_reference(torch.ones_like(b).unsqueeze(-1), b.unsqueeze(-1)).squeeze(-1)
+    assert_same_bits(beta, sigmoid)
     up = values(N, D, act, 4)
     routed, logit = values(N, D, act, 5), values(N, 1, act, 6)
-    assert_same_bits(gated_add_reference(routed, logit, up), routed + kernel_blocks.sigmoid(logit) * up)
+    gate = sigmoid_mul_reference(torch.ones_like(logit).unsqueeze(-1), logit.unsqueeze(-1)).squeeze(-1)
+    assert_same_bits(gated_add_reference(routed, logit, up), routed + gate * up)
 
 
 def run_all(act: torch.dtype, rows: slice) -> list[torch.Tensor]:
@@ -168,6 +196,7 @@ def run_all(act: torch.dtype, rows: slice) -> list[torch.Tensor]:
         *gdn_gates(b[rows], a[rows], a_log, dt_bias),
         silu_mul(gate[rows], up[rows]),
         gated_add(routed[rows], logit[rows], up[rows]),
+        sigmoid_mul(up[rows].unflatten(-1, (4, D // 4)), routed[rows].unflatten(-1, (4, D // 4))),
     ]
 
 
@@ -219,6 +248,9 @@ def test_zero_rows(act: torch.dtype) -> None:
     assert out.shape == (0, D) and out.dtype == act
     out = gated_add(rows, torch.empty(0, 1, dtype=act), rows)
     assert out.shape == (0, D) and out.dtype == act
+    heads = torch.empty(0, 4, D, dtype=act)
+    out = sigmoid_mul(heads, heads)
+    assert out.shape == (0, 4, D) and out.dtype == act
 
 
 BF = torch.bfloat16
@@ -242,6 +274,10 @@ X, P, LOGIT = torch.zeros(3, 4, dtype=BF), torch.zeros(4), torch.zeros(3, 1, dty
         (gated_add, (X, LOGIT.float(), X), TypeError, "gate_logit"),
         (gated_add, (X, LOGIT, X.float()), TypeError, "shared"),
         (gated_add, (X, LOGIT, X[:2]), ValueError, "shared"),
+        (sigmoid_mul, (X, X), ValueError, "x"),
+        (sigmoid_mul, (X[None].half(), X[None]), TypeError, "x"),
+        (sigmoid_mul, (X[None], X[None, :2]), ValueError, "gate"),
+        (sigmoid_mul, (X[None], X[None].float()), TypeError, "gate"),
     ],
 )
 def test_rejects_bad_inputs(fn: Callable[..., object], args: tuple, error: type[Exception], name: str) -> None:
