@@ -97,6 +97,18 @@ class Round:
     chunks: ChunkPlan | None = None
     recurrent_lanes: torch.Tensor | None = None
     recurrent_firsts: torch.Tensor | None = None  # the rows that start the recurrence's runs (-1: none)
+    blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `completed_blocks`, once a round
+
+
+def completed_blocks(rnd: Round) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots [B], first positions [B], positions [B, ratio]) of the indexer blocks the round's rows complete: made
+    by the first QSA layer, read by every other."""
+    if rnd.blocks is None:
+        ratio = rnd.pool.ratio
+        firsts = rnd.positions[rnd.block_rows] // ratio * ratio
+        spans = firsts[:, None] + torch.arange(ratio, device=firsts.device)
+        rnd.blocks = (rnd.slot_of_row[rnd.block_rows], firsts, spans)
+    return rnd.blocks
 
 
 def kept_buffer(rnd: Round, name: str, index: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -320,9 +332,7 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     scatter_rows(values, slot_of_row, positions, v)
     scatter_rows(raw_keys, slot_of_row, positions, raw)
     if rnd.block_rows.numel():
-        slots = slot_of_row[rnd.block_rows]
-        firsts = positions[rnd.block_rows] // idx.ratio * idx.ratio
-        spans = firsts[:, None] + torch.arange(idx.ratio, device=x.device)
+        slots, firsts, spans = completed_blocks(rnd)
         completed = raw_keys[slots[:, None], spans].flatten(0, 1)
         block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta, into=(block_keys, slots, rnd.block_dest))
     indices, counts = qsa_index(index_q, block_keys, slot_of_row, positions, idx.ratio, idx.top_blocks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -13,7 +14,8 @@ import torch
 from make_checkpoint import make_checkpoint
 
 from kernels.gdn import LONG_RUN
-from model import kernel_path
+from model import kernel_blocks, kernel_path
+from model.config import LINEAR
 from model.flashnext import FlashNextModel, ForwardOutput, single_lane_batch
 from model.kernel_blocks import PendingWrite, hyper_read, ngram_rows, read_after, settle
 from model.layers import ForwardBatch, Segment
@@ -101,6 +103,40 @@ def test_hyper_writes_run_inside_the_next_read(models) -> None:
         model(single_lane_batch(model.new_lane(), torch.tensor(PROMPT[:3]), 0))
     assert launched.count("_write_kernel") == 1 + sum(layer.ple is not None for layer in layers[1:])
     assert launched.count("_rstd_kernel") == 2 * len(layers) + 1  # each layer's two reads and the final mixer's
+
+
+def test_sigmoid_gates_are_one_launch_and_block_positions_one_set_a_round(models, monkeypatch) -> None:
+    """Each QSA layer's output gate and each PLE layer's gated values are one sigmoid_mul launch, and the positions of
+    the blocks a round completes are made once, by the first QSA layer, for all of them."""
+    model = models[1]
+    made = []
+    real = kernel_blocks.completed_blocks
+
+    def counting(rnd):
+        made.append(rnd.blocks is None)
+        return real(rnd)
+
+    monkeypatch.setattr(kernel_blocks, "completed_blocks", counting)
+    with recording_launches() as launched:
+        model(single_lane_batch(model.new_lane(), torch.tensor(PROMPT), 0))  # rows complete blocks
+    qsa_layers = sum(layer.kind != LINEAR for layer in model.layers)
+    ple_layers = sum(layer.ple is not None for layer in model.layers)
+    assert qsa_layers >= 1 and ple_layers >= 1
+    assert launched.count("_sigmoid_mul_kernel") == qsa_layers + ple_layers
+    assert made == [True] + [False] * (qsa_layers - 1)
+
+
+def test_completed_blocks_are_made_once_for_every_qsa_layer() -> None:
+    """Slots, first positions and positions of the blocks the round's rows complete, made on the first call only."""
+    rnd = kernel_blocks.Round(
+        SimpleNamespace(ratio=4), torch.tensor([2, 2, 5]), torch.tensor([7, 8, 3]), None, torch.tensor([0, 2]),
+        torch.tensor([1, 0]), None,
+    )  # fmt: skip
+    slots, firsts, spans = kernel_blocks.completed_blocks(rnd)
+    assert slots.tolist() == [2, 5] and firsts.tolist() == [4, 0]
+    assert spans.tolist() == [[4, 5, 6, 7], [0, 1, 2, 3]]
+    again = kernel_blocks.completed_blocks(rnd)
+    assert all(a is b for a, b in zip(again, (slots, firsts, spans), strict=True))
 
 
 def test_a_pending_write_read_equals_the_write_then_the_read(models) -> None:
