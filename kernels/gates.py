@@ -228,6 +228,18 @@ def _check_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"{', '.join(tensors)} must be on one device")
 
 
+def _launch(
+    kernel: triton.runtime.JITFunction, total: int, device: torch.device, *args: object, **consts: object
+) -> None:
+    """One of these kernels over `total` elements, BLOCK a program: each fp32 step rounded (no fused multiply-adds),
+    subnormals kept."""
+    if total:
+        kernel[(triton.cdiv(total, BLOCK),)](
+            *args, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS, enable_fp_fusion=False,
+            enable_reflect_ftz=False, **consts, **launch_options(kernel, device),
+        )  # fmt: skip
+
+
 def _check_gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
     """Raise on the dtypes, shapes or devices gdn_gates cannot take."""
     _check_rows(b, "b")
@@ -246,13 +258,10 @@ def gdn_gates(
     b, a, a_log, dt_bias = _rows(b), _rows(a), a_log.contiguous(), dt_bias.contiguous()
     beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
-    total = b.numel()
-    if total:
-        _gdn_gates_kernel[(triton.cdiv(total, BLOCK),)](
-            b, a, a_log, dt_bias, beta, g, total, b.shape[1], b.stride(0), a.stride(0),
-            B_BF16=b.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
-            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_gdn_gates_kernel, b.device),
-        )  # fmt: skip
+    _launch(
+        _gdn_gates_kernel, b.numel(), b.device, b, a, a_log, dt_bias, beta, g, b.numel(), b.shape[1], b.stride(0),
+        a.stride(0), B_BF16=b.dtype == torch.bfloat16,
+    )  # fmt: skip
     return beta, g
 
 
@@ -278,13 +287,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check_silu_mul(gate, up)
     gate, up = _rows(gate), _rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    total = gate.numel()
-    if total:
-        _silu_mul_kernel[(triton.cdiv(total, BLOCK),)](
-            gate, up, out, total, gate.shape[1], gate.stride(0), up.stride(0),
-            ACT_BF16=gate.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
-            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_silu_mul_kernel, gate.device),
-        )  # fmt: skip
+    _launch(
+        _silu_mul_kernel, gate.numel(), gate.device, gate, up, out, gate.numel(), gate.shape[1], gate.stride(0),
+        up.stride(0), ACT_BF16=gate.dtype == torch.bfloat16,
+    )  # fmt: skip
     return out
 
 
@@ -313,14 +319,11 @@ def gated_add(
         raise TypeError(f"gated_add: out_dtype must be {routed.dtype} or fp32, got {out_dtype}")
     routed, gate_logit, shared = routed.contiguous(), _rows(gate_logit), shared.contiguous()
     out = torch.empty(routed.shape, dtype=out_dtype or routed.dtype, device=routed.device)
-    total = routed.numel()
-    if total:
-        _gated_add_kernel[(triton.cdiv(total, BLOCK),)](
-            routed, gate_logit, shared, out, total, routed.shape[1], gate_logit.stride(0),
-            ACT_BF16=routed.dtype == torch.bfloat16, OUT_F32=out.dtype != routed.dtype, BLOCK=BLOCK,
-            INTERPRET=INTERPRET, num_warps=NUM_WARPS,
-            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_gated_add_kernel, routed.device),
-        )  # fmt: skip
+    _launch(
+        _gated_add_kernel, routed.numel(), routed.device, routed, gate_logit, shared, out, routed.numel(),
+        routed.shape[1], gate_logit.stride(0), ACT_BF16=routed.dtype == torch.bfloat16,
+        OUT_F32=out.dtype != routed.dtype,
+    )  # fmt: skip
     return out
 
 
@@ -345,13 +348,10 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x · sigmoid(gate) for x, gate [N, H, D] views at any strides (expanded ones too), contiguous, in x's dtype."""
     _check_sigmoid_mul(x, gate)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    total = x.numel()
-    if total:
-        _sigmoid_mul_kernel[(triton.cdiv(total, BLOCK),)](
-            x, gate, out, total, x.shape[1], x.shape[2], *x.stride(), *gate.stride(),
-            ACT_BF16=x.dtype == torch.bfloat16, BLOCK=BLOCK, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
-            enable_fp_fusion=False, enable_reflect_ftz=False, **launch_options(_sigmoid_mul_kernel, x.device),
-        )  # fmt: skip
+    _launch(
+        _sigmoid_mul_kernel, x.numel(), x.device, x, gate, out, x.numel(), x.shape[1], x.shape[2], *x.stride(),
+        *gate.stride(), ACT_BF16=x.dtype == torch.bfloat16,
+    )  # fmt: skip
     return out
 
 

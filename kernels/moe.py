@@ -51,7 +51,7 @@ from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
 # The plan's launches, by pairs (docs/performance.md, seventeenth session): from PLAN_COUNTED_PAIRS a launch first
-# counts each PLAN_COUNT pairs' experts (faster from 640 pairs, 64 rows at top-10; one launch at 10 pairs); beyond
+# counts each PLAN_COUNT pairs' experts (faster from 640 pairs, 64 rows at top-10; one launch below); beyond
 # PLAN_MAX_PAIRS (8,192 rows measured) torch ops, as the kernel's sums over every count row grow with the square
 PLAN_MAX_PAIRS = 81920
 PLAN_COUNTED_PAIRS = 640
