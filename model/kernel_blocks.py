@@ -98,6 +98,15 @@ class Round:
     recurrent_lanes: torch.Tensor | None = None
     recurrent_firsts: torch.Tensor | None = None  # the rows that start the recurrence's runs (-1: none)
     blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `completed_blocks`, once a round
+    int32_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # `int32_slots_positions`, once a round
+
+
+def int32_slots_positions(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' slots and positions as int32, as the QSA kernels take them: converted by the first QSA layer, read
+    by every other."""
+    if rnd.int32_rows is None:
+        rnd.int32_rows = (rnd.slot_of_row.to(torch.int32), rnd.positions.to(torch.int32))
+    return rnd.int32_rows
 
 
 def completed_blocks(rnd: Round) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -335,8 +344,9 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
         slots, firsts, spans = completed_blocks(rnd)
         completed = raw_keys[slots[:, None], spans].flatten(0, 1)
         block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta, into=(block_keys, slots, rnd.block_dest))
-    indices, counts = qsa_index(index_q, block_keys, slot_of_row, positions, idx.ratio, idx.top_blocks)
-    out = qsa_sparse_attention(q, keys, values, slot_of_row, indices, counts)
+    slots32, positions32 = int32_slots_positions(rnd)
+    indices, counts = qsa_index(index_q, block_keys, slots32, positions32, idx.ratio, idx.top_blocks)
+    out = qsa_sparse_attention(q, keys, values, slots32, indices, counts)
     n = x.shape[0]
     out = sigmoid_mul(out.view(gate.shape), gate).view(n, -1)
     return m.tp.reduce(partial_out(out, m.o_proj, m.tp))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import traceback
+from pathlib import Path
 from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -12,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 from make_checkpoint import make_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.gdn import LONG_RUN
 from model import kernel_blocks, kernel_path
@@ -126,8 +129,28 @@ def test_sigmoid_gates_are_one_launch_and_block_positions_one_set_a_round(models
     assert made == [True] + [False] * (qsa_layers - 1)
 
 
+def test_the_qsa_kernels_convert_no_row_indices(models) -> None:
+    """The QSA kernels take the round's int32 slots and positions as they are: no dtype conversion in them."""
+    model = models[1]
+    lane = model.new_lane()
+    model(single_lane_batch(lane, torch.tensor(PROMPT), 0))
+    conversions = []
+
+    class Conversions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_to_copy"):
+                sites = [f.filename for f in traceback.extract_stack() if "/kernels/" in f.filename]
+                conversions.append(Path(sites[-1]).name if sites else "")
+            return func(*args, **(kwargs or {}))
+
+    with Conversions():
+        fold(model, [(lane, [50])])
+    assert "qsa.py" not in conversions
+
+
 def test_completed_blocks_are_made_once_for_every_qsa_layer() -> None:
-    """Slots, first positions and positions of the blocks the round's rows complete, made on the first call only."""
+    """Slots, first positions and positions of the blocks the round's rows complete, and the rows' slots and
+    positions as int32, made on the first call only."""
     rnd = kernel_blocks.Round(
         SimpleNamespace(ratio=4), torch.tensor([2, 2, 5]), torch.tensor([7, 8, 3]), None, torch.tensor([0, 2]),
         torch.tensor([1, 0]), None,
@@ -137,6 +160,10 @@ def test_completed_blocks_are_made_once_for_every_qsa_layer() -> None:
     assert spans.tolist() == [[4, 5, 6, 7], [0, 1, 2, 3]]
     again = kernel_blocks.completed_blocks(rnd)
     assert all(a is b for a, b in zip(again, (slots, firsts, spans), strict=True))
+    slots32, positions32 = kernel_blocks.int32_slots_positions(rnd)
+    assert slots32.dtype == positions32.dtype == torch.int32
+    assert slots32.tolist() == [2, 2, 5] and positions32.tolist() == [7, 8, 3]
+    assert all(a is b for a, b in zip(kernel_blocks.int32_slots_positions(rnd), (slots32, positions32), strict=True))
 
 
 def test_a_pending_write_read_equals_the_write_then_the_read(models) -> None:
