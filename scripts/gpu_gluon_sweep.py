@@ -1,9 +1,9 @@
 """The grouped gate-up and down projections alone on one GPU at tp=2's per-rank widths: kernels/moe_gluon.py's
 kernels at every row count (the gate-up in (warps)x(128-k spans a step) shapes, the down one in (warps)x(column
-groups) shapes, each program taking 8 rows of a 16-row plan tile or, with --program-rows 16, all 16; of a prompt's
-32-row tile 16 or 32) against
-kernels/moe.py's Triton kernels, bits of every h and y and µs per call (CUDA-graph replays cycling through routings
-enough to keep the weights cold in L2): the figures moe_gluon's row ranges and DOWN_SHAPES come from.
+groups) shapes, each program taking 8 or 16 rows of a 16-row plan tile, 16 or 32 of a prompt's 32-row tile, as
+--program-rows lists) against kernels/moe.py's Triton kernels, bits of every h and y and µs per call (CUDA-graph
+replays cycling through routings enough to keep the weights cold in L2): the figures moe_gluon's row ranges and
+DOWN_SHAPES come from.
 
 python3 scripts/gpu_gluon_sweep.py [--rows 2 8 64 256 512] [--gate-up-shapes 2x2 4x2] [--down-shapes 2x2 4x8]
     [--program-rows 8 16 32]
