@@ -24,6 +24,7 @@ from kernels.gdn_chunk import ChunkPlan, gdn_prompt
 from kernels.hyper import hc_read, hc_write, hc_write_read
 from kernels.linear import linear
 from kernels.moe import moe_forward
+from kernels.ngram import ngram_rows
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
 from kernels.rope import rope, rope_inv_freq, scatter_rows
@@ -35,7 +36,7 @@ from model.lane_pool import MTP, LanePool
 from model.layers import DecoderLayer
 from model.moe import ExpertBank, SparseMoE
 from model.parallel import TensorParallel
-from model.ple import NGramEmbedding, PLELayer
+from model.ple import PLELayer
 from model.qsa import QSAIndexer, QSAttention
 
 
@@ -352,22 +353,10 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     return m.tp.reduce(partial_out(out, m.o_proj, m.tp))
 
 
-def ngram_rows(emb: NGramEmbedding, windows: torch.Tensor) -> torch.Tensor:
-    """Table rows [N, heads] of each row's n-gram window [N, n] (oldest first, the row's own token last): the hash
-    of `ple.ngram_row_ids`, where a token at or before the window's last earlier eos counts as eos."""
-    width = windows.shape[1]
-    marks = torch.where(windows[:, :-1] == emb.eos, torch.arange(width - 1, device=windows.device), -1)
-    last_eos = torch.cat((torch.full_like(windows[:, :1], -1), marks), dim=1).amax(dim=1)  # -1: no earlier eos
-    mixed, blocks = None, []
-    for shift, mult in enumerate(emb.multipliers):
-        col = width - 1 - shift
-        token = torch.where(last_eos < col, windows[:, col], emb.eos)
-        term = token * mult
-        mixed = term if mixed is None else torch.bitwise_xor(mixed, term)
-        if shift >= 1:
-            sl = slice((shift - 1) * emb.heads_per_ngram, shift * emb.heads_per_ngram)
-            blocks.append(torch.remainder(mixed[:, None], emb.moduli[None, sl]) + emb.offsets[None, sl])
-    return torch.cat(blocks, dim=-1)
+@functools.cache
+def hash_multipliers_on(multipliers: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A PLE layer's hash multipliers as an int64 tensor on `device`, made once (graph replays read it in place)."""
+    return torch.tensor(multipliers, dtype=torch.int64, device=device)
 
 
 def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor:
@@ -376,7 +365,10 @@ def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor
     n, dtype, emb = wide.shape[0], wide.dtype, p.ple_embedding
     lo, hi = emb.local_heads
     table = emb.ngram_embedding
-    rows = ngram_rows(emb, rnd.windows)[:, lo:hi] - table.local_rows[0]
+    multipliers = hash_multipliers_on(tuple(emb.multipliers), wide.device)
+    rows = ngram_rows(
+        rnd.windows, emb.eos, multipliers, emb.moduli, emb.offsets, emb.heads_per_ngram, (lo, hi), table.local_rows[0]
+    )
     embedded = emb.tp.gather(table.lookup(rows, dtype).flatten(-2), dim=-1)
     key = zc_rms_norm(project(embedded, p.key_proj).view(n, p.hc, p.d), p.norm_key.weight, p.eps)
     query = zc_rms_norm(wide.view(n, p.hc, p.d), p.norm_query.weight, p.eps)

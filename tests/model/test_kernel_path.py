@@ -17,10 +17,11 @@ from make_checkpoint import make_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.gdn import LONG_RUN
+from kernels.ngram import ngram_rows, ngram_rows_reference
 from model import kernel_blocks, kernel_path
 from model.config import LINEAR
 from model.flashnext import FlashNextModel, ForwardOutput, single_lane_batch
-from model.kernel_blocks import PendingWrite, hyper_read, ngram_rows, read_after, settle
+from model.kernel_blocks import PendingWrite, hash_multipliers_on, hyper_read, read_after, settle
 from model.layers import ForwardBatch, Segment
 from model.ple import ngram_row_ids
 from model.state import LaneState, copy_lane, restore
@@ -314,14 +315,20 @@ def test_ngram_rows_of_windows_equal_the_reference_hash(models) -> None:
     batch = ForwardBatch(
         torch.cat(ids), torch.zeros(8, dtype=torch.long), [Segment(lanes[0], 0, 5), Segment(lanes[1], 5, 3)]
     )
-    got = ngram_rows(emb, kernel_path.ngram_windows(batch, ker.cfg.ngram_size))
+    windows = kernel_path.ngram_windows(batch, ker.cfg.ngram_size)
+    got = ngram_rows_reference(windows, emb.eos, emb.multipliers, emb.moduli, emb.offsets, emb.heads_per_ngram)
+    multipliers = hash_multipliers_on(tuple(emb.multipliers), windows.device)
+    heads = emb.moduli.shape[0]
+    kernel = ngram_rows(windows, emb.eos, multipliers, emb.moduli, emb.offsets, emb.heads_per_ngram, (0, heads))
+    half = ngram_rows(windows, emb.eos, multipliers, emb.moduli, emb.offsets, emb.heads_per_ngram, (2, heads), 40)
     want = torch.cat(
         [
             ngram_row_ids(lane.ngram_history, t, emb.eos, emb.multipliers, emb.moduli, emb.offsets, emb.heads_per_ngram)
             for lane, t in zip(lanes, ids, strict=True)
         ]
     )
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and torch.equal(kernel, want)
+    assert torch.equal(half, want[:, 2:] - 40)  # a rank's heads, from its first local row
 
 
 def test_bad_combinations_are_refused_by_setting(models, paths, monkeypatch) -> None:

@@ -18,5 +18,6 @@ def test_lists_the_torch_ops_of_a_round_by_site(tmp_path, capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("torch ops in one lane's decode round, 3 layers")
     sites = [line.split(None, 1)[1] for line in lines[1:]]
-    assert any(site.startswith("where @ model/kernel_blocks.py") for site in sites)  # the n-gram hash: torch ops
+    assert any(site.startswith("abs @ model/kernel_blocks.py") for site in sites)  # the PLE gate: torch ops
     assert not any(site.startswith(("view ", "empty ", "set_ ")) for site in sites)
+    assert not any(site.startswith(("bitwise_xor ", "remainder ")) for site in sites)  # the n-gram hash: a kernel
