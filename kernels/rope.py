@@ -36,6 +36,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.fp32_ops import round_to_act
+from kernels.norm import NUM_WARPS as NORM_WARPS
+from kernels.norm import _groups, _norm_weight, _rstd, _sum_squares, _tile_rows, block_c, block_r
 from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
@@ -60,6 +62,17 @@ def _cos_sin(f, INTERPRET: tl.constexpr):
         return tl.cos(f), tl.sin(f)
     else:
         return libdevice.cos(f), libdevice.sin(f)
+
+
+@triton.jit
+def _rotate_store(x1, x2, cos, sin, out_at, j, mask, half, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store the rotate-half pair (x1, x2) turned by (cos, sin), each product and sum rounded as the model does."""
+    a1 = round_to_act(x1 * cos, ACT_BF16, INTERPRET).to(tl.float32)
+    b1 = round_to_act(-x2 * sin, ACT_BF16, INTERPRET).to(tl.float32)
+    a2 = round_to_act(x2 * cos, ACT_BF16, INTERPRET).to(tl.float32)
+    b2 = round_to_act(x1 * sin, ACT_BF16, INTERPRET).to(tl.float32)
+    tl.store(out_at + j, round_to_act(a1 + b1, ACT_BF16, INTERPRET), mask=mask)
+    tl.store(out_at + half + j, round_to_act(a2 + b2, ACT_BF16, INTERPRET), mask=mask)
 
 
 @triton.jit
@@ -113,16 +126,75 @@ def _rope_kernel(
         mask = ok & (j < half)[None, None, :]
         x1 = tl.load(x_at + j[None, None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_at + half + j[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        a1 = round_to_act(x1 * cos, ACT_BF16, INTERPRET).to(tl.float32)
-        b1 = round_to_act(-x2 * sin, ACT_BF16, INTERPRET).to(tl.float32)
-        a2 = round_to_act(x2 * cos, ACT_BF16, INTERPRET).to(tl.float32)
-        b2 = round_to_act(x1 * sin, ACT_BF16, INTERPRET).to(tl.float32)
-        tl.store(out_at + j[None, None, :], round_to_act(a1 + b1, ACT_BF16, INTERPRET), mask=mask)
-        tl.store(out_at + half + j[None, None, :], round_to_act(a2 + b2, ACT_BF16, INTERPRET), mask=mask)
+        _rotate_store(x1, x2, cos, sin, out_at, j[None, None, :], mask, half, ACT_BF16, INTERPRET)
     for c0 in range(2 * half, D, BLOCK_P):
         cols = c0 + tl.arange(0, BLOCK_P)
         keep = ok & (cols < D)[None, None, :]
         tl.store(out_at + cols[None, None, :], tl.load(x_at + cols[None, None, :], mask=keep), mask=keep)
+
+
+@triton.jit
+def _normed(x_ptr, w_ptr, offs, grp, stride_wg, cols, mask, rstd, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The zc norm's output at `cols` of each pair, rounded to act and widened again (the norm kernel's bits)."""
+    x = tl.load(x_ptr + offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + grp[:, None] * stride_wg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return round_to_act(x * rstd[:, None] * (1.0 + w), ACT_BF16, INTERPRET).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    pos_ptr,
+    inv_ptr,
+    out_ptr,
+    slot_ptr,
+    index_ptr,
+    G,
+    R,
+    C,
+    half,
+    stride_xm,
+    stride_xg,
+    stride_wg,
+    stride_os,
+    stride_oc,
+    stride_oh,
+    eps,
+    SCATTER: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """BLOCK_R (row, head) pairs: the zc norm of `_zc_norm_kernel` (its tile, its sums), then `_rope_kernel`'s
+    rotation of the normed values, to out [M, G, C] or the row's cache entry."""
+    enter(PDL)
+    r, offs, ok, grp = _tile_rows(G, R, stride_xm, stride_xg, BLOCK_R)
+    rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, False, ACT_BF16, BLOCK_R, BLOCK_C, INTERPRET), C, eps)
+    n = r // G
+    if SCATTER:
+        slot = tl.load(slot_ptr + n, mask=ok, other=0).to(tl.int64)
+        entry = tl.load(index_ptr + n, mask=ok, other=0).to(tl.int64)
+        out_at = out_ptr + slot * stride_os + entry * stride_oc + grp * stride_oh
+    else:
+        out_at = out_ptr + r * C
+    j = tl.arange(0, BLOCK_HALF)
+    mask = ok[:, None] & (j < half)[None, :]
+    x1 = _normed(x_ptr, w_ptr, offs, grp, stride_wg, j, mask, rstd, ACT_BF16, INTERPRET)
+    x2 = _normed(x_ptr, w_ptr, offs, grp, stride_wg, half + j, mask, rstd, ACT_BF16, INTERPRET)
+    f = tl.load(pos_ptr + n, mask=ok, other=0).to(tl.float32)[:, None] * tl.load(inv_ptr + j, mask=j < half, other=0.0)
+    cos, sin = _cos_sin(f, INTERPRET)
+    cos = round_to_act(cos, ACT_BF16, INTERPRET).to(tl.float32)
+    sin = round_to_act(sin, ACT_BF16, INTERPRET).to(tl.float32)
+    _rotate_store(x1, x2, cos, sin, out_at[:, None], j[None, :], mask, half, ACT_BF16, INTERPRET)
+    for c0 in range(2 * half, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        keep = ok[:, None] & (cols < C)[None, :]
+        rest = _normed(x_ptr, w_ptr, offs, grp, stride_wg, cols, keep, rstd, ACT_BF16, INTERPRET)
+        tl.store(out_at[:, None] + cols[None, :], round_to_act(rest, ACT_BF16, INTERPRET), mask=keep)
 
 
 def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -224,6 +296,54 @@ def rope(
         raise ValueError(f"out: expected {x.dtype} {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
     _launch(x3, positions, inv_freq, out3.unsqueeze(1), None, None)
     return out
+
+
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    dest: torch.Tensor | None = None,
+    slot_of_row: torch.Tensor | None = None,
+    dest_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rope(zc_rms_norm(x, weight, eps), positions, inv_freq, ...)` in one launch with both kernels' bits: x [N, H, D]
+    or [N, D] (any row and head strides); returned new and contiguous, or written into dest as `rope` does."""
+    x3 = _groups(x, "x")
+    n, h, d = x3.shape
+    stride_wg = _norm_weight(weight, h, d)
+    _indices(positions, n, "positions")
+    if x.dtype != torch.bfloat16 and x.dtype != torch.float32:
+        raise TypeError(f"x: expected bf16 or fp32, got {x.dtype}")
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or not 1 <= 2 * inv_freq.numel() <= d:
+        raise ValueError(f"inv_freq: expected fp32 [1..{d // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    if block_c(d) < d:
+        raise ValueError(f"x: a head of {d} features exceeds the norm's one-chunk width {block_c(d)}")
+    if dest is None:
+        if slot_of_row is not None or dest_index is not None:
+            raise ValueError("slot_of_row, dest_index: only with dest")
+        out = torch.empty((n, h, d), dtype=x.dtype, device=x.device)
+        out4, index = out.unsqueeze(1), None
+    else:
+        index, name = (positions, "positions") if dest_index is None else (dest_index, "dest_index")
+        out4 = _cache(dest, x3, slot_of_row, index, name)
+    devices = {t.device for t in (x3, weight, positions, inv_freq, out4, slot_of_row, index) if t is not None}
+    if len(devices) != 1:
+        raise ValueError("every tensor must be on one device")
+    if n and h and d:
+        rows = block_r(d)
+        scatter = dest is not None
+        _norm_rope_kernel[(triton.cdiv(n * h, rows),)](
+            x3, weight, positions, inv_freq, out4, slot_of_row if scatter else positions,
+            index if scatter else positions, h, n * h, d, inv_freq.numel(), x3.stride(0), x3.stride(1), stride_wg,
+            out4.stride(0), out4.stride(1), out4.stride(2), eps, SCATTER=scatter,
+            ACT_BF16=x.dtype == torch.bfloat16, BLOCK_R=rows, BLOCK_C=block_c(d),
+            BLOCK_HALF=triton.next_power_of_2(inv_freq.numel()), INTERPRET=INTERPRET, num_warps=NORM_WARPS,
+            enable_fp_fusion=False, **launch_options(_norm_rope_kernel, x3.device),
+        )  # fmt: skip
+    return dest if dest is not None else out.view(x.shape)
 
 
 def scatter_rows(dest: torch.Tensor, slot_of_row: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:

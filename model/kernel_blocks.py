@@ -27,7 +27,7 @@ from kernels.moe import moe_forward
 from kernels.ngram import ngram_rows
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
-from kernels.rope import rope, rope_inv_freq, scatter_rows
+from kernels.rope import norm_rope, rope_inv_freq, scatter_rows
 from kernels.router import router_topk
 from model.config import LINEAR
 from model.gdn import GatedDeltaNet
@@ -313,12 +313,12 @@ def block_keys_of(
 ) -> torch.Tensor:
     """The keys [B, Di] of B complete blocks from their raw index keys [B*ratio, Di] and first positions [B]:
     pooled, normed and RoPE'd; with `into` = (block keys [S, C, Di], slots [B], block indices [B]) written there."""
-    pooled = zc_rms_norm(block_mean(raw, indexer.ratio), indexer.k_layernorm.weight, indexer.k_layernorm.eps)
+    pooled, norm = block_mean(raw, indexer.ratio), indexer.k_layernorm
     freqs = inv_freq(rotary_dim, theta, raw.device)
     if into is None:
-        return rope(pooled, firsts, freqs)
+        return norm_rope(pooled, norm.weight, norm.eps, firsts, freqs)
     dest, slots, index = into
-    return rope(pooled, firsts, freqs, dest=dest, slot_of_row=slots, dest_index=index)
+    return norm_rope(pooled, norm.weight, norm.eps, firsts, freqs, dest=dest, slot_of_row=slots, dest_index=index)
 
 
 def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
@@ -331,14 +331,13 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     index_q, raw, q_gate, k, v = fused.split(
         [idx.heads * idx.dim, idx.dim, 2 * m.heads * m.head_dim, kv_width, kv_width], dim=-1
     )
-    index_q = zc_rms_norm(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps)
-    index_q = rope(index_q, positions, freqs)
+    index_q = norm_rope(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps, positions, freqs)
     q, gate = q_gate.unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)
-    q = rope(zc_rms_norm(q, m.q_norm.weight, m.eps), positions, freqs)
-    k = zc_rms_norm(k.unflatten(-1, (m.kv_heads, m.head_dim)), m.k_norm.weight, m.eps)
+    q = norm_rope(q, m.q_norm.weight, m.eps, positions, freqs)
+    k = k.unflatten(-1, (m.kv_heads, m.head_dim))
     v = v.unflatten(-1, (m.kv_heads, m.head_dim))
     keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
-    rope(k, positions, freqs, dest=keys, slot_of_row=slot_of_row)
+    norm_rope(k, m.k_norm.weight, m.eps, positions, freqs, dest=keys, slot_of_row=slot_of_row)
     scatter_rows(values, slot_of_row, positions, v)
     scatter_rows(raw_keys, slot_of_row, positions, raw)
     if rnd.block_rows.numel():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.rope import rope, rope_inv_freq, rope_reference, scatter_rows
+from kernels.norm import zc_rms_norm
+from kernels.rope import norm_rope, rope, rope_inv_freq, rope_reference, scatter_rows
 from model.ops import apply_rope, rope_cos_sin
 
 MAX_POSITION = 300_000
@@ -202,3 +203,49 @@ def test_rejects_bad_inputs() -> None:
     for error, name, call in cases:
         with pytest.raises(error, match=name):
             call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "dim", "rot"), [(12, 256, 64), (4, 128, 64), (1, 256, 256), (3, 96, 32)])
+def test_norm_rope_has_the_bits_of_the_norm_then_rope(heads: int, dim: int, rot: int, dtype: torch.dtype) -> None:
+    n = 21
+    fused = rows(n, heads, 3 * dim, dtype=dtype, seed=heads)
+    x = fused[..., dim : 2 * dim]  # a strided view, as QSA's q is of its fused projection
+    weight = rows(dim, dtype=dtype, seed=dim) * 0.1
+    pos, inv = positions_of(n, seed=rot, dtype=torch.int32), rope_inv_freq(rot, THETA, "cpu")
+    want = rope(zc_rms_norm(x, weight, 1e-6), pos, inv)
+    got = norm_rope(x, weight, 1e-6, pos, inv)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert got.is_contiguous() and torch.equal(got.view(bits), want.view(bits))
+
+
+def test_norm_rope_into_a_cache_and_with_a_weight_per_head() -> None:
+    n, heads, dim = 9, 2, 128
+    x = rows(n, heads, dim, seed=3)
+    weight = rows(heads * dim, seed=4) * 0.1
+    pos, inv = positions_of(n, seed=5), rope_inv_freq(64, THETA, "cpu")
+    slots, index = torch.arange(n) % 3, torch.arange(n) // 3 + 2
+    want = torch.zeros(3, 8, heads, dim, dtype=torch.bfloat16)
+    rope(zc_rms_norm(x, weight, 1e-6), pos, inv, dest=want, slot_of_row=slots, dest_index=index)
+    got = torch.zeros_like(want)
+    assert norm_rope(x, weight, 1e-6, pos, inv, dest=got, slot_of_row=slots, dest_index=index) is got
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    one = torch.zeros(3, 8, dim, dtype=torch.bfloat16)  # a one-head cache [S, C, D], written at the positions
+    norm_rope(x[:, :1], weight[:dim], 1e-6, pos % 8, inv, dest=one, slot_of_row=slots)
+    want_one = torch.zeros_like(one)
+    rope(zc_rms_norm(x[:, :1], weight[:dim], 1e-6), pos % 8, inv, dest=want_one, slot_of_row=slots)
+    assert torch.equal(one.view(torch.int16), want_one.view(torch.int16))
+
+
+def test_norm_rope_rejects_bad_inputs() -> None:
+    x, w, pos, inv = rows(4, 2, 64), rows(64), positions_of(4), rope_inv_freq(64, THETA, "cpu")
+    with pytest.raises(ValueError, match=r"^weight:"):
+        norm_rope(x, w[:32], 1e-6, pos, inv)
+    with pytest.raises(ValueError, match=r"^inv_freq:"):
+        norm_rope(x, w, 1e-6, pos, rope_inv_freq(128, THETA, "cpu"))
+    with pytest.raises(ValueError, match=r"^positions:"):
+        norm_rope(x, w, 1e-6, pos[:3], inv)
+    with pytest.raises(ValueError, match=r"^x: a head of 2048"):
+        norm_rope(rows(1, 1, 2048), rows(2048), 1e-6, pos[:1], inv)
+    with pytest.raises(ValueError, match=r"^slot_of_row, dest_index:"):
+        norm_rope(x, w, 1e-6, pos, inv, slot_of_row=pos)
