@@ -5,13 +5,13 @@ complete blocks; block j scores `sum_h relu(q_h . key_j) / sqrt(Di)` in fp32 (pr
 in fp32, heads added in order 0.., then an IEEE division). If C > top_blocks it keeps the top_blocks best blocks,
 ties to the LOWER block index (exactly `torch.sort(descending=True, stable=True)`), else all C blocks; plus the
 tail tokens C*ratio .. p. The top-k is an exact radix select on the fp32 score bits (scores are >= +0, so their
-bits order like the scores) in digits of 11, 10 and 10 bits: the scoring programs count every score's top digit in
-a per-row histogram with integer atomics (an integer sum, so its order cannot change the result); then one program
-per row fixes the k-th best score digit by digit (counting the next digit of the scores that match it so far, again
-with integer atomics) and how many of its ties are needed, and writes every block above it and the lowest-indexed
-ties in ascending block order, then the tail. Every count is an integer and every score is computed by one program
-alone, so a row's selection is independent of the batch. Launches: memset and scoring (when some lane can hold more
-than top_blocks blocks), then the row select.
+bits order like the scores): three passes of 11, 10 and 10 bits build per-row histograms with integer atomics (an
+integer sum, so its order cannot change the result), and after each a one-program-per-row kernel fixes the next
+digit of the k-th best score and how many of its ties are still needed; then per-tile counts and a last pass keep
+every block above it and the lowest-indexed ties, written in ascending block order. Every count is an integer
+and every score is computed by one program alone, so a row's selection is independent of the batch. Kernels:
+memset, score (+ pass 0), resolve, radix, resolve, radix, resolve, count, write; rows with C <= top_blocks only
+take part in the write, and when no lane can hold more than top_blocks blocks only the write runs.
 
 Attention (`qsa_sparse_attention`): row t's query heads attend exactly its selected keys (scale 1/sqrt(D), GQA:
 query head h uses kv head h // (Hq / Hkv)); the selected keys are cut into fixed chunks of `split` keys (in the
@@ -34,7 +34,7 @@ from kernels.pdl import enter, launch_options
 
 NBINS = 2048  # histogram bins of the radix select; passes use bits 20..30, 10..19 and 0..9 of the score bits
 SCORE_TILE = 64  # blocks scored per program
-SELECT_TILE = 1024  # blocks a row's select program scans per step
+SELECT_TILE = 1024  # blocks scanned per program in the select passes
 ATTN_SPLIT = 256  # selected keys per attention program (a fixed chunk, not a batch-dependent split)
 ATTN_TILE = 64  # keys per inner step of the attention
 SCORE_WARPS, SELECT_WARPS, ATTN_WARPS = 4, 4, 4
@@ -152,73 +152,147 @@ def _index_score_kernel(
 
 
 @triton.jit
-def _resolve_digit(counts, bins, prefix, need, SHIFT: tl.constexpr):
-    """From one pass's histogram: (prefix with the k-th best score's next digit at SHIFT, ties still needed)."""
-    above = tl.sum(counts, 0) - tl.cumsum(counts, 0)
-    digit = tl.max(tl.where((above < need) & (above + counts >= need), bins, 0), 0)
-    return prefix + (digit << SHIFT), need - tl.sum(tl.where(bins == digit, above, 0), 0)
+def _index_resolve_kernel(
+    pos_ptr,
+    hist_ptr,
+    state_ptr,
+    PASS: tl.constexpr,
+    RATIO: tl.constexpr,
+    TOP: tl.constexpr,
+    NBINS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """After radix pass PASS: fix the next digit of the k-th best score and how many of its ties are still needed."""
+    enter(PDL)
+    t = tl.program_id(0)
+    visible = (tl.load(pos_ptr + t) + 1) // RATIO
+    if visible > TOP:
+        if PASS == 0:
+            prefix = tl.zeros([], dtype=tl.int32)
+            need = tl.full([], TOP, dtype=tl.int32)
+        else:
+            prefix = tl.load(state_ptr + 2 * t)
+            need = tl.load(state_ptr + 2 * t + 1)
+        bins = tl.arange(0, NBINS)
+        counts = tl.load(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + bins)
+        above = tl.sum(counts, 0) - tl.cumsum(counts, 0)
+        digit = tl.max(tl.where((above < need) & (above + counts >= need), bins, 0), 0)
+        tl.store(state_ptr + 2 * t, prefix + (digit << (20 - 10 * PASS)))
+        tl.store(state_ptr + 2 * t + 1, need - tl.sum(tl.where(bins == digit, above, 0), 0))
 
 
 @triton.jit
-def _index_select_kernel(
+def _index_radix_kernel(
     key_ptr,
     pos_ptr,
     hist_ptr,
-    idx_ptr,
-    count_ptr,
+    state_ptr,
     stride_kt,
-    stride_it,
+    PASS: tl.constexpr,
     RATIO: tl.constexpr,
     TOP: tl.constexpr,
     BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Radix pass PASS (1 or 2): count the next digit of the scores that match the bits resolved so far."""
+    enter(PDL)
+    t = tl.program_id(0)
+    j0 = tl.program_id(1) * BLOCK
+    visible = (tl.load(pos_ptr + t) + 1) // RATIO
+    if (visible > TOP) & (j0 < visible):
+        prefix = tl.load(state_ptr + 2 * t)
+        blocks = j0 + tl.arange(0, BLOCK)
+        keep = blocks < visible
+        bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + blocks, mask=keep, other=0)
+        keep = keep & ((bits >> (30 - 10 * PASS)) == (prefix >> (30 - 10 * PASS)))
+        digit = (bits - prefix) >> (20 - 10 * PASS)
+        tl.atomic_add(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + digit, 1, mask=keep)
+
+
+@triton.jit
+def _index_count_kernel(
+    key_ptr,
+    pos_ptr,
+    state_ptr,
+    cnt_ptr,
+    stride_kt,
+    stride_ct,
+    RATIO: tl.constexpr,
+    TOP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Per tile: how many scores beat the k-th best and how many tie it (cnt[t, 0/1, tile])."""
+    enter(PDL)
+    t = tl.program_id(0)
+    tile = tl.program_id(1)
+    j0 = tile * BLOCK
+    visible = (tl.load(pos_ptr + t) + 1) // RATIO
+    if (visible > TOP) & (j0 < visible):
+        kth = tl.load(state_ptr + 2 * t)
+        blocks = j0 + tl.arange(0, BLOCK)
+        keep = blocks < visible
+        bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + blocks, mask=keep, other=0)
+        tl.store(cnt_ptr + t * stride_ct + tile, tl.sum((keep & (bits > kth)).to(tl.int32), 0))
+        tl.store(cnt_ptr + t * stride_ct + TILES_PAD + tile, tl.sum((keep & (bits == kth)).to(tl.int32), 0))
+
+
+@triton.jit
+def _index_write_kernel(
+    key_ptr,
+    pos_ptr,
+    state_ptr,
+    cnt_ptr,
+    idx_ptr,
+    count_ptr,
+    stride_kt,
+    stride_ct,
+    stride_it,
+    RATIO: tl.constexpr,
+    TOP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES_PAD: tl.constexpr,
     WIDTH: tl.constexpr,
     WIDTH_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row: the k-th best score by radix passes 1 and 2 (pass 0's histogram came from scoring), then its chosen
-    blocks as tokens in ascending order, the tail, -1 padding and the count."""
+    """Write a tile's chosen blocks as tokens at their ascending places; tile 0 writes the tail, -1 padding, count."""
     enter(PDL)
     t = tl.program_id(0)
+    tile = tl.program_id(1)
+    j0 = tile * BLOCK
     end = tl.load(pos_ptr + t) + 1
     visible = end // RATIO
-    keys = key_ptr + t.to(tl.int64) * stride_kt
     row = idx_ptr + t.to(tl.int64) * stride_it
-    kth = tl.full([], -1, tl.int32)  # every visible block beats it when there is no top-k
-    need = tl.zeros([], dtype=tl.int32)
-    if visible > TOP:
-        hist = hist_ptr + t.to(tl.int64) * 3 * NBINS
-        bins = tl.arange(0, NBINS)
-        kth, need = _resolve_digit(tl.load(hist + bins), bins, tl.zeros([], tl.int32), tl.full([], TOP, tl.int32), 20)
-        for p in tl.static_range(1, 3):
-            high = 30 - 10 * p
-            for j0 in range(0, visible, BLOCK):
-                blocks = j0 + tl.arange(0, BLOCK)
-                bits = tl.load(keys + blocks, mask=blocks < visible, other=0)
-                match = (blocks < visible) & ((bits >> high) == (kth >> high))
-                tl.atomic_add(hist + p * NBINS + ((bits - kth) >> (high - 10)), 1, mask=match)
-            tl.debug_barrier()
-            counts = tl.atomic_add(hist + p * NBINS + bins, 0)  # read at L2, after every thread's adds
-            kth, need = _resolve_digit(counts, bins, kth, need, high - 10)
-    taken = tl.zeros([], dtype=tl.int32)
-    ties = tl.zeros([], dtype=tl.int32)
-    scored = tl.where(visible > TOP, visible, 0)  # rows without a top-k have no scores
-    for j0 in range(0, visible, BLOCK):
+    if j0 < visible:
         blocks = j0 + tl.arange(0, BLOCK)
         keep = blocks < visible
-        bits = tl.load(keys + blocks, mask=blocks < scored, other=0)
-        tie = keep & (bits == kth)
-        chosen = (keep & (bits > kth)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), 0) <= need))
-        slot = taken + tl.cumsum(chosen.to(tl.int32), 0) - 1
+        if visible > TOP:
+            kth = tl.load(state_ptr + 2 * t)
+            need = tl.load(state_ptr + 2 * t + 1)
+            before = tl.arange(0, TILES_PAD) < tile
+            gt_before = tl.sum(tl.load(cnt_ptr + t * stride_ct + tl.arange(0, TILES_PAD), mask=before, other=0), 0)
+            eq_ptr = cnt_ptr + t * stride_ct + TILES_PAD + tl.arange(0, TILES_PAD)
+            eq_before = tl.sum(tl.load(eq_ptr, mask=before, other=0), 0)
+            bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + blocks, mask=keep, other=0)
+            tie = keep & (bits == kth)
+            tie_rank = eq_before + tl.cumsum(tie.to(tl.int32), 0) - 1
+            chosen = (keep & (bits > kth)) | (tie & (tie_rank < need))
+            base = gt_before + tl.minimum(eq_before, need)
+        else:
+            chosen = keep
+            base = j0
+        slot = base + tl.cumsum(chosen.to(tl.int32), 0) - 1
         for r in tl.static_range(RATIO):
             tl.store(row + slot * RATIO + r, blocks * RATIO + r, mask=chosen)
-        taken += tl.sum(chosen.to(tl.int32), 0)
-        ties += tl.sum(tie.to(tl.int32), 0)
-    filled = tl.minimum(visible, TOP) * RATIO
-    slots = tl.arange(0, WIDTH_PAD)
-    tail = visible * RATIO + slots - filled
-    tl.store(row + slots, tl.where(tail < end, tail, -1), mask=(slots >= filled) & (slots < WIDTH))
-    tl.store(count_ptr + t, filled + end - visible * RATIO)
+    if tile == 0:
+        filled = tl.minimum(visible, TOP) * RATIO
+        slots = tl.arange(0, WIDTH_PAD)
+        tail = visible * RATIO + slots - filled
+        tl.store(row + slots, tl.where(tail < end, tail, -1), mask=(slots >= filled) & (slots < WIDTH))
+        tl.store(count_ptr + t, filled + end - visible * RATIO)
 
 
 def qsa_index(
@@ -246,21 +320,39 @@ def qsa_index(
     counts = torch.empty(rows, dtype=torch.int32, device=device)
     if rows == 0:
         return indices, counts
+    tiles = max(1, triton.cdiv(blocks, SELECT_TILE))
+    tiles_pad = triton.next_power_of_2(tiles)
     keys = torch.empty(rows, max(blocks, 1), dtype=torch.int32, device=device)
-    hist = torch.empty(rows, 3, NBINS, dtype=torch.int32, device=device)
+    state = torch.empty(rows, 2, dtype=torch.int32, device=device)
+    tile_counts = torch.empty(rows, 2, tiles_pad, dtype=torch.int32, device=device)
     fixed = {"RATIO": ratio, "TOP": top_blocks}
     if blocks > top_blocks:
-        hist.zero_()
+        hist = torch.zeros(rows, 3, NBINS, dtype=torch.int32, device=device)
         _index_score_kernel[(rows, triton.cdiv(blocks, SCORE_TILE))](
             q_idx, block_keys, lanes, positions, keys, hist,
             q_idx.stride(0), q_idx.stride(1), block_keys.stride(0), block_keys.stride(1), keys.stride(0),
             float(math.sqrt(dim)), HEADS=heads, DIM=dim, BLOCK_G=SCORE_TILE, NBINS=NBINS, num_warps=SCORE_WARPS,
             **fixed, **launch_options(_index_score_kernel, device),
         )  # fmt: skip
-    _index_select_kernel[(rows,)](
-        keys, positions, hist, indices, counts, keys.stride(0), indices.stride(0), BLOCK=SELECT_TILE, NBINS=NBINS,
-        WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width), num_warps=SELECT_WARPS, **fixed,
-        **launch_options(_index_select_kernel, device),
+        for step in range(3):
+            if step:
+                _index_radix_kernel[(rows, tiles)](
+                    keys, positions, hist, state, keys.stride(0), PASS=step, BLOCK=SELECT_TILE, NBINS=NBINS,
+                    num_warps=SELECT_WARPS, **fixed,
+                    **launch_options(_index_radix_kernel, device),
+                )  # fmt: skip
+            _index_resolve_kernel[(rows,)](
+                positions, hist, state, PASS=step, NBINS=NBINS, **fixed, **launch_options(_index_resolve_kernel, device)
+            )  # fmt: skip
+        _index_count_kernel[(rows, tiles)](
+            keys, positions, state, tile_counts, keys.stride(0), tile_counts.stride(0),
+            BLOCK=SELECT_TILE, TILES_PAD=tiles_pad, num_warps=SELECT_WARPS, **fixed,
+            **launch_options(_index_count_kernel, device),
+        )  # fmt: skip
+    _index_write_kernel[(rows, tiles)](
+        keys, positions, state, tile_counts, indices, counts, keys.stride(0), tile_counts.stride(0), indices.stride(0),
+        BLOCK=SELECT_TILE, TILES_PAD=tiles_pad, WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width),
+        num_warps=SELECT_WARPS, **fixed, **launch_options(_index_write_kernel, device),
     )  # fmt: skip
     return indices, counts
 
