@@ -38,6 +38,7 @@ from model.moe import ExpertBank, SparseMoE
 from model.parallel import TensorParallel
 from model.ple import PLELayer
 from model.qsa import QSAIndexer, QSAttention
+from model.side_stream import fork, join, on
 
 
 @dataclass(slots=True)
@@ -238,32 +239,38 @@ def experts_to_words(model: nn.Module) -> None:
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """Routed experts (router logits in fp32 from the linear kernel, top-k by the router kernel) plus the gated
-    shared expert."""
+    shared expert, which runs on the side stream beside the routed chain."""
+    side = fork(x.device)
+    with on(side):
+        s = m.shared_expert
+        fused = linear(x, fused_weight(m, ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")))
+        width = s.gate_proj.weight.shape[0]
+        gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
+        shared = project(silu_mul(gate, up), s.down_proj)
     weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
     routed = moe_forward(x, ids, weights, expert_bank(m.experts))
-    s = m.shared_expert
-    fused = linear(x, fused_weight(m, ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")))
-    width = s.gate_proj.weight.shape[0]
-    gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
-    shared = project(silu_mul(gate, up), s.down_proj)
+    join(side)
     return m.tp.reduce(gated_add(routed, gate_logit, shared, torch.float32 if m.tp.world > 1 else None))
 
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     """Gated DeltaNet of layer `index`: the kernels update the rows' slots of the pool's conv tails and recurrent
-    states in place."""
+    states in place; the gates run on the side stream beside the conv."""
     n = x.shape[0]
     tails, states = rnd.pool.gdn_conv[index], rnd.pool.gdn_recurrent[index]
     keep = rnd.keep_rows is not None
     row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
     fused = linear(x, fused_weight(m, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
     mixed, z, b, a = fused.split([2 * m.qk_width + m.v_width, m.v_width, m.value_heads, m.value_heads], dim=-1)
+    side = fork(x.device)
+    with on(side):  # the gates beside the conv
+        beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
     qkv = causal_conv_update(mixed, tails, m.conv1d.weight[:, 0], rnd.slot_of_row, row_tails=row_tails)
     q, k, v = qkv.split([m.qk_width, m.qk_width, m.v_width], dim=-1)
     q = q.unflatten(-1, (m.key_heads, m.key_dim))
     k = k.unflatten(-1, (m.key_heads, m.key_dim))
     v = v.unflatten(-1, (m.value_heads, m.value_dim))
-    beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
+    join(side)
     out, kept_states = gdn_rows(q, k, v, g, beta, states, rnd, kept_buffer(rnd, "gdn_recurrent", index, states))
     z = z.unflatten(-1, (m.value_heads, m.value_dim))
     y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
@@ -323,7 +330,8 @@ def block_keys_of(
 
 def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     """QSA of the layer whose cache key is `key`: rows are written into their slots of the pool's caches, the
-    rows that complete a block write its key, then the indexer picks blocks and the attention reads the slots."""
+    rows that complete a block write its key, then the indexer picks blocks and the attention reads the slots; the
+    index path runs on the side stream beside the query, key and value rows."""
     positions, idx, pool, slot_of_row = rnd.positions, m.indexer, rnd.pool, rnd.slot_of_row
     freqs = inv_freq(m.rotary_dim, m.theta, x.device)
     fused = linear(x, fused_weight(m, ("indexer.index_qk_proj", "q_proj", "k_proj", "v_proj")))
@@ -331,21 +339,25 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     index_q, raw, q_gate, k, v = fused.split(
         [idx.heads * idx.dim, idx.dim, 2 * m.heads * m.head_dim, kv_width, kv_width], dim=-1
     )
-    index_q = norm_rope(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps, positions, freqs)
+    keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
+    side = fork(x.device)
+    with on(side):  # the index path: index queries, the raw index keys and the blocks they complete, the top-k
+        index_q = index_q.unflatten(-1, (idx.heads, idx.dim))
+        index_q = norm_rope(index_q, idx.q_layernorm.weight, m.eps, positions, freqs)
+        scatter_rows(raw_keys, slot_of_row, positions, raw)
+        if rnd.block_rows.numel():
+            slots, firsts, spans = completed_blocks(rnd)
+            completed = raw_keys[slots[:, None], spans].flatten(0, 1)
+            block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta, into=(block_keys, slots, rnd.block_dest))
+        slots32, positions32 = int32_slots_positions(rnd)
+        indices, counts = qsa_index(index_q, block_keys, slots32, positions32, idx.ratio, idx.top_blocks)
     q, gate = q_gate.unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)
     q = norm_rope(q, m.q_norm.weight, m.eps, positions, freqs)
     k = k.unflatten(-1, (m.kv_heads, m.head_dim))
     v = v.unflatten(-1, (m.kv_heads, m.head_dim))
-    keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
     norm_rope(k, m.k_norm.weight, m.eps, positions, freqs, dest=keys, slot_of_row=slot_of_row)
     scatter_rows(values, slot_of_row, positions, v)
-    scatter_rows(raw_keys, slot_of_row, positions, raw)
-    if rnd.block_rows.numel():
-        slots, firsts, spans = completed_blocks(rnd)
-        completed = raw_keys[slots[:, None], spans].flatten(0, 1)
-        block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta, into=(block_keys, slots, rnd.block_dest))
-    slots32, positions32 = int32_slots_positions(rnd)
-    indices, counts = qsa_index(index_q, block_keys, slots32, positions32, idx.ratio, idx.top_blocks)
+    join(side)
     out = qsa_sparse_attention(q, keys, values, slots32, indices, counts)
     n = x.shape[0]
     out = sigmoid_mul(out.view(gate.shape), gate).view(n, -1)

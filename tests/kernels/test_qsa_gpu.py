@@ -1,0 +1,45 @@
+"""The QSA indexer compiled on a GPU at the real per-rank shapes, on scores with many exact ties: every row's
+selection equals the torch reference's (ties to the lower block), alone and in batches."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.qsa import qsa_index, qsa_index_reference
+
+HI, DI, RATIO, TOP = 4, 128, 4, 512
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels"),
+]
+
+
+def grid(shape: tuple[int, ...], gen: torch.Generator, steps: int) -> torch.Tensor:
+    """bf16 multiples of 1/steps in [-1, 1]: fp32 scores are exact sums, and many tie."""
+    return (torch.randint(-steps, steps + 1, shape, device="cuda", generator=gen) / steps).bfloat16()
+
+
+@pytest.mark.parametrize("context", [2_051, 8_192, 32_768])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_selection_equals_the_reference_and_each_row_alone(context: int, steps: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(context + steps)
+    lanes = 8
+    keys = grid((lanes, context // RATIO, DI), gen, steps)
+    keys[1, 100:] = keys[1, 7]  # a lane where nearly every block ties
+    q = grid((3 * lanes, HI, DI), gen, steps)
+    rows_lanes = torch.arange(3 * lanes, device="cuda", dtype=torch.int32) % lanes
+    positions = torch.randint(0, context, (3 * lanes,), device="cuda", generator=gen, dtype=torch.int32)
+    positions[:lanes] = context - 1
+    idx, counts = qsa_index(q, keys, rows_lanes, positions, RATIO, TOP)
+    ref, ref_counts = qsa_index_reference(q, keys, rows_lanes, positions, RATIO, TOP)
+    assert torch.equal(counts, ref_counts)
+    assert torch.equal(idx, ref)
+    for t in (0, 1, 5, 3 * lanes - 1):
+        one, one_count = qsa_index(q[t : t + 1], keys, rows_lanes[t : t + 1], positions[t : t + 1], RATIO, TOP)
+        assert torch.equal(one[0], idx[t]) and int(one_count[0]) == int(counts[t])
