@@ -240,7 +240,7 @@ def experts_to_words(model: nn.Module) -> None:
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """Routed experts (router logits in fp32 from the linear kernel, top-k by the router kernel) plus the gated
     shared expert, which runs on the side stream beside the routed chain."""
-    side = fork(x.device)
+    side = fork(x.device, "moe")
     with on(side):
         s = m.shared_expert
         fused = linear(x, fused_weight(m, ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")))
@@ -262,7 +262,7 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
     fused = linear(x, fused_weight(m, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
     mixed, z, b, a = fused.split([2 * m.qk_width + m.v_width, m.v_width, m.value_heads, m.value_heads], dim=-1)
-    side = fork(x.device)
+    side = fork(x.device, "gdn")
     with on(side):  # the gates beside the conv
         beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
     qkv = causal_conv_update(mixed, tails, m.conv1d.weight[:, 0], rnd.slot_of_row, row_tails=row_tails)
@@ -340,7 +340,7 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
         [idx.heads * idx.dim, idx.dim, 2 * m.heads * m.head_dim, kv_width, kv_width], dim=-1
     )
     keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
-    side = fork(x.device)
+    side = fork(x.device, "qsa")
     with on(side):  # the index path: index queries, the raw index keys and the blocks they complete, the top-k
         index_q = index_q.unflatten(-1, (idx.heads, idx.dim))
         index_q = norm_rope(index_q, idx.q_layernorm.weight, m.eps, positions, freqs)

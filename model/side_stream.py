@@ -1,7 +1,8 @@
 """The side stream: a sub-block's independent work (the shared expert beside the routed experts, QSA's index path
 beside its cache writes) runs there, forked from the current stream and joined back before its result is used, so
 the two chains of kernels overlap on the GPU. The kernels and their inputs are the same, so the bits are; graphs
-capture the fork and the join. Off CUDA, or with FLASHNEXT_OVERLAP=0, everything runs on the current stream."""
+capture the fork and the join. Off CUDA everything runs on the current stream; FLASHNEXT_OVERLAP picks the sites
+that fork: 1 (the default) every one of SITES, 0 none, or a comma-separated list of them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ import os
 import torch
 
 OVERLAP_ENV = "FLASHNEXT_OVERLAP"
+SITES = ("moe", "qsa", "gdn")  # the shared expert, QSA's index path, GDN's gates
+
+
+def overlapped_sites() -> frozenset[str]:
+    """The sites FLASHNEXT_OVERLAP lets fork, refusing a name that is not a site."""
+    value = os.environ.get(OVERLAP_ENV, "1").strip()
+    if value in ("1", "0"):
+        return frozenset(SITES if value == "1" else ())
+    sites = frozenset(name.strip() for name in value.split(",") if name.strip())
+    if not sites <= set(SITES):
+        raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or some of {', '.join(SITES)}, got {value!r}")
+    return sites
 
 
 @functools.cache
@@ -20,10 +33,10 @@ def _side(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)
 
 
-def fork(device: torch.device) -> torch.cuda.Stream | None:
+def fork(device: torch.device, site: str) -> torch.cuda.Stream | None:
     """The side stream of `device`, made to wait for the work queued so far on the current stream; None where
-    nothing overlaps (not CUDA, or FLASHNEXT_OVERLAP=0)."""
-    if device.type != "cuda" or os.environ.get(OVERLAP_ENV, "1") == "0":
+    nothing overlaps (not CUDA, or `site` not among FLASHNEXT_OVERLAP's)."""
+    if device.type != "cuda" or site not in overlapped_sites():
         return None
     side = _side(device.index if device.index is not None else torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream(device))

@@ -22,23 +22,37 @@ gpu = pytest.mark.skipif(
 )
 
 
-def test_nothing_forks_off_cuda_or_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert side_stream.fork(torch.device("cpu")) is None
+def test_nothing_forks_off_cuda_or_where_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert side_stream.fork(torch.device("cpu"), "moe") is None
     monkeypatch.setenv(side_stream.OVERLAP_ENV, "0")
-    assert side_stream.fork(torch.device("cuda", 0)) is None
+    assert side_stream.fork(torch.device("cuda", 0), "moe") is None
+    monkeypatch.setenv(side_stream.OVERLAP_ENV, "qsa, gdn")
+    assert side_stream.fork(torch.device("cuda", 0), "moe") is None
+    assert side_stream.overlapped_sites() == {"qsa", "gdn"}
     side_stream.join(None)
     with side_stream.on(None):
         pass
+
+
+def test_the_overlap_setting_names_its_sites(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(side_stream.OVERLAP_ENV, raising=False)
+    assert side_stream.overlapped_sites() == set(side_stream.SITES)
+    monkeypatch.setenv(side_stream.OVERLAP_ENV, "moe,shared")
+    with pytest.raises(
+        ValueError, match=r"^FLASHNEXT_OVERLAP: expected 0, 1 or some of moe, qsa, gdn, got 'moe,shared'"
+    ):
+        side_stream.overlapped_sites()
 
 
 def rounds(model, overlap: str, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """Logits of a prompt then four decode rows of one lane, with FLASHNEXT_OVERLAP set to `overlap`."""
     monkeypatch.setenv(side_stream.OVERLAP_ENV, overlap)
     lane = model.new_lane()
-    out = [model(single_lane_batch(lane, torch.tensor(PROMPT), 0)).logits]
+    out = [model(single_lane_batch(lane, torch.tensor(PROMPT, device="cuda"), 0)).logits]
     for step in range(4):
         token = int(out[-1][-1].float().argmax())
-        batch = ForwardBatch(torch.tensor([token]), torch.tensor([len(PROMPT) + step]), [Segment(lane, 0, 1)])
+        at = torch.tensor([len(PROMPT) + step], device="cuda")
+        batch = ForwardBatch(torch.tensor([token], device="cuda"), at, [Segment(lane, 0, 1)])
         out.append(model(batch).logits)
     return [o.clone() for o in out]
 
