@@ -16,15 +16,20 @@ OVERLAP_ENV = "FLASHNEXT_OVERLAP"
 SITES = ("moe", "qsa", "gdn")  # the shared expert, QSA's index path, GDN's gates
 
 
-def overlapped_sites() -> frozenset[str]:
-    """The sites FLASHNEXT_OVERLAP lets fork, refusing a name that is not a site."""
-    value = os.environ.get(OVERLAP_ENV, "1").strip()
+def parse_sites(value: str) -> frozenset[str]:
+    """The sites a FLASHNEXT_OVERLAP value names: 1 all of SITES, 0 none, else a comma-separated list of them."""
+    value = value.strip()
     if value in ("1", "0"):
         return frozenset(SITES if value == "1" else ())
     sites = frozenset(name.strip() for name in value.split(",") if name.strip())
-    if not sites <= set(SITES):
+    if not sites or not sites <= set(SITES):
         raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or some of {', '.join(SITES)}, got {value!r}")
     return sites
+
+
+def overlapped_sites() -> frozenset[str]:
+    """The sites FLASHNEXT_OVERLAP lets fork (all when it is not set)."""
+    return parse_sites(os.environ.get(OVERLAP_ENV, "1"))
 
 
 @functools.cache

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from model.side_stream import SITES, parse_sites
+
 
 def _port(text: str) -> int:
     value = int(text)
@@ -42,6 +44,10 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
     "FLASHNEXT_PDL": (_switch, "0 turns off programmatic dependent launch of the Triton kernels (kernels/pdl.py)"),
     "FLASHNEXT_PDL_PREFETCH": (_switch, "0 keeps PDL but drops the linear kernel's weight prefetch (kernels/pdl.py)"),
     "FLASHNEXT_GLUON": (_switch, "0 runs the MoE's Triton gate-up and down, not its Gluon ones (kernels/moe_gluon.py)"),
+    "FLASHNEXT_OVERLAP": (
+        parse_sites,
+        f"the kernel path's sites that fork work onto the side stream: 1 (default), 0, or some of {','.join(SITES)}",
+    ),
     "FLASHNEXT_ROUND_PROFILE": (
         _lanes,
         "with FLASHNEXT_ROUND_TRACE: the kernel table (rank{r}.profile.txt) of 5 rounds after one of this many lanes",

@@ -113,12 +113,13 @@ def test_gpu_spans_name_each_span_after_its_end_point():
     assert len(trace.events) == 3
 
 
-def test_profile_pdl_and_gluon_settings_are_parsed_and_refused_by_name():
-    env = read_environment(
-        {"FLASHNEXT_ROUND_PROFILE": "64", "FLASHNEXT_PDL": "0", "FLASHNEXT_PDL_PREFETCH": "1", "FLASHNEXT_GLUON": "0"}
-    )
+def test_profile_pdl_gluon_and_overlap_settings_are_parsed_and_refused_by_name():
+    good = {"FLASHNEXT_ROUND_PROFILE": "64", "FLASHNEXT_PDL": "0", "FLASHNEXT_PDL_PREFETCH": "1"}
+    env = read_environment({**good, "FLASHNEXT_GLUON": "0", "FLASHNEXT_OVERLAP": "moe,qsa"})
     assert env.round_profile == 64
-    for name, value in (("FLASHNEXT_ROUND_PROFILE", "0"), ("FLASHNEXT_PDL", "off"), ("FLASHNEXT_GLUON", "no")):
+    bad = (("FLASHNEXT_ROUND_PROFILE", "0"), ("FLASHNEXT_PDL", "off"), ("FLASHNEXT_GLUON", "no"),
+           ("FLASHNEXT_OVERLAP", "moe,shared"), ("FLASHNEXT_OVERLAP", ","))  # fmt: skip
+    for name, value in bad:
         with pytest.raises(ValueError, match=name):
             read_environment({name: value})
 
