@@ -1,8 +1,9 @@
 """The side stream: a sub-block's independent work (the shared expert beside the routed experts, QSA's index path
-beside its cache writes) runs there, forked from the current stream and joined back before its result is used, so
-the two chains of kernels overlap on the GPU. The kernels and their inputs are the same, so the bits are; graphs
-capture the fork and the join. Off CUDA everything runs on the current stream; FLASHNEXT_OVERLAP picks the sites
-that fork: 1 (the default) every one of SITES, 0 none, or a comma-separated list of them."""
+beside its query, key and value rows, GDN's gates beside the conv) runs there, forked from the current stream and
+joined back before its result is used, so the two chains of kernels overlap on the GPU. The kernels and their inputs
+are the same, so the bits are; graphs capture the fork and the join. Off CUDA everything runs on the current stream;
+FLASHNEXT_OVERLAP picks the sites that fork: 1 (the default) every one of SITES, 0 none, or a comma-separated list
+of them."""
 
 from __future__ import annotations
 
