@@ -3,6 +3,7 @@ and its exactness: a lane's bits alone = in a batch = in chunks, and verify-wind
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import traceback
@@ -13,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
+import triton
 from make_checkpoint import make_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -128,6 +130,60 @@ def test_sigmoid_gates_are_one_launch_and_block_positions_one_set_a_round(models
     assert qsa_layers >= 1 and ple_layers >= 1
     assert launched.count("_sigmoid_mul_kernel") == qsa_layers + ple_layers
     assert made == [True] + [False] * (qsa_layers - 1)
+
+
+def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> None:
+    """With a stand-in side stream, each site's side launches are its own work only (the shared expert; QSA's index
+    path; GDN's gates), and the kernels that read them (gated add, attention, recurrence) launch on the main stream
+    after the join."""
+    model, side, events = models[1], object(), []
+    where = {"side": False}
+
+    def fork(device: torch.device, site: str) -> object:
+        events.append(("fork", site))
+        return side
+
+    @contextlib.contextmanager
+    def on(stream: object):
+        assert stream is side
+        where["side"] = True
+        yield
+        where["side"] = False
+
+    real_run = triton.runtime.interpreter.InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        events.append(("side" if where["side"] else "main", self.fn.__name__))
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_blocks, "fork", fork)
+    monkeypatch.setattr(kernel_blocks, "on", on)
+    monkeypatch.setattr(kernel_blocks, "join", lambda stream: events.append(("join", stream is side)))
+    monkeypatch.setattr(triton.runtime.interpreter.InterpretedFunction, "run", run)
+    model(single_lane_batch(model.new_lane(), torch.tensor(PROMPT), 0))  # rows complete blocks: every QSA step runs
+    sides: dict[str, set[str]] = {"moe": set(), "qsa": set(), "gdn": set()}
+    site = None
+    for kind, what in events:
+        if kind == "fork":
+            assert site is None, "a fork inside a fork"
+            site = what
+        elif kind == "join":
+            assert what and site is not None
+            site = None
+        elif kind == "side":
+            assert site is not None, f"{what} on the side stream outside a fork"
+            sides[site].add(what)
+        else:
+            assert site is None or what not in {"_gated_add_kernel", "_attn_chunk_kernel", "_gdn_recurrent_kernel"}
+    assert site is None
+    forks = [what for kind, what in events if kind == "fork"]
+    qsa_layers = sum(layer.kind != LINEAR for layer in model.layers)
+    assert forks.count("moe") == len(model.layers) and forks.count("gdn") == len(model.layers) - qsa_layers
+    assert forks.count("qsa") == qsa_layers
+    assert sides["moe"] == {"_linear_kernel", "_silu_mul_kernel"} and sides["gdn"] == {"_gdn_gates_kernel"}
+    assert {"_norm_rope_kernel", "_rope_kernel", "_block_mean_kernel", "_index_write_kernel"} <= sides["qsa"]
+    assert all(name.startswith("_index_") or name in {"_norm_rope_kernel", "_rope_kernel", "_block_mean_kernel"}
+               for name in sides["qsa"])  # fmt: skip
 
 
 def test_the_qsa_kernels_convert_no_row_indices(models) -> None:
