@@ -24,13 +24,16 @@ def parse_sites(value: str) -> frozenset[str]:
         return frozenset(SITES if value == "1" else ())
     sites = frozenset(name.strip() for name in value.split(",") if name.strip())
     if not sites or not sites <= set(SITES):
-        raise ValueError(f"{OVERLAP_ENV}: expected 0, 1 or some of {', '.join(SITES)}, got {value!r}")
+        raise ValueError(f"expected 0, 1 or some of {', '.join(SITES)}, got {value!r}")
     return sites
 
 
 def overlapped_sites() -> frozenset[str]:
-    """The sites FLASHNEXT_OVERLAP lets fork (all when it is not set)."""
-    return parse_sites(os.environ.get(OVERLAP_ENV, "1"))
+    """The sites FLASHNEXT_OVERLAP lets fork (all when it is not set), refused by name when malformed."""
+    try:
+        return parse_sites(os.environ.get(OVERLAP_ENV, "1"))
+    except ValueError as exc:
+        raise ValueError(f"{OVERLAP_ENV}: {exc}") from exc
 
 
 @functools.cache
