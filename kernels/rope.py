@@ -315,8 +315,6 @@ def norm_rope(
     n, h, d = x3.shape
     stride_wg = _norm_weight(weight, h, d)
     _indices(positions, n, "positions")
-    if x.dtype != torch.bfloat16 and x.dtype != torch.float32:
-        raise TypeError(f"x: expected bf16 or fp32, got {x.dtype}")
     if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or not 1 <= 2 * inv_freq.numel() <= d:
         raise ValueError(f"inv_freq: expected fp32 [1..{d // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
     if block_c(d) < d:

@@ -17,8 +17,10 @@ OVERLAP_ENV = "FLASHNEXT_OVERLAP"
 SITES = ("moe", "qsa", "gdn")  # the shared expert, QSA's index path, GDN's gates
 
 
+@functools.cache
 def parse_sites(value: str) -> frozenset[str]:
-    """The sites a FLASHNEXT_OVERLAP value names: 1 all of SITES, 0 none, else a comma-separated list of them."""
+    """The sites a FLASHNEXT_OVERLAP value names: 1 all of SITES, 0 none, else a comma-separated list of them (parsed
+    once per value: every fork of an eager round asks)."""
     value = value.strip()
     if value in ("1", "0"):
         return frozenset(SITES if value == "1" else ())
