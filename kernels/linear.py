@@ -3,14 +3,16 @@
 Reduction order (the exactness contract). For a weight [N, K] the K axis is cut into `split` ranges of `k_split`
 elements; both come from (N, K) alone (`k_ranges`), never from M; `k_split` is a multiple of BLOCK_K = 128 and the
 last range ends at K. Within range s, each output element's fp32 accumulator starts at zero and takes the range's
-K tiles of BLOCK_K in increasing k, each through one tensor-core dot `acc = dot(x_tile, w_tileᵀ, acc)` (on the GPU
-a chain of 16-deep MMA steps in increasing k; under the interpreter a tile matmul added to acc). With split = 1 that
+K tiles (BLOCK_K deep, or a multiple of it: `Tiles.block_k`) in increasing k, each through one tensor-core dot
+`acc = dot(x_tile, w_tileᵀ, acc)` (on the GPU a chain of 16-deep MMA steps in increasing k, the same chain whatever
+the tile's depth; under the interpreter a tile matmul added to acc, whose bits may depend on the depth, so the
+interpreter's tiles keep BLOCK_K: `call_tiles`). With split = 1 that
 sum, rounded once to the output dtype, is the result. With split > 1 the range sums P_s land in an fp32 workspace
 and are added as ((P_0 + P_1) + P_2) + ... in range order, then rounded once: with 16-row tiles by the program of
 the tile's last range to finish (an arrival counter picks it; it reloads every P_s, its own too, so the order is
 the same whichever range arrives last), with wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
 that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an element,
-never how its sum is formed; on the H200 every tile shape (mma.sync and wgmma alike) gave identical bits.
+never how its sum is formed; on the H200 every tile shape and depth (mma.sync and wgmma alike) gave identical bits.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ MAX_TILES = 4096
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch shape of one call: the row tile, the column tile, warps and pipeline depth."""
+    """Launch shape of one call: the row tile, the column tile, warps, pipeline depth and the K tile a dot takes (a
+    multiple of BLOCK_K that divides the K ranges: one dot is the same chain of 16-deep MMA steps as its parts)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    block_k: int = BLOCK_K
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -185,15 +189,22 @@ def k_ranges(n: int, k: int) -> tuple[int, int]:
     return triton.cdiv(k, k_split), k_split
 
 
-def pick_tiles(m: int, n: int, split: int) -> Tiles:
-    """Tiles for m rows: 16-row tiles (one pass over w) for few rows, else the first wide tile that fills the GPU."""
+def pick_tiles(m: int, n: int, k: int) -> Tiles:
+    """Tiles for m rows of a weight [n, k]: 16-row tiles (one pass over w) for few rows, else the first wide tile that
+    fills the GPU."""
+    split, _ = k_ranges(n, k)
     if m <= 16 or (m <= 32 and n < 4096):
-        return Tiles(16, 16 if n < 16384 else 32, 2, 6 if split == 1 else 4)
+        return few_row_tiles(n, k, split)
     wide = (Tiles(128, 128, 8, 3), Tiles(64, 128, 4, 3)) if m > 64 else (Tiles(64, 128, 4, 3),)
     for tiles in wide:
         if triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n) * split >= MIN_PROGRAMS:
             return tiles
     return Tiles(64, 64, 4, 4)
+
+
+def few_row_tiles(n: int, k: int, split: int) -> Tiles:
+    """16-row tiles by the weight's shape."""
+    return Tiles(16, 16 if n < 16384 else 32, 2, 6 if split == 1 else 4)
 
 
 @dataclass(frozen=True)
@@ -206,12 +217,12 @@ class Gates:
     hc: int
 
 
-def call_tiles(m: int, n: int, split: int) -> Tiles:
+def call_tiles(m: int, n: int, k: int) -> Tiles:
     """The tiles a call takes: `pick_tiles`', or under the interpreter, which runs a launch's programs one by one in
     Python, 64 columns wide (16 rows for few rows, 64 for more), so fewer programs: tiles never change the bits."""
     if INTERPRET:
         return Tiles(16, 64, 2, 1) if m <= 16 else Tiles(64, 64, 4, 1)
-    return pick_tiles(m, n, split)
+    return pick_tiles(m, n, k)
 
 
 def launch(
@@ -230,6 +241,8 @@ def launch(
     n = w.shape[0]
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
         raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
+    if tiles.block_k % BLOCK_K or (split > 1 and k_split % tiles.block_k):
+        raise ValueError(f"launch: a K tile of {tiles.block_k} does not divide ranges of {k_split} into {BLOCK_K}s")
     if gates is None:
         out = torch.empty((m, n), dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
         gates_r, gates_hc, inject = 0, 1, out
@@ -268,8 +281,8 @@ def launch(
         FUSED_SPLIT=split if fused else 0,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=BLOCK_K,
-        EVEN_K=k % BLOCK_K == 0,
+        BLOCK_K=tiles.block_k,
+        EVEN_K=k % tiles.block_k == 0,
         INTERPRET=INTERPRET,
         PREFETCH=prefetch_enabled(x.device),
         ROUND_BF16=round_bf16 and not INTERPRET and not later,  # partials stay exact fp32
@@ -308,7 +321,7 @@ def linear(
     w = w if w.stride(1) == 1 else w.contiguous()
     n, k = w.shape
     split, k_split = k_ranges(n, k)
-    return launch(x, w, out_dtype, call_tiles(x.shape[0], n, split), split, k_split, round_bf16)
+    return launch(x, w, out_dtype, call_tiles(x.shape[0], n, k), split, k_split, round_bf16)
 
 
 def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor:
@@ -320,7 +333,7 @@ def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor
     w = w if w.stride(1) == 1 else w.contiguous()
     n, k = w.shape
     split, k_split = k_ranges(n, k)
-    return launch(x, w, torch.float32, call_tiles(x.shape[0], n, split), split, k_split, gates=gates)
+    return launch(x, w, torch.float32, call_tiles(x.shape[0], n, k), split, k_split, gates=gates)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

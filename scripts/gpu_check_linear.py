@@ -119,7 +119,7 @@ def run_case(name: str, n: int, k: int, out_dtype: torch.dtype, gen: torch.Gener
         return [{**base, "m": m, "error": repr(exc)} for m in BATCHES]
     rows = []
     for m in BATCHES:
-        row: dict[str, object] = {**base, "m": m, "row_invariant": invariant, "tiles": pick_tiles(m, n, split).__dict__}
+        row: dict[str, object] = {**base, "m": m, "row_invariant": invariant, "tiles": pick_tiles(m, n, k).__dict__}
         try:
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
             out = linear(x, weights[0], out_dtype)

@@ -1,11 +1,14 @@
-"""Sweep the dense linear kernel's K ranges and 16-row launch tiles for few rows at the real per-rank shapes.
+"""Sweep the dense linear kernel's K ranges and launch tiles (16-row ones by default) at the real per-rank shapes.
 
 python3 scripts/gpu_sweep_linear.py --out DIR [--rows 1 4] [--only o_proj ...]   # DIR/linear_sweep.json, best per case
+    [--block-k 128 256 512] [--warps 2 4] [--stages 4 6] [--block-m 16] [--widths 16 32]   # the tile grid
+    [--same-split]                                                                           # the default K cut only
 TRITON_INTERPRET=1 python3 scripts/gpu_sweep_linear.py --out DIR --smoke       # tiny shapes on the CPU, wall-clock µs
 
 Each case (weight, rows) times the default (`k_ranges`, `pick_tiles`) first, then every candidate: K cut into SPLITS
-ranges (those that tile K in BLOCK_K steps) and 16-row tiles of TILES' widths, warps and stages, timed as
-gpu_check_linear times a call (a CUDA graph of calls over rotating weight copies, so the weight streams from HBM).
+ranges (those that tile K in BLOCK_K steps) and tiles (16 rows by default) of the grid's widths, warps, stages and K
+tiles, timed as gpu_check_linear times a call (a CUDA graph of calls over rotating weight copies, so the weight
+streams from HBM).
 A candidate with the default's K ranges must give its bits (the tiles never change a sum); other K ranges add other
 partial sums, so their elements may differ (counted, not a failure): `k_ranges` is a function of the weight's shape
 alone, so adopting one keeps every row's bits independent of its batch.
@@ -37,10 +40,21 @@ SHAPES = {  # the projections one decode row runs (the first two as the model fu
     "in_proj_qkv": WEIGHTS["in_proj_qkv"],
     "q_proj": WEIGHTS["q_proj"],
     "router": WEIGHTS["router"],
+    "lm_head": WEIGHTS["lm_head"],
 }
 SMOKE_SHAPES = {"smoke": (48, 640)}
 SPLITS = (1, 2, 3, 4, 6, 8)
-TILES = tuple(Tiles(16, n, w, s) for n in (16, 32) for w in (2, 4) for s in (4, 6))
+WARPS, STAGES = (2, 4), (4, 6)
+
+
+def tile_grid(
+    block_ks: tuple[int, ...] = (BLOCK_K,), warps=WARPS, stages=STAGES, block_m: int = 16, widths=(16, 32)
+) -> tuple[Tiles, ...]:
+    """Tiles of block_m rows (16 by default), each of the widths, warps, stages and K tiles given."""
+    return tuple(Tiles(block_m, n, w, s, bk) for bk in block_ks for n in widths for w in warps for s in stages)
+
+
+TILES = tile_grid()
 CALLS, REPLAYS, BEST = 20, 15, 5
 
 Timer = Callable[[list[Callable[[], object]]], float]
@@ -58,16 +72,28 @@ def splits_of(k: int) -> list[tuple[int, int]]:
     return out
 
 
-def candidates(m: int, n: int, k: int) -> list[tuple[Tiles, int, int]]:
-    """The default (tiles, split, k_split) first, then every other K cut with every 16-row tile."""
+def candidates(
+    m: int, n: int, k: int, tiles: tuple[Tiles, ...] = TILES, same_split: bool = False
+) -> list[tuple[Tiles, int, int]]:
+    """The default (tiles, split, k_split) first, then every K cut (only the default's with `same_split`) with every
+    tile whose K tile divides its ranges."""
     split, k_split = k_ranges(n, k)
-    default = (pick_tiles(m, n, split), split, k_split)
-    rest = [(t, s, ks) for s, ks in splits_of(k) for t in TILES if (t, s, ks) != default]
+    default = (pick_tiles(m, n, k), split, k_split)
+    cuts = [(split, k_split)] if same_split else splits_of(k)
+    rest = [(t, s, ks) for s, ks in cuts for t in tiles if (t, s, ks) != default and (s == 1 or ks % t.block_k == 0)]
     return [default, *rest]
 
 
 def sweep_case(
-    name: str, n: int, k: int, m: int, device: torch.device, gen: torch.Generator, timer: Timer
+    name: str,
+    n: int,
+    k: int,
+    m: int,
+    device: torch.device,
+    gen: torch.Generator,
+    timer: Timer,
+    tiles: tuple[Tiles, ...] = TILES,
+    same_split: bool = False,
 ) -> list[Row]:
     """Every candidate of one (weight, rows): µs a call, and elements whose bits differ from the default's."""
     copies = 1 if device.type == "cpu" else max(1, -(-COLD_BYTES // (n * k * 2)))
@@ -75,15 +101,15 @@ def sweep_case(
     x = torch.randn(m, k, device=device, generator=gen).bfloat16()
     rows: list[Row] = []
     want = None
-    for i, (tiles, split, k_split) in enumerate(candidates(m, n, k)):
+    for i, (tile, split, k_split) in enumerate(candidates(m, n, k, tiles, same_split)):
         row: Row = {"name": name, "n": n, "k": k, "m": m, "default": i == 0, "split": split, "k_split": k_split,
-                    "tiles": tiles.__dict__}  # fmt: skip
+                    "tiles": tile.__dict__}  # fmt: skip
         try:
-            out = launch(x, weights[0], torch.bfloat16, tiles, split, k_split)
+            out = launch(x, weights[0], torch.bfloat16, tile, split, k_split)
             if want is None:
                 want = out
             row["mismatches"] = int((out.view(torch.int16) != want.view(torch.int16)).sum())
-            calls = [lambda w=w, t=tiles, s=split, ks=k_split: launch(x, w, torch.bfloat16, t, s, ks) for w in weights]
+            calls = [lambda w=w, t=tile, s=split, ks=k_split: launch(x, w, torch.bfloat16, t, s, ks) for w in weights]
             row["us"] = timer(calls)
         except Exception as exc:  # a candidate that fails (resources, a bad tile) is reported, the sweep goes on
             row["error"] = repr(exc)
@@ -100,7 +126,7 @@ def describe(row: Row) -> str:
     """One printed line per candidate."""
     t = row["tiles"]
     head = f"split {row['split']} x {row['k_split']}, {t['block_n']} wide, {t['num_warps']} warps"
-    head += f", {t['num_stages']} stages"
+    head += f", {t['num_stages']} stages, K tile {t['block_k']}"
     if "error" in row:
         return f"{head}: ERROR {row['error']}"
     return f"{head}: {float(row['us']):.2f} us, {row['mismatches']} elements differ from the default"
@@ -118,10 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     """Sweep every case; 1 when a candidate with the default's K ranges changed a bit."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for linear_sweep.json")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of each case (16-row tiles: at most 16)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of each case")
     ap.add_argument("--only", nargs="*", choices=sorted(SHAPES), help="weights to sweep (default: all)")
+    ap.add_argument("--block-k", type=int, nargs="+", default=[BLOCK_K], help="K tiles (multiples of 128)")
+    ap.add_argument("--warps", type=int, nargs="+", default=list(WARPS), help="warps of the tiles")
+    ap.add_argument("--stages", type=int, nargs="+", default=list(STAGES), help="pipeline stages of the tiles")
+    ap.add_argument("--block-m", type=int, default=16, help="rows of the tiles (16, 64 or 128)")
+    ap.add_argument("--widths", type=int, nargs="+", default=[16, 32], help="columns of the tiles")
+    ap.add_argument("--same-split", action="store_true", help="only the default's K ranges (so only its bits)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (under TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
+    if any(bk % BLOCK_K for bk in args.block_k):
+        ap.error(f"--block-k: every K tile must be a multiple of {BLOCK_K}")
+    grid = tile_grid(tuple(args.block_k), tuple(args.warps), tuple(args.stages), args.block_m, tuple(args.widths))
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = SMOKE_SHAPES if args.smoke else {k: v for k, v in SHAPES.items() if not args.only or k in args.only}
@@ -130,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     changed = False
     for name, (n, k) in shapes.items():
         for m in args.rows:
-            rows = sweep_case(name, n, k, m, device, torch.Generator(device=device).manual_seed(n + m), timer)
+            gen = torch.Generator(device=device).manual_seed(n + m)
+            rows = sweep_case(name, n, k, m, device, gen, timer, grid, args.same_split)
             report.extend(rows)
             default = rows[0]
             changed |= any(r.get("mismatches") for r in rows if r["split"] == default["split"])

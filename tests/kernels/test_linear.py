@@ -58,7 +58,7 @@ def test_rows_identical_across_batch_sizes(out_dtype: torch.dtype) -> None:
     alone = torch.cat([linear(x[i : i + 1], w, out_dtype) for i in range(7)])
     for batch in (2, 5, 7, 40):
         assert torch.equal(linear(x[:batch], w, out_dtype)[:7], alone[:batch])
-    assert pick_tiles(40, N, 1) != pick_tiles(1, N, 1), "batch 40 should take the wide-tile path"
+    assert pick_tiles(40, N, 300) != pick_tiles(1, N, 300), "batch 40 should take the wide-tile path"
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -78,12 +78,12 @@ def test_calls_under_the_interpreter_take_wide_tiles_with_the_bits_of_the_gpus_t
     fewer programs, and the bits of the tiles `pick_tiles` gives the GPU, whole K or split."""
     x, w = inputs(m, 300, seed=7)
     for split, k_split in ((1, 384), (3, BLOCK_K)):
-        tiles = call_tiles(m, N, split)
+        tiles = call_tiles(m, N, 300)
         assert tiles.block_n == 64 and tiles.block_m == (16 if m <= 16 else 64)
-        assert tiles != pick_tiles(m, N, split)
+        assert tiles != pick_tiles(m, N, 300)
         assert torch.equal(
             launch(x, w, torch.bfloat16, tiles, split, k_split),
-            launch(x, w, torch.bfloat16, pick_tiles(m, N, split), split, k_split),
+            launch(x, w, torch.bfloat16, pick_tiles(m, N, 300), split, k_split),
         )
 
 
@@ -205,3 +205,17 @@ def test_gpu_script_cpu_parts(tmp_path: Path) -> None:
     row = {"out_dtype": "fp32", "nan": False, "row_invariant": True, "rel_err": 2e-5}
     assert not script.passed(row) and script.passed({**row, "rel_err": 1e-6})
     assert "ERROR" in script.line({"name": "q_proj", "m": 1, "n": 6144, "k": 2560, "out_dtype": "bf16", "error": "x"})
+
+
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(8240, 2560), (7296, 2560), (5120, 2560), (2560, 3072), (512, 2560), (641, 2560), (2560, 320), (324, 10240),
+     (124160, 2560), (4096, 1000), (6000, 1536)],
+)  # fmt: skip
+def test_picked_tiles_divide_their_k_ranges(n: int, k: int) -> None:
+    """Every tile `pick_tiles` gives (the deeper K tiles of big weights among them) takes whole K tiles of each K
+    range, so `launch` accepts it and every range ends where its sum must."""
+    split, k_split = k_ranges(n, k)
+    for m in (1, 4, 16, 17, 32, 33, 64, 300):
+        tiles = pick_tiles(m, n, k)
+        assert tiles.block_k % BLOCK_K == 0 and (split == 1 or k_split % tiles.block_k == 0), (m, tiles)
