@@ -32,6 +32,7 @@ from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_K = 128
+DEEP_K = 512  # the K tile of few-row calls over big weights taken whole (`few_row_tiles`)
 MAX_SPLIT = 16
 MIN_RANGE_TILES = 5
 MIN_PROGRAMS = 66
@@ -203,8 +204,16 @@ def pick_tiles(m: int, n: int, k: int) -> Tiles:
 
 
 def few_row_tiles(n: int, k: int, split: int) -> Tiles:
-    """16-row tiles by the weight's shape."""
-    return Tiles(16, 16 if n < 16384 else 32, 2, 6 if split == 1 else 4)
+    """16-row tiles by the weight's shape, the fastest of `scripts/gpu_sweep_linear.py` at one and four rows: the vocab
+    head 64 columns wide in 256-deep K tiles, the big projections taken whole 512-deep ones (32 columns wide from about
+    7,000 columns), the row-split ones (o_proj, out_proj) 32 columns in 4 K ranges, the rest 16 columns."""
+    if n >= 16384:
+        return Tiles(16, 64, 4, 6, 256) if split == 1 and k % 256 == 0 else Tiles(16, 32, 2, 6 if split == 1 else 4)
+    if split == 1 and n >= 4096 and k % DEEP_K == 0:
+        return Tiles(16, 32 if n >= 7168 else 16, 2, 3, DEEP_K)
+    if split > 1 and n >= 2048:
+        return Tiles(16, 32, 2, 6)
+    return Tiles(16, 16, 2, 6 if split == 1 else 4)
 
 
 @dataclass(frozen=True)

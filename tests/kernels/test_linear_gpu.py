@@ -9,22 +9,25 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.linear import k_ranges, linear, pick_tiles
+from kernels.linear import BLOCK_K, Tiles, k_ranges, launch, linear, pick_tiles
 
-# (N, K) per rank at tp=2: attention o_proj, GDN out_proj, the shared expert's down_proj
-SHAPES = [(2560, 3072), (2560, 2048), (2560, 1024)]
+# (N, K) per rank at tp=2: attention o_proj, GDN out_proj, the shared expert's down_proj, GDN's fused in_proj, the
+# fused in_proj_qkv of issue 6's targets, a slice of the vocab head's columns
+SHAPES = [(2560, 3072), (2560, 2048), (2560, 1024), (8240, 2560), (5120, 2560), (20000, 2560)]
 ROWS = (1, 2, 7, 33, 64, 100, 300)
 
 
 def test_the_shapes_take_every_tile_path() -> None:
-    """The shapes and row counts below cover whole K, a fused split and a split summed by the second kernel."""
+    """The shapes and row counts below cover whole K (in BLOCK_K- and deeper K tiles), a fused split and a split
+    summed by the second kernel."""
     paths = set()
     for n, k in SHAPES:
         split, _ = k_ranges(n, k)
         for m in ROWS:
-            tiles = pick_tiles(m, n, split)
+            tiles = pick_tiles(m, n, k)
             paths.add("whole" if split == 1 else "fused" if tiles.block_m == 16 else "sum-kernel")
-    assert paths == {"whole", "fused", "sum-kernel"}
+            paths.add("deep" if tiles.block_k > BLOCK_K else "shallow")
+    assert paths == {"whole", "fused", "sum-kernel", "deep", "shallow"}
 
 
 @pytest.mark.gpu
@@ -44,3 +47,21 @@ def test_rows_alone_equal_rows_batched(n: int, k: int, out: str) -> None:
         assert torch.equal(batched, alone[:m]), f"{m} rows"
         if round_bf16:
             assert torch.equal(batched, linear(x[:m], w).float()), f"{m} rows, round_bf16 against bf16"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize(("n", "k", "split", "k_split"), [(8240, 2560, 1, 2560), (2560, 3072, 4, 768)])
+def test_deeper_k_tiles_give_the_same_bits(n: int, k: int, split: int, k_split: int) -> None:
+    """A K tile of 256 or 512 runs the same chain of MMA steps as BLOCK_K ones: every element's bits equal, 1 to 16
+    rows, 16 to 64 columns wide."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(16, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    for m in (1, 4, 16):
+        want = launch(x[:m], w, torch.float32, Tiles(16, 16, 2, 4), split, k_split)
+        for block_k in (256, 512):
+            for width in (16, 32, 64):
+                if split == 1 or k_split % block_k == 0:
+                    got = launch(x[:m], w, torch.float32, Tiles(16, width, 2, 3, block_k), split, k_split)
+                    assert torch.equal(got, want), (m, block_k, width)
