@@ -3,10 +3,13 @@
 `router_topk(logits [N, E], k)` gives (weights [N, k] fp32, ids [N, k] int32), ids in descending probability with
 equal probabilities in ascending expert id, as `model.moe.Router` does with a stable descending sort.
 
-Reduction order (the exactness contract). One program handles one row, with a block of next_pow2(E) lanes and a
-warp count taken from E alone, so a row's bits never depend on the batch. In fp32: m = max(x) (exact in any
-order); e = exp(x - m), the subtraction in fp32 and the exponential evaluated in fp64 and rounded once to fp32;
-s = Σ e as one fixed tree reduction over the block; p = e / s with IEEE division. The k picks are taken one by one
+Reduction order (the exactness contract). One row is handled by one program over a block of next_pow2(E) lanes,
+so a row's bits never depend on the batch. In fp32: m = max(x) (exact in any order); e = exp(x - m), the
+subtraction in fp32 and the exponential evaluated in fp64 and rounded once to fp32; s = Σ e as a balanced pairwise
+tree over the lanes (lanes 2i and 2i+1 first, then pairs of those sums, and so on), which no warp count or layout
+changes; p = e / s with IEEE division. `topk_row` is that row's work: `router_topk` runs it one program a row, and
+`kernels.linear.linear_topk` in the linear kernel itself, after the program that completes a tile's logits, with
+the same bits. The k picks are taken one by one
 as the maximum of the 64-bit key (bits(p) << 32 | (BLOCK_E - 1 - id)), so the larger probability wins and among
 equal ones the lower id. Renormalising divides each pick by their sum taken in pick order (descending probability)
 starting from zero. Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the
@@ -36,6 +39,39 @@ def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True
 
 
 @triton.jit
+def _pairwise_sum(x, BLOCK: tl.constexpr):
+    """Σ x over a power-of-two block as a balanced tree of pairs: each level adds two neighbours, a + b, which no
+    layout can reorder."""
+    for level in tl.static_range(1, BLOCK.bit_length()):
+        x = tl.sum(tl.reshape(x, (BLOCK >> level, 2)), axis=1)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def topk_row(x, lanes, valid, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr):
+    """One row's (weights [K_POW2], ids [K_POW2]) from its fp32 logits x [BLOCK_E] (-inf where not `valid`)."""
+    shifted = x - tl.max(x, 0)
+    e = tl.exp(shifted.to(tl.float64)).to(tl.float32)
+    p = tl.math.div_rn(e, _pairwise_sum(e, BLOCK_E))
+    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - lanes).to(tl.int64)
+    keys = tl.where(valid, keys, -1)
+    slots = tl.arange(0, K_POW2)
+    picked_p = tl.zeros((K_POW2,), dtype=tl.float32)
+    picked_id = tl.zeros((K_POW2,), dtype=tl.int32)
+    total = tl.zeros((), dtype=tl.float32)
+    for j in range(K):
+        best = tl.max(keys, 0)
+        keys = tl.where(keys == best, -1, keys)
+        best_p = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        picked_p = tl.where(slots == j, best_p, picked_p)
+        picked_id = tl.where(slots == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32), picked_id)
+        total = total + best_p
+    if RENORMALISE:
+        picked_p = tl.math.div_rn(picked_p, tl.zeros((K_POW2,), dtype=tl.float32) + total)
+    return picked_p, picked_id
+
+
+@triton.jit
 def _router_kernel(
     logits_ptr,
     weights_ptr,
@@ -54,24 +90,8 @@ def _router_kernel(
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < E
     x = tl.load(logits_ptr + row * stride_row + lanes, mask=valid, other=float("-inf")).to(tl.float32)
-    shifted = x - tl.max(x, 0)
-    e = tl.exp(shifted.to(tl.float64)).to(tl.float32)
-    p = tl.math.div_rn(e, tl.sum(e, 0))
-    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - lanes).to(tl.int64)
-    keys = tl.where(valid, keys, -1)
+    picked_p, picked_id = topk_row(x, lanes, valid, K, K_POW2, BLOCK_E, RENORMALISE)
     slots = tl.arange(0, K_POW2)
-    picked_p = tl.zeros((K_POW2,), dtype=tl.float32)
-    picked_id = tl.zeros((K_POW2,), dtype=tl.int32)
-    total = tl.zeros((), dtype=tl.float32)
-    for j in range(K):
-        best = tl.max(keys, 0)
-        keys = tl.where(keys == best, -1, keys)
-        best_p = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        picked_p = tl.where(slots == j, best_p, picked_p)
-        picked_id = tl.where(slots == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32), picked_id)
-        total = total + best_p
-    if RENORMALISE:
-        picked_p = tl.math.div_rn(picked_p, tl.zeros((K_POW2,), dtype=tl.float32) + total)
     out = row * K + slots
     tl.store(weights_ptr + out, picked_p, mask=slots < K)
     tl.store(ids_ptr + out, picked_id, mask=slots < K)

@@ -6,10 +6,13 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kernels.router import router_topk, router_topk_reference
+from kernels.router import _pairwise_sum, router_topk, router_topk_reference
 
 E, K = 16, 4
 
@@ -95,3 +98,33 @@ def test_strided_rows() -> None:
 def test_bad_arguments(shape: tuple[int, ...], k: int) -> None:
     with pytest.raises(ValueError):
         router_topk(torch.zeros(shape), k)
+
+
+@triton.jit
+def _sum_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    """Stores `_pairwise_sum` of BLOCK values."""
+    tl.store(out_ptr, _pairwise_sum(tl.load(x_ptr + tl.arange(0, BLOCK)), BLOCK))
+
+
+def pairwise_tree(values: list[float]) -> np.float32:
+    """Neighbours added in fp32, level by level, as the contract says."""
+    level = [np.float32(v) for v in values]
+    while len(level) > 1:
+        level = [np.float32(level[i] + level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+@pytest.mark.parametrize("block", [2, 16, 512])
+def test_the_softmax_sum_is_a_tree_of_neighbour_pairs(block: int) -> None:
+    """Large and small values interleave so the pairwise tree, a left-to-right sum and a strided one all differ."""
+    g = torch.Generator().manual_seed(block)
+    x = torch.randn(block, generator=g) * torch.where(torch.arange(block) % 3 == 0, 1e7, 1.0)
+    out = torch.empty(1)
+    _sum_kernel[(1,)](x, out, BLOCK=block)
+    want = pairwise_tree(x.tolist())
+    assert out.item() == want
+    if block == 512:
+        left_to_right = np.float32(0)
+        for v in x.tolist():
+            left_to_right = np.float32(left_to_right + np.float32(v))
+        assert left_to_right != want  # the input tells the orders apart
