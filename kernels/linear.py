@@ -13,6 +13,10 @@ the tile's last range to finish (an arrival counter picks it; it reloads every P
 the same whichever range arrives last), with wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
 that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an element,
 never how its sum is formed; on the H200 every tile shape and depth (mma.sync and wgmma alike) gave identical bits.
+
+Epilogues: `linear_gates` stores the hyper read's gates from the sums; `linear_topk` (router logits of one row) has
+the row tile's last tile to store its logits pick their top-k with `kernels.router.topk_row`, the router kernel's
+bits, so the router needs no launch of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import triton.language as tl
 from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, round_to_act
 from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
+from kernels.router import router_topk, topk_row
 
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -37,6 +42,8 @@ MAX_SPLIT = 16
 MIN_RANGE_TILES = 5
 MIN_PROGRAMS = 66
 SUM_BLOCK = 1024
+MAX_TOPK_COLUMNS = 1024  # logits of one row one program's top-k holds
+TOPK_ROWS = 1  # rows up to which the router's top-k runs in its logits' launch (one program picks them one by one)
 MAX_TILES = 4096
 
 
@@ -77,9 +84,17 @@ def _linear_kernel(
     ROUND_BF16: tl.constexpr,
     GATES_R: tl.constexpr,
     GATES_HC: tl.constexpr,
+    topk_w_ptr,
+    topk_id_ptr,
+    TOPK: tl.constexpr,
+    TOPK_POW2: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALISE: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order.
-    ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`)."""
+    ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`);
+    TOPK > 0: the sums are router logits, and the row tile's last tile to be stored picks its rows' top-k
+    (`_topk_rows`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -116,6 +131,9 @@ def _linear_kernel(
     if FUSED_SPLIT == 0:
         _store(acc, out_ptr + pid_s * mn, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
                GATES_R, GATES_HC, INTERPRET)  # fmt: skip
+        if TOPK > 0:
+            _topk_rows(out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, BLOCK_M, TOPK, TOPK_POW2, BLOCK_E,
+                       RENORMALISE)  # fmt: skip
     else:
         tl.store(part_ptr + pid_s * mn + offs, acc, mask=ok)
         tl.debug_barrier()
@@ -127,6 +145,32 @@ def _linear_kernel(
             _store(total, out_ptr, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
                    GATES_R, GATES_HC, INTERPRET)  # fmt: skip
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            if TOPK > 0:
+                _topk_rows(out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, BLOCK_M, TOPK, TOPK_POW2,
+                           BLOCK_E, RENORMALISE)  # fmt: skip
+
+
+@triton.jit
+def _topk_rows(
+    out_ptr, w_ptr, id_ptr, count_ptr, pid_m, M, N, BLOCK_M: tl.constexpr, TOPK: tl.constexpr,
+    TOPK_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr,
+):  # fmt: skip
+    """After this program stored its tile's logits: the row tile's last column tile to arrive (a counter after the
+    tiles' own) reloads each of its rows' N logits and stores their top-k (`kernels.router.topk_row`)."""
+    tl.debug_barrier()
+    done = count_ptr + tl.num_programs(0) * tl.num_programs(1) + pid_m
+    if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+        lanes = tl.arange(0, BLOCK_E)
+        valid = lanes < N
+        slots = tl.arange(0, TOPK_POW2)
+        for r in range(BLOCK_M):
+            row = (pid_m * BLOCK_M + r).to(tl.int64)
+            if row < M:
+                logits = tl.load(out_ptr + row * N + lanes, mask=valid, other=float("-inf"), cache_modifier=".cg")
+                weights, ids = topk_row(logits, lanes, valid, TOPK, TOPK_POW2, BLOCK_E, RENORMALISE)
+                tl.store(w_ptr + row * TOPK + slots, weights, mask=slots < TOPK)
+                tl.store(id_ptr + row * TOPK + slots, ids, mask=slots < TOPK)
+        tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -226,6 +270,32 @@ class Gates:
     hc: int
 
 
+@dataclass(frozen=True)
+class TopK:
+    """Where a launch of router logits also stores each row's top-k (`kernels.router.router_topk`'s weights [M, k]
+    fp32 and ids [M, k] int32), renormalised or not."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    renormalise: bool
+
+
+def _check_topk(topk: TopK, m: int, n: int, out_dtype: torch.dtype, tiles: Tiles, other_epilogue: bool) -> None:
+    """Refuse a top-k the launch cannot store: it needs 16-row tiles, fp32 sums and no other epilogue."""
+    k = topk.weights.shape[-1]
+    if topk.weights.shape != (m, k) or topk.ids.shape != (m, k) or not 0 < k <= n or n > MAX_TOPK_COLUMNS:
+        raise ValueError(f"launch: top-k weights {tuple(topk.weights.shape)} and ids {tuple(topk.ids.shape)} for "
+                         f"{m} rows of {n} logits (at most {MAX_TOPK_COLUMNS})")  # fmt: skip
+    if topk.weights.dtype != torch.float32 or topk.ids.dtype != torch.int32:
+        raise ValueError(
+            f"launch: top-k weights must be fp32 and ids int32, got {topk.weights.dtype} and {topk.ids.dtype}"
+        )
+    if not (topk.weights.is_contiguous() and topk.ids.is_contiguous()):
+        raise ValueError("launch: top-k weights and ids must be contiguous")
+    if tiles.block_m != 16 or out_dtype != torch.float32 or other_epilogue:
+        raise ValueError("launch: a top-k needs 16-row tiles, fp32 logits and no rounding or gates")
+
+
 def call_tiles(m: int, n: int, k: int) -> Tiles:
     """The tiles a call takes: `pick_tiles`', or under the interpreter, which runs a launch's programs one by one in
     Python, 64 columns wide (16 rows for few rows, 64 for more), so fewer programs: tiles never change the bits."""
@@ -243,11 +313,15 @@ def launch(
     k_split: int,
     round_bf16: bool = False,
     gates: Gates | None = None,
+    topk: TopK | None = None,
 ) -> torch.Tensor:
     """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn); with `gates` the
-    output is gates.h (and gates.inject is written)."""
+    output is gates.h (and gates.inject is written); with `topk` (16-row tiles, fp32 out) its rows' top-k are
+    written too."""
     m, k = x.shape
     n = w.shape[0]
+    if topk is not None:
+        _check_topk(topk, m, n, out_dtype, tiles, round_bf16 or gates is not None)
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
         raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
     if tiles.block_k % BLOCK_K or (split > 1 and k_split % tiles.block_k):
@@ -273,7 +347,12 @@ def launch(
     fused = split > 1 and tiles.block_m == 16
     later = split > 1 and not fused  # the K ranges are summed by the second kernel
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else part
+    if topk is not None:  # the tiles' counters, then a row tile's
+        counters = arrival_counters(x.device, grid[0] * grid[1] + grid[0])
+    else:
+        counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else part
+    topk_w, topk_id = (topk.weights, topk.ids) if topk is not None else (out, out)
+    top_k = 0 if topk is None else topk.weights.shape[1]
     _linear_kernel[grid](
         x,
         w,
@@ -297,8 +376,15 @@ def launch(
         ROUND_BF16=round_bf16 and not INTERPRET and not later,  # partials stay exact fp32
         GATES_R=0 if later else gates_r,
         GATES_HC=gates_hc,
+        topk_w_ptr=topk_w,
+        topk_id_ptr=topk_id,
+        TOPK=top_k,
+        TOPK_POW2=triton.next_power_of_2(max(top_k, 1)),
+        BLOCK_E=triton.next_power_of_2(n) if topk is not None else 1,
+        RENORMALISE=topk is not None and topk.renormalise,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        enable_fp_fusion=topk is None,  # the router kernel's top-k is compiled without fused multiply-adds
         **launch_options(_linear_kernel, x.device),
     )
     if later:
@@ -348,3 +434,28 @@ def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Plain PyTorch: fp32 matmul of the upcast inputs, rounded once to out_dtype."""
     return (x.float() @ w.float().T).to(out_dtype)
+
+
+def linear_topk(
+    x: torch.Tensor, w: torch.Tensor, k: int, renormalise: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router top-k (weights [M, k] fp32, ids [M, k] int32) of the logits x · wᵀ formed as `linear` forms them in
+    fp32, with `router_topk`'s bits: up to TOPK_ROWS rows in the logits' own launch (one dependent launch fewer),
+    else the router kernel after it."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16 or w.dtype != x.dtype:
+        raise ValueError(f"linear_topk: x {x.dtype} {tuple(x.shape)} and w {w.dtype} {tuple(w.shape)} must be bf16 "
+                         "[M, K] and [E, K]")  # fmt: skip
+    m, n = x.shape[0], w.shape[0]
+    if not 0 < k <= n:
+        raise ValueError(f"linear_topk needs 0 < k <= E, got k={k} with E={n}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    split, k_split = k_ranges(n, x.shape[1])
+    tiles = call_tiles(m, n, x.shape[1])
+    if m > TOPK_ROWS or tiles.block_m != 16 or n > MAX_TOPK_COLUMNS:
+        return router_topk(launch(x, w, torch.float32, tiles, split, k_split), k, renormalise)
+    weights = torch.empty(m, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(m, k, dtype=torch.int32, device=x.device)
+    if m:
+        launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, renormalise))
+    return weights, ids

@@ -22,13 +22,12 @@ from kernels.gates import gated_add, gdn_gates, sigmoid_mul, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.gdn_chunk import ChunkPlan, gdn_prompt
 from kernels.hyper import hc_read, hc_write, hc_write_read
-from kernels.linear import linear
+from kernels.linear import linear, linear_topk
 from kernels.moe import moe_forward
 from kernels.ngram import ngram_rows
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
 from kernels.rope import norm_rope, rope_inv_freq, scatter_rows
-from kernels.router import router_topk
 from model.config import LINEAR
 from model.gdn import GatedDeltaNet
 from model.hyper import GatedResidual, Linear, set_parameter
@@ -238,8 +237,8 @@ def experts_to_words(model: nn.Module) -> None:
 
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """Routed experts (router logits in fp32 from the linear kernel, top-k by the router kernel) plus the gated
-    shared expert, which runs on the side stream beside the routed chain."""
+    """Routed experts (router logits in fp32 from the linear kernel and their top-k, in one launch for few rows) plus
+    the gated shared expert, which runs on the side stream beside the routed chain."""
     side = fork(x.device, "moe")
     with on(side):
         s = m.shared_expert
@@ -247,7 +246,7 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         width = s.gate_proj.weight.shape[0]
         gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
         shared = project(silu_mul(gate, up), s.down_proj)
-    weights, ids = router_topk(linear(x, m.gate.weight, torch.float32), m.gate.top_k, m.gate.renormalise)
+    weights, ids = linear_topk(x, m.gate.weight, m.gate.top_k, m.gate.renormalise)
     routed = moe_forward(x, ids, weights, expert_bank(m.experts))
     join(side)
     return m.tp.reduce(gated_add(routed, gate_logit, shared, torch.float32 if m.tp.world > 1 else None))

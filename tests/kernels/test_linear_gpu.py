@@ -9,7 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.linear import BLOCK_K, Tiles, k_ranges, launch, linear, pick_tiles
+from kernels.linear import BLOCK_K, TOPK_ROWS, Tiles, k_ranges, launch, linear, linear_topk, pick_tiles
+from kernels.router import router_topk
 
 # (N, K) per rank at tp=2: attention o_proj, GDN out_proj, the shared expert's down_proj, GDN's fused in_proj, the
 # fused in_proj_qkv of issue 6's targets, a slice of the vocab head's columns
@@ -65,3 +66,21 @@ def test_deeper_k_tiles_give_the_same_bits(n: int, k: int, split: int, k_split: 
                 if split == 1 or k_split % block_k == 0:
                     got = launch(x[:m], w, torch.float32, Tiles(16, width, 2, 3, block_k), split, k_split)
                     assert torch.equal(got, want), (m, block_k, width)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+def test_router_top_k_in_the_logits_launch_has_the_router_kernels_bits() -> None:
+    """The router's shape (512 experts, K = 2,560, top-10): the top-k the linear launch stores for up to TOPK_ROWS
+    rows equals the router kernel's over `linear`'s logits in every bit, rows with tied experts included."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    w = (torch.randn(512, 2560, device="cuda", generator=gen) / 2560**0.5).bfloat16()
+    w[300] = w[7]  # experts 7 and 300 tie in every row
+    for trial in range(20):
+        m = 1 + trial % (TOPK_ROWS + 2)
+        x = (torch.randn(m, 2560, device="cuda", generator=gen) * (1 + trial)).bfloat16()
+        for renormalise in (True, False):
+            weights, ids = linear_topk(x, w, 10, renormalise)
+            want_w, want_ids = router_topk(linear(x, w, torch.float32), 10, renormalise)
+            assert torch.equal(ids, want_ids), (trial, m)
+            assert torch.equal(weights.view(torch.int32), want_w.view(torch.int32)), (trial, m)
