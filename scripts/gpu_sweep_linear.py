@@ -41,6 +41,8 @@ SHAPES = {  # the projections one decode row runs (the first two as the model fu
     "q_proj": WEIGHTS["q_proj"],
     "router": WEIGHTS["router"],
     "lm_head": WEIGHTS["lm_head"],
+    "hc_down": (324, 10240),  # the hyper read's down and inject rows, as the model stacks them
+    "shared_gate_up": (641, 2560),  # the shared expert's gate, up and gate-logit rows
 }
 SMOKE_SHAPES = {"smoke": (48, 640)}
 SPLITS = (1, 2, 3, 4, 6, 8)
