@@ -238,7 +238,7 @@ def pick_tiles(m: int, n: int, k: int) -> Tiles:
     """Tiles for m rows of a weight [n, k]: 16-row tiles (one pass over w) for few rows, else the first wide tile that
     fills the GPU."""
     split, _ = k_ranges(n, k)
-    if m <= 16 or (m <= 32 and n < 4096):
+    if m <= 16 or (m <= 32 and n < 1024 and split <= 4):  # from 17 rows o_proj and the hyper read's down go wide
         return few_row_tiles(n, k, split)
     wide = (Tiles(128, 128, 8, 3), Tiles(64, 128, 4, 3)) if m > 64 else (Tiles(64, 128, 4, 3),)
     for tiles in wide:
