@@ -50,7 +50,8 @@ MAX_TILES = 4096
 @dataclass(frozen=True)
 class Tiles:
     """Launch shape of one call: the row tile, the column tile, warps, pipeline depth and the K tile a dot takes (a
-    multiple of BLOCK_K that divides the K ranges: one dot is the same chain of 16-deep MMA steps as its parts)."""
+    power of two, BLOCK_K or more, that divides the K ranges when K is cut: one dot is the same chain of 16-deep MMA
+    steps as its parts)."""
 
     block_m: int
     block_n: int
@@ -249,11 +250,12 @@ def pick_tiles(m: int, n: int, k: int) -> Tiles:
 
 def few_row_tiles(n: int, k: int, split: int) -> Tiles:
     """16-row tiles by the weight's shape, the fastest of `scripts/gpu_sweep_linear.py` at one and four rows: the vocab
-    head 64 columns wide in 256-deep K tiles, the big projections taken whole 512-deep ones (32 columns wide from about
-    7,000 columns), the row-split ones (o_proj, out_proj) 32 columns in 4 K ranges, the rest 16 columns."""
+    head 64 columns wide in 256-deep K tiles, the big projections 512-deep ones (32 columns wide from about 7,000
+    columns), the row-split ones (o_proj, out_proj) 32 columns in 4 K ranges, the rest 16 columns. (`k_ranges` keeps
+    K whole from 4,096 columns, so the deep tiles take whole K.)"""
     if n >= 16384:
-        return Tiles(16, 64, 4, 6, 256) if split == 1 and k % 256 == 0 else Tiles(16, 32, 2, 6 if split == 1 else 4)
-    if split == 1 and n >= 4096 and k % DEEP_K == 0:
+        return Tiles(16, 64, 4, 6, 256) if k % 256 == 0 else Tiles(16, 32, 2, 6)
+    if n >= 4096 and k % DEEP_K == 0:
         return Tiles(16, 32 if n >= 7168 else 16, 2, 3, DEEP_K)
     if split > 1 and n >= 2048:
         return Tiles(16, 32, 2, 6)
@@ -280,7 +282,9 @@ class TopK:
     renormalise: bool
 
 
-def _check_topk(topk: TopK, m: int, n: int, out_dtype: torch.dtype, tiles: Tiles, other_epilogue: bool) -> None:
+def _check_topk(
+    topk: TopK, m: int, n: int, out_dtype: torch.dtype, tiles: Tiles, other_epilogue: bool, device: torch.device
+) -> None:
     """Refuse a top-k the launch cannot store: it needs 16-row tiles, fp32 sums and no other epilogue."""
     k = topk.weights.shape[-1]
     if topk.weights.shape != (m, k) or topk.ids.shape != (m, k) or not 0 < k <= n or n > MAX_TOPK_COLUMNS:
@@ -292,6 +296,8 @@ def _check_topk(topk: TopK, m: int, n: int, out_dtype: torch.dtype, tiles: Tiles
         )
     if not (topk.weights.is_contiguous() and topk.ids.is_contiguous()):
         raise ValueError("launch: top-k weights and ids must be contiguous")
+    if topk.weights.device != device or topk.ids.device != device:
+        raise ValueError(f"launch: top-k weights and ids must be on {device}")
     if tiles.block_m != 16 or out_dtype != torch.float32 or other_epilogue:
         raise ValueError("launch: a top-k needs 16-row tiles, fp32 logits and no rounding or gates")
 
@@ -321,11 +327,15 @@ def launch(
     m, k = x.shape
     n = w.shape[0]
     if topk is not None:
-        _check_topk(topk, m, n, out_dtype, tiles, round_bf16 or gates is not None)
+        _check_topk(topk, m, n, out_dtype, tiles, round_bf16 or gates is not None, x.device)
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
         raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
-    if tiles.block_k % BLOCK_K or (split > 1 and k_split % tiles.block_k):
-        raise ValueError(f"launch: a K tile of {tiles.block_k} does not divide ranges of {k_split} into {BLOCK_K}s")
+    depth = tiles.block_k
+    if depth < BLOCK_K or depth & (depth - 1) or (split > 1 and k_split % depth):
+        raise ValueError(
+            f"launch: tiles.block_k = {depth} must be a power of two of at least {BLOCK_K} that divides the K ranges "
+            f"({split} of {k_split})"
+        )
     if gates is None:
         out = torch.empty((m, n), dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
         gates_r, gates_hc, inject = 0, 1, out
@@ -442,9 +452,10 @@ def linear_topk(
     """Router top-k (weights [M, k] fp32, ids [M, k] int32) of the logits x · wᵀ formed as `linear` forms them in
     fp32, with `router_topk`'s bits: up to TOPK_ROWS rows in the logits' own launch (one dependent launch fewer),
     else the router kernel after it."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16 or w.dtype != x.dtype:
-        raise ValueError(f"linear_topk: x {x.dtype} {tuple(x.shape)} and w {w.dtype} {tuple(w.shape)} must be bf16 "
-                         "[M, K] and [E, K]")  # fmt: skip
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear_topk: x {tuple(x.shape)} and w {tuple(w.shape)} do not match as [M, K], [E, K]")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"linear_topk: x and w must be bf16, got {x.dtype} and {w.dtype}")
     m, n = x.shape[0], w.shape[0]
     if not 0 < k <= n:
         raise ValueError(f"linear_topk needs 0 < k <= E, got k={k} with E={n}")
@@ -452,10 +463,9 @@ def linear_topk(
     w = w if w.stride(1) == 1 else w.contiguous()
     split, k_split = k_ranges(n, x.shape[1])
     tiles = call_tiles(m, n, x.shape[1])
-    if m > TOPK_ROWS or tiles.block_m != 16 or n > MAX_TOPK_COLUMNS:
+    if m > TOPK_ROWS or n > MAX_TOPK_COLUMNS:
         return router_topk(launch(x, w, torch.float32, tiles, split, k_split), k, renormalise)
     weights = torch.empty(m, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(m, k, dtype=torch.int32, device=x.device)
-    if m:
-        launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, renormalise))
+    launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, renormalise))
     return weights, ids

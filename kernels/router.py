@@ -8,8 +8,8 @@ so a row's bits never depend on the batch. In fp32: m = max(x) (exact in any ord
 subtraction in fp32 and the exponential evaluated in fp64 and rounded once to fp32; s = Σ e as a balanced pairwise
 tree over the lanes (lanes 2i and 2i+1 first, then pairs of those sums, and so on), which no warp count or layout
 changes; p = e / s with IEEE division. `topk_row` is that row's work: `router_topk` runs it one program a row, and
-`kernels.linear.linear_topk` in the linear kernel itself, after the program that completes a tile's logits, with
-the same bits. The k picks are taken one by one
+`kernels.linear.linear_topk` in the linear kernel itself, in the row tile's last column tile to store its logits,
+with the same bits. The k picks are taken one by one
 as the maximum of the 64-bit key (bits(p) << 32 | (BLOCK_E - 1 - id)), so the larger probability wins and among
 equal ones the lower id. Renormalising divides each pick by their sum taken in pick order (descending probability)
 starting from zero. Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the

@@ -237,7 +237,7 @@ def experts_to_words(model: nn.Module) -> None:
 
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """Routed experts (router logits in fp32 from the linear kernel and their top-k, in one launch for few rows) plus
+    """Routed experts (router logits in fp32 from the linear kernel and their top-k, in one launch for one row) plus
     the gated shared expert, which runs on the side stream beside the routed chain."""
     side = fork(x.device, "moe")
     with on(side):

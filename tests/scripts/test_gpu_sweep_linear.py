@@ -57,10 +57,11 @@ def test_k_tiles_are_offered_only_where_they_divide_the_k_ranges() -> None:
 def test_a_k_tile_that_does_not_divide_the_ranges_is_refused_by_launch() -> None:
     x = torch.randn(1, 1280).bfloat16()
     w = torch.randn(32, 1280).bfloat16()
-    with pytest.raises(ValueError, match="K tile of 256"):
+    with pytest.raises(ValueError, match="block_k = 256"):
         launch(x, w, torch.bfloat16, Tiles(16, 16, 2, 1, 256), 2, 640)
-    with pytest.raises(ValueError, match="K tile of 192"):
-        launch(x, w, torch.bfloat16, Tiles(16, 16, 2, 1, 192), 1, 1280)
+    for depth in (192, 384, 0, 64):  # not a multiple of 128, not a power of two, none, too shallow
+        with pytest.raises(ValueError, match=f"block_k = {depth}"):
+            launch(x, w, torch.bfloat16, Tiles(16, 16, 2, 1, depth), 1, 1280)
 
 
 def test_a_wider_k_tile_adds_the_same_products() -> None:
