@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for linear_sweep.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of each case")
     ap.add_argument("--only", nargs="*", choices=sorted(SHAPES), help="weights to sweep (default: all)")
-    ap.add_argument("--block-k", type=int, nargs="+", default=[BLOCK_K], help="K tiles (multiples of 128)")
+    ap.add_argument("--block-k", type=int, nargs="+", default=[BLOCK_K], help="K tiles (powers of two, 128 or more)")
     ap.add_argument("--warps", type=int, nargs="+", default=list(WARPS), help="warps of the tiles")
     ap.add_argument("--stages", type=int, nargs="+", default=list(STAGES), help="pipeline stages of the tiles")
     ap.add_argument("--block-m", type=int, default=16, help="rows of the tiles (16, 64 or 128)")
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same-split", action="store_true", help="only the default's K ranges (so only its bits)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (under TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
-    if any(bk % BLOCK_K for bk in args.block_k):
-        ap.error(f"--block-k: every K tile must be a multiple of {BLOCK_K}")
+    if any(bk < BLOCK_K or bk & (bk - 1) for bk in args.block_k):
+        ap.error(f"--block-k: every K tile must be a power of two of at least {BLOCK_K}, as launch takes it")
     grid = tile_grid(tuple(args.block_k), tuple(args.warps), tuple(args.stages), args.block_m, tuple(args.widths))
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.smoke else "cuda")
