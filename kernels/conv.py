@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp32_ops import exp_f32
+from kernels.fp32_ops import add_rn, exp_f32, mul_rn
 from kernels.pdl import enter, launch_options
 
 SCAN_ROWS = 256
@@ -145,7 +145,7 @@ def _tap(
 
 
 @triton.jit
-def _conv_acc(
+def conv_acc(
     x_ptr,
     tail_ptr,
     w_ptr,
@@ -168,17 +168,18 @@ def _conv_acc(
     INTERPRET: tl.constexpr,
 ):
     """fp32 conv of the rows (`local`: each row's index in its lane, capped at S), taps summed oldest first."""
+    # Every product and sum rounded apart (mul_rn, add_rn): the bits of a kernel compiled with FMA contraction too.
     w = tl.load(w_ptr + cols * stride_wc, mask=cmask, other=0.0).to(tl.float32)
     m = (K - 1) * DIL
     acc = _tap(x_ptr, tail_ptr, rows, lanes, local, m, cols, mask, stride_xt, stride_tl, stride_ts, S, HEAD)
-    acc = acc.to(tl.float32) * w[None, :]
+    acc = mul_rn(acc.to(tl.float32), w[None, :], INTERPRET)
     for j in tl.static_range(1, K):
         w = tl.load(w_ptr + cols * stride_wc + j * stride_wk, mask=cmask, other=0.0).to(tl.float32)
         m = (K - 1 - j) * DIL
         tap = _tap(x_ptr, tail_ptr, rows, lanes, local, m, cols, mask, stride_xt, stride_tl, stride_ts, S, HEAD)
-        acc = acc + tap.to(tl.float32) * w[None, :]
+        acc = add_rn(acc, mul_rn(tap.to(tl.float32), w[None, :], INTERPRET), INTERPRET)
     if SILU:
-        acc = tl.div_rn(acc, 1.0 + exp_f32(-acc, INTERPRET))
+        acc = tl.div_rn(acc, add_rn(tl.full(acc.shape, 1.0, tl.float32), exp_f32(-acc, INTERPRET), INTERPRET))
     return acc
 
 
@@ -207,11 +208,36 @@ def _store_rows(
     """Store the rows' outputs and, with KEEP, the lane's tail after each row (slot i: lane row local - S + 1 + i)."""
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc, mask=mask)
     if KEEP:
-        kept = kept_ptr + rows.to(tl.int64)[:, None] * stride_kt + cols[None, :]
-        for i in tl.static_range(S):
-            m = S - 1 - i
-            tap = _tap(x_ptr, tail_ptr, rows, lanes, local, m, cols, mask, stride_xt, stride_tl, stride_ts, S, HEAD)
-            tl.store(kept + i * stride_ks, tap, mask=mask)
+        store_row_tails(
+            x_ptr, tail_ptr, kept_ptr, rows, lanes, local, cols, mask, stride_xt, stride_tl, stride_ts, stride_kt,
+            stride_ks, S, HEAD,
+        )  # fmt: skip
+
+
+@triton.jit
+def store_row_tails(
+    x_ptr,
+    tail_ptr,
+    kept_ptr,
+    rows,
+    lanes,
+    local,
+    cols,
+    mask,
+    stride_xt,
+    stride_tl,
+    stride_ts,
+    stride_kt,
+    stride_ks,
+    S: tl.constexpr,
+    HEAD: tl.constexpr,
+):
+    """The lane's tail after each of the rows (slot i: lane row local - S + 1 + i), at the rows' places in kept."""
+    kept = kept_ptr + rows.to(tl.int64)[:, None] * stride_kt + cols[None, :]
+    for i in tl.static_range(S):
+        m = S - 1 - i
+        tap = _tap(x_ptr, tail_ptr, rows, lanes, local, m, cols, mask, stride_xt, stride_tl, stride_ts, S, HEAD)
+        tl.store(kept + i * stride_ks, tap, mask=mask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -298,7 +324,7 @@ def _causal_conv_kernel(
             before = tl.load(lane_ptr + rows - i, mask=valid & (rows >= i), other=-1)
             local += (before == lanes).to(tl.int32)
         body = (valid & (local == S))[:, None] & cmask[None, :]
-        acc = _conv_acc(
+        acc = conv_acc(
             x_ptr,
             tail_ptr,
             w_ptr,
@@ -383,7 +409,7 @@ def _conv_head(
     # Rows past the lane's end read harmless rows here and are never stored, so the taps need not wait for the
     # run's length.
     loadable = ((local < S) & (rows < T))[:, None] & cmask[None, :]
-    acc = _conv_acc(
+    acc = conv_acc(
         x_ptr,
         tail_ptr,
         w_ptr,
@@ -428,8 +454,16 @@ def _conv_head(
         KEEP,
         True,
     )
-    # The new tail is the last S rows of (old tail, the lane's rows): slot i holds lane row seq - S + i.
-    src = seq - S + local
+    replace_tail(x_ptr, tail_ptr, unit, lane, seq, cols, cmask, stride_xt, stride_tl, stride_ts, S, S_PAD)
+
+
+@triton.jit
+def replace_tail(
+    x_ptr, tail_ptr, unit, lane, seq, cols, cmask, stride_xt, stride_tl, stride_ts, S: tl.constexpr, S_PAD: tl.constexpr
+):
+    """The lane's new tail in the given channels: the last S rows of (old tail, its `seq` rows from row `unit`)."""
+    local = tl.arange(0, S_PAD)
+    src = seq - S + local  # slot i holds lane row seq - S + i
     keep = (local < S)[:, None] & cmask[None, :]
     from_x = (src >= 0)[:, None]
     xv = tl.load(x_ptr + (unit + src).to(tl.int64)[:, None] * stride_xt + cols[None, :], mask=keep & from_x, other=0.0)
@@ -491,6 +525,7 @@ def causal_conv_update(
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
+        enable_reflect_ftz=False,
         **launch_options(_causal_conv_kernel, x.device),
     )
     return out

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.fp32_ops import round_to_act
+from kernels.fp32_ops import add_rn, mul_rn, round_to_act
 from kernels.pdl import enter, launch_options
 
 # The interpreter has no libdevice, and its bf16 casts truncate and lose subnormals: there they go through the bits.
@@ -68,7 +68,8 @@ def _exp(x, INTERPRET: tl.constexpr):
 @triton.jit
 def _sigmoid(x, INTERPRET: tl.constexpr):
     """1 / (1 + exp(-x)) in fp32, correctly rounded division."""
-    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, INTERPRET))
+    one = tl.full(x.shape, 1.0, tl.float32)
+    return tl.div_rn(one, add_rn(one, _exp(-x, INTERPRET), INTERPRET))
 
 
 @triton.jit
@@ -107,12 +108,21 @@ def _gdn_gates_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     row, head = offs // H, offs % H
-    b = _f32(tl.load(b_ptr + row * stride_b + head, mask=ok, other=0.0), INTERPRET)
-    tl.store(beta_ptr + offs, _to_act(_sigmoid(b, INTERPRET), B_BF16, INTERPRET), mask=ok)
-    a = _f32(tl.load(a_ptr + row * stride_a + head, mask=ok, other=0.0), INTERPRET)
-    x = a + _f32(tl.load(dt_bias_ptr + head), INTERPRET)
-    decay = -_exp(_f32(tl.load(a_log_ptr + head), INTERPRET), INTERPRET)
-    tl.store(g_ptr + offs, decay * _softplus(x, INTERPRET), mask=ok)
+    b = tl.load(b_ptr + row * stride_b + head, mask=ok, other=0.0)
+    a = tl.load(a_ptr + row * stride_a + head, mask=ok, other=0.0)
+    beta, g = gdn_gate_values(b, a, tl.load(a_log_ptr + head), tl.load(dt_bias_ptr + head), B_BF16, INTERPRET)
+    tl.store(beta_ptr + offs, beta, mask=ok)
+    tl.store(g_ptr + offs, g, mask=ok)
+
+
+@triton.jit
+def gdn_gate_values(b, a, a_log, dt_bias, B_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """(act_b(sigmoid(b)), (-exp(a_log)) · softplus(a + dt_bias) in fp32) from the loaded values, every sum and
+    product rounded apart (the bits of a kernel compiled with FMA contraction too)."""
+    beta = _to_act(_sigmoid(_f32(b, INTERPRET), INTERPRET), B_BF16, INTERPRET)
+    x = add_rn(_f32(a, INTERPRET), _f32(dt_bias, INTERPRET), INTERPRET)
+    decay = -_exp(_f32(a_log, INTERPRET), INTERPRET)
+    return beta, mul_rn(decay, _softplus(x, INTERPRET), INTERPRET)
 
 
 @triton.jit(do_not_specialize=["total"])

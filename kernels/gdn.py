@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.conv import lane_run_end, lane_runs
-from kernels.fp32_ops import exp_f32
+from kernels.fp32_ops import exp_f32, mul_rn, pairwise_sum
 from kernels.pdl import enter, launch_options
 
 L2_EPS = 1e-6
@@ -109,6 +109,7 @@ def _gdn_norm_kernel(
     stride_kh,
     DK: tl.constexpr,
     EPS: tl.constexpr,
+    INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (row, key head): q and k at unit L2 norm in fp32, q also divided by sqrt(Dk)."""
@@ -117,14 +118,12 @@ def _gdn_norm_kernel(
     row = (pid // HK).to(tl.int64)
     head = pid % HK
     dk = tl.arange(0, DK)
-    # One warp and a runtime mask keep the loads unvectorized, so the [DK] vector is laid out as in the recurrence
-    # kernel and its sums run in the same order (a vectorized layout would pair other elements first).
     live = dk < tl.where(row < T, DK, 0)
     q = tl.load(q_ptr + row * stride_qt + head * stride_qh + dk, mask=live, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dk, mask=live, other=0.0).to(tl.float32)
     at = (row * HK + head) * DK + dk
-    tl.store(qn_ptr + at, _unit_q(q, SCALE, EPS), mask=live)
-    tl.store(kn_ptr + at, _unit_k(k, EPS), mask=live)
+    tl.store(qn_ptr + at, unit_q(q, SCALE, EPS, DK, INTERPRET), mask=live)
+    tl.store(kn_ptr + at, unit_k(k, EPS, DK, INTERPRET), mask=live)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -226,7 +225,7 @@ def _gdn_recurrent_kernel(
                 q_next, k_next, v_next, g_next, beta_next = _row_inputs(
                     q_at, k_at, v_at, g_at, beta_at, dk, dv, t + 1 < end, DK, DV
                 )
-                tl.store(out_at + dv, _read_out(s, q, out_ptr))
+                tl.store(out_at + dv, _read_out(s, q, out_ptr, INTERPRET))
                 s = _delta_step(s, k_up, v_up, g_up, beta_up, INTERPRET)
                 q = q_up
                 q_up, k_up, v_up, g_up, beta_up = q_next, k_next, v_next, g_next, beta_next
@@ -234,7 +233,7 @@ def _gdn_recurrent_kernel(
                 states_at += H * DK * DV
                 if KEEP != KEEP_NONE:
                     _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
-            tl.store(out_at + dv, _read_out(s, q, out_ptr))
+            tl.store(out_at + dv, _read_out(s, q, out_ptr, INTERPRET))
         else:  # one row an iteration, each row's q and k brought to unit norm here (decode and verify rows)
             for t in tl.range(row, end):
                 q_next, k_next, v_next, g_next, beta_next = _row_inputs(
@@ -249,9 +248,9 @@ def _gdn_recurrent_kernel(
                     DK,
                     DV,
                 )
-                q = _unit_q(q, SCALE, EPS)
-                s = _delta_step(s, _unit_k(k, EPS), v, g, beta, INTERPRET)
-                tl.store(out_at + dv, _read_out(s, q, out_ptr))
+                q = unit_q(q, SCALE, EPS, DK, INTERPRET)
+                s = _delta_step(s, unit_k(k, EPS, DK, INTERPRET), v, g, beta, INTERPRET)
+                tl.store(out_at + dv, _read_out(s, q, out_ptr, INTERPRET))
                 if KEEP != KEEP_NONE:
                     _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
                 q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
@@ -280,29 +279,41 @@ def _keep_state(
 
 
 @triton.jit
-def _unit_q(q, SCALE, EPS: tl.constexpr):
+def _inverse_norm(x, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
+    """1 / sqrt(Σ x² + eps) over a [DK] vector: squares rounded apart, summed as a tree of neighbour pairs (so the
+    bits depend on no layout, whichever kernel made x)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(pairwise_sum(mul_rn(x, x, INTERPRET), DK) + EPS))
+
+
+@triton.jit
+def unit_q(q, SCALE, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
     """q at unit L2 norm, divided by sqrt(Dk)."""
-    return tl.div_rn(q * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(q * q, axis=0) + EPS)), SCALE)
+    return tl.div_rn(q * _inverse_norm(q, EPS, DK, INTERPRET), SCALE)
 
 
 @triton.jit
-def _unit_k(k, EPS: tl.constexpr):
+def unit_k(k, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
     """k at unit L2 norm."""
-    return k * tl.div_rn(1.0, tl.sqrt_rn(tl.sum(k * k, axis=0) + EPS))
+    return k * _inverse_norm(k, EPS, DK, INTERPRET)
 
 
 @triton.jit
-def _read_out(s, q, out_ptr):
+def _read_out(s, q, out_ptr, INTERPRET: tl.constexpr):
     """A row's output from its state and unit q, in the output's dtype."""
-    return tl.sum(s * q[:, None], axis=0).to(out_ptr.dtype.element_ty)
+    return tl.sum(mul_rn(s, q[:, None], INTERPRET), axis=0).to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _delta_step(s, k, v, g, beta, INTERPRET: tl.constexpr):
-    """One row's gated delta rule on a [Dk, BV] part of the state: decay, then write v against what k reads."""
-    s = s * exp_f32(g, INTERPRET)
-    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    return s + k[:, None] * delta[None, :]
+    """One row's gated delta rule on a [Dk, BV] part of the state: decay, then write v against what k reads. Every
+    product is rounded apart and the update is one explicit fused multiply-add (two roundings under the interpreter,
+    as the reference), so no kernel's surroundings change how the compiler contracts them."""
+    s = mul_rn(s, exp_f32(g, INTERPRET), INTERPRET)
+    delta = (v - tl.sum(mul_rn(s, k[:, None], INTERPRET), axis=0)) * beta
+    if INTERPRET:
+        return s + k[:, None] * delta[None, :]
+    else:
+        return tl.fma(k[:, None], delta[None, :], s)
 
 
 @triton.jit
@@ -343,26 +354,15 @@ def gdn_recurrent(
     none) lists every row that starts a run: the launch then has programs for those alone."""
     # long_runs (a prompt pass): q and k go to unit norm in a kernel of their own first; the bits are the same
     _check_gdn(q, k, v, g, beta, state, lane_of_row)
-    if keep_rows is not None and not keep_states:
-        raise ValueError("keep_rows: given without keep_states")
-    if keep_places is not None and keep_rows is None:
-        raise ValueError("keep_places: given without keep_rows")
     seq, heads, dv = v.shape
     dk = q.shape[2]
-    listed = keep_places is not None or (keep_rows is not None and keep_rows.shape[0] != seq)  # else every row
     if out is None:
         out = torch.empty((seq, heads, dv), dtype=out_dtype, device=v.device)
     elif out.shape != v.shape or out.stride(2) != 1 or out.device != v.device:
         raise ValueError(f"out: expected [T, H, Dv] {tuple(v.shape)} with contiguous Dv on {v.device}")
-    kept = keep_rows.shape[0] if listed else seq
-    states = state.new_empty((kept, heads, dk, dv)) if keep_states and states_out is None else states_out
-    if states_out is not None:
-        _check_states_out(states_out, keep_states, (kept, heads, dk, dv), state.dtype)
+    states, keep_places, mode = kept_states_plan(state, lane_of_row, keep_states, keep_rows, keep_places, states_out)
     if seq == 0:
         return out, states
-    if keep_places is None:
-        keep_places = kept_row_places(keep_rows, seq) if listed else lane_of_row  # lane_of_row: a pointer never read
-    mode = KEEP_LISTED if listed else KEEP_EVERY if keep_states else KEEP_NONE
     if long_runs and not unit_given:
         q, k = unit_qk(q, k)
     block_v = min(BLOCK_V, dv)
@@ -413,9 +413,36 @@ def gdn_recurrent(
         MAPPED=mapped,
         num_warps=NUM_WARPS,
         enable_fp_fusion=True,
+        enable_reflect_ftz=False,
         **launch_options(_gdn_recurrent_kernel, q.device),
     )
     return out, states
+
+
+def kept_states_plan(
+    state: torch.Tensor,
+    lane_of_row: torch.Tensor,
+    keep_states: bool,
+    keep_rows: torch.Tensor | None,
+    keep_places: torch.Tensor | None,
+    states_out: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, tl.constexpr]:
+    """(where the kept states go or None, each row's place among them, the kernels' KEEP mode) for the keep
+    arguments of `gdn_recurrent`, refused by name where they do not fit together."""
+    if keep_rows is not None and not keep_states:
+        raise ValueError("keep_rows: given without keep_states")
+    if keep_places is not None and keep_rows is None:
+        raise ValueError("keep_places: given without keep_rows")
+    seq = lane_of_row.shape[0]
+    listed = keep_places is not None or (keep_rows is not None and keep_rows.shape[0] != seq)  # else every row
+    kept = keep_rows.shape[0] if listed else seq
+    shape = (kept, *state.shape[1:])
+    states = state.new_empty(shape) if keep_states and states_out is None else states_out
+    if states_out is not None:
+        _check_states_out(states_out, keep_states, shape, state.dtype)
+    if keep_places is None:
+        keep_places = kept_row_places(keep_rows, seq) if listed else lane_of_row  # lane_of_row: a pointer never read
+    return states, keep_places, KEEP_LISTED if listed else KEEP_EVERY if keep_states else KEEP_NONE
 
 
 def _run_firsts(lane_of_row: torch.Tensor) -> torch.Tensor:
@@ -469,6 +496,7 @@ def unit_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         k.stride(1),
         DK=dk,
         EPS=L2_EPS,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=NUM_WARPS,
         enable_fp_fusion=True,
         **launch_options(_gdn_norm_kernel, q.device),

@@ -8,7 +8,9 @@ features contiguous; a reduction runs over one group's C features.
 Reduction order (the exactness contract). A program reduces a tile of BLOCK_R (row, group) pairs, each over
 BLOCK_C = min(next_pow2(C), 1024) fp32 lanes that add the products of its features chunk by chunk in increasing
 order, then one tree sum over the lanes per pair; the tile's shape comes from C alone and every pair reduces in the
-same pattern wherever it sits in the tile. `block_mean` adds its R rows in increasing order. So a row's bits never
+same pattern wherever it sits in the tile. `gated_rms_norm` instead sums each chunk's rounded squares as a tree of
+neighbour pairs (`gated_norm_pairs`), whose bits depend on no tile shape or layout, so the fused GDN kernel
+(kernels/gdn_step.py) gives them too. `block_mean` adds its R rows in increasing order. So a row's bits never
 depend on M or on the other rows. In fp32: rstd = 1 / sqrt(Σx² / C + eps) (IEEE division and square root),
 sigmoid(v) = 1 / (1 + exp(-v)), silu(v) = v / (1 + exp(-v)), exp from libdevice. Outputs are rounded once to the
 activation dtype (bf16 or fp32), to nearest even, at the places the model's reference rounds.
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp32_ops import exp_f32, round_to_act
+from kernels.fp32_ops import add_rn, exp_f32, mul_rn, pairwise_row_sums, round_to_act
 from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
@@ -131,11 +133,43 @@ def _gated_norm_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """BLOCK_R (row, group) pairs: x rounded to act, act(act(w · act(x · rstd)) · gate(z)), the gate in fp32."""
+    """BLOCK_R (row, group) pairs: `gated_norm_pairs`."""
     enter(PDL)
     r, offs, ok, _ = _tile_rows(G, R, stride_xm, stride_xg, BLOCK_R)
     z_offs = (r // G) * stride_zm + (r % G) * stride_zg
-    rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, True, ACT_BF16, BLOCK_R, BLOCK_C, INTERPRET), C, eps)
+    gated_norm_pairs(
+        x_ptr, z_ptr, w_ptr, out_ptr, r, offs, z_offs, ok, C, eps, SILU, ACT_BF16, BLOCK_R, BLOCK_C, INTERPRET
+    )  # fmt: skip
+
+
+@triton.jit
+def gated_norm_pairs(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    out_ptr,
+    r,
+    offs,
+    z_offs,
+    ok,
+    C,
+    eps,
+    SILU: tl.constexpr,
+    ACT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """(row, group) pairs r (x at offs, z at z_offs, out at r·C): x rounded to act, act(act(w · act(x · rstd)) ·
+    gate(z)), the gate in fp32; Σx² a tree of neighbour pairs of rounded squares per chunk, chunks added in order,
+    so a pair's bits depend on no tile shape or compile option (the fused GDN kernel runs it on one pair)."""
+    total = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        x = tl.load(x_ptr + offs[:, None] + cols[None, :], mask=ok[:, None] & (cols < C)[None, :], other=0.0)
+        x = round_to_act(x.to(tl.float32), ACT_BF16, INTERPRET).to(tl.float32)
+        total = add_rn(total, pairwise_row_sums(mul_rn(x, x, INTERPRET), BLOCK_R, BLOCK_C), INTERPRET)
+    rstd = _rstd(total, C, eps)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = ok[:, None] & (cols < C)[None, :]
@@ -145,10 +179,8 @@ def _gated_norm_kernel(
         normed = round_to_act(x * rstd[:, None], ACT_BF16, INTERPRET).to(tl.float32)
         scaled = round_to_act(w[None, :] * normed, ACT_BF16, INTERPRET).to(tl.float32)
         z = tl.load(z_ptr + z_offs[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SILU:
-            gate = tl.div_rn(z, 1.0 + exp_f32(-z, INTERPRET))
-        else:
-            gate = tl.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + exp_f32(-z, INTERPRET))
+        one = tl.full(z.shape, 1.0, tl.float32)
+        gate = tl.div_rn(z if SILU else one, add_rn(one, exp_f32(-z, INTERPRET), INTERPRET))
         tl.store(out_ptr + r[:, None] * C + cols[None, :], round_to_act(scaled * gate, ACT_BF16, INTERPRET), mask=mask)
 
 
@@ -271,7 +303,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         _gated_norm_kernel[(triton.cdiv(m * g, rows),)](
             x3, z3, weight, out, g, m * g, c, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
             SILU=act == "silu", ACT_BF16=gate.dtype == torch.bfloat16, BLOCK_R=rows, BLOCK_C=block_c(c),
-            INTERPRET=INTERPRET, num_warps=NUM_WARPS, **launch_options(_gated_norm_kernel, x3.device),
+            INTERPRET=INTERPRET, num_warps=NUM_WARPS, enable_fp_fusion=True, enable_reflect_ftz=False,
+            **launch_options(_gated_norm_kernel, x3.device),
         )  # fmt: skip
     return out.view(gate.shape)
 

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp32_ops import pairwise_sum
 from kernels.pdl import enter, launch_options
 
 
@@ -39,20 +40,11 @@ def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True
 
 
 @triton.jit
-def _pairwise_sum(x, BLOCK: tl.constexpr):
-    """Σ x over a power-of-two block as a balanced tree of pairs: each level adds two neighbours, a + b, which no
-    layout can reorder."""
-    for level in tl.static_range(1, BLOCK.bit_length()):
-        x = tl.sum(tl.reshape(x, (BLOCK >> level, 2)), axis=1)
-    return tl.sum(x, axis=0)
-
-
-@triton.jit
 def topk_row(x, lanes, valid, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr):
     """One row's (weights [K_POW2], ids [K_POW2]) from its fp32 logits x [BLOCK_E] (-inf where not `valid`)."""
     shifted = x - tl.max(x, 0)
     e = tl.exp(shifted.to(tl.float64)).to(tl.float32)
-    p = tl.math.div_rn(e, _pairwise_sum(e, BLOCK_E))
+    p = tl.math.div_rn(e, pairwise_sum(e, BLOCK_E))
     keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - lanes).to(tl.int64)
     keys = tl.where(valid, keys, -1)
     slots = tl.arange(0, K_POW2)

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.router import _pairwise_sum, router_topk, router_topk_reference
+from kernels.fp32_ops import pairwise_sum
+from kernels.router import router_topk, router_topk_reference
 
 E, K = 16, 4
 
@@ -102,8 +103,8 @@ def test_bad_arguments(shape: tuple[int, ...], k: int) -> None:
 
 @triton.jit
 def _sum_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
-    """Stores `_pairwise_sum` of BLOCK values."""
-    tl.store(out_ptr, _pairwise_sum(tl.load(x_ptr + tl.arange(0, BLOCK)), BLOCK))
+    """Stores `pairwise_sum` of BLOCK values."""
+    tl.store(out_ptr, pairwise_sum(tl.load(x_ptr + tl.arange(0, BLOCK)), BLOCK))
 
 
 def pairwise_tree(values: list[float]) -> np.float32:
