@@ -1,0 +1,301 @@
+"""Gated DeltaNet's decode and verify rows in one launch: causal conv, gates, recurrence and the gated output norm.
+
+`gdn_step` gives the bits of `causal_conv_update` (SiLU), `gdn_gates`, `gdn_recurrent` and `gated_rms_norm` run one
+after another on the same rows, from the same jit helpers: one program per (row, value head, Dv tile) as in the
+recurrence kernel, and a lane's first row runs the lane's rows in order. For each row it forms its key head's q and k
+and its own Dv tile of v by the conv kernel's `conv_acc` (rounded to the activation dtype, as the conv kernel
+stores them), its head's beta and g by `gdn_gate_values`, then the recurrence kernel's step; the conv and gate
+helpers round every product and sum apart, so this kernel, compiled with FMA contraction as the recurrence is, gives
+them the bits their own kernels give them without it. The fp32 outputs go to a scratch [T, H, Dv]; the last of a
+(row, value head)'s Dv tiles to arrive (an arrival counter) runs `gated_norm_pairs` on each of the lane's rows.
+A key head's q, k tail is read by every program of that key head, so the last of them to arrive replaces it; each
+program replaces its own v channels' tail. Counters are left zero.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.conv import (
+    SCAN_ROWS,
+    _check_conv,
+    causal_conv_update_reference,
+    conv_acc,
+    lane_run_end,
+    replace_tail,
+    store_row_tails,
+)
+from kernels.counters import CounterPool
+from kernels.gates import _check_gdn_gates, gdn_gate_values, gdn_gates_reference
+from kernels.gdn import (
+    BLOCK_V,
+    KEEP_NONE,
+    L2_EPS,
+    NUM_WARPS,
+    _check_gdn,
+    _delta_step,
+    _keep_state,
+    _read_out,
+    gdn_recurrent_reference,
+    kept_states_plan,
+    unit_k,
+    unit_q,
+)
+from kernels.norm import _groups, _norm_weight, gated_norm_pairs, gated_rms_norm_reference
+from kernels.pdl import enter, launch_options
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_ROWS = 1024  # rows one launch takes (its arrival counters: a key-head and a value-head set per row)
+MAX_HEADS = 64  # value heads per rank the counters cover
+_COUNTERS = CounterPool(MAX_ROWS * 2 * MAX_HEADS, "gdn_step", "row heads")
+
+
+@triton.jit
+def _conv_channels(
+    x_ptr, tail_ptr, w_ptr, t, lane, local, cols, stride_xt, stride_tl, stride_ts, stride_wc, stride_wk,
+    K: tl.constexpr, S: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Row t's conv output (SiLU) in the given channels, as the conv kernel stores it, in fp32."""
+    one = tl.zeros((1,), tl.int32)
+    every = (one[:, None] + cols[None, :]) >= 0
+    acc = conv_acc(
+        x_ptr, tail_ptr, w_ptr, one + t, one + lane, one + local, cols, every, cols >= 0, stride_xt, stride_tl,
+        stride_ts, stride_wc, stride_wk, K, 1, S, True, True, INTERPRET,
+    )  # fmt: skip
+    return tl.reshape(acc.to(x_ptr.dtype.element_ty), (cols.shape[0],)).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_step_kernel(
+    x_ptr, tail_ptr, conv_w_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr, lane_ptr,
+    o_ptr, y_ptr, row_tails_ptr, states_ptr, keep_ptr, count_ptr,
+    T, H, RATIO, QK, SCALE, norm_eps,
+    stride_xt, stride_tl, stride_ts, stride_wc, stride_wk, stride_bt, stride_at, stride_zt, stride_kt, stride_ks,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+    EPS: tl.constexpr, KEEP: tl.constexpr, KEEP_TAILS: tl.constexpr, SILU_GATE: tl.constexpr,
+    B_BF16: tl.constexpr, ACT_BF16: tl.constexpr, SCAN: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One program per (row, value head, Dv tile); a lane's first row runs the lane's rows (others return)."""
+    enter(PDL)
+    pid = tl.program_id(0)
+    tiles = DV // BV
+    row = pid // (H * tiles)
+    head = (pid // tiles) % H
+    key_head = head // RATIO
+    dk = tl.arange(0, DK)
+    dv = (pid % tiles) * BV + tl.arange(0, BV)
+    lane = tl.load(lane_ptr + row)
+    first = lane != tl.where(lane >= 0, tl.load(lane_ptr + row - 1, mask=row > 0, other=-1), lane)
+    if first:
+        idx = row + tl.arange(0, SCAN)
+        ids = tl.load(lane_ptr + idx, mask=idx < T, other=-1)
+        end = lane_run_end(lane_ptr, ids, row, lane, T, SCAN)
+        q_cols = key_head * DK + dk
+        k_cols = QK + key_head * DK + dk
+        v_cols = 2 * QK + head * DV + dv
+        slot = state_ptr + (lane.to(tl.int64) * H + head) * DK * DV
+        state_tile = dk[:, None] * DV + dv[None, :]
+        s = tl.load(slot + state_tile)
+        a_log = tl.load(a_log_ptr + head)
+        dt_bias = tl.load(dt_bias_ptr + head)
+        row64 = row.to(tl.int64)
+        states_at = states_ptr + (row64 * H + head) * DK * DV
+        for t in tl.range(row, end):
+            local = tl.minimum(t - row, S)
+            q = _conv_channels(x_ptr, tail_ptr, conv_w_ptr, t, lane, local, q_cols, stride_xt, stride_tl, stride_ts,
+                               stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+            k = _conv_channels(x_ptr, tail_ptr, conv_w_ptr, t, lane, local, k_cols, stride_xt, stride_tl, stride_ts,
+                               stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+            v = _conv_channels(x_ptr, tail_ptr, conv_w_ptr, t, lane, local, v_cols, stride_xt, stride_tl, stride_ts,
+                               stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+            t64 = row64 + (t - row)  # (under the interpreter t is a Python int)
+            b = tl.load(b_ptr + t64 * stride_bt + head)
+            a = tl.load(a_ptr + t64 * stride_at + head)
+            beta, g = gdn_gate_values(b, a, a_log, dt_bias, B_BF16, INTERPRET)
+            s = _delta_step(s, unit_k(k, EPS, DK, INTERPRET), v, g, beta.to(tl.float32), INTERPRET)
+            o = _read_out(s, unit_q(q, SCALE, EPS, DK, INTERPRET), o_ptr, INTERPRET)
+            tl.store(o_ptr + (t64 * H + head) * DV + dv, o)
+            if KEEP != KEEP_NONE:
+                _keep_state(states_at, states_ptr, keep_ptr, t, H, head, state_tile, s, KEEP, DK, DV)
+            states_at += H * DK * DV
+            if KEEP_TAILS:
+                _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, v_cols, stride_xt, stride_tl,
+                                   stride_ts, stride_kt, stride_ks, S)  # fmt: skip
+                if (head % RATIO == 0) & (pid % tiles == 0):  # one program a key head keeps its q, k tails
+                    _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, q_cols, stride_xt,
+                                       stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
+                    _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, k_cols, stride_xt,
+                                       stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
+        tl.store(slot + state_tile, s)
+        seq = end - row
+        replace_tail(x_ptr, tail_ptr, row, lane, seq, v_cols, v_cols >= 0, stride_xt, stride_tl, stride_ts, S, S_PAD)
+        tl.debug_barrier()  # this program's tail reads and output stores, before it arrives
+        key_count = count_ptr + row64 * (2 * H) + key_head
+        if tl.atomic_add(key_count, 1, sem="acq_rel", scope="gpu") == RATIO * tiles - 1:
+            replace_tail(x_ptr, tail_ptr, row, lane, seq, q_cols, q_cols >= 0, stride_xt, stride_tl, stride_ts, S,
+                         S_PAD)  # fmt: skip
+            replace_tail(x_ptr, tail_ptr, row, lane, seq, k_cols, k_cols >= 0, stride_xt, stride_tl, stride_ts, S,
+                         S_PAD)  # fmt: skip
+            tl.atomic_xchg(key_count, 0, sem="relaxed", scope="gpu")
+        head_count = count_ptr + row64 * (2 * H) + H + head
+        if tl.atomic_add(head_count, 1, sem="acq_rel", scope="gpu") == tiles - 1:
+            one = tl.zeros((1,), tl.int64)
+            width = tl.zeros((), tl.int32) + DV  # a runtime width, as the norm kernel has
+            for t in tl.range(row, end):
+                pair = one + t * H + head
+                z_at = one + (row64 + (t - row)) * stride_zt + head * DV
+                gated_norm_pairs(o_ptr, z_ptr, norm_w_ptr, y_ptr, pair, pair * DV, z_at, pair >= 0, width, norm_eps,
+                                 SILU_GATE, ACT_BF16, 1, DV, INTERPRET)  # fmt: skip
+            tl.atomic_xchg(head_count, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _store_tails_after(
+    x_ptr, tail_ptr, row_tails_ptr, t, lane, local, cols, stride_xt, stride_tl, stride_ts, stride_kt, stride_ks,
+    S: tl.constexpr,
+):  # fmt: skip
+    """The lane's conv tail after row t in the given channels, at row t of row_tails."""
+    one = tl.zeros((1,), tl.int32)
+    every = (one[:, None] + cols[None, :]) >= 0
+    store_row_tails(
+        x_ptr, tail_ptr, row_tails_ptr, one + t, one + lane, one + local, cols, every, stride_xt, stride_tl,
+        stride_ts, stride_kt, stride_ks, S, True,
+    )  # fmt: skip
+
+
+def fits(rows: int, value_heads: int) -> bool:
+    """Can one launch take `rows` rows of `value_heads` heads (its arrival counters)?"""
+    return rows <= MAX_ROWS and value_heads <= MAX_HEADS
+
+
+def _split_heads(
+    mixed: torch.Tensor, state: torch.Tensor, key_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hk, Dk], k [T, Hk, Dk] and v [T, H, Dv]: views of the conv's channels (q | k | v) of `mixed`'s rows."""
+    _, heads, dk, dv = state.shape
+    qk = key_heads * dk
+    if mixed.dim() != 2 or mixed.shape[1] != 2 * qk + heads * dv:
+        raise ValueError(f"mixed: expected [T, {2 * qk + heads * dv}] (q, k and v channels), got {tuple(mixed.shape)}")
+    q, k, v = mixed.split([qk, qk, heads * dv], dim=-1)
+    return q.unflatten(-1, (key_heads, dk)), k.unflatten(-1, (key_heads, dk)), v.unflatten(-1, (heads, dv))
+
+
+def _check_step(
+    mixed: torch.Tensor,
+    tail: torch.Tensor,
+    conv_weight: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_act: str,
+    state: torch.Tensor,
+    lane_of_row: torch.Tensor,
+    key_heads: int,
+    row_tails: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming the argument that the four kernels this launch stands for would refuse."""
+    if state.dim() != 4:
+        raise ValueError(f"state: expected fp32 [L, H, Dk, Dv], got {tuple(state.shape)}")
+    q, k, v = _split_heads(mixed, state, key_heads)
+    _check_conv(mixed, tail, conv_weight, lane_of_row, 1, "silu", row_tails)
+    _check_gdn(q, k, v, b, b, state, lane_of_row)
+    _check_gdn_gates(b, a, a_log, dt_bias)
+    z3 = _groups(z, "z") if z.dim() == 3 else z.unflatten(-1, v.shape[1:])
+    if z3.shape != v.shape or z3.stride(1) != v.shape[2]:
+        raise ValueError(f"z: expected {tuple(v.shape)} like v with contiguous heads, got {tuple(z.shape)}")
+    _norm_weight(norm_weight, 1, v.shape[2])
+    if gate_act not in ("sigmoid", "silu"):
+        raise ValueError(f"gate_act: expected 'sigmoid' or 'silu', got {gate_act!r}")
+    if not fits(mixed.shape[0], state.shape[1]):
+        raise ValueError(f"mixed: {mixed.shape[0]} rows of {state.shape[1]} heads exceed one launch's counters")
+    tensors = (mixed, b, a, a_log, dt_bias, z, norm_weight, state)
+    if len({t.device for t in (*tensors, lane_of_row)}) != 1:
+        raise ValueError("mixed, b, a, a_log, dt_bias, z, norm_weight, state and lane_of_row must be on one device")
+
+
+def gdn_step(
+    mixed: torch.Tensor,
+    tail: torch.Tensor,
+    conv_weight: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    gate_act: str,
+    state: torch.Tensor,
+    lane_of_row: torch.Tensor,
+    key_heads: int,
+    row_tails: torch.Tensor | None = None,
+    keep_states: bool = False,
+    keep_rows: torch.Tensor | None = None,
+    keep_places: torch.Tensor | None = None,
+    states_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y [T, H, Dv] in z's dtype, kept states or None): the GDN mixer's rows from the input projection's mixed
+    [T, conv channels], b and a [T, H] and z [T, H, Dv], through the conv (its tails in place, `row_tails` as
+    `causal_conv_update` keeps them), the gates, the recurrence (states in place; the keep arguments as
+    `gdn_recurrent` takes them) and the gated norm, with those kernels' bits."""
+    _check_step(
+        mixed, tail, conv_weight, b, a, a_log, dt_bias, z, norm_weight, gate_act, state, lane_of_row, key_heads,
+        row_tails,
+    )  # fmt: skip
+    seq, (_, heads, dk, dv) = mixed.shape[0], state.shape
+    states, keep_places, mode = kept_states_plan(state, lane_of_row, keep_states, keep_rows, keep_places, states_out)
+    y = torch.empty((seq, heads, dv), dtype=z.dtype, device=z.device)
+    if seq == 0:
+        return y, states
+    z3 = _groups(z, "z") if z.dim() == 3 else z.unflatten(-1, (heads, dv))
+    b, a = (t if t.stride(1) == 1 else t.contiguous() for t in (b, a))
+    o = torch.empty((seq, heads, dv), dtype=torch.float32, device=mixed.device)
+    kept_tails = row_tails if row_tails is not None else tail
+    kernel, block_v = conv_weight.shape[1], min(BLOCK_V, dv)
+    _gdn_step_kernel[(seq * heads * (dv // block_v),)](
+        mixed, tail, conv_weight, b, a, a_log, dt_bias, z3, norm_weight, state, lane_of_row, o, y, kept_tails,
+        state if states is None else states, keep_places, _COUNTERS.get(mixed.device, seq * 2 * heads),
+        seq, heads, heads // key_heads, key_heads * dk, dk**0.5, norm_eps,
+        mixed.stride(0), tail.stride(0), tail.stride(1), conv_weight.stride(0), conv_weight.stride(1), b.stride(0),
+        a.stride(0), z3.stride(0), kept_tails.stride(0), kept_tails.stride(1),
+        DK=dk, DV=dv, BV=block_v, K=kernel, S=kernel - 1, S_PAD=triton.next_power_of_2(kernel - 1), EPS=L2_EPS,
+        KEEP=mode.value, KEEP_TAILS=row_tails is not None, SILU_GATE=gate_act == "silu",
+        B_BF16=b.dtype == torch.bfloat16, ACT_BF16=z.dtype == torch.bfloat16, SCAN=SCAN_ROWS, INTERPRET=INTERPRET,
+        num_warps=NUM_WARPS, enable_fp_fusion=True, enable_reflect_ftz=False,
+        **launch_options(_gdn_step_kernel, mixed.device),
+    )  # fmt: skip
+    return y, states
+
+
+def gdn_step_reference(
+    mixed: torch.Tensor,
+    tail: torch.Tensor,
+    conv_weight: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    gate_act: str,
+    state: torch.Tensor,
+    lane_of_row: torch.Tensor,
+    key_heads: int,
+    row_tails: torch.Tensor | None = None,
+    keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain-PyTorch `gdn_step`: the four references one after another (the kept states of every row)."""
+    qkv = causal_conv_update_reference(mixed, tail, conv_weight, lane_of_row, row_tails=row_tails)
+    q, k, v = _split_heads(qkv, state, key_heads)
+    beta, g = gdn_gates_reference(b, a, a_log, dt_bias)
+    out, states = gdn_recurrent_reference(q, k, v, g, beta, state, lane_of_row, keep_states)
+    y = gated_rms_norm_reference(out, z.view(v.shape), norm_weight, norm_eps, gate_act)
+    return y, states

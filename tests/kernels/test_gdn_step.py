@@ -1,0 +1,143 @@
+"""GDN's rows in one launch: the bits of the conv, gates, recurrence and gated norm kernels run one after another."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import gdn_step as step
+from kernels.conv import causal_conv_update
+from kernels.gates import gdn_gates
+from kernels.gdn import gdn_recurrent
+from kernels.norm import gated_rms_norm
+
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A rank's GDN widths: key and value heads, their dims, the conv's taps, the lane slots."""
+
+    key_heads: int = 2
+    heads: int = 4
+    dk: int = 16
+    dv: int = 32
+    kernel: int = 4
+    slots: int = 6
+
+
+SMALL = Shape()
+
+
+def inputs(
+    lanes: list[int],
+    lens: list[int],
+    seed: int = 0,
+    shape: Shape = SMALL,
+    device: str = "cpu",
+    a_scale: float = 4.0,
+    act: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
+    """One round's rows as the model has them (activations in `act`): mixed, z, b and a are views of one projection
+    output; every lane's slot has a random conv tail and state."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seq, qk, vw = sum(lens), shape.key_heads * shape.dk, shape.heads * shape.dv
+    channels = 2 * qk + vw
+    fused = torch.randn(seq, channels + vw + 2 * shape.heads + 3, generator=gen, device=device).to(act)
+    mixed, z, b, a, _ = fused.split([channels, vw, shape.heads, shape.heads, 3], dim=-1)
+    conv_weight = 0.5 * torch.randn(channels, shape.kernel, generator=gen, device=device)
+    return {
+        "mixed": mixed,
+        "z": z,
+        "b": b * a_scale,
+        "a": a * a_scale,
+        "tail": torch.randn(shape.slots, shape.kernel - 1, channels, generator=gen, device=device).to(act),
+        "conv_weight": conv_weight.to(act),
+        "a_log": torch.randn(shape.heads, generator=gen, device=device),
+        "dt_bias": torch.randn(shape.heads, generator=gen, device=device),
+        "norm_weight": (1.0 + 0.1 * torch.randn(shape.dv, generator=gen, device=device)).to(act),
+        "state": 0.1 * torch.randn(shape.slots, shape.heads, shape.dk, shape.dv, generator=gen, device=device),
+        "lane_of_row": torch.repeat_interleave(torch.tensor(lanes), torch.tensor(lens)).to(device),
+    }
+
+
+def unfused(data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int) -> tuple[torch.Tensor | None, ...]:
+    """The four kernels one after another on copies of the tails and states: (y, tails, states, kept, row tails)."""
+    tail, state = data["tail"].clone(), data["state"].clone()
+    seq = data["mixed"].shape[0]
+    row_tails = tail.new_empty((seq, *tail.shape[1:])) if keep else None
+    qkv = causal_conv_update(data["mixed"], tail, data["conv_weight"], data["lane_of_row"], row_tails=row_tails)
+    q, k, v = step._split_heads(qkv, state, key_heads)
+    beta, g = gdn_gates(data["b"], data["a"], data["a_log"], data["dt_bias"])
+    out, kept = gdn_recurrent(q, k, v, g, beta, state, data["lane_of_row"], keep)
+    y = gated_rms_norm(out, data["z"].unflatten(-1, v.shape[1:]), data["norm_weight"], EPS, act)
+    return y, tail, state, kept, row_tails
+
+
+def fused(data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int) -> tuple[torch.Tensor | None, ...]:
+    """`gdn_step` on copies of the tails and states, the same five results."""
+    tail, state = data["tail"].clone(), data["state"].clone()
+    seq = data["mixed"].shape[0]
+    row_tails = tail.new_empty((seq, *tail.shape[1:])) if keep else None
+    y, kept = step.gdn_step(
+        data["mixed"], tail, data["conv_weight"], data["b"], data["a"], data["a_log"], data["dt_bias"], data["z"],
+        data["norm_weight"], EPS, act, state, data["lane_of_row"], key_heads, row_tails=row_tails, keep_states=keep,
+    )  # fmt: skip
+    return y, tail, state, kept, row_tails
+
+
+def assert_same_bits(want: tuple[torch.Tensor | None, ...], got: tuple[torch.Tensor | None, ...]) -> None:
+    """Every result of the two paths equal bit for bit (None on both sides where nothing is kept)."""
+    for name, w, g in zip(("y", "tails", "states", "kept states", "row tails"), want, got, strict=True):
+        assert (w is None) == (g is None), name
+        assert w is None or torch.equal(w, g), name
+
+
+@pytest.mark.parametrize(
+    ("lanes", "lens", "keep", "act"),
+    [
+        ([3, 0, 5, 1], [1, 1, 1, 1], False, "silu"),  # decode rows
+        ([2, 4, 0], [3, 1, 5], True, "silu"),  # verify windows, a run longer than the tail, states kept
+        ([1], [2], True, "sigmoid"),
+    ],
+)
+def test_one_launch_gives_the_four_kernels_bits(lanes, lens, keep, act) -> None:
+    data = inputs(lanes, lens)
+    assert_same_bits(unfused(data, keep, act, SMALL.key_heads), fused(data, keep, act, SMALL.key_heads))
+    assert not step._COUNTERS.get(torch.device("cpu"), 0).any()  # every counter left zero
+
+
+def test_it_stays_close_to_the_plain_reference() -> None:
+    """With fp32 activations nothing is rounded to bf16 between the steps: fp32 tolerances against the reference."""
+    data = inputs([2, 4, 0], [3, 1, 5], seed=1, a_scale=1.0, act=torch.float32)
+    y, tail, state, kept, _ = fused(data, True, "silu", SMALL.key_heads)
+    ref_tail, ref_state = data["tail"].clone(), data["state"].clone()
+    ref_y, ref_kept = step.gdn_step_reference(
+        data["mixed"], ref_tail, data["conv_weight"], data["b"], data["a"], data["a_log"], data["dt_bias"],
+        data["z"], data["norm_weight"], EPS, "silu", ref_state, data["lane_of_row"], SMALL.key_heads, keep_states=True,
+    )  # fmt: skip
+    assert torch.equal(tail, ref_tail)
+    for got, want in ((y, ref_y), (state, ref_state), (kept, ref_kept)):
+        assert (got - want).norm() / want.norm() < 1e-5
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    data = inputs([0], [1])
+    args = dict(data)
+    with pytest.raises(ValueError, match="gate_act"):
+        step.gdn_step(
+            args["mixed"], args["tail"], args["conv_weight"], args["b"], args["a"], args["a_log"], args["dt_bias"],
+            args["z"], args["norm_weight"], EPS, "relu", args["state"], args["lane_of_row"], SMALL.key_heads,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="mixed"):
+        step.gdn_step(
+            args["mixed"][:, 1:], args["tail"], args["conv_weight"], args["b"], args["a"], args["a_log"],
+            args["dt_bias"], args["z"], args["norm_weight"], EPS, "silu", args["state"], args["lane_of_row"],
+            SMALL.key_heads,
+        )  # fmt: skip
