@@ -120,8 +120,9 @@ class RoundGraphs:
             )  # fmt: skip
         keep = rows if kind == "verify" else None
         return Round(
-            pool, self.slots[:size], positions, windows, rows, dest, keep, logit_rows=wanted, shared=self.shared
-        )
+            pool, self.slots[:size], positions, windows, rows, dest, keep, logit_rows=wanted, shared=self.shared,
+            single_rows=kind == "trunk",
+        )  # fmt: skip
 
     def _run_body(self, kind: str, size: int) -> tuple[Round, tuple[torch.Tensor, torch.Tensor]]:
         rnd = self._round(kind, size)

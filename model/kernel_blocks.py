@@ -21,6 +21,8 @@ from kernels.fp4_words import kernel_bank
 from kernels.gates import gated_add, gdn_gates, sigmoid_mul, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.gdn_chunk import ChunkPlan, gdn_prompt
+from kernels.gdn_step import fits as gdn_step_fits
+from kernels.gdn_step import gdn_step
 from kernels.hyper import hc_read, hc_write, hc_write_read
 from kernels.linear import linear, linear_topk
 from kernels.moe import moe_forward
@@ -38,6 +40,8 @@ from model.parallel import TensorParallel
 from model.ple import PLELayer
 from model.qsa import QSAIndexer, QSAttention
 from model.side_stream import fork, join, on
+
+GDN_STEP_ROWS = 4  # the most one-row lanes GDN takes in one launch; more run faster apart (docs/performance.md)
 
 
 @dataclass(slots=True)
@@ -98,6 +102,7 @@ class Round:
     chunks: ChunkPlan | None = None
     recurrent_lanes: torch.Tensor | None = None
     recurrent_firsts: torch.Tensor | None = None  # the rows that start the recurrence's runs (-1: none)
+    single_rows: bool = False  # every lane has one row (decode): GDN in one launch for `GDN_STEP_ROWS` rows or fewer
     blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `completed_blocks`, once a round
     int32_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # `int32_slots_positions`, once a round
 
@@ -254,25 +259,33 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     """Gated DeltaNet of layer `index`: the kernels update the rows' slots of the pool's conv tails and recurrent
-    states in place; the gates run on the side stream beside the conv."""
+    states in place. Decode rounds of a few lanes run the conv, gates, recurrence and gated norm in one launch
+    (`gdn_step`); other rounds run them apart, the gates on the side stream beside the conv: the same bits."""
     n = x.shape[0]
     tails, states = rnd.pool.gdn_conv[index], rnd.pool.gdn_recurrent[index]
     keep = rnd.keep_rows is not None
     row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
     fused = linear(x, fused_weight(m, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
     mixed, z, b, a = fused.split([2 * m.qk_width + m.v_width, m.v_width, m.value_heads, m.value_heads], dim=-1)
-    side = fork(x.device, "gdn")
-    with on(side):  # the gates beside the conv
-        beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
-    qkv = causal_conv_update(mixed, tails, m.conv1d.weight[:, 0], rnd.slot_of_row, row_tails=row_tails)
-    q, k, v = qkv.split([m.qk_width, m.qk_width, m.v_width], dim=-1)
-    q = q.unflatten(-1, (m.key_heads, m.key_dim))
-    k = k.unflatten(-1, (m.key_heads, m.key_dim))
-    v = v.unflatten(-1, (m.value_heads, m.value_dim))
-    join(side)
-    out, kept_states = gdn_rows(q, k, v, g, beta, states, rnd, kept_buffer(rnd, "gdn_recurrent", index, states))
-    z = z.unflatten(-1, (m.value_heads, m.value_dim))
-    y = gated_rms_norm(out, z, m.norm.weight, m.eps, m.gate_act)
+    states_out = kept_buffer(rnd, "gdn_recurrent", index, states)
+    if rnd.single_rows and n <= GDN_STEP_ROWS and gdn_step_fits(n, m.value_heads):
+        y, kept_states = gdn_step(
+            mixed, tails, m.conv1d.weight[:, 0], b, a, m.A_log, m.dt_bias, z, m.norm.weight, m.eps, m.gate_act,
+            states, rnd.slot_of_row, m.key_heads, row_tails=row_tails, keep_states=keep, keep_rows=rnd.keep_rows,
+            keep_places=rnd.keep_places, states_out=states_out,
+        )  # fmt: skip
+    else:
+        side = fork(x.device, "gdn")
+        with on(side):  # the gates beside the conv
+            beta, g = gdn_gates(b, a, m.A_log, m.dt_bias)
+        qkv = causal_conv_update(mixed, tails, m.conv1d.weight[:, 0], rnd.slot_of_row, row_tails=row_tails)
+        q, k, v = qkv.split([m.qk_width, m.qk_width, m.v_width], dim=-1)
+        q = q.unflatten(-1, (m.key_heads, m.key_dim))
+        k = k.unflatten(-1, (m.key_heads, m.key_dim))
+        v = v.unflatten(-1, (m.value_heads, m.value_dim))
+        join(side)
+        out, kept_states = gdn_rows(q, k, v, g, beta, states, rnd, states_out)
+        y = gated_rms_norm(out, z.unflatten(-1, (m.value_heads, m.value_dim)), m.norm.weight, m.eps, m.gate_act)
     if keep:  # only the rows asked for outlive the layer
         rnd.kept.gdn_conv[index] = keep_tails(rnd, "gdn_conv", index, row_tails)
         rnd.kept.gdn_recurrent[index] = kept_states

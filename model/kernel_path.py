@@ -150,7 +150,7 @@ def build_round(
     slots = row_slots(batch)
     rnd = Round(
         pool, slots.to(device), batch.positions, windows, block_rows, block_dest, kept, has_long_run(batch),
-        keep_places=places,
+        keep_places=places, single_rows=all(seg.length == 1 for seg in batch.segments),
     )  # fmt: skip
     if chunked_runs is not None:
         lanes = recurrent_lanes(slots, chunked_runs)

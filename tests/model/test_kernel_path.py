@@ -134,8 +134,8 @@ def test_sigmoid_gates_are_one_launch_and_block_positions_one_set_a_round(models
 
 def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> None:
     """With a stand-in side stream, each site's side launches are its own work only (the shared expert; QSA's index
-    path; GDN's gates), and the kernels that read them (gated add, attention, recurrence) launch on the main stream
-    after the join."""
+    path; GDN's gates, in a prompt pass: a decode row runs GDN in one launch on the main stream), and the kernels that
+    read them (gated add, attention, recurrence) launch on the main stream after the join."""
     model, side, events = models[1], object(), []
     where = {"side": False}
 
@@ -160,7 +160,10 @@ def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> No
     monkeypatch.setattr(kernel_blocks, "on", on)
     monkeypatch.setattr(kernel_blocks, "join", lambda stream: events.append(("join", stream is side)))
     monkeypatch.setattr(triton.runtime.interpreter.InterpretedFunction, "run", run)
-    model(single_lane_batch(model.new_lane(), torch.tensor(PROMPT), 0))  # rows complete blocks: every QSA step runs
+    lane = model.new_lane()
+    model(single_lane_batch(lane, torch.tensor(PROMPT), 0))  # rows complete blocks: every QSA step runs
+    prompt = len(events)
+    model(single_lane_batch(lane, torch.tensor(PROMPT[:1]), len(PROMPT)))  # a decode row
     sides: dict[str, set[str]] = {"moe": set(), "qsa": set(), "gdn": set()}
     site = None
     for kind, what in events:
@@ -176,10 +179,13 @@ def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> No
         else:
             assert site is None or what not in {"_gated_add_kernel", "_attn_chunk_kernel", "_gdn_recurrent_kernel"}
     assert site is None
-    forks = [what for kind, what in events if kind == "fork"]
+    forks = [what for kind, what in events[:prompt] if kind == "fork"]
     qsa_layers = sum(layer.kind != LINEAR for layer in model.layers)
-    assert forks.count("moe") == len(model.layers) and forks.count("gdn") == len(model.layers) - qsa_layers
+    gdn_layers = len(model.layers) - qsa_layers
+    assert forks.count("moe") == len(model.layers) and forks.count("gdn") == gdn_layers
     assert forks.count("qsa") == qsa_layers
+    assert ("fork", "gdn") not in events[prompt:]
+    assert events[prompt:].count(("main", "_gdn_step_kernel")) == gdn_layers
     assert sides["moe"] == {"_linear_kernel", "_silu_mul_kernel"} and sides["gdn"] == {"_gdn_gates_kernel"}
     assert {"_norm_rope_kernel", "_rope_kernel", "_block_mean_kernel", "_index_write_kernel"} <= sides["qsa"]
     assert all(name.startswith("_index_") or name in {"_norm_rope_kernel", "_rope_kernel", "_block_mean_kernel"}
