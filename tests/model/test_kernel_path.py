@@ -23,7 +23,7 @@ from kernels.ngram import ngram_rows, ngram_rows_reference
 from model import kernel_blocks, kernel_path
 from model.config import LINEAR
 from model.flashnext import FlashNextModel, ForwardOutput, single_lane_batch
-from model.kernel_blocks import PendingWrite, hash_multipliers_on, hyper_read, read_after, settle
+from model.kernel_blocks import GDN_STEP_ROWS, PendingWrite, hash_multipliers_on, hyper_read, read_after, settle
 from model.layers import ForwardBatch, Segment
 from model.ple import ngram_row_ids
 from model.state import LaneState, copy_lane, restore
@@ -190,6 +190,37 @@ def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> No
     assert {"_norm_rope_kernel", "_rope_kernel", "_block_mean_kernel", "_index_write_kernel"} <= sides["qsa"]
     assert all(name.startswith("_index_") or name in {"_norm_rope_kernel", "_rope_kernel", "_block_mean_kernel"}
                for name in sides["qsa"])  # fmt: skip
+
+
+def test_gdn_runs_in_one_launch_only_for_a_few_one_row_lanes(models) -> None:
+    """`gdn_step` serves rounds whose lanes each have one row, up to GDN_STEP_ROWS of them; a lane of several rows
+    or more lanes take the four kernels."""
+    model = models[1]
+    gdn_layers = sum(layer.kind == LINEAR for layer in model.layers)
+    lanes = [model.new_lane() for _ in range(GDN_STEP_ROWS + 1)]
+    for lane in lanes:
+        model(single_lane_batch(lane, torch.tensor(PROMPT[:3]), 0))
+    rounds = {
+        "three rows of a lane": [(lanes[0], 3)],
+        "one row of each of a few lanes": [(lane, 1) for lane in lanes[:GDN_STEP_ROWS]],
+        "one row of each of more lanes": [(lane, 1) for lane in lanes],
+    }
+    steps = {}
+    for name, parts in rounds.items():
+        segments, start = [], 0
+        for lane, rows in parts:
+            segments.append(Segment(lane, start, rows))
+            start += rows
+        tokens = torch.tensor([PROMPT[3 + i] for _, rows in parts for i in range(rows)])
+        positions = torch.tensor([lane.length + i for lane, rows in parts for i in range(rows)])
+        with recording_launches() as launched:
+            model(ForwardBatch(token_ids=tokens, positions=positions, segments=segments))
+        steps[name] = launched.count("_gdn_step_kernel")
+    assert steps == {
+        "three rows of a lane": 0,
+        "one row of each of a few lanes": gdn_layers,
+        "one row of each of more lanes": 0,
+    }
 
 
 def test_the_qsa_kernels_convert_no_row_indices(models) -> None:
