@@ -46,7 +46,7 @@ def causal_conv_update_reference(
     row_tails: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch `causal_conv_update`: fp32 taps summed oldest first per lane, tails replaced in place."""
-    _check_conv(x, tail, weight, lane_of_row, dilation, activation, row_tails)
+    check_conv(x, tail, weight, lane_of_row, dilation, activation, row_tails)
     kernel, kept = weight.shape[1], tail.shape[1]
     taps = weight.float().t()
     out = torch.empty_like(x)
@@ -64,7 +64,7 @@ def causal_conv_update_reference(
     return out
 
 
-def _check_conv(
+def check_conv(
     x: torch.Tensor,
     tail: torch.Tensor,
     weight: torch.Tensor,
@@ -485,7 +485,7 @@ def causal_conv_update(
     row_tails: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv of each lane's consecutive rows of x [T, C] after its tail [L, S, C]; out [T, C]."""
-    _check_conv(x, tail, weight, lane_of_row, dilation, activation, row_tails)
+    check_conv(x, tail, weight, lane_of_row, dilation, activation, row_tails)
     seq, channels = x.shape
     kernel = weight.shape[1]
     kept = (kernel - 1) * dilation

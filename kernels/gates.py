@@ -250,7 +250,7 @@ def _launch(
         )  # fmt: skip
 
 
-def _check_gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+def check_gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
     """Raise on the dtypes, shapes or devices gdn_gates cannot take."""
     _check_rows(b, "b")
     floats = (torch.bfloat16, torch.float32)
@@ -264,7 +264,7 @@ def gdn_gates(
     b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(beta [N, H] in b's dtype, g [N, H] fp32) from the b and a projections [N, H] and a_log, dt_bias [H]."""
-    _check_gdn_gates(b, a, a_log, dt_bias)
+    check_gdn_gates(b, a, a_log, dt_bias)
     b, a, a_log, dt_bias = _rows(b), _rows(a), a_log.contiguous(), dt_bias.contiguous()
     beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
@@ -279,7 +279,7 @@ def gdn_gates_reference(
     b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-PyTorch gdn_gates: the model's `sigmoid(b)` and `-A_log.exp() * softplus(a + dt_bias)`."""
-    _check_gdn_gates(b, a, a_log, dt_bias)
+    check_gdn_gates(b, a, a_log, dt_bias)
     beta = (1.0 / (1.0 + torch.exp(-b.float()))).to(b.dtype)
     x = a.float() + dt_bias.float()
     return beta, -a_log.float().exp() * torch.where(x > 20, x, torch.log1p(torch.exp(x)))

@@ -37,7 +37,7 @@ def gdn_recurrent_reference(
     out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain-PyTorch `gdn_recurrent`: the model's gated delta rule, one row at a time in fp32, per lane."""
-    _check_gdn(q, k, v, g, beta, state, lane_of_row)
+    check_gdn(q, k, v, g, beta, state, lane_of_row)
     ratio = v.shape[1] // q.shape[1]
     q = _l2norm(q.float().repeat_interleave(ratio, dim=1)) / (q.shape[-1] ** 0.5)
     k = _l2norm(k.float().repeat_interleave(ratio, dim=1))
@@ -58,7 +58,7 @@ def gdn_recurrent_reference(
     return out, states
 
 
-def _check_gdn(
+def check_gdn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -94,13 +94,12 @@ def _check_gdn(
         raise ValueError("q, k, v, g, beta, state and lane_of_row must be on one device")
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _gdn_norm_kernel(
     q_ptr,
     k_ptr,
     qn_ptr,
     kn_ptr,
-    T,
     HK,
     SCALE,
     stride_qt,
@@ -118,12 +117,11 @@ def _gdn_norm_kernel(
     row = (pid // HK).to(tl.int64)
     head = pid % HK
     dk = tl.arange(0, DK)
-    live = dk < tl.where(row < T, DK, 0)
-    q = tl.load(q_ptr + row * stride_qt + head * stride_qh + dk, mask=live, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dk, mask=live, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + row * stride_qt + head * stride_qh + dk).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_kt + head * stride_kh + dk).to(tl.float32)
     at = (row * HK + head) * DK + dk
-    tl.store(qn_ptr + at, unit_q(q, SCALE, EPS, DK, INTERPRET), mask=live)
-    tl.store(kn_ptr + at, unit_k(k, EPS, DK, INTERPRET), mask=live)
+    tl.store(qn_ptr + at, unit_q(q, SCALE, EPS, DK, INTERPRET))
+    tl.store(kn_ptr + at, unit_k(k, EPS, DK, INTERPRET))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -211,9 +209,9 @@ def _gdn_recurrent_kernel(
             q_up, k_up, v_up, g_up, beta_up = _row_inputs(
                 q_at, k_at, v_at, g_at, beta_at, dk, dv, row + 1 < end, DK, DV
             )
-            s = _delta_step(s, k, v, g, beta, INTERPRET)
+            s = delta_step(s, k, v, g, beta, INTERPRET)
             if KEEP != KEEP_NONE:  # (a helper call costs the interpreter milliseconds a row)
-                _keep_state(states_at, states_ptr, keep_ptr, row, H, head, tile, s, KEEP, DK, DV)
+                keep_state(states_at, states_ptr, keep_ptr, row, H, head, tile, s, KEEP, DK, DV)
             # Rotated: an iteration stores the previous row's output and makes row t's update, two independent sums
             # over Dk in one branch-free block; the same sums on the same values as one row at a time.
             for t in tl.range(row + 1, end):
@@ -225,15 +223,15 @@ def _gdn_recurrent_kernel(
                 q_next, k_next, v_next, g_next, beta_next = _row_inputs(
                     q_at, k_at, v_at, g_at, beta_at, dk, dv, t + 1 < end, DK, DV
                 )
-                tl.store(out_at + dv, _read_out(s, q, out_ptr, INTERPRET))
-                s = _delta_step(s, k_up, v_up, g_up, beta_up, INTERPRET)
+                tl.store(out_at + dv, read_out(s, q, out_ptr, INTERPRET))
+                s = delta_step(s, k_up, v_up, g_up, beta_up, INTERPRET)
                 q = q_up
                 q_up, k_up, v_up, g_up, beta_up = q_next, k_next, v_next, g_next, beta_next
                 out_at += stride_ot
                 states_at += H * DK * DV
                 if KEEP != KEEP_NONE:
-                    _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
-            tl.store(out_at + dv, _read_out(s, q, out_ptr, INTERPRET))
+                    keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
+            tl.store(out_at + dv, read_out(s, q, out_ptr, INTERPRET))
         else:  # one row an iteration, each row's q and k brought to unit norm here (decode and verify rows)
             for t in tl.range(row, end):
                 q_next, k_next, v_next, g_next, beta_next = _row_inputs(
@@ -249,10 +247,10 @@ def _gdn_recurrent_kernel(
                     DV,
                 )
                 q = unit_q(q, SCALE, EPS, DK, INTERPRET)
-                s = _delta_step(s, unit_k(k, EPS, DK, INTERPRET), v, g, beta, INTERPRET)
-                tl.store(out_at + dv, _read_out(s, q, out_ptr, INTERPRET))
+                s = delta_step(s, unit_k(k, EPS, DK, INTERPRET), v, g, beta, INTERPRET)
+                tl.store(out_at + dv, read_out(s, q, out_ptr, INTERPRET))
                 if KEEP != KEEP_NONE:
-                    _keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
+                    keep_state(states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP, DK, DV)
                 q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
                 q_at += stride_qt
                 k_at += stride_kt
@@ -265,7 +263,7 @@ def _gdn_recurrent_kernel(
 
 
 @triton.jit
-def _keep_state(
+def keep_state(
     states_at, states_ptr, keep_ptr, t, H, head, tile, s, KEEP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr
 ):
     """Row t's state, where it is kept: KEEP_EVERY at `states_at` (row t's place), KEEP_LISTED at row t's place in
@@ -298,13 +296,13 @@ def unit_k(k, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _read_out(s, q, out_ptr, INTERPRET: tl.constexpr):
+def read_out(s, q, out_ptr, INTERPRET: tl.constexpr):
     """A row's output from its state and unit q, in the output's dtype."""
     return tl.sum(mul_rn(s, q[:, None], INTERPRET), axis=0).to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _delta_step(s, k, v, g, beta, INTERPRET: tl.constexpr):
+def delta_step(s, k, v, g, beta, INTERPRET: tl.constexpr):
     """One row's gated delta rule on a [Dk, BV] part of the state: decay, then write v against what k reads. Every
     product is rounded apart and the update is one explicit fused multiply-add (two roundings under the interpreter,
     as the reference), so no kernel's surroundings change how the compiler contracts them."""
@@ -353,7 +351,7 @@ def gdn_recurrent(
     in `out`, when given, are kept). `unit_given`: q and k come from `unit_qk`. `firsts` (int32 or int64, -1 for
     none) lists every row that starts a run: the launch then has programs for those alone."""
     # long_runs (a prompt pass): q and k go to unit norm in a kernel of their own first; the bits are the same
-    _check_gdn(q, k, v, g, beta, state, lane_of_row)
+    check_gdn(q, k, v, g, beta, state, lane_of_row)
     seq, heads, dv = v.shape
     dk = q.shape[2]
     if out is None:
@@ -487,7 +485,6 @@ def unit_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         k,
         q_unit,
         k_unit,
-        seq,
         key_heads,
         dk**0.5,
         q.stride(0),

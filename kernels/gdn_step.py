@@ -22,30 +22,30 @@ import triton.language as tl
 
 from kernels.conv import (
     SCAN_ROWS,
-    _check_conv,
     causal_conv_update_reference,
+    check_conv,
     conv_acc,
     lane_run_end,
     replace_tail,
     store_row_tails,
 )
 from kernels.counters import CounterPool
-from kernels.gates import _check_gdn_gates, gdn_gate_values, gdn_gates_reference
+from kernels.gates import check_gdn_gates, gdn_gate_values, gdn_gates_reference
 from kernels.gdn import (
     BLOCK_V,
     KEEP_NONE,
     L2_EPS,
     NUM_WARPS,
-    _check_gdn,
-    _delta_step,
-    _keep_state,
-    _read_out,
+    check_gdn,
+    delta_step,
     gdn_recurrent_reference,
+    keep_state,
     kept_states_plan,
+    read_out,
     unit_k,
     unit_q,
 )
-from kernels.norm import _groups, _norm_weight, gated_norm_pairs, gated_rms_norm_reference
+from kernels.norm import block_c, gated_norm_pairs, gated_rms_norm_reference, row_groups
 from kernels.pdl import enter, launch_options
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -69,6 +69,20 @@ def _conv_channels(
     return tl.reshape(acc.to(x_ptr.dtype.element_ty), (cols.shape[0],)).to(tl.float32)
 
 
+@triton.jit
+def _store_tails_after(
+    x_ptr, tail_ptr, row_tails_ptr, t, lane, local, cols, stride_xt, stride_tl, stride_ts, stride_kt, stride_ks,
+    S: tl.constexpr,
+):  # fmt: skip
+    """The lane's conv tail after row t in the given channels, at row t of row_tails."""
+    one = tl.zeros((1,), tl.int32)
+    every = (one[:, None] + cols[None, :]) >= 0
+    store_row_tails(
+        x_ptr, tail_ptr, row_tails_ptr, one + t, one + lane, one + local, cols, every, stride_xt, stride_tl,
+        stride_ts, stride_kt, stride_ks, S, True,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gdn_step_kernel(
     x_ptr, tail_ptr, conv_w_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr, lane_ptr,
@@ -77,9 +91,11 @@ def _gdn_step_kernel(
     stride_xt, stride_tl, stride_ts, stride_wc, stride_wk, stride_bt, stride_at, stride_zt, stride_kt, stride_ks,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
     EPS: tl.constexpr, KEEP: tl.constexpr, KEEP_TAILS: tl.constexpr, SILU_GATE: tl.constexpr,
-    B_BF16: tl.constexpr, ACT_BF16: tl.constexpr, SCAN: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    B_BF16: tl.constexpr, ACT_BF16: tl.constexpr, NORM_BLOCK: tl.constexpr, SCAN: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per (row, value head, Dv tile); a lane's first row runs the lane's rows (others return)."""
+    """One program per (row, value head, Dv tile); a lane's first row runs the lane's rows (others, and rows of
+    lane -1, return)."""
     enter(PDL)
     pid = tl.program_id(0)
     tiles = DV // BV
@@ -96,6 +112,8 @@ def _gdn_step_kernel(
         end = lane_run_end(lane_ptr, ids, row, lane, T, SCAN)
         q_cols = key_head * DK + dk
         k_cols = QK + key_head * DK + dk
+        both = tl.arange(0, 2 * DK)
+        qk_cols = tl.where(both < DK, key_head * DK + both, QK + key_head * DK + both - DK)  # q's, then k's
         v_cols = 2 * QK + head * DV + dv
         slot = state_ptr + (lane.to(tl.int64) * H + head) * DK * DV
         state_tile = dk[:, None] * DV + dv[None, :]
@@ -116,19 +134,17 @@ def _gdn_step_kernel(
             b = tl.load(b_ptr + t64 * stride_bt + head)
             a = tl.load(a_ptr + t64 * stride_at + head)
             beta, g = gdn_gate_values(b, a, a_log, dt_bias, B_BF16, INTERPRET)
-            s = _delta_step(s, unit_k(k, EPS, DK, INTERPRET), v, g, beta.to(tl.float32), INTERPRET)
-            o = _read_out(s, unit_q(q, SCALE, EPS, DK, INTERPRET), o_ptr, INTERPRET)
+            s = delta_step(s, unit_k(k, EPS, DK, INTERPRET), v, g, beta.to(tl.float32), INTERPRET)
+            o = read_out(s, unit_q(q, SCALE, EPS, DK, INTERPRET), o_ptr, INTERPRET)
             tl.store(o_ptr + (t64 * H + head) * DV + dv, o)
             if KEEP != KEEP_NONE:
-                _keep_state(states_at, states_ptr, keep_ptr, t, H, head, state_tile, s, KEEP, DK, DV)
+                keep_state(states_at, states_ptr, keep_ptr, t, H, head, state_tile, s, KEEP, DK, DV)
             states_at += H * DK * DV
             if KEEP_TAILS:
                 _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, v_cols, stride_xt, stride_tl,
                                    stride_ts, stride_kt, stride_ks, S)  # fmt: skip
                 if (head % RATIO == 0) & (pid % tiles == 0):  # one program a key head keeps its q, k tails
-                    _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, q_cols, stride_xt,
-                                       stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
-                    _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, k_cols, stride_xt,
+                    _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, qk_cols, stride_xt,
                                        stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
         tl.store(slot + state_tile, s)
         seq = end - row
@@ -136,9 +152,7 @@ def _gdn_step_kernel(
         tl.debug_barrier()  # this program's tail reads and output stores, before it arrives
         key_count = count_ptr + row64 * (2 * H) + key_head
         if tl.atomic_add(key_count, 1, sem="acq_rel", scope="gpu") == RATIO * tiles - 1:
-            replace_tail(x_ptr, tail_ptr, row, lane, seq, q_cols, q_cols >= 0, stride_xt, stride_tl, stride_ts, S,
-                         S_PAD)  # fmt: skip
-            replace_tail(x_ptr, tail_ptr, row, lane, seq, k_cols, k_cols >= 0, stride_xt, stride_tl, stride_ts, S,
+            replace_tail(x_ptr, tail_ptr, row, lane, seq, qk_cols, qk_cols >= 0, stride_xt, stride_tl, stride_ts, S,
                          S_PAD)  # fmt: skip
             tl.atomic_xchg(key_count, 0, sem="relaxed", scope="gpu")
         head_count = count_ptr + row64 * (2 * H) + H + head
@@ -149,22 +163,8 @@ def _gdn_step_kernel(
                 pair = one + t * H + head
                 z_at = one + (row64 + (t - row)) * stride_zt + head * DV
                 gated_norm_pairs(o_ptr, z_ptr, norm_w_ptr, y_ptr, pair, pair * DV, z_at, pair >= 0, width, norm_eps,
-                                 SILU_GATE, ACT_BF16, 1, DV, INTERPRET)  # fmt: skip
+                                 SILU_GATE, ACT_BF16, 1, NORM_BLOCK, INTERPRET)  # fmt: skip
             tl.atomic_xchg(head_count, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _store_tails_after(
-    x_ptr, tail_ptr, row_tails_ptr, t, lane, local, cols, stride_xt, stride_tl, stride_ts, stride_kt, stride_ks,
-    S: tl.constexpr,
-):  # fmt: skip
-    """The lane's conv tail after row t in the given channels, at row t of row_tails."""
-    one = tl.zeros((1,), tl.int32)
-    every = (one[:, None] + cols[None, :]) >= 0
-    store_row_tails(
-        x_ptr, tail_ptr, row_tails_ptr, one + t, one + lane, one + local, cols, every, stride_xt, stride_tl,
-        stride_ts, stride_kt, stride_ks, S, True,
-    )  # fmt: skip
 
 
 def fits(rows: int, value_heads: int) -> bool:
@@ -199,25 +199,39 @@ def _check_step(
     lane_of_row: torch.Tensor,
     key_heads: int,
     row_tails: torch.Tensor | None,
-) -> None:
-    """Raise ValueError naming the argument that the four kernels this launch stands for would refuse."""
+) -> torch.Tensor:
+    """z as [T, H, Dv]; raise ValueError (TypeError for a dtype, as the gates do) naming the argument that does not
+    fit, where the four kernels this launch stands for would refuse it."""
     if state.dim() != 4:
         raise ValueError(f"state: expected fp32 [L, H, Dk, Dv], got {tuple(state.shape)}")
+    heads, dv = state.shape[1], state.shape[3]
+    if key_heads < 1 or heads % key_heads:
+        raise ValueError(f"key_heads: expected a divisor of the state's {heads} value heads, got {key_heads}")
+    if mixed.dim() != 2 or mixed.stride(-1) != 1:
+        raise ValueError(f"mixed: expected [T, C] with contiguous channels, got {tuple(mixed.shape)}")
     q, k, v = _split_heads(mixed, state, key_heads)
-    _check_conv(mixed, tail, conv_weight, lane_of_row, 1, "silu", row_tails)
-    _check_gdn(q, k, v, b, b, state, lane_of_row)
-    _check_gdn_gates(b, a, a_log, dt_bias)
-    z3 = _groups(z, "z") if z.dim() == 3 else z.unflatten(-1, v.shape[1:])
-    if z3.shape != v.shape or z3.stride(1) != v.shape[2]:
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != mixed.shape[1] or conv_weight.shape[1] < 2:
+        raise ValueError(f"conv_weight: expected [{mixed.shape[1]}, K>=2], got {tuple(conv_weight.shape)}")
+    if b.shape != (mixed.shape[0], heads):
+        raise ValueError(f"b: expected [{mixed.shape[0]}, {heads}], got {tuple(b.shape)}")
+    check_gdn_gates(b, a, a_log, dt_bias)
+    check_conv(mixed, tail, conv_weight, lane_of_row, 1, "silu", row_tails)
+    check_gdn(q, k, v, b, b, state, lane_of_row)
+    if z.dim() == 2 and z.shape[-1] != heads * dv:
+        raise ValueError(f"z: expected [{mixed.shape[0]}, {heads * dv}] or {tuple(v.shape)}, got {tuple(z.shape)}")
+    z3 = row_groups(z.unflatten(-1, (heads, dv)) if z.dim() == 2 else z, "z")
+    if z3.shape != v.shape or z3.stride(1) != dv:
         raise ValueError(f"z: expected {tuple(v.shape)} like v with contiguous heads, got {tuple(z.shape)}")
-    _norm_weight(norm_weight, 1, v.shape[2])
+    if norm_weight.shape != (dv,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight: expected contiguous [{dv}], got {tuple(norm_weight.shape)}")
     if gate_act not in ("sigmoid", "silu"):
         raise ValueError(f"gate_act: expected 'sigmoid' or 'silu', got {gate_act!r}")
-    if not fits(mixed.shape[0], state.shape[1]):
-        raise ValueError(f"mixed: {mixed.shape[0]} rows of {state.shape[1]} heads exceed one launch's counters")
+    if not fits(mixed.shape[0], heads):
+        raise ValueError(f"mixed: {mixed.shape[0]} rows of {heads} heads exceed one launch's counters")
     tensors = (mixed, b, a, a_log, dt_bias, z, norm_weight, state)
     if len({t.device for t in (*tensors, lane_of_row)}) != 1:
         raise ValueError("mixed, b, a, a_log, dt_bias, z, norm_weight, state and lane_of_row must be on one device")
+    return z3
 
 
 def gdn_step(
@@ -242,10 +256,11 @@ def gdn_step(
     states_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y [T, H, Dv] in z's dtype, kept states or None): the GDN mixer's rows from the input projection's mixed
-    [T, conv channels], b and a [T, H] and z [T, H, Dv], through the conv (its tails in place, `row_tails` as
-    `causal_conv_update` keeps them), the gates, the recurrence (states in place; the keep arguments as
-    `gdn_recurrent` takes them) and the gated norm, with those kernels' bits."""
-    _check_step(
+    [T, conv channels], b and a [T, H] and z [T, H, Dv] (or [T, H·Dv]), through the conv (its tails in place,
+    `row_tails` as `causal_conv_update` keeps them), the gates, the recurrence (states in place; the keep arguments as
+    `gdn_recurrent` takes them) and the gated norm, with those kernels' bits. Rows of lane -1 are left alone (their
+    y unwritten), as the recurrence leaves them."""
+    z3 = _check_step(
         mixed, tail, conv_weight, b, a, a_log, dt_bias, z, norm_weight, gate_act, state, lane_of_row, key_heads,
         row_tails,
     )  # fmt: skip
@@ -254,7 +269,6 @@ def gdn_step(
     y = torch.empty((seq, heads, dv), dtype=z.dtype, device=z.device)
     if seq == 0:
         return y, states
-    z3 = _groups(z, "z") if z.dim() == 3 else z.unflatten(-1, (heads, dv))
     b, a = (t if t.stride(1) == 1 else t.contiguous() for t in (b, a))
     o = torch.empty((seq, heads, dv), dtype=torch.float32, device=mixed.device)
     kept_tails = row_tails if row_tails is not None else tail
@@ -267,7 +281,8 @@ def gdn_step(
         a.stride(0), z3.stride(0), kept_tails.stride(0), kept_tails.stride(1),
         DK=dk, DV=dv, BV=block_v, K=kernel, S=kernel - 1, S_PAD=triton.next_power_of_2(kernel - 1), EPS=L2_EPS,
         KEEP=mode.value, KEEP_TAILS=row_tails is not None, SILU_GATE=gate_act == "silu",
-        B_BF16=b.dtype == torch.bfloat16, ACT_BF16=z.dtype == torch.bfloat16, SCAN=SCAN_ROWS, INTERPRET=INTERPRET,
+        B_BF16=b.dtype == torch.bfloat16, ACT_BF16=z.dtype == torch.bfloat16, NORM_BLOCK=block_c(dv), SCAN=SCAN_ROWS,
+        INTERPRET=INTERPRET,
         num_warps=NUM_WARPS, enable_fp_fusion=True, enable_reflect_ftz=False,
         **launch_options(_gdn_step_kernel, mixed.device),
     )  # fmt: skip

@@ -57,11 +57,8 @@ def _sum_squares(
     offs,
     ok,
     C,
-    ROUND_IN: tl.constexpr,
-    ACT_BF16: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    INTERPRET: tl.constexpr,
 ):
     """Σ x² over each pair's C features in fp32: lane sums chunk by chunk, then one tree sum per pair."""
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
@@ -69,8 +66,6 @@ def _sum_squares(
         cols = c0 + tl.arange(0, BLOCK_C)
         x = tl.load(x_ptr + offs[:, None] + cols[None, :], mask=ok[:, None] & (cols < C)[None, :], other=0.0)
         x = x.to(tl.float32)
-        if ROUND_IN:
-            x = round_to_act(x, ACT_BF16, INTERPRET).to(tl.float32)
         acc += x * x
     return tl.sum(acc, axis=1)
 
@@ -102,7 +97,7 @@ def _zc_norm_kernel(
     """BLOCK_R (row, group) pairs: act(x · rstd · (1 + w))."""
     enter(PDL)
     r, offs, ok, grp = _tile_rows(G, R, stride_xm, stride_xg, BLOCK_R)
-    rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, False, ACT_BF16, BLOCK_R, BLOCK_C, INTERPRET), C, eps)
+    rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, BLOCK_R, BLOCK_C), C, eps)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = ok[:, None] & (cols < C)[None, :]
@@ -239,7 +234,7 @@ def _block_mean_kernel(
     tl.store(out_ptr + blk * C + cols, round_to_act(mean, ACT_BF16, INTERPRET), mask=ok)
 
 
-def _groups(x: torch.Tensor, name: str) -> torch.Tensor:
+def row_groups(x: torch.Tensor, name: str) -> torch.Tensor:
     """x as [M, G, C]: a [M, C] tensor is one group per row; the feature dim must be contiguous."""
     if x.dim() == 2:
         x = x.unsqueeze(1)
@@ -261,7 +256,7 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     """`x · rsqrt(mean(x²) + eps) · (1 + w)` over the last dim of x [M, C] or [M, G, C]; out contiguous, x's dtype.
 
     weight is [C] (shared by the groups) or [G·C] (one slice per group: an RMS per group of a wide row)."""
-    x3 = _groups(x, "x")
+    x3 = row_groups(x, "x")
     m, g, c = x3.shape
     stride_wg = _norm_weight(weight, g, c)
     if weight.device != x.device:
@@ -279,7 +274,7 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def zc_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Plain-PyTorch `zc_rms_norm`."""
-    x3 = _groups(x, "x")
+    x3 = row_groups(x, "x")
     w = weight.float().view(-1, x3.shape[2])
     xf = x3.float()
     rstd = 1.0 / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) / x3.shape[2] + eps)
@@ -290,7 +285,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """GDN output norm of x [M, G, C] (rounded to gate's dtype first), times act(gate) [M, G, C]; gate's dtype out.
 
     `weight · act(x · rstd)` is rounded once more before the gate multiplies it, as the model does."""
-    x3, z3 = _groups(x, "x"), _groups(gate, "gate")
+    x3, z3 = row_groups(x, "x"), row_groups(gate, "gate")
     if x3.shape != z3.shape:
         raise ValueError(f"gate: shape {tuple(gate.shape)} differs from x's {tuple(x.shape)}")
     if act not in ("sigmoid", "silu"):
@@ -324,7 +319,7 @@ def gated_rms_norm_reference(
 
 def group_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Σ a·b over the last dim of a, b [M, G, C] (or [M, C]) in fp32: [M, G]."""
-    a3, b3 = _groups(a, "a"), _groups(b, "b")
+    a3, b3 = row_groups(a, "a"), row_groups(b, "b")
     if a3.shape != b3.shape:
         raise ValueError(f"b: shape {tuple(b.shape)} differs from a's {tuple(a.shape)}")
     m, g, c = a3.shape
@@ -340,7 +335,7 @@ def group_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def group_dot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Plain-PyTorch `group_dot`."""
-    return (_groups(a, "a").float() * _groups(b, "b").float()).sum(-1)
+    return (row_groups(a, "a").float() * row_groups(b, "b").float()).sum(-1)
 
 
 def block_mean(x: torch.Tensor, ratio: int) -> torch.Tensor:

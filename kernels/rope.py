@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 from kernels.fp32_ops import round_to_act
 from kernels.norm import NUM_WARPS as NORM_WARPS
-from kernels.norm import _groups, _norm_weight, _rstd, _sum_squares, _tile_rows, block_c, block_r
+from kernels.norm import _norm_weight, _rstd, _sum_squares, _tile_rows, block_c, block_r, row_groups
 from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
@@ -173,7 +173,7 @@ def _norm_rope_kernel(
     rotation of the normed values, to out [M, G, C] or the row's cache entry."""
     enter(PDL)
     r, offs, ok, grp = _tile_rows(G, R, stride_xm, stride_xg, BLOCK_R)
-    rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, False, ACT_BF16, BLOCK_R, BLOCK_C, INTERPRET), C, eps)
+    rstd = _rstd(_sum_squares(x_ptr, offs, ok, C, BLOCK_R, BLOCK_C), C, eps)
     n = r // G
     if SCATTER:
         slot = tl.load(slot_ptr + n, mask=ok, other=0).to(tl.int64)
@@ -311,7 +311,7 @@ def norm_rope(
 ) -> torch.Tensor:
     """`rope(zc_rms_norm(x, weight, eps), positions, inv_freq, ...)` in one launch with both kernels' bits: x [N, H, D]
     or [N, D] (any row and head strides); returned new and contiguous, or written into dest as `rope` does."""
-    x3 = _groups(x, "x")
+    x3 = row_groups(x, "x")
     n, h, d = x3.shape
     stride_wg = _norm_weight(weight, h, d)
     _indices(positions, n, "positions")

@@ -127,17 +127,45 @@ def test_it_stays_close_to_the_plain_reference() -> None:
         assert (got - want).norm() / want.norm() < 1e-5
 
 
+def call(data: dict[str, torch.Tensor], key_heads: int = SMALL.key_heads, act: str = "silu", **keep) -> tuple:
+    """`gdn_step` on `data` as it is (tails and states updated in place)."""
+    return step.gdn_step(
+        data["mixed"], data["tail"], data["conv_weight"], data["b"], data["a"], data["a_log"], data["dt_bias"],
+        data["z"], data["norm_weight"], EPS, act, data["state"], data["lane_of_row"], key_heads, **keep,
+    )  # fmt: skip
+
+
+def test_listed_kept_rows_into_a_given_buffer_and_one_value_head_a_key_head() -> None:
+    """States kept only after listed rows (`keep_rows`, or their places given as `keep_places`), into `states_out`,
+    equal the recurrence's; and a rank whose value heads each have a key head of their own."""
+    shape = Shape(key_heads=4, heads=4)
+    data = inputs([2, 4, 0], [3, 1, 5], seed=2, shape=shape)
+    listed = torch.tensor([0, 2, 7])
+    places = torch.full((9,), -1, dtype=torch.int32)
+    places[listed] = torch.arange(3, dtype=torch.int32)
+    want = unfused(data, True, "silu", shape.key_heads)
+    for keep in ({"keep_rows": listed}, {"keep_rows": listed, "keep_places": places}):
+        copy = dict(data, tail=data["tail"].clone(), state=data["state"].clone())
+        out = torch.empty(3, shape.heads, shape.dk, shape.dv)
+        y, kept = call(copy, shape.key_heads, keep_states=True, states_out=out, **keep)
+        assert kept is out
+        got = (y, copy["tail"], copy["state"], kept)
+        for name, w, g in zip(("y", "tails", "states", "kept states"), want[:4], got, strict=True):
+            assert torch.equal(w[listed] if name == "kept states" else w, g), name
+
+
 def test_bad_arguments_are_refused_by_name() -> None:
     data = inputs([0], [1])
-    args = dict(data)
-    with pytest.raises(ValueError, match="gate_act"):
-        step.gdn_step(
-            args["mixed"], args["tail"], args["conv_weight"], args["b"], args["a"], args["a_log"], args["dt_bias"],
-            args["z"], args["norm_weight"], EPS, "relu", args["state"], args["lane_of_row"], SMALL.key_heads,
-        )  # fmt: skip
-    with pytest.raises(ValueError, match="mixed"):
-        step.gdn_step(
-            args["mixed"][:, 1:], args["tail"], args["conv_weight"], args["b"], args["a"], args["a_log"],
-            args["dt_bias"], args["z"], args["norm_weight"], EPS, "silu", args["state"], args["lane_of_row"],
-            SMALL.key_heads,
-        )  # fmt: skip
+    bad = {
+        "gate_act": (dict(data), {"act": "relu"}),
+        "key_heads": (dict(data), {"key_heads": 3}),
+        "mixed": (dict(data, mixed=data["mixed"][:, 1:]), {}),
+        "conv_weight": (dict(data, conv_weight=data["conv_weight"][:, :1]), {}),
+        "b": (dict(data, b=data["b"][:, :2], a=data["a"][:, :2]), {}),
+        "z": (dict(data, z=data["z"][:, 1:]), {}),
+        "norm_weight": (dict(data, norm_weight=data["norm_weight"][1:]), {}),
+        "tail": (dict(data, tail=data["tail"][:, 1:]), {}),
+    }
+    for name, (args, options) in bad.items():
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            call(args, **options)
