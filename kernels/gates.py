@@ -227,7 +227,7 @@ def _check_rows(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected [N, C], got shape {list(t.shape)}")
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def contiguous_columns(t: torch.Tensor) -> torch.Tensor:
     """t itself when its columns are contiguous (its rows may sit at any stride), else a contiguous copy."""
     return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
@@ -265,7 +265,7 @@ def gdn_gates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(beta [N, H] in b's dtype, g [N, H] fp32) from the b and a projections [N, H] and a_log, dt_bias [H]."""
     check_gdn_gates(b, a, a_log, dt_bias)
-    b, a, a_log, dt_bias = _rows(b), _rows(a), a_log.contiguous(), dt_bias.contiguous()
+    b, a, a_log, dt_bias = contiguous_columns(b), contiguous_columns(a), a_log.contiguous(), dt_bias.contiguous()
     beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
     _launch(
@@ -295,7 +295,7 @@ def _check_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for the gate and up projections [N, I], in their dtype."""
     _check_silu_mul(gate, up)
-    gate, up = _rows(gate), _rows(up)
+    gate, up = contiguous_columns(gate), contiguous_columns(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     _launch(
         _silu_mul_kernel, gate.numel(), gate.device, gate, up, out, gate.numel(), gate.shape[1], gate.stride(0),
@@ -327,7 +327,7 @@ def gated_add(
     _check_gated_add(routed, gate_logit, shared)
     if out_dtype not in (None, routed.dtype, torch.float32):
         raise TypeError(f"gated_add: out_dtype must be {routed.dtype} or fp32, got {out_dtype}")
-    routed, gate_logit, shared = routed.contiguous(), _rows(gate_logit), shared.contiguous()
+    routed, gate_logit, shared = routed.contiguous(), contiguous_columns(gate_logit), shared.contiguous()
     out = torch.empty(routed.shape, dtype=out_dtype or routed.dtype, device=routed.device)
     _launch(
         _gated_add_kernel, routed.numel(), routed.device, routed, gate_logit, shared, out, routed.numel(),

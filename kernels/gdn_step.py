@@ -30,7 +30,7 @@ from kernels.conv import (
     store_row_tails,
 )
 from kernels.counters import CounterPool
-from kernels.gates import check_gdn_gates, gdn_gate_values, gdn_gates_reference
+from kernels.gates import check_gdn_gates, contiguous_columns, gdn_gate_values, gdn_gates_reference
 from kernels.gdn import (
     BLOCK_V,
     KEEP_NONE,
@@ -269,7 +269,7 @@ def gdn_step(
     y = torch.empty((seq, heads, dv), dtype=z.dtype, device=z.device)
     if seq == 0:
         return y, states
-    b, a = (t if t.stride(1) == 1 else t.contiguous() for t in (b, a))
+    b, a, a_log, dt_bias = contiguous_columns(b), contiguous_columns(a), a_log.contiguous(), dt_bias.contiguous()
     o = torch.empty((seq, heads, dv), dtype=torch.float32, device=mixed.device)
     kept_tails = row_tails if row_tails is not None else tail
     kernel, block_v = conv_weight.shape[1], min(BLOCK_V, dv)

@@ -33,6 +33,12 @@ class Shape:
 
 
 SMALL = Shape()
+RANK = Shape(key_heads=8, heads=24, dk=128, dv=128, kernel=4, slots=80)  # tp=2's per-rank widths
+
+
+def lanes_and_lens(count: int, rows: int, shape: Shape) -> tuple[list[int], list[int]]:
+    """`count` lanes in scattered slots of `shape`'s pool, `rows` rows each."""
+    return [(7 * i + 3) % shape.slots for i in range(count)], [rows] * count
 
 
 def inputs(
@@ -67,9 +73,17 @@ def inputs(
     }
 
 
-def unfused(data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int) -> tuple[torch.Tensor | None, ...]:
-    """The four kernels one after another on copies of the tails and states: (y, tails, states, kept, row tails)."""
-    tail, state = data["tail"].clone(), data["state"].clone()
+def tails_and_states(data: dict[str, torch.Tensor], copies: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lanes' conv tails and states a call updates: copies, or data's own (a timed call's, updated in place)."""
+    return (data["tail"].clone(), data["state"].clone()) if copies else (data["tail"], data["state"])
+
+
+def unfused(
+    data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int, copies: bool = True
+) -> tuple[torch.Tensor | None, ...]:
+    """The four kernels one after another (on copies of the tails and states unless `copies` is False): (y, tails,
+    states, kept, row tails)."""
+    tail, state = tails_and_states(data, copies)
     seq = data["mixed"].shape[0]
     row_tails = tail.new_empty((seq, *tail.shape[1:])) if keep else None
     qkv = causal_conv_update(data["mixed"], tail, data["conv_weight"], data["lane_of_row"], row_tails=row_tails)
@@ -80,9 +94,11 @@ def unfused(data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int)
     return y, tail, state, kept, row_tails
 
 
-def fused(data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int) -> tuple[torch.Tensor | None, ...]:
-    """`gdn_step` on copies of the tails and states, the same five results."""
-    tail, state = data["tail"].clone(), data["state"].clone()
+def fused(
+    data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int, copies: bool = True
+) -> tuple[torch.Tensor | None, ...]:
+    """`gdn_step` (on copies of the tails and states unless `copies` is False), the same five results."""
+    tail, state = tails_and_states(data, copies)
     seq = data["mixed"].shape[0]
     row_tails = tail.new_empty((seq, *tail.shape[1:])) if keep else None
     y, kept = step.gdn_step(

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from kernels import gdn_step as step
-from tests.kernels.test_gdn_step import Shape, assert_same_bits, fused, inputs, unfused
+from tests.kernels.test_gdn_step import RANK, assert_same_bits, fused, inputs, lanes_and_lens, unfused
 
-RANK = Shape(key_heads=8, heads=24, dk=128, dv=128, kernel=4, slots=80)
 ROW_INPUTS = ("mixed", "z", "b", "a", "lane_of_row")
 
 pytestmark = [
@@ -22,25 +21,20 @@ pytestmark = [
 ]
 
 
-def lanes_and_lens(count: int, rows: int) -> tuple[list[int], list[int]]:
-    """`count` lanes in scattered slots, `rows` rows each."""
-    return [(7 * i + 3) % RANK.slots for i in range(count)], [rows] * count
-
-
 @pytest.mark.parametrize("act", ["silu", "sigmoid"])
 @pytest.mark.parametrize(
     ("count", "rows", "keep"), [(1, 1, False), (7, 1, False), (64, 1, False), (8, 1, True), (8, 4, False), (8, 4, True)]
 )
 @pytest.mark.parametrize("a_scale", [1.0, 60.0])  # 60: sigmoids and softplus far in their tails, exp past fp32
 def test_one_launch_gives_the_four_kernels_bits(count: int, rows: int, keep: bool, act: str, a_scale: float) -> None:
-    lanes, lens = lanes_and_lens(count, rows)
+    lanes, lens = lanes_and_lens(count, rows, RANK)
     data = inputs(lanes, lens, seed=count + rows, shape=RANK, device="cuda", a_scale=a_scale)
     assert_same_bits(unfused(data, keep, act, RANK.key_heads), fused(data, keep, act, RANK.key_heads))
     assert not step._COUNTERS.get(data["mixed"].device, 0).any()  # every counter left zero
 
 
 def test_every_lane_alone_has_its_bits_in_the_batch() -> None:
-    lanes, lens = lanes_and_lens(16, 1)
+    lanes, lens = lanes_and_lens(16, 1, RANK)
     lens[3], lens[9] = 3, 2  # verify windows beside decode rows
     data = inputs(lanes, lens, seed=5, shape=RANK, device="cuda")
     y, tail, state, _, _ = fused(data, False, "silu", RANK.key_heads)
