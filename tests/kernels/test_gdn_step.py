@@ -129,6 +129,14 @@ def test_one_launch_gives_the_four_kernels_bits(lanes, lens, keep, act) -> None:
     assert not step._COUNTERS.get(torch.device("cpu"), 0).any()  # every counter left zero
 
 
+def test_strided_gate_parameters_are_read_as_the_gates_kernel_reads_them() -> None:
+    data = inputs([3, 0], [1, 1])
+    for name in ("a_log", "dt_bias"):
+        data[name] = torch.stack((data[name], -data[name]), dim=1)[:, 0]  # every other element of a wider tensor
+    assert not data["a_log"].is_contiguous()
+    assert_same_bits(unfused(data, False, "silu", SMALL.key_heads), fused(data, False, "silu", SMALL.key_heads))
+
+
 def test_it_stays_close_to_the_plain_reference() -> None:
     """With fp32 activations nothing is rounded to bf16 between the steps: fp32 tolerances against the reference."""
     data = inputs([2, 4, 0], [3, 1, 5], seed=1, a_scale=1.0, act=torch.float32)
