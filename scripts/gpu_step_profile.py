@@ -2,7 +2,9 @@
 the model with CUDA graphs, timed on the host (wall time of a forward, synchronised) and on the GPU (CUDA events
 over the graph's replay alone); one lane's verify round with 0..3 drafts (every row's state kept); then
 torch.profiler's kernel and host tables for five rounds of one lane, of the most lanes and of a 3-draft verify
-round on rank 0; with --prompt ROWS also one lane's eager prompt pass of ROWS rows, timed and profiled (three passes).
+round on rank 0, and each kernel's share of the GPU's busy time (`busy_shares`: what the kernels add up to when
+PDL overlaps each with the one before); with --prompt ROWS also one lane's eager prompt pass of ROWS rows, timed
+and profiled (three passes).
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
 (--nproc-per-node 1 runs the model whole, tp=1, on one GPU)
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import heapq
+import itertools
 import json
 import os
 import random
@@ -104,6 +108,30 @@ def per_round(events, rounds: int) -> list[dict]:
     return [{"name": e.key, "ms": e.self_device_time_total / 1e3 / rounds, "calls": e.count / rounds} for e in timed]
 
 
+def busy_shares(spans: list[tuple[str, float, float]]) -> tuple[Counter[str], float]:
+    """Each kernel name's share of the GPU's busy time from (name, start, end) spans, and the idle time between the
+    first start and the last end. Each stretch where kernels run goes to the earliest started among them: under PDL a
+    kernel starts while the one before it runs and waits for it, so the stretch is the earlier one's work."""
+    shares: Counter[str] = Counter()
+    idle = 0.0
+    by_start = sorted(spans, key=lambda span: span[1])
+    points = sorted({t for _name, start, end in spans for t in (start, end)})
+    running: list[tuple[float, float, str]] = []  # (start, end, name), earliest start first
+    nxt = 0
+    for begin, finish in itertools.pairwise(points):
+        while nxt < len(by_start) and by_start[nxt][1] <= begin:
+            name, start, end = by_start[nxt]
+            heapq.heappush(running, (start, end, name))
+            nxt += 1
+        while running and running[0][1] <= begin:
+            heapq.heappop(running)
+        if running:
+            shares[running[0][2]] += finish - begin
+        else:
+            idle += finish - begin
+    return shares, idle
+
+
 def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5) -> str:
     """torch.profiler's kernel table of `rounds` calls of `step` (every rank profiles, so both pay its cost alike);
     rank 0 prints each kernel's ms and calls a round, then the host operations that took the most host time."""
@@ -119,6 +147,13 @@ def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5) 
         print(f"kernels, {label}, per round: {total_ms:.3f} ms in {launches:.0f} launches", flush=True)
         for line in kernels[:24]:
             print(f"  {line['ms']:7.3f} ms {line['calls']:6.1f} calls  {line['name'][:90]}", flush=True)
+        device = torch.autograd.DeviceType.CUDA
+        spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == device]
+        shares, idle = busy_shares(spans)
+        busy = sum(shares.values())
+        print(f"busy time, {label}, per round: {busy / 1e3 / rounds:.3f} ms (idle between: {idle / 1e3 / rounds:.3f})")
+        for name, us in shares.most_common(24):
+            print(f"  {us / 1e3 / rounds:7.3f} ms  {name[:90]}", flush=True)
         print(f"host, {label}, per round:", flush=True)
         for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_LINES]:
             print(f"  {e.self_cpu_time_total / 1e3 / rounds:7.3f} ms {e.count / rounds:6.1f} calls  {e.key[:90]}")

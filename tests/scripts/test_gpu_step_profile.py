@@ -35,3 +35,14 @@ def test_a_world_of_fewer_than_two_ranks_is_refused(world: str, capsys) -> None:
     with pytest.raises(SystemExit):
         gpu_step_profile.parse_args(["--out", "x", "--alone-as", world])
     assert "--alone-as" in capsys.readouterr().err
+
+
+def test_busy_time_goes_to_the_earliest_started_kernel_running() -> None:
+    spans = [("a", 0.0, 10.0), ("b", 2.0, 12.0), ("side", 3.0, 4.0), ("a", 15.0, 16.0), ("c", 15.5, 18.0)]
+    shares, idle = gpu_step_profile.busy_shares(spans)
+    assert shares == {"a": 11.0, "b": 2.0, "c": 2.0}
+    assert idle == 3.0
+
+
+def test_busy_shares_of_no_spans_are_empty() -> None:
+    assert gpu_step_profile.busy_shares([]) == ({}, 0.0)
