@@ -6,8 +6,9 @@ activation dtype (that of X: bf16 in the model, fp32 for exactness tests); every
 even, and every sum and transcendental runs in fp32 (sqrt and division correctly rounded, exp from libdevice).
 
 Read, three launches, each intermediate with its dtype and rounding:
-  1. rstd [N, hc] fp32 = 1 / sqrt(Σ x² / d + eps) per stream; lane-wise fp32 sums over BLOCK_D chunks of d in
-     increasing order, then one tree sum whose shape depends on d alone.
+  1. rstd [N, hc] fp32 = 1 / sqrt(Σ x² / d + eps) per stream: one tree sum over the stream held whole (up to
+     RSTD_ONE_CHUNK), else lane-wise fp32 sums over chunks of 1,024 in increasing order, then one tree sum; the shape
+     depends on d alone.
   2. normed = act(x · rstd · (1 + w_norm)) (rebuilt identically wherever it is used, or stored once, below);
      a [N, r] and a_inj [N, hc] fp32 = normed · W_downᵀ, normed · W_injectᵀ: the K = hc·d axis is cut into
      `split` ranges of `k_split` (from hc·d and d alone, `k_ranges`), each range a chain of tensor-core dots over
@@ -63,6 +64,7 @@ MAX_TILES = 1024
 MIN_PROGRAMS = 264
 WRITE_BLOCK = 256
 UP_BLOCK_K = 128  # `_up_mix_kernel`'s chunk of r
+RSTD_ONE_CHUNK = 4096  # the widest stream the rstd kernel holds in registers whole
 UP_MIX_COLUMNS = 128  # the most columns (streams padded to a power of two, times up_d) of `_up_mix_kernel`'s tile
 
 
@@ -89,6 +91,17 @@ def block_k(d: int) -> int:
 def block_r(r: int) -> int:
     """Up-projection reduction chunk over r, from r alone."""
     return 64 if r > 32 else max(16, triton.next_power_of_2(r))
+
+
+def rstd_block(d: int) -> int:
+    """The rstd kernel's chunk of a stream, from d alone: the whole stream up to RSTD_ONE_CHUNK, else 1,024."""
+    whole = triton.next_power_of_2(d)
+    return whole if whole <= RSTD_ONE_CHUNK else 1024
+
+
+def rstd_warps(block_d: int) -> int:
+    """The rstd kernel's warps: eight from chunks of 2,048 (at most 16 elements a thread), else four."""
+    return 8 if block_d >= 2048 else 4
 
 
 def k_ranges(k: int, d: int) -> tuple[int, int]:
@@ -203,6 +216,7 @@ def _rstd_kernel(
     ACT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32, lane sums then one tree sum; with
     WRITE_NORMED also stream b of normed = act(x · rstd · (1 + w)). With WRITE, x is first the write's new X_b
@@ -212,6 +226,24 @@ def _rstd_kernel(
     b = tl.program_id(1)
     row64 = row.to(tl.int64)
     base = (new_ptr + row64 * stride_new if WRITE else wide_ptr + row64 * stride_w) + b * D
+    if ONE_CHUNK:  # the stream in registers: loaded (or written) once, normed from there, nothing read back
+        cols = tl.arange(0, BLOCK_D)
+        ok = cols < D
+        if WRITE:
+            y = _write_y(y_ptr, row64, cols, ok, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
+            written = _written(wide_ptr, inj_ptr, y, row64, b, cols, ok, D, stride_w, stride_i, ACT_BF16, INTERPRET)
+            tl.store(base + cols, written, mask=ok)
+            x = written.to(tl.float32)
+        else:
+            x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+        mean = tl.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32))
+        rs = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
+        tl.store(rstd_ptr + row * HC + b, rs)
+        if WRITE_NORMED:
+            w = tl.load(nw_ptr + b * D + cols, mask=ok, other=0.0).to(tl.float32)
+            out = normed_ptr + row64 * stride_n + b * D + cols
+            tl.store(out, round_to_act(x * rs * (1.0 + w), ACT_BF16, INTERPRET), mask=ok)
+        return
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
@@ -764,11 +796,12 @@ def launch_read(
     normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_over_normed else rstd
     y, inj, new = (write.y_or_partials, write.inject, write.out) if write is not None else (rstd, rstd, wide)
     ranks = y.shape[0] if write is not None and y.dim() == 3 else 0
+    block_d = rstd_block(d)
     _rstd_kernel[(n, hc)](
         wide, rstd, hc_norm_weight, normed, y, inj, new, d, wide.stride(0), new.stride(0), normed.stride(0),
         y.stride(0) if ranks else 0, y.stride(-2), inj.stride(0), eps,
-        HC=hc, BLOCK_D=min(1024, triton.next_power_of_2(d)), WRITE_NORMED=via_linear or up_over_normed,
-        WRITE=write is not None, RANKS=ranks, ACT_BF16=bf16, INTERPRET=INTERPRET,
+        HC=hc, BLOCK_D=block_d, WRITE_NORMED=via_linear or up_over_normed, WRITE=write is not None, RANKS=ranks,
+        ACT_BF16=bf16, INTERPRET=INTERPRET, ONE_CHUNK=block_d >= d, num_warps=rstd_warps(block_d),
         **launch_options(_rstd_kernel, wide.device),
     )  # fmt: skip
     wide = new  # the later launches read the rows the write stored

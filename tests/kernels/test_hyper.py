@@ -411,6 +411,28 @@ def test_a_write_fused_into_the_read_gives_both_calls_bits(act, partials: bool, 
     assert torch.equal(new_wide, written) and torch.equal(x2, x) and torch.equal(inj2, read_inj)
 
 
+@pytest.mark.parametrize("limit", [4096, 1024])  # d = 1,040 whole, or in two chunks of 1,024
+def test_the_rstd_kernel_holds_a_stream_whole_up_to_its_limit(limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams up to RSTD_ONE_CHUNK wide are normed from registers, wider ones chunk by chunk; both match the
+    references, with and without a write in the launch."""
+    assert (hyper.rstd_block(2560), hyper.rstd_block(32), hyper.rstd_block(5000)) == (4096, 32, 1024)
+    monkeypatch.setattr(hyper, "RSTD_ONE_CHUNK", limit)
+    assert hyper.rstd_block(1040) == min(limit, 2048)
+    d, act = 1040, torch.float32
+    g = torch.Generator().manual_seed(60)
+    w, wide = weights(4, act, seed=61, d=d), wide_rows(2, 4, act, seed=62, d=d)
+    args = (w["hc_norm_weight"], w["w_down"], w["w_up"], w["w_inject"], EPS, 4)
+    x, inj = hc_read(wide, *args)
+    x_ref, inj_ref = hc_read_reference(wide, *args)
+    assert rel_err(x, x_ref) <= tol(act) and rel_err(inj, inj_ref) <= tol(act)
+    y, scale = torch.randn(2, d, generator=g), torch.rand(2, 4, generator=g) * 2
+    new_wide, x2, inj2 = hc_write_read(wide, y, scale, *args)
+    written = hc_write_reference(wide, y, scale)
+    x2_ref, inj2_ref = hc_read_reference(written, *args)
+    assert torch.equal(new_wide, written)
+    assert rel_err(x2, x2_ref) <= tol(act) and rel_err(inj2, inj2_ref) <= tol(act)
+
+
 def test_a_fused_write_refuses_what_the_read_cannot_take() -> None:
     w, wide = weights(4, torch.float32, seed=53), wide_rows(3, 4, torch.float32, seed=54)
     y, inj = torch.randn(3, D), torch.rand(3, 4)
