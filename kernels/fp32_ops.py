@@ -64,6 +64,15 @@ def mul_rn(x, y, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def div_rn(x, y, INTERPRET: tl.constexpr):
+    """x / y correctly rounded, subnormals kept whatever the kernel's ftz setting."""
+    if INTERPRET:
+        return tl.div_rn(x, y)
+    else:
+        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], tl.float32, True, 1)
+
+
+@triton.jit
 def pairwise_sum(x, BLOCK: tl.constexpr):
     """Σ x over a power-of-two block as a balanced tree of pairs: each level adds two neighbours, a + b, which no
     layout can reorder."""

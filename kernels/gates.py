@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.fp32_ops import add_rn, mul_rn, round_to_act
+from kernels.fp32_ops import add_rn, div_rn, mul_rn, round_to_act
 from kernels.pdl import enter, launch_options
 
 # The interpreter has no libdevice, and its bf16 casts truncate and lose subnormals: there they go through the bits.
@@ -170,14 +170,24 @@ def _gated_add_kernel(
     enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
-    z = _f32(tl.load(logit_ptr + (offs // D) * stride_logit, mask=ok, other=0.0), INTERPRET)
-    shared = _f32(tl.load(shared_ptr + offs, mask=ok, other=0.0), INTERPRET)
-    routed = _f32(tl.load(routed_ptr + offs, mask=ok, other=0.0), INTERPRET)
-    scaled = _round(_round(_sigmoid(z, INTERPRET), ACT_BF16, INTERPRET) * shared, ACT_BF16, INTERPRET)
-    if OUT_F32:
-        tl.store(out_ptr + offs, _round(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
-    else:
-        tl.store(out_ptr + offs, _to_act(routed + scaled, ACT_BF16, INTERPRET), mask=ok)
+    z = tl.load(logit_ptr + (offs // D) * stride_logit, mask=ok, other=0.0)
+    shared = tl.load(shared_ptr + offs, mask=ok, other=0.0)
+    routed = tl.load(routed_ptr + offs, mask=ok, other=0.0)
+    value = gated_value(routed, z, shared, ACT_BF16, INTERPRET)
+    tl.store(out_ptr + offs, value if OUT_F32 else value.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def gated_value(routed, z, shared, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """act(act(routed) + act(act(sigmoid(z)) · shared)) in fp32 from loaded values (bf16 or fp32), exact in act: the
+    sum, product and division in PTX, rounded apart and subnormals kept, so a kernel compiled with FMA contraction or
+    ftz gives the same bits (exp flushes only results below fp32's normal range, which leave 1 + exp unchanged)."""
+    one = tl.full(z.shape, 1.0, tl.float32)
+    sigmoid = div_rn(one, add_rn(one, _exp(-_f32(z, INTERPRET), INTERPRET), INTERPRET), INTERPRET)
+    gate = _round(sigmoid, ACT_BF16, INTERPRET)
+    scaled = _round(mul_rn(gate, _f32(shared, INTERPRET), INTERPRET), ACT_BF16, INTERPRET)
+    routed = _round(_f32(routed, INTERPRET), ACT_BF16, INTERPRET)
+    return _round(add_rn(routed, scaled, INTERPRET), ACT_BF16, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["total"])

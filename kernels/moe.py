@@ -36,7 +36,7 @@ same bits) load straight into their MMA operands.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ import triton.language as tl
 from kernels import moe_gluon
 from kernels.counters import CounterPool
 from kernels.fp4_words import PACKED_KEYS, from_words, natural_scales, span_k
+from kernels.gates import contiguous_columns, gated_add, gated_value
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
@@ -79,6 +80,17 @@ class MoeTiles:
     num_warps: int
     num_stages: int
     down_group: int = 1  # column tiles of the down projection one program runs in turn, in one pipelined loop
+
+
+@dataclass(frozen=True, slots=True)
+class SharedGate:
+    """The shared expert's output `shared` [N, d] and gate logits `gate_logit` [N, 1] (bf16, rows at any stride),
+    which the routed sum takes as `kernels.gates.gated_add` does: routed + sigmoid(logit) · shared. `ready` runs
+    before the first launch that reads them (the caller joins there the stream that makes them)."""
+
+    shared: torch.Tensor
+    gate_logit: torch.Tensor
+    ready: Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -613,12 +625,15 @@ def _down_pairs_kernel(
     y_ptr,
     count_ptr,
     out_ptr,
+    shared_ptr,
+    logit_ptr,
     D,
     INTER,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,
+    stride_logit,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -626,6 +641,7 @@ def _down_pairs_kernel(
     EVEN_K: tl.constexpr,
     FP4: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    GATED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
     SPAN: tl.constexpr,
@@ -633,7 +649,8 @@ def _down_pairs_kernel(
     """y = h·Wdᵀ of the pair at one place in one column tile, formed as `_down_kernel` forms it (the pair alone in a
     BLOCK_M-row tile) and stored by place; the last of the row's pairs to arrive at the column tile (an arrival
     counter picks it) adds the row's weighted y in place order, ascending expert id, as `_combine_kernel` adds them,
-    and stores the output: the same order whichever pair arrives last."""
+    and stores the output: the same order whichever pair arrives last. GATED: the output is
+    `gated_value(bf16 sum, the row's shared-expert logit, its shared output)`, `_gated_add_kernel`'s bits."""
     enter(PDL)
     n_cols = tl.cdiv(D, BLOCK_N)
     place = tl.program_id(0) // n_cols
@@ -668,6 +685,10 @@ def _down_pairs_kernel(
             y = tl.load(y_row + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
             total = total + tl.load(order_wts_ptr + row * TOP_K + j) * y
         out = out_ptr + row.to(tl.int64) * D + no_rows + cols[None, :]
+        if GATED:
+            shared = tl.load(shared_ptr + row.to(tl.int64) * D + no_rows + cols[None, :], mask=mask, other=0.0)
+            z = tl.load(logit_ptr + row.to(tl.int64) * stride_logit + no_rows)
+            total = gated_value(_round_bf16(total, INTERPRET), z, shared, True, INTERPRET)
         if OUT_BF16:
             tl.store(out, _round_bf16(total, INTERPRET), mask=mask)
         else:
@@ -751,9 +772,12 @@ def moe_forward(
     bank: Mapping[str, torch.Tensor],
     out_dtype: torch.dtype = torch.bfloat16,
     tiles: MoeTiles | None = None,
+    gated: SharedGate | None = None,
 ) -> torch.Tensor:
     """Routed experts of x [N, d] bf16 with expert_ids [N, k] and weights [N, k] -> [N, d] out_dtype (bf16/fp32):
-    below PAIR_ROWS rows each pair alone (two launches), else grouped by expert (four); the same bits either way."""
+    below PAIR_ROWS rows each pair alone (two launches), else grouped by expert (four); the same bits either way.
+    With `gated` the output is `gated_add(routed in bf16, gated.gate_logit, gated.shared, out_dtype)`: in the pairs
+    path's down launch, else a launch of its own."""
     wb = _weights(bank)
     n, top_k = expert_ids.shape
     if x.shape != (n, wb.d) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
@@ -762,17 +786,36 @@ def moe_forward(
         raise ValueError(f"weights: expected {(n, top_k)}, got {tuple(weights.shape)}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    out = torch.empty(n, wb.d, dtype=out_dtype, device=x.device)
+    if gated is not None:
+        _check_shared_gate(gated, x)
     if n == 0:
-        return out
+        if gated is not None:
+            gated.ready()
+        return torch.empty(n, wb.d, dtype=out_dtype, device=x.device)
     tiles = tiles or moe_tiles(n, top_k, wb.experts)
     ids = expert_ids.to(torch.int32).contiguous()
     wts = weights.to(torch.float32).contiguous()
     if n < PAIR_ROWS:
-        _pairs_forward(x, ids, wts, wb, out, tiles)
-    else:
-        _grouped_forward(x, ids, wts, wb, out, tiles)
-    return out
+        out = torch.empty(n, wb.d, dtype=out_dtype, device=x.device)
+        _pairs_forward(x, ids, wts, wb, out, tiles, gated)
+        return out
+    out = torch.empty(n, wb.d, dtype=torch.bfloat16 if gated is not None else out_dtype, device=x.device)
+    _grouped_forward(x, ids, wts, wb, out, tiles)
+    if gated is None:
+        return out
+    gated.ready()
+    return gated_add(out, gated.gate_logit, gated.shared, out_dtype)
+
+
+def _check_shared_gate(gated: SharedGate, x: torch.Tensor) -> None:
+    """Raise on a shared output or gate logits that do not match x's rows, dtype and device."""
+    shared, logit = gated.shared, gated.gate_logit
+    if shared.shape != x.shape or shared.dtype != torch.bfloat16 or shared.device != x.device:
+        raise ValueError(f"gated.shared: expected {tuple(x.shape)} bf16 on {x.device}, got {tuple(shared.shape)} "
+                         f"{shared.dtype} on {shared.device}")  # fmt: skip
+    if logit.shape != (x.shape[0], 1) or logit.dtype != torch.bfloat16 or logit.device != x.device:
+        raise ValueError(f"gated.gate_logit: expected ({x.shape[0]}, 1) bf16 on {x.device}, got "
+                         f"{tuple(logit.shape)} {logit.dtype} on {logit.device}")  # fmt: skip
 
 
 def _k_tile(block_k: int, fp4: bool, k: int) -> tuple[int, int]:
@@ -783,10 +826,16 @@ def _k_tile(block_k: int, fp4: bool, k: int) -> tuple[int, int]:
 
 
 def _pairs_forward(
-    x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, wb: _Weights, out: torch.Tensor, tiles: MoeTiles
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    wts: torch.Tensor,
+    wb: _Weights,
+    out: torch.Tensor,
+    tiles: MoeTiles,
+    gated: SharedGate | None,
 ) -> None:
     """Each (row, expert) pair in its own programs: h by place in each row's ascending-expert order, then the down
-    projection with the ordered weighted sum in the same launch; no plan."""
+    projection with the ordered weighted sum (and the gated shared expert) in the same launch; no plan."""
     n, top_k = ids.shape
     interpret = _interpreting()
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
@@ -804,12 +853,18 @@ def _pairs_forward(
     )  # fmt: skip
     n_cols = triton.cdiv(wb.d, tiles.down_n)
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
+    if gated is not None:
+        gated.ready()
+        shared, logit = gated.shared.contiguous(), contiguous_columns(gated.gate_logit)
+    else:
+        shared, logit = out, out
     _down_pairs_kernel[(n * top_k * n_cols,)](
         h, order_ids, order_wts, wb.down, wb.down_scale, wb.down_scale_2, y, _COUNTERS.get(x.device, n * n_cols), out,
-        wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0), wb.down_scale.stride(1),
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=down_k,
-        EVEN_K=wb.inter % down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
-        INTERPRET=interpret, SPAN=down_span, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        shared, logit, wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0),
+        wb.down_scale.stride(1), logit.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
+        BLOCK_K=down_k, EVEN_K=wb.inter % down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
+        GATED=gated is not None, INTERPRET=interpret, SPAN=down_span, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         **launch_options(_down_pairs_kernel, x.device),
     )  # fmt: skip
 

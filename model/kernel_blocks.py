@@ -18,14 +18,14 @@ from torch import nn
 
 from kernels.conv import causal_conv_update
 from kernels.fp4_words import kernel_bank
-from kernels.gates import gated_add, gdn_gates, sigmoid_mul, silu_mul
+from kernels.gates import gdn_gates, sigmoid_mul, silu_mul
 from kernels.gdn import gdn_recurrent
 from kernels.gdn_chunk import ChunkPlan, gdn_prompt
 from kernels.gdn_step import fits as gdn_step_fits
 from kernels.gdn_step import gdn_step
 from kernels.hyper import hc_read, hc_write, hc_write_read
 from kernels.linear import linear, linear_topk
-from kernels.moe import moe_forward
+from kernels.moe import SharedGate, moe_forward
 from kernels.ngram import ngram_rows
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
 from kernels.qsa import qsa_index, qsa_sparse_attention
@@ -243,7 +243,8 @@ def experts_to_words(model: nn.Module) -> None:
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """Routed experts (router logits in fp32 from the linear kernel and their top-k, in one launch for one row) plus
-    the gated shared expert, which runs on the side stream beside the routed chain."""
+    the gated shared expert, which runs on the side stream beside the routed chain and is joined where the routed
+    kernels first read it (at one row the down launch, which adds it)."""
     side = fork(x.device, "moe")
     with on(side):
         s = m.shared_expert
@@ -252,9 +253,9 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
         shared = project(silu_mul(gate, up), s.down_proj)
     weights, ids = linear_topk(x, m.gate.weight, m.gate.top_k, m.gate.renormalise)
-    routed = moe_forward(x, ids, weights, expert_bank(m.experts))
-    join(side)
-    return m.tp.reduce(gated_add(routed, gate_logit, shared, torch.float32 if m.tp.world > 1 else None))
+    gated = SharedGate(shared, gate_logit, functools.partial(join, side))
+    out_dtype = torch.float32 if m.tp.world > 1 else torch.bfloat16
+    return m.tp.reduce(moe_forward(x, ids, weights, expert_bank(m.experts), out_dtype, gated=gated))
 
 
 def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:

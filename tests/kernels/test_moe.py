@@ -14,7 +14,9 @@ import triton.language as tl
 
 from kernels import moe, moe_gluon
 from kernels.fp4_words import WORD_BITS, from_words, kernel_bank, natural_scales, span_k, to_words
+from kernels.gates import gated_add
 from kernels.moe import (
+    SharedGate,
     expert_weights,
     moe_forward,
     moe_forward_reference,
@@ -385,6 +387,43 @@ def test_rows_below_pair_rows_run_each_pair_alone_with_the_grouped_bits(kind: st
         assert launched == ["_plan_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"], launched
         assert torch.equal(bits(pairs), bits(grouped))
     assert_matches_reference(moe_forward(x, ids, w, BANKS[kind], torch.float32), x, ids, w, BANKS[kind])
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("n", [1, 5])  # the pairs path, then the grouped one
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_the_gated_shared_expert_is_added_as_gated_add_adds_it(kind: str, n: int, out_dtype: torch.dtype) -> None:
+    """With the shared expert's output and gate logits the routed call gives gated_add's bits (in the pairs path's
+    down launch, no launch of its own), and calls `ready` once, before the first launch that reads them."""
+    x, ids, w = make_routing(n, seed=60 + n)
+    g = torch.Generator().manual_seed(61)
+    shared = (torch.randn(n, D, generator=g) * 4).bfloat16()
+    logits = (torch.randn(n, 3, generator=g) * 8).bfloat16()[:, 1:2]  # a column view, as the fused projection's
+    logits[0] = -100.0  # a sigmoid below fp32's normal range
+    with recording_launches() as launched:
+        marks: list[list[str]] = []
+        got = moe_forward(
+            x, ids, w, BANKS[kind], out_dtype, gated=SharedGate(shared, logits, lambda: marks.append(list(launched)))
+        )
+    routed = moe_forward(x, ids, w, BANKS[kind])
+    want = gated_add(routed, logits, shared, out_dtype)
+    assert got.dtype == out_dtype and torch.equal(bits(got), bits(want))
+    if n == 1:
+        assert launched == ["_gate_up_pairs_kernel", "_down_pairs_kernel"] and marks == [launched[:1]], (
+            launched,
+            marks,
+        )
+    else:
+        assert launched[-1] == "_gated_add_kernel" and marks == [launched[:-1]], (launched, marks)
+
+
+def test_a_shared_gate_of_other_rows_is_refused() -> None:
+    x, ids, w = make_routing(2, seed=62)
+    shared, logits = torch.zeros(2, D, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"gated\.shared"):
+        moe_forward(x, ids, w, BANKS["bf16"], gated=SharedGate(shared[:1], logits, lambda: None))
+    with pytest.raises(ValueError, match=r"gated\.gate_logit"):
+        moe_forward(x, ids, w, BANKS["bf16"], gated=SharedGate(shared, logits.float(), lambda: None))
 
 
 def test_a_row_alone_equals_the_row_in_a_grouped_batch() -> None:

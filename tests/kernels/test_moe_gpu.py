@@ -12,6 +12,7 @@ import torch
 
 from kernels import moe, moe_gluon
 from kernels.fp4_words import kernel_bank
+from kernels.gates import gated_add
 from kernels.moe import moe_forward, moe_forward_reference, moe_plan, moe_plan_reference, moe_tiles
 
 E, D, INTER, TOP_K = 512, 2560, 320, 10
@@ -105,6 +106,25 @@ def test_pairs_path_equals_the_grouped_path(n: int, monkeypatch) -> None:
     grouped = [moe_forward(x, ids, w, bank, dtype) for dtype in (torch.float32, torch.bfloat16)]
     assert torch.equal(pairs[0].view(torch.int32), grouped[0].view(torch.int32))
     assert torch.equal(pairs[1].view(torch.int16), grouped[1].view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_the_gated_shared_expert_in_the_down_launch_gives_gated_adds_bits(out_dtype: torch.dtype) -> None:
+    """One row's down launch adds the gated shared expert with the elementwise kernel's bits, compiled as it is (FMA
+    contraction, ftz), over logits from -120 to 120 and shared values down to bf16's subnormals."""
+    bank, (x, ids, w) = bank_and_routing(1)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    routed = moe_forward(x, ids, w, bank)
+    for scale in (1.0, 2.0**-120, 2.0**-133):
+        shared = (torch.randn(1, D, device="cuda", generator=gen) * scale).bfloat16()
+        for z in (-120.0, -88.5, -87.0, -3.3, 0.0, 0.7, 30.0, 120.0):
+            logit = torch.full((1, 1), z, device="cuda").bfloat16()
+            got = moe_forward(x, ids, w, bank, out_dtype, gated=moe.SharedGate(shared, logit, lambda: None))
+            want = gated_add(routed, logit, shared, out_dtype)
+            as_int = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(got.view(as_int), want.view(as_int)), (scale, z)
 
 
 @pytest.mark.gpu
