@@ -40,7 +40,7 @@ def _f32(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+def to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> act (bf16 if ACT_BF16, else fp32), to nearest even; under the interpreter bf16 is cut from the bits."""
     if INTERPRET and ACT_BF16:
         bits = x.to(tl.uint32, bitcast=True)
@@ -51,7 +51,7 @@ def _to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _round(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """x rounded to act, kept in fp32 for the next operation."""
-    return _f32(_to_act(x, ACT_BF16, INTERPRET), INTERPRET)
+    return _f32(to_act(x, ACT_BF16, INTERPRET), INTERPRET)
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def _gdn_gates_kernel(
 def gdn_gate_values(b, a, a_log, dt_bias, B_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """(act_b(sigmoid(b)), (-exp(a_log)) · softplus(a + dt_bias) in fp32) from the loaded values, every sum and
     product rounded apart (the bits of a kernel compiled with FMA contraction too)."""
-    beta = _to_act(_sigmoid(_f32(b, INTERPRET), INTERPRET), B_BF16, INTERPRET)
+    beta = to_act(_sigmoid(_f32(b, INTERPRET), INTERPRET), B_BF16, INTERPRET)
     x = add_rn(_f32(a, INTERPRET), _f32(dt_bias, INTERPRET), INTERPRET)
     decay = -_exp(_f32(a_log, INTERPRET), INTERPRET)
     return beta, mul_rn(decay, _softplus(x, INTERPRET), INTERPRET)
@@ -147,7 +147,7 @@ def _silu_mul_kernel(
     g = _f32(tl.load(gate_ptr + row * stride_gate + col, mask=ok, other=0.0), INTERPRET)
     up = _f32(tl.load(up_ptr + row * stride_up + col, mask=ok, other=0.0), INTERPRET)
     act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
-    tl.store(out_ptr + offs, _to_act(act * up, ACT_BF16, INTERPRET), mask=ok)
+    tl.store(out_ptr + offs, to_act(act * up, ACT_BF16, INTERPRET), mask=ok)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -174,7 +174,7 @@ def _gated_add_kernel(
     shared = tl.load(shared_ptr + offs, mask=ok, other=0.0)
     routed = tl.load(routed_ptr + offs, mask=ok, other=0.0)
     value = gated_value(routed, z, shared, ACT_BF16, INTERPRET)
-    tl.store(out_ptr + offs, value if OUT_F32 else value.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + offs, value if OUT_F32 else to_act(value, ACT_BF16, INTERPRET), mask=ok)
 
 
 @triton.jit
@@ -217,7 +217,7 @@ def _sigmoid_mul_kernel(
     n, h, d = offs // (H * D), offs // D % H, offs % D
     x = _f32(tl.load(x_ptr + n * stride_xn + h * stride_xh + d * stride_xd, mask=ok, other=0.0), INTERPRET)
     g = _f32(tl.load(gate_ptr + n * stride_gn + h * stride_gh + d * stride_gd, mask=ok, other=0.0), INTERPRET)
-    tl.store(out_ptr + offs, _to_act(x * _round(_sigmoid(g, INTERPRET), ACT_BF16, INTERPRET), ACT_BF16, INTERPRET),
+    tl.store(out_ptr + offs, to_act(x * _round(_sigmoid(g, INTERPRET), ACT_BF16, INTERPRET), ACT_BF16, INTERPRET),
              mask=ok)  # fmt: skip
 
 

@@ -218,9 +218,10 @@ def _rstd_kernel(
     PDL: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
 ):
-    """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32, lane sums then one tree sum; with
-    WRITE_NORMED also stream b of normed = act(x · rstd · (1 + w)). With WRITE, x is first the write's new X_b
-    (`_written`), stored to new_ptr and read from there."""
+    """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32: with ONE_CHUNK one tree sum over the stream
+    held in registers, else lane sums over chunks then one tree sum; with WRITE_NORMED also stream b of normed =
+    act(x · rstd · (1 + w)). With WRITE, x is first the write's new X_b (`_written`), stored to new_ptr (and read
+    back from there by the chunked form)."""
     enter(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)

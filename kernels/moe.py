@@ -47,7 +47,7 @@ import triton.language as tl
 from kernels import moe_gluon
 from kernels.counters import CounterPool
 from kernels.fp4_words import PACKED_KEYS, from_words, natural_scales, span_k
-from kernels.gates import contiguous_columns, gated_add, gated_value
+from kernels.gates import contiguous_columns, gated_add, gated_value, to_act
 from kernels.pdl import enter, launch_options
 
 NVFP4_GROUP = 16
@@ -688,9 +688,9 @@ def _down_pairs_kernel(
         if GATED:
             shared = tl.load(shared_ptr + row.to(tl.int64) * D + no_rows + cols[None, :], mask=mask, other=0.0)
             z = tl.load(logit_ptr + row.to(tl.int64) * stride_logit + no_rows)
-            total = gated_value(_round_bf16(total, INTERPRET), z, shared, True, INTERPRET)
-        if OUT_BF16:
-            tl.store(out, _round_bf16(total, INTERPRET), mask=mask)
+            total = gated_value(total, z, shared, True, INTERPRET)  # rounds the routed sum to bf16 first
+        if OUT_BF16:  # a gated value is exact in bf16: stored from its bits (the interpreter's cast drops subnormals)
+            tl.store(out, to_act(total, True, INTERPRET) if GATED else _round_bf16(total, INTERPRET), mask=mask)
         else:
             tl.store(out, total, mask=mask)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -810,12 +810,11 @@ def moe_forward(
 def _check_shared_gate(gated: SharedGate, x: torch.Tensor) -> None:
     """Raise on a shared output or gate logits that do not match x's rows, dtype and device."""
     shared, logit = gated.shared, gated.gate_logit
-    if shared.shape != x.shape or shared.dtype != torch.bfloat16 or shared.device != x.device:
-        raise ValueError(f"gated.shared: expected {tuple(x.shape)} bf16 on {x.device}, got {tuple(shared.shape)} "
-                         f"{shared.dtype} on {shared.device}")  # fmt: skip
-    if logit.shape != (x.shape[0], 1) or logit.dtype != torch.bfloat16 or logit.device != x.device:
-        raise ValueError(f"gated.gate_logit: expected ({x.shape[0]}, 1) bf16 on {x.device}, got "
-                         f"{tuple(logit.shape)} {logit.dtype} on {logit.device}")  # fmt: skip
+    for name, t, shape in (("gated.shared", shared, tuple(x.shape)), ("gated.gate_logit", logit, (x.shape[0], 1))):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: expected bf16, got {t.dtype}")
+        if tuple(t.shape) != shape or t.device != x.device:
+            raise ValueError(f"{name}: expected {shape} on {x.device}, got {tuple(t.shape)} on {t.device}")
 
 
 def _k_tile(block_k: int, fp4: bool, k: int) -> tuple[int, int]:

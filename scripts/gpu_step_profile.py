@@ -111,7 +111,8 @@ def per_round(events, rounds: int) -> list[dict]:
 def busy_shares(spans: list[tuple[str, float, float]]) -> tuple[Counter[str], float]:
     """Each kernel name's share of the GPU's busy time from (name, start, end) spans, and the idle time between the
     first start and the last end. Each stretch where kernels run goes to the earliest started among them: under PDL a
-    kernel starts while the one before it runs and waits for it, so the stretch is the earlier one's work."""
+    kernel starts while the one before it runs and waits for it, so the stretch is the earlier one's work. Streams
+    are not told apart: a side-stream kernel running beside an earlier started one gets no share of that stretch."""
     shares: Counter[str] = Counter()
     idle = 0.0
     by_start = sorted(spans, key=lambda span: span[1])
@@ -151,7 +152,8 @@ def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5) 
         spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == device]
         shares, idle = busy_shares(spans)
         busy = sum(shares.values())
-        print(f"busy time, {label}, per round: {busy / 1e3 / rounds:.3f} ms (idle between: {idle / 1e3 / rounds:.3f})")
+        shares_ms = f"{busy / 1e3 / rounds:.3f} ms (idle between: {idle / 1e3 / rounds:.3f})"
+        print(f"busy time, {label}, per round: {shares_ms}", flush=True)
         for name, us in shares.most_common(24):
             print(f"  {us / 1e3 / rounds:7.3f} ms  {name[:90]}", flush=True)
         print(f"host, {label}, per round:", flush=True)

@@ -130,6 +130,16 @@ def test_gated_add_matches_reference(act: torch.dtype, exact_math: None) -> None
     assert_same_bits(gated_add(routed, logit, shared), gated_add_reference(routed, logit, shared))
 
 
+def test_gated_add_keeps_subnormal_results() -> None:
+    """Results below bf16's normal range keep their bits in bf16 and in fp32 out (the interpreter's cast drops them)."""
+    shared = torch.tensor([[2.0**-128, 2.0**-130, 3 * 2.0**-133, 1.0]]).bfloat16()
+    routed, logit = torch.zeros_like(shared), torch.zeros(1, 1, dtype=torch.bfloat16)
+    want = gated_add_reference(routed, logit, shared)
+    assert want[0, :3].ne(0).all()
+    assert_same_bits(gated_add(routed, logit, shared), want)
+    assert_same_bits(gated_add(routed, logit, shared, torch.float32), want.float())
+
+
 @pytest.mark.parametrize("act", DTYPES)
 def test_gated_add_into_fp32_holds_the_act_values(act: torch.dtype) -> None:
     """The MoE's partial at two ranks: the act-dtype result's values in fp32, ready to be all-reduced in place."""

@@ -412,20 +412,23 @@ def test_a_write_fused_into_the_read_gives_both_calls_bits(act, partials: bool, 
 
 
 @pytest.mark.parametrize("limit", [4096, 1024])  # d = 1,040 whole, or in two chunks of 1,024
-def test_the_rstd_kernel_holds_a_stream_whole_up_to_its_limit(limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])  # bf16: the normed rows stored too
+def test_the_rstd_kernel_holds_a_stream_whole_up_to_its_limit(
+    limit: int, act: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Streams up to RSTD_ONE_CHUNK wide are normed from registers, wider ones chunk by chunk; both match the
     references, with and without a write in the launch."""
     assert (hyper.rstd_block(2560), hyper.rstd_block(32), hyper.rstd_block(5000)) == (4096, 32, 1024)
     monkeypatch.setattr(hyper, "RSTD_ONE_CHUNK", limit)
     assert hyper.rstd_block(1040) == min(limit, 2048)
-    d, act = 1040, torch.float32
+    d = 1040
     g = torch.Generator().manual_seed(60)
     w, wide = weights(4, act, seed=61, d=d), wide_rows(2, 4, act, seed=62, d=d)
     args = (w["hc_norm_weight"], w["w_down"], w["w_up"], w["w_inject"], EPS, 4)
     x, inj = hc_read(wide, *args)
     x_ref, inj_ref = hc_read_reference(wide, *args)
     assert rel_err(x, x_ref) <= tol(act) and rel_err(inj, inj_ref) <= tol(act)
-    y, scale = torch.randn(2, d, generator=g), torch.rand(2, 4, generator=g) * 2
+    y, scale = torch.randn(2, d, generator=g).to(act), (torch.rand(2, 4, generator=g) * 2).to(act)
     new_wide, x2, inj2 = hc_write_read(wide, y, scale, *args)
     written = hc_write_reference(wide, y, scale)
     x2_ref, inj2_ref = hc_read_reference(written, *args)

@@ -390,29 +390,29 @@ def test_rows_below_pair_rows_run_each_pair_alone_with_the_grouped_bits(kind: st
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
-@pytest.mark.parametrize("n", [1, 5])  # the pairs path, then the grouped one
+@pytest.mark.parametrize(("n", "pair_rows"), [(1, 2), (3, 4), (5, 2)])  # the pairs path (three rows: limit raised)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_the_gated_shared_expert_is_added_as_gated_add_adds_it(kind: str, n: int, out_dtype: torch.dtype) -> None:
+def test_the_gated_shared_expert_is_added_as_gated_add_adds_it(
+    kind: str, n: int, pair_rows: int, out_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With the shared expert's output and gate logits the routed call gives gated_add's bits (in the pairs path's
     down launch, no launch of its own), and calls `ready` once, before the first launch that reads them."""
+    monkeypatch.setattr(moe, "PAIR_ROWS", pair_rows)
     x, ids, w = make_routing(n, seed=60 + n)
     g = torch.Generator().manual_seed(61)
-    shared = (torch.randn(n, D, generator=g) * 4).bfloat16()
+    shared = (torch.randn(n, 2 * D, generator=g) * 4).bfloat16()[:, D:]  # rows at a stride of their own
     logits = (torch.randn(n, 3, generator=g) * 8).bfloat16()[:, 1:2]  # a column view, as the fused projection's
-    logits[0] = -100.0  # a sigmoid below fp32's normal range
+    logits[-1] = -88.0  # a sigmoid below fp32's normal range
     with recording_launches() as launched:
         marks: list[list[str]] = []
-        got = moe_forward(
-            x, ids, w, BANKS[kind], out_dtype, gated=SharedGate(shared, logits, lambda: marks.append(list(launched)))
-        )
+        ready = lambda: marks.append(list(launched))  # noqa: E731
+        got = moe_forward(x, ids, w, BANKS[kind], out_dtype, gated=SharedGate(shared, logits, ready))
     routed = moe_forward(x, ids, w, BANKS[kind])
     want = gated_add(routed, logits, shared, out_dtype)
     assert got.dtype == out_dtype and torch.equal(bits(got), bits(want))
-    if n == 1:
-        assert launched == ["_gate_up_pairs_kernel", "_down_pairs_kernel"] and marks == [launched[:1]], (
-            launched,
-            marks,
-        )
+    if n < pair_rows:
+        assert launched == ["_gate_up_pairs_kernel", "_down_pairs_kernel"], launched
+        assert marks == [launched[:1]], marks
     else:
         assert launched[-1] == "_gated_add_kernel" and marks == [launched[:-1]], (launched, marks)
 
@@ -422,8 +422,18 @@ def test_a_shared_gate_of_other_rows_is_refused() -> None:
     shared, logits = torch.zeros(2, D, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"gated\.shared"):
         moe_forward(x, ids, w, BANKS["bf16"], gated=SharedGate(shared[:1], logits, lambda: None))
-    with pytest.raises(ValueError, match=r"gated\.gate_logit"):
+    with pytest.raises(TypeError, match=r"gated\.gate_logit"):
         moe_forward(x, ids, w, BANKS["bf16"], gated=SharedGate(shared, logits.float(), lambda: None))
+    with pytest.raises(ValueError, match=r"gated\.gate_logit"):
+        moe_forward(x, ids, w, BANKS["bf16"], gated=SharedGate(shared, logits.T, lambda: None))
+
+
+def test_no_rows_with_a_shared_gate_still_join() -> None:
+    x, ids, w = make_routing(1, seed=63)
+    joined: list[bool] = []
+    empty = torch.zeros(0, D, dtype=torch.bfloat16), torch.zeros(0, 1, dtype=torch.bfloat16)
+    out = moe_forward(x[:0], ids[:0], w[:0], BANKS["bf16"], gated=SharedGate(*empty, lambda: joined.append(True)))
+    assert out.shape == (0, D) and joined == [True]
 
 
 def test_a_row_alone_equals_the_row_in_a_grouped_batch() -> None:
