@@ -1,8 +1,8 @@
 """Elementwise fp32 steps the kernels share, with the interpreter's own forms: rounding to the activation dtype
 (nearest even), exp (libdevice's expf on the GPU) and the sigmoid built from it; a sum and a multiply that no compile
 option fuses into a multiply-add, a division that no ftz option flushes, and sums as trees of neighbour pairs, which
-no layout reorders. A kernel compiled
-with FMA contraction gives these steps the bits a kernel compiled without it gives them."""
+no layout reorders. A kernel compiled with FMA contraction gives these steps the bits a kernel compiled without it
+gives them."""
 
 from __future__ import annotations
 

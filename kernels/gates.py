@@ -67,9 +67,9 @@ def _exp(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _sigmoid(x, INTERPRET: tl.constexpr):
-    """1 / (1 + exp(-x)) in fp32, correctly rounded division."""
+    """1 / (1 + exp(-x)) in fp32, the sum and the correctly rounded division in PTX (no kernel option flushes them)."""
     one = tl.full(x.shape, 1.0, tl.float32)
-    return tl.div_rn(one, add_rn(one, _exp(-x, INTERPRET), INTERPRET))
+    return div_rn(one, add_rn(one, _exp(-x, INTERPRET), INTERPRET), INTERPRET)
 
 
 @triton.jit
@@ -182,9 +182,7 @@ def gated_value(routed, z, shared, ACT_BF16: tl.constexpr, INTERPRET: tl.constex
     """act(act(routed) + act(act(sigmoid(z)) · shared)) in fp32 from loaded values (bf16 or fp32), exact in act: the
     sum, product and division in PTX, rounded apart and subnormals kept, so a kernel compiled with FMA contraction or
     ftz gives the same bits (exp flushes only results below fp32's normal range, which leave 1 + exp unchanged)."""
-    one = tl.full(z.shape, 1.0, tl.float32)
-    sigmoid = div_rn(one, add_rn(one, _exp(-_f32(z, INTERPRET), INTERPRET), INTERPRET), INTERPRET)
-    gate = _round(sigmoid, ACT_BF16, INTERPRET)
+    gate = _round(_sigmoid(_f32(z, INTERPRET), INTERPRET), ACT_BF16, INTERPRET)
     scaled = _round(mul_rn(gate, _f32(shared, INTERPRET), INTERPRET), ACT_BF16, INTERPRET)
     routed = _round(_f32(routed, INTERPRET), ACT_BF16, INTERPRET)
     return _round(add_rn(routed, scaled, INTERPRET), ACT_BF16, INTERPRET)
