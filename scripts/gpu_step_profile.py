@@ -11,6 +11,7 @@ timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [-
 python3 scripts/gpu_step_profile.py --out DIR --alone-as 2 ...   # rank 0's half on one GPU, no links (timing only)
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
     [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
+    [--chrome-trace]          # the one-lane rounds' kernels with their streams, as DIR/step_trace.json.gz
 # DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_verify.txt,
 # step_profile_prompt.txt, step_profile.json
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import heapq
 import itertools
 import json
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="feed random tokens below VOCAB (same seed on both ranks) instead of fixed ones")  # fmt: skip
     ap.add_argument("--prompt", type=int, default=0, metavar="ROWS", help="also time and profile a prompt pass")
     ap.add_argument("--ngram-table", choices=("device", "host"), default="device", help="where the n-gram table lives")
+    ap.add_argument("--chrome-trace", action="store_true",
+                    help="also write the one-lane profile's rounds as a Chrome trace (step_trace.json.gz)")  # fmt: skip
     ap.add_argument("--alone-as", type=int, default=0, metavar="WORLD",
                     help="no torchrun: rank 0's share of a WORLD-rank model, collectives skipped")  # fmt: skip
     args = ap.parse_args(argv)
@@ -133,15 +137,22 @@ def busy_shares(spans: list[tuple[str, float, float]]) -> tuple[Counter[str], fl
     return shares, idle
 
 
-def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5) -> str:
+def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5, trace: Path | None = None) -> str:
     """torch.profiler's kernel table of `rounds` calls of `step` (every rank profiles, so both pay its cost alike);
-    rank 0 prints each kernel's ms and calls a round, then the host operations that took the most host time."""
+    rank 0 prints each kernel's ms and calls a round, then the host operations that took the most host time, and
+    writes the rounds to `trace` (gzipped Chrome trace: every kernel with its stream) when given."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(rounds):
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
+    if rank == 0 and trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        trace.write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
     if rank == 0:
         kernels = per_round(events, rounds)
         total_ms, launches = sum(k["ms"] for k in kernels), sum(k["calls"] for k in kernels)
@@ -267,7 +278,8 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
 
     tables["_verify"] = profile(verify_round, f"a verify round with {WINDOW - 1} drafts", rank)
     syncs = {"verify": sync_sites(verify_round), "graphs_current": graphs.covers("trunk", 1)}
-    tables[""] = profile(lambda: model(decode_batch(lanes, 1, vocab, rng)), "1 lane", rank)
+    trace = args.out / "step_trace.json.gz" if args.chrome_trace else None
+    tables[""] = profile(lambda: model(decode_batch(lanes, 1, vocab, rng)), "1 lane", rank, trace=trace)
     syncs["1 lane"] = sync_sites(lambda: model(decode_batch(lanes, 1, vocab, rng)))
     if args.prompt:
         lanes = [model.new_lane()]

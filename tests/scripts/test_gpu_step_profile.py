@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -46,3 +49,12 @@ def test_busy_time_goes_to_the_earliest_started_kernel_running() -> None:
 
 def test_busy_shares_of_no_spans_are_empty() -> None:
     assert gpu_step_profile.busy_shares([]) == ({}, 0.0)
+
+
+def test_a_profile_writes_its_rounds_as_a_gzipped_chrome_trace(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # no GPU here: CPU ops stand in for kernels
+    trace = tmp_path / "step_trace.json.gz"
+    gpu_step_profile.profile(lambda: torch.ones(64).cumsum(0), "a step", rank=0, rounds=2, trace=trace)
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert sum("cumsum" in event.get("name", "") for event in events) >= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_trace.json.gz"]
