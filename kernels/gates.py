@@ -5,7 +5,8 @@ g = (-exp(a_log)) · softplus(a + dt_bias) in fp32, with softplus(x) = x above 2
 fp32 before log1p; a_log and dt_bias [H] broadcast over the rows); `silu_mul(gate, up)` gives
 act(act(g / (1 + exp(-g))) · up); `gated_add(routed, gate_logit, shared)` gives
 act(routed + act(act(1 / (1 + exp(-z))) · shared)) with one logit z per row; `sigmoid_mul(x, gate)` gives
-act(x · act(1 / (1 + exp(-gate)))) over [N, H, D] views (QSA's output gate, PLE's gated values). Every input is
+act(x · act(1 / (1 + exp(-gate)))) over [N, H, D] views (PLE's gated values; QSA's output gate is formed by
+`sigmoid_gated`, its element, in the attention's merge launch). Every input is
 widened to fp32, each operation runs in fp32 in the order written (divisions correctly rounded, no fused
 multiply-adds), and `act(·)` rounds fp32 to the activation dtype, to nearest even: bf16 in the model (torch's bf16
 ops compute in fp32 and round once, so these are its bits), nothing for fp32. exp and log1p are libdevice's on the
@@ -188,6 +189,14 @@ def gated_value(routed, z, shared, ACT_BF16: tl.constexpr, INTERPRET: tl.constex
     return _round(add_rn(routed, scaled, INTERPRET), ACT_BF16, INTERPRET)
 
 
+@triton.jit
+def sigmoid_gated(x, gate, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """act(act(x) · act(sigmoid(gate))) for x and gate as loaded (bf16 or fp32): `sigmoid_mul`'s element. x is rounded
+    to act first (nothing for an act x), so a kernel can gate its fp32 results as their act values."""
+    x = _round(_f32(x, INTERPRET), ACT_BF16, INTERPRET)
+    return to_act(x * _round(_sigmoid(_f32(gate, INTERPRET), INTERPRET), ACT_BF16, INTERPRET), ACT_BF16, INTERPRET)
+
+
 @triton.jit(do_not_specialize=["total"])
 def _sigmoid_mul_kernel(
     x_ptr,
@@ -213,10 +222,9 @@ def _sigmoid_mul_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     n, h, d = offs // (H * D), offs // D % H, offs % D
-    x = _f32(tl.load(x_ptr + n * stride_xn + h * stride_xh + d * stride_xd, mask=ok, other=0.0), INTERPRET)
-    g = _f32(tl.load(gate_ptr + n * stride_gn + h * stride_gh + d * stride_gd, mask=ok, other=0.0), INTERPRET)
-    tl.store(out_ptr + offs, to_act(x * _round(_sigmoid(g, INTERPRET), ACT_BF16, INTERPRET), ACT_BF16, INTERPRET),
-             mask=ok)  # fmt: skip
+    x = tl.load(x_ptr + n * stride_xn + h * stride_xh + d * stride_xd, mask=ok, other=0.0)
+    g = tl.load(gate_ptr + n * stride_gn + h * stride_gh + d * stride_gd, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, sigmoid_gated(x, g, ACT_BF16, INTERPRET), mask=ok)
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:

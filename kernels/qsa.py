@@ -18,7 +18,9 @@ query head h uses kv head h // (Hq / Hkv)); the selected keys are cut into fixed
 order of the index list); one program per (row, kv head, chunk) runs an fp32 online softmax over key tiles in
 order (q.k^T from bf16 operands with fp32 accumulation; probabilities rounded to bf16 for p.V with fp32
 accumulation, as the model's reference does), then one program per (row, kv head) merges the chunks in order 0..
-in fp32 and divides (IEEE). Chunk size, tiles and warps are constants, never chosen by batch size.
+in fp32 and divides (IEEE); given the output gate, the merge stores act(out) gated as `kernels.gates.sigmoid_mul`
+gates it (`sigmoid_gated`, its element), one launch fewer. Chunk size, tiles and warps are constants, never chosen
+by batch size.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gates import sigmoid_gated, to_act
 from kernels.pdl import enter, launch_options
 
 NBINS = 2048  # histogram bins of the radix select; passes use bits 20..30, 10..19 and 0..9 of the score bits
@@ -439,16 +442,22 @@ def _attn_merge_kernel(
     acc_ptr,
     count_ptr,
     out_ptr,
+    gate_ptr,
     stride_ot,
     stride_oh,
+    stride_gt,
+    stride_gh,
     chunks,
     GROUP: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     SPLIT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Merge one (row, kv head)'s chunks in order 0.. in fp32 and write the normalised bf16 output."""
+    """Merge one (row, kv head)'s chunks in order 0.. in fp32 and write the normalised output in its dtype; GATED:
+    times the sigmoid of the gate, as `kernels.gates.sigmoid_mul` gates the output (`sigmoid_gated`)."""
     enter(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -473,8 +482,14 @@ def _attn_merge_kernel(
         acc = acc * a[:, None] + ac * b[:, None]
         m = m_new
     out = tl.math.div_rn(acc, total[:, None])
+    act_bf16: tl.constexpr = out_ptr.dtype.element_ty == tl.bfloat16
+    if GATED:
+        gptrs = gate_ptr + t.to(tl.int64) * stride_gt + (kvh * GROUP + heads)[:, None] * stride_gh + d[None, :]
+        out = sigmoid_gated(out, tl.load(gptrs, mask=live[:, None], other=0.0), act_bf16, INTERPRET)
+    else:
+        out = to_act(out, act_bf16, INTERPRET)
     optrs = out_ptr + t.to(tl.int64) * stride_ot + (kvh * GROUP + heads)[:, None] * stride_oh + d[None, :]
-    tl.store(optrs, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(optrs, out, mask=live[:, None])
 
 
 def qsa_sparse_attention(
@@ -487,8 +502,10 @@ def qsa_sparse_attention(
     scale: float | None = None,
     split: int | None = None,
     block_n: int | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over the selected keys of its lane: out [T, Hq, D] in q's dtype.
+    """Attention of q [T, Hq, D] over the selected keys of its lane: out [T, Hq, D] in q's dtype; with `gate` (q's
+    shape and dtype, any row and head strides, D contiguous) out is gated in the merge as `sigmoid_mul(out, gate)`.
 
     k_cache, v_cache [L, maxlen, Hkv, D] (any lane/position/head strides, D contiguous); indices [T, W] int32 whose
     first counts[t] entries are row t's token positions (as `qsa_index` writes them), the rest ignored. `split`
@@ -502,6 +519,13 @@ def qsa_sparse_attention(
         raise ValueError("qsa_sparse_attention: Hq must be a multiple of Hkv, D a power of two >= 16")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("qsa_sparse_attention: the head dim must be contiguous")
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.device != q.device):
+        raise ValueError(
+            f"qsa_sparse_attention: gate {gate.dtype} {tuple(gate.shape)} on {gate.device} is not q's "
+            f"{q.dtype} {tuple(q.shape)} on {q.device}"
+        )
+    if gate is not None and gate.stride(2) != 1:
+        raise ValueError("qsa_sparse_attention: the gate's head dim must be contiguous")
     group = heads // kv_heads
     block_m = max(16, triton.next_power_of_2(group))
     chunks = max(1, triton.cdiv(indices.shape[1], split))
@@ -522,9 +546,10 @@ def qsa_sparse_attention(
         GROUP=group, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, INTERPRET=_interpret(),
         num_warps=ATTN_WARPS, **launch_options(_attn_chunk_kernel, q.device),
     )  # fmt: skip
+    gates = out if gate is None else gate
     _attn_merge_kernel[(rows, kv_heads)](
-        m, total, acc, counts, out, out.stride(0), out.stride(1), chunks,
-        GROUP=group, DIM=dim, BLOCK_M=block_m, SPLIT=split,
+        m, total, acc, counts, out, gates, out.stride(0), out.stride(1), gates.stride(0), gates.stride(1), chunks,
+        GROUP=group, DIM=dim, BLOCK_M=block_m, SPLIT=split, GATED=gate is not None, INTERPRET=_interpret(),
         num_warps=ATTN_WARPS, **launch_options(_attn_merge_kernel, m.device),
     )  # fmt: skip
     return out

@@ -371,9 +371,7 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     norm_rope(k, m.k_norm.weight, m.eps, positions, freqs, dest=keys, slot_of_row=slot_of_row)
     scatter_rows(values, slot_of_row, positions, v)
     join(side)
-    out = qsa_sparse_attention(q, keys, values, slots32, indices, counts)
-    n = x.shape[0]
-    out = sigmoid_mul(out.view(gate.shape), gate).view(n, -1)
+    out = qsa_sparse_attention(q, keys, values, slots32, indices, counts, gate=gate).view(x.shape[0], -1)
     return m.tp.reduce(partial_out(out, m.o_proj, m.tp))
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels.qsa as qsa
+from kernels.gates import sigmoid_mul
 from model.ops import masked_attention
 from model.qsa import QSAIndexer
 
@@ -167,3 +168,28 @@ def test_attention_rows_are_batch_invariant() -> None:
             q[t : t + 1], k_cache, v_cache, lanes[t : t + 1], idx[t : t + 1], counts[t : t + 1]
         )
         assert torch.equal(one[0].view(torch.int16), out[t].view(torch.int16))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_gated_attention_has_the_bits_of_sigmoid_mul_after_it(chunked: bool) -> None:
+    """The output gate in the merge launch: a strided gate (each head's second half of a fused projection, as the
+    model's) gives the bits of `sigmoid_mul` over the ungated output, over one chunk of keys or several."""
+    gen = torch.Generator().manual_seed(9)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 5, 20 if chunked else TOP, 64)
+    fused = (4 * torch.randn(5, HQ, 2 * D, generator=gen)).bfloat16()
+    gate = fused.chunk(2, dim=-1)[1]
+    assert not gate.is_contiguous()
+    tiles = {"split": 16, "block_n": 16} if chunked else {}
+    out = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, **tiles)
+    gated = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, gate=gate, **tiles)
+    want = sigmoid_mul(out, gate)
+    assert torch.equal(gated.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(gated, out)
+
+
+def test_attention_refuses_a_gate_unlike_q() -> None:
+    gen = torch.Generator().manual_seed(10)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 2, TOP, CONTEXT)
+    for gate in (q[:1], q.float(), q.transpose(1, 2).contiguous().transpose(1, 2)):
+        with pytest.raises(ValueError, match="gate"):
+            qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, gate=gate)

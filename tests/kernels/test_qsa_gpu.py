@@ -1,5 +1,6 @@
 """The QSA indexer compiled on a GPU at the real per-rank shapes, on scores with many exact ties: every row's
-selection equals the torch reference's (ties to the lower block), alone and in batches."""
+selection equals the torch reference's (ties to the lower block), alone and in batches; the attention's output
+gate in its merge launch has `sigmoid_mul`'s bits."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.qsa import qsa_index, qsa_index_reference
+from kernels.gates import sigmoid_mul
+from kernels.qsa import qsa_index, qsa_index_reference, qsa_sparse_attention
 
 HI, DI, RATIO, TOP = 4, 128, 4, 512
+HQ, HKV, D = 12, 1, 256  # one rank's query and kv heads at tp=2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,3 +46,22 @@ def test_selection_equals_the_reference_and_each_row_alone(context: int, steps: 
     for t in (0, 1, 5, 3 * lanes - 1):
         one, one_count = qsa_index(q[t : t + 1], keys, rows_lanes[t : t + 1], positions[t : t + 1], RATIO, TOP)
         assert torch.equal(one[0], idx[t]) and int(one_count[0]) == int(counts[t])
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_the_gate_in_the_merge_has_the_bits_of_sigmoid_mul_after_it(rows: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    lanes, context = 8, 4_096
+    keys = torch.randn((lanes, context // RATIO, DI), device="cuda", generator=gen).bfloat16()
+    k_cache = torch.randn((lanes, context, HKV, D), device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn((lanes, context, HKV, D), device="cuda", generator=gen).bfloat16()
+    q = torch.randn((rows, HQ, D), device="cuda", generator=gen).bfloat16()
+    gate = (4 * torch.randn((rows, HQ, 2 * D), device="cuda", generator=gen)).bfloat16().chunk(2, dim=-1)[1]
+    row_lanes = torch.arange(rows, device="cuda", dtype=torch.int32) % lanes
+    positions = torch.randint(0, context, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    idx, counts = qsa_index(grid((rows, HI, DI), gen, 4), keys, row_lanes, positions, RATIO, TOP)
+    out = qsa_sparse_attention(q, k_cache, v_cache, row_lanes, idx, counts)
+    gated = qsa_sparse_attention(q, k_cache, v_cache, row_lanes, idx, counts, gate=gate)
+    assert torch.equal(gated.view(torch.int16), sigmoid_mul(out, gate).view(torch.int16))
+    one = qsa_sparse_attention(q[-1:], k_cache, v_cache, row_lanes[-1:], idx[-1:], counts[-1:], gate=gate[-1:])
+    assert torch.equal(one.view(torch.int16), gated[-1:].view(torch.int16))

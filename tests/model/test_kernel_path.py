@@ -112,8 +112,9 @@ def test_hyper_writes_run_inside_the_next_read(models) -> None:
 
 
 def test_sigmoid_gates_are_one_launch_and_block_positions_one_set_a_round(models, monkeypatch) -> None:
-    """Each QSA layer's output gate and each PLE layer's gated values are one sigmoid_mul launch, and the positions of
-    the blocks a round completes are made once, by the first QSA layer, for all of them."""
+    """Each PLE layer's gated values are one sigmoid_mul launch, each QSA layer's output gate runs in its attention's
+    merge launch (no launch of its own), and the positions of the blocks a round completes are made once, by the
+    first QSA layer, for all of them."""
     model = models[1]
     made = []
     real = kernel_blocks.completed_blocks
@@ -128,7 +129,8 @@ def test_sigmoid_gates_are_one_launch_and_block_positions_one_set_a_round(models
     qsa_layers = sum(layer.kind != LINEAR for layer in model.layers)
     ple_layers = sum(layer.ple is not None for layer in model.layers)
     assert qsa_layers >= 1 and ple_layers >= 1
-    assert launched.count("_sigmoid_mul_kernel") == qsa_layers + ple_layers
+    assert launched.count("_sigmoid_mul_kernel") == ple_layers
+    assert launched.count("_attn_merge_kernel") == qsa_layers
     assert made == [True] + [False] * (qsa_layers - 1)
 
 
