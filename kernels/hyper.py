@@ -222,7 +222,6 @@ def _rstd_kernel(
     held in registers, else lane sums over chunks then one tree sum; with WRITE_NORMED also stream b of normed =
     act(x · rstd · (1 + w)). With WRITE, x is first the write's new X_b (`_written`), stored to new_ptr (and read
     back from there by the chunked form)."""
-    enter(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -230,6 +229,9 @@ def _rstd_kernel(
     if ONE_CHUNK:  # the stream in registers: loaded (or written) once, normed from there, nothing read back
         cols = tl.arange(0, BLOCK_D)
         ok = cols < D
+        if WRITE_NORMED:  # the norm weight, which no kernel writes, is loaded while the previous kernel runs
+            w = tl.load(nw_ptr + b * D + cols, mask=ok, other=0.0).to(tl.float32)
+        enter(PDL)
         if WRITE:
             y = _write_y(y_ptr, row64, cols, ok, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
             written = _written(wide_ptr, inj_ptr, y, row64, b, cols, ok, D, stride_w, stride_i, ACT_BF16, INTERPRET)
@@ -241,10 +243,10 @@ def _rstd_kernel(
         rs = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
         tl.store(rstd_ptr + row * HC + b, rs)
         if WRITE_NORMED:
-            w = tl.load(nw_ptr + b * D + cols, mask=ok, other=0.0).to(tl.float32)
             out = normed_ptr + row64 * stride_n + b * D + cols
             tl.store(out, round_to_act(x * rs * (1.0 + w), ACT_BF16, INTERPRET), mask=ok)
         return
+    enter(PDL)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
@@ -607,7 +609,13 @@ def _up_mix_kernel(
     if PREFETCH:  # weights are never written by a kernel: fetch this program's into L2 while the previous one runs
         for k0 in range(0, R, BLOCK_K):
             prefetch_l2(wu_ptr + w_rows[None, :] + tl.minimum(k0 + tl.arange(0, BLOCK_K // 64) * 64, R - 1)[:, None])
+    which = tl.arange(0, HC_PAD)[None, :, None]
+    d_cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (d_cols < D)[None, :]
     enter(PDL)
+    # every stream's normed tile, loaded before the dots so that its latency passes under theirs
+    normed_at = normed_ptr + rows.to(tl.int64)[:, None, None] * stride_n + which * D + d_cols[None, None, :]
+    normed_all = tl.load(normed_at, mask=ok[:, None, :] & (which < HC), other=0.0).to(tl.float32)
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
     u = tl.zeros((BLOCK_M, HC_PAD * BLOCK_D), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
@@ -616,15 +624,11 @@ def _up_mix_kernel(
         w = tl.load(wu_ptr + w_rows[None, :] + kk[:, None], mask=lane_ok[None, :] & (kk[:, None] < R), other=0.0)
         u = _dot(hh, w, u, ACT_BF16, INTERPRET)
     by_stream = tl.reshape(u, (BLOCK_M, HC_PAD, BLOCK_D))
-    which = tl.arange(0, HC_PAD)[None, :, None]
-    d_cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = row_ok[:, None] & (d_cols < D)[None, :]
-    normed_rows = normed_ptr + rows.to(tl.int64)[:, None] * stride_n + d_cols[None, :]
     total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
     for b in tl.static_range(HC):
         u_b = tl.sum(tl.where(which == b, by_stream, 0.0), axis=1)  # one term and +0.0s: u_b's own value
-        normed = tl.load(normed_rows + b * D, mask=ok, other=0.0)
-        total = total + sigmoid_f32(u_b, INTERPRET) * normed.to(tl.float32)
+        normed = tl.sum(tl.where(which == b, normed_all, -0.0), axis=1)  # one term and -0.0s: its own bits
+        total = total + sigmoid_f32(u_b, INTERPRET) * normed
     x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + d_cols[None, :], x, mask=ok)
 
