@@ -52,7 +52,7 @@ from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, round_to_act, sigmoid_f32
 from kernels.linear import Gates, linear_gates
 from kernels.linear import k_ranges as linear_k_ranges
-from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
+from kernels.pdl import enter, launch_options, load_unwritten, prefetch_enabled, prefetch_l2
 
 # The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
 # and rounding is done on the bits.
@@ -226,12 +226,12 @@ def _rstd_kernel(
     b = tl.program_id(1)
     row64 = row.to(tl.int64)
     base = (new_ptr + row64 * stride_new if WRITE else wide_ptr + row64 * stride_w) + b * D
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < D
+    if ONE_CHUNK and WRITE_NORMED:  # the norm weight, which no kernel writes, read while the previous kernel runs
+        w = load_unwritten(nw_ptr + b * D + cols, ok, 0.0).to(tl.float32)
+    enter(PDL)
     if ONE_CHUNK:  # the stream in registers: loaded (or written) once, normed from there, nothing read back
-        cols = tl.arange(0, BLOCK_D)
-        ok = cols < D
-        if WRITE_NORMED:  # the norm weight, which no kernel writes, is loaded while the previous kernel runs
-            w = tl.load(nw_ptr + b * D + cols, mask=ok, other=0.0).to(tl.float32)
-        enter(PDL)
         if WRITE:
             y = _write_y(y_ptr, row64, cols, ok, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
             written = _written(wide_ptr, inj_ptr, y, row64, b, cols, ok, D, stride_w, stride_i, ACT_BF16, INTERPRET)
@@ -246,7 +246,6 @@ def _rstd_kernel(
             out = normed_ptr + row64 * stride_n + b * D + cols
             tl.store(out, round_to_act(x * rs * (1.0 + w), ACT_BF16, INTERPRET), mask=ok)
         return
-    enter(PDL)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
