@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, round_to_act
-from kernels.pdl import enter, launch_options, load_unwritten, prefetch_enabled, prefetch_l2
+from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 from kernels.router import router_topk, topk_row
 
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
@@ -110,16 +110,22 @@ def _linear_kernel(
     k_end = tl.minimum(k_start + K_SPLIT, K)
     if PREFETCH:  # weights are never written by a kernel: fetch this program's into L2 while the previous one runs
         lines = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[None, :] * stride_wn
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             prefetch_l2(lines + tl.minimum(k0 + tl.arange(0, BLOCK_K // 64) * 64, K - 1)[:, None])
-    b = _w_tile(w_cols, k_start + ks, col_ok, K, EVEN_K, INTERPRET)  # the first K tile, read while the previous
-    enter(PDL)  # kernel runs
+    enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = tl.dot(_x_tile(x_rows, k_start + ks, row_ok, K, EVEN_K, INTERPRET), b, acc)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + ks
-        a = _x_tile(x_rows, kk, row_ok, K, EVEN_K, INTERPRET)
-        acc = tl.dot(a, _w_tile(w_cols, kk, col_ok, K, EVEN_K, INTERPRET), acc)
+        if EVEN_K:
+            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
+            b = tl.load(w_cols + kk[:, None], mask=col_ok[None, :], other=0.0)
+        else:
+            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_cols + kk[:, None], mask=col_ok[None, :] & (kk[:, None] < K), other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
     ok = row_ok[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     mn = M.to(tl.int64) * N
@@ -143,26 +149,6 @@ def _linear_kernel(
             if TOPK > 0:
                 _topk_rows(out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, BLOCK_M, TOPK, TOPK_POW2,
                            BLOCK_E, RENORMALISE)  # fmt: skip
-
-
-@triton.jit
-def _x_tile(x_rows, kk, row_ok, K, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """The rows' x at K columns kk ([BLOCK_M, BLOCK_K]; fp32 under the interpreter, whose bf16 dots are wrong)."""
-    if EVEN_K:
-        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
-    else:
-        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
-    return a.to(tl.float32) if INTERPRET else a
-
-
-@triton.jit
-def _w_tile(w_cols, kk, col_ok, K, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """The columns' weights at K rows kk ([BLOCK_K, BLOCK_N], as `_x_tile`), which no kernel writes."""
-    if EVEN_K:
-        b = load_unwritten(w_cols + kk[:, None], col_ok[None, :], 0.0)
-    else:
-        b = load_unwritten(w_cols + kk[:, None], col_ok[None, :] & (kk[:, None] < K), 0.0)
-    return b.to(tl.float32) if INTERPRET else b
 
 
 @triton.jit

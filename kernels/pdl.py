@@ -4,8 +4,8 @@ Every Triton kernel of the forward takes a `PDL` constexpr and calls `enter(PDL)
 earlier kernel writes or reads: it waits there until the previous kernel has finished and its writes are visible,
 then lets the next kernel launch. So the order of every memory access is the order without PDL (and a kernel that
 waited for its predecessor has also waited for everything before that), and the bits are the same; what overlaps is
-the launch, the blocks' start-up and the reads of weights no kernel writes (`load_unwritten`: the linear kernel's
-first K tile, the hyper read's norm weight; `prefetch_l2`: the linear kernel's other tiles, into L2). Launches
+the launch, the blocks' start-up and the reads of weights no kernel writes (`load_unwritten`: the hyper read's norm
+weight; `prefetch_l2`: the linear kernel's and the up kernel's weights, into L2). Launches
 pass `**launch_options(kernel, device)`: PDL on Hopper or later unless `FLASHNEXT_PDL=0`; never under the
 interpreter.
 """
