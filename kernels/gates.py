@@ -1,4 +1,5 @@
-"""The elementwise gates around the GDN, shared-expert, QSA and PLE projections, each site in one launch.
+"""The elementwise gates around the GDN, shared-expert, QSA and PLE projections, each site in one launch (QSA's in
+its attention's merge).
 
 `gdn_gates(b, a, a_log, dt_bias)` gives beta = act_b(1 / (1 + exp(-b))) in b's dtype and
 g = (-exp(a_log)) · softplus(a + dt_bias) in fp32, with softplus(x) = x above 20, else log1p(exp(x)) (exp rounded to

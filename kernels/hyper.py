@@ -571,6 +571,24 @@ def _mix_kernel(
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], x, mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _bits(x, ACT_BF16: tl.constexpr):
+    """x's bits (act: bf16 or fp32) as uint32: integer sums of one term and zeros keep them, whatever the backend."""
+    if ACT_BF16:
+        return x.to(tl.uint16, bitcast=True).to(tl.uint32)
+    else:
+        return x.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _from_bits(bits, ACT_BF16: tl.constexpr):
+    """The fp32 value of act bits from `_bits`."""
+    if ACT_BF16:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _up_mix_kernel(
     h_ptr,
@@ -614,7 +632,7 @@ def _up_mix_kernel(
     enter(PDL)
     # every stream's normed tile, loaded before the dots so that its latency passes under theirs
     normed_at = normed_ptr + rows.to(tl.int64)[:, None, None] * stride_n + which * D + d_cols[None, None, :]
-    normed_all = tl.load(normed_at, mask=ok[:, None, :] & (which < HC), other=0.0).to(tl.float32)
+    normed_bits = _bits(tl.load(normed_at, mask=ok[:, None, :] & (which < HC), other=0.0), ACT_BF16)
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
     u = tl.zeros((BLOCK_M, HC_PAD * BLOCK_D), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
@@ -626,7 +644,7 @@ def _up_mix_kernel(
     total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
     for b in tl.static_range(HC):
         u_b = tl.sum(tl.where(which == b, by_stream, 0.0), axis=1)  # one term and +0.0s: u_b's own value
-        normed = tl.sum(tl.where(which == b, normed_all, -0.0), axis=1)  # one term and -0.0s: its own bits
+        normed = _from_bits(tl.sum(tl.where(which == b, normed_bits, 0), axis=1), ACT_BF16)  # one term's bits + 0s
         total = total + sigmoid_f32(u_b, INTERPRET) * normed
     x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + d_cols[None, :], x, mask=ok)
@@ -782,7 +800,8 @@ def launch_read(
     write: Write | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hc_read with explicit launch tiles (the knob tests and benchmarks turn); with `write`, of the rows that write
-    puts into write.out, in the read's first launch."""
+    puts into write.out, in the read's first launch. hc_norm_weight is read before that launch's PDL wait: it must be
+    a weight, which no kernel writes."""
     _check_read(wide, hc_norm_weight, w_down, w_up, w_inject, hc)
     if write is not None:
         _check_fused_write(wide, write, hc)
@@ -840,7 +859,8 @@ def hc_read(
     eps: float,
     hc: int = HC_COUNT,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sub-block input x [N, d] and inject weights [N, hc] (None without w_inject) from wide [N, hc·d], in its dtype."""
+    """Sub-block input x [N, d] and inject weights [N, hc] (None without w_inject) from wide [N, hc·d], in its dtype
+    (hc_norm_weight a weight no kernel writes: `launch_read`)."""
     tiles = read_tiles(wide.shape[0], w_down.shape[0])
     return launch_read(wide, hc_norm_weight, w_down, w_up, w_inject, eps, hc, tiles)
 

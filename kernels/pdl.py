@@ -61,7 +61,7 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def prefetch_enabled(device: torch.device) -> bool:
-    """Weight prefetch before the wait (linear kernel): with PDL, unless `FLASHNEXT_PDL_PREFETCH` is 0."""
+    """Weight prefetch before the wait (linear and up kernels): with PDL, unless `FLASHNEXT_PDL_PREFETCH` is 0."""
     return pdl_enabled(device) and os.environ.get(PREFETCH_ENV, "1") != "0"
 
 

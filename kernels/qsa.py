@@ -18,7 +18,8 @@ query head h uses kv head h // (Hq / Hkv)); the selected keys are cut into fixed
 order of the index list); one program per (row, kv head, chunk) runs an fp32 online softmax over key tiles in
 order (q.k^T from bf16 operands with fp32 accumulation; probabilities rounded to bf16 for p.V with fp32
 accumulation, as the model's reference does), then one program per (row, kv head) merges the chunks in order 0..
-in fp32 and divides (IEEE); given the output gate, the merge stores act(out) gated as `kernels.gates.sigmoid_mul`
+in fp32 and divides (IEEE), rounding to q's dtype to nearest even (on the bits under the interpreter, whose cast
+truncates); given the output gate, the merge stores act(out) gated as `kernels.gates.sigmoid_mul`
 gates it (`sigmoid_gated`, its element), one launch fewer. Chunk size, tiles and warps are constants, never chosen
 by batch size.
 """
@@ -519,6 +520,8 @@ def qsa_sparse_attention(
         raise ValueError("qsa_sparse_attention: Hq must be a multiple of Hkv, D a power of two >= 16")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("qsa_sparse_attention: the head dim must be contiguous")
+    if gate is not None and q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"qsa_sparse_attention: a gate needs bf16 or fp32 q (as sigmoid_mul), got {q.dtype}")
     if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.device != q.device):
         raise ValueError(
             f"qsa_sparse_attention: gate {gate.dtype} {tuple(gate.shape)} on {gate.device} is not q's "
@@ -546,9 +549,10 @@ def qsa_sparse_attention(
         GROUP=group, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, INTERPRET=_interpret(),
         num_warps=ATTN_WARPS, **launch_options(_attn_chunk_kernel, q.device),
     )  # fmt: skip
-    gates = out if gate is None else gate
+    gate_arg = out if gate is None else gate
     _attn_merge_kernel[(rows, kv_heads)](
-        m, total, acc, counts, out, gates, out.stride(0), out.stride(1), gates.stride(0), gates.stride(1), chunks,
+        m, total, acc, counts, out, gate_arg, out.stride(0), out.stride(1), gate_arg.stride(0), gate_arg.stride(1),
+        chunks,
         GROUP=group, DIM=dim, BLOCK_M=block_m, SPLIT=split, GATED=gate is not None, INTERPRET=_interpret(),
         num_warps=ATTN_WARPS, **launch_options(_attn_merge_kernel, m.device),
     )  # fmt: skip

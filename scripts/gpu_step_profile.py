@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gzip
 import heapq
 import itertools
 import json
@@ -147,13 +146,10 @@ def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5, 
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    if rank == 0 and trace is not None:
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        raw = trace.with_suffix("")
-        prof.export_chrome_trace(str(raw))
-        trace.write_bytes(gzip.compress(raw.read_bytes()))
-        raw.unlink()
     if rank == 0:
+        if trace is not None:  # torch gzips a path that ends in .gz
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace))
         kernels = per_round(events, rounds)
         total_ms, launches = sum(k["ms"] for k in kernels), sum(k["calls"] for k in kernels)
         print(f"kernels, {label}, per round: {total_ms:.3f} ms in {launches:.0f} launches", flush=True)

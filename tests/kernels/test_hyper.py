@@ -300,6 +300,19 @@ def test_read_via_linear_matches_the_fused_kernels(inject: bool, down: bool, up:
         assert rel_err(inj, ref_inj) <= tol(torch.bfloat16) and rel_err(inj, fused_inj) <= tol(torch.bfloat16)
 
 
+def test_the_up_kernel_keeps_a_negative_zero_column_as_the_fused_kernels_do() -> None:
+    """A feature that is -0.0 in every stream stays -0.0 through the up kernel's stream sums (each stream's normed
+    tile is picked out of one load by its bits), as through the fused mix kernel."""
+    w, wide = weights(2, torch.bfloat16, seed=13, d=64), wide_rows(3, 2, torch.bfloat16, seed=14, d=64)
+    w["hc_norm_weight"] = w["hc_norm_weight"].abs()  # 1 + w > 0: the normed -0.0 keeps its sign
+    wide[:, [5, 64 + 5]] = -0.0
+    up = dataclasses.replace(TILES[0], up_over_normed=True)
+    x, _ = launch_read(wide, *w.values(), EPS, 2, up)
+    fused_x, _ = launch_read(wide, *w.values(), EPS, 2, TILES[0])
+    assert torch.signbit(fused_x[:, 5]).all() and (fused_x[:, 5] == 0).all()
+    assert torch.equal(x[:, 5].view(torch.int16), fused_x[:, 5].view(torch.int16))
+
+
 def test_the_read_keeps_the_fused_down_kernel_where_the_linear_kernel_cuts_k_otherwise() -> None:
     """Four streams of 32: the linear kernel would sum K = 128 in one range, the fused kernel in two. Asked for the
     linear path, the read keeps the fused kernel, so a row's bits do not depend on which path its batch size picks."""

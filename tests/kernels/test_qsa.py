@@ -193,3 +193,6 @@ def test_attention_refuses_a_gate_unlike_q() -> None:
     for gate in (q[:1], q.float(), q.transpose(1, 2).contiguous().transpose(1, 2)):
         with pytest.raises(ValueError, match="gate"):
             qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, gate=gate)
+    half = q.half()  # sigmoid_mul has no fp16 form to match
+    with pytest.raises(ValueError, match="gate needs bf16 or fp32"):
+        qsa.qsa_sparse_attention(half, k_cache.half(), v_cache.half(), lanes, idx, counts, gate=half)

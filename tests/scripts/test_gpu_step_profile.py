@@ -1,4 +1,5 @@
-"""scripts/gpu_step_profile.py's one-rank mode on the CPU: the collectives it skips and the worlds it refuses."""
+"""scripts/gpu_step_profile.py on the CPU: the collectives its one-rank mode skips and the worlds it refuses, the
+busy shares of overlapping kernels, and the Chrome trace of a profile."""
 
 from __future__ import annotations
 
