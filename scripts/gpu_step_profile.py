@@ -213,7 +213,8 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
         ngram_table=args.ngram_table,
     )
     most = max(args.lanes)
-    kernel_path.lane_pool(model, slots=most, context=args.context)
+    # a slot more than the most lanes: the verify rounds' lane then never grows the pool (which makes the graphs stale)
+    kernel_path.lane_pool(model, slots=most + 1, context=args.context)
     graphs = kernel_path.enable_graphs(model, {"trunk": most, "verify": WINDOW})
     rows, rows_report, vocab, tables, prompt_report = [], [], model.cfg.vocab_size, {}, None
     if not 0 <= args.prompt <= args.context:
