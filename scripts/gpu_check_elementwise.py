@@ -1,6 +1,7 @@
-"""Check the elementwise kernels (GDN gates, shared-expert silu·up and gated add, RoPE and its cache writes) on one
-GPU at tp=2's per-rank shapes: every output bit-identical to its plain-PyTorch reference on the same GPU (which
-is the torch code the kernel path ran before), each row bit-identical alone, and time against the torch ops.
+"""Check the elementwise kernels (GDN gates, shared-expert silu·up and gated add, the sigmoid gate of QSA's output
+and PLE's values, RoPE and its cache writes) on one GPU at tp=2's per-rank shapes: every output bit-identical to its
+plain-PyTorch reference on the same GPU (which is the torch code the kernel path ran before), each row bit-identical
+alone, and time against the torch ops.
 
 python3 scripts/gpu_check_elementwise.py --out DIR      # writes DIR/elementwise.json, one line per case
 
@@ -28,6 +29,8 @@ from kernels.gates import (  # noqa: E402
     gated_add_reference,
     gdn_gates,
     gdn_gates_reference,
+    sigmoid_mul,
+    sigmoid_mul_reference,
     silu_mul,
     silu_mul_reference,
 )
@@ -90,6 +93,7 @@ def main() -> int:
     freqs = rope_inv_freq(ROTARY, THETA, dev)
     results = []
     for n in ROWS:
+        first = len(results)
         positions = torch.randint(0, 262_144, (n,), generator=gen, device=dev)
         b, a = randn(n, VALUE_HEADS, scale=8), randn(n, VALUE_HEADS, scale=12)
         a_log, dt_bias = randn(VALUE_HEADS, dtype=torch.float32), randn(VALUE_HEADS, dtype=torch.float32)
@@ -98,6 +102,8 @@ def main() -> int:
         results.append(case("silu_mul", n, silu_mul, silu_mul_reference, (gate, up)))
         routed, logit, shared = randn(n, HIDDEN), randn(n, 1, scale=4), randn(n, HIDDEN)
         results.append(case("gated_add", n, gated_add, gated_add_reference, (routed, logit, shared)))
+        out, fused = randn(n, HEADS, HEAD_DIM), randn(n, HEADS, 2 * HEAD_DIM, scale=4)
+        results.append(case("sigmoid_mul", n, sigmoid_mul, sigmoid_mul_reference, (out, fused.chunk(2, dim=-1)[1])))
         q = randn(n, HEADS, 2 * HEAD_DIM).chunk(2, dim=-1)[0]  # a strided view, as the model's q is
         results.append(
             case("rope_q", n, lambda x, p: rope(x, p, freqs), lambda x, p: rope_reference(x, p, freqs), (q, positions))
@@ -130,7 +136,7 @@ def main() -> int:
                     "mismatches": mismatches(keys, want) + mismatches(values, put),
                 }
             )
-        for line in results[-6:]:
+        for line in results[first:]:
             print(json.dumps(line), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "elementwise.json").write_text("\n".join(json.dumps(r) for r in results) + "\n")
