@@ -18,6 +18,7 @@
 #                 (default "process thread process"; `bench_frontend.py`), with FRONTEND_FLAGS for the server
 # With BEFORE set to another tree's folder, `hyper`, `step`, `prompt` and `draws` run there too (an A/B).
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_single.sh  # logs under $OUT
+# The logs are packed at the end into $OUT/gpu_single_HHMMSS.tgz (`pack_out`; PACK=0 leaves them as they are).
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 source scripts/gpu_serve.sh
@@ -100,4 +101,9 @@ if [[ $checks == *" frontend "* ]]; then
       --prompt-tokens 64 --frontend "$frontend" ${FRONTEND_FLAGS:-} --json "$OUT/frontend_${run}_$frontend.json" > "$OUT/frontend_${run}_$frontend.out" 2>&1
     echo "front end $frontend rc=$? $(since)"; tail -10 "$OUT/frontend_${run}_$frontend.out"
   done
+fi
+if [ "${PACK:-1}" = 1 ]; then
+  source scripts/gpu_pack.sh
+  pack=gpu_single_$(date +%H%M%S)
+  pack_out "$pack" && echo "logs packed into $OUT/$pack.tgz"
 fi
