@@ -1,0 +1,96 @@
+"""Where a replayed round's time goes, from the Chrome trace of `gpu_step_profile.py --chrome-trace`: each graph
+replay's span and kernels; the linear kernel's launches by grid (launches a round, median µs a launch); and each QSA
+layer's join, from the end of the last linear launch before its attention (the fused projection, where the index path
+forks) to the attention's start: the index path's stream (the one that runs the `_index_*` kernels) against the other
+kernels of that window, and how long the attention waits for the index path after the others end.
+
+python3 scripts/trace_round.py DIR/step_trace.json.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+LINEAR, ATTENTION, INDEX = "_linear_kernel", "_attn_chunk_kernel", "_index_"
+
+
+def replays(events: list[dict]) -> list[list[dict]]:
+    """The kernels of each `cudaGraphLaunch` (matched by correlation id), in start order, replays in time order."""
+    launches = sorted((e for e in events if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"])
+    by_launch: dict[int, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel":
+            by_launch[e["args"]["correlation"]].append(e)
+    return [sorted(by_launch[g["args"]["correlation"]], key=lambda e: e["ts"]) for g in launches]
+
+
+def end(kernel: dict) -> float:
+    """A kernel's end, µs."""
+    return kernel["ts"] + kernel["dur"]
+
+
+def linear_by_grid(rounds: list[list[dict]]) -> list[tuple[tuple[int, ...], float, float]]:
+    """(grid, launches a round, median µs a launch) of the linear kernel, most time first."""
+    durations: dict[tuple[int, ...], list[float]] = defaultdict(list)
+    for kernels in rounds:
+        for k in kernels:
+            if k["name"] == LINEAR:
+                durations[tuple(k["args"]["grid"])].append(k["dur"])
+    rows = [(grid, len(d) / len(rounds), statistics.median(d)) for grid, d in durations.items()]
+    return sorted(rows, key=lambda row: -row[1] * row[2])
+
+
+def qsa_joins(kernels: list[dict]) -> list[dict[str, float]]:
+    """One round's QSA windows: µs from the fork (the last linear launch's end before an attention) to the end of the
+    index path's stream (`index`) and of the window's other kernels (`other`), and `wait` = index - other."""
+    joins = []
+    for i, k in enumerate(kernels):
+        if k["name"] != ATTENTION:
+            continue
+        fork = max((j for j in range(i) if kernels[j]["name"] == LINEAR), default=None)
+        window = kernels[fork + 1 : i] if fork is not None else []
+        streams = {w["args"]["stream"] for w in window if w["name"].startswith(INDEX)}
+        if len(streams) != 1:
+            continue
+        index = [w for w in window if w["args"]["stream"] in streams]
+        other = [w for w in window if w["args"]["stream"] not in streams]
+        if not other:
+            continue
+        at = end(kernels[fork])
+        ends = {"index": max(map(end, index)) - at, "other": max(map(end, other)) - at}
+        joins.append({**ends, "wait": ends["index"] - ends["other"]})
+    return joins
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", type=Path, help="step_trace.json.gz (or an uncompressed .json)")
+    args = ap.parse_args(argv)
+    raw = args.trace.read_bytes()
+    events = json.loads(gzip.decompress(raw) if args.trace.suffix == ".gz" else raw)["traceEvents"]
+    rounds = [r for r in replays(events) if r]
+    if not rounds:
+        raise SystemExit(f"{args.trace}: no graph replay with kernels")
+    spans = [end(r[-1]) - r[0]["ts"] for r in rounds]
+    print(f"{len(rounds)} replays: span {statistics.median(spans):.1f} µs (median), "
+          f"{statistics.median(len(r) for r in rounds):.0f} kernels each")  # fmt: skip
+    print("linear kernel by grid: launches a round, median µs a launch")
+    for grid, launches, median in linear_by_grid(rounds):
+        print(f"  {list(grid)!s:16s} {launches:6.1f} {median:8.2f}")
+    joins = [j for r in rounds for j in qsa_joins(r)]
+    if joins:
+        med = {key: statistics.median(j[key] for j in joins) for key in ("index", "other", "wait")}
+        waited, per_round = sum(j["wait"] > 0 for j in joins), med["wait"] * len(joins) / len(rounds)
+        print(f"QSA joins: {len(joins) / len(rounds):.0f} a round; from the fork, medians: index path "
+              f"{med['index']:.2f} µs, the rest {med['other']:.2f} µs; the attention waits {med['wait']:.2f} µs "
+              f"({waited} of {len(joins)} windows wait), {per_round:.1f} µs a round")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
