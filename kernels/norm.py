@@ -213,20 +213,29 @@ def _group_dot_kernel(
 def _block_mean_kernel(
     x_ptr,
     out_ptr,
+    slot_ptr,
+    first_ptr,
     C,
     stride_x,
+    stride_s,
     RATIO: tl.constexpr,
+    GATHER: tl.constexpr,
     ACT_BF16: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One block and BLOCK_C features: act((x_0 + x_1 + ... + x_{R-1}) / R), rows added in order in fp32."""
+    """One block and BLOCK_C features: act((x_0 + x_1 + ... + x_{R-1}) / R), rows added in order in fp32; the rows
+    are the block's R consecutive rows of x, or with GATHER rows first[b].. of slot slot[b] of a pool."""
     enter(PDL)
     blk = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = cols < C
-    first = x_ptr + blk * RATIO * stride_x + cols
+    if GATHER:
+        slot, at = tl.load(slot_ptr + blk).to(tl.int64), tl.load(first_ptr + blk).to(tl.int64)
+        first = x_ptr + slot * stride_s + at * stride_x + cols
+    else:
+        first = x_ptr + blk * RATIO * stride_x + cols
     acc = tl.load(first, mask=ok, other=0.0).to(tl.float32)
     for r in tl.static_range(1, RATIO):
         acc += tl.load(first + r * stride_x, mask=ok, other=0.0).to(tl.float32)
@@ -338,19 +347,35 @@ def group_dot_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (row_groups(a, "a").float() * row_groups(b, "b").float()).sum(-1)
 
 
-def block_mean(x: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Means of each `ratio` consecutive rows of x [B·ratio, C] in fp32, rounded to x's dtype: [B, C]."""
-    if x.dim() != 2 or x.shape[0] % ratio or x.stride(1) != 1:
+def block_mean(
+    x: torch.Tensor, ratio: int, *, slots: torch.Tensor | None = None, firsts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Means of each `ratio` consecutive rows of x [B·ratio, C] in fp32, rounded to x's dtype: [B, C]. With `slots`
+    and `firsts` (int [B]) x is a pool [S, P, C] and block b's rows are x[slots[b], firsts[b] : firsts[b] + ratio]
+    (read in place: the same sums as over those rows gathered)."""
+    gather = slots is not None or firsts is not None
+    if gather:
+        if slots is None or firsts is None or slots.dim() != 1 or firsts.shape != slots.shape:
+            raise ValueError("slots, firsts: expected both, as int tensors [B] of one shape")
+        if slots.dtype.is_floating_point or firsts.dtype.is_floating_point:
+            raise ValueError(f"slots, firsts: expected int tensors, got {slots.dtype} and {firsts.dtype}")
+        if x.dim() != 3 or x.stride(2) != 1:
+            raise ValueError(f"x: expected a pool [S, P, C] with contiguous features, got {tuple(x.shape)}")
+        if slots.device != x.device or firsts.device != x.device:
+            raise ValueError(f"slots, firsts: expected on {x.device}")
+    elif x.dim() != 2 or x.shape[0] % ratio or x.stride(1) != 1:
         raise ValueError(f"x: expected [B·{ratio}, C] with contiguous features, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"x: expected bf16 or fp32, got {x.dtype}")
-    blocks, c = x.shape[0] // ratio, x.shape[1]
+    blocks, c = (slots.numel() if gather else x.shape[0] // ratio), x.shape[-1]
     out = torch.empty((blocks, c), dtype=x.dtype, device=x.device)
     if out.numel():
         bc = block_c(c)
+        index = (slots, firsts) if gather else (out, out)
         _block_mean_kernel[(blocks, triton.cdiv(c, bc))](
-            x, out, c, x.stride(0), RATIO=ratio, ACT_BF16=x.dtype == torch.bfloat16, BLOCK_C=bc,
-            INTERPRET=INTERPRET, num_warps=NUM_WARPS, **launch_options(_block_mean_kernel, x.device),
+            x, out, *index, c, x.stride(-2), x.stride(0) if gather else 0, RATIO=ratio, GATHER=gather,
+            ACT_BF16=x.dtype == torch.bfloat16, BLOCK_C=bc, INTERPRET=INTERPRET, num_warps=NUM_WARPS,
+            **launch_options(_block_mean_kernel, x.device),
         )  # fmt: skip
     return out
 

@@ -103,7 +103,7 @@ class Round:
     recurrent_lanes: torch.Tensor | None = None
     recurrent_firsts: torch.Tensor | None = None  # the rows that start the recurrence's runs (-1: none)
     single_rows: bool = False  # every lane has one row (decode): GDN in one launch for `GDN_STEP_ROWS` rows or fewer
-    blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `completed_blocks`, once a round
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # `completed_blocks`, once a round
     int32_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # `int32_slots_positions`, once a round
 
 
@@ -115,14 +115,12 @@ def int32_slots_positions(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
     return rnd.int32_rows
 
 
-def completed_blocks(rnd: Round) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slots [B], first positions [B], positions [B, ratio]) of the indexer blocks the round's rows complete: made
-    by the first QSA layer, read by every other."""
+def completed_blocks(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [B], first positions [B]) of the indexer blocks the round's rows complete: made by the first QSA layer,
+    read by every other."""
     if rnd.blocks is None:
         ratio = rnd.pool.ratio
-        firsts = rnd.positions[rnd.block_rows] // ratio * ratio
-        spans = firsts[:, None] + torch.arange(ratio, device=firsts.device)
-        rnd.blocks = (rnd.slot_of_row[rnd.block_rows], firsts, spans)
+        rnd.blocks = (rnd.slot_of_row[rnd.block_rows], rnd.positions[rnd.block_rows] // ratio * ratio)
     return rnd.blocks
 
 
@@ -330,10 +328,16 @@ def block_keys_of(
     rotary_dim: int,
     theta: float,
     into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The keys [B, Di] of B complete blocks from their raw index keys [B*ratio, Di] and first positions [B]:
-    pooled, normed and RoPE'd; with `into` = (block keys [S, C, Di], slots [B], block indices [B]) written there."""
-    pooled, norm = block_mean(raw, indexer.ratio), indexer.k_layernorm
+    """The keys [B, Di] of B complete blocks from their raw index keys [B*ratio, Di] (or, with `slots` [B], the pool
+    [S, P, Di] whose slot slots[b] holds block b's from firsts[b] on) and first positions [B]: pooled, normed and
+    RoPE'd; with `into` = (block keys [S, C, Di], slots [B], block indices [B]) written there."""
+    norm = indexer.k_layernorm
+    if slots is None:
+        pooled = block_mean(raw, indexer.ratio)
+    else:
+        pooled = block_mean(raw, indexer.ratio, slots=slots, firsts=firsts)
     freqs = inv_freq(rotary_dim, theta, raw.device)
     if into is None:
         return norm_rope(pooled, norm.weight, norm.eps, firsts, freqs)
@@ -359,9 +363,9 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
         index_q = norm_rope(index_q, idx.q_layernorm.weight, m.eps, positions, freqs)
         scatter_rows(raw_keys, slot_of_row, positions, raw)
         if rnd.block_rows.numel():
-            slots, firsts, spans = completed_blocks(rnd)
-            completed = raw_keys[slots[:, None], spans].flatten(0, 1)
-            block_keys_of(idx, completed, firsts, m.rotary_dim, m.theta, into=(block_keys, slots, rnd.block_dest))
+            slots, firsts = completed_blocks(rnd)
+            into = (block_keys, slots, rnd.block_dest)
+            block_keys_of(idx, raw_keys, firsts, m.rotary_dim, m.theta, into=into, slots=slots)
         slots32, positions32 = int32_slots_positions(rnd)
         indices, counts = qsa_index(index_q, block_keys, slots32, positions32, idx.ratio, idx.top_blocks)
     q, gate = q_gate.unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)

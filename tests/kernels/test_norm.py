@@ -117,3 +117,19 @@ def test_rejects_bad_inputs() -> None:
         gated_rms_norm(x, x[:2], weight(32), EPS, "silu")
     with pytest.raises(ValueError, match="x"):
         block_mean(x, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_means_read_in_a_pool_equal_those_of_the_rows_gathered(dtype: torch.dtype) -> None:
+    """The QSA indexer's completed blocks, read where the pool holds them: each block's rows from its first position
+    in its slot, the same sums as `block_mean` over the rows gathered."""
+    pool = rows(3, 12, 40).to(dtype)  # [slots, positions, features]
+    slots, firsts = torch.tensor([2, 0, 2, 1]), torch.tensor([8, 4, 0, 8])
+    gathered = pool[slots[:, None], firsts[:, None] + torch.arange(4)].flatten(0, 1)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    got = block_mean(pool, 4, slots=slots, firsts=firsts)
+    assert torch.equal(got.view(bits), block_mean(gathered, 4).view(bits))
+    with pytest.raises(ValueError, match="slots, firsts"):
+        block_mean(pool, 4, slots=slots)
+    with pytest.raises(ValueError, match="x: expected a pool"):
+        block_mean(gathered, 4, slots=slots, firsts=firsts)

@@ -1,6 +1,6 @@
 """The QSA indexer compiled on a GPU at the real per-rank shapes, on scores with many exact ties: every row's
 selection equals the torch reference's (ties to the lower block), alone and in batches; the attention's output
-gate in its merge launch has `sigmoid_mul`'s bits."""
+gate in its merge launch has `sigmoid_mul`'s bits; completed blocks averaged in the pool equal those gathered."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.gates import sigmoid_mul
+from kernels.norm import block_mean
 from kernels.qsa import qsa_index, qsa_index_reference, qsa_sparse_attention
 
 HI, DI, RATIO, TOP = 4, 128, 4, 512
@@ -65,3 +66,15 @@ def test_the_gate_in_the_merge_has_the_bits_of_sigmoid_mul_after_it(rows: int) -
     assert torch.equal(gated.view(torch.int16), sigmoid_mul(out, gate).view(torch.int16))
     one = qsa_sparse_attention(q[-1:], k_cache, v_cache, row_lanes[-1:], idx[-1:], counts[-1:], gate=gate[-1:])
     assert torch.equal(one.view(torch.int16), gated[-1:].view(torch.int16))
+
+
+@pytest.mark.parametrize("blocks", [1, 5, 64])
+def test_block_means_read_in_the_pool_equal_those_of_the_rows_gathered(blocks: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(blocks)
+    lanes, context = 8, 4_096
+    raw_keys = torch.randn((lanes, context, DI), device="cuda", generator=gen).bfloat16()
+    slots = torch.randint(0, lanes, (blocks,), device="cuda", generator=gen)
+    firsts = torch.randint(0, context // RATIO, (blocks,), device="cuda", generator=gen) * RATIO
+    gathered = raw_keys[slots[:, None], firsts[:, None] + torch.arange(RATIO, device="cuda")].flatten(0, 1)
+    in_place = block_mean(raw_keys, RATIO, slots=slots, firsts=firsts)
+    assert torch.equal(in_place.view(torch.int16), block_mean(gathered, RATIO).view(torch.int16))

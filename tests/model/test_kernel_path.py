@@ -246,17 +246,16 @@ def test_the_qsa_kernels_convert_no_row_indices(models) -> None:
 
 
 def test_completed_blocks_are_made_once_for_every_qsa_layer() -> None:
-    """Slots, first positions and positions of the blocks the round's rows complete, and the rows' slots and
-    positions as int32, made on the first call only."""
+    """Slots and first positions of the blocks the round's rows complete, and the rows' slots and positions as int32,
+    made on the first call only."""
     rnd = kernel_blocks.Round(
         SimpleNamespace(ratio=4), torch.tensor([2, 2, 5]), torch.tensor([7, 8, 3]), None, torch.tensor([0, 2]),
         torch.tensor([1, 0]), None,
     )  # fmt: skip
-    slots, firsts, spans = kernel_blocks.completed_blocks(rnd)
+    slots, firsts = kernel_blocks.completed_blocks(rnd)
     assert slots.tolist() == [2, 5] and firsts.tolist() == [4, 0]
-    assert spans.tolist() == [[4, 5, 6, 7], [0, 1, 2, 3]]
     again = kernel_blocks.completed_blocks(rnd)
-    assert all(a is b for a, b in zip(again, (slots, firsts, spans), strict=True))
+    assert all(a is b for a, b in zip(again, (slots, firsts), strict=True))
     slots32, positions32 = kernel_blocks.int32_slots_positions(rnd)
     assert slots32.dtype == positions32.dtype == torch.int32
     assert slots32.tolist() == [2, 2, 5] and positions32.tolist() == [7, 8, 3]
