@@ -39,7 +39,7 @@ from model.moe import ExpertBank, SparseMoE
 from model.parallel import TensorParallel
 from model.ple import PLELayer
 from model.qsa import QSAIndexer, QSAttention
-from model.side_stream import fork, join, on
+from model.side_stream import follow, fork, join, on
 
 GDN_STEP_ROWS = 4  # the most one-row lanes GDN takes in one launch; more run faster apart (docs/performance.md)
 
@@ -348,7 +348,8 @@ def block_keys_of(
 def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     """QSA of the layer whose cache key is `key`: rows are written into their slots of the pool's caches, the
     rows that complete a block write its key, then the indexer picks blocks and the attention reads the slots; the
-    index path runs on the side stream beside the query, key and value rows."""
+    block keys run on the side stream beside the index queries' norm, then the indexer's top-k there beside the
+    query, key and value rows."""
     positions, idx, pool, slot_of_row = rnd.positions, m.indexer, rnd.pool, rnd.slot_of_row
     freqs = inv_freq(m.rotary_dim, m.theta, x.device)
     fused = linear(x, fused_weight(m, ("indexer.index_qk_proj", "q_proj", "k_proj", "v_proj")))
@@ -358,14 +359,15 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     )
     keys, values, raw_keys, block_keys = pool.keys[key], pool.values[key], pool.index_keys[key], pool.block_keys[key]
     side = fork(x.device, "qsa")
-    with on(side):  # the index path: index queries, the raw index keys and the blocks they complete, the top-k
-        index_q = index_q.unflatten(-1, (idx.heads, idx.dim))
-        index_q = norm_rope(index_q, idx.q_layernorm.weight, m.eps, positions, freqs)
+    with on(side):  # the index path: the raw index keys and the blocks they complete
         scatter_rows(raw_keys, slot_of_row, positions, raw)
         if rnd.block_rows.numel():
             slots, firsts = completed_blocks(rnd)
             into = (block_keys, slots, rnd.block_dest)
             block_keys_of(idx, raw_keys, firsts, m.rotary_dim, m.theta, into=into, slots=slots)
+    index_q = norm_rope(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps, positions, freqs)
+    follow(side)  # the index queries were normed here, beside the block keys: the top-k waits for both
+    with on(side):
         slots32, positions32 = int32_slots_positions(rnd)
         indices, counts = qsa_index(index_q, block_keys, slots32, positions32, idx.ratio, idx.top_blocks)
     q, gate = q_gate.unflatten(-1, (m.heads, 2 * m.head_dim)).chunk(2, dim=-1)

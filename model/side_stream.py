@@ -1,9 +1,10 @@
 """The side stream: a sub-block's independent work (the shared expert beside the routed experts, QSA's index path
 beside its query, key and value rows, GDN's gates beside the conv) runs there, forked from the current stream and
-joined back before its result is used, so the two chains of kernels overlap on the GPU. The kernels and their inputs
-are the same, so the bits are; graphs capture the fork and the join. Off CUDA everything runs on the current stream;
-FLASHNEXT_OVERLAP picks the sites that fork: 1 (the default) every one of SITES, 0 none, or a comma-separated list
-of them."""
+joined back before its result is used, so the two chains of kernels overlap on the GPU; a side chain that needs
+later work of the current stream too follows it (QSA's top-k waits for the index queries, normed on the current
+stream beside the block keys). The kernels and their inputs are the same, so the bits are; graphs capture the fork,
+the follow and the join. Off CUDA everything runs on the current stream; FLASHNEXT_OVERLAP picks the sites that
+fork: 1 (the default) every one of SITES, 0 none, or a comma-separated list of them."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def fork(device: torch.device, site: str) -> torch.cuda.Stream | None:
     side = _side(device.index if device.index is not None else torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream(device))
     return side
+
+
+def follow(side: torch.cuda.Stream | None) -> None:
+    """Make `side` wait, too, for the work queued on the current stream since the fork (nothing when None)."""
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(side.device))
 
 
 def on(side: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:

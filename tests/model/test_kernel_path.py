@@ -161,6 +161,7 @@ def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> No
     monkeypatch.setattr(kernel_blocks, "fork", fork)
     monkeypatch.setattr(kernel_blocks, "on", on)
     monkeypatch.setattr(kernel_blocks, "join", lambda stream: events.append(("join", stream is side)))
+    monkeypatch.setattr(kernel_blocks, "follow", lambda stream: events.append(("follow", stream is side)))
     monkeypatch.setattr(triton.runtime.interpreter.InterpretedFunction, "run", run)
     lane = model.new_lane()
     model(single_lane_batch(lane, torch.tensor(PROMPT), 0))  # rows complete blocks: every QSA step runs
@@ -168,13 +169,15 @@ def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> No
     model(single_lane_batch(lane, torch.tensor(PROMPT[:1]), len(PROMPT)))  # a decode row
     sides: dict[str, set[str]] = {"moe": set(), "qsa": set(), "gdn": set()}
     site = None
-    for kind, what in events:
+    for i, (kind, what) in enumerate(events):
         if kind == "fork":
             assert site is None, "a fork inside a fork"
             site = what
         elif kind == "join":
             assert what and site is not None
             site = None
+        elif kind == "follow":  # QSA's top-k waits for the index queries, normed on the main stream after the fork
+            assert what and site == "qsa" and events[i - 1] == ("main", "_norm_rope_kernel")
         elif kind == "side":
             assert site is not None, f"{what} on the side stream outside a fork"
             sides[site].add(what)
@@ -186,7 +189,7 @@ def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> No
     qsa_layers = sum(layer.kind != LINEAR for layer in model.layers)
     gdn_layers = len(model.layers) - qsa_layers
     assert forks.count("moe") == len(model.layers) and forks.count("gdn") == gdn_layers
-    assert forks.count("qsa") == qsa_layers
+    assert forks.count("qsa") == qsa_layers == events[:prompt].count(("follow", True))
     assert ("fork", "gdn") not in events[prompt:]
     assert events[prompt:].count(("main", "_gdn_step_kernel")) == gdn_layers
     assert sides["moe"] == {"_linear_kernel", "_silu_mul_kernel"} and sides["gdn"] == {"_gdn_gates_kernel"}
