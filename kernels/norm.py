@@ -7,11 +7,12 @@ features contiguous; a reduction runs over one group's C features.
 
 Reduction order (the exactness contract). A program reduces a tile of BLOCK_R (row, group) pairs, each over
 BLOCK_C = min(next_pow2(C), 1024) fp32 lanes that add the products of its features chunk by chunk in increasing
-order, then one tree sum over the lanes per pair; the tile's shape comes from C alone and every pair reduces in the
-same pattern wherever it sits in the tile. `gated_rms_norm` instead sums each chunk's rounded squares as a tree of
-neighbour pairs (`gated_norm_pairs`), whose bits depend on no tile shape or layout, so the fused GDN kernel
-(kernels/gdn_step.py) gives them too. `block_mean` adds its R rows in increasing order. So a row's bits never
-depend on M or on the other rows. In fp32: rstd = 1 / sqrt(Σx² / C + eps) (IEEE division and square root),
+order, then one tree sum over the lanes per pair; the tile's shape comes from C alone (the zc norm's calls of few
+pairs take tiles of one repetition of that tile's layout, `program_rows`, whose pairs have its lanes) and every pair
+reduces in the same pattern wherever it sits in the tile. `gated_rms_norm` instead sums each chunk's rounded
+squares as a tree of neighbour pairs (`gated_norm_pairs`), whose bits depend on no tile shape or layout, so the
+fused GDN kernel (kernels/gdn_step.py) gives them too. `block_mean` adds its R rows in increasing order. So a row's
+bits never depend on M or on the other rows. In fp32: rstd = 1 / sqrt(Σx² / C + eps) (IEEE division and square root),
 sigmoid(v) = 1 / (1 + exp(-v)), silu(v) = v / (1 + exp(-v)), exp from libdevice. Outputs are rounded once to the
 activation dtype (bf16 or fp32), to nearest even, at the places the model's reference rounds.
 """
@@ -32,6 +33,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK = 1024
 TILE = 4096
 NUM_WARPS = 4
+FEW_PAIRS = 1024  # pairs up to which a zc norm call takes one layout repetition a program (`program_rows`)
 
 
 def block_c(c: int) -> int:
@@ -42,6 +44,19 @@ def block_c(c: int) -> int:
 def block_r(c: int) -> int:
     """(row, group) pairs one program reduces, from the width alone (a tile of TILE elements)."""
     return max(1, TILE // block_c(c))
+
+
+def layout_rows(c: int) -> int:
+    """Pairs in one repetition of the [pairs, block_c(c)] tile's layout on NUM_WARPS warps (threads along the
+    features in groups of up to 32, the warps along the pairs): a tile of this many pairs lays each pair's lanes, so
+    its sums, out as a whole tile does (tests/kernels/test_norm_layout.py compiles both and compares)."""
+    return min(block_r(c), NUM_WARPS * max(1, 256 // block_c(c)))
+
+
+def program_rows(pairs: int, c: int) -> int:
+    """Pairs a zc norm program takes for a call of `pairs` pairs: one layout repetition up to FEW_PAIRS (decode
+    rows: more programs, fewer idle lanes), a whole tile above; each pair's bits are the same either way."""
+    return layout_rows(c) if pairs <= FEW_PAIRS else block_r(c)
 
 
 @triton.jit
@@ -272,7 +287,7 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
         raise ValueError("x and weight must be on one device")
     out = torch.empty((m, g, c), dtype=x.dtype, device=x.device)
     if out.numel():
-        rows = block_r(c)
+        rows = program_rows(m * g, c)
         _zc_norm_kernel[(triton.cdiv(m * g, rows),)](
             x3, weight, out, g, m * g, c, x3.stride(0), x3.stride(1), stride_wg, eps,
             ACT_BF16=x.dtype == torch.bfloat16, BLOCK_R=rows, BLOCK_C=block_c(c), INTERPRET=INTERPRET,

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 from kernels.fp32_ops import round_to_act
 from kernels.norm import NUM_WARPS as NORM_WARPS
-from kernels.norm import _norm_weight, _rstd, _sum_squares, _tile_rows, block_c, block_r, row_groups
+from kernels.norm import _norm_weight, _rstd, _sum_squares, _tile_rows, block_c, program_rows, row_groups
 from kernels.pdl import enter, launch_options
 
 # The interpreter truncates fp32 -> bf16 casts, so there rounding is done on the bits.
@@ -331,7 +331,7 @@ def norm_rope(
     if len(devices) != 1:
         raise ValueError("every tensor must be on one device")
     if n and h and d:
-        rows = block_r(d)
+        rows = program_rows(n * h, d)
         scatter = dest is not None
         _norm_rope_kernel[(triton.cdiv(n * h, rows),)](
             x3, weight, positions, inv_freq, out4, slot_of_row if scatter else positions,

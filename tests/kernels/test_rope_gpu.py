@@ -1,5 +1,6 @@
 """The fused norm + RoPE compiled on a GPU at QSA's per-rank shapes: every element has the bits of the zc norm
-kernel followed by the RoPE kernel, for the index queries, the strided queries and the keys written into a cache."""
+kernel followed by the RoPE kernel, for the index queries, the strided queries and the keys written into a cache;
+and a call of few rows (few-pair programs) has the bits of the same rows in a call of whole tiles."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.norm import zc_rms_norm
+from kernels.norm import FEW_PAIRS, zc_rms_norm
 from kernels.rope import norm_rope, rope, rope_inv_freq
 
 ROT, THETA, EPS = 64, 10_000_000.0, 1e-6
@@ -38,3 +39,20 @@ def test_fused_bits_equal_the_two_kernels(rows: int, heads: int, dim: int, width
     rope(zc_rms_norm(x, weight, EPS), pos, inv, dest=want_cache, slot_of_row=slots, dest_index=pos % 4)
     norm_rope(x, weight, EPS, pos, inv, dest=cache, slot_of_row=slots, dest_index=pos % 4)
     assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16))
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(4, 128), (12, 256), (1, 256)])
+def test_few_rows_take_few_pair_programs_with_the_whole_tiles_bits(heads: int, dim: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(heads * dim)
+    rows = FEW_PAIRS // heads + 64  # past FEW_PAIRS: whole tiles
+    x = (torch.randn(rows, heads, 2 * dim, device="cuda", generator=gen) * 3).bfloat16()[..., :dim]
+    weight = (torch.randn(dim, device="cuda", generator=gen) * 0.2).bfloat16()
+    pos = torch.randint(0, 200_000, (rows,), device="cuda", generator=gen)
+    inv = rope_inv_freq(ROT, THETA, "cuda")
+    whole_rope, whole_norm = norm_rope(x, weight, EPS, pos, inv), zc_rms_norm(x, weight, EPS)
+    for lo, hi in ((0, 1), (5, 8), (rows - 3, rows), (100, 100 + FEW_PAIRS // heads)):  # few-pair programs
+        assert (hi - lo) * heads <= FEW_PAIRS
+        got = norm_rope(x[lo:hi], weight, EPS, pos[lo:hi], inv)
+        assert torch.equal(got.view(torch.int16), whole_rope[lo:hi].view(torch.int16)), (lo, hi)
+        got = zc_rms_norm(x[lo:hi], weight, EPS)
+        assert torch.equal(got.view(torch.int16), whole_norm[lo:hi].view(torch.int16)), (lo, hi)
