@@ -7,9 +7,9 @@ features contiguous; a reduction runs over one group's C features.
 
 Reduction order (the exactness contract). A program reduces a tile of BLOCK_R (row, group) pairs, each over
 BLOCK_C = min(next_pow2(C), 1024) fp32 lanes that add the products of its features chunk by chunk in increasing
-order, then one tree sum over the lanes per pair; the tile's shape comes from C alone (the zc norm's calls of few
-pairs take tiles of one repetition of that tile's layout, `program_rows`, whose pairs have its lanes) and every pair
-reduces in the same pattern wherever it sits in the tile. `gated_rms_norm` instead sums each chunk's rounded
+order, then one tree sum over the lanes per pair; a pair's lanes come from C alone (the zc norm's calls of few
+pairs take smaller tiles, `program_rows`, in which Triton lays a pair's lanes out as in a whole tile) and every
+pair reduces in the same pattern wherever it sits in the tile. `gated_rms_norm` instead sums each chunk's rounded
 squares as a tree of neighbour pairs (`gated_norm_pairs`), whose bits depend on no tile shape or layout, so the
 fused GDN kernel (kernels/gdn_step.py) gives them too. `block_mean` adds its R rows in increasing order. So a row's
 bits never depend on M or on the other rows. In fp32: rstd = 1 / sqrt(Σx² / C + eps) (IEEE division and square root),
@@ -33,7 +33,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BLOCK = 1024
 TILE = 4096
 NUM_WARPS = 4
-FEW_PAIRS = 1024  # pairs up to which a zc norm call takes one layout repetition a program (`program_rows`)
+FEW_PAIRS = 1024  # pairs up to which a zc norm call takes small tiles (`program_rows`)
 
 
 def block_c(c: int) -> int:
@@ -46,17 +46,18 @@ def block_r(c: int) -> int:
     return max(1, TILE // block_c(c))
 
 
-def layout_rows(c: int) -> int:
-    """Pairs in one repetition of the [pairs, block_c(c)] tile's layout on NUM_WARPS warps (threads along the
-    features in groups of up to 32, the warps along the pairs): a tile of this many pairs lays each pair's lanes, so
-    its sums, out as a whole tile does (tests/kernels/test_norm_layout.py compiles both and compares)."""
+def small_tile_rows(c: int) -> int:
+    """Pairs a zc norm program of few pairs takes: 1,024 lanes' worth (at most a whole tile). Triton lays a tile's
+    threads, then its warps, along the features first, so a pair's reduction runs over the same lanes in this tile
+    as in a whole one, with the same bits (tests/kernels/test_norm_layout.py compiles both for sm_90 and compares
+    the reductions' layouts; the GPU tests compare the bits)."""
     return min(block_r(c), NUM_WARPS * max(1, 256 // block_c(c)))
 
 
 def program_rows(pairs: int, c: int) -> int:
-    """Pairs a zc norm program takes for a call of `pairs` pairs: one layout repetition up to FEW_PAIRS (decode
-    rows: more programs, fewer idle lanes), a whole tile above; each pair's bits are the same either way."""
-    return layout_rows(c) if pairs <= FEW_PAIRS else block_r(c)
+    """Pairs a zc norm program takes for a call of `pairs` pairs: a small tile up to FEW_PAIRS (decode rows: more
+    programs, fewer idle lanes), a whole tile above; each pair's bits are the same either way."""
+    return small_tile_rows(c) if pairs <= FEW_PAIRS else block_r(c)
 
 
 @triton.jit
@@ -366,18 +367,23 @@ def block_mean(
     x: torch.Tensor, ratio: int, *, slots: torch.Tensor | None = None, firsts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Means of each `ratio` consecutive rows of x [B·ratio, C] in fp32, rounded to x's dtype: [B, C]. With `slots`
-    and `firsts` (int [B]) x is a pool [S, P, C] and block b's rows are x[slots[b], firsts[b] : firsts[b] + ratio]
-    (read in place: the same sums as over those rows gathered)."""
+    and `firsts` (contiguous int32/int64 [B]) x is a pool [S, P, C] and block b's rows are
+    x[slots[b], firsts[b] : firsts[b] + ratio], read in place (the same sums as over those rows gathered); the indices
+    are not checked against the pool (slots[b] < S, firsts[b] + ratio <= P), as a graph replay reads them."""
+    if ratio < 1:
+        raise ValueError(f"ratio: expected 1 or more, got {ratio}")
     gather = slots is not None or firsts is not None
     if gather:
         if slots is None or firsts is None or slots.dim() != 1 or firsts.shape != slots.shape:
             raise ValueError("slots, firsts: expected both, as int tensors [B] of one shape")
-        if slots.dtype.is_floating_point or firsts.dtype.is_floating_point:
-            raise ValueError(f"slots, firsts: expected int tensors, got {slots.dtype} and {firsts.dtype}")
+        if slots.dtype not in (torch.int32, torch.int64) or firsts.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots, firsts: expected int32 or int64, got {slots.dtype} and {firsts.dtype}")
+        if not (slots.is_contiguous() and firsts.is_contiguous()):
+            raise ValueError("slots, firsts: expected contiguous tensors")
         if x.dim() != 3 or x.stride(2) != 1:
             raise ValueError(f"x: expected a pool [S, P, C] with contiguous features, got {tuple(x.shape)}")
         if slots.device != x.device or firsts.device != x.device:
-            raise ValueError(f"slots, firsts: expected on {x.device}")
+            raise ValueError(f"slots, firsts: expected on x's {x.device}, got {slots.device} and {firsts.device}")
     elif x.dim() != 2 or x.shape[0] % ratio or x.stride(1) != 1:
         raise ValueError(f"x: expected [B·{ratio}, C] with contiguous features, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float32):

@@ -328,20 +328,15 @@ def block_keys_of(
     rotary_dim: int,
     theta: float,
     into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The keys [B, Di] of B complete blocks from their raw index keys [B*ratio, Di] (or, with `slots` [B], the pool
-    [S, P, Di] whose slot slots[b] holds block b's from firsts[b] on) and first positions [B]: pooled, normed and
-    RoPE'd; with `into` = (block keys [S, C, Di], slots [B], block indices [B]) written there."""
-    norm = indexer.k_layernorm
-    if slots is None:
-        pooled = block_mean(raw, indexer.ratio)
-    else:
-        pooled = block_mean(raw, indexer.ratio, slots=slots, firsts=firsts)
-    freqs = inv_freq(rotary_dim, theta, raw.device)
+    """The keys [B, Di] of B complete blocks with first positions firsts [B], pooled, normed and RoPE'd, from their raw
+    index keys [B*ratio, Di]; or with `into` = (block keys [S, C, Di], slots [B], block indices [B]) from the pool
+    [S, P, Di] whose slot slots[b] holds block b's from firsts[b] on, written into the block keys."""
+    norm, freqs = indexer.k_layernorm, inv_freq(rotary_dim, theta, raw.device)
     if into is None:
-        return norm_rope(pooled, norm.weight, norm.eps, firsts, freqs)
+        return norm_rope(block_mean(raw, indexer.ratio), norm.weight, norm.eps, firsts, freqs)
     dest, slots, index = into
+    pooled = block_mean(raw, indexer.ratio, slots=slots, firsts=firsts)
     return norm_rope(pooled, norm.weight, norm.eps, firsts, freqs, dest=dest, slot_of_row=slots, dest_index=index)
 
 
@@ -364,7 +359,7 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
         if rnd.block_rows.numel():
             slots, firsts = completed_blocks(rnd)
             into = (block_keys, slots, rnd.block_dest)
-            block_keys_of(idx, raw_keys, firsts, m.rotary_dim, m.theta, into=into, slots=slots)
+            block_keys_of(idx, raw_keys, firsts, m.rotary_dim, m.theta, into=into)
     index_q = norm_rope(index_q.unflatten(-1, (idx.heads, idx.dim)), idx.q_layernorm.weight, m.eps, positions, freqs)
     follow(side)  # the index queries were normed here, beside the block keys: the top-k waits for both
     with on(side):

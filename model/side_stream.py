@@ -56,7 +56,8 @@ def fork(device: torch.device, site: str) -> torch.cuda.Stream | None:
 
 
 def follow(side: torch.cuda.Stream | None) -> None:
-    """Make `side` wait, too, for the work queued on the current stream since the fork (nothing when None)."""
+    """Make `side` wait, too, for the work queued on the current stream since the fork (nothing when None); call it
+    on that stream, outside `on(side)`."""
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(side.device))
 

@@ -1,7 +1,8 @@
 """The main stream of a QSA layer's window at one row, rank 0's real shapes, in a captured graph over 12 layers'
 weights and pools: the fused projection, then q's norm + RoPE, k's norm + RoPE into the layer's key pool and v's
-copy into its value pool (`model.kernel_blocks.qsa`'s main-stream launches), against variants that move or drop
-k's launch, so that one launch's cost in the round can be told from where it writes.
+copy into its value pool (`model.kernel_blocks.qsa`'s main-stream launches at 5d6b7a7; since 25ea571 the index
+queries' norm + RoPE runs there too, left out here), against variants that move or drop k's launch, so that one
+launch's cost in the round can be told from where it writes.
 
 python3 scripts/gpu_qsa_window.py [--slots 65 --context 8192]   # one JSON line per variant: µs a window
 """
@@ -20,6 +21,7 @@ from kernels.rope import norm_rope, rope_inv_freq, scatter_rows
 
 LAYERS, HIDDEN, HEADS, HEAD_DIM, INDEX_WIDTH = 12, 2560, 12, 256, 4 * 128 + 128
 ROTARY_DIM, THETA, EPS = 64, 10_000_000.0, 1e-6
+POSITION = 200  # the row's position, inside every slot
 VARIANTS = ("model", "k_first", "k_fresh", "no_k", "no_pdl")
 
 
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=8192, help="positions a slot holds")
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args(argv)
+    if args.context <= POSITION:
+        ap.error(f"--context must exceed the row's position {POSITION}")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     width = INDEX_WIDTH + 2 * HEADS * HEAD_DIM + 2 * HEAD_DIM
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     q_norm, k_norm = randn(HEAD_DIM), randn(HEAD_DIM)
     x = randn(1, HIDDEN) * 50
     slot_of_row = torch.tensor([args.slots - 1], device=dev)
-    positions = torch.tensor([200], device=dev)
+    positions = torch.tensor([POSITION], device=dev)
     freqs = rope_inv_freq(ROTARY_DIM, THETA, dev)
 
     def window(layer: int, variant: str) -> None:

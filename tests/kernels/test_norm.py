@@ -133,3 +133,9 @@ def test_block_means_read_in_a_pool_equal_those_of_the_rows_gathered(dtype: torc
         block_mean(pool, 4, slots=slots)
     with pytest.raises(ValueError, match="x: expected a pool"):
         block_mean(gathered, 4, slots=slots, firsts=firsts)
+    with pytest.raises(ValueError, match="slots, firsts: expected contiguous"):
+        block_mean(pool, 4, slots=torch.stack([slots, slots], 1)[:, 0], firsts=firsts)
+    with pytest.raises(ValueError, match="slots, firsts: expected int32 or int64"):
+        block_mean(pool, 4, slots=slots.bool(), firsts=firsts)
+    with pytest.raises(ValueError, match="ratio"):
+        block_mean(pool, 0, slots=slots, firsts=firsts)

@@ -1,5 +1,6 @@
 """The side stream: nothing forks off CUDA or with FLASHNEXT_OVERLAP=0; on a GPU, the kernel path's rounds give the
-same bits with the shared expert and QSA's index path beside the main chain as without, eager and in a graph."""
+same bits with the shared expert and QSA's index path beside the main chain as without, eager (graphs replay them in
+`scripts/gpu_graph_check.py` and the served checks)."""
 
 from __future__ import annotations
 
