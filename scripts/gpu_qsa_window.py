@@ -10,11 +10,12 @@ python3 scripts/gpu_qsa_window.py [--slots 65 --context 8192]   # one JSON line 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
 
 import torch
+from gpu_timing import graph_median_us
 
 from kernels.linear import linear
 from kernels.rope import norm_rope, rope_inv_freq, scatter_rows
@@ -70,22 +71,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for variant in VARIANTS:
         os.environ["FLASHNEXT_PDL"] = "0" if variant == "no_pdl" else "1"
-        for layer in range(LAYERS):  # compile and warm outside the capture
-            window(layer, variant)
-        torch.cuda.synchronize()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for layer in range(LAYERS):
-                window(layer, variant)
-        times = []
-        for _ in range(args.replays + 3):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end) * 1e3 / LAYERS)
-        print(json.dumps({"variant": variant, "us_a_window": round(statistics.median(times[3:]), 2)}), flush=True)
+        calls = [functools.partial(window, layer, variant) for layer in range(LAYERS)]
+        us = graph_median_us(calls, LAYERS, args.replays)
+        print(json.dumps({"variant": variant, "us_a_window": round(us, 2)}), flush=True)
     return 0
 
 

@@ -8,10 +8,11 @@ python3 scripts/gpu_router_tail.py   # one JSON line per variant: µs a layer
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 
 import torch
+from gpu_timing import graph_median_us
 
 from kernels.linear import linear, linear_topk
 from kernels.router import router_topk
@@ -38,22 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             router_topk(linear(x, w, torch.float32), TOP_K)
 
     for variant in VARIANTS:
-        for w in weights:
-            layer(w, variant)
-        torch.cuda.synchronize()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for w in weights:
-                layer(w, variant)
-        times = []
-        for _ in range(args.replays + 3):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end) * 1e3 / LAYERS)
-        print(json.dumps({"variant": variant, "us_a_layer": round(statistics.median(times[3:]), 2)}), flush=True)
+        calls = [functools.partial(layer, w, variant) for w in weights]
+        us = graph_median_us(calls, LAYERS, args.replays)
+        print(json.dumps({"variant": variant, "us_a_layer": round(us, 2)}), flush=True)
     return 0
 
 
