@@ -1,5 +1,9 @@
 """Where a replayed round's time goes, from the Chrome trace of `gpu_step_profile.py --chrome-trace`: each graph
-replay's span and kernels; the linear kernel's launches by grid (launches a round, median µs a launch); and each QSA
+replay's span and kernels; the kernels by the time they close (`closing`: each stretch between one kernel's end and
+the next one's is given to the later, so a chain's kernel gets what it adds after the one before it under PDL's
+overlap, and the stretches add up to the span; a side stream's kernel that ends inside a main-stream launch takes
+that launch's stretch up to its end); the linear kernel's launches by grid (launches a round, median µs a
+launch); and each QSA
 layer's join, from the end of the last linear launch before its attention (the fused projection, where the index path
 forks) to the attention's start: the index path's stream (the one that runs the `_index_*` kernels) against the other
 kernels of that window, and how long the attention waits for the index path after the others end.
@@ -32,6 +36,22 @@ def replays(events: list[dict]) -> list[list[dict]]:
 def end(kernel: dict) -> float:
     """A kernel's end, µs."""
     return kernel["ts"] + kernel["dur"]
+
+
+def closing(rounds: list[list[dict]], top: int) -> list[tuple[str, tuple[int, ...], float, float]]:
+    """(kernel, grid, launches a round, median µs a round it closes) of the `top` that close the most, most first."""
+    shares: dict[tuple[str, tuple[int, ...]], list[tuple[float, int]]] = defaultdict(list)
+    for kernels in rounds:
+        by_end, at = sorted(kernels, key=end), kernels[0]["ts"]
+        closed: dict[tuple[str, tuple[int, ...]], list[float]] = defaultdict(list)
+        for k in by_end:
+            closed[k["name"], tuple(k["args"]["grid"])].append(end(k) - at)
+            at = end(k)
+        for key, gaps in closed.items():
+            shares[key].append((sum(gaps), len(gaps)))
+    rows = [(name, grid, statistics.median(n for _, n in v), statistics.median(t for t, _ in v))
+            for (name, grid), v in shares.items()]  # fmt: skip
+    return sorted(rows, key=lambda row: -row[3])[:top]
 
 
 def linear_by_grid(rounds: list[list[dict]]) -> list[tuple[tuple[int, ...], float, float]]:
@@ -70,6 +90,7 @@ def qsa_joins(kernels: list[dict]) -> list[dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path, help="step_trace.json.gz (or an uncompressed .json)")
+    ap.add_argument("--top", type=int, default=20, help="kernels listed by the time they close (default 20)")
     args = ap.parse_args(argv)
     raw = args.trace.read_bytes()
     events = json.loads(gzip.decompress(raw) if args.trace.suffix == ".gz" else raw)["traceEvents"]
@@ -79,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     spans = [end(r[-1]) - r[0]["ts"] for r in rounds]
     print(f"{len(rounds)} replays: span {statistics.median(spans):.1f} µs (median), "
           f"{statistics.median(len(r) for r in rounds):.0f} kernels each")  # fmt: skip
+    print(f"kernels by the time they close, the {args.top} most: launches a round, median µs a round")
+    for name, grid, launches, us in closing(rounds, args.top):
+        print(f"  {us:8.1f} {launches:6.0f}  {name[:48]} {list(grid)}")
     print("linear kernel by grid: launches a round, median µs a launch")
     for grid, launches, median in linear_by_grid(rounds):
         print(f"  {list(grid)!s:16s} {launches:6.1f} {median:8.2f}")

@@ -1,4 +1,5 @@
-"""scripts/trace_round.py on a made-up trace: replays by correlation, the linear kernel by grid, QSA's join wait."""
+"""scripts/trace_round.py on a made-up trace: replays by correlation, the kernels by the time they close, the linear
+kernel by grid, QSA's join wait."""
 
 from __future__ import annotations
 
@@ -35,11 +36,16 @@ def test_rounds_linear_grids_and_the_qsa_join(tmp_path: Path, capsys) -> None:
     assert [len(r) for r in rounds] == [6, 6]
     assert trace_round.linear_by_grid(rounds) == [((1, 228, 1), 1.0, 10), ((1, 80, 4), 1.0, 6)]
     assert trace_round.qsa_joins(rounds[0]) == [{"index": 25, "other": 8, "wait": 17}]
+    closes = trace_round.closing(rounds, top=3)  # ends 10, 15, 18, 35, 40, 46: the write closes 18 -> 35
+    assert closes == [("_index_write_kernel", (1, 1, 1), 1, 17), ("_linear_kernel", (1, 228, 1), 1, 10),
+                      ("_linear_kernel", (1, 80, 4), 1, 6)]  # fmt: skip
+    assert sum(us for *_, us in trace_round.closing(rounds, top=10)) == 46
     path = tmp_path / "step_trace.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     assert trace_round.main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "2 replays: span 46.0 µs" in out and "the attention waits 17.00 µs (2 of 2 windows wait)" in out
+    assert "2 replays: span 46.0 µs" in out and "17.0      1  _index_write_kernel [1, 1, 1]" in out
+    assert "the attention waits 17.00 µs (2 of 2 windows wait)" in out
 
 
 def test_a_trace_without_replays_is_refused(tmp_path: Path) -> None:
