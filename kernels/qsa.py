@@ -520,15 +520,16 @@ def qsa_sparse_attention(
         raise ValueError("qsa_sparse_attention: Hq must be a multiple of Hkv, D a power of two >= 16")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("qsa_sparse_attention: the head dim must be contiguous")
-    if gate is not None and q.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"qsa_sparse_attention: a gate needs bf16 or fp32 q (as sigmoid_mul), got {q.dtype}")
-    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.device != q.device):
-        raise ValueError(
-            f"qsa_sparse_attention: gate {gate.dtype} {tuple(gate.shape)} on {gate.device} is not q's "
-            f"{q.dtype} {tuple(q.shape)} on {q.device}"
-        )
-    if gate is not None and gate.stride(2) != 1:
-        raise ValueError("qsa_sparse_attention: the gate's head dim must be contiguous")
+    if gate is not None:
+        if q.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"qsa_sparse_attention: a gate needs bf16 or fp32 q (as sigmoid_mul), got {q.dtype}")
+        if gate.shape != q.shape or gate.dtype != q.dtype or gate.device != q.device:
+            raise ValueError(
+                f"qsa_sparse_attention: gate {gate.dtype} {tuple(gate.shape)} on {gate.device} is not q's "
+                f"{q.dtype} {tuple(q.shape)} on {q.device}"
+            )
+        if gate.stride(2) != 1:
+            raise ValueError("qsa_sparse_attention: the gate's head dim must be contiguous")
     group = heads // kv_heads
     block_m = max(16, triton.next_power_of_2(group))
     chunks = max(1, triton.cdiv(indices.shape[1], split))

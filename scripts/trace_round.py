@@ -2,11 +2,10 @@
 replay's span and kernels; the kernels by the time they close (`closing`: each stretch between one kernel's end and
 the next one's is given to the later, so a chain's kernel gets what it adds after the one before it under PDL's
 overlap, and the stretches add up to the span; a side stream's kernel that ends inside a main-stream launch takes
-that launch's stretch up to its end); the linear kernel's launches by grid (launches a round, median µs a
-launch); and each QSA
-layer's join, from the end of the last linear launch before its attention (the fused projection, where the index path
-forks) to the attention's start: the index path's stream (the one that runs the `_index_*` kernels) against the other
-kernels of that window, and how long the attention waits for the index path after the others end.
+that launch's stretch up to its end); the linear kernel's launches by grid (launches a round, median µs a launch);
+and each QSA layer's join, from the end of the last linear launch before its attention (the fused projection, where
+the index path forks) to the attention's start: the index path's stream (the one that runs the `_index_*` kernels)
+against the other kernels of that window, and how long the attention waits for the index path after the others end.
 
 python3 scripts/trace_round.py DIR/step_trace.json.gz
 """
@@ -17,7 +16,7 @@ import argparse
 import gzip
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 LINEAR, ATTENTION, INDEX = "_linear_kernel", "_attn_chunk_kernel", "_index_"
@@ -42,13 +41,14 @@ def closing(rounds: list[list[dict]], top: int) -> list[tuple[str, tuple[int, ..
     """(kernel, grid, launches a round, median µs a round it closes) of the `top` that close the most, most first."""
     shares: dict[tuple[str, tuple[int, ...]], list[tuple[float, int]]] = defaultdict(list)
     for kernels in rounds:
-        by_end, at = sorted(kernels, key=end), kernels[0]["ts"]
-        closed: dict[tuple[str, tuple[int, ...]], list[float]] = defaultdict(list)
-        for k in by_end:
-            closed[k["name"], tuple(k["args"]["grid"])].append(end(k) - at)
+        at, closed, launches = kernels[0]["ts"], Counter(), Counter()
+        for k in sorted(kernels, key=end):
+            key = k["name"], tuple(k["args"]["grid"])
+            closed[key] += end(k) - at
+            launches[key] += 1
             at = end(k)
-        for key, gaps in closed.items():
-            shares[key].append((sum(gaps), len(gaps)))
+        for key, us in closed.items():
+            shares[key].append((us, launches[key]))
     rows = [(name, grid, statistics.median(n for _, n in v), statistics.median(t for t, _ in v))
             for (name, grid), v in shares.items()]  # fmt: skip
     return sorted(rows, key=lambda row: -row[3])[:top]
