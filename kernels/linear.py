@@ -15,8 +15,9 @@ that stream w once for few rows, 64- or 128-row tiles for many) decide only whic
 never how its sum is formed; on the H200 every tile shape and depth (mma.sync and wgmma alike) gave identical bits.
 
 Epilogues: `linear_gates` stores the hyper read's gates from the sums; `linear_topk` (router logits of one row) has
-the row tile's last tile to store its logits pick their top-k with `kernels.router.topk_row`, the router kernel's
-bits, so the router needs no launch of its own.
+the row tile's last arrival pick its rows' top-k with `kernels.router.topk_row`, the router kernel's bits, so the
+router needs no launch of its own. With K cut, that arrival is the last of every tile's ranges, which adds each row's
+range sums in range order as a tile's last range would (one arrival counter in the chain, not two).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import triton.language as tl
 from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, round_to_act
 from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
+from kernels.router import PICKS as ROUTER_PICKS
 from kernels.router import router_topk, topk_row
 
 # The interpreter truncates fp32 -> bf16 inside kernels, so there the kernels store fp32 and torch rounds (RNE).
@@ -91,10 +93,11 @@ def _linear_kernel(
     TOPK_POW2: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALISE: tl.constexpr,
+    TOPK_PICKS: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order.
     ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`);
-    TOPK > 0: the sums are router logits, and the row tile's last tile to be stored picks its rows' top-k
+    TOPK > 0: the sums are router logits, and the row tile's last tile or range to be stored picks its rows' top-k
     (`_topk_rows`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -133,8 +136,12 @@ def _linear_kernel(
         _store(acc, out_ptr + pid_s * mn, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
                GATES_R, GATES_HC, INTERPRET)  # fmt: skip
         if TOPK > 0:
-            _topk_rows(out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, BLOCK_M, TOPK, TOPK_POW2, BLOCK_E,
-                       RENORMALISE)  # fmt: skip
+            _topk_rows(out_ptr, out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, 1, BLOCK_M, TOPK,
+                       TOPK_POW2, BLOCK_E, RENORMALISE, TOPK_PICKS)  # fmt: skip
+    elif TOPK > 0:
+        tl.store(part_ptr + pid_s * mn + offs, acc, mask=ok)
+        _topk_rows(part_ptr, out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, FUSED_SPLIT, BLOCK_M, TOPK,
+                   TOPK_POW2, BLOCK_E, RENORMALISE, TOPK_PICKS)  # fmt: skip
     else:
         tl.store(part_ptr + pid_s * mn + offs, acc, mask=ok)
         tl.debug_barrier()
@@ -146,29 +153,33 @@ def _linear_kernel(
             _store(total, out_ptr, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
                    GATES_R, GATES_HC, INTERPRET)  # fmt: skip
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            if TOPK > 0:
-                _topk_rows(out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, BLOCK_M, TOPK, TOPK_POW2,
-                           BLOCK_E, RENORMALISE)  # fmt: skip
 
 
 @triton.jit
 def _topk_rows(
-    out_ptr, w_ptr, id_ptr, count_ptr, pid_m, M, N, BLOCK_M: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr,
+    sums_ptr, out_ptr, w_ptr, id_ptr, count_ptr, pid_m, M, N, RANGES: tl.constexpr, BLOCK_M: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr,
+    PICKS: tl.constexpr,
 ):  # fmt: skip
-    """After this program stored its tile's logits: the row tile's last column tile to arrive (a counter after the
-    tiles' own) reloads each of its rows' N logits and stores their top-k (`kernels.router.topk_row`)."""
+    """After this program stored its sums (its tile's logits, or with RANGES > 1 its K range's): the row tile's last
+    arrival of all its tiles and ranges reloads each of its rows' N logits, with RANGES > 1 adding the ranges' sums in
+    range order as a tile's last range does and storing them, and stores their top-k (`kernels.router.topk_row`)."""
     tl.debug_barrier()
-    done = count_ptr + tl.num_programs(0) * tl.num_programs(1) + pid_m
-    if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+    done = count_ptr + pid_m
+    if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) * RANGES - 1:
         lanes = tl.arange(0, BLOCK_E)
         valid = lanes < N
         slots = tl.arange(0, TOPK_POW2)
+        mn = M.to(tl.int64) * N
         for r in range(BLOCK_M):
             row = (pid_m * BLOCK_M + r).to(tl.int64)
             if row < M:
-                logits = tl.load(out_ptr + row * N + lanes, mask=valid, other=float("-inf"), cache_modifier=".cg")
-                weights, ids = topk_row(logits, lanes, valid, TOPK, TOPK_POW2, BLOCK_E, RENORMALISE)
+                logits = tl.load(sums_ptr + row * N + lanes, mask=valid, other=float("-inf"), cache_modifier=".cg")
+                for s in tl.static_range(1, RANGES):
+                    logits += tl.load(sums_ptr + s * mn + row * N + lanes, mask=valid, other=0.0, cache_modifier=".cg")
+                if RANGES > 1:
+                    tl.store(out_ptr + row * N + lanes, logits, mask=valid)
+                weights, ids = topk_row(logits, lanes, valid, TOPK, TOPK_POW2, BLOCK_E, RENORMALISE, PICKS)
                 tl.store(w_ptr + row * TOPK + slots, weights, mask=slots < TOPK)
                 tl.store(id_ptr + row * TOPK + slots, ids, mask=slots < TOPK)
         tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
@@ -275,11 +286,12 @@ class Gates:
 @dataclass(frozen=True)
 class TopK:
     """Where a launch of router logits also stores each row's top-k (`kernels.router.router_topk`'s weights [M, k]
-    fp32 and ids [M, k] int32), renormalised or not."""
+    fp32 and ids [M, k] int32), renormalised or not, the picks taken `picks` a reduction."""
 
     weights: torch.Tensor
     ids: torch.Tensor
     renormalise: bool
+    picks: int = ROUTER_PICKS
 
 
 def _check_topk(
@@ -290,6 +302,8 @@ def _check_topk(
     if topk.weights.shape != (m, k) or topk.ids.shape != (m, k) or not 0 < k <= n or n > MAX_TOPK_COLUMNS:
         raise ValueError(f"launch: top-k weights {tuple(topk.weights.shape)} and ids {tuple(topk.ids.shape)} for "
                          f"{m} rows of {n} logits (at most {MAX_TOPK_COLUMNS})")  # fmt: skip
+    if topk.picks not in (1, 2, 4):
+        raise ValueError(f"launch: top-k picks must be 1, 2 or 4, got {topk.picks}")
     if topk.weights.dtype != torch.float32 or topk.ids.dtype != torch.int32:
         raise ValueError(
             f"launch: top-k weights must be fp32 and ids int32, got {topk.weights.dtype} and {topk.ids.dtype}"
@@ -357,8 +371,8 @@ def launch(
     fused = split > 1 and tiles.block_m == 16
     later = split > 1 and not fused  # the K ranges are summed by the second kernel
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    if topk is not None:  # the tiles' counters, then a row tile's
-        counters = arrival_counters(x.device, grid[0] * grid[1] + grid[0])
+    if topk is not None:  # a row tile's
+        counters = arrival_counters(x.device, grid[0])
     else:
         counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else part
     topk_w, topk_id = (topk.weights, topk.ids) if topk is not None else (out, out)
@@ -392,6 +406,7 @@ def launch(
         TOPK_POW2=triton.next_power_of_2(max(top_k, 1)),
         BLOCK_E=triton.next_power_of_2(n) if topk is not None else 1,
         RENORMALISE=topk is not None and topk.renormalise,
+        TOPK_PICKS=1 if topk is None else topk.picks,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         enable_fp_fusion=topk is None,  # the router kernel's top-k is compiled without fused multiply-adds
@@ -447,11 +462,11 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = 
 
 
 def linear_topk(
-    x: torch.Tensor, w: torch.Tensor, k: int, renormalise: bool = True
+    x: torch.Tensor, w: torch.Tensor, k: int, renormalise: bool = True, picks: int = ROUTER_PICKS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router top-k (weights [M, k] fp32, ids [M, k] int32) of the logits x · wᵀ formed as `linear` forms them in
-    fp32, with `router_topk`'s bits: up to TOPK_ROWS rows in the logits' own launch (one dependent launch fewer),
-    else the router kernel after it."""
+    fp32, with `router_topk`'s bits (its picks `picks` a reduction): up to TOPK_ROWS rows in the logits' own launch
+    (one dependent launch fewer), else the router kernel after it."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear_topk: x {tuple(x.shape)} and w {tuple(w.shape)} do not match as [M, K], [E, K]")
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
@@ -464,8 +479,8 @@ def linear_topk(
     split, k_split = k_ranges(n, x.shape[1])
     tiles = call_tiles(m, n, x.shape[1])
     if m > TOPK_ROWS or n > MAX_TOPK_COLUMNS:
-        return router_topk(launch(x, w, torch.float32, tiles, split, k_split), k, renormalise)
+        return router_topk(launch(x, w, torch.float32, tiles, split, k_split), k, renormalise, picks)
     weights = torch.empty(m, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(m, k, dtype=torch.int32, device=x.device)
-    launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, renormalise))
+    launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, renormalise, picks))
     return weights, ids

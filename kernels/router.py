@@ -8,10 +8,11 @@ so a row's bits never depend on the batch. In fp32: m = max(x) (exact in any ord
 subtraction in fp32 and the exponential evaluated in fp64 and rounded once to fp32; s = Σ e as a balanced pairwise
 tree over the lanes (lanes 2i and 2i+1 first, then pairs of those sums, and so on), which no warp count or layout
 changes; p = e / s with IEEE division. `topk_row` is that row's work: `router_topk` runs it one program a row, and
-`kernels.linear.linear_topk` in the linear kernel itself, in the row tile's last column tile to store its logits,
-with the same bits. The k picks are taken one by one
-as the maximum of the 64-bit key (bits(p) << 32 | (BLOCK_E - 1 - id)), so the larger probability wins and among
-equal ones the lower id. Renormalising divides each pick by their sum taken in pick order (descending probability)
+`kernels.linear.linear_topk` in the linear kernel itself, in the row tile's last arrival, with the same bits. The k
+picks are the k largest 64-bit keys (bits(p) << 32 | (BLOCK_E - 1 - id)), in descending order, so the larger
+probability wins and among equal ones the lower id; the keys of valid lanes are distinct, so a reduction that takes
+the PICKS largest at once (a merge of descending lists) picks what PICKS maxima taken one by one would, in their
+order. Renormalising divides each pick by their sum taken in pick order (descending probability)
 starting from zero. Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the
 k) the weights may differ in the last fp32 bits only, from the different exp implementation and summation orders;
 the ids are identical unless two probabilities land within such a rounding of each other. With bf16 logits that
@@ -28,6 +29,8 @@ import triton.language as tl
 from kernels.fp32_ops import pairwise_sum
 from kernels.pdl import enter, launch_options
 
+PICKS = 2  # keys a reduction takes at once (`topk_row`): 1, 2 or 4, the same picks and bits
+
 
 def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [N, k] fp32, ids [N, k] int32) by torch softmax in fp32 and a stable descending sort."""
@@ -40,8 +43,39 @@ def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True
 
 
 @triton.jit
-def topk_row(x, lanes, valid, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr):
-    """One row's (weights [K_POW2], ids [K_POW2]) from its fp32 logits x [BLOCK_E] (-inf where not `valid`)."""
+def _top2(a0, a1, b0, b1):
+    """The two largest of two descending pairs of distinct keys, descending."""
+    return tl.maximum(a0, b0), tl.maximum(tl.minimum(a0, b0), tl.maximum(a1, b1))
+
+
+@triton.jit
+def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The four largest of two descending quadruples of distinct keys, descending: the larger of each a_i and b_(3-i)
+    (a bitonic four holding the top four), then a bitonic merge."""
+    c0, c1, c2, c3 = tl.maximum(a0, b3), tl.maximum(a1, b2), tl.maximum(a2, b1), tl.maximum(a3, b0)
+    d0, d2, d1, d3 = tl.maximum(c0, c2), tl.minimum(c0, c2), tl.maximum(c1, c3), tl.minimum(c1, c3)
+    return tl.maximum(d0, d1), tl.minimum(d0, d1), tl.maximum(d2, d3), tl.minimum(d2, d3)
+
+
+@triton.jit
+def _largest(keys, PICKS: tl.constexpr):
+    """The PICKS (1, 2 or 4) largest of the distinct keys [BLOCK_E] (-1 may repeat), descending, in one reduction."""
+    none = tl.full(keys.shape, -1, tl.int64)
+    if PICKS == 1:
+        return (tl.max(keys, 0),)
+    elif PICKS == 2:
+        return tl.reduce((keys, none), 0, _top2)
+    else:
+        return tl.reduce((keys, none, none, none), 0, _top4)
+
+
+@triton.jit
+def topk_row(
+    x, lanes, valid, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALISE: tl.constexpr,
+    PICKS: tl.constexpr,
+):  # fmt: skip
+    """One row's (weights [K_POW2], ids [K_POW2]) from its fp32 logits x [BLOCK_E] (-inf where not `valid`), the picks
+    taken PICKS at a time."""
     shifted = x - tl.max(x, 0)
     e = tl.exp(shifted.to(tl.float64)).to(tl.float32)
     p = tl.math.div_rn(e, pairwise_sum(e, BLOCK_E))
@@ -51,13 +85,15 @@ def topk_row(x, lanes, valid, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl
     picked_p = tl.zeros((K_POW2,), dtype=tl.float32)
     picked_id = tl.zeros((K_POW2,), dtype=tl.int32)
     total = tl.zeros((), dtype=tl.float32)
-    for j in range(K):
-        best = tl.max(keys, 0)
-        keys = tl.where(keys == best, -1, keys)
-        best_p = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        picked_p = tl.where(slots == j, best_p, picked_p)
-        picked_id = tl.where(slots == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32), picked_id)
-        total = total + best_p
+    for first in tl.static_range(0, K, PICKS):
+        best = _largest(keys, PICKS)
+        for i in tl.static_range(PICKS):
+            if first + i < K:
+                best_p = (best[i] >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                picked_p = tl.where(slots == first + i, best_p, picked_p)
+                picked_id = tl.where(slots == first + i, BLOCK_E - 1 - (best[i] & 0xFFFFFFFF).to(tl.int32), picked_id)
+                total = total + best_p
+        keys = tl.where(keys >= best[min(PICKS, K - first) - 1], -1, keys)  # the keys just picked, being the largest
     if RENORMALISE:
         picked_p = tl.math.div_rn(picked_p, tl.zeros((K_POW2,), dtype=tl.float32) + total)
     return picked_p, picked_id
@@ -74,6 +110,7 @@ def _router_kernel(
     K_POW2: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALISE: tl.constexpr,
+    PICKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One row: fp32 softmax over E lanes, then K picks of the largest (probability, lower id) key."""
@@ -82,20 +119,25 @@ def _router_kernel(
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < E
     x = tl.load(logits_ptr + row * stride_row + lanes, mask=valid, other=float("-inf")).to(tl.float32)
-    picked_p, picked_id = topk_row(x, lanes, valid, K, K_POW2, BLOCK_E, RENORMALISE)
+    picked_p, picked_id = topk_row(x, lanes, valid, K, K_POW2, BLOCK_E, RENORMALISE, PICKS)
     slots = tl.arange(0, K_POW2)
     out = row * K + slots
     tl.store(weights_ptr + out, picked_p, mask=slots < K)
     tl.store(ids_ptr + out, picked_id, mask=slots < K)
 
 
-def router_topk(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [N, k] fp32, ids [N, k] int32) of logits [N, E] in any float dtype; see the module docstring."""
+def router_topk(
+    logits: torch.Tensor, k: int, renormalise: bool = True, picks: int = PICKS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] fp32, ids [N, k] int32) of logits [N, E] in any float dtype, the picks taken `picks` (1, 2 or 4)
+    a reduction; see the module docstring."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"router_topk takes float logits [N, E], got {logits.dtype} {tuple(logits.shape)}")
     n, num_experts = logits.shape
     if not 0 < k <= num_experts:
         raise ValueError(f"router_topk needs 0 < k <= E, got k={k} with E={num_experts}")
+    if picks not in (1, 2, 4):
+        raise ValueError(f"router_topk takes picks of 1, 2 or 4, got {picks}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
@@ -113,6 +155,7 @@ def router_topk(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple
         K_POW2=triton.next_power_of_2(k),
         BLOCK_E=block_e,
         RENORMALISE=renormalise,
+        PICKS=picks,
         num_warps=max(1, min(8, block_e // 512)),
         enable_fp_fusion=False,
         **launch_options(_router_kernel, logits.device),

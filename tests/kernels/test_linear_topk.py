@@ -55,15 +55,17 @@ def test_one_row_in_the_logits_launch_has_the_router_kernels_bits(
 
 @pytest.mark.parametrize(("experts", "k"), [(64, 256), (48, 2560)])
 def test_a_launch_picks_every_row_of_its_row_tiles(experts: int, k: int) -> None:
-    """`launch` with a top-k takes any rows (the last column tile of each 16-row tile picks its rows one by one), and
-    leaves its arrival counters zero."""
+    """`launch` with a top-k takes any rows (the last arrival of each 16-row tile picks its rows one by one), returns
+    the logits `linear` gives, and leaves its arrival counters zero."""
     m, top_k = 19, 4
     x, w = router_inputs(m, experts, k, seed=k)
     split, k_split = k_ranges(experts, k)
     tiles = call_tiles(1, experts, k)
     weights, ids = torch.empty(m, top_k), torch.empty(m, top_k, dtype=torch.int32)
-    launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, True))
-    assert_same_bits((weights, ids), router_topk(linear(x, w, torch.float32), top_k))
+    logits = launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, True))
+    want = linear(x, w, torch.float32)
+    assert torch.equal(logits.view(torch.int32), want.view(torch.int32))
+    assert_same_bits((weights, ids), router_topk(want, top_k))
     assert not arrival_counters(x.device, 64).any()
 
 
