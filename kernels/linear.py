@@ -302,8 +302,8 @@ def _check_topk(
     if topk.weights.shape != (m, k) or topk.ids.shape != (m, k) or not 0 < k <= n or n > MAX_TOPK_COLUMNS:
         raise ValueError(f"launch: top-k weights {tuple(topk.weights.shape)} and ids {tuple(topk.ids.shape)} for "
                          f"{m} rows of {n} logits (at most {MAX_TOPK_COLUMNS})")  # fmt: skip
-    if topk.picks not in (1, 2, 4):
-        raise ValueError(f"launch: top-k picks must be 1, 2 or 4, got {topk.picks}")
+    if topk.picks not in (1, 2):
+        raise ValueError(f"launch: top-k picks must be 1 or 2, got {topk.picks}")
     if topk.weights.dtype != torch.float32 or topk.ids.dtype != torch.int32:
         raise ValueError(
             f"launch: top-k weights must be fp32 and ids int32, got {topk.weights.dtype} and {topk.ids.dtype}"

@@ -11,7 +11,7 @@ changes; p = e / s with IEEE division. `topk_row` is that row's work: `router_to
 `kernels.linear.linear_topk` in the linear kernel itself, in the row tile's last arrival, with the same bits. The k
 picks are the k largest 64-bit keys (bits(p) << 32 | (BLOCK_E - 1 - id)), in descending order, so the larger
 probability wins and among equal ones the lower id; the keys of valid lanes are distinct, so a reduction that takes
-the PICKS largest at once (a merge of descending lists) picks what PICKS maxima taken one by one would, in their
+the PICKS largest at once (a merge of descending pairs) picks what PICKS maxima taken one by one would, in their
 order. Renormalising divides each pick by their sum taken in pick order (descending probability)
 starting from zero. Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the
 k) the weights may differ in the last fp32 bits only, from the different exp implementation and summation orders;
@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels.fp32_ops import pairwise_sum
 from kernels.pdl import enter, launch_options
 
-PICKS = 2  # keys a reduction takes at once (`topk_row`): 1, 2 or 4, the same picks and bits
+PICKS = 2  # keys a reduction takes at once (`topk_row`): 1 or 2, the same picks and bits
 
 
 def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,24 +49,12 @@ def _top2(a0, a1, b0, b1):
 
 
 @triton.jit
-def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
-    """The four largest of two descending quadruples of distinct keys, descending: the larger of each a_i and b_(3-i)
-    (a bitonic four holding the top four), then a bitonic merge."""
-    c0, c1, c2, c3 = tl.maximum(a0, b3), tl.maximum(a1, b2), tl.maximum(a2, b1), tl.maximum(a3, b0)
-    d0, d2, d1, d3 = tl.maximum(c0, c2), tl.minimum(c0, c2), tl.maximum(c1, c3), tl.minimum(c1, c3)
-    return tl.maximum(d0, d1), tl.minimum(d0, d1), tl.maximum(d2, d3), tl.minimum(d2, d3)
-
-
-@triton.jit
 def _largest(keys, PICKS: tl.constexpr):
-    """The PICKS (1, 2 or 4) largest of the distinct keys [BLOCK_E] (-1 may repeat), descending, in one reduction."""
-    none = tl.full(keys.shape, -1, tl.int64)
+    """The PICKS (1 or 2) largest of the distinct keys [BLOCK_E] (-1 may repeat), descending, in one reduction."""
     if PICKS == 1:
         return (tl.max(keys, 0),)
-    elif PICKS == 2:
-        return tl.reduce((keys, none), 0, _top2)
     else:
-        return tl.reduce((keys, none, none, none), 0, _top4)
+        return tl.reduce((keys, tl.full(keys.shape, -1, tl.int64)), 0, _top2)
 
 
 @triton.jit
@@ -129,15 +117,15 @@ def _router_kernel(
 def router_topk(
     logits: torch.Tensor, k: int, renormalise: bool = True, picks: int = PICKS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [N, k] fp32, ids [N, k] int32) of logits [N, E] in any float dtype, the picks taken `picks` (1, 2 or 4)
-    a reduction; see the module docstring."""
+    """(weights [N, k] fp32, ids [N, k] int32) of logits [N, E] in any float dtype, the picks taken `picks` (1 or 2) a
+    reduction; see the module docstring."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"router_topk takes float logits [N, E], got {logits.dtype} {tuple(logits.shape)}")
     n, num_experts = logits.shape
     if not 0 < k <= num_experts:
         raise ValueError(f"router_topk needs 0 < k <= E, got k={k} with E={num_experts}")
-    if picks not in (1, 2, 4):
-        raise ValueError(f"router_topk takes picks of 1, 2 or 4, got {picks}")
+    if picks not in (1, 2):
+        raise ValueError(f"router_topk takes picks of 1 or 2, got {picks}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)

@@ -1,7 +1,7 @@
 """The router at one row, rank 0's real shape (512 experts × 2,560), in a captured graph over 48 layers' weights:
 the logits with their top-k in one launch (`linear_topk`, what the round runs), against the logits alone and the
 logits followed by the router kernel, so that the top-k's share of the launch can be read off; the top-k's picks
-taken 1, 2 and 4 keys a reduction (`kernels.router.PICKS`).
+taken 1 and 2 keys a reduction (`kernels.router.PICKS`).
 
 python3 scripts/gpu_router_tail.py   # one JSON line per variant: µs a layer
 """
@@ -20,7 +20,7 @@ from kernels.router import router_topk
 
 LAYERS, HIDDEN, EXPERTS, TOP_K = 48, 2560, 512, 10
 VARIANTS = ("topk_in_launch", "logits_only", "logits_then_router")
-PICKS = (1, 2, 4)
+PICKS = (1, 2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp32_ops import pairwise_sum
-from kernels.router import _top2, _top4, router_topk, router_topk_reference
+from kernels.router import _top2, router_topk, router_topk_reference
 
 E, K = 16, 4
 
@@ -97,7 +97,7 @@ def test_strided_rows() -> None:
 
 @pytest.mark.parametrize(("experts", "k"), [(16, 4), (12, 5), (16, 16), (5, 1), (64, 10)])
 def test_picks_taken_together_equal_picks_taken_one_by_one(experts: int, k: int) -> None:
-    """Two or four keys a reduction give one key a reduction's ids and weights in every bit: rows of few distinct
+    """Two keys a reduction give one key a reduction's ids and weights in every bit: rows of few distinct
     logits (ties inside the k and across its edge), spread rows, and E not a power of two (masked lanes)."""
     g = torch.Generator().manual_seed(experts * 100 + k)
     ties = torch.randint(-2, 3, (24, experts), generator=g).float()
@@ -105,38 +105,34 @@ def test_picks_taken_together_equal_picks_taken_one_by_one(experts: int, k: int)
     logits = torch.cat([ties, spread]).to(torch.bfloat16)
     one_by_one = router_topk(logits, k, picks=1)
     assert one_by_one[1].tolist()[:24] == tie_order(torch.softmax(logits[:24].float(), -1), k)
-    for picks in (2, 4):
-        weights, ids = router_topk(logits, k, picks=picks)
-        assert torch.equal(ids, one_by_one[1]), picks
-        assert torch.equal(weights.view(torch.int32), one_by_one[0].view(torch.int32)), picks
+    weights, ids = router_topk(logits, k, picks=2)
+    assert torch.equal(ids, one_by_one[1])
+    assert torch.equal(weights.view(torch.int32), one_by_one[0].view(torch.int32))
 
 
 @triton.jit
-def _merge_kernel(a_ptr, b_ptr, out_ptr, PICKS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[:, i] = the i-th of the PICKS largest of each row's descending lists a [BLOCK, PICKS] and b."""
-    rows = tl.arange(0, BLOCK) * PICKS
-    if PICKS == 2:
-        merged = _top2(*[tl.load(a_ptr + rows + i) for i in range(2)], *[tl.load(b_ptr + rows + i) for i in range(2)])
-    else:
-        merged = _top4(*[tl.load(a_ptr + rows + i) for i in range(4)], *[tl.load(b_ptr + rows + i) for i in range(4)])
-    for i in tl.static_range(PICKS):
-        tl.store(out_ptr + rows + i, merged[i])
+def _merge_kernel(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
+    """out[:, i] = the i-th of the two largest of each row's descending pairs a [BLOCK, 2] and b."""
+    rows = tl.arange(0, BLOCK) * 2
+    first, second = _top2(
+        tl.load(a_ptr + rows), tl.load(a_ptr + rows + 1), tl.load(b_ptr + rows), tl.load(b_ptr + rows + 1)
+    )
+    tl.store(out_ptr + rows, first)
+    tl.store(out_ptr + rows + 1, second)
 
 
-@pytest.mark.parametrize("picks", [2, 4])
-def test_a_merge_keeps_the_largest_of_two_lists(picks: int) -> None:
-    """The reductions' merge of two descending lists of distinct keys (padded with -1) on every kind of interleaving:
-    the GPU's reduction trees merge lists of any lengths, the interpreter's only with one key at a time."""
-    g = torch.Generator().manual_seed(picks)
+def test_a_merge_keeps_the_largest_of_two_pairs() -> None:
+    """The reduction's merge of two descending pairs of distinct keys (padded with -1) on every kind of interleaving:
+    the GPU's reduction trees merge pairs, the interpreter's only one key at a time."""
+    g = torch.Generator().manual_seed(2)
     rows = 256
-    keys = torch.stack([torch.randperm(3 * picks, generator=g)[: 2 * picks] for _ in range(rows)]).long()
-    keys[: rows // 2, picks - 1 :: picks] = -1  # short lists: -1 pads them
-    a = keys[:, :picks].sort(dim=1, descending=True).values.contiguous()
-    b = keys[:, picks:].sort(dim=1, descending=True).values.contiguous()
+    keys = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(rows)]).long()
+    keys[: rows // 2, 1::2] = -1  # a single key in each pair: -1 pads it
+    a = keys[:, :2].sort(dim=1, descending=True).values.contiguous()
+    b = keys[:, 2:].sort(dim=1, descending=True).values.contiguous()
     out = torch.empty_like(a)
-    _merge_kernel[(1,)](a, b, out, PICKS=picks, BLOCK=rows)
-    want = torch.cat([a, b], dim=1).sort(dim=1, descending=True).values[:, :picks]
-    assert torch.equal(out, want)
+    _merge_kernel[(1,)](a, b, out, BLOCK=rows)
+    assert torch.equal(out, torch.cat([a, b], dim=1).sort(dim=1, descending=True).values[:, :2])
 
 
 @pytest.mark.parametrize(("shape", "k", "picks"), [((4, E), 0, 1), ((4, E), E + 1, 1), ((E,), 2, 1), ((4, E), 2, 3)])

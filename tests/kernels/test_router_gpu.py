@@ -1,4 +1,4 @@
-"""The router's picks taken two or four a reduction on the GPU, at the model's width: one key a reduction's bits."""
+"""The router's picks taken two a reduction on the GPU, at the model's width: one key a reduction's bits."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ def test_picks_taken_together_equal_picks_taken_one_by_one(renormalise: bool) ->
     wide = torch.randn(4096, 512, device="cuda", generator=gen) * 8
     for logits in (ties, spread, wide):
         weights, ids = router_topk(logits, 10, renormalise, picks=1)
-        for picks in (2, 4):
-            got_w, got_ids = router_topk(logits, 10, renormalise, picks=picks)
-            assert torch.equal(got_ids, ids), picks
-            assert torch.equal(got_w.view(torch.int32), weights.view(torch.int32)), picks
+        got_w, got_ids = router_topk(logits, 10, renormalise, picks=2)
+        assert torch.equal(got_ids, ids)
+        assert torch.equal(got_w.view(torch.int32), weights.view(torch.int32))
