@@ -6,12 +6,13 @@ in fp32, heads added in order 0.., then an IEEE division). If C > top_blocks it 
 ties to the LOWER block index (exactly `torch.sort(descending=True, stable=True)`), else all C blocks; plus the
 tail tokens C*ratio .. p. The top-k is an exact radix select on the fp32 score bits (scores are >= +0, so their
 bits order like the scores): three passes of 11, 10 and 10 bits build per-row histograms with integer atomics (an
-integer sum, so its order cannot change the result), and after each a one-program-per-row kernel fixes the next
-digit of the k-th best score and how many of its ties are still needed; then per-tile counts and a last pass keep
-every block above it and the lowest-indexed ties, written in ascending block order. Every count is an integer
-and every score is computed by one program alone, so a row's selection is independent of the batch. Kernels:
-memset, score (+ pass 0), resolve, radix, resolve, radix, resolve, count, write; rows with C <= top_blocks only
-take part in the write, and when no lane can hold more than top_blocks blocks only the write runs.
+integer sum, so its order cannot change the result), and after each the row's last program to count (an arrival
+counter picks it) fixes the next digit of the k-th best score and how many of its ties are still needed from the
+whole histogram; then per-tile counts and a last pass keep every block above it and the lowest-indexed ties, written
+in ascending block order. Every count is an integer and every score is computed by one program alone, so a row's
+selection is independent of the batch. Kernels: memset (histograms and arrival counters), score (+ pass 0), radix,
+radix, count, write; rows with C <= top_blocks only take part in the write, and when no lane can hold more than
+top_blocks blocks only the write runs.
 
 Attention (`qsa_sparse_attention`): row t's query heads attend exactly its selected keys (scale 1/sqrt(D), GQA:
 query head h uses kv head h // (Hq / Hkv)); the selected keys are cut into fixed chunks of `split` keys (in the
@@ -119,6 +120,8 @@ def _index_score_kernel(
     pos_ptr,
     key_ptr,
     hist_ptr,
+    state_ptr,
+    arrival_ptr,
     stride_qt,
     stride_qh,
     stride_bl,
@@ -133,7 +136,8 @@ def _index_score_kernel(
     NBINS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Score one tile of a row's visible blocks (rows that need a top-k only) and count their top digit."""
+    """Score one tile of a row's visible blocks (rows that need a top-k only) and count their top digit; the row's
+    last tile to arrive resolves pass 0 (`_resolve_last`)."""
     enter(PDL)
     t = tl.program_id(0)
     g0 = tl.program_id(1) * BLOCK_G
@@ -153,24 +157,18 @@ def _index_score_kernel(
         bits = tl.math.div_rn(total, sqrt_dim).to(tl.int32, bitcast=True)
         tl.store(key_ptr + t.to(tl.int64) * stride_kt + blocks, bits, mask=keep)
         tl.atomic_add(hist_ptr + t.to(tl.int64) * 3 * NBINS + (bits >> 20), 1, mask=keep)
+    if visible > TOP:
+        _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, 0, TOP, NBINS)
 
 
 @triton.jit
-def _index_resolve_kernel(
-    pos_ptr,
-    hist_ptr,
-    state_ptr,
-    PASS: tl.constexpr,
-    RATIO: tl.constexpr,
-    TOP: tl.constexpr,
-    NBINS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """After radix pass PASS: fix the next digit of the k-th best score and how many of its ties are still needed."""
-    enter(PDL)
-    t = tl.program_id(0)
-    visible = (tl.load(pos_ptr + t) + 1) // RATIO
-    if visible > TOP:
+def _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, PASS: tl.constexpr, TOP: tl.constexpr, NBINS: tl.constexpr):
+    """After this program counted its part of radix pass PASS for row t: the row's last program to arrive (its
+    pass's arrival counter, which starts at zero) fixes the next digit of the k-th best score and how many of its
+    ties are still needed, from the whole histogram."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrival_ptr + t * 3 + PASS, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
         if PASS == 0:
             prefix = tl.zeros([], dtype=tl.int32)
             need = tl.full([], TOP, dtype=tl.int32)
@@ -178,7 +176,7 @@ def _index_resolve_kernel(
             prefix = tl.load(state_ptr + 2 * t)
             need = tl.load(state_ptr + 2 * t + 1)
         bins = tl.arange(0, NBINS)
-        counts = tl.load(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + bins)
+        counts = tl.load(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + bins, cache_modifier=".cg")
         above = tl.sum(counts, 0) - tl.cumsum(counts, 0)
         digit = tl.max(tl.where((above < need) & (above + counts >= need), bins, 0), 0)
         tl.store(state_ptr + 2 * t, prefix + (digit << (20 - 10 * PASS)))
@@ -191,6 +189,7 @@ def _index_radix_kernel(
     pos_ptr,
     hist_ptr,
     state_ptr,
+    arrival_ptr,
     stride_kt,
     PASS: tl.constexpr,
     RATIO: tl.constexpr,
@@ -199,7 +198,8 @@ def _index_radix_kernel(
     NBINS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Radix pass PASS (1 or 2): count the next digit of the scores that match the bits resolved so far."""
+    """Radix pass PASS (1 or 2): count the next digit of the scores that match the bits resolved so far; the row's
+    last tile to arrive resolves the pass (`_resolve_last`)."""
     enter(PDL)
     t = tl.program_id(0)
     j0 = tl.program_id(1) * BLOCK
@@ -212,6 +212,8 @@ def _index_radix_kernel(
         keep = keep & ((bits >> (30 - 10 * PASS)) == (prefix >> (30 - 10 * PASS)))
         digit = (bits - prefix) >> (20 - 10 * PASS)
         tl.atomic_add(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + digit, 1, mask=keep)
+    if visible > TOP:
+        _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, PASS, TOP, NBINS)
 
 
 @triton.jit
@@ -331,22 +333,18 @@ def qsa_index(
     tile_counts = torch.empty(rows, 2, tiles_pad, dtype=torch.int32, device=device)
     fixed = {"RATIO": ratio, "TOP": top_blocks}
     if blocks > top_blocks:
-        hist = torch.zeros(rows, 3, NBINS, dtype=torch.int32, device=device)
+        zeroed = torch.zeros(rows * 3 * (NBINS + 1), dtype=torch.int32, device=device)  # one memset for both
+        hist, arrivals = zeroed[: rows * 3 * NBINS].view(rows, 3, NBINS), zeroed[rows * 3 * NBINS :].view(rows, 3)
         _index_score_kernel[(rows, triton.cdiv(blocks, SCORE_TILE))](
-            q_idx, block_keys, lanes, positions, keys, hist,
+            q_idx, block_keys, lanes, positions, keys, hist, state, arrivals,
             q_idx.stride(0), q_idx.stride(1), block_keys.stride(0), block_keys.stride(1), keys.stride(0),
             float(math.sqrt(dim)), HEADS=heads, DIM=dim, BLOCK_G=SCORE_TILE, NBINS=NBINS, num_warps=SCORE_WARPS,
             **fixed, **launch_options(_index_score_kernel, device),
         )  # fmt: skip
-        for step in range(3):
-            if step:
-                _index_radix_kernel[(rows, tiles)](
-                    keys, positions, hist, state, keys.stride(0), PASS=step, BLOCK=SELECT_TILE, NBINS=NBINS,
-                    num_warps=SELECT_WARPS, **fixed,
-                    **launch_options(_index_radix_kernel, device),
-                )  # fmt: skip
-            _index_resolve_kernel[(rows,)](
-                positions, hist, state, PASS=step, NBINS=NBINS, **fixed, **launch_options(_index_resolve_kernel, device)
+        for step in (1, 2):
+            _index_radix_kernel[(rows, tiles)](
+                keys, positions, hist, state, arrivals, keys.stride(0), PASS=step, BLOCK=SELECT_TILE, NBINS=NBINS,
+                num_warps=SELECT_WARPS, **fixed, **launch_options(_index_radix_kernel, device),
             )  # fmt: skip
         _index_count_kernel[(rows, tiles)](
             keys, positions, state, tile_counts, keys.stride(0), tile_counts.stride(0),

@@ -72,12 +72,15 @@ def test_index_ties_at_the_cut_keep_the_lowest_indices() -> None:
 
 
 def test_index_across_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 4 blocks: a row's last arrival resolves each pass, tiles past a row's visible blocks arriving too
+    (row 6: 13 visible blocks of lane 0's random keys, whose scores need every pass)."""
     monkeypatch.setattr(qsa, "SELECT_TILE", 4)
     monkeypatch.setattr(qsa, "SCORE_TILE", 4)
     gen = torch.Generator().manual_seed(1)
-    q, keys, lanes, positions = _index_inputs(gen, 6)
-    keys[0, 8:] = torch.randn(CONTEXT // RATIO - 8, DI, generator=gen).bfloat16()
-    positions[4:] = torch.tensor([39, 33])
+    q, keys, lanes, positions = _index_inputs(gen, 7)
+    keys[0] = torch.randn(CONTEXT // RATIO, DI, generator=gen).bfloat16()
+    keys[0, 6] = keys[0, 1]
+    positions[4:] = torch.tensor([39, 33, 25])
     idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, 5)
     ref, ref_counts = qsa.qsa_index_reference(q, keys, lanes, positions, RATIO, 5)
     assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
