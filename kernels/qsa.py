@@ -8,11 +8,11 @@ tail tokens C*ratio .. p. The top-k is an exact radix select on the fp32 score b
 bits order like the scores): three passes of 11, 10 and 10 bits build per-row histograms with integer atomics (an
 integer sum, so its order cannot change the result), and after each the row's last program to count (an arrival
 counter picks it) fixes the next digit of the k-th best score and how many of its ties are still needed from the
-whole histogram; then per-tile counts and a last pass keep every block above it and the lowest-indexed ties, written
-in ascending block order. Every count is an integer and every score is computed by one program alone, so a row's
-selection is independent of the batch. Kernels: memset (histograms and arrival counters), score (+ pass 0), radix,
-radix, count, write; rows with C <= top_blocks only take part in the write, and when no lane can hold more than
-top_blocks blocks only the write runs.
+whole histogram; then a last pass keeps every block above it and the lowest-indexed ties, written in ascending
+block order (each tile counting the keys of the tiles before it). Every count is an integer and every score is
+computed by one program alone, so a row's selection is independent of the batch. Kernels: memset (histograms and
+arrival counters), score (+ pass 0), radix, radix, write; rows with C <= top_blocks only take part in the write,
+and when no lane can hold more than top_blocks blocks only the write runs.
 
 Attention (`qsa_sparse_attention`): row t's query heads attend exactly its selected keys (scale 1/sqrt(D), GQA:
 query head h uses kv head h // (Hq / Hkv)); the selected keys are cut into fixed chunks of `split` keys (in the
@@ -217,54 +217,23 @@ def _index_radix_kernel(
 
 
 @triton.jit
-def _index_count_kernel(
-    key_ptr,
-    pos_ptr,
-    state_ptr,
-    cnt_ptr,
-    stride_kt,
-    stride_ct,
-    RATIO: tl.constexpr,
-    TOP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    TILES_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Per tile: how many scores beat the k-th best and how many tie it (cnt[t, 0/1, tile])."""
-    enter(PDL)
-    t = tl.program_id(0)
-    tile = tl.program_id(1)
-    j0 = tile * BLOCK
-    visible = (tl.load(pos_ptr + t) + 1) // RATIO
-    if (visible > TOP) & (j0 < visible):
-        kth = tl.load(state_ptr + 2 * t)
-        blocks = j0 + tl.arange(0, BLOCK)
-        keep = blocks < visible
-        bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + blocks, mask=keep, other=0)
-        tl.store(cnt_ptr + t * stride_ct + tile, tl.sum((keep & (bits > kth)).to(tl.int32), 0))
-        tl.store(cnt_ptr + t * stride_ct + TILES_PAD + tile, tl.sum((keep & (bits == kth)).to(tl.int32), 0))
-
-
-@triton.jit
 def _index_write_kernel(
     key_ptr,
     pos_ptr,
     state_ptr,
-    cnt_ptr,
     idx_ptr,
     count_ptr,
     stride_kt,
-    stride_ct,
     stride_it,
     RATIO: tl.constexpr,
     TOP: tl.constexpr,
     BLOCK: tl.constexpr,
-    TILES_PAD: tl.constexpr,
     WIDTH: tl.constexpr,
     WIDTH_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Write a tile's chosen blocks as tokens at their ascending places; tile 0 writes the tail, -1 padding, count."""
+    """Write a tile's chosen blocks as tokens at their ascending places, after the scores of the tiles before it that
+    beat or tie the k-th best (counted here); tile 0 writes the tail, -1 padding, count."""
     enter(PDL)
     t = tl.program_id(0)
     tile = tl.program_id(1)
@@ -278,10 +247,13 @@ def _index_write_kernel(
         if visible > TOP:
             kth = tl.load(state_ptr + 2 * t)
             need = tl.load(state_ptr + 2 * t + 1)
-            before = tl.arange(0, TILES_PAD) < tile
-            gt_before = tl.sum(tl.load(cnt_ptr + t * stride_ct + tl.arange(0, TILES_PAD), mask=before, other=0), 0)
-            eq_ptr = cnt_ptr + t * stride_ct + TILES_PAD + tl.arange(0, TILES_PAD)
-            eq_before = tl.sum(tl.load(eq_ptr, mask=before, other=0), 0)
+            gt_before = tl.zeros([], dtype=tl.int32)
+            eq_before = tl.zeros([], dtype=tl.int32)
+            for earlier in range(0, j0, BLOCK):
+                seen = earlier + tl.arange(0, BLOCK)
+                seen_bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + seen, mask=seen < visible, other=0)
+                gt_before += tl.sum(((seen < visible) & (seen_bits > kth)).to(tl.int32), 0)
+                eq_before += tl.sum(((seen < visible) & (seen_bits == kth)).to(tl.int32), 0)
             bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + blocks, mask=keep, other=0)
             tie = keep & (bits == kth)
             tie_rank = eq_before + tl.cumsum(tie.to(tl.int32), 0) - 1
@@ -327,10 +299,8 @@ def qsa_index(
     if rows == 0:
         return indices, counts
     tiles = max(1, triton.cdiv(blocks, SELECT_TILE))
-    tiles_pad = triton.next_power_of_2(tiles)
     keys = torch.empty(rows, max(blocks, 1), dtype=torch.int32, device=device)
     state = torch.empty(rows, 2, dtype=torch.int32, device=device)
-    tile_counts = torch.empty(rows, 2, tiles_pad, dtype=torch.int32, device=device)
     fixed = {"RATIO": ratio, "TOP": top_blocks}
     if blocks > top_blocks:
         zeroed = torch.zeros(rows * 3 * (NBINS + 1), dtype=torch.int32, device=device)  # one memset for both
@@ -346,14 +316,9 @@ def qsa_index(
                 keys, positions, hist, state, arrivals, keys.stride(0), PASS=step, BLOCK=SELECT_TILE, NBINS=NBINS,
                 num_warps=SELECT_WARPS, **fixed, **launch_options(_index_radix_kernel, device),
             )  # fmt: skip
-        _index_count_kernel[(rows, tiles)](
-            keys, positions, state, tile_counts, keys.stride(0), tile_counts.stride(0),
-            BLOCK=SELECT_TILE, TILES_PAD=tiles_pad, num_warps=SELECT_WARPS, **fixed,
-            **launch_options(_index_count_kernel, device),
-        )  # fmt: skip
     _index_write_kernel[(rows, tiles)](
-        keys, positions, state, tile_counts, indices, counts, keys.stride(0), tile_counts.stride(0), indices.stride(0),
-        BLOCK=SELECT_TILE, TILES_PAD=tiles_pad, WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width),
+        keys, positions, state, indices, counts, keys.stride(0), indices.stride(0),
+        BLOCK=SELECT_TILE, WIDTH=width, WIDTH_PAD=triton.next_power_of_2(width),
         num_warps=SELECT_WARPS, **fixed, **launch_options(_index_write_kernel, device),
     )  # fmt: skip
     return indices, counts
