@@ -10,7 +10,8 @@ interpreter's tiles keep BLOCK_K: `call_tiles`). With split = 1 that
 sum, rounded once to the output dtype, is the result. With split > 1 the range sums P_s land in an fp32 workspace
 and are added as ((P_0 + P_1) + P_2) + ... in range order, then rounded once: with 16-row tiles by the program of
 the tile's last range to finish (an arrival counter picks it; it reloads every P_s, its own too, so the order is
-the same whichever range arrives last), with wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
+the same whichever range arrives last; with a top-k, the row tile's last arrival over its tiles and ranges), with
+wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
 that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an element,
 never how its sum is formed; on the H200 every tile shape and depth (mma.sync and wgmma alike) gave identical bits.
 
@@ -95,7 +96,8 @@ def _linear_kernel(
     RENORMALISE: tl.constexpr,
     TOPK_PICKS: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order.
+    """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order
+    (with TOPK, the row tile's last arrival over its tiles and ranges).
     ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`);
     TOPK > 0: the sums are router logits, and the row tile's last tile or range to be stored picks its rows' top-k
     (`_topk_rows`)."""

@@ -156,16 +156,16 @@ def _index_score_kernel(
             total += tl.where(s > 0.0, s, 0.0)
         bits = tl.math.div_rn(total, sqrt_dim).to(tl.int32, bitcast=True)
         tl.store(key_ptr + t.to(tl.int64) * stride_kt + blocks, bits, mask=keep)
-        tl.atomic_add(hist_ptr + t.to(tl.int64) * 3 * NBINS + (bits >> 20), 1, mask=keep)
+        tl.atomic_add(hist_ptr + t.to(tl.int64) * 3 * NBINS + (bits >> 20), 1, mask=keep, sem="relaxed", scope="gpu")
     if visible > TOP:
         _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, 0, TOP, NBINS)
 
 
 @triton.jit
 def _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, PASS: tl.constexpr, TOP: tl.constexpr, NBINS: tl.constexpr):
-    """After this program counted its part of radix pass PASS for row t: the row's last program to arrive (its
-    pass's arrival counter, which starts at zero) fixes the next digit of the k-th best score and how many of its
-    ties are still needed, from the whole histogram."""
+    """After this program counted its part of radix pass PASS for row t (relaxed atomics, ordered by this arrival):
+    the row's last program to arrive (its pass's arrival counter, which starts at zero) fixes the next digit of the
+    k-th best score and how many of its ties are still needed, from the whole histogram."""
     tl.debug_barrier()
     arrived = tl.atomic_add(arrival_ptr + t * 3 + PASS, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
@@ -211,7 +211,7 @@ def _index_radix_kernel(
         bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + blocks, mask=keep, other=0)
         keep = keep & ((bits >> (30 - 10 * PASS)) == (prefix >> (30 - 10 * PASS)))
         digit = (bits - prefix) >> (20 - 10 * PASS)
-        tl.atomic_add(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + digit, 1, mask=keep)
+        tl.atomic_add(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + digit, 1, mask=keep, sem="relaxed", scope="gpu")
     if visible > TOP:
         _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, PASS, TOP, NBINS)
 
@@ -249,11 +249,10 @@ def _index_write_kernel(
             need = tl.load(state_ptr + 2 * t + 1)
             gt_before = tl.zeros([], dtype=tl.int32)
             eq_before = tl.zeros([], dtype=tl.int32)
-            for earlier in range(0, j0, BLOCK):
-                seen = earlier + tl.arange(0, BLOCK)
-                seen_bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + seen, mask=seen < visible, other=0)
-                gt_before += tl.sum(((seen < visible) & (seen_bits > kth)).to(tl.int32), 0)
-                eq_before += tl.sum(((seen < visible) & (seen_bits == kth)).to(tl.int32), 0)
+            for earlier in range(0, j0, BLOCK):  # whole tiles, all visible (they end at j0 < visible)
+                seen_bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + earlier + tl.arange(0, BLOCK))
+                gt_before += tl.sum((seen_bits > kth).to(tl.int32), 0)
+                eq_before += tl.sum((seen_bits == kth).to(tl.int32), 0)
             bits = tl.load(key_ptr + t.to(tl.int64) * stride_kt + blocks, mask=keep, other=0)
             tie = keep & (bits == kth)
             tie_rank = eq_before + tl.cumsum(tie.to(tl.int32), 0) - 1

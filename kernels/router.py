@@ -73,15 +73,17 @@ def topk_row(
     picked_p = tl.zeros((K_POW2,), dtype=tl.float32)
     picked_id = tl.zeros((K_POW2,), dtype=tl.int32)
     total = tl.zeros((), dtype=tl.float32)
-    for first in tl.static_range(0, K, PICKS):
+    for first in range(0, K, PICKS):  # a loop, not unrolled: the code stays one reduction's size whatever K is
         best = _largest(keys, PICKS)
+        last = best[0]  # the smallest key taken in this reduction: picks past K (odd K) are not taken
         for i in tl.static_range(PICKS):
-            if first + i < K:
-                best_p = (best[i] >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-                picked_p = tl.where(slots == first + i, best_p, picked_p)
-                picked_id = tl.where(slots == first + i, BLOCK_E - 1 - (best[i] & 0xFFFFFFFF).to(tl.int32), picked_id)
-                total = total + best_p
-        keys = tl.where(keys >= best[min(PICKS, K - first) - 1], -1, keys)  # the keys just picked, being the largest
+            best_p = (best[i] >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            picked_p = tl.where(slots == first + i, best_p, picked_p)  # slots past K are never stored
+            picked_id = tl.where(slots == first + i, BLOCK_E - 1 - (best[i] & 0xFFFFFFFF).to(tl.int32), picked_id)
+            total = total + tl.where(first + i < K, best_p, 0.0)  # + +0.0 leaves the sum (>= +0) as it is
+            if i > 0:
+                last = tl.where(first + i < K, best[i], last)
+        keys = tl.where(keys >= last, -1, keys)  # the keys just picked, being the largest
     if RENORMALISE:
         picked_p = tl.math.div_rn(picked_p, tl.zeros((K_POW2,), dtype=tl.float32) + total)
     return picked_p, picked_id

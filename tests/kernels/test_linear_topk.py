@@ -105,6 +105,8 @@ def test_a_top_k_launch_is_refused_where_it_cannot_store() -> None:
         launch(x, w, torch.float32, small, split, k_split, topk=TopK(good.weights[:1], good.ids, True))
     with pytest.raises(ValueError, match="contiguous"):
         launch(x, w, torch.float32, small, split, k_split, topk=TopK(torch.empty(4, 2).T, good.ids, True))
+    with pytest.raises(ValueError, match="picks must be 1 or 2"):
+        launch(x, w, torch.float32, small, split, k_split, topk=TopK(good.weights, good.ids, True, picks=4))
     with pytest.raises(ValueError, match="must be on cpu"):
         launch(x, w, torch.float32, small, split, k_split, topk=TopK(good.weights.to("meta"), good.ids, True))
     wide = torch.zeros(MAX_TOPK_COLUMNS + 1, 256).bfloat16()
