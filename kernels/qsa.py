@@ -10,9 +10,10 @@ integer sum, so its order cannot change the result), and after each the row's la
 counter picks it) fixes the next digit of the k-th best score and how many of its ties are still needed from the
 whole histogram; then a last pass keeps every block above it and the lowest-indexed ties, written in ascending
 block order (each tile counting the keys of the tiles before it). Every count is an integer and every score is
-computed by one program alone, so a row's selection is independent of the batch. Kernels: memset (histograms and
-arrival counters), score (+ pass 0), radix, radix, write; rows with C <= top_blocks only take part in the write,
-and when no lane can hold more than top_blocks blocks only the write runs.
+computed by one program alone, so a row's selection is independent of the batch. Kernels: score (+ pass 0), radix,
+radix, write; rows with C <= top_blocks only take part in the write, and when no lane can hold more than top_blocks
+blocks only the write runs. The histograms and arrival counters of up to POOLED_ROWS rows come from a zeroed pool
+that each resolve leaves zero (more rows get a memset).
 
 Attention (`qsa_sparse_attention`): row t's query heads attend exactly its selected keys (scale 1/sqrt(D), GQA:
 query head h uses kv head h // (Hq / Hkv)); the selected keys are cut into fixed chunks of `split` keys (in the
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.counters import CounterPool
 from kernels.gates import sigmoid_gated, to_act
 from kernels.pdl import enter, launch_options
 
@@ -43,6 +45,8 @@ SELECT_TILE = 1024  # blocks scanned per program in the select passes
 ATTN_SPLIT = 256  # selected keys per attention program (a fixed chunk, not a batch-dependent split)
 ATTN_TILE = 64  # keys per inner step of the attention
 SCORE_WARPS, SELECT_WARPS, ATTN_WARPS = 4, 4, 4
+POOLED_ROWS = 256  # rows (64 lanes' verify windows) whose histograms and arrival counters the pool holds
+_ZEROED = CounterPool(POOLED_ROWS * 3 * (NBINS + 1), "qsa_index", "histogram and arrival words")
 
 
 def _interpret() -> bool:
@@ -165,7 +169,8 @@ def _index_score_kernel(
 def _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, PASS: tl.constexpr, TOP: tl.constexpr, NBINS: tl.constexpr):
     """After this program counted its part of radix pass PASS for row t (relaxed atomics, ordered by this arrival):
     the row's last program to arrive (its pass's arrival counter, which starts at zero) fixes the next digit of the
-    k-th best score and how many of its ties are still needed, from the whole histogram."""
+    k-th best score and how many of its ties are still needed, from the whole histogram, and sets that histogram and
+    counter back to zero."""
     tl.debug_barrier()
     arrived = tl.atomic_add(arrival_ptr + t * 3 + PASS, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
@@ -176,7 +181,10 @@ def _resolve_last(hist_ptr, state_ptr, arrival_ptr, t, PASS: tl.constexpr, TOP: 
             prefix = tl.load(state_ptr + 2 * t)
             need = tl.load(state_ptr + 2 * t + 1)
         bins = tl.arange(0, NBINS)
-        counts = tl.load(hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + bins, cache_modifier=".cg")
+        hist = hist_ptr + (t.to(tl.int64) * 3 + PASS) * NBINS + bins
+        counts = tl.load(hist, cache_modifier=".cg")
+        tl.store(hist, tl.zeros([NBINS], dtype=tl.int32))
+        tl.atomic_xchg(arrival_ptr + t * 3 + PASS, 0, sem="relaxed", scope="gpu")
         above = tl.sum(counts, 0) - tl.cumsum(counts, 0)
         digit = tl.max(tl.where((above < need) & (above + counts >= need), bins, 0), 0)
         tl.store(state_ptr + 2 * t, prefix + (digit << (20 - 10 * PASS)))
@@ -302,7 +310,11 @@ def qsa_index(
     state = torch.empty(rows, 2, dtype=torch.int32, device=device)
     fixed = {"RATIO": ratio, "TOP": top_blocks}
     if blocks > top_blocks:
-        zeroed = torch.zeros(rows * 3 * (NBINS + 1), dtype=torch.int32, device=device)  # one memset for both
+        words = rows * 3 * (NBINS + 1)
+        if rows <= POOLED_ROWS:  # zero: every call's resolves leave it so
+            zeroed = _ZEROED.get(device, words)[:words]
+        else:
+            zeroed = torch.zeros(words, dtype=torch.int32, device=device)
         hist, arrivals = zeroed[: rows * 3 * NBINS].view(rows, 3, NBINS), zeroed[rows * 3 * NBINS :].view(rows, 3)
         _index_score_kernel[(rows, triton.cdiv(blocks, SCORE_TILE))](
             q_idx, block_keys, lanes, positions, keys, hist, state, arrivals,

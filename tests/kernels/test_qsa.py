@@ -86,6 +86,24 @@ def test_index_across_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
 
 
+def test_index_calls_leave_the_pooled_histograms_zero_and_pool_rows_beyond_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The histograms and arrival counters come zeroed from a pool that each call's resolves leave zero, so calls one
+    after the other each match the reference (many tiles, every pass); more rows than the pool holds get their own."""
+    monkeypatch.setattr(qsa, "SELECT_TILE", 4)
+    monkeypatch.setattr(qsa, "SCORE_TILE", 4)
+    monkeypatch.setattr(qsa, "POOLED_ROWS", 5)
+    gen = torch.Generator().manual_seed(4)
+    for rows in (5, 4, 6, 5):
+        q, keys, lanes, positions = _index_inputs(gen, rows)
+        keys[0] = torch.randn(CONTEXT // RATIO, DI, generator=gen).bfloat16()
+        positions[0] = 39
+        idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, 5)
+        ref, ref_counts = qsa.qsa_index_reference(q, keys, lanes, positions, RATIO, 5)
+        assert torch.equal(idx, ref) and torch.equal(counts, ref_counts), rows
+        pool = qsa._ZEROED.get(torch.device("cpu"), 0)
+        assert not pool.any(), rows
+
+
 def test_index_matches_the_model_selection_mask() -> None:
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(4, HI, DI, generator=gen).bfloat16()
