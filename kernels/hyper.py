@@ -66,6 +66,7 @@ WRITE_BLOCK = 256
 UP_BLOCK_K = 128  # `_up_mix_kernel`'s chunk of r
 RSTD_ONE_CHUNK = 4096  # the widest stream the rstd kernel holds in registers whole
 UP_MIX_COLUMNS = 128  # the most columns (streams padded to a power of two, times up_d) of `_up_mix_kernel`'s tile
+UP_BY_ROW = 1  # rows up to which `_up_mix_kernel` gates its rows one at a time, not its whole 16-row tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,7 @@ class ReadTiles:
     num_stages: int
     via_linear: bool = False  # the down projection (and inject) by the linear kernel over stored normed rows
     up_over_normed: bool = False  # the up projection and gated stream mean by `_up_mix_kernel` over stored normed rows
+    up_by_row: bool = False  # `_up_mix_kernel` gates and sums only its tile's rows that exist, one at a time
 
 
 def block_k(d: int) -> int:
@@ -123,7 +125,7 @@ def read_tiles(n: int, r: int) -> ReadTiles:
     if INTERPRET:  # one program runs a read's K ranges, and tiles are wide: the interpreter runs programs one by one
         return ReadTiles(64, 16, 64, 64, True, 4, 1)
     if n <= 32:
-        return ReadTiles(16, 32, 16, 16, False, 2, 3, via_linear=True, up_over_normed=True)
+        return ReadTiles(16, 32, 16, 16, False, 2, 3, via_linear=True, up_over_normed=True, up_by_row=n <= UP_BY_ROW)
     if n <= 256:
         return ReadTiles(16, 32, 64, 16, False, 4, 3, via_linear=True, up_over_normed=True)
     in_program = triton.cdiv(n, 64) * triton.cdiv(r, 64) >= MIN_PROGRAMS
@@ -609,10 +611,12 @@ def _up_mix_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    BY_ROW: tl.constexpr,
 ):
     """x tile = act(Σ_b sigmoid(u_b) · normed_b / hc) over the stored normed rows, streams summed in order from -0.0;
     u = h · W_upᵀ for the tile's columns of every stream at once ([BLOCK_M, HC_PAD · BLOCK_D], stream-major), in fp32
-    as `_mix_kernel` sums it (one chain over r from zero, zero products past r), kept in registers."""
+    as `_mix_kernel` sums it (one chain over r from zero, zero products past r), kept in registers. BY_ROW: the gates
+    and the sum run on the tile's rows below M one at a time (`_mix_rows`), not on all BLOCK_M rows."""
     pid_d = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -631,8 +635,12 @@ def _up_mix_kernel(
     ok = row_ok[:, None] & (d_cols < D)[None, :]
     enter(PDL)
     # every stream's normed tile, loaded before the dots so that its latency passes under theirs
-    normed_at = normed_ptr + rows.to(tl.int64)[:, None, None] * stride_n + which * D + d_cols[None, None, :]
-    normed_bits = _bits(tl.load(normed_at, mask=ok[:, None, :] & (which < HC), other=0.0), ACT_BF16)
+    if BY_ROW:  # in u's lane order
+        normed_at = normed_ptr + rows.to(tl.int64)[:, None] * stride_n + (stream * D + cols)[None, :]
+        normed_bits = _bits(tl.load(normed_at, mask=row_ok[:, None] & lane_ok[None, :], other=0.0), ACT_BF16)
+    else:
+        normed_at = normed_ptr + rows.to(tl.int64)[:, None, None] * stride_n + which * D + d_cols[None, None, :]
+        normed_bits = _bits(tl.load(normed_at, mask=ok[:, None, :] & (which < HC), other=0.0), ACT_BF16)
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
     u = tl.zeros((BLOCK_M, HC_PAD * BLOCK_D), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
@@ -640,14 +648,38 @@ def _up_mix_kernel(
         hh = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < R), other=0.0)
         w = tl.load(wu_ptr + w_rows[None, :] + kk[:, None], mask=lane_ok[None, :] & (kk[:, None] < R), other=0.0)
         u = _dot(hh, w, u, ACT_BF16, INTERPRET)
-    by_stream = tl.reshape(u, (BLOCK_M, HC_PAD, BLOCK_D))
-    total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
-    for b in tl.static_range(HC):
-        u_b = tl.sum(tl.where(which == b, by_stream, 0.0), axis=1)  # one term and +0.0s: u_b's own value
-        normed = _from_bits(tl.sum(tl.where(which == b, normed_bits, 0), axis=1), ACT_BF16)  # one term's bits + 0s
-        total = total + sigmoid_f32(u_b, INTERPRET) * normed
-    x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
-    tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + d_cols[None, :], x, mask=ok)
+    if BY_ROW:
+        _mix_rows(u, normed_bits, x_ptr, pid_m, M, D, d_cols, HC, HC_PAD, ACT_BF16, BLOCK_M, BLOCK_D, INTERPRET)
+    else:
+        by_stream = tl.reshape(u, (BLOCK_M, HC_PAD, BLOCK_D))
+        total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
+        for b in tl.static_range(HC):
+            u_b = tl.sum(tl.where(which == b, by_stream, 0.0), axis=1)  # one term and +0.0s: u_b's own value
+            normed = _from_bits(tl.sum(tl.where(which == b, normed_bits, 0), axis=1), ACT_BF16)  # one term's bits
+            total = total + sigmoid_f32(u_b, INTERPRET) * normed
+        x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
+        tl.store(x_ptr + rows.to(tl.int64)[:, None] * D + d_cols[None, :], x, mask=ok)
+
+
+@triton.jit
+def _mix_rows(
+    u, normed_bits, x_ptr, pid_m, M, D, d_cols, HC: tl.constexpr, HC_PAD: tl.constexpr, ACT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """`_up_mix_kernel`'s x for the rows of its tile below M, one at a time: u [BLOCK_M, HC_PAD · BLOCK_D] and the
+    normed bits in the same lanes; each row and stream is picked out by a sum of one term and zeros, so each term of
+    the stream sum is the 2-D form's (sigmoid(±0.0) is 0.5 either way)."""
+    at_row = tl.arange(0, BLOCK_M)[:, None]
+    which = tl.arange(0, HC_PAD)[:, None]
+    for r in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M)):
+        gates = tl.reshape(sigmoid_f32(tl.sum(tl.where(at_row == r, u, 0.0), axis=0), INTERPRET), (HC_PAD, BLOCK_D))
+        bits = tl.reshape(tl.sum(tl.where(at_row == r, normed_bits, 0), axis=0), (HC_PAD, BLOCK_D))
+        total = tl.full((BLOCK_D,), -0.0, tl.float32)
+        for b in tl.static_range(HC):
+            normed = _from_bits(tl.sum(tl.where(which == b, bits, 0), axis=0), ACT_BF16)
+            total = total + tl.sum(tl.where(which == b, gates, 0.0), axis=0) * normed
+        x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
+        tl.store(x_ptr + (pid_m * BLOCK_M + r).to(tl.int64) * D + d_cols, x, mask=d_cols < D)
 
 
 @triton.jit
@@ -837,8 +869,8 @@ def launch_read(
         _up_mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](
             h, w_up, normed, x, n, d, r, w_up.stride(0), normed.stride(0),
             HC=hc, HC_PAD=triton.next_power_of_2(hc), ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d,
-            BLOCK_K=UP_BLOCK_K, INTERPRET=INTERPRET,
-            PREFETCH=prefetch_enabled(wide.device), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            BLOCK_K=UP_BLOCK_K, INTERPRET=INTERPRET, PREFETCH=prefetch_enabled(wide.device), BY_ROW=tiles.up_by_row,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             **launch_options(_up_mix_kernel, wide.device),
         )  # fmt: skip
         return x, inject

@@ -63,8 +63,9 @@ def candidates(
     projection by the linear kernel under each up-side setting, the up projection over stored normed rows under each
     down-side setting, and both under each UP_TILES tile; with up_only just those last."""
     grid = list(itertools.product(warps, stages))
-    if up_only:
-        return [ReadTiles(16, 32, um, ud, False, w, s, True, True) for w, s in grid for um, ud in UP_TILES]
+    if up_only:  # each up tile gated over its whole row tile and, for 16-row tiles, row by row
+        by_row = [(um, ud, rows) for um, ud in UP_TILES for rows in ((False, True) if um == 16 else (False,))]
+        return [ReadTiles(16, 32, um, ud, False, w, s, True, True, rows) for w, s in grid for um, ud, rows in by_row]
     tiles = [ReadTiles(16, dr, 16, ud, ip, w, s) for w, s in grid for dr, ip, ud in PAIRS]
     if via_linear:
         tiles += [ReadTiles(16, 32, 16, ud, False, w, s, True) for w, s in grid for ud in (16, 32)]
@@ -153,7 +154,7 @@ def describe(row: Row) -> str:
     tiles = (
         f"down {t['down_m']}x{t['down_r']}{' in_program' if t['in_program'] else ''} up {t['up_m']}x{t['up_d']} "
         f"warps {t['num_warps']} stages {t['num_stages']}{' down via linear' if t.get('via_linear') else ''}"
-        f"{' up over normed' if t.get('up_over_normed') else ''}"
+        f"{' up over normed' if t.get('up_over_normed') else ''}{' by row' if t.get('up_by_row') else ''}"
     )
     if row["error"] is not None:
         return f"ERROR {tiles}: {row['error']}"

@@ -326,11 +326,28 @@ def test_the_read_keeps_the_fused_down_kernel_where_the_linear_kernel_cuts_k_oth
 
 def test_reads_of_any_row_count_ask_for_the_paths_over_stored_normed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU every batch size asks for the down projection by the linear kernel and the up projection over the
-    stored normed rows (prompt rounds included)."""
+    stored normed rows (prompt rounds included), gated row by row up to UP_BY_ROW rows."""
     monkeypatch.setattr(hyper, "INTERPRET", False)
-    for n in (1, 256, 257, 1024, 8192):
+    for n in (1, 4, 5, 256, 257, 1024, 8192):
         tiles = hyper.read_tiles(n, 320)
         assert tiles.via_linear and tiles.up_over_normed, n
+        assert tiles.up_by_row == (n <= hyper.UP_BY_ROW), n
+
+
+@pytest.mark.parametrize("hc, n", [(2, 1), (2, 5), (3, 17)])
+def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits(hc: int, n: int) -> None:
+    """`_up_mix_kernel` with `up_by_row` gives x bit for bit as over its whole row tile: one row, a tile of five, a
+    second tile of one row, three streams padded to four, and a feature that is -0.0 in every stream."""
+    d = 64
+    w, wide = weights(hc, torch.bfloat16, seed=15, d=d), wide_rows(n, hc, torch.bfloat16, seed=16, d=d)
+    w["hc_norm_weight"] = w["hc_norm_weight"].abs()  # 1 + w > 0: the normed -0.0 keeps its sign
+    wide[:, [b * d + 5 for b in range(hc)]] = -0.0
+    tiles = dataclasses.replace(TILES[0], up_over_normed=True)
+    x, inj = launch_read(wide, *w.values(), EPS, hc, tiles)
+    by_row_x, by_row_inj = launch_read(wide, *w.values(), EPS, hc, dataclasses.replace(tiles, up_by_row=True))
+    assert torch.signbit(x[:, 5]).all()
+    assert torch.equal(by_row_x.view(torch.int16), x.view(torch.int16)) and torch.equal(by_row_inj, inj)
+    assert rel_err(by_row_x, hc_read_reference(wide, *w.values(), EPS, hc)[0]) <= tol(torch.bfloat16)
 
 
 def test_a_reduced_fp32_sum_writes_the_bits_of_the_combined_bf16_sum() -> None:

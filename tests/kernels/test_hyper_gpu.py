@@ -71,6 +71,20 @@ def test_up_tiles_decide_only_which_program_computes_an_element() -> None:
             assert torch.equal(x, tx) and torch.equal(inj, tinj), f"{n} rows, {tiles}"
 
 
+def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits() -> None:
+    """At the real shapes, `_up_mix_kernel` gating its rows one at a time gives x and inject bit for bit as over its
+    whole 16-row tile, at 1 to 16 rows and with 2 or 4 warps."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    w = model_weights(gen)
+    wide = (torch.randn(16, HC * D, device="cuda", generator=gen) * 3).bfloat16()
+    for n in (1, 2, 3, 4, 7, 16):
+        for warps in (2, 4):
+            tiles = dataclasses.replace(read_tiles(1, R), num_warps=warps, up_by_row=False)
+            x, inj = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
+            by_row = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_by_row=True))
+            assert torch.equal(x, by_row[0]) and torch.equal(inj, by_row[1]), f"{n} rows, {warps} warps"
+
+
 @pytest.mark.parametrize("partials", [False, True])
 def test_a_write_inside_the_read_gives_the_write_then_the_read(partials: bool) -> None:
     """At 1 to 1,024 rows, hc_write_read's new rows, x and inject equal hc_write's rows and hc_read's of them, with y
