@@ -1,4 +1,5 @@
-"""Arrival counters for kernels whose last-arriving program adds range sums in a fixed order."""
+"""Zeroed int32 words that kernels leave zero: arrival counters (a last-arriving program adds range sums in a fixed
+order) and the QSA indexer's histograms."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 
 
 class CounterPool:
-    """Zeroed int32 counters per (device, stream), `size` of them; every launch that uses them leaves them zero.
+    """Zeroed int32 words per (device, stream), `size` of them; every launch that uses them leaves them zero.
     Graphs captured on one stream share a set, so such graphs must be replayed on one stream."""
 
     def __init__(self, size: int, owner: str, what: str) -> None:

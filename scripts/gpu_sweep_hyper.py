@@ -61,11 +61,11 @@ def candidates(
 ) -> list[ReadTiles]:
     """Every PAIRS setting at every (num_warps, num_stages), with 16-row tiles; with via_linear also the down
     projection by the linear kernel under each up-side setting, the up projection over stored normed rows under each
-    down-side setting, and both under each UP_TILES tile; with up_only just those last."""
+    down-side setting, and both under each UP_TILES tile; with up_only just those last (16-row ones row by row too)."""
     grid = list(itertools.product(warps, stages))
     if up_only:  # each up tile gated over its whole row tile and, for 16-row tiles, row by row
-        by_row = [(um, ud, rows) for um, ud in UP_TILES for rows in ((False, True) if um == 16 else (False,))]
-        return [ReadTiles(16, 32, um, ud, False, w, s, True, True, rows) for w, s in grid for um, ud, rows in by_row]
+        forms = [(um, ud, by_row) for um, ud in UP_TILES for by_row in ((False, True) if um == 16 else (False,))]
+        return [ReadTiles(16, 32, um, ud, False, w, s, True, True, by) for w, s in grid for um, ud, by in forms]
     tiles = [ReadTiles(16, dr, 16, ud, ip, w, s) for w, s in grid for dr, ip, ud in PAIRS]
     if via_linear:
         tiles += [ReadTiles(16, 32, 16, ud, False, w, s, True) for w, s in grid for ud in (16, 32)]

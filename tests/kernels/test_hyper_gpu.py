@@ -72,17 +72,21 @@ def test_up_tiles_decide_only_which_program_computes_an_element() -> None:
 
 
 def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits() -> None:
-    """At the real shapes, `_up_mix_kernel` gating its rows one at a time gives x and inject bit for bit as over its
-    whole 16-row tile, at 1 to 16 rows and with 2 or 4 warps."""
+    """At the real shapes, `_up_mix_kernel` gating its rows one at a time gives x bit for bit as over its whole 16-row
+    tile: 1 to 33 rows (a second tile), columns 8, 16 and 32 a tile, 1, 2 and 4 warps, and a feature that is -0.0
+    in every stream."""
     gen = torch.Generator(device="cuda").manual_seed(8)
     w = model_weights(gen)
-    wide = (torch.randn(16, HC * D, device="cuda", generator=gen) * 3).bfloat16()
-    for n in (1, 2, 3, 4, 7, 16):
-        for warps in (2, 4):
-            tiles = dataclasses.replace(read_tiles(1, R), num_warps=warps, up_by_row=False)
-            x, inj = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
-            by_row = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_by_row=True))
-            assert torch.equal(x, by_row[0]) and torch.equal(inj, by_row[1]), f"{n} rows, {warps} warps"
+    w["hc_norm_weight"] = w["hc_norm_weight"].abs()  # 1 + w > 0: the normed -0.0 keeps its sign
+    wide = (torch.randn(33, HC * D, device="cuda", generator=gen) * 3).bfloat16()
+    wide[:, [b * D + 7 for b in range(HC)]] = -0.0
+    for n in (1, 2, 4, 17, 33):
+        for up_d, warps in ((16, 1), (16, 2), (16, 4), (8, 2), (32, 2)):
+            tiles = dataclasses.replace(read_tiles(1, R), up_d=up_d, num_warps=warps, up_by_row=False)
+            x, _ = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
+            by_row, _ = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_by_row=True))
+            case = f"{n} rows, {up_d} columns, {warps} warps"
+            assert torch.equal(x.view(torch.int16), by_row.view(torch.int16)), case
 
 
 @pytest.mark.parametrize("partials", [False, True])
