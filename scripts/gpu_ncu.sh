@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Nsight Compute over the routed MoE and the dense linear kernel (`gpu_ncu.py`) and GDN's chunked form
-# (`gpu_check_gdn.py --names prompt`) on one H200: per kernel launch, speed of light, occupancy, scheduler and warp
-# stall statistics and the instruction mix (CSV), and each kernel's SASS with its stall samples. Logs under $OUT.
-# Usage, from the repo root there:  OUT=... [PARTS="moe gdn"] bash scripts/gpu_ncu.sh
+# Nsight Compute over the routed MoE, the dense linear kernel and the hyper-connection read (`gpu_ncu.py`) and GDN's
+# chunked form (`gpu_check_gdn.py --names prompt`) on one H200: per kernel launch, speed of light, occupancy,
+# scheduler and warp stall statistics and the instruction mix (CSV), and each kernel's SASS with its stall samples.
+# Logs under $OUT.
+# Usage, from the repo root there:  OUT=... [PARTS="moe gdn hyper"] bash scripts/gpu_ncu.sh  (default: moe gdn)
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FLASHNEXT_PDL=0 PYTHONPATH=.
@@ -13,8 +14,9 @@ SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --sec
 profile() {  # name, limit, kernel regex, then the command
   local name=$1 limit=$2 kernels=$3
   shift 3
-  timeout "$limit" "$NCU" --clock-control none "${SECTIONS[@]}" -k "regex:$kernels" -f -o "$OUT/$name" "$@" \
-    > "$OUT/$name.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout "$limit" "$NCU" --clock-control none "${SECTIONS[@]}" ${NCU_FLAGS:-} -k "regex:$kernels" \
+    -f -o "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$?"; grep "^case\|==ERROR==\|Error" "$OUT/$name.log" | head -20
   "$NCU" --import "$OUT/$name.ncu-rep" --csv --page details --print-units base > "$OUT/$name.csv" 2>&1
   "$NCU" --import "$OUT/$name.ncu-rep" --csv --page source --print-source sass > "$OUT/${name}_sass.csv" 2>&1
@@ -24,6 +26,10 @@ parts=" ${PARTS:-moe gdn} "
 [[ $parts == *" moe "* ]] && profile moe_linear 300 '_(gate_up|down|combine|plan|linear|split_sum)' \
   python3 scripts/gpu_ncu.py --moe-rows ${MOE_ROWS:-1 64 1024} \
   --linear ${LINEAR:-2560x3072:1 5120x2560:1 6144x2560:1 2560x3072:64}
+# one hyper-connection read at HYPER_ROWS rows (default 1), its three kernels, after four reads that warm L2
+[[ $parts == *" hyper "* ]] && NCU_FLAGS="--cache-control none --launch-skip 12 --launch-count 6" \
+  profile hyper_read 200 '_(rstd|linear|up_mix)_kernel' \
+  python3 scripts/gpu_ncu.py --moe-rows --hyper-rows "${HYPER_ROWS:-1}" --repeats 6
 # the chunked form's two kernels at 1,024 and 8,192 rows (the recurrence's launches are left out)
 [[ $parts == *" gdn "* ]] && profile gdn_chunks 240 '_gdn_chunk_' --launch-count 4 python3 scripts/gpu_check_gdn.py \
   --out "$OUT/gdn" --names prompt --reps 3
