@@ -14,10 +14,10 @@ class CounterPool:
         self.size, self.owner, self.what = size, owner, what
         self.sets: dict[tuple[str, int], torch.Tensor] = {}
 
-    def get(self, device: torch.device, tiles: int) -> torch.Tensor:
-        """The counters of the current stream of `device`, refusing more tiles than there are counters."""
-        if tiles > self.size:
-            raise ValueError(f"{self.owner}: {tiles} {self.what} exceed the {self.size} arrival counters")
+    def get(self, device: torch.device, needed: int) -> torch.Tensor:
+        """The words of the current stream of `device`, refusing a call that needs more than the pool holds."""
+        if needed > self.size:
+            raise ValueError(f"{self.owner}: {needed} {self.what} exceed the {self.size} words of its zeroed pool")
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
         key = (str(device), stream)
         if key not in self.sets:
