@@ -1,6 +1,7 @@
 """The QSA indexer compiled on a GPU at the real per-rank shapes, on scores with many exact ties: every row's
-selection equals the torch reference's (ties to the lower block), alone and in batches; the attention's output
-gate in its merge launch has `sigmoid_mul`'s bits; completed blocks averaged in the pool equal those gathered."""
+selection equals the torch reference's (ties to the lower block), alone, in batches and replayed in a graph; the
+attention's output gate in its merge launch has `sigmoid_mul`'s bits; completed blocks averaged in the pool equal
+those gathered."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from kernels import qsa
 from kernels.gates import sigmoid_mul
 from kernels.norm import block_mean
 from kernels.qsa import qsa_index, qsa_index_reference, qsa_sparse_attention
@@ -47,6 +49,35 @@ def test_selection_equals_the_reference_and_each_row_alone(context: int, steps: 
     for t in (0, 1, 5, 3 * lanes - 1):
         one, one_count = qsa_index(q[t : t + 1], keys, rows_lanes[t : t + 1], positions[t : t + 1], RATIO, TOP)
         assert torch.equal(one[0], idx[t]) and int(one_count[0]) == int(counts[t])
+
+
+def test_the_indexer_in_a_graph_selects_anew_at_each_replay_and_leaves_its_pool_zero() -> None:
+    """Captured in a CUDA graph on a stream of its own, the indexer (its histograms and counters from that stream's
+    zeroed pool, no memset) gives the reference's selection at each replay over new inputs, and leaves the pool
+    zero."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lanes, context, rows = 8, 8_192, 16
+    keys = grid((lanes, context // RATIO, DI), gen, 4)
+    q = grid((rows, HI, DI), gen, 4)
+    row_lanes = torch.arange(rows, device="cuda", dtype=torch.int32) % lanes
+    positions = torch.full((rows,), context - 1, device="cuda", dtype=torch.int32)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        qsa_index(q, keys, row_lanes, positions, RATIO, TOP)  # compiles, and makes this stream's pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            idx, counts = qsa_index(q, keys, row_lanes, positions, RATIO, TOP)
+        pool = qsa._ZEROED.get(q.device, 0)
+    torch.cuda.current_stream().wait_stream(stream)
+    for replay in range(3):
+        keys.copy_(grid(tuple(keys.shape), gen, 4 + replay))
+        q.copy_(grid(tuple(q.shape), gen, 4 + replay))
+        positions.copy_(torch.randint(TOP * RATIO + RATIO, context, (rows,), device="cuda", generator=gen))
+        graph.replay()
+        ref, ref_counts = qsa_index_reference(q, keys, row_lanes, positions, RATIO, TOP)
+        assert torch.equal(idx, ref) and torch.equal(counts, ref_counts), f"replay {replay}"
+        assert not pool.any(), f"replay {replay}"
 
 
 @pytest.mark.parametrize("rows", [1, 4, 64])
