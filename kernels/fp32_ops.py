@@ -25,6 +25,13 @@ def round_to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def negative_zeros(SHAPE: tl.constexpr):
+    """fp32 -0.0s (the exact additive identity) of SHAPE, made from their bits: `tl.full(shape, -0.0)` compiles to
+    +0.0, as Triton takes any value equal to zero for its null constant."""
+    return tl.full(SHAPE, 0x80000000, tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def exp_f32(x, INTERPRET: tl.constexpr):
     """exp in fp32: libdevice's expf on the GPU (not tl.exp's ex2.approx), numpy's under the interpreter."""
     if INTERPRET:

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from kernels.counters import CounterPool
-from kernels.fp32_ops import hyper_gates, round_to_act, sigmoid_f32
+from kernels.fp32_ops import hyper_gates, negative_zeros, round_to_act, sigmoid_f32
 from kernels.linear import Gates, linear_gates
 from kernels.linear import k_ranges as linear_k_ranges
 from kernels.pdl import enter, launch_options, load_unwritten, prefetch_enabled, prefetch_l2
@@ -555,7 +555,7 @@ def _mix_kernel(
     rks = tl.arange(0, BLOCK_R)
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
     # -0.0 is the exact additive identity, so the stream sum starts with the first term's own bits
-    total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
+    total = negative_zeros((BLOCK_M, BLOCK_D))
     for b in tl.static_range(HC):
         wide_cols = b * D + cols
         w_cols = wu_ptr + wide_cols.to(tl.int64)[None, :] * stride_wu
@@ -653,7 +653,7 @@ def _up_mix_kernel(
         _mix_rows(u, normed_bits, x_ptr, pid_m, M, D, d_cols, HC, HC_PAD, ACT_BF16, BLOCK_M, BLOCK_D, INTERPRET)
     else:
         by_stream = tl.reshape(u, (BLOCK_M, HC_PAD, BLOCK_D))
-        total = tl.full((BLOCK_M, BLOCK_D), -0.0, tl.float32)
+        total = negative_zeros((BLOCK_M, BLOCK_D))
         for b in tl.static_range(HC):
             u_b = tl.sum(tl.where(which == b, by_stream, 0.0), axis=1)  # one term and +0.0s: u_b's own value
             normed = _from_bits(tl.sum(tl.where(which == b, normed_bits, 0), axis=1), ACT_BF16)  # one term's bits
@@ -675,7 +675,7 @@ def _mix_rows(
     for r in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M)):
         gates = tl.reshape(sigmoid_f32(tl.sum(tl.where(at_row == r, u, 0.0), axis=0), INTERPRET), (HC_PAD, BLOCK_D))
         bits = tl.reshape(tl.sum(tl.where(at_row == r, normed_bits, 0), axis=0), (HC_PAD, BLOCK_D))
-        total = tl.full((BLOCK_D,), -0.0, tl.float32)
+        total = negative_zeros((BLOCK_D,))
         for b in tl.static_range(HC):
             normed = _from_bits(tl.sum(tl.where(which == b, bits, 0), axis=0), ACT_BF16)
             total = total + tl.sum(tl.where(which == b, gates, 0.0), axis=0) * normed

@@ -74,7 +74,7 @@ def test_up_tiles_decide_only_which_program_computes_an_element() -> None:
 def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits() -> None:
     """At the real shapes, `_up_mix_kernel` gating its rows one at a time gives x bit for bit as over its whole 16-row
     tile: 1 to 33 rows (a second tile), columns 8, 16 and 32 a tile, 1, 2 and 4 warps, and a feature that is -0.0
-    in every stream."""
+    in every stream, which stays -0.0."""
     gen = torch.Generator(device="cuda").manual_seed(8)
     w = model_weights(gen)
     w["hc_norm_weight"] = w["hc_norm_weight"].abs()  # 1 + w > 0: the normed -0.0 keeps its sign
@@ -87,6 +87,7 @@ def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits() -> None:
             by_row, _ = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_by_row=True))
             case = f"{n} rows, {up_d} columns, {warps} warps"
             assert torch.equal(x.view(torch.int16), by_row.view(torch.int16)), case
+            assert torch.signbit(x[:, 7]).all(), case  # the stream sums start from -0.0 (`negative_zeros`)
 
 
 @pytest.mark.parametrize("partials", [False, True])
