@@ -26,8 +26,8 @@ def round_to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def negative_zeros(SHAPE: tl.constexpr):
-    """fp32 -0.0s (the exact additive identity) of SHAPE, made from their bits: `tl.full(shape, -0.0)` compiles to
-    +0.0, as Triton takes any value equal to zero for its null constant."""
+    """fp32 -0.0s (the exact additive identity) of SHAPE, made from their bits: Triton up to 3.6 compiles
+    `tl.full(shape, -0.0)` to +0.0, taking any value equal to zero for its null constant."""
     return tl.full(SHAPE, 0x80000000, tl.uint32).to(tl.float32, bitcast=True)
 
 
