@@ -51,7 +51,7 @@ import triton.language as tl
 
 from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, negative_zeros, round_to_act, sigmoid_f32
-from kernels.linear import Gates, linear_gates
+from kernels.linear import Gates, linear_gates, linear_range_sums
 from kernels.linear import k_ranges as linear_k_ranges
 from kernels.pdl import enter, launch_options, load_unwritten, prefetch_enabled, prefetch_l2
 
@@ -84,6 +84,7 @@ class ReadTiles:
     via_linear: bool = False  # the down projection (and inject) by the linear kernel over stored normed rows
     up_over_normed: bool = False  # the up projection and gated stream mean by `_up_mix_kernel` over stored normed rows
     up_by_row: bool = False  # `_up_mix_kernel` gates and sums only its tile's rows that exist, one at a time
+    up_adds_ranges: bool = False  # with up_by_row: `_up_mix_kernel` forms h and inject from the down's K-range sums
 
 
 def block_k(d: int) -> int:
@@ -126,7 +127,8 @@ def read_tiles(n: int, r: int) -> ReadTiles:
     if INTERPRET:  # one program runs a read's K ranges, and tiles are wide: the interpreter runs programs one by one
         return ReadTiles(64, 16, 64, 64, True, 4, 1)
     if n <= 32:
-        return ReadTiles(16, 32, 16, 16, False, 2, 3, via_linear=True, up_over_normed=True, up_by_row=n <= UP_BY_ROW)
+        by_row = n <= UP_BY_ROW
+        return ReadTiles(16, 32, 16, 16, False, 2, 3, True, True, up_by_row=by_row, up_adds_ranges=by_row)
     if n <= 256:
         return ReadTiles(16, 32, 64, 16, False, 4, 3, via_linear=True, up_over_normed=True)
     in_program = triton.cdiv(n, 64) * triton.cdiv(r, 64) >= MIN_PROGRAMS
@@ -598,6 +600,7 @@ def _up_mix_kernel(
     wu_ptr,
     normed_ptr,
     x_ptr,
+    inj_ptr,
     M,
     D,
     R,
@@ -613,15 +616,26 @@ def _up_mix_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     BY_ROW: tl.constexpr,
+    RANGES: tl.constexpr,
+    INJ: tl.constexpr,
 ):
     """x tile = act(Σ_b sigmoid(u_b) · normed_b / hc) over the stored normed rows, streams summed in order from -0.0;
     u = h · W_upᵀ for the tile's columns of every stream at once ([BLOCK_M, HC_PAD · BLOCK_D], stream-major), in fp32
     as `_mix_kernel` sums it (one chain over r from zero, zero products past r), kept in registers. BY_ROW: the gates
-    and the sum run on the tile's rows below M one at a time (`_mix_rows`), not on all BLOCK_M rows."""
+    and the sum run on the tile's rows below M one at a time (`_mix_rows`), not on all BLOCK_M rows.
+    RANGES > 0 (with BY_ROW): one row a program (its tile's first); h_ptr holds the down projection's K-range sums
+    [RANGES, M, R (+ HC with INJ)] in fp32, from which the kernel forms the row's h (`_gated_row`), and with INJ the
+    first column of programs its inject."""
     pid_d = tl.program_id(0)
     pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
+    if RANGES > 0:
+        row0 = pid_m
+        rows_here = 1
+    else:
+        row0 = pid_m * BLOCK_M
+        rows_here = tl.minimum(BLOCK_M, M - row0)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = tl.arange(0, BLOCK_M) < rows_here
     lanes = tl.arange(0, HC_PAD * BLOCK_D)
     stream = lanes // BLOCK_D
     cols = pid_d * BLOCK_D + lanes % BLOCK_D
@@ -643,14 +657,21 @@ def _up_mix_kernel(
         normed_at = normed_ptr + rows.to(tl.int64)[:, None, None] * stride_n + which * D + d_cols[None, None, :]
         normed_bits = _bits(tl.load(normed_at, mask=ok[:, None, :] & (which < HC), other=0.0), ACT_BF16)
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
+    sums_n = R + HC if INJ else R  # columns of the K-range sums
+    if RANGES > 0 and INJ:
+        stored = tl.where(pid_d == 0, HC, 0)  # by the first column of programs
+        _store_inject(h_ptr, inj_ptr, row0, stored, M, R, RANGES, HC, HC_PAD, ACT_BF16, INTERPRET)
     u = tl.zeros((BLOCK_M, HC_PAD * BLOCK_D), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
         kk = k0 + ks
-        hh = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < R), other=0.0)
+        if RANGES > 0:
+            hh = _gated_row(h_ptr, row0, M, sums_n, kk, R, RANGES, HC, ACT_BF16, BLOCK_M, BLOCK_K, INTERPRET)
+        else:
+            hh = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < R), other=0.0)
         w = tl.load(wu_ptr + w_rows[None, :] + kk[:, None], mask=lane_ok[None, :] & (kk[:, None] < R), other=0.0)
         u = _dot(hh, w, u, ACT_BF16, INTERPRET)
     if BY_ROW:
-        _mix_rows(u, normed_bits, x_ptr, pid_m, M, D, d_cols, HC, HC_PAD, ACT_BF16, BLOCK_M, BLOCK_D, INTERPRET)
+        _mix_rows(u, normed_bits, x_ptr, row0, rows_here, D, d_cols, HC, HC_PAD, ACT_BF16, BLOCK_M, BLOCK_D, INTERPRET)
     else:
         by_stream = tl.reshape(u, (BLOCK_M, HC_PAD, BLOCK_D))
         total = negative_zeros((BLOCK_M, BLOCK_D))
@@ -663,16 +684,53 @@ def _up_mix_kernel(
 
 
 @triton.jit
-def _mix_rows(
-    u, normed_bits, x_ptr, pid_m, M, D, d_cols, HC: tl.constexpr, HC_PAD: tl.constexpr, ACT_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+def _range_total(sums_ptr, row, cols, ok, M, N, RANGES: tl.constexpr):
+    """One row's fp32 sums over the K ranges at cols, added ((P_0 + P_1) + P_2) + ... in range order, as the linear
+    kernel's last arrival adds them."""
+    at = sums_ptr + row.to(tl.int64) * N + cols
+    mn = M.to(tl.int64) * N
+    total = tl.load(at, mask=ok, other=0.0)
+    for s in tl.static_range(1, RANGES):
+        total += tl.load(at + s * mn, mask=ok, other=0.0)
+    return total
+
+
+@triton.jit
+def _gated_row(
+    sums_ptr, row, M, N, kk, R, RANGES: tl.constexpr, HC: tl.constexpr, ACT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """`_up_mix_kernel`'s x for the rows of its tile below M, one at a time: u [BLOCK_M, HC_PAD · BLOCK_D] and the
-    normed bits in the same lanes; each row and stream is picked out by a sum of one term and zeros, so each term of
-    the stream sum is the 2-D form's (sigmoid(±0.0) is 0.5 either way)."""
+    """The h tile [BLOCK_M, BLOCK_K] at r = kk with one row, the first: act(silu(a / hc)) from the row's K-range
+    sums, the linear kernel's gates (`hyper_gates`) bit for bit; +0.0 past r and in the other rows, as a masked load
+    gives."""
+    h, _no_inject = hyper_gates(_range_total(sums_ptr, row, kk, kk < R, M, N, RANGES), HC, INTERPRET)
+    h = round_to_act(h, ACT_BF16, INTERPRET)
+    return tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, h[None, :], tl.zeros((BLOCK_M, BLOCK_K), h.dtype))
+
+
+@triton.jit
+def _store_inject(
+    sums_ptr, inj_ptr, row, stored, M, R, RANGES: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
+    ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The row's first `stored` (HC or none) inject = act(2·sigmoid(a / hc)), from the K-range sums of its last HC
+    columns."""
+    lanes = tl.arange(0, HC_PAD)
+    _no_h, inj = hyper_gates(_range_total(sums_ptr, row, R + lanes, lanes < HC, M, R + HC, RANGES), HC, INTERPRET)
+    tl.store(inj_ptr + row.to(tl.int64) * HC + lanes, round_to_act(inj, ACT_BF16, INTERPRET), mask=lanes < stored)
+
+
+@triton.jit
+def _mix_rows(
+    u, normed_bits, x_ptr, row0, rows_here, D, d_cols, HC: tl.constexpr, HC_PAD: tl.constexpr,
+    ACT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """`_up_mix_kernel`'s x for the first rows_here rows of its tile (rows row0, row0 + 1, ...), one at a time: u
+    [BLOCK_M, HC_PAD · BLOCK_D] and the normed bits in the same lanes; each row and stream is picked out by a sum of
+    one term and zeros, so each term of the stream sum is the 2-D form's (sigmoid(±0.0) is 0.5 either way)."""
     at_row = tl.arange(0, BLOCK_M)[:, None]
     which = tl.arange(0, HC_PAD)[:, None]
-    for r in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M)):
+    for r in range(0, rows_here):
         gates = tl.reshape(sigmoid_f32(tl.sum(tl.where(at_row == r, u, 0.0), axis=0), INTERPRET), (HC_PAD, BLOCK_D))
         bits = tl.reshape(tl.sum(tl.where(at_row == r, normed_bits, 0), axis=0), (HC_PAD, BLOCK_D))
         total = negative_zeros((BLOCK_D,))
@@ -680,7 +738,7 @@ def _mix_rows(
             normed = _from_bits(tl.sum(tl.where(which == b, bits, 0), axis=0), ACT_BF16)
             total = total + tl.sum(tl.where(which == b, gates, 0.0), axis=0) * normed
         x = round_to_act(tl.div_rn(total, tl.full(total.shape, HC, tl.float32)), ACT_BF16, INTERPRET)
-        tl.store(x_ptr + (pid_m * BLOCK_M + r).to(tl.int64) * D + d_cols, x, mask=d_cols < D)
+        tl.store(x_ptr + (row0 + r).to(tl.int64) * D + d_cols, x, mask=d_cols < D)
 
 
 @triton.jit
@@ -861,16 +919,23 @@ def launch_read(
         **launch_options(_rstd_kernel, wide.device),
     )  # fmt: skip
     wide = new  # the later launches read the rows the write stored
-    h = torch.empty((n, r), dtype=act, device=dev)
-    if via_linear:  # one linear launch over the stacked down and inject weights, storing h and inject
-        linear_gates(normed, w_down if w_inject is None else stacked_rows(w_down, w_inject), Gates(h, inject, hc))
+    adds_ranges = via_linear and up_over_normed and tiles.up_by_row and tiles.up_adds_ranges
+    if via_linear:  # one linear launch over the stacked down and inject weights
+        stacked = w_down if w_inject is None else stacked_rows(w_down, w_inject)
+        if adds_ranges:  # its K ranges' sums, which the up kernel adds and gates itself
+            h = linear_range_sums(normed, stacked)
+        else:  # storing h and inject
+            h = torch.empty((n, r), dtype=act, device=dev)
+            linear_gates(normed, stacked, Gates(h, inject, hc))
     else:
+        h = torch.empty((n, r), dtype=act, device=dev)
         _launch_down(wide, rstd, hc_norm_weight, w_down, w_inject, h, inject, tiles, hc)
     if up_over_normed:  # u = h · W_upᵀ and the gated stream mean in one kernel, u never stored
-        _up_mix_kernel[(triton.cdiv(d, tiles.up_d), triton.cdiv(n, tiles.up_m))](
-            h, w_up, normed, x, n, d, r, w_up.stride(0), normed.stride(0),
+        _up_mix_kernel[(triton.cdiv(d, tiles.up_d), n if adds_ranges else triton.cdiv(n, tiles.up_m))](
+            h, w_up, normed, x, inject if inject is not None else x, n, d, r, w_up.stride(0), normed.stride(0),
             HC=hc, HC_PAD=triton.next_power_of_2(hc), ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d,
             BLOCK_K=UP_BLOCK_K, INTERPRET=INTERPRET, PREFETCH=prefetch_enabled(wide.device), BY_ROW=tiles.up_by_row,
+            RANGES=h.shape[0] if adds_ranges else 0, INJ=adds_ranges and inject is not None,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             **launch_options(_up_mix_kernel, wide.device),
         )  # fmt: skip

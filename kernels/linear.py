@@ -336,14 +336,17 @@ def launch(
     round_bf16: bool = False,
     gates: Gates | None = None,
     topk: TopK | None = None,
+    range_sums: bool = False,
 ) -> torch.Tensor:
     """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn); with `gates` the
     output is gates.h (and gates.inject is written); with `topk` (16-row tiles, fp32 out) its rows' top-k are
-    written too."""
+    written too; with `range_sums` the output is the K ranges' fp32 sums [split, M, N], not added."""
     m, k = x.shape
     n = w.shape[0]
     if topk is not None:
         _check_topk(topk, m, n, out_dtype, tiles, round_bf16 or gates is not None, x.device)
+    if range_sums and (round_bf16 or gates is not None or topk is not None or out_dtype != torch.float32):
+        raise ValueError("launch: range sums are fp32, with no rounding, gates or top-k")
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
         raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
     depth = tiles.block_k
@@ -353,7 +356,8 @@ def launch(
             f"({split} of {k_split})"
         )
     if gates is None:
-        out = torch.empty((m, n), dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
+        shape = (split, m, n) if range_sums else (m, n)
+        out = torch.empty(shape, dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
         gates_r, gates_hc, inject = 0, 1, out
     else:
         out, gates_r, gates_hc = gates.h, gates.h.shape[1], gates.hc
@@ -368,11 +372,11 @@ def launch(
         if inject.dtype != out.dtype:
             raise ValueError(f"launch: gates inject is {inject.dtype}, h {out.dtype}: they must share a dtype")
     if m == 0:
-        return out if gates is not None else out.to(out_dtype)
+        return out if gates is not None or range_sums else out.to(out_dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
-    fused = split > 1 and tiles.block_m == 16
-    later = split > 1 and not fused  # the K ranges are summed by the second kernel
-    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    fused = split > 1 and tiles.block_m == 16 and not range_sums
+    later = split > 1 and not fused and not range_sums  # the K ranges are summed by the second kernel
+    part = out if split == 1 or range_sums else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     if topk is not None:  # a row tile's
         counters = arrival_counters(x.device, grid[0])
     else:
@@ -419,7 +423,7 @@ def launch(
             part, out, inject, m, n, SPLIT=split, BLOCK=SUM_BLOCK, ROUND_BF16=round_bf16 and not INTERPRET,
             GATES_R=gates_r, GATES_HC=gates_hc, INTERPRET=INTERPRET, **launch_options(_split_sum_kernel, x.device),
         )  # fmt: skip
-    if gates is not None:
+    if gates is not None or range_sums:
         return out
     if INTERPRET and round_bf16:  # the kernels stored fp32 there: round in torch (nearest even)
         return out.to(torch.bfloat16).to(torch.float32)
@@ -456,6 +460,18 @@ def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor
     n, k = w.shape
     split, k_split = k_ranges(n, k)
     return launch(x, w, torch.float32, call_tiles(x.shape[0], n, k), split, k_split, gates=gates)
+
+
+def linear_range_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The fp32 sums of x · wᵀ over each of `k_ranges`' K ranges, [split, M, N], formed as `linear` forms them and
+    not added: for a consumer that adds them in range order itself (the hyper read's up kernel at one row)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
+        raise ValueError(f"linear_range_sums: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    n, k = w.shape
+    split, k_split = k_ranges(n, k)
+    return launch(x, w, torch.float32, call_tiles(x.shape[0], n, k), split, k_split, range_sums=True)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

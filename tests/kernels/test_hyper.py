@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -331,7 +332,7 @@ def test_reads_of_any_row_count_ask_for_the_paths_over_stored_normed_rows(monkey
     for n in (1, 4, 5, 256, 257, 1024, 8192):
         tiles = hyper.read_tiles(n, 320)
         assert tiles.via_linear and tiles.up_over_normed, n
-        assert tiles.up_by_row == (n <= hyper.UP_BY_ROW), n
+        assert tiles.up_by_row == tiles.up_adds_ranges == (n <= hyper.UP_BY_ROW), n
 
 
 @pytest.mark.parametrize("hc, n", [(2, 1), (2, 5), (3, 17)])
@@ -350,6 +351,52 @@ def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits(hc: int, n: 
     assert torch.signbit(x[:, 5]).all()
     assert torch.equal(by_row_x.view(torch.int16), x.view(torch.int16))
     assert rel_err(by_row_x, hc_read_reference(wide, *w.values(), EPS, hc)[0]) <= tol(torch.bfloat16)
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_the_up_kernel_adding_the_down_projections_range_sums_gives_the_linear_gates_bits(inject: bool) -> None:
+    """With `up_adds_ranges` the linear launch stores its K ranges' fp32 sums and `_up_mix_kernel` adds them in range
+    order and forms h and inject itself: x and inject bit for bit as from the gates the linear launch stores, with no
+    h in memory. The real K (16 ranges of 640), one row and three; the first down and inject rows sum 2^25, -2^25
+    and 1 over the first three ranges, which only range order adds to 1."""
+    hc, d, r = 4, 2560, 64
+    g = torch.Generator().manual_seed(21)
+    k = hc * d
+    stacked = torch.randn(r + hc, k, generator=g) / k**0.5
+    for row in (0, r):
+        stacked[row] = 0.0
+        stacked[row, [0, 640, 1280]] = torch.tensor([2.0**25, -(2.0**25), 1.0])
+    stacked = stacked.bfloat16()
+    norm_weight = (torch.randn(k, generator=g) * 0.1).abs()
+    norm_weight[:d] = 0.0  # with rows of ones in stream 0, its normed values are 1.0
+    w = {
+        "hc_norm_weight": norm_weight.bfloat16(),
+        "w_down": stacked[:r],
+        "w_up": (torch.randn(k, r, generator=g) * 2 / r**0.5).bfloat16(),
+        "w_inject": stacked[r:] if inject else None,
+    }
+    assert k_ranges(k, d) == linear_k_ranges(r + hc, k) == (16, 640)
+    gates = ReadTiles(16, 16, 16, 32, False, 2, 1, via_linear=True, up_over_normed=True, up_by_row=True)
+    for n in (1, 3):
+        wide = (torch.randn(n, k, generator=g) * 3).bfloat16()
+        wide[:, :d] = 1.0
+        x, inj = launch_read(wide, *w.values(), EPS, hc, gates)
+        made, real_empty = [], torch.empty
+
+        def recorded_empty(*args, _real=real_empty, _made=made, **kwargs):
+            out = _real(*args, **kwargs)
+            _made.append((tuple(out.shape), out.dtype))
+            return out
+
+        with recording_launches() as launched, mock.patch.object(torch, "empty", recorded_empty):
+            sums_x, sums_inj = launch_read(wide, *w.values(), EPS, hc, dataclasses.replace(gates, up_adds_ranges=True))
+        assert launched == ["_rstd_kernel", "_linear_kernel", "_up_mix_kernel"], launched
+        assert ((16, n, r + (hc if inject else 0)), torch.float32) in made and ((n, r), torch.bfloat16) not in made
+        assert torch.equal(sums_x.view(torch.int16), x.view(torch.int16)), n
+        if inject:
+            assert torch.equal(sums_inj.view(torch.int16), inj.view(torch.int16)), n
+            in_order = torch.tensor(2.0 / (1.0 + math.exp(-1.0 / hc))).bfloat16()  # not 2·sigmoid(0) = 1
+            assert (sums_inj[:, 0] == in_order).all(), sums_inj[:, 0]
 
 
 def test_a_reduced_fp32_sum_writes_the_bits_of_the_combined_bf16_sum() -> None:

@@ -83,11 +83,44 @@ def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits() -> None:
     for n in (1, 2, 4, 17, 33):
         for up_d, warps in ((16, 1), (16, 2), (16, 4), (8, 2), (32, 2)):
             tiles = dataclasses.replace(read_tiles(1, R), up_d=up_d, num_warps=warps, up_by_row=False)
+            tiles = dataclasses.replace(tiles, up_adds_ranges=False)
             x, _ = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
             by_row, _ = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_by_row=True))
             case = f"{n} rows, {up_d} columns, {warps} warps"
             assert torch.equal(x.view(torch.int16), by_row.view(torch.int16)), case
             assert torch.signbit(x[:, 7]).all(), case  # the stream sums start from -0.0 (`negative_zeros`)
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_the_up_kernel_adding_the_down_projections_range_sums_gives_the_linear_gates_bits(inject: bool) -> None:
+    """At the real shapes, 1, 2 and 5 rows, 1, 2 and 4 warps: the up kernel adding the linear launch's K-range sums
+    and gating them itself (`up_adds_ranges`) gives x and inject bit for bit as the gates the linear launch stores,
+    and as the fused kernels; the first down and inject rows sum 2^25, -2^25 and 1 over the first three K ranges,
+    which only range order adds to 1."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    w = model_weights(gen)
+    for rows in (w["w_down"], w["w_inject"]):
+        rows[0] = 0.0
+        rows[0, [0, 640, 1280]] = torch.tensor([2.0**25, -(2.0**25), 1.0], device="cuda").bfloat16()
+    w["hc_norm_weight"][:D] = 0.0  # with ones in stream 0, its normed values are 1.0
+    if not inject:
+        w["w_inject"] = None
+    wide = (torch.randn(5, HC * D, device="cuda", generator=gen) * 3).bfloat16()
+    wide[:, :D] = 1.0
+    for n in (1, 2, 5):
+        for warps in (1, 2, 4):
+            tiles = dataclasses.replace(read_tiles(1, R), num_warps=warps)
+            assert tiles.up_adds_ranges
+            x, inj = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
+            gx, ginj = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_adds_ranges=False))
+            fx, finj = launch_read(wide[:n], *w.values(), EPS, HC, FUSED[0])
+            case = f"{n} rows, {warps} warps"
+            assert torch.equal(x.view(torch.int16), gx.view(torch.int16)), case
+            assert torch.equal(x.view(torch.int16), fx.view(torch.int16)), case
+            if inject:
+                assert torch.equal(inj.view(torch.int16), ginj.view(torch.int16)), case
+                assert torch.equal(inj.view(torch.int16), finj.view(torch.int16)), case
+                assert (inj[:, 0] == 1.125).all(), case  # 2·sigmoid(1 / hc) in bf16, not 2·sigmoid(0) = 1
 
 
 @pytest.mark.parametrize("partials", [False, True])

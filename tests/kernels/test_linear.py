@@ -19,6 +19,7 @@ from kernels.linear import (
     k_ranges,
     launch,
     linear,
+    linear_range_sums,
     linear_reference,
     pick_tiles,
 )
@@ -96,6 +97,30 @@ def test_split_adds_range_sums_in_order(tiles: Tiles) -> None:
     assert torch.equal(launch(x, w, torch.float32, tiles, 3, BLOCK_K), expect)
     assert torch.equal(launch(x, w, torch.bfloat16, tiles, 3, BLOCK_K), expect.to(torch.bfloat16))
     assert not arrival_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("tiles", [SMALL, WIDE[0]], ids=["16-row", "wide"])
+def test_range_sums_are_the_k_ranges_sums_unadded(tiles: Tiles) -> None:
+    """With `range_sums` a launch stores each K range's fp32 sum, [split, M, N], the sums the fused launch adds in
+    range order, and no arrival counter is left set; `linear_range_sums` cuts K as `linear` does."""
+    x, w = inputs(3, 300, seed=3)
+    ranges = [(x[:, s : s + BLOCK_K], w[:, s : s + BLOCK_K]) for s in (0, BLOCK_K, 2 * BLOCK_K)]
+    sums = launch(x, w, torch.float32, tiles, 3, BLOCK_K, range_sums=True)
+    assert sums.shape == (3, 3, N) and sums.dtype == torch.float32
+    for s, (xs, ws) in enumerate(ranges):
+        assert torch.equal(sums[s], launch(xs, ws, torch.float32, SMALL, 1, BLOCK_K)), s
+    assert torch.equal((sums[0] + sums[1]) + sums[2], launch(x, w, torch.float32, tiles, 3, BLOCK_K))
+    assert not arrival_counters(x.device, 1).any()
+    x, w = inputs(2, 2560, seed=6)
+    split, k_split = k_ranges(N, 2560)
+    assert split == 4
+    sums = linear_range_sums(x, w)
+    total = sums[0]
+    for s in range(1, split):
+        total = total + sums[s]
+    assert sums.shape == (split, 2, N) and torch.equal(total, linear(x, w, torch.float32))
+    with pytest.raises(ValueError, match="range sums"):
+        launch(x, w, torch.float32, SMALL, split, k_split, round_bf16=True, range_sums=True)
 
 
 @pytest.mark.parametrize("tiles", [SMALL, WIDE[0]], ids=["fused-sum", "sum-kernel"])
