@@ -624,13 +624,20 @@ def _up_mix_kernel(
     as `_mix_kernel` sums it (one chain over r from zero, zero products past r), kept in registers. BY_ROW: the gates
     and the sum run on the tile's rows below M one at a time (`_mix_rows`), not on all BLOCK_M rows.
     RANGES > 0 (with BY_ROW): one row a program (its tile's first); h_ptr holds the down projection's K-range sums
-    [RANGES, M, R (+ HC with INJ)] in fp32, from which the kernel forms the row's h (`_gated_row`), and with INJ the
-    first column of programs its inject."""
+    [RANGES, M, R (+ HC with INJ)] in fp32, from which the kernel forms the row's h (`_gated_row`); with INJ a last
+    column of programs, past D, stores each row's inject and nothing else."""
     pid_d = tl.program_id(0)
     pid_m = tl.program_id(1)
+    k_end = R  # of the dots over r
     if RANGES > 0:
         row0 = pid_m
         rows_here = 1
+        if INJ:  # the inject program runs no dots and stores no x
+            inject_only = pid_d * BLOCK_D >= D
+            rows_here = tl.where(inject_only, 0, 1)
+            k_end = tl.where(inject_only, 0, R)
+            _store_inject(h_ptr, inj_ptr, row0, tl.where(inject_only, HC, 0), M, R, RANGES, HC, HC_PAD, ACT_BF16,
+                          INTERPRET)  # fmt: skip
     else:
         row0 = pid_m * BLOCK_M
         rows_here = tl.minimum(BLOCK_M, M - row0)
@@ -643,7 +650,7 @@ def _up_mix_kernel(
     w_rows = (tl.minimum(stream, HC - 1) * D + tl.minimum(cols, D - 1)).to(tl.int64) * stride_wu  # in W_up
     ks = tl.arange(0, BLOCK_K)
     if PREFETCH:  # weights are never written by a kernel: fetch this program's into L2 while the previous one runs
-        for k0 in range(0, R, BLOCK_K):
+        for k0 in range(0, k_end, BLOCK_K):
             prefetch_l2(wu_ptr + w_rows[None, :] + tl.minimum(k0 + tl.arange(0, BLOCK_K // 64) * 64, R - 1)[:, None])
     which = tl.arange(0, HC_PAD)[None, :, None]
     d_cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -658,11 +665,8 @@ def _up_mix_kernel(
         normed_bits = _bits(tl.load(normed_at, mask=ok[:, None, :] & (which < HC), other=0.0), ACT_BF16)
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * R
     sums_n = R + HC if INJ else R  # columns of the K-range sums
-    if RANGES > 0 and INJ:
-        stored = tl.where(pid_d == 0, HC, 0)  # by the first column of programs
-        _store_inject(h_ptr, inj_ptr, row0, stored, M, R, RANGES, HC, HC_PAD, ACT_BF16, INTERPRET)
     u = tl.zeros((BLOCK_M, HC_PAD * BLOCK_D), dtype=tl.float32)
-    for k0 in range(0, R, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + ks
         if RANGES > 0:
             hh = _gated_row(h_ptr, row0, M, sums_n, kk, R, RANGES, HC, ACT_BF16, BLOCK_M, BLOCK_K, INTERPRET)
@@ -931,7 +935,8 @@ def launch_read(
         h = torch.empty((n, r), dtype=act, device=dev)
         _launch_down(wide, rstd, hc_norm_weight, w_down, w_inject, h, inject, tiles, hc)
     if up_over_normed:  # u = h · W_upᵀ and the gated stream mean in one kernel, u never stored
-        _up_mix_kernel[(triton.cdiv(d, tiles.up_d), n if adds_ranges else triton.cdiv(n, tiles.up_m))](
+        inject_program = adds_ranges and inject is not None  # a last column of programs that stores inject only
+        _up_mix_kernel[(triton.cdiv(d, tiles.up_d) + inject_program, n if adds_ranges else triton.cdiv(n, tiles.up_m))](
             h, w_up, normed, x, inject if inject is not None else x, n, d, r, w_up.stride(0), normed.stride(0),
             HC=hc, HC_PAD=triton.next_power_of_2(hc), ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d,
             BLOCK_K=UP_BLOCK_K, INTERPRET=INTERPRET, PREFETCH=prefetch_enabled(wide.device), BY_ROW=tiles.up_by_row,
