@@ -31,7 +31,10 @@ step 3's BLOCK_R chunks, then zero products past r), kept in registers (never st
 as step 3 does, so x has the fused kernels' bits (tests/kernels/test_hyper_gpu.py compares them on the GPU). Its
 tile holds every stream's columns, so it serves up to UP_MIX_COLUMNS of them (hc, padded to a power of two, times
 up_d); wider, the fused kernel runs. With `ReadTiles.up_by_row` (at one row) it gates only the rows that exist, one
-at a time, with the same bits.
+at a time, with the same bits; with `ReadTiles.up_adds_ranges` too (at one row) the linear launch stores its K ranges'
+sums unadded (`linear_range_sums`) and the up kernel, one row a program, adds them in range order and forms h from
+them as the linear kernel's last arrival would, while a column of programs of its own forms and stores inject: the
+same bits, with no arrival counter between the two launches.
 Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Write then read (`hc_write_read`): the read's first launch forms the write's new rows itself (`Write`), stores them

@@ -19,6 +19,7 @@ Epilogues: `linear_gates` stores the hyper read's gates from the sums; `linear_t
 the row tile's last arrival pick its rows' top-k with `kernels.router.topk_row`, the router kernel's bits, so the
 router needs no launch of its own. With K cut, that arrival is the last of every tile's ranges, which adds each row's
 range sums in range order as a tile's last range would (one arrival counter in the chain, not two).
+`linear_range_sums` stores the K ranges' sums unadded, for a consumer that adds them in range order itself.
 """
 
 from __future__ import annotations
