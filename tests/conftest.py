@@ -1,6 +1,7 @@
 """Test setup: the scripts folder is importable (checkpoint makers), GPU tests skip without CUDA, a GPU run that
-would only interpret kernels is refused, the Triton interpreter does not patch triton.language again for every
-helper a kernel calls, and its fp32 dots give the same bits on every machine."""
+would only interpret kernels is refused, one of compiled kernels leaves out the modules that only interpret them, the
+Triton interpreter does not patch triton.language again for every helper a kernel calls, and its fp32 dots give the
+same bits on every machine."""
 
 from __future__ import annotations
 
@@ -20,6 +21,32 @@ def interpreter_trap(markexpr: str, cuda: bool, given: str | None) -> str | None
     back to the interpreter and skip every compiled-kernel test (a run that would pass having checked nothing)."""
     if cuda and "gpu" in markexpr and given != "0":
         return "-m gpu runs compiled kernels only with TRITON_INTERPRET=0 set; without it they all skip"
+    return None
+
+
+FORCES_INTERPRETER = 'os.environ["TRITON_INTERPRET"] = "1"'  # how a module that only interprets kernels says so
+
+
+def left_out_of_compiled_run(path: Path, markexpr: str, given: str | None) -> bool:
+    """Whether a run of compiled kernels (`-m gpu`, TRITON_INTERPRET=0) must not import this file: a test module that
+    sets TRITON_INTERPRET to 1 holds no GPU test, and importing it would make every kernel module imported after it
+    an interpreted one."""
+    if given != "0" or "gpu" not in markexpr or path.suffix != ".py" or not path.name.startswith("test_"):
+        return False
+    return FORCES_INTERPRETER in path.read_text()
+
+
+class LeftOut(pytest.File):
+    """A test module a run of compiled kernels does not import (`left_out_of_compiled_run`): no tests."""
+
+    def collect(self) -> list[pytest.Item]:
+        return []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if left_out_of_compiled_run(module_path, parent.config.getoption("markexpr") or "", INTERPRET_GIVEN):
+        return LeftOut.from_parent(parent, path=module_path)
     return None
 
 

@@ -1,8 +1,12 @@
-"""The test setup: its refusal of a GPU run that would only interpret kernels, and its interpreted fp32 dots."""
+"""The test setup: its refusal of a GPU run that would only interpret kernels, a compiled run that leaves out the
+modules that only interpret them, and its interpreted fp32 dots."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -11,7 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.conftest import interpreter_trap
+from tests.conftest import interpreter_trap, left_out_of_compiled_run
+
+TESTS = Path(__file__).resolve().parent
+PROBE = """
+import os
+def pytest_collection_finish(session):
+    open(os.environ["PROBE_OUT"], "w").write(os.environ.get("TRITON_INTERPRET", ""))
+"""
 
 
 def test_a_gpu_run_without_compiled_kernels_is_refused() -> None:
@@ -20,6 +31,30 @@ def test_a_gpu_run_without_compiled_kernels_is_refused() -> None:
     assert interpreter_trap("gpu", cuda=True, given="0") is None
     assert interpreter_trap("gpu", cuda=False, given=None) is None  # no CUDA: the GPU tests skip as they should
     assert interpreter_trap("", cuda=True, given=None) is None  # the whole suite on a GPU machine: mixed, as in CI
+
+
+def test_a_compiled_run_leaves_out_exactly_the_modules_that_only_interpret() -> None:
+    """Under `-m gpu` with TRITON_INTERPRET=0, the test modules that set TRITON_INTERPRET to 1 (none holds a GPU test)
+    are not imported, and every module with a GPU test is."""
+    modules = sorted(TESTS.rglob("test_*.py"))
+    left_out = {p for p in modules if left_out_of_compiled_run(p, "gpu", "0")}
+    with_gpu_tests = {p for p in modules if "mark.gpu" in p.read_text()}
+    assert TESTS / "kernels" / "test_hyper.py" in left_out and TESTS / "kernels" / "test_hyper_gpu.py" in with_gpu_tests
+    assert not left_out & with_gpu_tests, sorted(str(p) for p in left_out & with_gpu_tests)
+    for markexpr, given in (("gpu", None), ("gpu", "1"), ("", "0"), ("not gpu", None)):
+        assert not any(left_out_of_compiled_run(p, markexpr, given) for p in left_out), (markexpr, given)
+
+
+def test_collecting_a_module_that_only_interprets_leaves_a_compiled_run_compiled(tmp_path: Path) -> None:
+    """Collected with `-m gpu` and TRITON_INTERPRET=0 beside a GPU module, a module that sets TRITON_INTERPRET to 1
+    does not switch the kernel modules imported after it to the interpreter: the variable is still 0 at the end."""
+    (tmp_path / "interpret_probe.py").write_text(PROBE)
+    out = tmp_path / "interpret.txt"
+    env = os.environ | {"TRITON_INTERPRET": "0", "PROBE_OUT": str(out), "PYTHONPATH": f"{tmp_path}:{TESTS.parent}"}
+    files = [str(TESTS / "kernels" / "test_hyper.py"), str(TESTS / "kernels" / "test_hyper_gpu.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "interpret_probe", "-p", "no:xdist"]
+    run = subprocess.run([*command, "-m", "gpu", *files], cwd=TESTS.parent, env=env, capture_output=True, text=True)
+    assert out.read_text() == "0", run.stdout[-2000:] + run.stderr[-2000:]
 
 
 @triton.jit
