@@ -451,28 +451,28 @@ def linear(
     return launch(x, w, out_dtype, call_tiles(x.shape[0], n, k), split, k_split, round_bf16)
 
 
-def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor:
-    """The hyper read's gates from its down (+ inject) projection in one launch: the sums of x · wᵀ formed as `linear`
-    forms them, then stored as `_store` says into gates.h (returned) and gates.inject."""
+def _launch_bf16(name: str, x: torch.Tensor, w: torch.Tensor, **epilogue) -> torch.Tensor:
+    """Check bf16 x [M, K] and w [N, K] for `name`, then launch with `linear`'s K ranges and tiles, fp32 sums into
+    the epilogue given (`launch`'s gates or range_sums)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
-        raise ValueError(f"linear_gates: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
+        raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     n, k = w.shape
     split, k_split = k_ranges(n, k)
-    return launch(x, w, torch.float32, call_tiles(x.shape[0], n, k), split, k_split, gates=gates)
+    return launch(x, w, torch.float32, call_tiles(x.shape[0], n, k), split, k_split, **epilogue)
+
+
+def linear_gates(x: torch.Tensor, w: torch.Tensor, gates: Gates) -> torch.Tensor:
+    """The hyper read's gates from its down (+ inject) projection in one launch: the sums of x · wᵀ formed as `linear`
+    forms them, then stored as `_store` says into gates.h (returned) and gates.inject."""
+    return _launch_bf16("linear_gates", x, w, gates=gates)
 
 
 def linear_range_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The fp32 sums of x · wᵀ over each of `k_ranges`' K ranges, [split, M, N], formed as `linear` forms them and
     not added: for a consumer that adds them in range order itself (the hyper read's up kernel at one row)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
-        raise ValueError(f"linear_range_sums: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    w = w if w.stride(1) == 1 else w.contiguous()
-    n, k = w.shape
-    split, k_split = k_ranges(n, k)
-    return launch(x, w, torch.float32, call_tiles(x.shape[0], n, k), split, k_split, range_sums=True)
+    return _launch_bf16("linear_range_sums", x, w, range_sums=True)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
