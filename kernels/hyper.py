@@ -635,12 +635,10 @@ def _up_mix_kernel(
     if RANGES > 0:
         row0 = pid_m
         rows_here = 1
-        if INJ:  # the inject program runs no dots and stores no x
+        if INJ:  # a program past D stores inject, and runs no dots and stores no x
             inject_only = pid_d * BLOCK_D >= D
             rows_here = tl.where(inject_only, 0, 1)
             k_end = tl.where(inject_only, 0, R)
-            _store_inject(h_ptr, inj_ptr, row0, tl.where(inject_only, HC, 0), M, R, RANGES, HC, HC_PAD, ACT_BF16,
-                          INTERPRET)  # fmt: skip
     else:
         row0 = pid_m * BLOCK_M
         rows_here = tl.minimum(BLOCK_M, M - row0)
@@ -659,6 +657,8 @@ def _up_mix_kernel(
     d_cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = row_ok[:, None] & (d_cols < D)[None, :]
     enter(PDL)
+    if RANGES > 0 and INJ:  # the range sums are the previous launch's: read after the wait
+        _store_inject(h_ptr, inj_ptr, row0, inject_only, M, R, RANGES, HC, HC_PAD, ACT_BF16, INTERPRET)
     # every stream's normed tile, loaded before the dots so that its latency passes under theirs
     if BY_ROW:  # in u's lane order
         normed_at = normed_ptr + rows.to(tl.int64)[:, None] * stride_n + (stream * D + cols)[None, :]
@@ -717,14 +717,16 @@ def _gated_row(
 
 @triton.jit
 def _store_inject(
-    sums_ptr, inj_ptr, row, stored, M, R, RANGES: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
+    sums_ptr, inj_ptr, row, here, M, R, RANGES: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
     ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The row's first `stored` (HC or none) inject = act(2·sigmoid(a / hc)), from the K-range sums of its last HC
-    columns."""
-    lanes = tl.arange(0, HC_PAD)
-    _no_h, inj = hyper_gates(_range_total(sums_ptr, row, R + lanes, lanes < HC, M, R + HC, RANGES), HC, INTERPRET)
-    tl.store(inj_ptr + row.to(tl.int64) * HC + lanes, round_to_act(inj, ACT_BF16, INTERPRET), mask=lanes < stored)
+    """If `here` (this program's task), the row's inject = act(2·sigmoid(a / hc)), from the K-range sums of its last
+    HC columns."""
+    if here:
+        lanes = tl.arange(0, HC_PAD)
+        sums = _range_total(sums_ptr, row, R + lanes, lanes < HC, M, R + HC, RANGES)
+        _no_h, inj = hyper_gates(sums, HC, INTERPRET)
+        tl.store(inj_ptr + row.to(tl.int64) * HC + lanes, round_to_act(inj, ACT_BF16, INTERPRET), mask=lanes < HC)
 
 
 @triton.jit

@@ -82,8 +82,9 @@ def test_the_up_kernel_gating_row_by_row_gives_the_whole_tiles_bits() -> None:
     wide[:, [b * D + 7 for b in range(HC)]] = -0.0
     for n in (1, 2, 4, 17, 33):
         for up_d, warps in ((16, 1), (16, 2), (16, 4), (8, 2), (32, 2)):
-            tiles = dataclasses.replace(read_tiles(1, R), up_d=up_d, num_warps=warps, up_by_row=False)
-            tiles = dataclasses.replace(tiles, up_adds_ranges=False)
+            tiles = dataclasses.replace(
+                read_tiles(1, R), up_d=up_d, num_warps=warps, up_by_row=False, up_adds_ranges=False
+            )
             x, _ = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
             by_row, _ = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_by_row=True))
             case = f"{n} rows, {up_d} columns, {warps} warps"
@@ -111,6 +112,8 @@ def test_the_up_kernel_adding_the_down_projections_range_sums_gives_the_linear_g
         for warps in (1, 2, 4):
             tiles = dataclasses.replace(read_tiles(1, R), num_warps=warps)
             assert tiles.up_adds_ranges
+            # NaNs where the range sums will be (the allocator hands the block back): stale sums cannot pass
+            torch.full((16, n, R + HC), float("nan"), device="cuda")
             x, inj = launch_read(wide[:n], *w.values(), EPS, HC, tiles)
             gx, ginj = launch_read(wide[:n], *w.values(), EPS, HC, dataclasses.replace(tiles, up_adds_ranges=False))
             fx, finj = launch_read(wide[:n], *w.values(), EPS, HC, FUSED[0])

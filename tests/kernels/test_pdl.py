@@ -33,8 +33,17 @@ def kernel_defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")}
 
 
-# index arithmetic, the L2 prefetch, and loads of memory no kernel writes (weights)
-SAFE_CALLS = {"tl.program_id", "tl.arange", "tl.minimum", "tl.num_programs", "range", "prefetch_l2", "load_unwritten"}
+# index arithmetic and selects, the L2 prefetch, and loads of memory no kernel writes (weights)
+SAFE_CALLS = {
+    "tl.program_id",
+    "tl.arange",
+    "tl.minimum",
+    "tl.where",
+    "tl.num_programs",
+    "range",
+    "prefetch_l2",
+    "load_unwritten",
+}
 
 
 def before_enter(fn: ast.FunctionDef) -> list[ast.stmt]:
