@@ -155,6 +155,7 @@ def describe(row: Row) -> str:
         f"down {t['down_m']}x{t['down_r']}{' in_program' if t['in_program'] else ''} up {t['up_m']}x{t['up_d']} "
         f"warps {t['num_warps']} stages {t['num_stages']}{' down via linear' if t.get('via_linear') else ''}"
         f"{' up over normed' if t.get('up_over_normed') else ''}{' by row' if t.get('up_by_row') else ''}"
+        f"{' adding range sums' if t.get('up_adds_ranges') else ''}"
     )
     if row["error"] is not None:
         return f"ERROR {tiles}: {row['error']}"

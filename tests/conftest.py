@@ -1,5 +1,5 @@
 """Test setup: the scripts folder is importable (checkpoint makers), GPU tests skip without CUDA, a GPU run that
-would only interpret kernels is refused, one of compiled kernels leaves out the modules that only interpret them, the
+would only interpret kernels is refused, a run of the GPU tests alone leaves out the modules that only interpret, the
 Triton interpreter does not patch triton.language again for every helper a kernel calls, and its fp32 dots give the
 same bits on every machine."""
 
@@ -28,10 +28,10 @@ FORCES_INTERPRETER = 'os.environ["TRITON_INTERPRET"] = "1"'  # how a module that
 
 
 def left_out_of_compiled_run(path: Path, markexpr: str, given: str | None) -> bool:
-    """Whether a run of compiled kernels (`-m gpu`, TRITON_INTERPRET=0) must not import this file: a test module that
-    sets TRITON_INTERPRET to 1 holds no GPU test, and importing it would make every kernel module imported after it
-    an interpreted one."""
-    if given != "0" or "gpu" not in markexpr or path.suffix != ".py" or not path.name.startswith("test_"):
+    """Whether a run of the GPU tests alone (`-m gpu` with TRITON_INTERPRET=0) must not import this file: a test
+    module that sets TRITON_INTERPRET to 1 holds no GPU test, and importing it would make every kernel module imported
+    after it an interpreted one."""
+    if given != "0" or markexpr.strip() != "gpu" or path.suffix != ".py" or not path.name.startswith("test_"):
         return False
     return FORCES_INTERPRETER in path.read_text()
 
@@ -45,6 +45,7 @@ class LeftOut(pytest.File):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    """An empty file in place of a test module a run of the GPU tests alone must not import."""
     if left_out_of_compiled_run(module_path, parent.config.getoption("markexpr") or "", INTERPRET_GIVEN):
         return LeftOut.from_parent(parent, path=module_path)
     return None

@@ -320,7 +320,7 @@ def test_the_read_keeps_the_fused_down_kernel_where_the_linear_kernel_cuts_k_oth
     w, wide = weights(4, torch.bfloat16, seed=13), wide_rows(6, 4, torch.bfloat16, seed=14)
     assert k_ranges(4 * D, D) != linear_k_ranges(R + 4, 4 * D)
     fused = launch_read(wide, *w.values(), EPS, 4, TILES[0])
-    with mock.patch.object(hyper, "linear_gates", None):  # the linear path must not run
+    with mock.patch.object(hyper, "linear_gates", None), mock.patch.object(hyper, "linear_range_sums", None):
         via = launch_read(wide, *w.values(), EPS, 4, dataclasses.replace(TILES[0], via_linear=True))
     assert torch.equal(via[0], fused[0]) and torch.equal(via[1], fused[1])
 
@@ -376,11 +376,11 @@ def test_the_up_kernel_adding_the_down_projections_range_sums_gives_the_linear_g
         "w_inject": stacked[r:] if inject else None,
     }
     assert k_ranges(k, d) == linear_k_ranges(r + hc, k) == (16, 640)
-    gates = ReadTiles(16, 16, 16, 32, False, 2, 1, via_linear=True, up_over_normed=True, up_by_row=True)
+    tiles = ReadTiles(16, 16, 16, 32, False, 2, 1, via_linear=True, up_over_normed=True, up_by_row=True)
     for n in (1, 3):
         wide = (torch.randn(n, k, generator=g) * 3).bfloat16()
         wide[:, :d] = 1.0
-        x, inj = launch_read(wide, *w.values(), EPS, hc, gates)
+        x, inj = launch_read(wide, *w.values(), EPS, hc, tiles)
         made, real_empty = [], torch.empty
 
         def recorded_empty(*args, _real=real_empty, _made=made, **kwargs):
@@ -389,7 +389,7 @@ def test_the_up_kernel_adding_the_down_projections_range_sums_gives_the_linear_g
             return out
 
         with recording_launches() as launched, mock.patch.object(torch, "empty", recorded_empty):
-            sums_x, sums_inj = launch_read(wide, *w.values(), EPS, hc, dataclasses.replace(gates, up_adds_ranges=True))
+            sums_x, sums_inj = launch_read(wide, *w.values(), EPS, hc, dataclasses.replace(tiles, up_adds_ranges=True))
         assert launched == ["_rstd_kernel", "_linear_kernel", "_up_mix_kernel"], launched
         assert ((16, n, r + (hc if inject else 0)), torch.float32) in made and ((n, r), torch.bfloat16) not in made
         assert torch.equal(sums_x.view(torch.int16), x.view(torch.int16)), n
