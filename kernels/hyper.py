@@ -939,7 +939,7 @@ def launch_read(
     else:
         h = torch.empty((n, r), dtype=act, device=dev)
         _launch_down(wide, rstd, hc_norm_weight, w_down, w_inject, h, inject, tiles, hc)
-    if up_over_normed:  # u = h · W_upᵀ and the gated stream mean in one kernel, u never stored
+    if up_over_normed:  # u = h · W_upᵀ and the gated stream mean in one kernel, u never stored (h: or its range sums)
         inject_program = adds_ranges and inject is not None  # a last column of programs that stores inject only
         _up_mix_kernel[(triton.cdiv(d, tiles.up_d) + inject_program, n if adds_ranges else triton.cdiv(n, tiles.up_m))](
             h, w_up, normed, x, inject if inject is not None else x, n, d, r, w_up.stride(0), normed.stride(0),
