@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Nsight Compute over the routed MoE, the dense linear kernel and the hyper-connection read (`gpu_ncu.py`) and GDN's
-# chunked form (`gpu_check_gdn.py --names prompt`) on one H200: per kernel launch, speed of light, occupancy,
+# Nsight Compute over the routed MoE, the dense linear kernel, the router and the hyper-connection read (`gpu_ncu.py`)
+# and GDN's chunked form (`gpu_check_gdn.py --names prompt`) on one H200: per kernel launch, speed of light, occupancy,
 # scheduler and warp stall statistics and the instruction mix (CSV), and each kernel's SASS with its stall samples.
 # Logs under $OUT.
-# Usage, from the repo root there:  OUT=... [PARTS="moe gdn hyper"] bash scripts/gpu_ncu.sh  (default: moe gdn)
+# Usage, from the repo root there:  OUT=... [PARTS="moe gdn hyper router"] bash scripts/gpu_ncu.sh  (default: moe gdn)
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FLASHNEXT_PDL=0 PYTHONPATH=.
@@ -30,6 +30,9 @@ parts=" ${PARTS:-moe gdn} "
 [[ $parts == *" hyper "* ]] && NCU_FLAGS="--cache-control none --launch-skip 12 --launch-count 6" \
   profile hyper_read 200 '_(rstd|linear|up_mix)_kernel' \
   python3 scripts/gpu_ncu.py --moe-rows --hyper-rows "${HYPER_ROWS:-1}" --repeats 6
+# the router's logits with their top-k at one row (its last arrival picks), after four launches that warm L2
+[[ $parts == *" router "* ]] && NCU_FLAGS="--cache-control none --launch-skip 4 --launch-count 2" \
+  profile router 200 '_linear_kernel' python3 scripts/gpu_ncu.py --moe-rows --router-rows 1 --repeats 6
 # the chunked form's two kernels at 1,024 and 8,192 rows (the recurrence's launches are left out)
 [[ $parts == *" gdn "* ]] && profile gdn_chunks 240 '_gdn_chunk_' --launch-count 4 python3 scripts/gpu_check_gdn.py \
   --out "$OUT/gdn" --names prompt --reps 3
