@@ -18,7 +18,8 @@ never how its sum is formed; on the H200 every tile shape and depth (mma.sync an
 Epilogues: `linear_gates` stores the hyper read's gates from the sums; `linear_topk` (router logits of one row) has
 the row tile's last arrival pick its rows' top-k with `kernels.router.topk_row`, the router kernel's bits, so the
 router needs no launch of its own. With K cut, that arrival is the last of every tile's ranges, which adds each row's
-range sums in range order as a tile's last range would (one arrival counter in the chain, not two).
+range sums in range order as a tile's last range would (one arrival counter in the chain, not two); that launch runs
+on TOPK_WARPS warps at least (`topk_tiles`), so the one program's softmax and picks spread over more lanes.
 `linear_range_sums` stores the K ranges' sums unadded, for a consumer that adds them in range order itself.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -48,6 +49,7 @@ MIN_PROGRAMS = 66
 SUM_BLOCK = 1024
 MAX_TOPK_COLUMNS = 1024  # logits of one row one program's top-k holds
 TOPK_ROWS = 1  # rows up to which the router's top-k runs in its logits' launch (one program picks them one by one)
+TOPK_WARPS = 4  # warps at least of that launch: the one program's softmax and picks spread over more lanes
 MAX_TILES = 4096
 
 
@@ -327,6 +329,12 @@ def call_tiles(m: int, n: int, k: int) -> Tiles:
     return pick_tiles(m, n, k)
 
 
+def topk_tiles(m: int, n: int, k: int) -> Tiles:
+    """`call_tiles`' on at least TOPK_WARPS warps, for a launch whose last arrival picks its rows' top-k."""
+    tiles = call_tiles(m, n, k)
+    return replace(tiles, num_warps=max(tiles.num_warps, TOPK_WARPS))
+
+
 def launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -496,10 +504,11 @@ def linear_topk(
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     split, k_split = k_ranges(n, x.shape[1])
-    tiles = call_tiles(m, n, x.shape[1])
     if m > TOPK_ROWS or n > MAX_TOPK_COLUMNS:
-        return router_topk(launch(x, w, torch.float32, tiles, split, k_split), k, renormalise, picks)
+        logits = launch(x, w, torch.float32, call_tiles(m, n, x.shape[1]), split, k_split)
+        return router_topk(logits, k, renormalise, picks)
     weights = torch.empty(m, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(m, k, dtype=torch.int32, device=x.device)
-    launch(x, w, torch.float32, tiles, split, k_split, topk=TopK(weights, ids, renormalise, picks))
+    topk = TopK(weights, ids, renormalise, picks)
+    launch(x, w, torch.float32, topk_tiles(m, n, x.shape[1]), split, k_split, topk=topk)
     return weights, ids

@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.linear import BLOCK_K, Tiles, TopK, k_ranges, launch, linear, linear_topk, pick_tiles
+from kernels.linear import BLOCK_K, Tiles, TopK, k_ranges, launch, linear, linear_topk, pick_tiles, topk_tiles
 from kernels.router import router_topk
 
 # (N, K) per rank at tp=2: attention o_proj, GDN out_proj, the shared expert's down_proj, GDN's fused in_proj, the
@@ -72,9 +72,9 @@ def test_deeper_k_tiles_give_the_same_bits(n: int, k: int, split: int, k_split: 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
 def test_router_top_k_in_the_logits_launch_has_the_router_kernels_bits() -> None:
     """The router's shape (512 experts, K = 2,560 in four ranges, top-10) and one with K whole (64 experts, K = 256,
-    top-6): the top-k the linear launch stores equals the router kernel's over `linear`'s logits in every bit, rows
-    with tied experts included, for one row (`linear_topk`) and for 19 rows (two row tiles, each picked by its last
-    column tile)."""
+    top-6): the top-k the linear launch stores (on `topk_tiles`' warps) equals the router kernel's over `linear`'s
+    logits in every bit, rows with tied experts included, for one row (`linear_topk`) and for 19 rows (two row tiles,
+    each picked by its last column tile)."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     for experts, k, top_k in ((512, 2560, 10), (64, 256, 6)):
         w = (torch.randn(experts, k, device="cuda", generator=gen) / k**0.5).bfloat16()
@@ -91,6 +91,6 @@ def test_router_top_k_in_the_logits_launch_has_the_router_kernels_bits() -> None
                         weights = torch.empty(m, top_k, device="cuda")
                         ids = torch.empty(m, top_k, dtype=torch.int32, device="cuda")
                         topk = TopK(weights, ids, renormalise)
-                        launch(x[:m], w, torch.float32, pick_tiles(1, experts, k), split, k_split, topk=topk)
+                        launch(x[:m], w, torch.float32, topk_tiles(1, experts, k), split, k_split, topk=topk)
                     assert torch.equal(ids, want_ids), (experts, trial, m)
                     assert torch.equal(weights.view(torch.int32), want_w.view(torch.int32)), (experts, trial, m)

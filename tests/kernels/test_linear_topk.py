@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -13,6 +14,7 @@ from kernels import linear as linear_module
 from kernels.linear import (
     MAX_TOPK_COLUMNS,
     TOPK_ROWS,
+    TOPK_WARPS,
     Tiles,
     TopK,
     arrival_counters,
@@ -21,6 +23,7 @@ from kernels.linear import (
     launch,
     linear,
     linear_topk,
+    topk_tiles,
 )
 from kernels.router import router_topk
 
@@ -88,6 +91,22 @@ def test_the_fused_launch_writes_the_top_k(monkeypatch: pytest.MonkeyPatch) -> N
     assert calls == []
     linear_topk(torch.cat([x, x]), w, 4)
     assert len(calls) == 1
+
+
+def test_the_fused_launch_takes_the_logits_tiles_on_at_least_topk_warps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-row launch that picks its top-k runs `call_tiles`' tiles on TOPK_WARPS warps or more; more rows
+    take `call_tiles`' own for their logits."""
+    tiles_taken = []
+    real_launch = linear_module.launch
+    monkeypatch.setattr(linear_module, "launch", lambda x, w, dt, tiles, *a, **kw: tiles_taken.append(tiles)
+                        or real_launch(x, w, dt, tiles, *a, **kw))  # fmt: skip
+    x, w = router_inputs(TOPK_ROWS + 1, 64, 256, seed=8)
+    linear_topk(x[:TOPK_ROWS], w, 4)
+    linear_topk(x, w, 4)
+    plain = call_tiles(TOPK_ROWS, 64, 256)
+    assert tiles_taken == [topk_tiles(TOPK_ROWS, 64, 256), call_tiles(TOPK_ROWS + 1, 64, 256)]
+    assert tiles_taken[0].num_warps == max(plain.num_warps, TOPK_WARPS) > plain.num_warps
+    assert replace(tiles_taken[0], num_warps=plain.num_warps) == plain
 
 
 def test_a_top_k_launch_is_refused_where_it_cannot_store() -> None:
