@@ -12,8 +12,10 @@ changes; p = e / s with IEEE division. `topk_row` is that row's work: `router_to
 picks are the k largest 64-bit keys (bits(p) << 32 | (BLOCK_E - 1 - id)), in descending order, so the larger
 probability wins and among equal ones the lower id; the keys of valid lanes are distinct, so a reduction that takes
 the PICKS largest at once (a merge of descending pairs) picks what PICKS maxima taken one by one would, in their
-order. Renormalising divides each pick by their sum taken in pick order (descending probability)
-starting from zero. Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the
+order. Renormalising divides each pick by their sum taken in pick order (descending probability) starting from
+zero. A row's program spreads its lanes over `router_warps` warps (more for a few rows, whose picks wait on one
+program's chain; a warp per 512 lanes for many); no sum or pick depends on how lanes fall to warps.
+Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the
 k) the weights may differ in the last fp32 bits only, from the different exp implementation and summation orders;
 the ids are identical unless two probabilities land within such a rounding of each other. With bf16 logits that
 needs equal logits (equal x - m, so equal probabilities in both, tied to the lower id in both) or logits so small
@@ -30,6 +32,7 @@ from kernels.fp32_ops import pairwise_sum
 from kernels.pdl import enter, launch_options
 
 PICKS = 2  # keys a reduction takes at once (`topk_row`): 1 or 2, the same picks and bits
+WIDE_ROWS = 4  # rows up to which a row's program spreads its lanes over more warps (a lane's verify of 3 drafts)
 
 
 def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +92,12 @@ def topk_row(
     return picked_p, picked_id
 
 
+def router_warps(rows: int, block_e: int) -> int:
+    """Warps of a row's program: 128 lanes a warp up to WIDE_ROWS rows, 512 beyond (one for 512 experts), at most 8;
+    the bits do not depend on them."""
+    return max(1, min(8, block_e // (128 if rows <= WIDE_ROWS else 512)))
+
+
 @triton.jit
 def _router_kernel(
     logits_ptr,
@@ -146,7 +155,7 @@ def router_topk(
         BLOCK_E=block_e,
         RENORMALISE=renormalise,
         PICKS=picks,
-        num_warps=max(1, min(8, block_e // 512)),
+        num_warps=router_warps(n, block_e),
         enable_fp_fusion=False,
         **launch_options(_router_kernel, logits.device),
     )

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp32_ops import pairwise_sum
-from kernels.router import _top2, router_topk, router_topk_reference
+from kernels.router import WIDE_ROWS, _top2, router_topk, router_topk_reference, router_warps
 
 E, K = 16, 4
 
@@ -169,3 +169,11 @@ def test_the_softmax_sum_is_a_tree_of_neighbour_pairs(block: int) -> None:
         for v in x.tolist():
             left_to_right = np.float32(left_to_right + np.float32(v))
         assert left_to_right != want  # the input tells the orders apart
+
+
+def test_few_rows_spread_a_rows_lanes_over_more_warps() -> None:
+    """Up to WIDE_ROWS rows a program takes a warp per 128 lanes (four for 512 experts), beyond a warp per 512, at
+    least one and at most eight."""
+    assert [router_warps(rows, 512) for rows in (1, WIDE_ROWS, WIDE_ROWS + 1, 64)] == [4, 4, 1, 1]
+    assert router_warps(1, 64) == router_warps(64, 64) == 1
+    assert router_warps(1, 2048) == 8 and router_warps(64, 2048) == 4
