@@ -13,13 +13,14 @@ the tile's last range to finish (an arrival counter picks it; it reloads every P
 the same whichever range arrives last; with a top-k, the row tile's last arrival over its tiles and ranges), with
 wider tiles by a second kernel. The tiles (`pick_tiles`: 16-row tiles
 that stream w once for few rows, 64- or 128-row tiles for many) decide only which program computes an element,
-never how its sum is formed; on the H200 every tile shape and depth (mma.sync and wgmma alike) gave identical bits.
+never how its sum is formed; on the H200 every tile shape and depth (mma.sync and wgmma alike) gave identical bits,
+and so did the top-k launch on four warps (`topk_tiles`).
 
 Epilogues: `linear_gates` stores the hyper read's gates from the sums; `linear_topk` (router logits of one row) has
 the row tile's last arrival pick its rows' top-k with `kernels.router.topk_row`, the router kernel's bits, so the
 router needs no launch of its own. With K cut, that arrival is the last of every tile's ranges, which adds each row's
 range sums in range order as a tile's last range would (one arrival counter in the chain, not two); that launch runs
-on TOPK_WARPS warps at least (`topk_tiles`), so the one program's softmax and picks spread over more lanes.
+on TOPK_WARPS warps at least (`topk_tiles`), so the one program's softmax and picks spread over more threads.
 `linear_range_sums` stores the K ranges' sums unadded, for a consumer that adds them in range order itself.
 """
 
@@ -49,7 +50,7 @@ MIN_PROGRAMS = 66
 SUM_BLOCK = 1024
 MAX_TOPK_COLUMNS = 1024  # logits of one row one program's top-k holds
 TOPK_ROWS = 1  # rows up to which the router's top-k runs in its logits' launch (one program picks them one by one)
-TOPK_WARPS = 4  # warps at least of that launch: the one program's softmax and picks spread over more lanes
+TOPK_WARPS = 4  # warps at least of that launch: the one program's softmax and picks spread over more threads
 MAX_TILES = 4096
 
 

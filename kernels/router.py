@@ -32,7 +32,7 @@ from kernels.fp32_ops import pairwise_sum
 from kernels.pdl import enter, launch_options
 
 PICKS = 2  # keys a reduction takes at once (`topk_row`): 1 or 2, the same picks and bits
-WIDE_ROWS = 4  # rows up to which a row's program spreads its lanes over more warps (a lane's verify of 3 drafts)
+WIDE_ROWS = 4  # rows up to which a row's program takes more warps (a stream's verify: its token and 3 drafts)
 
 
 def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +93,7 @@ def topk_row(
 
 
 def router_warps(rows: int, block_e: int) -> int:
-    """Warps of a row's program: 128 lanes a warp up to WIDE_ROWS rows, 512 beyond (one for 512 experts), at most 8;
-    the bits do not depend on them."""
+    """Warps of a row's program: a warp per 128 lanes up to WIDE_ROWS rows, per 512 beyond, 1 to 8."""
     return max(1, min(8, block_e // (128 if rows <= WIDE_ROWS else 512)))
 
 

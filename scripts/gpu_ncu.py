@@ -2,8 +2,7 @@
 once per case at tp=2's per-rank shapes, eagerly and without PDL, for Nsight Compute to profile (`scripts/gpu_ncu.sh`);
 prints each case before its launches, so a report's kernels can be matched to cases in order.
 
-FLASHNEXT_PDL=0 python3 scripts/gpu_ncu.py --moe-rows 1 64 1024 --linear 2560x3072:1 5120x2560:1 --router-rows 1
-  --hyper-rows 1
+FLASHNEXT_PDL=0 python3 scripts/gpu_ncu.py --moe-rows 1 64 1024 --linear 2560x3072:1 --router-rows 1 --hyper-rows 1
 """
 
 from __future__ import annotations

@@ -72,9 +72,9 @@ def test_deeper_k_tiles_give_the_same_bits(n: int, k: int, split: int, k_split: 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
 def test_router_top_k_in_the_logits_launch_has_the_router_kernels_bits() -> None:
     """The router's shape (512 experts, K = 2,560 in four ranges, top-10) and one with K whole (64 experts, K = 256,
-    top-6): the top-k the linear launch stores (on `topk_tiles`' warps) equals the router kernel's over `linear`'s
-    logits in every bit, rows with tied experts included, for one row (`linear_topk`) and for 19 rows (two row tiles,
-    each picked by its last column tile)."""
+    top-6): the top-k the linear launch stores equals the router kernel's over `linear`'s logits in every bit, rows
+    with tied experts included, for one row (`linear_topk`) and for 19 rows (two row tiles, each picked by its last
+    column tile), whose launch on `pick_tiles`' two warps and on `topk_tiles`' four also stores `linear`'s logits."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     for experts, k, top_k in ((512, 2560, 10), (64, 256, 6)):
         w = (torch.randn(experts, k, device="cuda", generator=gen) / k**0.5).bfloat16()
@@ -84,13 +84,18 @@ def test_router_top_k_in_the_logits_launch_has_the_router_kernels_bits() -> None
             x = (torch.randn(19, k, device="cuda", generator=gen) * (1 + trial)).bfloat16()
             for renormalise in (True, False):
                 for m in (1, 19):
-                    want_w, want_ids = router_topk(linear(x[:m], w, torch.float32), top_k, renormalise)
+                    want_logits = linear(x[:m], w, torch.float32)
+                    want_w, want_ids = router_topk(want_logits, top_k, renormalise)
                     if m == 1:
                         weights, ids = linear_topk(x[:m], w, top_k, renormalise)
-                    else:
+                        assert torch.equal(ids, want_ids), (experts, trial)
+                        assert torch.equal(weights.view(torch.int32), want_w.view(torch.int32)), (experts, trial)
+                        continue
+                    for tiles in (pick_tiles(1, experts, k), topk_tiles(1, experts, k)):  # two warps, four
                         weights = torch.empty(m, top_k, device="cuda")
                         ids = torch.empty(m, top_k, dtype=torch.int32, device="cuda")
                         topk = TopK(weights, ids, renormalise)
-                        launch(x[:m], w, torch.float32, topk_tiles(1, experts, k), split, k_split, topk=topk)
-                    assert torch.equal(ids, want_ids), (experts, trial, m)
-                    assert torch.equal(weights.view(torch.int32), want_w.view(torch.int32)), (experts, trial, m)
+                        logits = launch(x[:m], w, torch.float32, tiles, split, k_split, topk=topk)
+                        assert torch.equal(logits.view(torch.int32), want_logits.view(torch.int32)), (experts, tiles)
+                        assert torch.equal(ids, want_ids), (experts, trial, tiles)
+                        assert torch.equal(weights.view(torch.int32), want_w.view(torch.int32)), (experts, trial, tiles)

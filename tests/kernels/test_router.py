@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import router as router_module
 from kernels.fp32_ops import pairwise_sum
 from kernels.router import WIDE_ROWS, _top2, router_topk, router_topk_reference, router_warps
 
@@ -169,6 +170,15 @@ def test_the_softmax_sum_is_a_tree_of_neighbour_pairs(block: int) -> None:
         for v in x.tolist():
             left_to_right = np.float32(left_to_right + np.float32(v))
         assert left_to_right != want  # the input tells the orders apart
+
+
+def test_a_launch_takes_the_warps_of_its_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """router_topk asks `router_warps` for its rows and padded width, so few rows take the wider programs."""
+    asked = []
+    monkeypatch.setattr(router_module, "router_warps", lambda rows, block_e: asked.append((rows, block_e)) or 1)
+    for rows in (1, WIDE_ROWS + 1):
+        router_topk(torch.randn(rows, 48), 4)
+    assert asked == [(1, 64), (WIDE_ROWS + 1, 64)]
 
 
 def test_few_rows_spread_a_rows_lanes_over_more_warps() -> None:
