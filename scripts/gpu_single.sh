@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What one GPU can check of a change, in one call on nvidia-h200. CHECKS picks among (default: all, in this order):
-#   pytest        `pytest -m gpu` of PYTEST_FILES (default: test_gdn_gpu, test_sample_gpu and test_hyper_gpu in tests/kernels)
+#   pytest        `pytest -m gpu` of PYTEST_FILES (default: test_gdn_gpu, test_sample_gpu and test_hyper_gpu in
+#                 tests/kernels; PYTEST_FILES=tests runs the whole GPU suite, the README's command)
 #   hyper         the hyper-connection reads' errors, rows and times at 1 to 1,024 rows (`gpu_check_hyper.py`)
 #   moe           with BEFORE: the routed MoE's bits and time against BEFORE's (`gpu_ab_moe.py`); then its tiles swept
 #                 at MOE_ROWS (default 1 4) over 4 warps and 3 or 4 stages (`gpu_sweep_moe.py`)
@@ -41,7 +42,7 @@ both() {  # name, limit, script and flags: run in this tree, and in BEFORE when 
 
 if [[ $checks == *" pytest "* ]]; then
   # shellcheck disable=SC2086
-  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -m gpu \
+  TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -m gpu \
     ${PYTEST_FILES:-tests/kernels/test_gdn_gpu.py tests/kernels/test_sample_gpu.py tests/kernels/test_hyper_gpu.py} \
     > "$OUT/pytest_gpu.out" 2>&1
   echo "pytest -m gpu rc=$? $(since)"; tail -2 "$OUT/pytest_gpu.out"
