@@ -945,7 +945,7 @@ def launch_read(
             h, w_up, normed, x, inject if inject is not None else x, n, d, r, w_up.stride(0), normed.stride(0),
             HC=hc, HC_PAD=triton.next_power_of_2(hc), ACT_BF16=bf16, BLOCK_M=tiles.up_m, BLOCK_D=tiles.up_d,
             BLOCK_K=UP_BLOCK_K, INTERPRET=INTERPRET, PREFETCH=prefetch_enabled(wide.device), BY_ROW=tiles.up_by_row,
-            RANGES=h.shape[0] if adds_ranges else 0, INJ=adds_ranges and inject is not None,
+            RANGES=h.shape[0] if adds_ranges else 0, INJ=inject_program,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
             **launch_options(_up_mix_kernel, wide.device),
         )  # fmt: skip
