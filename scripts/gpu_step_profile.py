@@ -11,7 +11,8 @@ timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [-
 python3 scripts/gpu_step_profile.py --out DIR --alone-as 2 ...   # rank 0's half on one GPU, no links (timing only)
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
     [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
-    [--chrome-trace]          # the one-lane rounds' kernels with their streams, as DIR/step_trace.json.gz
+    [--chrome-trace]          # the profiled rounds' kernels with their streams: one lane's as DIR/step_trace.json.gz,
+                              # the most lanes' as DIR/step_trace_N.json.gz
 # DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_verify.txt,
 # step_profile_prompt.txt, step_profile.json
 """
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=0, metavar="ROWS", help="also time and profile a prompt pass")
     ap.add_argument("--ngram-table", choices=("device", "host"), default="device", help="where the n-gram table lives")
     ap.add_argument("--chrome-trace", action="store_true",
-                    help="also write the one-lane profile's rounds as a Chrome trace (step_trace.json.gz)")  # fmt: skip
+                    help="also write the profiled rounds as Chrome traces (step_trace[_N].json.gz)")  # fmt: skip
     ap.add_argument("--alone-as", type=int, default=0, metavar="WORLD",
                     help="no torchrun: rank 0's share of a WORLD-rank model, collectives skipped")  # fmt: skip
     args = ap.parse_args(argv)
@@ -248,8 +249,9 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
             print(json.dumps(rows[-1]), flush=True)
         if count == most:  # profiled while these lanes hold the pool (nothing keeps them after: a lane more would
             # grow the pool, and every later round would run eagerly, the graphs stale)
+            trace = args.out / f"step_trace_{most}.json.gz" if args.chrome_trace and most > 1 else None
             tables[f"_{most}"] = profile(
-                functools.partial(decode_round, model, lanes, vocab, rng), f"{most} lanes", rank
+                functools.partial(decode_round, model, lanes, vocab, rng), f"{most} lanes", rank, trace=trace
             )
     del lanes
     lanes = [model.new_lane()]
