@@ -86,7 +86,9 @@ class MoeTiles:
 class SharedGate:
     """The shared expert's output `shared` [N, d] and gate logits `gate_logit` [N, 1] (bf16, rows at any stride),
     which the routed sum takes as `kernels.gates.gated_add` does: routed + sigmoid(logit) · shared. `ready` runs
-    before the first launch that reads them (the caller joins there the stream that makes them)."""
+    once (the caller joins there the stream that makes them): in the pairs path before the down launch, which reads
+    them; in the grouped path before the gate-up launch, so that the side stream's kernels never run into the
+    gate-up's start (at 64 rows that made it about 14 µs slower: docs/performance.md, twenty-eighth session)."""
 
     shared: torch.Tensor
     gate_logit: torch.Tensor
@@ -777,7 +779,7 @@ def moe_forward(
     """Routed experts of x [N, d] bf16 with expert_ids [N, k] and weights [N, k] -> [N, d] out_dtype (bf16/fp32):
     below PAIR_ROWS rows each pair alone (two launches), else grouped by expert (four); the same bits either way.
     With `gated` the output is `gated_add(routed in bf16, gated.gate_logit, gated.shared, out_dtype)`: in the pairs
-    path's down launch, else a launch of its own."""
+    path's down launch, else a launch of its own (`SharedGate` says where each path calls `ready`)."""
     wb = _weights(bank)
     n, top_k = expert_ids.shape
     if x.shape != (n, wb.d) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
@@ -800,10 +802,9 @@ def moe_forward(
         _pairs_forward(x, ids, wts, wb, out, tiles, gated)
         return out
     out = torch.empty(n, wb.d, dtype=torch.bfloat16 if gated is not None else out_dtype, device=x.device)
-    _grouped_forward(x, ids, wts, wb, out, tiles)
+    _grouped_forward(x, ids, wts, wb, out, tiles, gated.ready if gated is not None else None)
     if gated is None:
         return out
-    gated.ready()
     return gated_add(out, gated.gate_logit, gated.shared, out_dtype)
 
 
@@ -869,13 +870,22 @@ def _pairs_forward(
 
 
 def _grouped_forward(
-    x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, wb: _Weights, out: torch.Tensor, tiles: MoeTiles
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    wts: torch.Tensor,
+    wb: _Weights,
+    out: torch.Tensor,
+    tiles: MoeTiles,
+    before_gate_up: Callable[[], None] | None = None,
 ) -> None:
-    """The rows' pairs grouped by expert through the plan: gate-up and down by row tile, then the combine."""
+    """The rows' pairs grouped by expert through the plan: gate-up and down by row tile, then the combine;
+    `before_gate_up` runs between the plan and the gate-up launch."""
     n, top_k = ids.shape
     interpret = _interpreting()
     plan = moe_plan(ids, wb.experts, tiles.block_m)
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
+    if before_gate_up is not None:
+        before_gate_up()
     _gate_up_grouped(x, plan, wb, h, top_k, tiles, interpret)
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
     _down_grouped(h, plan, wb, y, tiles, interpret)

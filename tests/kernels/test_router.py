@@ -181,9 +181,9 @@ def test_a_launch_takes_the_warps_of_its_row_count(monkeypatch: pytest.MonkeyPat
     assert asked == [(1, 64), (WIDE_ROWS + 1, 64)]
 
 
-def test_few_rows_spread_a_rows_lanes_over_more_warps() -> None:
-    """Up to WIDE_ROWS rows a program takes a warp per 128 lanes (four for 512 experts), beyond a warp per 512, at
-    least one and at most eight."""
-    assert [router_warps(rows, 512) for rows in (1, WIDE_ROWS, WIDE_ROWS + 1, 64)] == [4, 4, 1, 1]
-    assert router_warps(1, 64) == router_warps(64, 64) == 1
-    assert router_warps(1, 2048) == 8 and router_warps(64, 2048) == 4
+def test_decode_rounds_spread_a_rows_lanes_over_more_warps() -> None:
+    """Up to WIDE_ROWS rows (a round of 64 lanes among them) a program takes a warp per 128 lanes (four for 512
+    experts), beyond a warp per 512 (prompts), at least one and at most eight."""
+    assert [router_warps(rows, 512) for rows in (1, 4, 64, WIDE_ROWS, WIDE_ROWS + 1)] == [4, 4, 4, 4, 1]
+    assert router_warps(1, 64) == router_warps(WIDE_ROWS + 1, 64) == 1
+    assert router_warps(1, 2048) == 8 and router_warps(WIDE_ROWS + 1, 2048) == 4

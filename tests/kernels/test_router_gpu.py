@@ -33,19 +33,20 @@ def test_picks_taken_together_equal_picks_taken_one_by_one(renormalise: bool) ->
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
 @pytest.mark.parametrize("renormalise", [True, False])
 def test_a_rows_picks_are_the_same_alone_among_few_rows_and_among_many(renormalise: bool) -> None:
-    """512 experts, top-10: each row alone and among WIDE_ROWS (its program on four warps) equals it among 64 (on
-    one), for tied, spread bf16 and wide fp32 logits."""
-    assert router_warps(WIDE_ROWS, 512) != router_warps(64, 512)
+    """512 experts, top-10: each row alone and among WIDE_ROWS (its program on four warps) equals it among
+    WIDE_ROWS + 1 (on one), for tied, spread bf16 and wide fp32 logits."""
+    many = WIDE_ROWS + 1
+    assert router_warps(WIDE_ROWS, 512) != router_warps(many, 512)
     gen = torch.Generator(device="cuda").manual_seed(22)
-    ties = torch.randint(-3, 4, (64, 512), device="cuda", generator=gen).bfloat16()
-    spread = (torch.randn(64, 512, device="cuda", generator=gen) * 3).bfloat16()
-    wide = torch.randn(64, 512, device="cuda", generator=gen) * 8
+    ties = torch.randint(-3, 4, (many, 512), device="cuda", generator=gen).bfloat16()
+    spread = (torch.randn(many, 512, device="cuda", generator=gen) * 3).bfloat16()
+    wide = torch.randn(many, 512, device="cuda", generator=gen) * 8
     for logits in (ties, spread, wide):
         weights, ids = router_topk(logits, 10, renormalise)
         few_w, few_ids = router_topk(logits[:WIDE_ROWS], 10, renormalise)
         assert torch.equal(few_ids, ids[:WIDE_ROWS])
         assert torch.equal(few_w.view(torch.int32), weights[:WIDE_ROWS].view(torch.int32))
-        for row in range(0, 64, 9):
+        for row in range(0, many, 9):
             one_w, one_ids = router_topk(logits[row : row + 1], 10, renormalise)
             assert torch.equal(one_ids, ids[row : row + 1])
             assert torch.equal(one_w.view(torch.int32), weights[row : row + 1].view(torch.int32))
