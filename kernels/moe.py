@@ -87,8 +87,9 @@ class SharedGate:
     """The shared expert's output `shared` [N, d] and gate logits `gate_logit` [N, 1] (bf16, rows at any stride),
     which the routed sum takes as `kernels.gates.gated_add` does: routed + sigmoid(logit) · shared. `ready` runs
     once (the caller joins there the stream that makes them): in the pairs path before the down launch, which reads
-    them; in the grouped path before the gate-up launch, so that the side stream's kernels never run into the
-    gate-up's start (at 64 rows that made it about 14 µs slower: docs/performance.md, twenty-eighth session)."""
+    them; in the grouped path before the gate-up launch, so that the side stream's kernels are done when it starts
+    (at 64 rows a gate-up that started beside them ran about 14 µs longer: docs/performance.md, twenty-eighth
+    session); with no rows at once."""
 
     shared: torch.Tensor
     gate_logit: torch.Tensor

@@ -13,8 +13,8 @@ picks are the k largest 64-bit keys (bits(p) << 32 | (BLOCK_E - 1 - id)), in des
 probability wins and among equal ones the lower id; the keys of valid lanes are distinct, so a reduction that takes
 the PICKS largest at once (a merge of descending pairs) picks what PICKS maxima taken one by one would, in their
 order. Renormalising divides each pick by their sum taken in pick order (descending probability) starting from
-zero. A row's program spreads its lanes over `router_warps` warps (more up to a decode round's rows, whose picks
-wait on one program's chain; a warp per 512 lanes for prompts); no sum or pick depends on how lanes fall to warps.
+zero. A row's program spreads its lanes over `router_warps` warps (more up to WIDE_ROWS rows, whose picks wait on
+one program's chain; a warp per 512 lanes beyond); no sum or pick depends on how lanes fall to warps.
 Against `router_topk_reference` (torch's softmax, then a stable sort and torch's sum over the
 k) the weights may differ in the last fp32 bits only, from the different exp implementation and summation orders;
 the ids are identical unless two probabilities land within such a rounding of each other. With bf16 logits that
@@ -32,7 +32,7 @@ from kernels.fp32_ops import pairwise_sum
 from kernels.pdl import enter, launch_options
 
 PICKS = 2  # keys a reduction takes at once (`topk_row`): 1 or 2, the same picks and bits
-WIDE_ROWS = 64  # rows up to which a row's program takes more warps: decode and verify rounds, not prompts
+WIDE_ROWS = 64  # rows up to which a row's program takes more warps (decode rounds of up to 64 lanes)
 
 
 def router_topk_reference(logits: torch.Tensor, k: int, renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

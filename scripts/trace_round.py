@@ -7,7 +7,7 @@ and each QSA layer's join, from the end of the last linear launch before its att
 the index path forks) to the attention's start: the index path's stream (the one that runs the `_index_*` kernels)
 against the other kernels of that window, and how long the attention waits for the index path after the others end.
 
-python3 scripts/trace_round.py DIR/step_trace.json.gz
+python3 scripts/trace_round.py DIR/step_trace.json.gz   # or DIR/step_trace_N.json.gz, the most lanes' rounds
 """
 
 from __future__ import annotations
