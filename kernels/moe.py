@@ -89,7 +89,7 @@ class SharedGate:
     once (the caller joins there the stream that makes them): in the pairs path before the down launch, which reads
     them; in the grouped path before the gate-up launch, so that the side stream's kernels are done when it starts
     (at 64 rows a gate-up that started beside them ran about 14 µs longer: docs/performance.md, twenty-eighth
-    session); with no rows at once."""
+    session); and at once when there are no rows."""
 
     shared: torch.Tensor
     gate_logit: torch.Tensor
