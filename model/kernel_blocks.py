@@ -132,8 +132,25 @@ def kept_buffer(rnd: Round, name: str, index: int, like: torch.Tensor) -> torch.
     return rnd.shared.take(name, index, (rnd.keep_rows.shape[0], *like.shape[1:]), like)
 
 
+def keeps_every_row(rnd: Round, rows: int) -> bool:
+    """Whether the round keeps the states after each of its `rows` rows, in order (a verify round): keep_rows then
+    lists them all and no graph input places them (`build_round` and the verify graphs)."""
+    return rnd.keep_rows is not None and rnd.keep_places is None and rnd.keep_rows.shape[0] == rows
+
+
+def row_tails_for(rnd: Round, name: str, index: int, tails: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """Where the conv writes each row's tail (None where the round keeps no state): when every row is kept, straight
+    into the kept tails' buffer (no selection after), else a scratch tensor `keep_tails` selects from."""
+    if rnd.keep_rows is None:
+        return None
+    buffer = kept_buffer(rnd, name, index, tails) if keeps_every_row(rnd, rows) else None
+    return buffer if buffer is not None else tails.new_empty((rows, *tails.shape[1:]))
+
+
 def keep_tails(rnd: Round, name: str, index: int, row_tails: torch.Tensor) -> torch.Tensor:
-    """The conv tails after the round's kept rows."""
+    """The conv tails after the round's kept rows: `row_tails` itself when every row is kept."""
+    if keeps_every_row(rnd, row_tails.shape[0]):
+        return row_tails
     return torch.index_select(row_tails, 0, rnd.keep_rows, out=kept_buffer(rnd, name, index, row_tails))
 
 
@@ -263,7 +280,7 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     n = x.shape[0]
     tails, states = rnd.pool.gdn_conv[index], rnd.pool.gdn_recurrent[index]
     keep = rnd.keep_rows is not None
-    row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
+    row_tails = row_tails_for(rnd, "gdn_conv", index, tails, n)
     fused = linear(x, fused_weight(m, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
     mixed, z, b, a = fused.split([2 * m.qk_width + m.v_width, m.v_width, m.value_heads, m.value_heads], dim=-1)
     states_out = kept_buffer(rnd, "gdn_recurrent", index, states)
@@ -402,7 +419,7 @@ def ple(p: PLELayer, index: int, wide: torch.Tensor, rnd: Round) -> torch.Tensor
     normed = zc_rms_norm(gated.view(n, p.hc, p.d), p.norm_conv.weight, p.eps).view(n, -1)
     tails = rnd.pool.ple_conv[index]
     keep = rnd.keep_rows is not None
-    row_tails = tails.new_empty((n, *tails.shape[1:])) if keep else None
+    row_tails = row_tails_for(rnd, "ple_conv", index, tails, n)
     conv = causal_conv_update(
         normed, tails, p.conv1d.weight[:, 0], rnd.slot_of_row, dilation=p.dilation, row_tails=row_tails
     )

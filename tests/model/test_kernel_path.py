@@ -379,6 +379,27 @@ def test_only_the_rows_asked_for_keep_their_states(models, monkeypatch) -> None:
         assert all(torch.equal(t, theirs[i]) for i, t in getattr(a, part).items()) and getattr(a, part)
 
 
+def test_a_round_keeping_every_row_has_the_conv_write_the_kept_tails(models, monkeypatch) -> None:
+    """When every row of a round is kept (a lane's verify window alone) the conv kernels write the kept tails
+    themselves, with no row selection after; its snapshots equal those of the same rows kept beside a row that is
+    not (which the selection serves)."""
+    _, ker = models
+    lanes = [ker.new_lane() for _ in range(3)]
+    fold(ker, [(lane, PROMPT[:6]) for lane in lanes])
+    selected = []
+    index_select = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda *a, **kw: selected.append(a[0].shape) or index_select(*a, **kw))
+    alone = fold(ker, [(lanes[0], [9, 10, 11, 12])], snap=frozenset({0}))
+    assert selected == []
+    beside = fold(ker, [(lanes[2], [3]), (lanes[1], [9, 10, 11, 12])], snap=frozenset({1}))
+    assert selected  # the partial keep selects its rows' tails
+    for row in range(4):
+        a, b = alone.snapshots[0][row], beside.snapshots[1][row]
+        for part in ("gdn_conv", "gdn_recurrent", "ple_conv"):
+            theirs = getattr(b, part)
+            assert getattr(a, part) and all(torch.equal(t, theirs[i]) for i, t in getattr(a, part).items())
+
+
 def test_mtp_rows_batched_equal_alone_and_match_the_reference(models) -> None:
     ref, ker = models
     g = torch.Generator().manual_seed(0)
