@@ -6,6 +6,9 @@ that launch's stretch up to its end); the linear kernel's launches by grid (laun
 and each QSA layer's join, from the end of the last linear launch before its attention (the fused projection, where
 the index path forks) to the attention's start: the index path's stream (the one that runs the `_index_*` kernels)
 against the other kernels of that window, and how long the attention waits for the index path after the others end.
+The MoE: each grouped gate-up launch's duration by whether another stream's kernel that started before it was
+still running at its start (`start_overlaps`), and each one-row layer's chain (`pair_chains`: the router's launch,
+the gate-up pairs and the down pairs kernels).
 
 python3 scripts/trace_round.py DIR/step_trace.json.gz   # or DIR/step_trace_N.json.gz, the most lanes' rounds
 """
@@ -20,6 +23,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 LINEAR, ATTENTION, INDEX = "_linear_kernel", "_attn_chunk_kernel", "_index_"
+GATE_UP, UP_MIX = "_gate_up_kernel", "_up_mix_"
+PAIRS_GATE_UP, PAIRS_DOWN = "_gate_up_pairs_kernel", "_down_pairs_kernel"
 
 
 def replays(events: list[dict]) -> list[list[dict]]:
@@ -87,6 +92,35 @@ def qsa_joins(kernels: list[dict]) -> list[dict[str, float]]:
     return joins
 
 
+def start_overlaps(kernels: list[dict], name: str) -> list[tuple[float, float]]:
+    """(µs by which the kernels of other streams that started before it run past its start, negative when they all
+    end before; its duration) of each `name` launch in one round."""
+    pairs = []
+    for i, k in enumerate(kernels):
+        others = [end(j) for j in kernels[:i] if j["args"]["stream"] != k["args"]["stream"]]
+        if k["name"] == name and others:
+            pairs.append((max(others) - k["ts"], k["dur"]))
+    return pairs
+
+
+def pair_chains(kernels: list[dict]) -> list[dict[str, float]]:
+    """One round's one-row MoE layers, µs: from the router's launch (the last linear launch before the gate-up pairs
+    kernel on its stream) to the gate-up's end (`gate_up`), from there to the down pairs kernel's end (`down`), and
+    from the up kernel's end before the router to that (`layer`)."""
+    chains = []
+    for i, k in enumerate(kernels):
+        if k["name"] != PAIRS_GATE_UP:
+            continue
+        same = [j for j in kernels[:i] if j["args"]["stream"] == k["args"]["stream"]]
+        router = next((j for j in reversed(same) if j["name"] == LINEAR), None)
+        down = next((j for j in kernels[i + 1 :] if j["name"] == PAIRS_DOWN), None)
+        up = next((j for j in reversed(same) if j["name"].startswith(UP_MIX)), None)
+        if router is None or down is None or up is None:
+            continue
+        chains.append({"gate_up": end(k) - end(router), "down": end(down) - end(k), "layer": end(down) - end(up)})
+    return chains
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path, help="step_trace.json.gz (or an uncompressed .json)")
@@ -113,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"QSA joins: {len(joins) / len(rounds):.0f} a round; from the fork, medians: index path "
               f"{med['index']:.2f} µs, the rest {med['other']:.2f} µs; the attention waits {med['wait']:.2f} µs "
               f"({waited} of {len(joins)} windows wait), {per_round:.1f} µs a round")  # fmt: skip
+    overlaps = [o for r in rounds for o in start_overlaps(r, GATE_UP)]
+    if overlaps:
+        after = [dur for past, dur in overlaps if past > 0]
+        before = [dur for past, dur in overlaps if past <= 0]
+        print(f"grouped gate-up: {len(overlaps)} launches; other streams' earlier kernels end "
+              f"{statistics.median(p for p, _ in overlaps):.2f} µs after its start (median; "
+              f"{min(p for p, _ in overlaps):.2f} to {max(p for p, _ in overlaps):.2f}); its median µs when they "
+              f"end before it starts: {statistics.median(before) if before else float('nan'):.2f} ({len(before)}), "
+              f"after: {statistics.median(after) if after else float('nan'):.2f} ({len(after)})")  # fmt: skip
+    chains = [c for r in rounds for c in pair_chains(r)]
+    if chains:
+        med = {key: statistics.median(c[key] for c in chains) for key in ("gate_up", "down", "layer")}
+        print(f"one-row MoE: {len(chains)} layers; medians: the gate-up pairs kernel ends {med['gate_up']:.2f} µs "
+              f"after the router's launch, the down pairs kernel {med['down']:.2f} µs after it; "
+              f"{med['layer']:.2f} µs from the up kernel's end")  # fmt: skip
     return 0
 
 

@@ -1,5 +1,5 @@
 """scripts/trace_round.py on a made-up trace: replays by correlation, the kernels by the time they close, the linear
-kernel by grid, QSA's join wait."""
+kernel by grid, QSA's join wait, the MoE's gate-up beside other streams and its one-row chain."""
 
 from __future__ import annotations
 
@@ -53,3 +53,31 @@ def test_a_trace_without_replays_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"traceEvents": [kernel("_linear_kernel", 0, 1, 1, 3)]}))
     with pytest.raises(SystemExit, match="no graph replay"):
         trace_round.main([str(path)])
+
+
+def test_the_moe_gate_up_beside_other_streams_and_the_one_row_chain(tmp_path: Path, capsys) -> None:
+    """A grouped gate-up's start against the other streams' earlier kernels, and a one-row layer's chain from the up
+    kernel through the router's launch, the gate-up pairs and the down pairs kernels."""
+    grouped = [
+        {"name": "cudaGraphLaunch", "cat": "cuda_runtime", "ts": 0.0, "args": {"correlation": 3}},
+        kernel("_linear_kernel", 0, 6, 2, 3),  # the shared expert on the side stream: ends at 6
+        kernel("_gate_up_kernel", 4, 100, 1, 3),  # starts while it runs
+        kernel("_linear_kernel", 104, 3, 2, 3),
+        kernel("_gate_up_kernel", 110, 90, 1, 3),  # the side stream ended at 107
+    ]
+    assert trace_round.start_overlaps(trace_round.replays(grouped)[0], "_gate_up_kernel") == [(2, 100), (-3, 90)]
+    one_row = [
+        {"name": "cudaGraphLaunch", "cat": "cuda_runtime", "ts": 0.0, "args": {"correlation": 5}},
+        kernel("_up_mix_kernel", 0, 10, 1, 5),
+        kernel("_linear_kernel", 9, 6, 1, 5),  # the router's launch: ends at 15
+        kernel("_linear_kernel", 10, 8, 2, 5),  # the shared expert's, on the side stream: not the router
+        kernel("_gate_up_pairs_kernel", 14, 13, 1, 5),  # ends at 27
+        kernel("_down_pairs_kernel", 26, 9, 1, 5),  # ends at 35
+    ]
+    assert trace_round.pair_chains(trace_round.replays(one_row)[0]) == [{"gate_up": 12, "down": 8, "layer": 25}]
+    path = tmp_path / "step_trace_64.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": grouped + one_row}).encode()))
+    assert trace_round.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "grouped gate-up: 2 launches" in out and "before it starts: 90.00 (1), after: 100.00 (1)" in out
+    assert "gate-up pairs kernel ends 12.00 µs after the router's launch, the down pairs kernel 8.00 µs" in out
