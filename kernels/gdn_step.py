@@ -46,7 +46,7 @@ from kernels.gdn import (
     unit_q,
 )
 from kernels.norm import block_c, gated_norm_pairs, gated_rms_norm_reference, row_groups
-from kernels.pdl import enter, launch_options
+from kernels.pdl import enter, launch_options, load_settled
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 1024  # rows one launch takes (its arrival counters: a key-head and a value-head set per row)
@@ -96,7 +96,6 @@ def _gdn_step_kernel(
 ):  # fmt: skip
     """One program per (row, value head, Dv tile); a lane's first row runs the lane's rows (others, and rows of
     lane -1, return)."""
-    enter(PDL)
     pid = tl.program_id(0)
     tiles = DV // BV
     row = pid // (H * tiles)
@@ -104,8 +103,14 @@ def _gdn_step_kernel(
     key_head = head // RATIO
     dk = tl.arange(0, DK)
     dv = (pid % tiles) * BV + tl.arange(0, BV)
-    lane = tl.load(lane_ptr + row)
-    first = lane != tl.where(lane >= 0, tl.load(lane_ptr + row - 1, mask=row > 0, other=-1), lane)
+    # the row's lane (written at the round's start) and its state tile (by this layer's step a round before), read
+    # while the input projection before this launch still runs
+    lane = load_settled(lane_ptr + row, None, None)
+    first = lane != tl.where(lane >= 0, load_settled(lane_ptr + row - 1, row > 0, -1), lane)
+    slot = state_ptr + (lane.to(tl.int64) * H + head) * DK * DV
+    state_tile = dk[:, None] * DV + dv[None, :]
+    s = load_settled(slot + state_tile, tl.where(first, state_tile >= 0, False), 0.0)  # a bool tile (interpreter)
+    enter(PDL)
     if first:
         idx = row + tl.arange(0, SCAN)
         ids = tl.load(lane_ptr + idx, mask=idx < T, other=-1)
@@ -115,9 +120,6 @@ def _gdn_step_kernel(
         both = tl.arange(0, 2 * DK)
         qk_cols = tl.where(both < DK, key_head * DK + both, QK + key_head * DK + both - DK)  # q's, then k's
         v_cols = 2 * QK + head * DV + dv
-        slot = state_ptr + (lane.to(tl.int64) * H + head) * DK * DV
-        state_tile = dk[:, None] * DV + dv[None, :]
-        s = tl.load(slot + state_tile)
         a_log = tl.load(a_log_ptr + head)
         dt_bias = tl.load(dt_bias_ptr + head)
         row64 = row.to(tl.int64)

@@ -4,8 +4,9 @@ Every Triton kernel of the forward takes a `PDL` constexpr and calls `enter(PDL)
 earlier kernel writes or reads: it waits there until the previous kernel has finished and its writes are visible,
 then lets the next kernel launch. So the order of every memory access is the order without PDL (and a kernel that
 waited for its predecessor has also waited for everything before that), and the bits are the same; what overlaps is
-the launch, the blocks' start-up and the reads of weights no kernel writes (`load_unwritten`: the hyper read's norm
-weight; `prefetch_l2`: the linear kernel's and the up kernel's weights, into L2). Launches
+the launch, the blocks' start-up, the reads of weights no kernel writes (`load_unwritten`: the hyper read's norm
+weight; `prefetch_l2`: the linear kernel's and the up kernel's weights, into L2) and of memory that only kernels
+earlier than the one before write (`load_settled`: GDN's recurrent states in its decode step). Launches
 pass `**launch_options(kernel, device)`: PDL on Hopper or later unless `FLASHNEXT_PDL=0`; never under the
 interpreter.
 """
@@ -37,6 +38,14 @@ def load_unwritten(ptrs, mask, other):
     """A load of memory that no kernel writes (weights), which a kernel may issue before `enter`, while the previous
     kernel runs."""
     return tl.load(ptrs, mask=mask, other=other)
+
+
+@triton.jit
+def load_settled(ptrs, mask, other):
+    """A load, issued before `enter`, of memory that neither the kernel just before in the stream nor one on a stream
+    joined just before writes: those are the only kernels still running then, since each waits for everything
+    before it before the next kernel may launch. Cached in L2 only, so no line an earlier kernel left in L1 is read."""
+    return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
 
 
 @triton.jit

@@ -33,7 +33,8 @@ def kernel_defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")}
 
 
-# index arithmetic and selects, the L2 prefetch, and loads of memory no kernel writes (weights)
+# index arithmetic and selects, the L2 prefetch, loads of memory no kernel writes (weights), and loads of memory that
+# the kernels still running before the wait do not write
 SAFE_CALLS = {
     "tl.program_id",
     "tl.arange",
@@ -43,6 +44,7 @@ SAFE_CALLS = {
     "range",
     "prefetch_l2",
     "load_unwritten",
+    "load_settled",
 }
 
 
@@ -81,6 +83,15 @@ def test_every_launched_kernel_waits_before_touching_memory(path: Path) -> None:
         assert any(ast.unparse(o.func) == "launch_options" and ast.unparse(o.args[0]) == name for o in options), (
             f"{path.name}:{call.lineno}: {name} is launched without launch_options({name}, ...)"
         )
+
+
+def test_the_gdn_step_reads_its_lane_and_state_while_the_projection_before_it_runs() -> None:
+    """GDN's decode step loads its row's lane and its recurrent state tile ahead of its wait (no kernel launched since
+    the layer's last step writes them), so their latency passes under the input projection's."""
+    tree = ast.parse((KERNELS / "gdn_step.py").read_text())
+    early = [ast.unparse(stmt) for stmt in before_enter(kernel_defs(tree)["_gdn_step_kernel"])]
+    loads = [line.split(" = ", 1)[0] for line in early if "load_settled(" in line]
+    assert loads == ["lane", "first", "s"], early
 
 
 def test_launch_options_refuse_a_kernel_without_the_constexpr() -> None:
