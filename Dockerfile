@@ -19,7 +19,7 @@ WORKDIR /opt/flashnext
 RUN pip list --format=freeze | grep -iE '^(torch|triton|nvidia-[a-z0-9-]+)==' > /opt/image-torch.txt \
     && pip install -c /opt/image-torch.txt \
         "safetensors>=0.4" \
-        "transformers>=5.16.1" \
+        "transformers>=5.16.1,<5.25" \
         "tokenizers>=0.21" \
         "fastapi>=0.110" \
         "uvicorn>=0.29" \
