@@ -5,8 +5,9 @@ earlier kernel writes or reads: it waits there until the previous kernel has fin
 then lets the next kernel launch. So the order of every memory access is the order without PDL (and a kernel that
 waited for its predecessor has also waited for everything before that), and the bits are the same; what overlaps is
 the launch, the blocks' start-up, the reads of weights no kernel writes (`load_unwritten`: the hyper read's norm
-weight; `prefetch_l2`: the linear kernel's and the up kernel's weights, into L2) and of memory that only kernels
-earlier than the one before write (`load_settled`: GDN's recurrent states in its decode step). Launches
+weight; `prefetch_l2`: the linear kernel's and the up kernel's weights, into L2) and of memory that neither the
+kernel just before nor one on a stream joined just before writes (`load_settled`: GDN's recurrent states in its
+decode step). Launches
 pass `**launch_options(kernel, device)`: PDL on Hopper or later unless `FLASHNEXT_PDL=0`; never under the
 interpreter.
 """

@@ -33,8 +33,7 @@ def kernel_defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")}
 
 
-# index arithmetic and selects, the L2 prefetch, loads of memory no kernel writes (weights), and loads of memory that
-# the kernels still running before the wait do not write
+# index arithmetic and selects, the L2 prefetch, and loads of memory no kernel writes (weights)
 SAFE_CALLS = {
     "tl.program_id",
     "tl.arange",
@@ -44,8 +43,10 @@ SAFE_CALLS = {
     "range",
     "prefetch_l2",
     "load_unwritten",
-    "load_settled",
 }
+# kernels that may read, before the wait, memory that no kernel still running then writes (`load_settled`): whether
+# that holds depends on what is launched before each, so each is listed with what it reads
+SETTLED_READERS = {"_gdn_step_kernel": "its row's lane (written at the round's start) and state (a round before)"}
 
 
 def before_enter(fn: ast.FunctionDef) -> list[ast.stmt]:
@@ -57,12 +58,15 @@ def before_enter(fn: ast.FunctionDef) -> list[ast.stmt]:
     raise AssertionError(f"{fn.name} never calls enter(PDL)")
 
 
-def touches_memory(stmt: ast.stmt) -> bool:
-    """Whether a statement calls anything beyond `SAFE_CALLS` (a load, a store, a helper)."""
+def touches_memory(stmt: ast.stmt, allowed: set[str] = SAFE_CALLS) -> bool:
+    """Whether a statement calls anything beyond `allowed` (a load, a store, a helper), or returns: a block that ends
+    before its wait lets the next kernel launch before the one it follows has finished."""
     for node in ast.walk(stmt):
+        if isinstance(node, ast.Return):
+            return True
         if isinstance(node, ast.Call):
             name = ast.unparse(node.func)
-            if name not in SAFE_CALLS and not name.endswith(".to"):
+            if name not in allowed and not name.endswith(".to"):
                 return True
     return False
 
@@ -70,14 +74,16 @@ def touches_memory(stmt: ast.stmt) -> bool:
 @pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
 def test_every_launched_kernel_waits_before_touching_memory(path: Path) -> None:
     """A kernel launched as a dependent must call enter(PDL) before its first load or store (other than of weights,
-    by `load_unwritten`), and each launch passes its own launch options."""
+    by `load_unwritten`, and in `SETTLED_READERS` by `load_settled`) and never return before it, and each launch
+    passes its own launch options."""
     tree = ast.parse(path.read_text())
     defs = kernel_defs(tree)
     for call in launches(tree):
         name = call.func.value.id
         fn = defs[name]
         assert "PDL" in [a.arg for a in fn.args.args], f"{path.name}: {name} takes no PDL"
-        early = [ast.unparse(stmt) for stmt in before_enter(fn) if touches_memory(stmt)]
+        allowed = SAFE_CALLS | ({"load_settled"} if name in SETTLED_READERS else set())
+        early = [ast.unparse(stmt) for stmt in before_enter(fn) if touches_memory(stmt, allowed)]
         assert not early, f"{path.name}: {name} may touch memory before enter(PDL): {early}"
         options = [k.value for k in call.keywords if k.arg is None and isinstance(k.value, ast.Call)]
         assert any(ast.unparse(o.func) == "launch_options" and ast.unparse(o.args[0]) == name for o in options), (
@@ -92,6 +98,13 @@ def test_the_gdn_step_reads_its_lane_and_state_while_the_projection_before_it_ru
     early = [ast.unparse(stmt) for stmt in before_enter(kernel_defs(tree)["_gdn_step_kernel"])]
     loads = [line.split(" = ", 1)[0] for line in early if "load_settled(" in line]
     assert loads == ["lane", "first", "s"], early
+
+
+def test_a_read_of_settled_memory_or_a_return_before_the_wait_is_refused_elsewhere() -> None:
+    """`load_settled` passes only where listed, and a return ahead of the wait never does."""
+    settled, early_return = (ast.parse(line).body[0] for line in ("s = load_settled(p, None, None)", "return"))
+    assert touches_memory(settled) and touches_memory(early_return)
+    assert not touches_memory(settled, SAFE_CALLS | {"load_settled"})
 
 
 def test_launch_options_refuse_a_kernel_without_the_constexpr() -> None:
