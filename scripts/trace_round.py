@@ -8,7 +8,7 @@ the index path forks) to the attention's start: the index path's stream (the one
 against the other kernels of that window, and how long the attention waits for the index path after the others end.
 The MoE: each grouped gate-up launch's duration by whether another stream's kernel that started before it was
 still running at its start (`start_overlaps`), and each one-row layer's chain (`pair_chains`: the router's launch,
-the gate-up pairs and the down pairs kernels).
+the gate-up pairs and the down pairs kernels, and when each of the two starts against the end of the one before).
 
 python3 scripts/trace_round.py DIR/step_trace.json.gz   # or DIR/step_trace_N.json.gz, the most lanes' rounds
 """
@@ -106,7 +106,8 @@ def start_overlaps(kernels: list[dict], name: str) -> list[tuple[float, float]]:
 def pair_chains(kernels: list[dict]) -> list[dict[str, float]]:
     """One round's one-row MoE layers, µs: from the router's launch (the last linear launch before the gate-up pairs
     kernel on its stream) to the gate-up's end (`gate_up`), from there to the down pairs kernel's end (`down`), and
-    from the up kernel's end before the router to that (`layer`)."""
+    from the up kernel's end before the router to that (`layer`); and when the gate-up and the down start after the
+    end of the kernel before each (`gate_up_start`, `down_start`: negative where PDL let them start earlier)."""
     chains = []
     for i, k in enumerate(kernels):
         if k["name"] != PAIRS_GATE_UP:
@@ -117,7 +118,10 @@ def pair_chains(kernels: list[dict]) -> list[dict[str, float]]:
         up = next((j for j in reversed(same) if j["name"].startswith(UP_MIX)), None)
         if router is None or down is None or up is None:
             continue
-        chains.append({"gate_up": end(k) - end(router), "down": end(down) - end(k), "layer": end(down) - end(up)})
+        chains.append({
+            "gate_up": end(k) - end(router), "down": end(down) - end(k), "layer": end(down) - end(up),
+            "gate_up_start": k["ts"] - end(router), "down_start": down["ts"] - end(k),
+        })  # fmt: skip
     return chains
 
 
@@ -158,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
               f"after: {statistics.median(after) if after else float('nan'):.2f} ({len(after)})")  # fmt: skip
     chains = [c for r in rounds for c in pair_chains(r)]
     if chains:
-        med = {key: statistics.median(c[key] for c in chains) for key in ("gate_up", "down", "layer")}
+        med = {key: statistics.median(c[key] for c in chains) for key in chains[0]}
         print(f"one-row MoE: {len(chains)} layers; medians: the gate-up pairs kernel ends {med['gate_up']:.2f} µs "
               f"after the router's launch, the down pairs kernel {med['down']:.2f} µs after it; "
-              f"{med['layer']:.2f} µs from the up kernel's end")  # fmt: skip
+              f"{med['layer']:.2f} µs from the up kernel's end; the gate-up starts {med['gate_up_start']:.2f} µs "
+              f"after the router's end, the down {med['down_start']:.2f} µs after the gate-up's")  # fmt: skip
     return 0
 
 

@@ -71,10 +71,12 @@ def test_the_moe_gate_up_beside_other_streams_and_the_one_row_chain(tmp_path: Pa
         kernel("_up_mix_kernel", 0, 10, 1, 5),
         kernel("_linear_kernel", 9, 6, 1, 5),  # the router's launch: ends at 15
         kernel("_linear_kernel", 10, 8, 2, 5),  # the shared expert's, on the side stream: not the router
-        kernel("_gate_up_pairs_kernel", 14, 13, 1, 5),  # ends at 27
-        kernel("_down_pairs_kernel", 26, 9, 1, 5),  # ends at 35
+        kernel("_gate_up_pairs_kernel", 14, 13, 1, 5),  # ends at 27, started before the router's end
+        kernel("_down_pairs_kernel", 28, 7, 3, 5),  # ends at 35, started after the gate-up's end (another stream)
     ]
-    assert trace_round.pair_chains(trace_round.replays(one_row)[0]) == [{"gate_up": 12, "down": 8, "layer": 25}]
+    assert trace_round.pair_chains(trace_round.replays(one_row)[0]) == [
+        {"gate_up": 12, "down": 8, "layer": 25, "gate_up_start": -1, "down_start": 1}
+    ]
     path = tmp_path / "step_trace_64.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"traceEvents": grouped + one_row}).encode()))
     assert trace_round.main([str(path)]) == 0
