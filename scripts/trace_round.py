@@ -105,18 +105,22 @@ def start_overlaps(kernels: list[dict], name: str) -> list[tuple[float, float]]:
 
 def pair_chains(kernels: list[dict]) -> list[dict[str, float]]:
     """One round's one-row MoE layers, µs: from the router's launch (the last linear launch before the gate-up pairs
-    kernel on its stream) to the gate-up's end (`gate_up`), from there to the down pairs kernel's end (`down`), and
-    from the up kernel's end before the router to that (`layer`); and when the gate-up and the down start after the
-    end of the kernel before each (`gate_up_start`, `down_start`: negative where PDL let them start earlier)."""
+    kernel on the stream of the up kernel before it: the gate-up may replay on the shared expert's stream, which it
+    joins) to the gate-up's end (`gate_up`), from there to the down pairs kernel's end (`down`), and from the up
+    kernel's end to that (`layer`); and when the gate-up and the down start after the end of the kernel before each
+    (`gate_up_start`, `down_start`: negative where PDL let them start earlier)."""
     chains = []
     for i, k in enumerate(kernels):
         if k["name"] != PAIRS_GATE_UP:
             continue
-        same = [j for j in kernels[:i] if j["args"]["stream"] == k["args"]["stream"]]
+        up_at = next((j for j in range(i - 1, -1, -1) if kernels[j]["name"].startswith(UP_MIX)), None)
+        if up_at is None:
+            continue
+        up = kernels[up_at]
+        same = [j for j in kernels[up_at + 1 : i] if j["args"]["stream"] == up["args"]["stream"]]
         router = next((j for j in reversed(same) if j["name"] == LINEAR), None)
         down = next((j for j in kernels[i + 1 :] if j["name"] == PAIRS_DOWN), None)
-        up = next((j for j in reversed(same) if j["name"].startswith(UP_MIX)), None)
-        if router is None or down is None or up is None:
+        if router is None or down is None:
             continue
         chains.append({
             "gate_up": end(k) - end(router), "down": end(down) - end(k), "layer": end(down) - end(up),

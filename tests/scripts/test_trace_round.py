@@ -73,13 +73,19 @@ def test_the_moe_gate_up_beside_other_streams_and_the_one_row_chain(tmp_path: Pa
         kernel("_linear_kernel", 10, 8, 2, 5),  # the shared expert's, on the side stream: not the router
         kernel("_gate_up_pairs_kernel", 14, 13, 1, 5),  # ends at 27, started before the router's end
         kernel("_down_pairs_kernel", 28, 7, 3, 5),  # ends at 35, started after the gate-up's end (another stream)
+        kernel("_up_mix_kernel", 40, 10, 1, 5),  # a layer whose gate-up replays on the shared expert's stream
+        kernel("_linear_kernel", 49, 6, 1, 5),  # the router's launch: ends at 55
+        kernel("_linear_kernel", 50, 7, 2, 5),  # the shared expert's: ends at 57
+        kernel("_gate_up_pairs_kernel", 56, 11, 2, 5),  # ends at 67
+        kernel("_down_pairs_kernel", 60, 9, 2, 5),  # ends at 69, started beside the gate-up
     ]
     assert trace_round.pair_chains(trace_round.replays(one_row)[0]) == [
-        {"gate_up": 12, "down": 8, "layer": 25, "gate_up_start": -1, "down_start": 1}
+        {"gate_up": 12, "down": 8, "layer": 25, "gate_up_start": -1, "down_start": 1},
+        {"gate_up": 12, "down": 2, "layer": 19, "gate_up_start": 1, "down_start": -7},
     ]
     path = tmp_path / "step_trace_64.json.gz"
     path.write_bytes(gzip.compress(json.dumps({"traceEvents": grouped + one_row}).encode()))
     assert trace_round.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "grouped gate-up: 2 launches" in out and "before it starts: 90.00 (1), after: 100.00 (1)" in out
-    assert "gate-up pairs kernel ends 12.00 µs after the router's launch, the down pairs kernel 8.00 µs" in out
+    assert "gate-up pairs kernel ends 12.00 µs after the router's launch, the down pairs kernel 5.00 µs" in out
