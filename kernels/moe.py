@@ -48,7 +48,7 @@ from kernels import moe_gluon
 from kernels.counters import CounterPool
 from kernels.fp4_words import PACKED_KEYS, from_words, natural_scales, span_k
 from kernels.gates import contiguous_columns, gated_add, gated_value, to_act
-from kernels.pdl import enter, launch_options
+from kernels.pdl import enter, launch_options, load_settled
 
 NVFP4_GROUP = 16
 # The plan's launches, by pairs (docs/performance.md, seventeenth session): from PLAN_COUNTED_PAIRS a launch first
@@ -86,10 +86,10 @@ class MoeTiles:
 class SharedGate:
     """The shared expert's output `shared` [N, d] and gate logits `gate_logit` [N, 1] (bf16, rows at any stride),
     which the routed sum takes as `kernels.gates.gated_add` does: routed + sigmoid(logit) · shared. `ready` runs
-    once (the caller joins there the stream that makes them): in the pairs path before the down launch, which reads
-    them; in the grouped path before the gate-up launch, so that the side stream's kernels are done when it starts
-    (at 64 rows a gate-up that started beside them ran about 14 µs longer: docs/performance.md, twenty-eighth
-    session); and at once when there are no rows."""
+    once (the caller joins there the stream that makes them): before the gate-up launch, so that in the grouped path
+    the side stream's kernels are done when it starts (at 64 rows a gate-up that started beside them ran about 14 µs
+    longer: docs/performance.md, twenty-eighth session) and in the pairs path the down launch, which reads them,
+    depends on the gate-up alone and starts beside it (thirtieth session); and at once when there are no rows."""
 
     shared: torch.Tensor
     gate_logit: torch.Tensor
@@ -465,13 +465,10 @@ def _gate_up_kernel(
 def _gate_up_pairs_kernel(
     x_ptr,
     ids_ptr,
-    wts_ptr,
     w_ptr,
     s_ptr,
     s2_ptr,
     h_ptr,
-    order_ids_ptr,
-    order_wts_ptr,
     D,
     INTER,
     stride_xn,
@@ -491,8 +488,7 @@ def _gate_up_pairs_kernel(
     SPAN: tl.constexpr,
 ):
     """h of one (row, slot) pair in one column tile, alone in a BLOCK_M-row tile (the grouped kernel's tile with one
-    row), stored at the pair's place in its row's ascending-expert order; the first column tile's program also stores
-    the pair's expert and weight there."""
+    row), stored at the pair's place in its row's ascending-expert order."""
     enter(PDL)
     n_blocks = tl.cdiv(INTER, BLOCK_N)
     pair = tl.program_id(0) // n_blocks
@@ -503,9 +499,6 @@ def _gate_up_pairs_kernel(
     e = tl.load(ids_ptr + pair)
     before = (row_ids < e) | ((row_ids == e) & (slots < pair % TOP_K))
     place = row * TOP_K + tl.sum(before.to(tl.int32), 0)
-    if nb == 0:
-        tl.store(order_ids_ptr + place, e)
-        tl.store(order_wts_ptr + place, tl.load(wts_ptr + pair))
     ok = tl.arange(0, BLOCK_M) == 0
     x_rows = x_ptr + row.to(tl.int64) * stride_xn + tl.zeros((BLOCK_M, 1), dtype=tl.int64)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -620,8 +613,8 @@ def _combine_kernel(
 @triton.jit
 def _down_pairs_kernel(
     h_ptr,
-    order_ids_ptr,
-    order_wts_ptr,
+    ids_ptr,
+    wts_ptr,
     w_ptr,
     s_ptr,
     s2_ptr,
@@ -638,6 +631,7 @@ def _down_pairs_kernel(
     stride_sn,
     stride_logit,
     TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -653,19 +647,28 @@ def _down_pairs_kernel(
     BLOCK_M-row tile) and stored by place; the last of the row's pairs to arrive at the column tile (an arrival
     counter picks it) adds the row's weighted y in place order, ascending expert id, as `_combine_kernel` adds them,
     and stores the output: the same order whichever pair arrives last. GATED: the output is
-    `gated_value(bf16 sum, the row's shared-expert logit, its shared output)`, `_gated_add_kernel`'s bits."""
-    enter(PDL)
+    `gated_value(bf16 sum, the row's shared-expert logit, its shared output)`, `_gated_add_kernel`'s bits. Before its
+    wait, while the gate-up pairs kernel runs, it finds its place's expert from the router's ids and weights, written
+    before that kernel, which waited for them."""
     n_cols = tl.cdiv(D, BLOCK_N)
     place = tl.program_id(0) // n_cols
     col_tile = tl.program_id(0) % n_cols
     row = place // TOP_K
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
-    ok = tl.arange(0, BLOCK_M) == 0
-    no_rows = tl.zeros((BLOCK_M, 1), dtype=tl.int64)
-    e = tl.load(order_ids_ptr + place)
+    slots = tl.arange(0, K_POW2)
+    row_ids = load_settled(ids_ptr + row * TOP_K + slots, slots < TOP_K, 2147483647)
+    row_wts = load_settled(wts_ptr + row * TOP_K + slots, slots < TOP_K, 0.0)
+    before = (row_ids[None, :] < row_ids[:, None]) | (
+        (row_ids[None, :] == row_ids[:, None]) & (slots[None, :] < slots[:, None])
+    )
+    rank = tl.sum(before.to(tl.int32), 1)  # each slot's place in the row's ascending-expert order
+    e = tl.sum(tl.where(rank == place % TOP_K, row_ids, 0), 0)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
+    enter(PDL)
+    ok = tl.arange(0, BLOCK_M) == 0
+    no_rows = tl.zeros((BLOCK_M, 1), dtype=tl.int64)
     h_row = h_ptr + place.to(tl.int64) * INTER + no_rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
@@ -686,7 +689,7 @@ def _down_pairs_kernel(
         for j in range(TOP_K):
             y_row = y_ptr + (row * TOP_K + j).to(tl.int64) * D + no_rows
             y = tl.load(y_row + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            total = total + tl.load(order_wts_ptr + row * TOP_K + j) * y
+            total = total + tl.sum(tl.where(rank == j, row_wts, 0.0), 0) * y
         out = out_ptr + row.to(tl.int64) * D + no_rows + cols[None, :]
         if GATED:
             shared = tl.load(shared_ptr + row.to(tl.int64) * D + no_rows + cols[None, :], mask=mask, other=0.0)
@@ -840,12 +843,14 @@ def _pairs_forward(
     n, top_k = ids.shape
     interpret = _interpreting()
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
-    order_ids = torch.empty(n * top_k, dtype=torch.int32, device=x.device)
-    order_wts = torch.empty(n * top_k, dtype=torch.float32, device=x.device)
     gate_up_k, gate_up_span = _k_tile(tiles.gate_up_k, wb.fp4, wb.d)
     down_k, down_span = _k_tile(tiles.down_k, wb.fp4, wb.inter)
+    shared, logit = out, out
+    if gated is not None:  # joined and laid out before the gate-up, so that the down launches right behind it
+        gated.ready()
+        shared, logit = gated.shared.contiguous(), contiguous_columns(gated.gate_logit)
     _gate_up_pairs_kernel[(n * top_k * triton.cdiv(wb.inter, tiles.gate_up_n),)](
-        x, ids, wts, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, order_ids, order_wts, wb.d, wb.inter,
+        x, ids, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, wb.d, wb.inter,
         x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
         wb.gate_up_scale.stride(1), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k, EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4,
@@ -854,18 +859,13 @@ def _pairs_forward(
     )  # fmt: skip
     n_cols = triton.cdiv(wb.d, tiles.down_n)
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
-    if gated is not None:
-        gated.ready()
-        shared, logit = gated.shared.contiguous(), contiguous_columns(gated.gate_logit)
-    else:
-        shared, logit = out, out
     _down_pairs_kernel[(n * top_k * n_cols,)](
-        h, order_ids, order_wts, wb.down, wb.down_scale, wb.down_scale_2, y, _COUNTERS.get(x.device, n * n_cols), out,
+        h, ids, wts, wb.down, wb.down_scale, wb.down_scale_2, y, _COUNTERS.get(x.device, n * n_cols), out,
         shared, logit, wb.d, wb.inter, wb.down.stride(0), wb.down.stride(1), wb.down_scale.stride(0),
-        wb.down_scale.stride(1), logit.stride(0), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n,
-        BLOCK_K=down_k, EVEN_K=wb.inter % down_k == 0, FP4=wb.fp4, OUT_BF16=out.dtype == torch.bfloat16,
-        GATED=gated is not None, INTERPRET=interpret, SPAN=down_span, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        wb.down_scale.stride(1), logit.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=down_k, EVEN_K=wb.inter % down_k == 0, FP4=wb.fp4,
+        OUT_BF16=out.dtype == torch.bfloat16, GATED=gated is not None, INTERPRET=interpret, SPAN=down_span,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(_down_pairs_kernel, x.device),
     )  # fmt: skip
 

@@ -258,8 +258,8 @@ def experts_to_words(model: nn.Module) -> None:
 
 def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """Routed experts (router logits in fp32 from the linear kernel and their top-k, in one launch for one row) plus
-    the gated shared expert, which runs on the side stream beside the routed chain and is joined before the routed
-    down launch at one row (which adds it), before the gate-up launch at more (`SharedGate`)."""
+    the gated shared expert, which runs on the side stream beside the router and is joined before the routed gate-up
+    launch (`SharedGate`)."""
     side = fork(x.device, "moe")
     with on(side):
         s = m.shared_expert

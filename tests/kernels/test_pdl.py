@@ -33,12 +33,14 @@ def kernel_defs(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel")}
 
 
-# index arithmetic and selects, the L2 prefetch, and loads of memory no kernel writes (weights)
+# index arithmetic, selects and sums in registers, the L2 prefetch, and loads of memory no kernel writes (weights)
 SAFE_CALLS = {
     "tl.program_id",
     "tl.arange",
     "tl.minimum",
     "tl.where",
+    "tl.sum",
+    "tl.cdiv",
     "tl.num_programs",
     "range",
     "prefetch_l2",
@@ -46,7 +48,10 @@ SAFE_CALLS = {
 }
 # kernels that may read, before the wait, memory that no kernel still running then writes (`load_settled`): whether
 # that holds depends on what is launched before each, so each is listed with what it reads
-SETTLED_READERS = {"_gdn_step_kernel": "its row's lane (written at the round's start) and state (a round before)"}
+SETTLED_READERS = {
+    "_gdn_step_kernel": "its row's lane (written at the round's start) and state (a round before)",
+    "_down_pairs_kernel": "its row's router ids and weights (written before the gate-up pairs kernel, which waits)",
+}
 
 
 def before_enter(fn: ast.FunctionDef) -> list[ast.stmt]:
@@ -98,6 +103,17 @@ def test_the_gdn_step_reads_its_lane_and_state_while_the_projection_before_it_ru
     early = [ast.unparse(stmt) for stmt in before_enter(kernel_defs(tree)["_gdn_step_kernel"])]
     loads = [line.split(" = ", 1)[0] for line in early if "load_settled(" in line]
     assert loads == ["lane", "first", "s"], early
+
+
+def test_the_one_row_moe_down_finds_its_expert_while_the_gate_up_runs() -> None:
+    """The pairs path's down kernel reads its row's router ids and weights ahead of its wait (the gate-up pairs kernel
+    before it writes neither and waits for their writer) and ranks them for its expert, so that none of it waits for
+    the gate-up to end."""
+    tree = ast.parse((KERNELS / "moe.py").read_text())
+    early = [ast.unparse(stmt) for stmt in before_enter(kernel_defs(tree)["_down_pairs_kernel"])]
+    loads = [line.split(" = ", 1)[0] for line in early if "load_settled(" in line]
+    assert loads == ["row_ids", "row_wts"], early
+    assert any(line.startswith("e = ") for line in early), early
 
 
 def test_a_read_of_settled_memory_or_a_return_before_the_wait_is_refused_elsewhere() -> None:
