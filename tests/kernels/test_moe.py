@@ -459,3 +459,18 @@ def test_the_pairs_path_adds_a_rows_experts_in_ascending_id(kind: str, monkeypat
     monkeypatch.setattr(moe, "PAIR_ROWS", 0)
     grouped = moe_forward(x, ids, w, BANKS[kind], torch.float32)
     assert torch.equal(bits(pairs), bits(grouped))
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_the_pairs_path_ranks_three_slots_and_a_repeated_expert_as_grouped(kind: str, monkeypatch) -> None:
+    """Three experts a row (so the kernels' slot vectors hold a padding slot) and a row that names one expert twice
+    (its places ordered by slot): the pairs path, whose down kernel ranks the router's ids itself, gives the grouped
+    path's bits."""
+    x, ids, w = make_routing(3, seed=61, top_k=3)
+    ids[1] = torch.tensor([6, 1, 6], dtype=torch.int32)
+    w[1] = torch.tensor([0.5, 0.2, 0.3])
+    monkeypatch.setattr(moe, "PAIR_ROWS", 4)
+    pairs = moe_forward(x, ids, w, BANKS[kind], torch.float32)
+    monkeypatch.setattr(moe, "PAIR_ROWS", 0)
+    grouped = moe_forward(x, ids, w, BANKS[kind], torch.float32)
+    assert torch.equal(bits(pairs), bits(grouped))
