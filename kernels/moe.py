@@ -648,8 +648,8 @@ def _down_pairs_kernel(
     counter picks it) adds the row's weighted y in place order, ascending expert id, as `_combine_kernel` adds them,
     and stores the output: the same order whichever pair arrives last. GATED: the output is
     `gated_value(bf16 sum, the row's shared-expert logit, its shared output)`, `_gated_add_kernel`'s bits. Before its
-    wait, while the gate-up pairs kernel runs, it finds its place's expert from the router's ids and weights, written
-    before that kernel, which waited for them."""
+    wait, while the gate-up pairs kernel runs, it finds its place's expert from its row's ids and weights (the
+    router's, or `moe_forward`'s copies of them), written before that kernel, which waited for them."""
     n_cols = tl.cdiv(D, BLOCK_N)
     place = tl.program_id(0) // n_cols
     col_tile = tl.program_id(0) % n_cols

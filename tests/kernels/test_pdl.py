@@ -50,7 +50,7 @@ SAFE_CALLS = {
 # that holds depends on what is launched before each, so each is listed with what it reads
 SETTLED_READERS = {
     "_gdn_step_kernel": "its row's lane (written at the round's start) and state (a round before)",
-    "_down_pairs_kernel": "its row's router ids and weights (written before the gate-up pairs kernel, which waits)",
+    "_down_pairs_kernel": "its row's expert ids and weights (written before the gate-up pairs kernel, which waits)",
 }
 
 
