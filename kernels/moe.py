@@ -573,6 +573,14 @@ def _down_kernel(
 
 
 @triton.jit
+def _ascending_places(ids, slots):
+    """Each slot's place among a row's slots by ascending expert id, ties by slot (padding slots, which hold the
+    largest id, last); registers only."""
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None]))
+    return tl.sum(before.to(tl.int32), 1)
+
+
+@triton.jit
 def _combine_kernel(
     y_ptr,
     ids_ptr,
@@ -595,8 +603,7 @@ def _combine_kernel(
     slot_ok = slots < TOP_K
     ids = tl.load(ids_ptr + row * TOP_K + slots, mask=slot_ok, other=2147483647)
     wts = tl.load(wts_ptr + row * TOP_K + slots, mask=slot_ok, other=0.0)
-    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None]))
-    rank = tl.sum(before.to(tl.int32), 1)
+    rank = _ascending_places(ids, slots)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in range(TOP_K):
         chosen = rank == j
@@ -659,10 +666,7 @@ def _down_pairs_kernel(
     slots = tl.arange(0, K_POW2)
     row_ids = load_settled(ids_ptr + row * TOP_K + slots, slots < TOP_K, 2147483647)
     row_wts = load_settled(wts_ptr + row * TOP_K + slots, slots < TOP_K, 0.0)
-    before = (row_ids[None, :] < row_ids[:, None]) | (
-        (row_ids[None, :] == row_ids[:, None]) & (slots[None, :] < slots[:, None])
-    )
-    rank = tl.sum(before.to(tl.int32), 1)  # each slot's place in the row's ascending-expert order
+    rank = _ascending_places(row_ids, slots)
     e = tl.sum(tl.where(rank == place % TOP_K, row_ids, 0), 0)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se

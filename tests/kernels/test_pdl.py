@@ -45,6 +45,7 @@ SAFE_CALLS = {
     "range",
     "prefetch_l2",
     "load_unwritten",
+    "_ascending_places",  # kernels/moe.py's ranking of a row's expert ids (checked below to touch no memory)
 }
 # kernels that may read, before the wait, memory that no kernel still running then writes (`load_settled`): whether
 # that holds depends on what is launched before each, so each is listed with what it reads
@@ -114,6 +115,14 @@ def test_the_one_row_moe_down_finds_its_expert_while_the_gate_up_runs() -> None:
     loads = [line.split(" = ", 1)[0] for line in early if "load_settled(" in line]
     assert loads == ["row_ids", "row_wts"], early
     assert any(line.startswith("e = ") for line in early), early
+
+
+def test_the_helpers_let_before_the_wait_touch_no_memory() -> None:
+    """The jit helpers SAFE_CALLS lists compute in registers: no load, store or other helper in their bodies."""
+    tree = ast.parse((KERNELS / "moe.py").read_text())
+    helper = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_ascending_places")
+    body = [stmt.value if isinstance(stmt, ast.Return) else stmt for stmt in helper.body[1:]]  # its result's return
+    assert body and not [ast.unparse(part) for part in body if touches_memory(part)]
 
 
 def test_a_read_of_settled_memory_or_a_return_before_the_wait_is_refused_elsewhere() -> None:
