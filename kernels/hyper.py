@@ -35,7 +35,8 @@ at a time, with the same bits; with `ReadTiles.up_adds_ranges` too (at one row) 
 sums unadded (`linear_range_sums`) and the up kernel, one row a program, adds them in range order and forms h from
 them as the linear kernel's last arrival would, while a column of programs of its own forms and stores inject: the
 same bits, with no arrival counter between the two launches.
-Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act), then
+Write, one launch: y = act(P_0 + P_1 + ...) summed in fp32 in rank order (or y given in act; or, with a
+`PeerSum`, this rank's partial and the peer's, exchanged inside the launch: kernels/peer.py), then
   X_b ← act(X_b + inject_b · y) in fp32 (for bf16 the product of two bf16 values is exact in fp32).
 Write then read (`hc_write_read`): the read's first launch forms the write's new rows itself (`Write`), stores them
 into a tensor of their own and norms them as step 1 does, so the rows, x and inject have the two calls' bits, in one
@@ -57,6 +58,7 @@ from kernels.fp32_ops import hyper_gates, negative_zeros, round_to_act, sigmoid_
 from kernels.linear import Gates, linear_gates, linear_range_sums
 from kernels.linear import k_ranges as linear_k_ranges
 from kernels.pdl import enter, launch_options, load_unwritten, prefetch_enabled, prefetch_l2
+from kernels.peer import PeerSum, check_peer_sum, exchange_row, peer_args, peer_row_sum
 
 # The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
 # and rounding is done on the bits.
@@ -178,9 +180,14 @@ def _normed(
 
 
 @triton.jit
-def _write_y(y_ptr, row, cols, ok, stride_yr, stride_yn, RANKS: tl.constexpr, ACT_BF16: tl.constexpr,
-             INTERPRET: tl.constexpr):  # fmt: skip
-    """The write's y at `cols` of one row in fp32: as given, or act(Σ partials in rank order) if RANKS."""
+def _write_y(y_ptr, recv_ptr, row, cols, ok, D, stride_yr, stride_yn, RANKS: tl.constexpr, PEER: tl.constexpr,
+             ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """The write's y at `cols` of one row in fp32: as given, act(Σ partials in rank order) if RANKS, or act(this
+    rank's partial + the peer's received one) if PEER."""
+    if PEER:
+        return round_to_act(peer_row_sum(y_ptr, recv_ptr, row, cols, ok, D, stride_yn), ACT_BF16, INTERPRET).to(
+            tl.float32
+        )
     y_row = y_ptr + row * stride_yn + cols
     if RANKS == 0:
         return tl.load(y_row, mask=ok, other=0.0).to(tl.float32)
@@ -199,7 +206,7 @@ def _written(wide_ptr, inj_ptr, y, row, b, cols, ok, D, stride_w, stride_i, ACT_
     return round_to_act(x + s * y, ACT_BF16, INTERPRET)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["site"])
 def _rstd_kernel(
     wide_ptr,
     rstd_ptr,
@@ -208,6 +215,12 @@ def _rstd_kernel(
     y_ptr,
     inj_ptr,
     new_ptr,
+    recv_ptr,
+    send_ptr,
+    flags_ptr,
+    peer_flags_ptr,
+    epoch_ptr,
+    site,
     D,
     stride_w,
     stride_new,
@@ -221,6 +234,7 @@ def _rstd_kernel(
     WRITE_NORMED: tl.constexpr,
     WRITE: tl.constexpr,
     RANKS: tl.constexpr,
+    PEER: tl.constexpr,
     ACT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
@@ -229,7 +243,8 @@ def _rstd_kernel(
     """rstd[row, b] = 1 / sqrt(mean of x² over stream b + eps), fp32: with ONE_CHUNK one tree sum over the stream
     held in registers, else lane sums over chunks then one tree sum; with WRITE_NORMED also stream b of normed =
     act(x · rstd · (1 + w)). With WRITE, x is first the write's new X_b (`_written`), stored to new_ptr (and read
-    back from there by the chunked form)."""
+    back from there by the chunked form); with PEER its y sums this rank's partial and the peer's, exchanged first
+    (kernels/peer.py; stream 0's program pushes the row)."""
     row = tl.program_id(0)
     b = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -239,9 +254,12 @@ def _rstd_kernel(
     if ONE_CHUNK and WRITE_NORMED:  # the norm weight, which no kernel writes, read while the previous kernel runs
         w = load_unwritten(nw_ptr + b * D + cols, ok, 0.0).to(tl.float32)
     enter(PDL)
+    if PEER:
+        exchange_row(y_ptr, send_ptr, flags_ptr, peer_flags_ptr, epoch_ptr, site, row64, D, stride_yn, b == 0,
+                     BLOCK_D)  # fmt: skip
     if ONE_CHUNK:  # the stream in registers: loaded (or written) once, normed from there, nothing read back
         if WRITE:
-            y = _write_y(y_ptr, row64, cols, ok, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
+            y = _write_y(y_ptr, recv_ptr, row64, cols, ok, D, stride_yr, stride_yn, RANKS, PEER, ACT_BF16, INTERPRET)
             written = _written(wide_ptr, inj_ptr, y, row64, b, cols, ok, D, stride_w, stride_i, ACT_BF16, INTERPRET)
             tl.store(base + cols, written, mask=ok)
             x = written.to(tl.float32)
@@ -258,7 +276,9 @@ def _rstd_kernel(
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         if WRITE:
-            y = _write_y(y_ptr, row64, cols, cols < D, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
+            y = _write_y(
+                y_ptr, recv_ptr, row64, cols, cols < D, D, stride_yr, stride_yn, RANKS, PEER, ACT_BF16, INTERPRET
+            )
             written = _written(
                 wide_ptr, inj_ptr, y, row64, b, cols, cols < D, D, stride_w, stride_i, ACT_BF16, INTERPRET
             )
@@ -750,12 +770,18 @@ def _mix_rows(
         tl.store(x_ptr + (row0 + r).to(tl.int64) * D + d_cols, x, mask=d_cols < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["site"])
 def _write_kernel(
     wide_ptr,
     y_ptr,
     inj_ptr,
     out_ptr,
+    recv_ptr,
+    send_ptr,
+    flags_ptr,
+    peer_flags_ptr,
+    epoch_ptr,
+    site,
     D,
     stride_w,
     stride_o,
@@ -764,17 +790,22 @@ def _write_kernel(
     stride_i,
     HC: tl.constexpr,
     RANKS: tl.constexpr,
+    PEER: tl.constexpr,
     ACT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out_b = act(X_b + inject_b · y) for one row and BLOCK columns; y = act(Σ partials in rank order) if RANKS."""
+    """out_b = act(X_b + inject_b · y) for one row and BLOCK columns; y = act(Σ partials in rank order) if RANKS, or
+    of this rank's partial and the peer's, exchanged first (the row's first program pushes it), if PEER."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if PEER:
+        exchange_row(y_ptr, send_ptr, flags_ptr, peer_flags_ptr, epoch_ptr, site, row, D, stride_yn,
+                     tl.program_id(1) == 0, BLOCK)  # fmt: skip
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
-    y = _write_y(y_ptr, row, cols, ok, stride_yr, stride_yn, RANKS, ACT_BF16, INTERPRET)
+    y = _write_y(y_ptr, recv_ptr, row, cols, ok, D, stride_yr, stride_yn, RANKS, PEER, ACT_BF16, INTERPRET)
     for b in tl.static_range(HC):
         x = _written(wide_ptr, inj_ptr, y, row, b, cols, ok, D, stride_w, stride_i, ACT_BF16, INTERPRET)
         tl.store(out_ptr + row * stride_o + b * D + cols, x, mask=ok)
@@ -790,10 +821,11 @@ def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """A write fused into the next read's first launch: y [N, d] (or fp32 partials [R, N, d]), the write's inject
-    weights [N, hc], and out [N, hc·d], where the new rows go (the rows read are the old ones, never overwritten)."""
+    """A write fused into the next read's first launch: y [N, d] (or fp32 partials [R, N, d], or this rank's
+    partial of a two-rank `PeerSum`), the write's inject weights [N, hc], and out [N, hc·d], where the new rows go
+    (the rows read are the old ones, never overwritten)."""
 
-    y_or_partials: torch.Tensor
+    y_or_partials: torch.Tensor | PeerSum
     inject: torch.Tensor
     out: torch.Tensor
 
@@ -806,7 +838,8 @@ def _check_fused_write(wide: torch.Tensor, write: Write, hc: int) -> None:
     out = write.out
     if out.shape != wide.shape or out.dtype != wide.dtype or out.stride(-1) != 1 or out.device != wide.device:
         raise ValueError(f"write out: expected {wide.dtype} {tuple(wide.shape)} with contiguous rows on {wide.device}")
-    shared = {t.untyped_storage().data_ptr() for t in (wide, write.y_or_partials, write.inject)}
+    y = write.y_or_partials.partial if isinstance(write.y_or_partials, PeerSum) else write.y_or_partials
+    shared = {t.untyped_storage().data_ptr() for t in (wide, y, write.inject)}
     if out.untyped_storage().data_ptr() in shared:
         raise ValueError("write out must be a tensor of its own, not sharing memory with wide, y or inject")
 
@@ -918,13 +951,16 @@ def launch_read(
     up_over_normed = tiles.up_over_normed and bf16 and triton.next_power_of_2(hc) * tiles.up_d <= UP_MIX_COLUMNS
     normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_over_normed else rstd
     y, inj, new = (write.y_or_partials, write.inject, write.out) if write is not None else (rstd, rstd, wide)
+    peer = y if isinstance(y, PeerSum) else None
+    y = y if peer is None else peer.partial
     ranks = y.shape[0] if write is not None and y.dim() == 3 else 0
     block_d = rstd_block(d)
     _rstd_kernel[(n, hc)](
-        wide, rstd, hc_norm_weight, normed, y, inj, new, d, wide.stride(0), new.stride(0), normed.stride(0),
-        y.stride(0) if ranks else 0, y.stride(-2), inj.stride(0), eps,
+        wide, rstd, hc_norm_weight, normed, y, inj, new, *peer_args(peer, rstd), d, wide.stride(0), new.stride(0),
+        normed.stride(0), y.stride(0) if ranks else 0, y.stride(-2), inj.stride(0), eps,
         HC=hc, BLOCK_D=block_d, WRITE_NORMED=via_linear or up_over_normed, WRITE=write is not None, RANKS=ranks,
-        ACT_BF16=bf16, INTERPRET=INTERPRET, ONE_CHUNK=block_d >= d, num_warps=rstd_warps(block_d),
+        PEER=peer is not None, ACT_BF16=bf16, INTERPRET=INTERPRET, ONE_CHUNK=block_d >= d,
+        num_warps=rstd_warps(block_d),
         **launch_options(_rstd_kernel, wide.device),
     )  # fmt: skip
     wide = new  # the later launches read the rows the write stored
@@ -975,7 +1011,7 @@ def hc_read(
 
 def hc_write_read(
     wide: torch.Tensor,
-    y_or_partials: torch.Tensor,
+    y_or_partials: torch.Tensor | PeerSum,
     inject: torch.Tensor,
     hc_norm_weight: torch.Tensor,
     w_down: torch.Tensor,
@@ -1023,7 +1059,7 @@ def hc_read_reference(
     return x, (2.0 * (1.0 / (1.0 + torch.exp(-iv)))).to(act)
 
 
-def _check_write(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.Tensor) -> None:
+def _check_write(wide: torch.Tensor, y_or_partials: torch.Tensor | PeerSum, inject: torch.Tensor) -> None:
     """Raise on shapes, dtypes, layouts or devices hc_write cannot take."""
     if wide.dim() != 2 or wide.dtype not in (torch.bfloat16, torch.float32) or wide.stride(-1) != 1:
         raise ValueError(
@@ -1037,6 +1073,11 @@ def _check_write(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.
         raise ValueError(f"wide: width {k} is not {hc} streams")
     d = k // hc
     y = y_or_partials
+    if isinstance(y, PeerSum):
+        check_peer_sum(y, n, d)
+        if y.device != wide.device or inject.device != wide.device:
+            raise ValueError("wide, the PeerSum and inject must be on one device")
+        return
     two_d = y.dim() == 2 and y.dtype == wide.dtype and tuple(y.shape) == (n, d)
     three_d = y.dim() == 3 and y.dtype == torch.float32 and y.shape[0] >= 1 and tuple(y.shape[1:]) == (n, d)
     if not (two_d or three_d) or y.stride(-1) != 1:
@@ -1049,9 +1090,10 @@ def _check_write(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.
 
 
 def hc_write(
-    wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.Tensor, out: torch.Tensor | None = None
+    wide: torch.Tensor, y_or_partials: torch.Tensor | PeerSum, inject: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """X_b + inject_b · y for each stream b; y [N, d] in wide's dtype, or fp32 partials [R, N, d] summed in order.
+    """X_b + inject_b · y for each stream b; y [N, d] in wide's dtype, fp32 partials [R, N, d] summed in order, or a
+    two-rank `PeerSum` (this rank's partial and the peer's).
 
     `out` (may be `wide` itself) receives the result; by default a new tensor does."""
     _check_write(wide, y_or_partials, inject)
@@ -1065,13 +1107,16 @@ def hc_write(
     hc = inject.shape[1]
     if n == 0:
         return out
-    y = y_or_partials
+    peer = y_or_partials if isinstance(y_or_partials, PeerSum) else None
+    y = y_or_partials if peer is None else peer.partial
     ranks = y.shape[0] if y.dim() == 3 else 0
     stride_yr = y.stride(0) if ranks else 0
-    block = WRITE_BLOCK if n <= 64 else 4 * WRITE_BLOCK
+    # with a PeerSum, programs of the rstd kernel's chunk: at the real width one a row waits for the row's flag, not ten
+    block = rstd_block(k // hc) if peer is not None else WRITE_BLOCK if n <= 64 else 4 * WRITE_BLOCK
     _write_kernel[(n, triton.cdiv(k // hc, block))](
-        wide, y, inject, out, k // hc, wide.stride(0), out.stride(0), stride_yr, y.stride(-2), inject.stride(0),
-        HC=hc, RANKS=ranks, ACT_BF16=wide.dtype == torch.bfloat16, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
+        wide, y, inject, out, *peer_args(peer, y), k // hc, wide.stride(0), out.stride(0), stride_yr, y.stride(-2),
+        inject.stride(0), HC=hc, RANKS=ranks, PEER=peer is not None, ACT_BF16=wide.dtype == torch.bfloat16,
+        BLOCK=block, INTERPRET=INTERPRET, num_warps=rstd_warps(block) if peer is not None else 4,
         **launch_options(_write_kernel, wide.device),
     )  # fmt: skip
     return out
