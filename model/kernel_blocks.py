@@ -28,6 +28,7 @@ from kernels.linear import linear, linear_topk
 from kernels.moe import SharedGate, moe_forward
 from kernels.ngram import ngram_rows
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
+from kernels.peer import PeerSum
 from kernels.qsa import qsa_index, qsa_sparse_attention
 from kernels.rope import norm_rope, rope_inv_freq, scatter_rows
 from model.config import LINEAR
@@ -165,10 +166,10 @@ def partial_out(x: torch.Tensor, proj: Linear, tp: TensorParallel) -> torch.Tens
     return linear(x, proj.weight, torch.float32, round_bf16=True) if tp.world > 1 else project(x, proj)
 
 
-def write_input(y: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
-    """A sub-block's reduced output as hc_write takes it: [N, d] in wide's dtype, or an fp32 sum as one partial
-    [1, N, d] (the write rounds it once, as `TensorParallel.combine` would have)."""
-    return y if y.dtype == wide.dtype else y.unsqueeze(0)
+def write_input(y: torch.Tensor | PeerSum, wide: torch.Tensor) -> torch.Tensor | PeerSum:
+    """A sub-block's reduced output as hc_write takes it: [N, d] in wide's dtype, an fp32 sum as one partial
+    [1, N, d] (the write rounds it once, as `TensorParallel.combine` would have), or a PeerSum the write sums."""
+    return y if isinstance(y, PeerSum) or y.dtype == wide.dtype else y.unsqueeze(0)
 
 
 def fused_weight(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
@@ -212,7 +213,7 @@ class PendingWrite:
     (`settle`)."""
 
     wide: torch.Tensor
-    y: torch.Tensor
+    y: torch.Tensor | PeerSum
     inject: torch.Tensor
 
 
@@ -256,7 +257,7 @@ def experts_to_words(model: nn.Module) -> None:
         torch.cuda.empty_cache()
 
 
-def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor | PeerSum:
     """Routed experts (router logits in fp32 from the linear kernel and their top-k, in one launch for one row) plus
     the gated shared expert, which runs on the side stream beside the router and is joined before the routed gate-up
     launch (`SharedGate`)."""
@@ -270,10 +271,10 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     weights, ids = linear_topk(x, m.gate.weight, m.gate.top_k, m.gate.renormalise)
     gated = SharedGate(shared, gate_logit, functools.partial(join, side))
     out_dtype = torch.float32 if m.tp.world > 1 else torch.bfloat16
-    return m.tp.reduce(moe_forward(x, ids, weights, expert_bank(m.experts), out_dtype, gated=gated))
+    return m.tp.pending(moe_forward(x, ids, weights, expert_bank(m.experts), out_dtype, gated=gated))
 
 
-def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tensor | PeerSum:
     """Gated DeltaNet of layer `index`: the kernels update the rows' slots of the pool's conv tails and recurrent
     states in place. Decode rounds of a few lanes run the conv, gates, recurrence and gated norm in one launch
     (`gdn_step`); other rounds run them apart, the gates on the side stream beside the conv: the same bits."""
@@ -305,7 +306,7 @@ def gdn(m: GatedDeltaNet, index: int, x: torch.Tensor, rnd: Round) -> torch.Tens
     if keep:  # only the rows asked for outlive the layer
         rnd.kept.gdn_conv[index] = keep_tails(rnd, "gdn_conv", index, row_tails)
         rnd.kept.gdn_recurrent[index] = kept_states
-    return m.tp.reduce(partial_out(y.view(n, m.v_width), m.out_proj, m.tp))
+    return m.tp.pending(partial_out(y.view(n, m.v_width), m.out_proj, m.tp))
 
 
 def gdn_rows(
@@ -357,7 +358,7 @@ def block_keys_of(
     return norm_rope(pooled, norm.weight, norm.eps, firsts, freqs, dest=dest, slot_of_row=slots, dest_index=index)
 
 
-def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
+def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor | PeerSum:
     """QSA of the layer whose cache key is `key`: rows are written into their slots of the pool's caches, the
     rows that complete a block write its key, then the indexer picks blocks and the attention reads the slots; the
     block keys run on the side stream beside the index queries' norm, then the indexer's top-k there beside the
@@ -390,7 +391,7 @@ def qsa(m: QSAttention, key: int, x: torch.Tensor, rnd: Round) -> torch.Tensor:
     scatter_rows(values, slot_of_row, positions, v)
     join(side)
     out = qsa_sparse_attention(q, keys, values, slots32, indices, counts, gate=gate).view(x.shape[0], -1)
-    return m.tp.reduce(partial_out(out, m.o_proj, m.tp))
+    return m.tp.pending(partial_out(out, m.o_proj, m.tp))
 
 
 @functools.cache

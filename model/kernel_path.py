@@ -30,6 +30,7 @@ from model.kernel_blocks import Round, SharedOutputs, block_keys_of, hyper_read,
 from model.lane_pool import MTP, LanePool
 from model.layers import ForwardBatch
 from model.parallel import TensorParallel
+from model.peer_sums import forward_sites
 from model.state import LaneSnapshot
 
 
@@ -248,10 +249,11 @@ def logits(model: FlashNextModel, hidden: torch.Tensor, shared: SharedOutputs | 
 
 def run_layers(model: FlashNextModel, token_ids: torch.Tensor, rnd: Round) -> torch.Tensor:
     """Embed the rows and run them through every decoder layer: the round's GPU work before the logits."""
-    wide = model.embed_tokens(token_ids).repeat(1, model.cfg.hc_count)
-    for layer in model.layers:
-        wide = layer_forward(layer, wide, rnd)
-    return settle(wide)
+    with forward_sites(model.tp.peer):
+        wide = model.embed_tokens(token_ids).repeat(1, model.cfg.hc_count)
+        for layer in model.layers:
+            wide = layer_forward(layer, wide, rnd)
+        return settle(wide)
 
 
 def enable_graphs(
@@ -355,7 +357,8 @@ def mtp_rows(
     u = project(zc_rms_norm(model.embed_tokens(token_ids), e_norm.weight, e_norm.eps), mtp.fc_embedding)
     streams = zc_rms_norm(hidden, h_norm.weight, h_norm.eps).view(n * mtp.hc, mtp.d)  # one RMS over every stream
     wide = (project(streams, mtp.fc_hidden).view(n, mtp.hc, mtp.d) + u.unsqueeze(1)).flatten(1)
-    wide = settle(layer_forward(mtp.layers[0], wide, rnd))
+    with forward_sites(model.tp.peer):
+        wide = settle(layer_forward(mtp.layers[0], wide, rnd))
     mixed, _ = hyper_read(mtp.hyper_connection_mixer, logit_inputs(rnd, wide))
     return vocab_logits(model, mixed, rnd.shared), wide
 

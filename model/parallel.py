@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from model.config import FlashNextConfig
+
+if TYPE_CHECKING:  # the kernels load Triton: not at import, before a test or script has chosen the interpreter
+    from kernels.peer import PeerSum
+    from model.peer_sums import PeerSums
 
 COLLECTIVES = ("combine", "gather")
 
@@ -33,6 +38,7 @@ class TensorParallel:
     rank: int = 0
     world: int = 1
     counts: CollectiveCounts = field(default_factory=CollectiveCounts, compare=False, repr=False)
+    peer: PeerSums | None = field(default=None, compare=False, repr=False)
 
     def span(self, total: int, what: str) -> tuple[int, int]:
         """This rank's contiguous share [lo, hi) of `total` units."""
@@ -60,6 +66,15 @@ class TensorParallel:
         self.counts.add("combine", total, self.world)
         dist.all_reduce(total)
         return total
+
+    def pending(self, partial: torch.Tensor) -> torch.Tensor | PeerSum:
+        """The ranks' partials summed for the next hyper write: a `PeerSum` it sums itself where peer sums are open
+        (model/peer_sums.py) and the round small enough, else `reduce`'s fp32 sum."""
+        exchanged = self.peer.pending(partial) if self.peer is not None and self.world == 2 else None
+        if exchanged is None:
+            return self.reduce(partial)
+        self.counts.add("combine", partial, self.world)
+        return exchanged
 
     def combine_ordered(self, partial: torch.Tensor) -> torch.Tensor:
         """Gather the ranks' partials in fp32 and sum them rank 0's first, rounded once."""
