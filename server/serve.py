@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from model.config import load_config
 from model.parallel import TensorParallel
 from model.state import slot_state_bytes
 from model.weights import load_model, resolve_kernels
@@ -247,16 +248,28 @@ def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) ->
 def load_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> ModelRunner:
     """Join the process group and build this rank's model (its shard of the weights) and runner from the flags."""
     device = init_group(ranks, args.device, env.tp_timeout_s)
+    peer = None
+    if env.peer_sums:
+        from model.peer_sums import PeerSums  # loads Triton
+
+        peer = PeerSums.open(device, load_config(args.model).hidden_size)
     model = load_model(
         args.model,
         device=device,
         dtype=args.dtype,
-        tp=TensorParallel(ranks.rank, ranks.world),
+        tp=TensorParallel(ranks.rank, ranks.world, peer=peer),
         load_format=args.load_format,
         ngram_table=args.ngram_table,
         kernels=args.kernels,
     )
     return rank_runner(model, args.max_lanes, ranks.rank, env)
+
+
+def peer_sums_refusal(env: EnvSettings, world: int, args: argparse.Namespace) -> str | None:
+    """Why FLASHNEXT_PEER_SUMS=1 cannot run with these flags (None: it can, or it is not asked for)."""
+    if env.peer_sums and (world != 2 or args.device != "cuda" or args.kernels == "off"):
+        return "FLASHNEXT_PEER_SUMS=1: peer sums need --tp 2, --device cuda and the kernels on (--kernels auto or on)"
+    return None
 
 
 def rank_runner(model, max_lanes: int, rank: int, env: EnvSettings) -> ModelRunner:
@@ -276,6 +289,9 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     if args.api_key is None:
         args.api_key = env.api_key
     ranks = rank_env(args.tp)
+    refusal = peer_sums_refusal(env, ranks.world, args)
+    if refusal is not None:
+        raise SystemExit(refusal)
     if ranks.world > 1 and "WORLD_SIZE" not in os.environ:
         return launch(argv, ranks.world)
     listener = listen_socket(args.host, args.port) if ranks.rank == 0 else None  # before minutes of loading

@@ -48,6 +48,11 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
         parse_sites,
         f"the kernel path's sites that fork work onto the side stream: 1 (default), 0, or some of {','.join(SITES)}",
     ),
+    "FLASHNEXT_PEER_SUMS": (
+        _switch,
+        "1 sums the two ranks' partials inside the next hyper write over NVLink, not by NCCL's all-reduce (--tp 2 "
+        "on --device cuda with the kernels on; model/peer_sums.py)",
+    ),
     "FLASHNEXT_ROUND_PROFILE": (
         _lanes,
         "with FLASHNEXT_ROUND_TRACE: the kernel table (rank{r}.profile.txt) of 5 rounds after one of this many lanes",
@@ -65,6 +70,7 @@ class EnvSettings:
     round_digests: str | None = None
     round_trace: str | None = None
     round_profile: int | None = None
+    peer_sums: bool = False
 
 
 def read_environment(environ: Mapping[str, str]) -> EnvSettings:
@@ -87,4 +93,5 @@ def read_environment(environ: Mapping[str, str]) -> EnvSettings:
         round_digests=values.get("FLASHNEXT_ROUND_DIGESTS"),
         round_trace=values.get("FLASHNEXT_ROUND_TRACE"),
         round_profile=values.get("FLASHNEXT_ROUND_PROFILE"),
+        peer_sums=values.get("FLASHNEXT_PEER_SUMS", False),
     )

@@ -100,6 +100,22 @@ def test_cuda_graphs_on_without_their_needs_is_refused_by_flag():
         resolve_graphs("on", True, "cuda", "host")
 
 
+def test_peer_sums_without_two_cuda_ranks_on_the_kernels_are_refused_by_name():
+    from server.serve import peer_sums_refusal
+    from server.settings import read_environment
+
+    on, off = read_environment({"FLASHNEXT_PEER_SUMS": "1"}), read_environment({})
+    assert on.peer_sums and not off.peer_sums
+    args = build_parser().parse_args(["serve", "--device", "cuda"])
+    assert peer_sums_refusal(on, 2, args) is None and peer_sums_refusal(off, 1, args) is None
+    want = "FLASHNEXT_PEER_SUMS=1: peer sums need --tp 2, --device cuda and the kernels on (--kernels auto or on)"
+    refused = ((1, ["--device", "cuda"]), (2, ["--device", "cpu"]), (2, ["--device", "cuda", "--kernels", "off"]))
+    for world, flags in refused:
+        assert peer_sums_refusal(on, world, build_parser().parse_args(["serve", *flags])) == want
+    with pytest.raises(ValueError, match="FLASHNEXT_PEER_SUMS"):
+        read_environment({"FLASHNEXT_PEER_SUMS": "yes"})
+
+
 def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, monkeypatch):
     """Verify graphs up to every lane's window (at most VERIFY_ROWS), prompt chunks beside them, and listed logits
     for every lane's window: a round's draws."""
