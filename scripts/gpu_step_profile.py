@@ -7,7 +7,7 @@ PDL overlaps each with the one before); with --prompt ROWS also one lane's eager
 and profiled (three passes).
 
 timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [--lanes N ...] [--context POSITIONS]
-(--nproc-per-node 1 runs the model whole, tp=1, on one GPU)
+(--nproc-per-node 1 runs the model whole, tp=1, on one GPU; --peer-sums at two: the combines inside the hyper writes)
 python3 scripts/gpu_step_profile.py --out DIR --alone-as 2 ...   # rank 0's half on one GPU, no links (timing only)
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
     [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
@@ -47,8 +47,10 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 from gpu_profile_round import decode_batch  # noqa: E402
 
 from model import kernel_path  # noqa: E402
+from model.config import load_config  # noqa: E402
 from model.flashnext import FlashNextModel  # noqa: E402
 from model.parallel import TensorParallel  # noqa: E402
+from model.peer_sums import PeerSums  # noqa: E402
 from model.state import LaneState  # noqa: E402
 from model.weights import load_model  # noqa: E402
 
@@ -73,9 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also write one lane's and the most lanes' profiled rounds as Chrome traces")  # fmt: skip
     ap.add_argument("--alone-as", type=int, default=0, metavar="WORLD",
                     help="no torchrun: rank 0's share of a WORLD-rank model, collectives skipped")  # fmt: skip
+    ap.add_argument("--peer-sums", action="store_true",
+                    help="two ranks: combines summed in the hyper writes (model/peer_sums.py)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.alone_as < 0 or args.alone_as == 1:
         ap.error(f"--alone-as: {args.alone_as} is not a world of two or more ranks")
+    if args.peer_sums and args.alone_as:
+        ap.error("--peer-sums: needs the two ranks of torchrun, not --alone-as")
     return args
 
 
@@ -193,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         with collectives_skipped():
             return run(args, TensorParallel(0, args.alone_as))
     dist.init_process_group("nccl")
-    code = run(args, TensorParallel(dist.get_rank(), dist.get_world_size()))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    hidden = load_config(args.model).hidden_size
+    peer = PeerSums.open(torch.device("cuda", rank), hidden) if args.peer_sums else None
+    code = run(args, TensorParallel(rank, world, peer=peer))
     dist.barrier()
     dist.destroy_process_group()
     return code
