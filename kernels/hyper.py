@@ -58,7 +58,7 @@ from kernels.fp32_ops import hyper_gates, negative_zeros, round_to_act, sigmoid_
 from kernels.linear import Gates, linear_gates, linear_range_sums
 from kernels.linear import k_ranges as linear_k_ranges
 from kernels.pdl import enter, launch_options, load_unwritten, prefetch_enabled, prefetch_l2
-from kernels.peer import PeerSum, check_peer_sum, exchange_row, peer_args, peer_row_sum
+from kernels.peer import PeerSum, check_peer_sum, exchange_row, peer_args, peer_row_sum, split_peer
 
 # The interpreter computes bf16 dots wrongly and truncates fp32 -> bf16 casts, so there dots run on fp32 operands
 # and rounding is done on the bits.
@@ -838,7 +838,7 @@ def _check_fused_write(wide: torch.Tensor, write: Write, hc: int) -> None:
     out = write.out
     if out.shape != wide.shape or out.dtype != wide.dtype or out.stride(-1) != 1 or out.device != wide.device:
         raise ValueError(f"write out: expected {wide.dtype} {tuple(wide.shape)} with contiguous rows on {wide.device}")
-    y = write.y_or_partials.partial if isinstance(write.y_or_partials, PeerSum) else write.y_or_partials
+    y, _ = split_peer(write.y_or_partials)
     shared = {t.untyped_storage().data_ptr() for t in (wide, y, write.inject)}
     if out.untyped_storage().data_ptr() in shared:
         raise ValueError("write out must be a tensor of its own, not sharing memory with wide, y or inject")
@@ -951,8 +951,7 @@ def launch_read(
     up_over_normed = tiles.up_over_normed and bf16 and triton.next_power_of_2(hc) * tiles.up_d <= UP_MIX_COLUMNS
     normed = torch.empty((n, k), dtype=act, device=dev) if via_linear or up_over_normed else rstd
     y, inj, new = (write.y_or_partials, write.inject, write.out) if write is not None else (rstd, rstd, wide)
-    peer = y if isinstance(y, PeerSum) else None
-    y = y if peer is None else peer.partial
+    y, peer = split_peer(y)
     ranks = y.shape[0] if write is not None and y.dim() == 3 else 0
     block_d = rstd_block(d)
     _rstd_kernel[(n, hc)](
@@ -1107,11 +1106,10 @@ def hc_write(
     hc = inject.shape[1]
     if n == 0:
         return out
-    peer = y_or_partials if isinstance(y_or_partials, PeerSum) else None
-    y = y_or_partials if peer is None else peer.partial
+    y, peer = split_peer(y_or_partials)
     ranks = y.shape[0] if y.dim() == 3 else 0
     stride_yr = y.stride(0) if ranks else 0
-    # with a PeerSum, programs of the rstd kernel's chunk: at the real width one a row waits for the row's flag, not ten
+    # with a PeerSum, programs of the rstd kernel's chunk: at the real width one a row, so a row's flag has one waiter
     block = rstd_block(k // hc) if peer is not None else WRITE_BLOCK if n <= 64 else 4 * WRITE_BLOCK
     _write_kernel[(n, triton.cdiv(k // hc, block))](
         wide, y, inject, out, *peer_args(peer, y), k // hc, wide.stride(0), out.stride(0), stride_yr, y.stride(-2),
@@ -1124,6 +1122,8 @@ def hc_write(
 
 def hc_write_reference(wide: torch.Tensor, y_or_partials: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
     """Plain-PyTorch hc_write: partials summed in rank order in fp32 and rounded, then act(X_b + inject_b·y) in fp32."""
+    if isinstance(y_or_partials, PeerSum):
+        raise TypeError("hc_write_reference: a PeerSum is summed by the kernels only; pass the partials [R, N, d]")
     _check_write(wide, y_or_partials, inject)
     y = y_or_partials
     if y.dim() == 3:

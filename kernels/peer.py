@@ -13,7 +13,10 @@ Use numbers are epoch · SITES + site: the epoch a device counter that each forw
 call, the site the call's place in the forward. They grow from call to call, so a flag left by an earlier call is
 below the current one. The receive slots alternate by site, and a forward has an even number of sites, so calls
 alternate slots: a rank pushes into a slot two calls after its last push there, having passed the peer's push of
-the call between, which the peer makes only after its PDL wait, so after it has read the slot.
+the call between, which the peer makes only after its PDL wait, so after it has read the slot. That wait covers all
+earlier work because every kernel between waits for the one before it (kernels/pdl.py), and the argument needs both
+ranks to exchange at every site a forward numbers, or at none: the sites' row counts are the forward's own, so the
+ranks' choices agree, and a call of no rows takes no site (model/peer_sums.py).
 """
 
 from __future__ import annotations
@@ -44,14 +47,14 @@ class PeerSum:
     site: int
 
     @property
-    def shape(self) -> torch.Size:
-        """The partial's shape, [N, d]: the sum's."""
-        return self.partial.shape
-
-    @property
     def device(self) -> torch.device:
         """The partial's device."""
         return self.partial.device
+
+
+def split_peer(y: torch.Tensor | PeerSum) -> tuple[torch.Tensor, PeerSum | None]:
+    """(the tensor a kernel reads as y: this rank's partial of a PeerSum, else y itself; the PeerSum or None)."""
+    return (y.partial, y) if isinstance(y, PeerSum) else (y, None)
 
 
 def check_peer_sum(peer: PeerSum, n: int, d: int) -> None:

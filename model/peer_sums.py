@@ -23,6 +23,7 @@ class PeerSums:
 
     def __init__(self, received: torch.Tensor, send: torch.Tensor, flags: torch.Tensor, peer_flags: torch.Tensor):
         self.received, self.send, self.flags, self.peer_flags = received, send, flags, peer_flags
+        self.handles: tuple = ()  # the symmetric-memory handles of `open`
         self.epoch = torch.zeros(1, dtype=torch.int64, device=flags.device)
         self.site = 0
 
@@ -44,11 +45,14 @@ class PeerSums:
         peer_flags = handles[1].get_buffer(peer, (PEER_ROWS,), torch.int64)
         torch.cuda.synchronize(device)
         dist.barrier()  # both ranks' flags are zero before either raises one
-        return cls(received, send, flags, peer_flags)
+        opened = cls(received, send, flags, peer_flags)
+        opened.handles = handles  # the peer's memory stays mapped while the views of it live
+        return opened
 
     def pending(self, partial: torch.Tensor) -> PeerSum | None:
-        """This rank's fp32 partial [N, d] as the next call's PeerSum, or None above the slots' rows (PEER_ROWS)."""
-        if partial.shape[0] > self.received.shape[1]:
+        """This rank's fp32 partial [N, d] as the next call's PeerSum, or None with no rows or above the slots' rows
+        (PEER_ROWS): the same choice at both ranks, whose rounds have the same rows."""
+        if not 0 < partial.shape[0] <= self.received.shape[1]:
             return None
         if self.site >= SITES:
             raise RuntimeError(f"{ENV}=1: a forward made more than {SITES} combines")

@@ -4,6 +4,7 @@ wait for the peer's flags."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -123,7 +124,11 @@ def test_the_write_waits_for_the_peers_flag() -> None:
     result: dict[str, torch.Tensor] = {}
     worker = threading.Thread(target=lambda: result.update(out=hc_write(wide, peer, inj)), daemon=True)
     worker.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while int(peer.peer_flags[0]) != USE:  # the first row's program has pushed: it is waiting, or past its wait
+        assert time.monotonic() < deadline, "the write never pushed its first row"
+        time.sleep(0.01)
+    time.sleep(0.5)
     waited = worker.is_alive()
     peer.flags.fill_(USE)
     worker.join(timeout=60)
@@ -147,4 +152,9 @@ def test_a_peer_sum_is_refused_by_field() -> None:
     }
     for field, value in bad.items():
         with pytest.raises(ValueError, match=f"PeerSum.{field}"):
-            hc_write(wide, PeerSum(**{**{f: getattr(good, f) for f in PeerSum.__slots__}, field: value}), inj)
+            hc_write(wide, dataclasses.replace(good, **{field: value}), inj)
+    elsewhere = dataclasses.replace(good, epoch=torch.zeros(1, dtype=torch.int64, device="meta"))
+    with pytest.raises(ValueError, match="PeerSum: every tensor must be on one device"):
+        hc_write(wide, elsewhere, inj)
+    with pytest.raises(TypeError, match="hc_write_reference: a PeerSum is summed by the kernels only"):
+        hyper.hc_write_reference(wide, good, inj)

@@ -4,6 +4,7 @@ all-reduce's bits with the ranks' partials exchanged inside the hyper writes (in
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 os.environ["TRITON_INTERPRET"] = "1"  # the kernel path on CPU, in the spawned ranks too
@@ -28,6 +29,7 @@ TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget"
 SLOT_ROWS = 8
 PROMPTS = (torch.tensor([7, 19, 5, 33, 2, 91]), torch.tensor([4, 8, 15, 16, 23, 42, 5, 6, 70, 12, 40]))
 STEPS = 3
+LIMIT_S = 600  # for the two ranks' forwards (about 40 s on the CI machine)
 
 
 def cpu_peer(d: int = 16, rows: int = SLOT_ROWS) -> PeerSums:
@@ -49,6 +51,7 @@ def test_a_forwards_calls_take_sites_in_order_and_slots_in_turn() -> None:
     with forward_sites(peer):
         assert peer.pending(partial).site == 0
         assert peer.pending(torch.randn(SLOT_ROWS + 1, 16)) is None  # more rows than a slot: the all-reduce
+        assert peer.pending(torch.randn(0, 16)) is None  # no rows: no launch would exchange it
         assert peer.pending(partial).site == 1
     assert int(peer.epoch) == 2
 
@@ -113,7 +116,15 @@ def test_two_ranks_exchanging_partials_get_the_all_reduces_bits(tmp_path) -> Non
     slots = [torch.zeros(SLOTS, SLOT_ROWS, d).share_memory_() for _ in range(2)]
     flags = [torch.zeros(SLOT_ROWS, dtype=torch.int64).share_memory_() for _ in range(2)]
     results = mp.Manager().dict()
-    mp.start_processes(rank_main, args=(free_port(), str(path), slots, flags, results), nprocs=2, start_method="spawn")
+    ranks = mp.start_processes(
+        rank_main, args=(free_port(), str(path), slots, flags, results), nprocs=2, start_method="spawn", join=False
+    )
+    deadline = time.monotonic() + LIMIT_S
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:  # a rank waiting for a flag its peer never raises would spin for good
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {LIMIT_S} s")
     forwards = len(PROMPTS) * (1 + STEPS)
     for rank in (0, 1):
         (reduced, _), (exchanged, epochs) = results[rank]["all_reduce"], results[rank]["peer"]
