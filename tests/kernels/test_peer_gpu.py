@@ -9,7 +9,7 @@ import os
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Streams share the GPU's hardware queues, and work in one queue runs in order: with the default eight, a rank's
+# A precaution: streams share the GPU's hardware queues, whose work runs in order, so with the default eight a rank's
 # stream could queue behind its peer's waiting kernel. Read when CUDA starts (this module run first or alone).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
