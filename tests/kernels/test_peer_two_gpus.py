@@ -5,7 +5,6 @@ Needs two CUDA devices (nvidia-h200-x2); skipped elsewhere."""
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 from model.peer_sums import PeerSums, forward_sites
 from server.ranks import free_port
 from tests.kernels.test_peer_gpu import D, forward, inputs
+from tests.two_ranks import run_two_ranks
 
 ROWS = (1, 64)
 FORWARDS = 3
@@ -57,11 +57,5 @@ def rank_main(rank: int, port: int, results) -> None:
 
 def test_two_gpus_exchanging_partials_get_the_all_reduces_bits() -> None:
     results = mp.Manager().dict()
-    ranks = mp.start_processes(rank_main, args=(free_port(), results), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + LIMIT_S
-    while not ranks.join(timeout=5):
-        if time.monotonic() > deadline:  # a rank waiting for a flag its peer never raises would spin for good
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {LIMIT_S} s")
+    run_two_ranks(rank_main, (free_port(), results), LIMIT_S)
     assert results[0] == results[1] == [True] * (len(ROWS) * FORWARDS)

@@ -4,7 +4,6 @@ all-reduce's bits with the ranks' partials exchanged inside the hyper writes (in
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 os.environ["TRITON_INTERPRET"] = "1"  # the kernel path on CPU, in the spawned ranks too
@@ -24,6 +23,7 @@ from model.peer_sums import ENV, PeerSums, forward_sites
 from model.weights import load_model
 from server.ranks import free_port
 from tests.tiny import text_config
+from tests.two_ranks import run_two_ranks
 
 TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4}
 SLOT_ROWS = 8
@@ -116,15 +116,7 @@ def test_two_ranks_exchanging_partials_get_the_all_reduces_bits(tmp_path) -> Non
     slots = [torch.zeros(SLOTS, SLOT_ROWS, d).share_memory_() for _ in range(2)]
     flags = [torch.zeros(SLOT_ROWS, dtype=torch.int64).share_memory_() for _ in range(2)]
     results = mp.Manager().dict()
-    ranks = mp.start_processes(
-        rank_main, args=(free_port(), str(path), slots, flags, results), nprocs=2, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + LIMIT_S
-    while not ranks.join(timeout=5):
-        if time.monotonic() > deadline:  # a rank waiting for a flag its peer never raises would spin for good
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {LIMIT_S} s")
+    run_two_ranks(rank_main, (free_port(), str(path), slots, flags, results), LIMIT_S)
     forwards = len(PROMPTS) * (1 + STEPS)
     for rank in (0, 1):
         (reduced, _), (exchanged, epochs) = results[rank]["all_reduce"], results[rank]["peer"]
