@@ -200,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             return run(args, TensorParallel(0, args.alone_as))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    hidden = load_config(args.model).hidden_size
-    peer = PeerSums.open(torch.device("cuda", rank), hidden) if args.peer_sums else None
+    peer = None
+    if args.peer_sums:  # opened on this rank's device, before the model loads (run sets it again)
+        torch.cuda.set_device(rank)
+        peer = PeerSums.open(torch.device("cuda", rank), load_config(args.model).hidden_size)
     code = run(args, TensorParallel(rank, world, peer=peer))
     dist.barrier()
     dist.destroy_process_group()
