@@ -127,6 +127,15 @@ def gdn_gate_values(b, a, a_log, dt_bias, B_BF16: tl.constexpr, INTERPRET: tl.co
     return beta, mul_rn(decay, _softplus(x, INTERPRET), INTERPRET)
 
 
+@triton.jit
+def silu_mul_value(gate, up, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """act(act(g / (1 + exp(-g))) · up) of act values gate and up, widened to fp32 (the launch compiled without fused
+    multiply-adds, subnormals kept: `_launch`'s options)."""
+    g = _f32(gate, INTERPRET)
+    act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
+    return to_act(act * _f32(up, INTERPRET), ACT_BF16, INTERPRET)
+
+
 @triton.jit(do_not_specialize=["total"])
 def _silu_mul_kernel(
     gate_ptr,
@@ -146,10 +155,9 @@ def _silu_mul_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     row, col = offs // C, offs % C
-    g = _f32(tl.load(gate_ptr + row * stride_gate + col, mask=ok, other=0.0), INTERPRET)
-    up = _f32(tl.load(up_ptr + row * stride_up + col, mask=ok, other=0.0), INTERPRET)
-    act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
-    tl.store(out_ptr + offs, to_act(act * up, ACT_BF16, INTERPRET), mask=ok)
+    gate = tl.load(gate_ptr + row * stride_gate + col, mask=ok, other=0.0)
+    up = tl.load(up_ptr + row * stride_up + col, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, silu_mul_value(gate, up, ACT_BF16, INTERPRET), mask=ok)
 
 
 @triton.jit(do_not_specialize=["total"])

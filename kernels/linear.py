@@ -22,6 +22,10 @@ router needs no launch of its own. With K cut, that arrival is the last of every
 range sums in range order as a tile's last range would (one arrival counter in the chain, not two); that launch runs
 on TOPK_WARPS warps at least (`topk_tiles`), so the one program's softmax and picks spread over more threads.
 `linear_range_sums` stores the K ranges' sums unadded, for a consumer that adds them in range order itself.
+`linear_silu_mul` (the shared expert's gate-up) takes a weight of gate/up row pairs (`pair_rows`): each pair's sums,
+rounded to bf16 as `linear` stores them, become silu·up by `silu_mul`'s formula, and the gate logit's row is stored
+rounded, so h and the logit have the bits of `linear` over [gate; up; logit] then `silu_mul`, in one launch fewer;
+such launches are compiled as `silu_mul` is (no fused multiply-adds; exp keeps subnormals).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import triton.language as tl
 
 from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, round_to_act
+from kernels.gates import silu_mul_value, to_act
 from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 from kernels.router import PICKS as ROUTER_PICKS
 from kernels.router import router_topk, topk_row
@@ -99,10 +104,12 @@ def _linear_kernel(
     BLOCK_E: tl.constexpr,
     RENORMALISE: tl.constexpr,
     TOPK_PICKS: tl.constexpr,
+    PAIRS_H: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of one K range; with FUSED_SPLIT = S the tile's last range adds all S in order
     (with TOPK, the row tile's last arrival over its tiles and ranges).
-    ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates (`_store`);
+    ROUND_BF16: the fp32 output holds the sums rounded to bf16; GATES_R > 0: the sums become gates, PAIRS_H > 0:
+    silu·up of column pairs (`_store`);
     TOPK > 0: the sums are router logits, and the row tile's last tile or range to be stored picks its rows' top-k
     (`_topk_rows`)."""
     pid_m = tl.program_id(0)
@@ -140,7 +147,7 @@ def _linear_kernel(
     mn = M.to(tl.int64) * N
     if FUSED_SPLIT == 0:
         _store(acc, out_ptr + pid_s * mn, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
-               GATES_R, GATES_HC, INTERPRET)  # fmt: skip
+               GATES_R, GATES_HC, PAIRS_H, INTERPRET)  # fmt: skip
         if TOPK > 0:
             _topk_rows(out_ptr, out_ptr, topk_w_ptr, topk_id_ptr, count_ptr, pid_m, M, N, 1, BLOCK_M, TOPK,
                        TOPK_POW2, BLOCK_E, RENORMALISE, TOPK_PICKS)  # fmt: skip
@@ -157,7 +164,7 @@ def _linear_kernel(
             for s in tl.static_range(1, FUSED_SPLIT):
                 total += tl.load(part_ptr + s * mn + offs, mask=ok, other=0.0, cache_modifier=".cg")
             _store(total, out_ptr, inj_ptr, rows.to(tl.int64)[:, None], cols[None, :], ok, N, ROUND_BF16,
-                   GATES_R, GATES_HC, INTERPRET)  # fmt: skip
+                   GATES_R, GATES_HC, PAIRS_H, INTERPRET)  # fmt: skip
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -200,13 +207,37 @@ def _output(acc, out_ptr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _pair_halves(x):
+    """(even, odd) elements, in row-major order, of a tensor whose last axis has even length."""
+    return tl.split(tl.reshape(x, (x.numel // 2, 2)))
+
+
+@triton.jit
+def _store_pairs(total, out_ptr, logit_ptr, rows, cols, ok, H: tl.constexpr, INTERPRET: tl.constexpr):
+    """Column pairs (2j, 2j+1) of the sums as (gate, up) rounded to bf16: silu·up (`silu_mul_value`) into out [M, H]
+    for j < H, and pair H's first column rounded into logit [M, 1]."""
+    gate, up = _pair_halves(total)
+    row, _ = _pair_halves(tl.broadcast_to(rows, total.shape))
+    col, _ = _pair_halves(tl.broadcast_to(cols, total.shape))
+    here, _ = _pair_halves(tl.broadcast_to(ok, total.shape))
+    j = col // 2
+    gate = to_act(gate, True, INTERPRET)
+    tl.store(out_ptr + row * H + j, silu_mul_value(gate, to_act(up, True, INTERPRET), True, INTERPRET),
+             mask=here & (j < H))  # fmt: skip
+    tl.store(logit_ptr + row, gate, mask=here & (j == H))
+
+
+@triton.jit
 def _store(
     total, out_ptr, inj_ptr, rows, cols, ok, N, ROUND_BF16: tl.constexpr, GATES_R: tl.constexpr,
-    GATES_HC: tl.constexpr, INTERPRET: tl.constexpr,
+    GATES_HC: tl.constexpr, PAIRS_H: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Store a tile's fp32 sums a: as the output (GATES_R = 0), or as the hyper read's gates (`hyper_gates`): act(silu)
-    of the first GATES_R columns into out [M, GATES_R], act(2·sigmoid) of the rest into inj [M, hc]."""
-    if GATES_R == 0:
+    """Store a tile's fp32 sums a: as the output (GATES_R = PAIRS_H = 0), as the hyper read's gates (`hyper_gates`):
+    act(silu) of the first GATES_R columns into out [M, GATES_R], act(2·sigmoid) of the rest into inj [M, hc]; or as
+    silu·up of column pairs (`_store_pairs`, PAIRS_H > 0), the logit into inj."""
+    if PAIRS_H > 0:
+        _store_pairs(total, out_ptr, inj_ptr, rows, cols, ok, PAIRS_H, INTERPRET)
+    elif GATES_R == 0:
         tl.store(out_ptr + rows * N + cols, _output(total, out_ptr, ROUND_BF16), mask=ok)
     else:
         act_bf16: tl.constexpr = out_ptr.dtype.element_ty == tl.bfloat16
@@ -219,7 +250,8 @@ def _store(
 @triton.jit
 def _split_sum_kernel(
     part_ptr, out_ptr, inj_ptr, M, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    ROUND_BF16: tl.constexpr, GATES_R: tl.constexpr, GATES_HC: tl.constexpr, INTERPRET: tl.constexpr,
+    ROUND_BF16: tl.constexpr, GATES_R: tl.constexpr, GATES_HC: tl.constexpr, PAIRS_H: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Add the K-range partials [SPLIT, M·N] in range order and store them once (`_store`)."""
     enter(PDL)
@@ -229,7 +261,7 @@ def _split_sum_kernel(
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(part_ptr + s * mn + offs, mask=ok, other=0.0)
-    _store(acc, out_ptr, inj_ptr, offs // N, offs % N, ok, N, ROUND_BF16, GATES_R, GATES_HC, INTERPRET)
+    _store(acc, out_ptr, inj_ptr, offs // N, offs % N, ok, N, ROUND_BF16, GATES_R, GATES_HC, PAIRS_H, INTERPRET)
 
 
 _POOL = CounterPool(MAX_TILES, "linear", "16-row output tiles")
@@ -290,6 +322,15 @@ class Gates:
 
 
 @dataclass(frozen=True)
+class SiluPairs:
+    """Where a launch over a weight of gate/up row pairs stores silu·up (`_store_pairs`) instead of its sums: h [M, H]
+    from rows 2j (gate) and 2j+1 (up), and logit [M, 1] from row 2H (row 2H+1 is zeros), both bf16."""
+
+    h: torch.Tensor
+    logit: torch.Tensor
+
+
+@dataclass(frozen=True)
 class TopK:
     """Where a launch of router logits also stores each row's top-k (`kernels.router.router_topk`'s weights [M, k]
     fp32 and ids [M, k] int32), renormalised or not, the picks taken `picks` a reduction."""
@@ -322,6 +363,21 @@ def _check_topk(
         raise ValueError("launch: a top-k needs 16-row tiles, fp32 logits and no rounding or gates")
 
 
+def _check_pairs(pairs: SiluPairs, m: int, n: int, tiles: Tiles, other_epilogue: bool, device: torch.device) -> None:
+    """Refuse silu·up outputs the launch cannot store: bf16 h [M, H] and logit [M, 1] for 2H + 2 weight rows, with even
+    column tiles and no other epilogue."""
+    h = pairs.h.shape[1] if pairs.h.dim() == 2 else -1
+    if pairs.h.shape != (m, h) or n != 2 * h + 2 or h < 1:
+        raise ValueError(f"launch: pairs h {tuple(pairs.h.shape)} for {m} rows needs a weight of 2·H + 2 rows, got {n}")
+    if pairs.logit.shape != (m, 1):
+        raise ValueError(f"launch: pairs logit {tuple(pairs.logit.shape)} is not [{m}, 1]")
+    for name, t in (("h", pairs.h), ("logit", pairs.logit)):
+        if not t.is_contiguous() or t.dtype != torch.bfloat16 or t.device != device:
+            raise ValueError(f"launch: pairs {name} must be contiguous bf16 on {device}")
+    if tiles.block_n % 2 or other_epilogue:
+        raise ValueError("launch: silu·up pairs need even column tiles and no rounding, gates, top-k or range sums")
+
+
 def call_tiles(m: int, n: int, k: int) -> Tiles:
     """The tiles a call takes: `pick_tiles`', or under the interpreter, which runs a launch's programs one by one in
     Python, 64 columns wide (16 rows for few rows, 64 for more), so fewer programs: tiles never change the bits."""
@@ -347,16 +403,20 @@ def launch(
     gates: Gates | None = None,
     topk: TopK | None = None,
     range_sums: bool = False,
+    pairs: SiluPairs | None = None,
 ) -> torch.Tensor:
     """Launch the kernel with explicit tiles and K ranges (the knobs tests and benchmarks turn); with `gates` the
     output is gates.h (and gates.inject is written); with `topk` (16-row tiles, fp32 out) its rows' top-k are
-    written too; with `range_sums` the output is the K ranges' fp32 sums [split, M, N], not added."""
+    written too; with `range_sums` the output is the K ranges' fp32 sums [split, M, N], not added; with `pairs` the
+    output is pairs.h (and pairs.logit is written)."""
     m, k = x.shape
     n = w.shape[0]
     if topk is not None:
         _check_topk(topk, m, n, out_dtype, tiles, round_bf16 or gates is not None, x.device)
     if range_sums and (round_bf16 or gates is not None or topk is not None or out_dtype != torch.float32):
         raise ValueError("launch: range sums are fp32, with no rounding, gates or top-k")
+    if pairs is not None:
+        _check_pairs(pairs, m, n, tiles, round_bf16 or gates is not None or topk is not None or range_sums, x.device)
     if k_split % BLOCK_K or split != triton.cdiv(k, k_split):
         raise ValueError(f"launch: {split} ranges of {k_split} do not tile K = {k} in steps of {BLOCK_K}")
     depth = tiles.block_k
@@ -365,7 +425,9 @@ def launch(
             f"launch: tiles.block_k = {depth} must be a power of two of at least {BLOCK_K} that divides the K ranges "
             f"({split} of {k_split})"
         )
-    if gates is None:
+    if pairs is not None:
+        out, gates_r, gates_hc, inject = pairs.h, 0, 1, pairs.logit
+    elif gates is None:
         shape = (split, m, n) if range_sums else (m, n)
         out = torch.empty(shape, dtype=torch.float32 if INTERPRET else out_dtype, device=x.device)
         gates_r, gates_hc, inject = 0, 1, out
@@ -382,7 +444,7 @@ def launch(
         if inject.dtype != out.dtype:
             raise ValueError(f"launch: gates inject is {inject.dtype}, h {out.dtype}: they must share a dtype")
     if m == 0:
-        return out if gates is not None or range_sums else out.to(out_dtype)
+        return out if gates is not None or range_sums or pairs is not None else out.to(out_dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     fused = split > 1 and tiles.block_m == 16 and not range_sums
     later = split > 1 and not fused and not range_sums  # the K ranges are summed by the second kernel
@@ -393,6 +455,11 @@ def launch(
         counters = arrival_counters(x.device, grid[0] * grid[1]) if fused else part
     topk_w, topk_id = (topk.weights, topk.ids) if topk is not None else (out, out)
     top_k = 0 if topk is None else topk.weights.shape[1]
+    pairs_h = 0 if pairs is None else pairs.h.shape[1]
+    # the router's top-k and silu·up are compiled without fused multiply-adds; silu·up's exp keeps subnormals
+    exact = {"enable_fp_fusion": topk is None and pairs is None}
+    if pairs is not None:
+        exact["enable_reflect_ftz"] = False
     _linear_kernel[grid](
         x,
         w,
@@ -423,17 +490,19 @@ def launch(
         BLOCK_E=triton.next_power_of_2(n) if topk is not None else 1,
         RENORMALISE=topk is not None and topk.renormalise,
         TOPK_PICKS=1 if topk is None else topk.picks,
+        PAIRS_H=0 if later else pairs_h,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        enable_fp_fusion=topk is None,  # the router kernel's top-k is compiled without fused multiply-adds
+        **exact,
         **launch_options(_linear_kernel, x.device),
     )
     if later:
         _split_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             part, out, inject, m, n, SPLIT=split, BLOCK=SUM_BLOCK, ROUND_BF16=round_bf16 and not INTERPRET,
-            GATES_R=gates_r, GATES_HC=gates_hc, INTERPRET=INTERPRET, **launch_options(_split_sum_kernel, x.device),
+            GATES_R=gates_r, GATES_HC=gates_hc, PAIRS_H=pairs_h, INTERPRET=INTERPRET, **exact,
+            **launch_options(_split_sum_kernel, x.device),
         )  # fmt: skip
-    if gates is not None or range_sums:
+    if gates is not None or range_sums or pairs is not None:
         return out
     if INTERPRET and round_bf16:  # the kernels stored fp32 there: round in torch (nearest even)
         return out.to(torch.bfloat16).to(torch.float32)
@@ -482,6 +551,31 @@ def linear_range_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The fp32 sums of x · wᵀ over each of `k_ranges`' K ranges, [split, M, N], formed as `linear` forms them and
     not added: for a consumer that adds them in range order itself (the hyper read's up kernel at one row)."""
     return _launch_bf16("linear_range_sums", x, w, range_sums=True)
+
+
+def linear_silu_mul(x: torch.Tensor, w_pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate)·up [M, H], logit [M, 1]), bf16, in one launch over w_pairs [2H + 2, K] (`pair_rows`): the sums of
+    x · w_pairsᵀ formed as `linear` forms them, then each pair's two rounded to bf16 and combined as `silu_mul` does,
+    so h and logit have the bits of `linear` over [gate; up; logit] followed by `silu_mul`."""
+    m, h = x.shape[0], (w_pairs.shape[0] - 2) // 2
+    pairs = SiluPairs(
+        torch.empty((m, h), dtype=torch.bfloat16, device=x.device),
+        torch.empty((m, 1), dtype=torch.bfloat16, device=x.device),
+    )
+    _launch_bf16("linear_silu_mul", x, w_pairs, pairs=pairs)
+    return pairs.h, pairs.logit
+
+
+def pair_rows(gate: torch.Tensor, up: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """gate and up [H, K] and logit [1, K] as `linear_silu_mul`'s weight [2H + 2, K]: rows 2j and 2j+1 gate and up
+    row j, then the logit row and a zero row (so pairs never straddle a tile or a row of the sums)."""
+    if gate.dim() != 2 or up.shape != gate.shape or logit.shape != (1, gate.shape[1]):
+        raise ValueError(
+            f"pair_rows: gate {tuple(gate.shape)}, up {tuple(up.shape)} and logit {tuple(logit.shape)} are not "
+            "[H, K], [H, K] and [1, K]"
+        )
+    last = torch.cat([logit, torch.zeros_like(logit)])
+    return torch.cat([torch.stack([gate, up], dim=1).flatten(0, 1), last])
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

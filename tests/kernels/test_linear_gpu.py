@@ -9,7 +9,20 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.linear import BLOCK_K, Tiles, TopK, k_ranges, launch, linear, linear_topk, pick_tiles, topk_tiles
+from kernels.gates import silu_mul
+from kernels.linear import (
+    BLOCK_K,
+    Tiles,
+    TopK,
+    k_ranges,
+    launch,
+    linear,
+    linear_silu_mul,
+    linear_topk,
+    pair_rows,
+    pick_tiles,
+    topk_tiles,
+)
 from kernels.router import router_topk
 
 # (N, K) per rank at tp=2: attention o_proj, GDN out_proj, the shared expert's down_proj, GDN's fused in_proj, the
@@ -99,3 +112,26 @@ def test_router_top_k_in_the_logits_launch_has_the_router_kernels_bits() -> None
                         assert torch.equal(logits.view(torch.int32), want_logits.view(torch.int32)), (experts, tiles)
                         assert torch.equal(ids, want_ids), (experts, trial, tiles)
                         assert torch.equal(weights.view(torch.int32), want_w.view(torch.int32)), (experts, trial, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
+@pytest.mark.parametrize("width", [320, 160])
+def test_silu_pairs_have_the_bits_of_linear_then_silu_mul(width: int) -> None:
+    """The shared expert's gate-up at tp=2's width (and half of it) with silu·up and the gate logit in its epilogue:
+    h and the logit equal `linear` over [gate; up; logit] then `silu_mul`, bit for bit, at 1 to 300 rows (16-row
+    tiles with the fused range sums, and wide tiles with the sum kernel), and each row alone equals it batched."""
+    k = 2560
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    x = torch.randn(max(ROWS), k, device="cuda", generator=gen).bfloat16()
+    gate, up, logit = (
+        (torch.randn(n, k, device="cuda", generator=gen) * 3 / k**0.5).bfloat16() for n in (width, width, 1)
+    )
+    pairs = pair_rows(gate, up, logit)
+    alone = [linear_silu_mul(x[i : i + 1], pairs) for i in range(max(ROWS))]
+    for m in ROWS:
+        y = linear(x[:m], torch.cat([gate, up, logit]))
+        h, gate_logit = linear_silu_mul(x[:m], pairs)
+        assert torch.equal(h.view(torch.int16), silu_mul(y[:, :width], y[:, width : 2 * width]).view(torch.int16)), m
+        assert torch.equal(gate_logit.view(torch.int16), y[:, 2 * width :].contiguous().view(torch.int16)), m
+        assert torch.equal(h, torch.cat([a[0] for a in alone[:m]])), f"{m} rows against alone"
