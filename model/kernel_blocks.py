@@ -1,10 +1,11 @@
 """The decoder layer's sub-blocks on the kernel path: every row of a round at once, through the Triton kernels.
 
-Row reductions run in kernels whose per-row bits do not depend on the batch; what torch does here is elementwise
-(the same per element whatever the batch), gathers and copies. The GDN gates, the shared expert's activations, the
-sigmoid gates of QSA's output and PLE's values and RoPE with the cache writes are elementwise kernels (one launch
-each, not a handful of torch ops); their sigmoid is an fp32 formula over exp rather than torch's own, which on the
-CPU rounds differently in the vector body and the scalar tail of a tensor and would tie a row's bits to the batch.
+Row reductions run in kernels whose per-row bits do not depend on the batch; what torch does here is elementwise (the
+same per element whatever the batch), gathers and copies. The GDN gates, the sigmoid gates of QSA's output and PLE's
+values and RoPE with the cache writes are elementwise kernels (one launch each, not a handful of torch ops), and the
+shared expert's silu·up is its gate-up launch's epilogue; their sigmoid is an fp32 formula over exp rather than torch's
+own, which on the CPU rounds differently in the vector body and the scalar tail of a tensor and would tie a row's bits
+to the batch.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from torch import nn
 
 from kernels.conv import causal_conv_update
 from kernels.fp4_words import kernel_bank
-from kernels.gates import gdn_gates, sigmoid_mul, silu_mul
+from kernels.gates import gdn_gates, sigmoid_mul
 from kernels.gdn import gdn_recurrent
 from kernels.gdn_chunk import ChunkPlan, gdn_prompt
 from kernels.gdn_step import fits as gdn_step_fits
 from kernels.gdn_step import gdn_step
 from kernels.hyper import hc_read, hc_write, hc_write_read
-from kernels.linear import linear, linear_topk
+from kernels.linear import linear, linear_silu_mul, linear_topk, pair_rows
 from kernels.moe import SharedGate, moe_forward
 from kernels.ngram import ngram_rows
 from kernels.norm import block_mean, gated_rms_norm, group_dot, zc_rms_norm
@@ -42,6 +43,7 @@ from model.ple import PLELayer
 from model.qsa import QSAIndexer, QSAttention
 from model.side_stream import follow, fork, join, on
 
+SHARED_PAIRS = "_pairs:shared_expert"  # where `shared_pairs_weight` keeps its tensor on the MoE module
 GDN_STEP_ROWS = 4  # the most one-row lanes GDN takes in one launch; more run faster apart (docs/performance.md)
 
 
@@ -191,6 +193,25 @@ def fused_weight(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
     return fused
 
 
+def shared_pairs_weight(m: SparseMoE) -> torch.Tensor:
+    """The shared expert's gate and up rows in pairs, then its gate-logit row (`pair_rows`), so one linear launch
+    stores silu·up and the logit. Made once, outside graph capture; the three projections' weights become views of
+    it (gate and up at a stride of two rows), so no memory is doubled."""
+    pairs = m.__dict__.get(SHARED_PAIRS)
+    if pairs is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the shared expert's paired weight must exist before a CUDA graph is captured")
+        s = m.shared_expert
+        pairs = pair_rows(s.gate_proj.weight, s.up_proj.weight, m.shared_expert_gate.weight)
+        width = s.gate_proj.weight.shape[0]
+        rows = pairs.view(width + 1, 2, pairs.shape[1])
+        set_parameter(m, "shared_expert.gate_proj.weight", rows[:width, 0])
+        set_parameter(m, "shared_expert.up_proj.weight", rows[:width, 1])
+        set_parameter(m, "shared_expert_gate.weight", rows[width:, 0])
+        m.__dict__[SHARED_PAIRS] = pairs
+    return pairs
+
+
 def read_weights(hc: GatedResidual) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, int]:
     """A read's arguments after the rows, as `hc_read` takes them: norm weight, down, up and inject weights (None at
     the final mixer), eps, streams."""
@@ -262,12 +283,9 @@ def moe(m: SparseMoE, x: torch.Tensor) -> torch.Tensor | PeerSum:
     the gated shared expert, which runs on the side stream beside the router and is joined before the routed gate-up
     launch (`SharedGate`)."""
     side = fork(x.device, "moe")
-    with on(side):
-        s = m.shared_expert
-        fused = linear(x, fused_weight(m, ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")))
-        width = s.gate_proj.weight.shape[0]
-        gate, up, gate_logit = fused.split([width, width, 1], dim=-1)
-        shared = project(silu_mul(gate, up), s.down_proj)
+    with on(side):  # silu·up and the gate logit in the gate-up launch's epilogue
+        h, gate_logit = linear_silu_mul(x, shared_pairs_weight(m))
+        shared = project(h, m.shared_expert.down_proj)
     weights, ids = linear_topk(x, m.gate.weight, m.gate.top_k, m.gate.renormalise)
     gated = SharedGate(shared, gate_logit, functools.partial(join, side))
     out_dtype = torch.float32 if m.tp.world > 1 else torch.bfloat16
