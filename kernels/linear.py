@@ -531,7 +531,7 @@ def linear(
 
 def _launch_bf16(name: str, x: torch.Tensor, w: torch.Tensor, **epilogue) -> torch.Tensor:
     """Check bf16 x [M, K] and w [N, K] for `name`, then launch with `linear`'s K ranges and tiles, fp32 sums into
-    the epilogue given (`launch`'s gates or range_sums)."""
+    the epilogue given (`launch`'s gates, range_sums or pairs)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16:
         raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} and w {tuple(w.shape)} do not match as bf16")
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -557,6 +557,8 @@ def linear_silu_mul(x: torch.Tensor, w_pairs: torch.Tensor) -> tuple[torch.Tenso
     """(silu(gate)·up [M, H], logit [M, 1]), bf16, in one launch over w_pairs [2H + 2, K] (`pair_rows`): the sums of
     x · w_pairsᵀ formed as `linear` forms them, then each pair's two rounded to bf16 and combined as `silu_mul` does,
     so h and logit have the bits of `linear` over [gate; up; logit] followed by `silu_mul`."""
+    if w_pairs.dim() != 2 or w_pairs.shape[0] < 4 or w_pairs.shape[0] % 2:
+        raise ValueError(f"linear_silu_mul: w_pairs {tuple(w_pairs.shape)} is not [2·H + 2, K] with H >= 1")
     m, h = x.shape[0], (w_pairs.shape[0] - 2) // 2
     pairs = SiluPairs(
         torch.empty((m, h), dtype=torch.bfloat16, device=x.device),

@@ -116,12 +116,12 @@ def test_router_top_k_in_the_logits_launch_has_the_router_kernels_bits() -> None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
-@pytest.mark.parametrize("width", [320, 160])
-def test_silu_pairs_have_the_bits_of_linear_then_silu_mul(width: int) -> None:
+@pytest.mark.parametrize(("width", "k"), [(320, 2560), (160, 2560), (64, 256)])
+def test_silu_pairs_have_the_bits_of_linear_then_silu_mul(width: int, k: int) -> None:
     """The shared expert's gate-up at tp=2's width (and half of it) with silu·up and the gate logit in its epilogue:
     h and the logit equal `linear` over [gate; up; logit] then `silu_mul`, bit for bit, at 1 to 300 rows (16-row
-    tiles with the fused range sums, and wide tiles with the sum kernel), and each row alone equals it batched."""
-    k = 2560
+    tiles with the fused range sums, wide tiles with the sum kernel, and whole K at 256), and each row alone equals
+    it batched."""
     gen = torch.Generator(device="cuda").manual_seed(width)
     x = torch.randn(max(ROWS), k, device="cuda", generator=gen).bfloat16()
     gate, up, logit = (
@@ -134,4 +134,5 @@ def test_silu_pairs_have_the_bits_of_linear_then_silu_mul(width: int) -> None:
         h, gate_logit = linear_silu_mul(x[:m], pairs)
         assert torch.equal(h.view(torch.int16), silu_mul(y[:, :width], y[:, width : 2 * width]).view(torch.int16)), m
         assert torch.equal(gate_logit.view(torch.int16), y[:, 2 * width :].contiguous().view(torch.int16)), m
-        assert torch.equal(h, torch.cat([a[0] for a in alone[:m]])), f"{m} rows against alone"
+        assert torch.equal(h.view(torch.int16), torch.cat([a[0] for a in alone[:m]]).view(torch.int16)), f"{m} alone"
+        assert torch.equal(gate_logit.view(torch.int16), torch.cat([a[1] for a in alone[:m]]).view(torch.int16)), m

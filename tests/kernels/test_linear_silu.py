@@ -50,7 +50,7 @@ def test_silu_pairs_have_the_bits_of_linear_then_silu_mul(m: int, h: int, k: int
 
 
 @pytest.mark.parametrize("split", [1, 3])
-def test_every_tile_and_batch_gives_the_same_bits(split: int) -> None:
+def test_both_tile_heights_and_rows_alone_give_the_same_bits(split: int) -> None:
     """16-row and wide tiles, rows alone and batched: the same h and logit (the exactness contract's row invariance)."""
     m, h, k = 20, 12, 3 * BLOCK_K
     g = torch.Generator().manual_seed(7)
@@ -73,6 +73,7 @@ def test_every_tile_and_batch_gives_the_same_bits(split: int) -> None:
 
 
 def test_pair_rows_interleaves_gate_and_up_and_pads_after_the_logit() -> None:
+    """Rows 2j and 2j+1 are gate and up row j, then the logit row and a zero row; mismatched shapes are refused."""
     gate, up, logit = weights(3, 32, seed=1)
     w = pair_rows(gate, up, logit)
     assert w.shape == (8, 32)
@@ -83,6 +84,7 @@ def test_pair_rows_interleaves_gate_and_up_and_pads_after_the_logit() -> None:
 
 
 def test_rejects_outputs_it_cannot_store() -> None:
+    """Each output, weight or tile the pair epilogue cannot take is refused, naming it."""
     x = torch.randn(2, 96).bfloat16()
     w = pair_rows(*weights(4, 96, seed=2))
     bf16 = torch.bfloat16
@@ -98,5 +100,11 @@ def test_rejects_outputs_it_cannot_store() -> None:
         launch(x, w, torch.float32, SMALL, 1, 96, pairs=pairs(logit=torch.empty(2, 2, dtype=bf16)))
     with pytest.raises(ValueError, match="pairs h must be contiguous bf16"):
         launch(x, w, torch.float32, SMALL, 1, 96, pairs=pairs(h=torch.empty(2, 4)))
+    with pytest.raises(ValueError, match="pairs h must be contiguous bf16"):
+        launch(x, w, torch.float32, SMALL, 1, 96, pairs=pairs(h=torch.empty(2, 8, dtype=bf16)[:, ::2]))
+    with pytest.raises(ValueError, match="even column tiles"):
+        launch(x, w, torch.float32, Tiles(16, 24 - 1, 2, 1), 1, 96, pairs=pairs())
     with pytest.raises(ValueError, match="even column tiles"):
         launch(x, w, torch.float32, SMALL, 1, 96, round_bf16=True, pairs=pairs())
+    with pytest.raises(ValueError, match="w_pairs"):
+        linear_silu_mul(x, w[:2])
