@@ -47,7 +47,7 @@ import triton.language as tl
 from kernels import moe_gluon
 from kernels.counters import CounterPool
 from kernels.fp4_words import PACKED_KEYS, from_words, natural_scales, span_k
-from kernels.gates import contiguous_columns, gated_add, gated_value, to_act
+from kernels.gates import contiguous_columns, gated_value, to_act
 from kernels.pdl import enter, launch_options, load_settled
 
 NVFP4_GROUP = 16
@@ -586,15 +586,21 @@ def _combine_kernel(
     ids_ptr,
     wts_ptr,
     out_ptr,
+    shared_ptr,
+    logit_ptr,
     D,
+    stride_logit,
     TOP_K: tl.constexpr,
     K_POW2: tl.constexpr,
     BLOCK_D: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    GATED: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[row] = Σ weight·y over the row's pairs in ascending expert id (ties by slot), fp32, one rounding."""
+    """out[row] = Σ weight·y over the row's pairs in ascending expert id (ties by slot), fp32, one rounding. GATED:
+    out = `gated_value(that sum, the row's shared-expert logit, its shared output)`, `_gated_add_kernel`'s bits, as
+    `_down_pairs_kernel` stores it."""
     enter(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -611,10 +617,15 @@ def _combine_kernel(
         w = tl.sum(tl.where(chosen, wts, 0.0), 0)
         y = tl.load(y_ptr + (row * TOP_K + slot).to(tl.int64) * D + cols, mask=col_ok, other=0.0)
         acc = acc + w * y
-    if OUT_BF16:
-        tl.store(out_ptr + row.to(tl.int64) * D + cols, _round_bf16(acc, INTERPRET), mask=col_ok)
+    out = out_ptr + row.to(tl.int64) * D + cols
+    if GATED:  # a gated value is exact in bf16: stored from its bits (the interpreter's cast drops subnormals)
+        shared = tl.load(shared_ptr + row.to(tl.int64) * D + cols, mask=col_ok, other=0.0)
+        acc = gated_value(acc, tl.load(logit_ptr + row.to(tl.int64) * stride_logit), shared, True, INTERPRET)
+        tl.store(out, to_act(acc, True, INTERPRET) if OUT_BF16 else acc, mask=col_ok)
+    elif OUT_BF16:
+        tl.store(out, _round_bf16(acc, INTERPRET), mask=col_ok)
     else:
-        tl.store(out_ptr + row.to(tl.int64) * D + cols, acc, mask=col_ok)
+        tl.store(out, acc, mask=col_ok)
 
 
 @triton.jit
@@ -787,7 +798,7 @@ def moe_forward(
     """Routed experts of x [N, d] bf16 with expert_ids [N, k] and weights [N, k] -> [N, d] out_dtype (bf16/fp32):
     below PAIR_ROWS rows each pair alone (two launches), else grouped by expert (four); the same bits either way.
     With `gated` the output is `gated_add(routed in bf16, gated.gate_logit, gated.shared, out_dtype)`: in the pairs
-    path's down launch, else a launch of its own (`SharedGate` says where each path calls `ready`)."""
+    path's down launch, else in the combine launch (`SharedGate` says where each path calls `ready`)."""
     wb = _weights(bank)
     n, top_k = expert_ids.shape
     if x.shape != (n, wb.d) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
@@ -809,11 +820,9 @@ def moe_forward(
         out = torch.empty(n, wb.d, dtype=out_dtype, device=x.device)
         _pairs_forward(x, ids, wts, wb, out, tiles, gated)
         return out
-    out = torch.empty(n, wb.d, dtype=torch.bfloat16 if gated is not None else out_dtype, device=x.device)
-    _grouped_forward(x, ids, wts, wb, out, tiles, gated.ready if gated is not None else None)
-    if gated is None:
-        return out
-    return gated_add(out, gated.gate_logit, gated.shared, out_dtype)
+    out = torch.empty(n, wb.d, dtype=out_dtype, device=x.device)
+    _grouped_forward(x, ids, wts, wb, out, tiles, gated)
+    return out
 
 
 def _check_shared_gate(gated: SharedGate, x: torch.Tensor) -> None:
@@ -881,24 +890,26 @@ def _grouped_forward(
     wb: _Weights,
     out: torch.Tensor,
     tiles: MoeTiles,
-    before_gate_up: Callable[[], None] | None = None,
+    gated: SharedGate | None = None,
 ) -> None:
-    """The rows' pairs grouped by expert through the plan: gate-up and down by row tile, then the combine;
-    `before_gate_up` runs between the plan and the gate-up launch."""
+    """The rows' pairs grouped by expert through the plan: gate-up and down by row tile, then the combine (adding the
+    gated shared expert, whose `ready` runs between the plan and the gate-up launch)."""
     n, top_k = ids.shape
     interpret = _interpreting()
     plan = moe_plan(ids, wb.experts, tiles.block_m)
     h = torch.empty(n * top_k, wb.inter, dtype=torch.bfloat16, device=x.device)
-    if before_gate_up is not None:
-        before_gate_up()
+    shared, logit = out, out
+    if gated is not None:
+        gated.ready()
+        shared, logit = gated.shared.contiguous(), contiguous_columns(gated.gate_logit)
     _gate_up_grouped(x, plan, wb, h, top_k, tiles, interpret)
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
     _down_grouped(h, plan, wb, y, tiles, interpret)
     block_d = min(1024, triton.next_power_of_2(wb.d))
     _combine_kernel[(n, triton.cdiv(wb.d, block_d))](
-        y, ids, wts, out, wb.d, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d,
-        OUT_BF16=out.dtype == torch.bfloat16, INTERPRET=interpret, num_warps=4,
-        **launch_options(_combine_kernel, x.device),
+        y, ids, wts, out, shared, logit, wb.d, logit.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
+        BLOCK_D=block_d, OUT_BF16=out.dtype == torch.bfloat16, GATED=gated is not None, INTERPRET=interpret,
+        num_warps=4, **launch_options(_combine_kernel, x.device),
     )  # fmt: skip
 
 
