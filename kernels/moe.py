@@ -2,13 +2,13 @@
 
 `moe_forward(x, expert_ids, weights, bank)` computes, for each row and each of its k (row, expert) pairs, `h =
 bf16(silu(x·Wgᵀ) * (x·Wuᵀ))` and `y = h·Wdᵀ`, then `out = Σ weight·y` over the row's experts in ascending expert id, in
-fp32, rounded once to the output dtype. No host synchronisation, so one CUDA graph replays any routing. Grouped path,
-four launches: a plan (pairs grouped by expert, expert bounds, each row tile's expert and first pair), the gate-up
-kernel (writes h per pair), the down kernel (writes fp32 y per pair) and the combine kernel (the ordered weighted sum
-per row, and with `gated` the gated shared expert). Pairs path, below PAIR_ROWS rows, two launches: each pair alone in a
-row tile of its own, h placed in its row's ascending-expert order, and the down kernel's last pair of a row to finish a
-column tile adds the row's weighted y in that order. A pair alone is the grouped tile with one row, so both paths give
-the same bits.
+fp32, rounded once to the output dtype (with `gated`: to bf16, then the gated value, stored in the output dtype). No
+host synchronisation, so one CUDA graph replays any routing. Grouped path, four launches: a plan (pairs grouped by
+expert, expert bounds, each row tile's expert and first pair), the gate-up kernel (writes h per pair), the down kernel
+(writes fp32 y per pair) and the combine kernel (the ordered weighted sum per row, and with `gated` the gated shared
+expert). Pairs path, below PAIR_ROWS rows, two launches: each pair alone in a row tile of its own, h placed in its row's
+ascending-expert order, and the down kernel's last pair of a row to finish a column tile adds the row's weighted y in
+that order. A pair alone is the grouped tile with one row, so both paths give the same bits.
 
 Reduction order (the exactness contract). Every dot accumulates in fp32 through tensor-core MMA steps 16 wide, in
 increasing index order over the reduced axis, starting from zero: the gate/up sums run over d, the down sum over I.

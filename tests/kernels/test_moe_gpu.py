@@ -118,13 +118,15 @@ def test_the_gated_shared_expert_in_the_down_or_combine_launch_gives_gated_adds_
     """One row's down launch, and more rows' combine launch, add the gated shared expert with the elementwise kernel's
     bits, compiled as they are (FMA contraction, ftz), over logits from -120 to 120 and shared values down to bf16's
     subnormals."""
+    assert (n < moe.PAIR_ROWS) == (n == 1)  # one row takes the pairs path, more the grouped one
     bank, (x, ids, w) = bank_and_routing(n)
     gen = torch.Generator(device="cuda").manual_seed(7)
     routed = moe_forward(x, ids, w, bank)
     for scale in (1.0, 2.0**-120, 2.0**-133):
         shared = (torch.randn(n, D, device="cuda", generator=gen) * scale).bfloat16()
         for z in (-120.0, -88.5, -87.0, -3.3, 0.0, 0.7, 30.0, 120.0):
-            logit = torch.full((n, 1), z, device="cuda").bfloat16()
+            rows = torch.arange(n, device="cuda")[:, None] * 0.375  # each row its own logit, in a column view
+            logit = (torch.full((n, 3), z, device="cuda") - rows).bfloat16()[:, 1:2]
             got = moe_forward(x, ids, w, bank, out_dtype, gated=moe.SharedGate(shared, logit, lambda: None))
             want = gated_add(routed, logit, shared, out_dtype)
             as_int = torch.int16 if out_dtype == torch.bfloat16 else torch.int32

@@ -182,7 +182,7 @@ def test_side_work_launches_between_its_fork_and_join(models, monkeypatch) -> No
             assert site is not None, f"{what} on the side stream outside a fork"
             sides[site].add(what)
         else:
-            joined_first = {"_gate_up_kernel", "_gate_up_pairs_kernel", "_gated_add_kernel", "_down_pairs_kernel",
+            joined_first = {"_gate_up_kernel", "_gate_up_pairs_kernel", "_down_pairs_kernel",
                             "_attn_chunk_kernel", "_gdn_recurrent_kernel"}  # fmt: skip
             assert site is None or what not in joined_first, what
     assert site is None
