@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -174,42 +175,55 @@ def write_input(y: torch.Tensor | PeerSum, wide: torch.Tensor) -> torch.Tensor |
     return y if isinstance(y, PeerSum) or y.dtype == wide.dtype else y.unsqueeze(0)
 
 
+def _stacked_once(
+    owner: nn.Module, key: str, what: str, stack: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+) -> torch.Tensor:
+    """`owner`'s stacked weight `key`, made by `stack` (the tensor, and each projection weight's view of it, which
+    replaces that weight, so no memory is doubled) at the first call, which must come before any graph capture."""
+    stacked = owner.__dict__.get(key)
+    if stacked is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what} must exist before a CUDA graph is captured")
+        stacked, views = stack()
+        for name, view in views.items():
+            set_parameter(owner, name, view)
+        owner.__dict__[key] = stacked
+    return stacked
+
+
 def fused_weight(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
     """The weights of `owner`'s projections `names` (which share an input) stacked into one [sum of outputs, K], so
-    the kernel path runs them as one linear launch. Made once, outside graph capture; the projections' weights become
-    views of it, so no memory is doubled."""
-    key = "_fused:" + ",".join(names)
-    fused = owner.__dict__.get(key)
-    if fused is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fused weights {names} must exist before a CUDA graph is captured")
+    the kernel path runs them as one linear launch; the projections' weights become views of it (`_stacked_once`)."""
+
+    def stack() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         parts = [owner.get_submodule(name).weight for name in names]
-        fused = torch.cat(parts)
-        start = 0
+        fused, views, start = torch.cat(parts), {}, 0
         for name, part in zip(names, parts, strict=True):
-            set_parameter(owner, f"{name}.weight", fused[start : start + part.shape[0]])
+            views[f"{name}.weight"] = fused[start : start + part.shape[0]]
             start += part.shape[0]
-        owner.__dict__[key] = fused
-    return fused
+        return fused, views
+
+    return _stacked_once(owner, "_fused:" + ",".join(names), f"fused weights {names}", stack)
 
 
 def shared_pairs_weight(m: SparseMoE) -> torch.Tensor:
     """The shared expert's gate and up rows in pairs, then its gate-logit row (`pair_rows`), so one linear launch
-    stores silu·up and the logit. Made once, outside graph capture; the three projections' weights become views of
-    it (gate and up at a stride of two rows), so no memory is doubled."""
-    pairs = m.__dict__.get(SHARED_PAIRS)
-    if pairs is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the shared expert's paired weight must exist before a CUDA graph is captured")
+    stores silu·up and the logit; the three projections' weights become views of it, gate and up at a stride of two
+    rows (`_stacked_once`)."""
+
+    def stack() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         s = m.shared_expert
         pairs = pair_rows(s.gate_proj.weight, s.up_proj.weight, m.shared_expert_gate.weight)
         width = s.gate_proj.weight.shape[0]
         rows = pairs.view(width + 1, 2, pairs.shape[1])
-        set_parameter(m, "shared_expert.gate_proj.weight", rows[:width, 0])
-        set_parameter(m, "shared_expert.up_proj.weight", rows[:width, 1])
-        set_parameter(m, "shared_expert_gate.weight", rows[width:, 0])
-        m.__dict__[SHARED_PAIRS] = pairs
-    return pairs
+        views = {
+            "shared_expert.gate_proj.weight": rows[:width, 0],
+            "shared_expert.up_proj.weight": rows[:width, 1],
+            "shared_expert_gate.weight": rows[width:, 0],
+        }
+        return pairs, views
+
+    return _stacked_once(m, SHARED_PAIRS, "the shared expert's paired weight", stack)
 
 
 def read_weights(hc: GatedResidual) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, int]:
