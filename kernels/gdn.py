@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.conv import lane_run_end, lane_runs
-from kernels.fp32_ops import exp_f32, mul_rn, pairwise_sum
+from kernels.fp32_ops import exp_f32, mul_rn, pairwise_row_sums, pairwise_sum
 from kernels.pdl import enter, launch_options
 
 L2_EPS = 1e-6
@@ -293,6 +293,25 @@ def unit_q(q, SCALE, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexp
 def unit_k(k, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
     """k at unit L2 norm."""
     return k * _inverse_norm(k, EPS, DK, INTERPRET)
+
+
+@triton.jit
+def _inverse_row_norms(x, ROWS: tl.constexpr, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_inverse_norm` of each row of x [ROWS, DK]: [ROWS], the same tree of rounded squares."""
+    total = tl.sqrt_rn(pairwise_row_sums(mul_rn(x, x, INTERPRET), ROWS, DK) + EPS)
+    return tl.div_rn(tl.full(total.shape, 1.0, tl.float32), total)
+
+
+@triton.jit
+def unit_q_rows(q, SCALE, ROWS: tl.constexpr, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
+    """`unit_q` of each row of q [ROWS, DK]."""
+    return tl.div_rn(q * _inverse_row_norms(q, ROWS, EPS, DK, INTERPRET)[:, None], SCALE)
+
+
+@triton.jit
+def unit_k_rows(k, ROWS: tl.constexpr, EPS: tl.constexpr, DK: tl.constexpr, INTERPRET: tl.constexpr):
+    """`unit_k` of each row of k [ROWS, DK]."""
+    return k * _inverse_row_norms(k, ROWS, EPS, DK, INTERPRET)[:, None]
 
 
 @triton.jit

@@ -2,12 +2,13 @@
 
 `gdn_step` gives the bits of `causal_conv_update` (SiLU), `gdn_gates`, `gdn_recurrent` and `gated_rms_norm` run one
 after another on the same rows, from the same jit helpers: one program per (row, value head, Dv tile) as in the
-recurrence kernel, and a lane's first row runs the lane's rows in order. For each row it forms its key head's q and k
-and its own Dv tile of v by the conv kernel's `conv_acc` (rounded to the activation dtype, as the conv kernel
-stores them), its head's beta and g by `gdn_gate_values`, then the recurrence kernel's step; the conv and gate
-helpers round every product and sum apart, so this kernel, compiled with FMA contraction as the recurrence is, gives
-them the bits their own kernels give them without it. The fp32 outputs go to a scratch [T, H, Dv]; the last of a
-(row, value head)'s Dv tiles to arrive (an arrival counter) runs `gated_norm_pairs` on each of the lane's rows.
+recurrence kernel, and a lane's first row runs the lane's rows in order, `window` rows at a time. For a window it
+keeps the rows' conv tails, forms its key head's q and k by the conv kernel's `conv_acc` (rounded to the activation
+dtype, as the conv kernel stores them) at unit norm, and its head's beta and g by `gdn_gate_values`, all in one wave
+of loads; then for each row its own Dv tile of v and the recurrence kernel's step. The conv and gate helpers round
+every product and sum apart, so this kernel, compiled with FMA contraction as the recurrence is, gives them the bits
+their own kernels give them without it. The fp32 outputs go to a scratch [T, H, Dv]; the last of a (row, value
+head)'s Dv tiles to arrive (an arrival counter) runs `gated_norm_pairs` on the lane's rows, a window at a time.
 A key head's q, k tail is read by every program of that key head, so the last of them to arrive replaces it; each
 program replaces its own v channels' tail. Counters are left zero.
 """
@@ -30,6 +31,7 @@ from kernels.conv import (
     store_row_tails,
 )
 from kernels.counters import CounterPool
+from kernels.fp32_ops import negative_zeros
 from kernels.gates import check_gdn_gates, contiguous_columns, gdn_gate_values, gdn_gates_reference
 from kernels.gdn import (
     BLOCK_V,
@@ -42,8 +44,8 @@ from kernels.gdn import (
     keep_state,
     kept_states_plan,
     read_out,
-    unit_k,
-    unit_q,
+    unit_k_rows,
+    unit_q_rows,
 )
 from kernels.norm import block_c, gated_norm_pairs, gated_rms_norm_reference, row_groups
 from kernels.pdl import enter, launch_options, load_settled
@@ -51,36 +53,48 @@ from kernels.pdl import enter, launch_options, load_settled
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 1024  # rows one launch takes (its arrival counters: a key-head and a value-head set per row)
 MAX_HEADS = 64  # value heads per rank the counters cover
+WINDOWS = (1, 2, 4, 8)  # rows of a lane one program reads at once
 _COUNTERS = CounterPool(MAX_ROWS * 2 * MAX_HEADS, "gdn_step", "row heads")
 
 
 @triton.jit
-def _conv_channels(
-    x_ptr, tail_ptr, w_ptr, t, lane, local, cols, stride_xt, stride_tl, stride_ts, stride_wc, stride_wk,
+def _conv_rows(
+    x_ptr, tail_ptr, w_ptr, rows, lane, local, inside, cols, stride_xt, stride_tl, stride_ts, stride_wc, stride_wk,
     K: tl.constexpr, S: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Row t's conv output (SiLU) in the given channels, as the conv kernel stores it, in fp32."""
-    one = tl.zeros((1,), tl.int32)
-    every = (one[:, None] + cols[None, :]) >= 0
+    """The rows' conv outputs (SiLU) in the given channels [W, C], as the conv kernel stores them, in fp32 (zeros in
+    rows not `inside`)."""
+    mask = inside[:, None] & (cols >= 0)[None, :]
     acc = conv_acc(
-        x_ptr, tail_ptr, w_ptr, one + t, one + lane, one + local, cols, every, cols >= 0, stride_xt, stride_tl,
+        x_ptr, tail_ptr, w_ptr, rows, tl.zeros_like(rows) + lane, local, cols, mask, cols >= 0, stride_xt, stride_tl,
         stride_ts, stride_wc, stride_wk, K, 1, S, True, True, INTERPRET,
     )  # fmt: skip
-    return tl.reshape(acc.to(x_ptr.dtype.element_ty), (cols.shape[0],)).to(tl.float32)
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
 def _store_tails_after(
-    x_ptr, tail_ptr, row_tails_ptr, t, lane, local, cols, stride_xt, stride_tl, stride_ts, stride_kt, stride_ks,
-    S: tl.constexpr,
+    x_ptr, tail_ptr, row_tails_ptr, rows, lane, local, inside, cols, stride_xt, stride_tl, stride_ts, stride_kt,
+    stride_ks, S: tl.constexpr,
 ):  # fmt: skip
-    """The lane's conv tail after row t in the given channels, at row t of row_tails."""
-    one = tl.zeros((1,), tl.int32)
-    every = (one[:, None] + cols[None, :]) >= 0
+    """The lane's conv tail after each of the rows `inside`, in the given channels, at the rows' places in row_tails."""
     store_row_tails(
-        x_ptr, tail_ptr, row_tails_ptr, one + t, one + lane, one + local, cols, every, stride_xt, stride_tl,
-        stride_ts, stride_kt, stride_ks, S, True,
+        x_ptr, tail_ptr, row_tails_ptr, rows, tl.zeros_like(rows) + lane, local, cols,
+        inside[:, None] & (cols >= 0)[None, :], stride_xt, stride_tl, stride_ts, stride_kt, stride_ks, S, True,
     )  # fmt: skip
+
+
+@triton.jit
+def _row_of(tile, i, W: tl.constexpr):
+    """Row i of a [W, C] fp32 tile, exactly: every other row adds -0.0."""
+    pick = (tl.arange(0, W) == i)[:, None]
+    return tl.sum(tl.where(pick, tile, negative_zeros(tile.shape)), axis=0)
+
+
+@triton.jit
+def _element_of(vector, i, W: tl.constexpr):
+    """Element i of a [W] fp32 vector, exactly: every other element adds -0.0."""
+    return tl.sum(tl.where(tl.arange(0, W) == i, vector, negative_zeros(vector.shape)), axis=0)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -92,7 +106,7 @@ def _gdn_step_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
     EPS: tl.constexpr, KEEP: tl.constexpr, KEEP_TAILS: tl.constexpr, SILU_GATE: tl.constexpr,
     B_BF16: tl.constexpr, ACT_BF16: tl.constexpr, NORM_BLOCK: tl.constexpr, SCAN: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    W: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, value head, Dv tile); a lane's first row runs the lane's rows (others, and rows of
     lane -1, return)."""
@@ -123,31 +137,44 @@ def _gdn_step_kernel(
         a_log = tl.load(a_log_ptr + head)
         dt_bias = tl.load(dt_bias_ptr + head)
         row64 = row.to(tl.int64)
-        states_at = states_ptr + (row64 * H + head) * DK * DV
-        for t in tl.range(row, end):
-            local = tl.minimum(t - row, S)
-            q = _conv_channels(x_ptr, tail_ptr, conv_w_ptr, t, lane, local, q_cols, stride_xt, stride_tl, stride_ts,
-                               stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
-            k = _conv_channels(x_ptr, tail_ptr, conv_w_ptr, t, lane, local, k_cols, stride_xt, stride_tl, stride_ts,
-                               stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
-            v = _conv_channels(x_ptr, tail_ptr, conv_w_ptr, t, lane, local, v_cols, stride_xt, stride_tl, stride_ts,
-                               stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
-            t64 = row64 + (t - row)  # (under the interpreter t is a Python int)
-            b = tl.load(b_ptr + t64 * stride_bt + head)
-            a = tl.load(a_ptr + t64 * stride_at + head)
-            beta, g = gdn_gate_values(b, a, a_log, dt_bias, B_BF16, INTERPRET)
-            s = delta_step(s, unit_k(k, EPS, DK, INTERPRET), v, g, beta.to(tl.float32), INTERPRET)
-            o = read_out(s, unit_q(q, SCALE, EPS, DK, INTERPRET), o_ptr, INTERPRET)
-            tl.store(o_ptr + (t64 * H + head) * DV + dv, o)
-            if KEEP != KEEP_NONE:
-                keep_state(states_at, states_ptr, keep_ptr, t, H, head, state_tile, s, KEEP, DK, DV)
-            states_at += H * DK * DV
+        # W rows at a time: their conv tails kept, their unit q and k and their gates formed in one wave of loads,
+        # then the recurrence's steps one row after another
+        for base in tl.range(row, end, W):
+            rows = base + tl.arange(0, W)
+            inside = rows < end
+            local = tl.minimum(rows - row, S)
             if KEEP_TAILS:
-                _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, v_cols, stride_xt, stride_tl,
-                                   stride_ts, stride_kt, stride_ks, S)  # fmt: skip
+                _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, rows, lane, local, inside, v_cols, stride_xt,
+                                   stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
                 if (head % RATIO == 0) & (pid % tiles == 0):  # one program a key head keeps its q, k tails
-                    _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, t, lane, local, qk_cols, stride_xt,
-                                       stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
+                    _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, rows, lane, local, inside, qk_cols,
+                                       stride_xt, stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
+            k_all = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, rows, lane, local, inside, k_cols, stride_xt, stride_tl,
+                               stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+            k_all = unit_k_rows(k_all, W, EPS, DK, INTERPRET)
+            q_all = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, rows, lane, local, inside, q_cols, stride_xt, stride_tl,
+                               stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+            q_all = unit_q_rows(q_all, SCALE, W, EPS, DK, INTERPRET)
+            rows64 = row64 + (rows - row)
+            b = tl.load(b_ptr + rows64 * stride_bt + head, mask=inside, other=0.0)
+            a = tl.load(a_ptr + rows64 * stride_at + head, mask=inside, other=0.0)
+            beta_all, g_all = gdn_gate_values(b, a, a_log, dt_bias, B_BF16, INTERPRET)
+            beta_all = beta_all.to(tl.float32)
+            for t in tl.range(base, tl.minimum(base + W, end)):
+                i = t - base
+                t64 = row64 + (t - row)  # (under the interpreter t is a Python int)
+                # v is formed row by row: picked out of the window's tile, it gave the recurrence other bits on the
+                # GPU (docs/performance.md, thirty-third session)
+                one = tl.zeros((1,), tl.int32) + t
+                v = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, one, lane, tl.minimum(one - row, S), one >= 0, v_cols,
+                               stride_xt, stride_tl, stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+                s = delta_step(s, _row_of(k_all, i, W), tl.reshape(v, (BV,)), _element_of(g_all, i, W),
+                               _element_of(beta_all, i, W), INTERPRET)  # fmt: skip
+                o = read_out(s, _row_of(q_all, i, W), o_ptr, INTERPRET)
+                tl.store(o_ptr + (t64 * H + head) * DV + dv, o)
+                if KEEP != KEEP_NONE:
+                    keep_state(states_ptr + (t64 * H + head) * DK * DV, states_ptr, keep_ptr, t64, H, head,
+                               state_tile, s, KEEP, DK, DV)  # fmt: skip
         tl.store(slot + state_tile, s)
         seq = end - row
         replace_tail(x_ptr, tail_ptr, row, lane, seq, v_cols, v_cols >= 0, stride_xt, stride_tl, stride_ts, S, S_PAD)
@@ -159,13 +186,13 @@ def _gdn_step_kernel(
             tl.atomic_xchg(key_count, 0, sem="relaxed", scope="gpu")
         head_count = count_ptr + row64 * (2 * H) + H + head
         if tl.atomic_add(head_count, 1, sem="acq_rel", scope="gpu") == tiles - 1:
-            one = tl.zeros((1,), tl.int64)
             width = tl.zeros((), tl.int32) + DV  # a runtime width, as the norm kernel has
-            for t in tl.range(row, end):
-                pair = one + t * H + head
-                z_at = one + (row64 + (t - row)) * stride_zt + head * DV
-                gated_norm_pairs(o_ptr, z_ptr, norm_w_ptr, y_ptr, pair, pair * DV, z_at, pair >= 0, width, norm_eps,
-                                 SILU_GATE, ACT_BF16, 1, NORM_BLOCK, INTERPRET)  # fmt: skip
+            for base in tl.range(row, end, W):
+                rows64 = row64 + (base - row) + tl.arange(0, W)
+                pairs = rows64 * H + head
+                gated_norm_pairs(o_ptr, z_ptr, norm_w_ptr, y_ptr, pairs, pairs * DV, rows64 * stride_zt + head * DV,
+                                 rows64 < row64 + (end - row), width, norm_eps, SILU_GATE, ACT_BF16, W, NORM_BLOCK,
+                                 INTERPRET)  # fmt: skip
             tl.atomic_xchg(head_count, 0, sem="relaxed", scope="gpu")
 
 
@@ -256,12 +283,16 @@ def gdn_step(
     keep_rows: torch.Tensor | None = None,
     keep_places: torch.Tensor | None = None,
     states_out: torch.Tensor | None = None,
+    window: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y [T, H, Dv] in z's dtype, kept states or None): the GDN mixer's rows from the input projection's mixed
     [T, conv channels], b and a [T, H] and z [T, H, Dv] (or [T, H·Dv]), through the conv (its tails in place,
     `row_tails` as `causal_conv_update` keeps them), the gates, the recurrence (states in place; the keep arguments as
     `gdn_recurrent` takes them) and the gated norm, with those kernels' bits. Rows of lane -1 are left alone (their
-    y unwritten), as the recurrence leaves them."""
+    y unwritten), as the recurrence leaves them. A lane's rows are read `window` (a power of two) at a time; any
+    window gives the same bits (the model reads one: docs/performance.md, thirty-third session)."""
+    if window not in WINDOWS:
+        raise ValueError(f"window: expected one of {WINDOWS}, got {window}")
     z3 = _check_step(
         mixed, tail, conv_weight, b, a, a_log, dt_bias, z, norm_weight, gate_act, state, lane_of_row, key_heads,
         row_tails,
@@ -284,7 +315,7 @@ def gdn_step(
         DK=dk, DV=dv, BV=block_v, K=kernel, S=kernel - 1, S_PAD=triton.next_power_of_2(kernel - 1), EPS=L2_EPS,
         KEEP=mode.value, KEEP_TAILS=row_tails is not None, SILU_GATE=gate_act == "silu",
         B_BF16=b.dtype == torch.bfloat16, ACT_BF16=z.dtype == torch.bfloat16, NORM_BLOCK=block_c(dv), SCAN=SCAN_ROWS,
-        INTERPRET=INTERPRET,
+        W=window, INTERPRET=INTERPRET,
         num_warps=NUM_WARPS, enable_fp_fusion=True, enable_reflect_ftz=False,
         **launch_options(_gdn_step_kernel, mixed.device),
     )  # fmt: skip

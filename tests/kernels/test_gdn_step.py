@@ -95,15 +95,17 @@ def unfused(
 
 
 def fused(
-    data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int, copies: bool = True
+    data: dict[str, torch.Tensor], keep: bool, act: str, key_heads: int, copies: bool = True, window: int = 1
 ) -> tuple[torch.Tensor | None, ...]:
-    """`gdn_step` (on copies of the tails and states unless `copies` is False), the same five results."""
+    """`gdn_step` reading `window` rows of a lane at once (on copies of the tails and states unless `copies` is
+    False), the same five results."""
     tail, state = tails_and_states(data, copies)
     seq = data["mixed"].shape[0]
     row_tails = tail.new_empty((seq, *tail.shape[1:])) if keep else None
     y, kept = step.gdn_step(
         data["mixed"], tail, data["conv_weight"], data["b"], data["a"], data["a_log"], data["dt_bias"], data["z"],
         data["norm_weight"], EPS, act, state, data["lane_of_row"], key_heads, row_tails=row_tails, keep_states=keep,
+        window=window,
     )  # fmt: skip
     return y, tail, state, kept, row_tails
 
@@ -116,16 +118,20 @@ def assert_same_bits(want: tuple[torch.Tensor | None, ...], got: tuple[torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("lanes", "lens", "keep", "act"),
+    ("lanes", "lens", "keep", "act", "window"),
     [
-        ([3, 0, 5, 1], [1, 1, 1, 1], False, "silu"),  # decode rows
-        ([2, 4, 0], [3, 1, 5], True, "silu"),  # verify windows, a run longer than the tail, states kept
-        ([1], [2], True, "sigmoid"),
+        ([3, 0, 5, 1], [1, 1, 1, 1], False, "silu", 1),  # decode rows
+        ([2, 4, 0], [3, 1, 5], True, "silu", 1),  # verify windows, a run longer than the tail, states kept
+        ([1], [2], True, "sigmoid", 1),
+        ([2, 4, 0], [3, 1, 5], True, "silu", 4),  # a window's rows read at once; a run longer than that
+        ([2, 4, 0], [3, 1, 5], True, "sigmoid", 2),  # runs of whole and part windows
+        ([1, 5], [4, 1], False, "silu", 8),  # windows wider than every run
     ],
 )
-def test_one_launch_gives_the_four_kernels_bits(lanes, lens, keep, act) -> None:
+def test_one_launch_gives_the_four_kernels_bits(lanes, lens, keep, act, window) -> None:
     data = inputs(lanes, lens)
-    assert_same_bits(unfused(data, keep, act, SMALL.key_heads), fused(data, keep, act, SMALL.key_heads))
+    want = unfused(data, keep, act, SMALL.key_heads)
+    assert_same_bits(want, fused(data, keep, act, SMALL.key_heads, window=window))
     assert not step._COUNTERS.get(torch.device("cpu"), 0).any()  # every counter left zero
 
 
@@ -168,10 +174,10 @@ def test_listed_kept_rows_into_a_given_buffer_and_one_value_head_a_key_head() ->
     places = torch.full((9,), -1, dtype=torch.int32)
     places[listed] = torch.arange(3, dtype=torch.int32)
     want = unfused(data, True, "silu", shape.key_heads)
-    for keep in ({"keep_rows": listed}, {"keep_rows": listed, "keep_places": places}):
+    for window, keep in ((1, {"keep_rows": listed}), (4, {"keep_rows": listed, "keep_places": places})):
         copy = dict(data, tail=data["tail"].clone(), state=data["state"].clone())
         out = torch.empty(3, shape.heads, shape.dk, shape.dv)
-        y, kept = call(copy, shape.key_heads, keep_states=True, states_out=out, **keep)
+        y, kept = call(copy, shape.key_heads, keep_states=True, states_out=out, window=window, **keep)
         assert kept is out
         got = (y, copy["tail"], copy["state"], kept)
         for name, w, g in zip(("y", "tails", "states", "kept states"), want[:4], got, strict=True):
@@ -189,6 +195,7 @@ def test_bad_arguments_are_refused_by_name() -> None:
         "z": (dict(data, z=data["z"][:, 1:]), {}),
         "norm_weight": (dict(data, norm_weight=data["norm_weight"][1:]), {}),
         "tail": (dict(data, tail=data["tail"][:, 1:]), {}),
+        "window": (dict(data), {"window": 3}),
     }
     for name, (args, options) in bad.items():
         with pytest.raises(ValueError, match=f"^{name}:"):
