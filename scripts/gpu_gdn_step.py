@@ -1,6 +1,8 @@
 """GDN's one launch (`kernels.gdn_step`) against the four kernels it stands for (conv, gates, recurrence, gated norm)
 on one GPU: every output's bits, with and without kept states, and the µs per call of each (CUDA-graph replays, 20
-calls a graph, 15 replays) for one-row lanes and four-row windows. Inputs are tests/kernels/test_gdn_step.py's.
+calls a graph, 15 replays; without and with every row's state and conv tail kept) for one-row lanes and four-row
+windows (the one launch reading a lane's rows one at a time, and a window at once). Inputs are
+tests/kernels/test_gdn_step.py's.
 
 python3 scripts/gpu_gdn_step.py                             # tp=2's per-rank widths, one H200
 TRITON_INTERPRET=1 python3 scripts/gpu_gdn_step.py --smoke  # tiny shapes on the CPU, untimed
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 from pathlib import Path
 
 import torch
+import triton
 
 os.environ.setdefault("TRITON_INTERPRET", "0")  # before the test module, which would default to the interpreter
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,18 +37,22 @@ def compare(shape: Shape, cases: list[tuple[int, int]], device: str, timed: bool
     report = []
     for count, rows in cases:
         data = inputs(*lanes_and_lens(count, rows, shape), seed=1, shape=shape, device=device)
+        paths = {"one launch": fused, "four kernels": unfused}
+        if rows > 1:  # a window's rows read at once
+            paths[f"one launch, window {rows}"] = functools.partial(fused, window=triton.next_power_of_2(rows))
         equal = all(
             all((w is None and g is None) or torch.equal(w, g) for w, g in zip(want, got, strict=True))
-            for want, got in (
-                (unfused(data, keep, "silu", shape.key_heads), fused(data, keep, "silu", shape.key_heads))
-                for keep in (False, True)
-            )
+            for keep in (False, True)
+            for want in [unfused(data, keep, "silu", shape.key_heads)]
+            for name, path in paths.items()
+            if name != "four kernels"
+            for got in [path(data, keep, "silu", shape.key_heads)]
         )
         times = {}
         if timed:
-            for name, path in (("one launch", fused), ("four kernels", unfused)):
-                call = functools.partial(path, data, False, "silu", shape.key_heads, copies=False)
-                times[name] = graph_median_us([call], 20, 15)
+            for (name, path), keep in itertools.product(paths.items(), (False, True)):
+                call = functools.partial(path, data, keep, "silu", shape.key_heads, copies=False)
+                times[name + (", states kept" if keep else "")] = graph_median_us([call], 20, 15)
         report.append({"lanes": count, "rows": rows, "bits_equal": equal, "us": times})
         print(f"lanes {count} rows {rows}: bits equal {equal}  "
               + "  ".join(f"{k} {v:.2f} us" for k, v in times.items()), flush=True)  # fmt: skip
