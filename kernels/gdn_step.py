@@ -85,16 +85,26 @@ def _store_tails_after(
 
 
 @triton.jit
-def _row_of(tile, i, W: tl.constexpr):
-    """Row i of a [W, C] fp32 tile, exactly: every other row adds -0.0."""
-    pick = (tl.arange(0, W) == i)[:, None]
-    return tl.sum(tl.where(pick, tile, negative_zeros(tile.shape)), axis=0)
+def _picked(values, pick, INTERPRET: tl.constexpr):
+    """Σ over axis 0 of fp32 values where `pick` holds one entry a column: that entry, exactly. On the GPU every
+    other entry adds -0.0; the interpreter's sum starts from +0.0, so there the bits are summed as integers."""
+    if INTERPRET:
+        bits = tl.where(pick, values.to(tl.uint32, bitcast=True), 0)
+        return tl.sum(bits, axis=0).to(tl.float32, bitcast=True)
+    else:
+        return tl.sum(tl.where(pick, values, negative_zeros(values.shape)), axis=0)
 
 
 @triton.jit
-def _element_of(vector, i, W: tl.constexpr):
-    """Element i of a [W] fp32 vector, exactly: every other element adds -0.0."""
-    return tl.sum(tl.where(tl.arange(0, W) == i, vector, negative_zeros(vector.shape)), axis=0)
+def _row_of(tile, i, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row i of a [W, C] fp32 tile, exactly."""
+    return _picked(tile, (tl.arange(0, W) == i)[:, None], INTERPRET)
+
+
+@triton.jit
+def _element_of(vector, i, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """Element i of a [W] fp32 vector, exactly."""
+    return _picked(vector, tl.arange(0, W) == i, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -149,12 +159,12 @@ def _gdn_step_kernel(
                 if (head % RATIO == 0) & (pid % tiles == 0):  # one program a key head keeps its q, k tails
                     _store_tails_after(x_ptr, tail_ptr, row_tails_ptr, rows, lane, local, inside, qk_cols,
                                        stride_xt, stride_tl, stride_ts, stride_kt, stride_ks, S)  # fmt: skip
-            k_all = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, rows, lane, local, inside, k_cols, stride_xt, stride_tl,
-                               stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
-            k_all = unit_k_rows(k_all, W, EPS, DK, INTERPRET)
-            q_all = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, rows, lane, local, inside, q_cols, stride_xt, stride_tl,
-                               stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
-            q_all = unit_q_rows(q_all, SCALE, W, EPS, DK, INTERPRET)
+            k_conv = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, rows, lane, local, inside, k_cols, stride_xt, stride_tl,
+                                stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+            k_all = unit_k_rows(k_conv, W, EPS, DK, INTERPRET)
+            q_conv = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, rows, lane, local, inside, q_cols, stride_xt, stride_tl,
+                                stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
+            q_all = unit_q_rows(q_conv, SCALE, W, EPS, DK, INTERPRET)
             rows64 = row64 + (rows - row)
             b = tl.load(b_ptr + rows64 * stride_bt + head, mask=inside, other=0.0)
             a = tl.load(a_ptr + rows64 * stride_at + head, mask=inside, other=0.0)
@@ -165,12 +175,14 @@ def _gdn_step_kernel(
                 t64 = row64 + (t - row)  # (under the interpreter t is a Python int)
                 # v is formed row by row: picked out of the window's tile, it gave the recurrence other bits on the
                 # GPU (docs/performance.md, thirty-third session)
-                one = tl.zeros((1,), tl.int32) + t
-                v = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, one, lane, tl.minimum(one - row, S), one >= 0, v_cols,
-                               stride_xt, stride_tl, stride_ts, stride_wc, stride_wk, K, S, INTERPRET)  # fmt: skip
-                s = delta_step(s, _row_of(k_all, i, W), tl.reshape(v, (BV,)), _element_of(g_all, i, W),
-                               _element_of(beta_all, i, W), INTERPRET)  # fmt: skip
-                o = read_out(s, _row_of(q_all, i, W), o_ptr, INTERPRET)
+                row_t = tl.zeros((1,), tl.int32) + t  # row t as a one-row tile
+                v = _conv_rows(x_ptr, tail_ptr, conv_w_ptr, row_t, lane, tl.minimum(row_t - row, S), row_t >= 0,
+                               v_cols, stride_xt, stride_tl, stride_ts, stride_wc, stride_wk, K, S,
+                               INTERPRET)  # fmt: skip
+                s = delta_step(s, _row_of(k_all, i, W, INTERPRET), tl.reshape(v, (BV,)),
+                               _element_of(g_all, i, W, INTERPRET), _element_of(beta_all, i, W, INTERPRET),
+                               INTERPRET)  # fmt: skip
+                o = read_out(s, _row_of(q_all, i, W, INTERPRET), o_ptr, INTERPRET)
                 tl.store(o_ptr + (t64 * H + head) * DV + dv, o)
                 if KEEP != KEEP_NONE:
                     keep_state(states_ptr + (t64 * H + head) * DK * DV, states_ptr, keep_ptr, t64, H, head,
@@ -289,7 +301,7 @@ def gdn_step(
     [T, conv channels], b and a [T, H] and z [T, H, Dv] (or [T, H·Dv]), through the conv (its tails in place,
     `row_tails` as `causal_conv_update` keeps them), the gates, the recurrence (states in place; the keep arguments as
     `gdn_recurrent` takes them) and the gated norm, with those kernels' bits. Rows of lane -1 are left alone (their
-    y unwritten), as the recurrence leaves them. A lane's rows are read `window` (a power of two) at a time; any
+    y unwritten), as the recurrence leaves them. A lane's rows are read `window` (one of WINDOWS) at a time; any
     window gives the same bits (the model reads one: docs/performance.md, thirty-third session)."""
     if window not in WINDOWS:
         raise ValueError(f"window: expected one of {WINDOWS}, got {window}")

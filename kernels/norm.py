@@ -173,7 +173,7 @@ def gated_norm_pairs(
 ):
     """(row, group) pairs r (x at offs, z at z_offs, out at r·C): x rounded to act, act(act(w · act(x · rstd)) ·
     gate(z)), the gate in fp32; Σx² a tree of neighbour pairs of rounded squares per chunk, chunks added in order,
-    so a pair's bits depend on no tile shape or compile option (the fused GDN kernel runs it on one pair)."""
+    so a pair's bits depend on no tile shape or compile option (the fused GDN kernel runs it on a window's pairs)."""
     total = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)

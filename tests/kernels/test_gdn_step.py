@@ -10,11 +10,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import gdn_step as step
 from kernels.conv import causal_conv_update
 from kernels.gates import gdn_gates
 from kernels.gdn import gdn_recurrent
+from kernels.gdn_step import _element_of, _row_of
 from kernels.norm import gated_rms_norm
 
 EPS = 1e-6
@@ -110,11 +113,16 @@ def fused(
     return y, tail, state, kept, row_tails
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as integers of its width (-0.0 is not 0.0; a NaN equals itself)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def assert_same_bits(want: tuple[torch.Tensor | None, ...], got: tuple[torch.Tensor | None, ...]) -> None:
     """Every result of the two paths equal bit for bit (None on both sides where nothing is kept)."""
     for name, w, g in zip(("y", "tails", "states", "kept states", "row tails"), want, got, strict=True):
         assert (w is None) == (g is None), name
-        assert w is None or torch.equal(w, g), name
+        assert w is None or torch.equal(bits(w), bits(g)), name
 
 
 @pytest.mark.parametrize(
@@ -125,7 +133,8 @@ def assert_same_bits(want: tuple[torch.Tensor | None, ...], got: tuple[torch.Ten
         ([1], [2], True, "sigmoid", 1),
         ([2, 4, 0], [3, 1, 5], True, "silu", 4),  # a window's rows read at once; a run longer than that
         ([2, 4, 0], [3, 1, 5], True, "sigmoid", 2),  # runs of whole and part windows
-        ([1, 5], [4, 1], False, "silu", 8),  # windows wider than every run
+        ([1, 5], [4, 1], True, "silu", 8),  # windows wider than every run
+        ([2, 4], [4, 2], False, "silu", 2),  # runs of whole windows only
     ],
 )
 def test_one_launch_gives_the_four_kernels_bits(lanes, lens, keep, act, window) -> None:
@@ -133,6 +142,29 @@ def test_one_launch_gives_the_four_kernels_bits(lanes, lens, keep, act, window) 
     want = unfused(data, keep, act, SMALL.key_heads)
     assert_same_bits(want, fused(data, keep, act, SMALL.key_heads, window=window))
     assert not step._COUNTERS.get(torch.device("cpu"), 0).any()  # every counter left zero
+
+
+@triton.jit
+def _pick_kernel(tile_ptr, rows_ptr, elements_ptr, W: tl.constexpr, C: tl.constexpr):
+    """Every row of a [W, C] tile and every element of its first column, picked out as the window's steps do."""
+    w = tl.arange(0, W)
+    c = tl.arange(0, C)
+    tile = tl.load(tile_ptr + w[:, None] * C + c[None, :])
+    column = tl.load(tile_ptr + w * C)
+    for i in tl.static_range(W):
+        tl.store(rows_ptr + i * C + c, _row_of(tile, i, W, True))
+        tl.store(elements_ptr + i, _element_of(column, i, W, True))
+
+
+def test_a_windows_rows_are_picked_out_with_their_bits() -> None:
+    """-0.0, subnormals, infinities and NaN keep their bits when a row or an element is picked out of a window's
+    tile (the interpreter's sum starts from +0.0)."""
+    special = [-0.0, 0.0, 1e-45, -1e-45, float("inf"), -float("inf"), float("nan"), -1.5]
+    tile = torch.tensor(special * 4, dtype=torch.float32).view(4, 8).roll(1, dims=0)
+    tile[:, 0] = torch.tensor([-0.0, float("nan"), -1e-45, 2.0])
+    rows, elements = torch.empty_like(tile), torch.empty(4)
+    _pick_kernel[(1,)](tile, rows, elements, W=4, C=8)
+    assert torch.equal(bits(rows), bits(tile)) and torch.equal(bits(elements), bits(tile[:, 0]))
 
 
 def test_strided_gate_parameters_are_read_as_the_gates_kernel_reads_them() -> None:

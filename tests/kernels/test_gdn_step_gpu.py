@@ -33,7 +33,7 @@ pytestmark = [
         (8, 4, True, 1),
         (1, 4, True, 4),  # a verify window's rows read at once
         (8, 4, True, 4),
-        (2, 3, True, 4),  # windows shorter than the rows read
+        (2, 3, True, 4),  # runs shorter than the window
         (3, 5, True, 2),  # runs of whole and part windows
     ],
 )
