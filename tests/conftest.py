@@ -1,7 +1,7 @@
-"""Test setup: the scripts folder is importable (checkpoint makers), GPU tests skip without CUDA, a GPU run that
-would only interpret kernels is refused, a run of the GPU tests alone leaves out the modules that only interpret, the
-Triton interpreter does not patch triton.language again for every helper a kernel calls, and its fp32 dots give the
-same bits on every machine."""
+"""Test setup: the scripts folder is importable (checkpoint makers), kernels interpret without CUDA whichever module
+imports them first, GPU tests skip without CUDA, a GPU run that would only interpret kernels is refused, a run of the
+GPU tests alone leaves out the modules that only interpret, the Triton interpreter does not patch triton.language
+again for every helper a kernel calls, and its fp32 dots give the same bits on every machine."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 INTERPRET_GIVEN = os.environ.get("TRITON_INTERPRET")  # before test modules default it to the interpreter
+if INTERPRET_GIVEN is None and not torch.cuda.is_available():
+    # no GPU: every kernel module interprets, whichever test module (a model test, say) imports it first
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def interpreter_trap(markexpr: str, cuda: bool, given: str | None) -> str | None:

@@ -23,6 +23,11 @@ import os
 def pytest_collection_finish(session):
     open(os.environ["PROBE_OUT"], "w").write(os.environ.get("TRITON_INTERPRET", ""))
 """
+LINEAR_PROBE = """
+import os, sys
+def pytest_collection_finish(session):
+    open(os.environ["PROBE_OUT"], "w").write(str(sys.modules["kernels.linear"].INTERPRET))
+"""
 
 
 def test_a_gpu_run_without_compiled_kernels_is_refused() -> None:
@@ -55,6 +60,20 @@ def test_collecting_a_module_that_only_interprets_leaves_a_compiled_run_compiled
     command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "interpret_probe", "-p", "no:xdist"]
     run = subprocess.run([*command, "-m", "gpu", *files], cwd=TESTS.parent, env=env, capture_output=True, text=True)
     assert out.exists() and out.read_text() == "0", run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only")
+def test_kernel_modules_interpret_whichever_test_module_imports_them_first(tmp_path: Path) -> None:
+    """Without CUDA and without TRITON_INTERPRET given, a model test module that imports the linear kernel before any
+    kernel test module sets the interpreter leaves that kernel module interpreting."""
+    (tmp_path / "interpret_probe.py").write_text(LINEAR_PROBE)
+    out = tmp_path / "interpret.txt"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PROBE_OUT": str(out), "PYTHONPATH": f"{tmp_path}:{TESTS.parent}"}
+    files = [str(TESTS / "model" / "test_fused_weight.py"), str(TESTS / "kernels" / "test_linear.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "interpret_probe", "-p", "no:xdist"]
+    run = subprocess.run([*command, *files], cwd=TESTS.parent, env=env, capture_output=True, text=True)
+    assert out.exists() and out.read_text() == "True", run.stdout[-2000:] + run.stderr[-2000:]
 
 
 @triton.jit
