@@ -611,7 +611,7 @@ def _combine_kernel(
     wts = tl.load(wts_ptr + row * TOP_K + slots, mask=slot_ok, other=0.0)
     rank = _ascending_places(ids, slots)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in range(TOP_K):
+    for j in tl.static_range(TOP_K):  # unrolled, so that the pairs' loads need not wait on the sum before them
         chosen = rank == j
         slot = tl.sum(tl.where(chosen, slots, 0), 0)
         w = tl.sum(tl.where(chosen, wts, 0.0), 0)
