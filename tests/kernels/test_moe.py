@@ -389,6 +389,21 @@ def test_rows_below_pair_rows_run_each_pair_alone_with_the_grouped_bits(kind: st
     assert_matches_reference(moe_forward(x, ids, w, BANKS[kind], torch.float32), x, ids, w, BANKS[kind])
 
 
+@pytest.mark.parametrize("inter", [96, 192])  # three K tiles of the down projection: unspanned, and spans of 64
+def test_the_pairs_paths_down_takes_each_k_tiles_own_block_scales(inter: int, monkeypatch) -> None:
+    """The one-row down launch scales each K tile by that tile's own block scales: over three K tiles it gives the
+    grouped path's bits and the reference's values (the other tests' down projections are one K tile deep)."""
+    bank = kernel_bank(make_bank(True, seed=5, inter=inter))
+    assert moe._k_tile(moe.moe_tiles(1, TOP_K, E).down_k, True, inter)[0] * 3 == inter
+    x, ids, w = make_routing(1, seed=9)
+    with recording_launches() as launched:
+        pairs = moe_forward(x, ids, w, bank, torch.float32)
+    assert launched == ["_gate_up_pairs_kernel", "_down_pairs_kernel"], launched
+    monkeypatch.setattr(moe, "PAIR_ROWS", 0)
+    assert torch.equal(bits(pairs), bits(moe_forward(x, ids, w, bank, torch.float32)))
+    assert_matches_reference(pairs, x, ids, w, bank)
+
+
 @pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
 @pytest.mark.parametrize(("n", "pair_rows"), [(1, 2), (3, 4), (5, 2)])  # the pairs path (three rows: limit raised)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
