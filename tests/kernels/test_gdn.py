@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gdn import gdn_recurrent, gdn_recurrent_reference
+from kernels.gdn import BLOCK_V, SCAN, gdn_recurrent, gdn_recurrent_reference
 
 HEADS, DIM = 3, 16
 
@@ -187,3 +187,42 @@ def test_gpu_check_script_smoke(tmp_path) -> None:
 
     assert gpu_check_gdn.main(["--out", str(tmp_path), "--smoke"]) == 0
     assert (tmp_path / "gdn.json").exists()
+
+
+def test_a_state_of_several_dv_tiles_matches_the_reference() -> None:
+    """Dv = 64 (four tiles of BLOCK_V): outputs, final and kept states match the reference, decode rows and long
+    runs alike."""
+    heads, dk, dv, lens, slots = 2, 16, 64, [1, 4], [1, 0]
+    assert dv > 2 * BLOCK_V
+    gen = torch.Generator().manual_seed(100)
+    seq = sum(lens)
+    q, k = (torch.randn(seq, 1, dk, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(seq, heads, dv, generator=gen).bfloat16()
+    g = -F.softplus(torch.randn(seq, heads, generator=gen))
+    beta = torch.sigmoid(torch.randn(seq, heads, generator=gen))
+    state = torch.randn(2, heads, dk, dv, generator=gen) * 0.3
+    lanes = lanes_of(lens, slots)
+    ref_state = state.clone()
+    ref_out, ref_states = gdn_recurrent_reference(q, k, v, g, beta, ref_state, lanes, keep_states=True)
+    for long_runs in (False, True):
+        got_state = state.clone()
+        out, states = gdn_recurrent(q, k, v, g, beta, got_state, lanes, keep_states=True, long_runs=long_runs)
+        assert rel(out, ref_out) <= 1e-5 and rel(got_state, ref_state) <= 1e-5 and rel(states, ref_states) <= 1e-5
+
+
+def test_a_run_longer_than_two_scan_windows_runs_every_row() -> None:
+    """One lane of 2·SCAN + 44 rows: its first row's program finds the run's end over three scan windows of lane ids
+    and steps every row, outputs and final state as the reference's."""
+    lens, slots, dk = [2 * SCAN + 44], [1], 16
+    gen = torch.Generator().manual_seed(101)
+    seq = sum(lens)
+    q, k = (torch.randn(seq, 1, dk, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(seq, 1, dk, generator=gen).bfloat16()
+    g = -0.05 * F.softplus(torch.randn(seq, 1, generator=gen))
+    beta = torch.sigmoid(torch.randn(seq, 1, generator=gen))
+    state = torch.randn(2, 1, dk, dk, generator=gen) * 0.3
+    lanes = lanes_of(lens, slots)
+    ref_state = state.clone()
+    ref_out, _ = gdn_recurrent_reference(q, k, v, g, beta, ref_state, lanes)
+    out, _ = gdn_recurrent(q, k, v, g, beta, state, lanes, long_runs=True)
+    assert rel(out, ref_out) <= 1e-5 and rel(state, ref_state) <= 1e-5

@@ -12,7 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gdn import L2_EPS, gdn_recurrent_reference, unit_qk
-from kernels.gdn_chunk import CHUNK, ChunkPlan, chunked_rows, gdn_chunked, gdn_chunked_reference, plan_chunks
+from kernels.gdn_chunk import (
+    BLOCK_V,
+    CHUNK,
+    DOT_K,
+    PREPARE_COLUMNS,
+    ChunkPlan,
+    chunked_rows,
+    gdn_chunked,
+    gdn_chunked_reference,
+    plan_chunks,
+)
 
 HEADS, KEY_HEADS, DIM = 4, 2, 16
 Run = tuple[int, int, int, int]  # (first_row, length, first_position, slot)
@@ -230,3 +240,28 @@ def test_bad_inputs_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="Dk"):
         odd = {"q_unit": q_unit[:, :, :12].contiguous(), "k_unit": k_unit[:, :, :12].contiguous()}
         gdn_chunked(**(args | odd))
+
+
+def test_head_dims_of_several_tiles_match_the_chunked_reference() -> None:
+    """Dk = Dv = 128 (the model's): eight DOT_K steps over Dk, four PREPARE_COLUMNS columns of u and w, four scan
+    tiles of BLOCK_V; one chunk's outputs and the final state match the reference."""
+    heads, dim = 1, 128
+    assert dim > 2 * max(DOT_K, PREPARE_COLUMNS, BLOCK_V)
+    gen = torch.Generator().manual_seed(110)
+    q, k = (torch.randn(CHUNK, 1, dim, generator=gen) for _ in range(2))
+    q_unit = q * torch.rsqrt((q**2).sum(-1, keepdim=True) + L2_EPS) / dim**0.5
+    k_unit = k * torch.rsqrt((k**2).sum(-1, keepdim=True) + L2_EPS)
+    v = torch.randn(CHUNK, heads, dim, generator=gen).bfloat16()
+    g = -0.05 * F.softplus(2 * torch.randn(CHUNK, heads, generator=gen))
+    beta = torch.sigmoid(torch.randn(CHUNK, heads, generator=gen))
+    state = torch.randn(2, heads, dim, dim, generator=gen) * 0.3
+    plan = plan_chunks([(0, CHUNK, 0, 1)], CHUNK, "cpu")
+    results = []
+    for fn in (gdn_chunked, gdn_chunked_reference):
+        pool, out = state.clone(), torch.full((CHUNK, heads, dim), float("nan"))
+        fn(q_unit, k_unit, v, g, beta, pool, plan, out, None, None)
+        results.append((out, pool))
+    (out, pool), (ref_out, ref_pool) = results
+    assert not out.isnan().any()
+    assert rel(out, ref_out) <= 1e-6 and rel(pool, ref_pool) <= 1e-6
+    assert torch.equal(pool[0], state[0])

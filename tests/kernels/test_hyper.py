@@ -17,9 +17,11 @@ import torch
 
 from kernels import hyper
 from kernels.hyper import (
+    UP_BLOCK_K,
     ReadTiles,
     Write,
     arrival_counters,
+    block_r,
     hc_read,
     hc_read_reference,
     hc_write,
@@ -528,3 +530,25 @@ def test_a_fused_write_refuses_what_the_read_cannot_take() -> None:
         launch_read(wide, *args, write=Write(torch.randn(3, 2 * D), torch.rand(3, 2), torch.empty_like(wide)))
     with pytest.raises(ValueError, match="write out"):
         launch_read(wide, *args, write=Write(y, inj, torch.empty(3, 4 * D, dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("up_over_normed", [False, True], ids=["mix-kernel", "up-mix-kernel"])
+def test_a_read_of_the_models_low_rank_takes_every_chunk_of_r_and_column_tile_of_h(up_over_normed: bool) -> None:
+    """r = 320 (the model's): the down kernel's 20 column tiles of 16, the mix kernel's five chunks of r (64) or the
+    up kernel's three (128); x and inject match the reference."""
+    hc, d, r, n = 2, 64, 320, 3
+    k = hc * d
+    g = torch.Generator().manual_seed(70)
+    norm_weight = (torch.randn(k, generator=g) * 0.1).bfloat16()
+    w_down = (torch.randn(r, k, generator=g) / k**0.5).bfloat16()
+    w_up = (torch.randn(k, r, generator=g) * 2 / r**0.5).bfloat16()
+    w_inject = (torch.randn(hc, k, generator=g) * 4 / k**0.5).bfloat16()
+    wide = (torch.randn(n, k, generator=g) * 2).bfloat16()
+    tiles = ReadTiles(16, 16, 16, 16, False, 4, 1, up_over_normed=up_over_normed)
+    assert r > 2 * tiles.down_r and r > 2 * (UP_BLOCK_K if up_over_normed else block_r(r))
+    with recording_launches() as launched:
+        x, inj = launch_read(wide, norm_weight, w_down, w_up, w_inject, EPS, hc, tiles)
+    assert launched[1:] == ["_down_kernel", "_up_mix_kernel" if up_over_normed else "_mix_kernel"], launched
+    x_ref, inj_ref = hc_read_reference(wide, norm_weight, w_down, w_up, w_inject, EPS, hc)
+    assert rel_err(x, x_ref) <= 1e-2 and (x != x_ref).float().mean() <= 0.05
+    assert rel_err(inj, inj_ref) <= 1e-2 and (inj != inj_ref).float().mean() <= 0.05

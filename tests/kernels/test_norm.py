@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from kernels.norm import (
+    MAX_BLOCK,
     block_mean,
     block_mean_reference,
+    block_r,
     gated_rms_norm,
     gated_rms_norm_reference,
     group_dot,
@@ -139,3 +141,21 @@ def test_block_means_read_in_a_pool_equal_those_of_the_rows_gathered(dtype: torc
         block_mean(pool, 4, slots=slots.bool(), firsts=firsts)
     with pytest.raises(ValueError, match="ratio"):
         block_mean(pool, 0, slots=slots, firsts=firsts)
+
+
+WIDE = 2500  # three chunks of MAX_BLOCK lanes, the last partial
+
+
+def test_wide_rows_take_every_chunk_and_column_tile() -> None:
+    """C = 2,500 (three chunks of 1,024 lanes; three programs of block_r(C) pairs): the fp32 gated norm and group dot
+    match their references, and the block mean (three column tiles) equals its reference's bits."""
+    m, groups = 5, 2
+    assert WIDE > 2 * MAX_BLOCK and m * groups > 2 * block_r(WIDE)
+    x, z = rows(m, groups, WIDE, dtype=torch.float32), rows(m, groups, WIDE, dtype=torch.float32, seed=1)
+    w = 1.0 + 0.1 * torch.randn(WIDE, generator=torch.Generator().manual_seed(2))
+    for act in ("sigmoid", "silu"):
+        out, ref = gated_rms_norm(x, z, w, EPS, act), gated_rms_norm_reference(x, z, w, EPS, act)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(group_dot(x, z), group_dot_reference(x, z), rtol=1e-5, atol=1e-4)
+    pooled = rows(6, WIDE, dtype=torch.float32, seed=3)
+    assert torch.equal(block_mean(pooled, 2), block_mean_reference(pooled, 2))

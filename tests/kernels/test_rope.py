@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.norm import zc_rms_norm
-from kernels.rope import norm_rope, rope, rope_inv_freq, rope_reference, scatter_rows
+from kernels.rope import TILE, norm_rope, rope, rope_inv_freq, rope_reference, scatter_rows
 from model.ops import apply_rope, rope_cos_sin
 
 MAX_POSITION = 300_000
@@ -249,3 +249,18 @@ def test_norm_rope_rejects_bad_inputs() -> None:
         norm_rope(rows(1, 1, 2048), rows(2048), 1e-6, pos[:1], inv)
     with pytest.raises(ValueError, match=r"^slot_of_row, dest_index:"):
         norm_rope(x, w, 1e-6, pos, inv, slot_of_row=pos)
+
+
+def test_heads_past_one_tile_equal_their_rope_in_single_tile_calls() -> None:
+    """40 heads of 256 (rotary 64): three head tiles of TILE // 256 = 16; each head's bits are those of a call over
+    its 16 heads alone (one tile), and close to the reference."""
+    n, heads, dim = 3, 40, 256
+    per_tile = TILE // dim
+    assert heads > 2 * per_tile
+    g = torch.Generator().manual_seed(80)
+    x = (torch.randn(n, heads, dim, generator=g) * 2).bfloat16()
+    pos, inv = torch.tensor([MAX_POSITION, 17, 0]), rope_inv_freq(64, THETA, "cpu")
+    out = rope(x, pos, inv)
+    alone = torch.cat([rope(x[:, h : h + per_tile], pos, inv) for h in range(0, heads, per_tile)], dim=1)
+    assert torch.equal(out.view(torch.int16), alone.view(torch.int16))
+    torch.testing.assert_close(out.float(), rope_reference(x, pos, inv).float(), rtol=5e-2, atol=5e-2)
