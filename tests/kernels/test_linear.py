@@ -12,6 +12,7 @@ import torch
 
 from kernels.linear import (
     BLOCK_K,
+    SUM_BLOCK,
     Gates,
     Tiles,
     arrival_counters,
@@ -244,3 +245,21 @@ def test_picked_tiles_divide_their_k_ranges(n: int, k: int) -> None:
     for m in (1, 4, 16, 17, 32, 33, 64, 300):
         tiles = pick_tiles(m, n, k)
         assert tiles.block_k % BLOCK_K == 0 and (split == 1 or k_split % tiles.block_k == 0), (m, tiles)
+
+
+def test_sum_kernel_stores_nothing_past_the_last_partial_block() -> None:
+    """The sum kernel's last block of M·N (not a multiple of SUM_BLOCK) stores gates into h and inject only: the rows
+    after them in their buffers keep their sentinel, and h and inject equal the fused launch's."""
+    hc, m = 4, 5
+    r = N - hc
+    assert (m * N) % SUM_BLOCK != 0
+    x, w = inputs(m, 300, seed=11)
+    w = w * 40
+    h_buf = torch.full((m + 1, r), -7.0, dtype=torch.bfloat16)
+    inj_buf = torch.full((m + 1, hc), -7.0, dtype=torch.bfloat16)
+    h, inj = h_buf[:m], inj_buf[:m]
+    launch(x, w, torch.float32, WIDE[0], 3, BLOCK_K, gates=Gates(h, inj, hc))  # 64-row tiles: the sum kernel adds
+    assert (h_buf[m] == -7.0).all() and (inj_buf[m] == -7.0).all()
+    fused_h, fused_inj = torch.empty(m, r, dtype=torch.bfloat16), torch.empty(m, hc, dtype=torch.bfloat16)
+    launch(x, w, torch.float32, Tiles(16, 16, 2, 6), 3, BLOCK_K, gates=Gates(fused_h, fused_inj, hc))
+    assert torch.equal(h, fused_h) and torch.equal(inj, fused_inj)

@@ -489,3 +489,21 @@ def test_the_pairs_path_ranks_three_slots_and_a_repeated_expert_as_grouped(kind:
     monkeypatch.setattr(moe, "PAIR_ROWS", 0)
     grouped = moe_forward(x, ids, w, BANKS[kind], torch.float32)
     assert torch.equal(bits(pairs), bits(grouped))
+
+
+def test_partial_last_k_tiles_match_the_reference() -> None:
+    """D and I not multiples of the K tile (48 against 32 under the interpreter): four rows (grouped path) match the
+    fp32 reference, and one row (pairs path: gate-up over D, down over I, each ending in half a tile) has the bits
+    of its row among the four."""
+    d = inter = 48
+    assert moe.moe_tiles(1, TOP_K, E).gate_up_k == 32 and d % 32 and inter % 32
+    bank = make_bank(False, seed=3, d=d, inter=inter)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(4)]).to(torch.int32)
+    w = torch.rand(4, TOP_K, generator=g) + 0.1
+    w = w / w.sum(-1, keepdim=True)
+    grouped = moe_forward(x, ids, w, bank, out_dtype=torch.float32)
+    assert rel_err(grouped, moe_forward_reference(x, ids, w, bank, out_dtype=torch.float32)) <= 1e-3
+    alone = moe_forward(x[:1], ids[:1], w[:1], bank, out_dtype=torch.float32)
+    assert torch.equal(bits(alone[0]), bits(grouped[0]))
