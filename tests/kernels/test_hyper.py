@@ -552,3 +552,53 @@ def test_a_read_of_the_models_low_rank_takes_every_chunk_of_r_and_column_tile_of
     x_ref, inj_ref = hc_read_reference(wide, norm_weight, w_down, w_up, w_inject, EPS, hc)
     assert rel_err(x, x_ref) <= 1e-2 and (x != x_ref).float().mean() <= 0.05
     assert rel_err(inj, inj_ref) <= 1e-2 and (inj != inj_ref).float().mean() <= 0.05
+
+
+def test_down_kernel_stores_no_h_column_past_r() -> None:
+    """r not a multiple of the down kernel's column tile: h's last tile stores no column r (another row's column 0)."""
+    hc, d, r, n = 2, 32, 24, 3
+    g = torch.Generator().manual_seed(3)
+    k = hc * d
+    down_buf = torch.randn(r + 1, k, generator=g) / k**0.5
+    down_buf[r] = 50.0  # the row just past w_down: any column r it fed would be far from every true h
+    w_down = down_buf[:r]
+    norm_w = (torch.randn(k, generator=g) * 0.1).to(torch.bfloat16)
+    w_up = torch.randn(k, r, generator=g) * 2 / r**0.5
+    wide = torch.randn(n, k, generator=g)
+    x, _ = hc_read(wide, norm_w, w_down, w_up, None, 1e-6, hc)
+    x_ref, _ = hc_read_reference(wide, norm_w, w_down, w_up, None, 1e-6, hc)
+    assert rel_err(x, x_ref) <= 1e-5
+
+
+def test_chunked_fused_write_stores_no_column_past_the_last_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """d in two rstd chunks (1,040 by 1,024): the fused write's last chunk stores nothing past its row's last stream."""
+    monkeypatch.setattr(hyper, "RSTD_ONE_CHUNK", 1024)
+    hc, d, r, n = 2, 1040, 16, 2
+    g = torch.Generator().manual_seed(5)
+    k = hc * d
+    wide = torch.randn(n, k, generator=g)
+    y, inj = torch.randn(n, d, generator=g), torch.rand(n, hc, generator=g) * 2
+    norm_w = (torch.randn(k, generator=g) * 0.1).to(torch.bfloat16)
+    w_down, w_up = torch.randn(r, k, generator=g) / k**0.5, torch.randn(k, r, generator=g) / r**0.5
+    buf = torch.full((n + 1, k), 7.0)  # out is its first n rows; row n must stay untouched
+    tiles = ReadTiles(64, 16, 64, 64, True, 4, 1)
+    launch_read(wide, norm_w, w_down, w_up, None, 1e-6, hc, tiles, Write(y, inj, buf[:n]))
+    assert torch.equal(buf[:n], hc_write(wide, y, inj))
+    assert torch.equal(buf[n], torch.full((k,), 7.0))
+
+
+@pytest.mark.parametrize("by_row", [False, True])
+def test_up_mix_over_normed_rows_stores_no_column_past_d(by_row: bool) -> None:
+    """d not a multiple of the up-mix column tile (48 by 32): x's last tile stores no column d (the next row's 0)."""
+    hc, d, r, n = 2, 48, 16, 3
+    g = torch.Generator().manual_seed(9)
+    k = hc * d
+    wide = torch.randn(n, k, generator=g).bfloat16()
+    norm_w = (torch.randn(k, generator=g) * 0.1).to(torch.bfloat16)
+    w_down = (torch.randn(r, k, generator=g) / k**0.5).bfloat16()
+    w_up = (torch.randn(k, r, generator=g) * 2 / r**0.5).bfloat16()
+    over_normed = ReadTiles(16, 16, 16, 32, True, 4, 1, via_linear=True, up_over_normed=True, up_by_row=by_row)
+    x, _ = launch_read(wide, norm_w, w_down, w_up, None, 1e-6, hc, over_normed)
+    x_ref, _ = hc_read_reference(wide, norm_w, w_down, w_up, None, 1e-6, hc)
+    assert rel_err(x, x_ref) <= 1e-2
+    assert (x != x_ref).float().mean() <= 0.05
