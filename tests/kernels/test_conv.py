@@ -137,16 +137,9 @@ def test_rejects_bad_shapes() -> None:
 def test_a_run_longer_than_two_scan_windows_ends_where_its_rows_do() -> None:
     """One lane of 2·SCAN_ROWS + 40 rows after a one-row lane: the head program finds the run's end over three scan
     windows, so outputs, the lane's new tail and the per-row tails equal the reference's bits (fp32, no activation)."""
-    lens, slots, channels = [1, 2 * SCAN_ROWS + 40], [1, 0], 8
-    gen = torch.Generator().manual_seed(120)
-    x = torch.randn(sum(lens), channels, generator=gen)
-    tail = torch.randn(2, KERNEL - 1, channels, generator=gen)
-    weight = torch.randn(channels, KERNEL, generator=gen) * 0.5
-    lanes = lanes_of(lens, slots)
-    results = []
-    for fn in (causal_conv_update, causal_conv_update_reference):
-        pool = tail.clone()
-        row_tails = torch.full((x.shape[0], KERNEL - 1, channels), float("nan"))
-        results.append((fn(x, pool, weight, lanes, 1, None, row_tails), pool, row_tails))
-    for got, want in zip(*results, strict=True):
-        assert torch.equal(got, want)
+    lens, slots = [1, 2 * SCAN_ROWS + 40], [1, 0]
+    inputs, lanes = make_inputs(lens, 8, 1, torch.float32, seed=120, slots=2), lanes_of(lens, slots)
+    got = call(causal_conv_update, inputs, lanes, 1, None)
+    want = call(causal_conv_update_reference, inputs, lanes, 1, None)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

@@ -213,16 +213,9 @@ def test_a_state_of_several_dv_tiles_matches_the_reference() -> None:
 def test_a_run_longer_than_two_scan_windows_runs_every_row() -> None:
     """One lane of 2·SCAN + 44 rows: its first row's program finds the run's end over three scan windows of lane ids
     and steps every row, outputs and final state as the reference's."""
-    lens, slots, dk = [2 * SCAN + 44], [1], 16
-    gen = torch.Generator().manual_seed(101)
-    seq = sum(lens)
-    q, k = (torch.randn(seq, 1, dk, generator=gen).bfloat16() for _ in range(2))
-    v = torch.randn(seq, 1, dk, generator=gen).bfloat16()
-    g = -0.05 * F.softplus(torch.randn(seq, 1, generator=gen))
-    beta = torch.sigmoid(torch.randn(seq, 1, generator=gen))
-    state = torch.randn(2, 1, dk, dk, generator=gen) * 0.3
-    lanes = lanes_of(lens, slots)
-    ref_state = state.clone()
-    ref_out, _ = gdn_recurrent_reference(q, k, v, g, beta, ref_state, lanes)
-    out, _ = gdn_recurrent(q, k, v, g, beta, state, lanes, long_runs=True)
+    lens, slots = [2 * SCAN + 44], [1]
+    inputs, lanes = make_inputs(lens, 1, seed=101, slots=2, heads=1), lanes_of(lens, slots)
+    inputs["g"] = inputs["g"] * 0.05  # a slow decay, so the last rows still see the first ones
+    out, state, _ = call(gdn_recurrent, inputs, lanes, long_runs=True)
+    ref_out, ref_state, _ = call(gdn_recurrent_reference, inputs, lanes)
     assert rel(out, ref_out) <= 1e-5 and rel(state, ref_state) <= 1e-5

@@ -129,16 +129,19 @@ def test_index_rows_are_batch_invariant() -> None:
         assert torch.equal(one[0], idx[t]) and int(one_count[0]) == int(counts[t])
 
 
-def _attention_inputs(gen: torch.Generator, rows: int, top: int, context: int) -> tuple[torch.Tensor, ...]:
-    """Queries, per-lane K/V caches and the kernel indexer's selection for random rows."""
+def _attention_inputs(
+    gen: torch.Generator, rows: int, top: int, context: int, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Queries, per-lane K/V caches and the kernel indexer's selection for random rows (at `positions` if given)."""
     q = torch.randn(rows, HQ, D, generator=gen).bfloat16()
     k_cache = torch.randn(LANES, context, HKV, D, generator=gen).bfloat16()
     v_cache = torch.randn(LANES, context, HKV, D, generator=gen).bfloat16()
     q_idx = torch.randn(rows, HI, DI, generator=gen).bfloat16()
     keys = torch.randn(LANES, context // RATIO, DI, generator=gen).bfloat16()
     lanes = torch.arange(rows) % LANES
-    positions = torch.randint(0, context, (rows,), generator=gen)
-    positions[0] = 0
+    if positions is None:
+        positions = torch.randint(0, context, (rows,), generator=gen)
+        positions[0] = 0
     idx, counts = qsa.qsa_index(q_idx, keys, lanes, positions, RATIO, top)
     return q, k_cache, v_cache, lanes, idx, counts
 
@@ -223,15 +226,7 @@ def test_attention_over_several_key_tiles_of_one_chunk() -> None:
     """Chunks of 64 selected keys taken 16 at a time: rows of more than 48 keys run four inner steps of one chunk,
     and match the reference."""
     gen = torch.Generator().manual_seed(90)
-    rows, context, top = 4, 64, 30
-    q = torch.randn(rows, HQ, D, generator=gen).bfloat16()
-    k_cache = torch.randn(LANES, context, HKV, D, generator=gen).bfloat16()
-    v_cache = torch.randn(LANES, context, HKV, D, generator=gen).bfloat16()
-    q_idx = torch.randn(rows, HI, DI, generator=gen).bfloat16()
-    keys = torch.randn(LANES, context // RATIO, DI, generator=gen).bfloat16()
-    lanes = torch.arange(rows) % LANES
-    positions = torch.tensor([63, 60, 50, 9])
-    idx, counts = qsa.qsa_index(q_idx, keys, lanes, positions, RATIO, top)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 4, 30, 64, torch.tensor([63, 60, 50, 9]))
     assert int(counts.max()) > 3 * 16
     out = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, split=64, block_n=16)
     ref = qsa.qsa_sparse_attention_reference(q, k_cache, v_cache, lanes, idx, counts)
