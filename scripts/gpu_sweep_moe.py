@@ -10,7 +10,8 @@ first, then the candidates. Every candidate must give the default tiles' bits: t
 output (before the final bf16 rounding) are counted. A call is timed as the server runs it, with the bf16 output: a
 CUDA graph of at least CALLS calls cycling through routing sets, enough of them that the experts' weights stream
 from HBM, not L2 (at least COLD_BYTES of down weights between two uses of a set); then each of the four kernels
-(plan, gate_up, down, combine) alone the same way, by replaying the launches `moe_forward` made. Both GEMM kernels
+(plan, gate_up, down, combine; the GEMMs Gluon's where they run, whose launches no tile set changes) alone the same
+way, by replaying the launches `moe_forward` made. Both GEMM kernels
 take one block_m, num_warps and num_stages, so the candidates pair one gate_up setting with one down setting at
 every (num_warps, num_stages): every setting of each kernel is timed there, and the per-kernel times tell the two
 sides apart. Last, the fastest gate_up and down settings at a shared (block_m, num_warps, num_stages) are joined
@@ -40,7 +41,7 @@ from gpu_check_moe import Shape, floor_us, make_bank, make_routing
 from gpu_timing import graph_median_us, recording, wall_us
 from torch.overrides import TorchFunctionMode
 
-from kernels import moe  # importable: gpu_check_moe puts the repository root on sys.path
+from kernels import moe, moe_gluon  # importable: gpu_check_moe puts the repository root on sys.path
 from kernels.moe import MoeTiles, moe_tiles
 
 ROWS = (1, 8, 64)
@@ -58,8 +59,13 @@ KERNELS = {  # name: (module, kernel attribute) of each launch a call makes (gro
     "combine": (moe, "_combine_kernel"),
     "gate_up_pairs": (moe, "_gate_up_pairs_kernel"),
     "down_pairs": (moe, "_down_pairs_kernel"),
+    "gate_up_gluon": (moe_gluon, "_gate_up_kernel"),
+    "down_gluon": (moe_gluon, "_down_kernel"),
 }
-ROLES = {"gate_up": ("gate_up", "gate_up_pairs"), "down": ("down", "down_pairs")}  # the GEMM kernels of each path
+ROLES = {  # the GEMM kernels of each path
+    "gate_up": ("gate_up", "gate_up_pairs", "gate_up_gluon"),
+    "down": ("down", "down_pairs", "down_gluon"),
+}
 # (gate_up_n, gate_up_k) and (down_n, down_k). Left out: gate/up 16x128 (2 KB of weights a step per program, too
 # little in flight) and 64x512 (ptxas for sm_90 at block_m 16: 255 registers and spills at every num_warps, 1.5 KB
 # of stack at 2)

@@ -27,12 +27,14 @@ from gpu_sweep_moe import (
     launch,
     main,
     moe_tiles,
+    new_row,
     recording,
     report,
+    role_us,
     sweep,
 )
 
-from kernels import moe
+from kernels import moe, moe_gluon
 
 CPU = torch.device("cpu")
 KEYS = {"rows", "tiles", "default", "joined", "us", "kernel_us", "mismatches", "error"}
@@ -119,6 +121,19 @@ def test_sweep_counts_other_bits_records_errors_and_runs_the_joined_best() -> No
         "  down        20.00 u",
         "  joined      10.00 u",
     ]
+
+
+def test_the_joined_best_takes_the_gluon_kernels_times_where_they_ran() -> None:
+    """On the GPU the grouped path's down (from 80 pairs its gate-up too) is Gluon's kernel: its launches are recorded
+    under their own names, and the joined best reads them as that role's times."""
+    assert KERNELS["gate_up_gluon"] == (moe_gluon, "_gate_up_kernel") and KERNELS["down_gluon"][0] is moe_gluon
+    fast, slow = MoeTiles(16, 32, 256, 64, 64, 4, 3), MoeTiles(16, 64, 256, 64, 64, 4, 3)
+    rows = [
+        {**new_row(4, t, fast), "mismatches": 0, "kernel_us": {"gate_up": us, "down_gluon": 9.0, "combine": 2.0}}
+        for t, us in ((slow, 20.0), (fast, 19.0))
+    ]
+    assert [role_us(r, "down") for r in rows] == [9.0, 9.0]
+    assert joined(rows) == fast
 
 
 def test_a_joined_best_already_run_is_marked_and_kernels_not_launched_are_not_timed() -> None:
