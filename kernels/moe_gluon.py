@@ -48,6 +48,9 @@ PROMPT_ROWS = 16  # rows of a prompt's 32-row plan tile a down program takes (th
 MAX_PAIRS_PER_EXPERT = 6
 GATE_UP_MIN_PAIRS = 80
 DOWN_SHAPES = ((40, 2, 2), (320, 4, 4), (None, 4, 8))  # (below this many pairs, warps, column groups a program)
+# k a thread holds of an MMA operand's row, as kernels/moe.py's tl.dot takes them (scripts/sass_loop.py reports
+# theirs): the same k in each MMA step, so the same bits; the layouts below are built for it
+MMA_K_WIDTH = 8
 
 
 def _bits(n: int) -> list[int]:
@@ -71,8 +74,8 @@ def _layouts(span: int, block_k: int, warps: int, rows: int) -> dict[str, object
         lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0] for _ in _bits(warps)],
         block_bases=[], shape=[rows, block_k // 2])  # fmt: skip
     return {
-        "MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, 8), "X_OP": gl.DotOperandLayout(1, mma, 8), "L_W": words,
-        "L_X": pairs,
+        "MMA": mma, "W_OP": gl.DotOperandLayout(0, mma, MMA_K_WIDTH), "X_OP": gl.DotOperandLayout(1, mma, MMA_K_WIDTH),
+        "L_W": words, "L_X": pairs,
     }  # fmt: skip
 
 

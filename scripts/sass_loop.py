@@ -1,6 +1,9 @@
-"""Instructions in one K step of the routed MoE's kernels, compiled for sm_90 on this machine (no GPU needed): Triton
-compiles the kernel for GPUTarget("cuda", 90, 32) at the tiles `moe_tiles` picks for ROWS rows, its bundled nvdisasm
-lists the SASS, and the K loop is the body of the longest backward branch. Counts depend on the Triton version.
+"""The routed MoE's Triton kernels compiled for sm_90 on this machine (no GPU needed), at the tiles `moe_tiles` picks
+for ROWS rows and the real per-rank shapes, as `moe_forward` launches them (the pairs path's kernels at one row):
+instructions in one K step (its bundled nvdisasm lists the SASS; the K loop is the body of the longest backward
+branch) and the k width of every dot's operands (`kWidth` in the Triton GPU IR). The width decides which k terms one
+tensor-core step adds, so every kernel must keep kernels/moe_gluon.py's (MMA_K_WIDTH) for the paths to give the same
+bits. Counts and widths depend on the Triton version.
 
 python3 scripts/sass_loop.py [--rows 1 8 64 1024] [--module FILE]   # FILE: another copy of kernels/moe.py
 """
@@ -25,10 +28,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 ROWS = (1, 8, 64, 1024)
-SHAPE = {"E": 512, "TOP_K": 10}  # experts and top-k of the real model
-POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "y_ptr": "*fp32"}
+SHAPE = {"E": 512, "TOP_K": 10, "D": 2560, "INTER": 320}  # experts, top-k and per-rank widths of the real model
+POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "s_ptr": "*fp8e4nv", "s2_ptr": "*fp32", "y_ptr": "*fp32",
+            "wts_ptr": "*fp32", "out_ptr": "*bf16", "shared_ptr": "*bf16", "logit_ptr": "*bf16"}  # fmt: skip
 ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
 BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
+K_WIDTH = re.compile(r"dot_op<\{opIdx = \d+, parent = #[\w.]+, kWidth = (\d+)\}>")
+DOT = re.compile(r"= tt\.dot ")
 
 
 def load_module(path: Path | None) -> ModuleType:
@@ -70,29 +76,47 @@ def loop_length(sass: str) -> int:
     return best
 
 
-def count(module: ModuleType, name: str, rows: int) -> int:
-    """K-loop instructions of kernel `name` (gate_up or down) at the tiles for `rows` rows."""
+def kernel_names(module: ModuleType, rows: int) -> tuple[str, str]:
+    """The gate-up and down kernels `moe_forward` launches for `rows` rows (the Triton ones of the grouped path)."""
+    return ("gate_up_pairs", "down_pairs") if rows < module.PAIR_ROWS else ("gate_up", "down")
+
+
+def compile_kernel(module: ModuleType, name: str, rows: int) -> object:
+    """Kernel `name` (gate_up, down, gate_up_pairs or down_pairs) compiled for sm_90 with the constants and launch
+    options `moe_forward` gives it for `rows` rows of an NVFP4 bank (bf16 output, the gated shared expert)."""
     tiles = module.moe_tiles(rows, SHAPE["TOP_K"], SHAPE["E"])
     kernel = getattr(module, f"_{name}_kernel")
-    constexprs = {"E": SHAPE["E"], "BLOCK_M": tiles.block_m, "EVEN_K": True, "FP4": True, "INTERPRET": False}
-    if name == "gate_up":
-        constexprs |= {"TOP_K": SHAPE["TOP_K"], "BLOCK_N": tiles.gate_up_n, "BLOCK_K": tiles.gate_up_k}
+    if name.startswith("gate_up"):
+        block_n, (block_k, span) = tiles.gate_up_n, module._k_tile(tiles.gate_up_k, True, SHAPE["D"])
+        even_k = SHAPE["D"] % block_k == 0
     else:
-        constexprs |= {"BLOCK_N": tiles.down_n, "BLOCK_K": tiles.down_k, "GROUP": getattr(tiles, "down_group", 1)}
-    constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names} | (
-        {"PDL": True} if "PDL" in kernel.arg_names else {}
-    )
+        block_n, (block_k, span) = tiles.down_n, module._k_tile(tiles.down_k, True, SHAPE["INTER"])
+        even_k = SHAPE["INTER"] % block_k == 0
+    constexprs = {"E": SHAPE["E"], "TOP_K": SHAPE["TOP_K"], "K_POW2": triton.next_power_of_2(SHAPE["TOP_K"]),
+                  "BLOCK_M": tiles.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP": tiles.down_group,
+                  "EVEN_K": even_k, "FP4": True, "OUT_BF16": True, "GATED": True, "INTERPRET": False, "PDL": True,
+                  "SPAN": span}  # fmt: skip
+    constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     types = {k: v for k, v in signature(kernel).items() if k not in constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names) if arg in types}
     source = ASTSource(kernel, {**types, **dict.fromkeys(constexprs, "constexpr")}, constexprs, attrs)
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def count(compiled: object) -> int:
+    """Instructions in the K loop of a compiled kernel."""
     disasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         sass = subprocess.run([str(disasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     return loop_length(sass)
+
+
+def k_widths(ttgir: str) -> list[int]:
+    """The k width of both operands of every dot in a kernel's Triton GPU IR, in order."""
+    return [int(w) for line in ttgir.splitlines() if DOT.search(line) for w in K_WIDTH.findall(line)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,9 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # kernels defined from here on compile; the interpreter's cannot
     module = load_module(args.module)
-    print(f"Triton {triton.__version__}, sm_90, {args.module or 'kernels/moe.py'}")
+    print(f"Triton {triton.__version__}, sm_90, {args.module or 'kernels/moe.py'}: K-loop instructions (dot k widths)")
     for rows in args.rows:
-        print(f"rows {rows:5d}  " + "  ".join(f"{k} {count(module, k, rows)}" for k in ("gate_up", "down")), flush=True)
+        parts = []
+        for name in kernel_names(module, rows):
+            compiled = compile_kernel(module, name, rows)
+            parts.append(f"{name} {count(compiled)} ({','.join(map(str, k_widths(compiled.asm['ttgir'])))})")
+        print(f"rows {rows:5d}  " + "  ".join(parts), flush=True)
     return 0
 
 
