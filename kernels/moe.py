@@ -11,15 +11,16 @@ ascending-expert order, and the down kernel's last pair of a row to finish a col
 that order. A pair alone is the grouped tile with one row, so both paths give the same bits.
 
 Reduction order (the exactness contract). Every dot accumulates in fp32 through tensor-core MMA steps 16 wide, in
-increasing index order over the reduced axis, starting from zero: the gate/up sums run over d, the down sum over I.
-A row never shares a sum with another row: tiles group the rows of one expert only to share weight reads. Tile
-sizes change with the batch, but on CUDA every config keeps Triton on mma.sync (MMAv2: tile height not a multiple
-of 64, or fewer than four warps), whose per-element result depends only on that 16-wide step order, so a row's bits
-do not depend on the batch. NVFP4 weights are dequantized in registers to bf16 as fp4(code)·block_scale·2^-7,
-which is exact in bf16 (at most 6 significant bits, far from its range's ends); the fp32 global scale_2·2^7
-multiplies the fp32 sum afterwards (gate and up each by their own): the same W = fp4·block_scale·scale_2 with one
-rounding fewer than scaling each weight, and powers of two leave every partial sum's rounding as it was (barring
-fp32 underflow, far below these sums).
+increasing index order over the reduced axis, starting from zero: the gate/up sums run over d, the down sum over I. A
+row never shares a sum with another row: tiles group the rows of one expert only to share weight reads. Tile sizes
+change with the batch, but on CUDA every config keeps Triton on mma.sync (MMAv2: tile height not a multiple of 64, or
+fewer than four warps) with both operands at k width 8 (which k terms a step adds: kernels/moe_gluon.py's MMA_K_WIDTH;
+`scripts/sass_loop.py` reports the widths, and a CPU test holds every kernel to it), whose per-element result depends
+only on that 16-wide step order, so a row's bits do not depend on the batch. NVFP4 weights are dequantized in registers
+to bf16 as fp4(code)·block_scale·2^-7, which is exact in bf16 (at most 6 significant bits, far from its range's ends);
+the fp32 global scale_2·2^7 multiplies the fp32 sum afterwards (gate and up each by their own): the same W =
+fp4·block_scale·scale_2 with one rounding fewer than scaling each weight, and powers of two leave every partial sum's
+rounding as it was (barring fp32 underflow, far below these sums).
 
 Word layout. The kernels read NVFP4 codes as int32 words of eight, with each code's bits moved (once, at load:
 `kernel_bank`) to where four cheap extractions (an AND; a rotate and an AND; an AND, a multiply by two powers of two
