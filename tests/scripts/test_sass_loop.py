@@ -51,11 +51,11 @@ def test_k_widths_are_both_operands_of_every_dot() -> None:
 
 
 def test_every_moe_kernel_takes_the_gluon_kernels_k_width() -> None:
-    """Each MoE kernel `moe_forward` launches on CUDA (the pairs path's at one row, the grouped path's Triton ones at 4,
-    8 and 1,024 rows), compiled for sm_90 by the installed Triton in a process without the interpreter, takes both
-    operands of every dot with kernels/moe_gluon.py's k width, so that every path adds the same k in each tensor-core
-    step. (A one-row down that loaded its block scales a K tile ahead compiled to width 2 with Triton 3.9 and 4 with
-    3.6, and gave other bits than the grouped path on the H200.)"""
+    """Each Triton MoE kernel `moe_forward` launches on CUDA (the pairs path's at one row; the grouped path's, at 4, 8
+    and 1,024 rows, where the Gluon kernels decline), compiled for sm_90 by the installed Triton in a process without
+    the interpreter, takes both operands of every dot with kernels/moe_gluon.py's k width, so that every path adds the
+    same k in each tensor-core step. (A one-row down that loaded its block scales a K tile ahead compiled to width 2
+    with Triton 3.9 and 4 with 3.6, and gave other bits than the grouped path on the H200.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--rows", "1", "4", "8", "1024"], env=env, capture_output=True, text=True,
