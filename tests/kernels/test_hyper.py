@@ -587,6 +587,38 @@ def test_chunked_fused_write_stores_no_column_past_the_last_stream(monkeypatch: 
     assert torch.equal(buf[n], torch.full((k,), 7.0))
 
 
+def test_the_up_kernels_inject_programs_store_nothing_past_a_rows_streams() -> None:
+    """hc = 3 streams in 4 lanes: the up kernel's inject programs (K-range sums added there) store no lane past hc,
+    with inject made inside a longer buffer whose elements after it keep their bits. (A store past a row lands in
+    the next row's first stream, which on the CPU the next row's program overwrites, and on a GPU races it; past the
+    last row it shows here.)"""
+    hc, d, r, n = 3, 128, 16, 2
+    g = torch.Generator().manual_seed(13)
+    k = hc * d
+    wide = torch.randn(n, k, generator=g).bfloat16()
+    norm_w = (torch.randn(k, generator=g) * 0.1).to(torch.bfloat16)
+    w_down, w_inject = ((torch.randn(m, k, generator=g) / k**0.5).bfloat16() for m in (r, hc))
+    w_up = (torch.randn(k, r, generator=g) * 2 / r**0.5).bfloat16()
+    tiles = ReadTiles(16, 16, 16, 32, False, 2, 1, via_linear=True, up_over_normed=True, up_by_row=True)
+    _, want = launch_read(wide, norm_w, w_down, w_up, w_inject, EPS, hc, tiles)
+    slack, real_empty = [], torch.empty
+
+    def empty(*size, **kwargs):
+        """inject [n, hc] bf16 as the start of a buffer with 16 sentinel elements after it."""
+        if size != ((n, hc),) or kwargs.get("dtype") != torch.bfloat16:
+            return real_empty(*size, **kwargs)
+        buf = real_empty(n * hc + 16, **kwargs).fill_(-7.0)
+        slack.append(buf[n * hc :])
+        return buf[: n * hc].view(n, hc)
+
+    adds_ranges = dataclasses.replace(tiles, up_adds_ranges=True)
+    with recording_launches() as launched, mock.patch.object(torch, "empty", empty):
+        _, inj = launch_read(wide, norm_w, w_down, w_up, w_inject, EPS, hc, adds_ranges)
+    assert launched == ["_rstd_kernel", "_linear_kernel", "_up_mix_kernel"], launched
+    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0)), slack
+    assert torch.equal(inj.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("by_row", [False, True])
 def test_up_mix_over_normed_rows_stores_no_column_past_d(by_row: bool) -> None:
     """d not a multiple of the up-mix column tile (48 by 32): x's last tile stores no column d (the next row's 0)."""
