@@ -129,6 +129,46 @@ def test_index_rows_are_batch_invariant() -> None:
         assert torch.equal(one[0], idx[t]) and int(one_count[0]) == int(counts[t])
 
 
+def test_index_radix_passes_count_the_last_block_of_a_row() -> None:
+    """Scores that share their top 11 bits need every radix pass; a row whose position completes a block (p + 1 a
+    multiple of the ratio) counts that last block in each pass as in the first (rows of TOP + 1 and TOP + 2 blocks,
+    the best last), as the reference's top-k does."""
+    q = torch.ones(3, HI, DI, dtype=torch.bfloat16)
+    keys = torch.zeros(1, 5, DI, dtype=torch.bfloat16)
+    keys[0, :, 0] = 1 + torch.arange(5) / 128  # scores 0.707..0.729: one top digit, five second digits
+    lanes, positions = torch.zeros(3), torch.tensor([9, 7, 3])
+    idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, TOP)
+    ref, ref_counts = qsa.qsa_index_reference(q, keys, lanes, positions, RATIO, TOP)
+    assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
+
+
+def test_index_stores_nothing_past_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No program stores past a row of the index or past a row's block scores: with the index [5, width] and the
+    score scratch [5, blocks] made inside longer buffers, the elements after them keep their bits. (A store past a row
+    lands in the next row's first elements, which on the CPU the next row's programs overwrite and on a GPU race;
+    past the last row it shows here.)"""
+    gen = torch.Generator().manual_seed(11)
+    q, keys, lanes, positions = _index_inputs(gen, 5)
+    positions[4] = CONTEXT - 1  # the last row needs a top-k
+    shapes = ((5, qsa.index_width(RATIO, TOP)), (5, keys.shape[1]))
+    slack, real_empty = [], torch.empty
+
+    def empty(*size, **kwargs):
+        """The index and the scores as the starts of buffers with 64 sentinel elements after them."""
+        if size not in shapes:
+            return real_empty(*size, **kwargs)
+        buf = real_empty(size[0] * size[1] + 64, **kwargs).fill_(-7)
+        slack.append(buf[size[0] * size[1] :])
+        return buf[: size[0] * size[1]].view(size)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", empty)
+        idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, TOP)
+    assert len(slack) == 2 and all(torch.equal(s, torch.full_like(s, -7)) for s in slack)
+    ref, ref_counts = qsa.qsa_index_reference(q, keys, lanes, positions, RATIO, TOP)
+    assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
+
+
 def _attention_inputs(
     gen: torch.Generator, rows: int, top: int, context: int, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
@@ -231,3 +271,63 @@ def test_attention_over_several_key_tiles_of_one_chunk() -> None:
     out = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, split=64, block_n=16)
     ref = qsa.qsa_sparse_attention_reference(q, k_cache, v_cache, lanes, idx, counts)
     assert not out.isnan().any() and _rel(out, ref) <= 1e-2
+
+
+def test_attention_merges_only_the_chunks_that_hold_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose key count is a multiple of the chunk leave the index's later chunks unwritten, and the merge reads
+    none of them: with the fp32 scratch filled with NaN, every output keeps the bits of a plain call."""
+    gen = torch.Generator().manual_seed(12)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 4, 20, 64, torch.tensor([31, 15, 62, 9]))
+    tiles = {"split": 16, "block_n": 16}
+    assert int((counts % 16 == 0).sum()) == 2 and idx.shape[1] > 32
+    plain = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, **tiles)
+    real_empty = torch.empty
+
+    def empty(*size, **kwargs):
+        """The fp32 scratch, filled with NaN."""
+        out = real_empty(*size, **kwargs)
+        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", empty)
+        got = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts, **tiles)
+    assert torch.equal(got.view(torch.int16), plain.view(torch.int16))
+
+
+def test_attention_stores_nothing_past_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No merge program stores a head past its kv head's query group: with the output made inside a longer buffer,
+    the elements after it keep their bits. (A store past a group lands in the next group's or row's heads, which on
+    the CPU a later program overwrites and on a GPU races; past the last row it shows here.)"""
+    gen = torch.Generator().manual_seed(13)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 3, TOP, CONTEXT)
+    slack, real_empty_like = [], torch.empty_like
+
+    def empty_like(x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The output as the start of a buffer with 16 heads of sentinel elements after it."""
+        if x is not q:
+            return real_empty_like(x, **kwargs)
+        buf = torch.full((q.numel() + 16 * D,), -7.0, dtype=q.dtype)
+        slack.append(buf[q.numel() :])
+        return buf[: q.numel()].view(q.shape)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty_like", empty_like)
+        got = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts)
+    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    assert _rel(got, qsa.qsa_sparse_attention_reference(q, k_cache, v_cache, lanes, idx, counts)) <= 1e-2
+
+
+def test_attention_reads_no_cache_position_it_does_not_select() -> None:
+    """Keys and values at the positions no row selects are never read: with them all NaN (a lane's token 0 among
+    them, where a key tile's unused lanes point), every output keeps its bits."""
+    gen = torch.Generator().manual_seed(14)
+    q, k_cache, v_cache, lanes, idx, counts = _attention_inputs(gen, 3, TOP, CONTEXT, torch.tensor([39, 38, 37]))
+    plain = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts)
+    selected = torch.zeros(LANES, CONTEXT, dtype=torch.bool)
+    for t in range(3):
+        selected[int(lanes[t]), idx[t, : int(counts[t])].long()] = True
+    assert not selected[:, 0].all()
+    k_cache[~selected] = float("nan")
+    v_cache[~selected] = float("nan")
+    got = qsa.qsa_sparse_attention(q, k_cache, v_cache, lanes, idx, counts)
+    assert torch.equal(got.view(torch.int16), plain.view(torch.int16))
