@@ -11,7 +11,11 @@ import torch
 
 import kernels.sample
 from kernels.sample import (
+    GOLDEN_GAMMA,
     GREEDY_BLOCK,
+    MASK64,
+    SCAN_BLOCK,
+    _mix64_reference,
     draw_uniforms,
     greedy_tokens,
     greedy_tokens_reference,
@@ -112,6 +116,40 @@ def test_sequential_cumsum_bit_exact(kind: str) -> None:
         assert not torch.equal(blocked, ref)
 
 
+def test_sequential_cumsum_of_rows_that_start_with_zeros() -> None:
+    """A running sum that is still 0 stays exactly 0 through the zeros that follow (a short and a long run of leading
+    zeros, a row of zeros only), then matches the sequential sum."""
+    gen = torch.Generator().manual_seed(17)
+    values = spread_values(3, 80, gen)
+    values[0, :3] = 0.0
+    values[1, :50] = 0.0
+    values[2] = 0.0
+    assert torch.equal(sequential_cumsum(values), sequential_cumsum_reference(values))
+
+
+def test_sequential_cumsum_stores_nothing_past_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No program stores past its row's sums (rows of 100, not a multiple of the scan chunk): with the sums made inside
+    a longer buffer, the elements after them keep their bits. (A store past a row lands in the next row's first sums,
+    which on the CPU the next row's program overwrites and on a GPU races; past the last row it shows here.)"""
+    values = spread_values(3, 100, torch.Generator().manual_seed(18))
+    assert values.shape[1] % SCAN_BLOCK
+    slack, real_empty = [], torch.empty
+
+    def empty(*size, **kwargs):
+        """The sums [3, 100] as the start of a buffer with two chunks of sentinel elements after them."""
+        if size != (values.shape,):
+            return real_empty(*size, **kwargs)
+        buf = real_empty(values.numel() + 2 * SCAN_BLOCK, **kwargs).fill_(-7.0)
+        slack.append(buf[values.numel() :])
+        return buf[: values.numel()].view(values.shape)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", empty)
+        out = sequential_cumsum(values)
+    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    assert torch.equal(out, sequential_cumsum_reference(values))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [50, 300])
 def test_every_combination_matches_sample_token(vocab: int, dtype: torch.dtype) -> None:
@@ -161,6 +199,43 @@ def test_cuts_on_exact_boundaries() -> None:
     assert out.tolist() == server_tokens(rows, args)
     assert set(out[0::3].tolist()) == {3, 10} and set(out[1::3].tolist()) == {3, 10}
     assert set(out[2::3].tolist()) <= {3, 10, 20, 50} and set(out[2::3].tolist()) & {20, 50}
+
+
+def _unmix64(z: int) -> int:
+    """The inverse of one splitmix64 step (`_mix64_reference`) on a Python int modulo 2**64."""
+
+    def unshift(y: int, shift: int) -> int:
+        """x from y = x ^ (x >> shift)."""
+        x = y
+        for _ in range(64 // shift + 1):
+            x = y ^ (x >> shift)
+        return x
+
+    z = unshift(z, 31)
+    z = unshift((z * pow(0x94D049BB133111EB, -1, 1 << 64)) & MASK64, 27)
+    z = unshift((z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & MASK64, 30)
+    return (z - GOLDEN_GAMMA) & MASK64
+
+
+def test_a_draw_landing_on_a_cumulative_sum_takes_the_next_candidate() -> None:
+    """Keys whose uniforms are exactly 1/4, 1/2 and 3/4 (found by inverting splitmix64) over four candidates of
+    probability 1/4: each target equals a cumulative sum, and every token is sample_token's (searchsorted right)."""
+    n, seed = 3, 12345
+    uniforms = (0.25, 0.5, 0.75)
+    positions = [_unmix64(int(u * 2**53) << 11) ^ _mix64_reference(seed) for u in uniforms]
+    positions = [p - (1 << 64) if p >> 63 else p for p in positions]  # as int64
+    assert [draw_uniform(seed, p) for p in positions] == list(uniforms)
+    logits = torch.full((n, 64), float("-inf"))
+    logits[:, [3, 10, 20, 50]] = 1.5
+    args = (
+        torch.ones(n, dtype=torch.float64),
+        torch.zeros(n, dtype=torch.int64),
+        torch.ones(n, dtype=torch.float64),
+        torch.zeros(n, dtype=torch.float64),
+        torch.full((n,), seed),
+        torch.tensor(positions),
+    )
+    assert sample_rows(logits, *args).tolist() == server_tokens(logits, args)
 
 
 def test_greedy_ties_go_to_the_lower_id() -> None:
