@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -264,3 +266,67 @@ def test_heads_past_one_tile_equal_their_rope_in_single_tile_calls() -> None:
     alone = torch.cat([rope(x[:, h : h + per_tile], pos, inv) for h in range(0, heads, per_tile)], dim=1)
     assert torch.equal(out.view(torch.int16), alone.view(torch.int16))
     torch.testing.assert_close(out.float(), rope_reference(x, pos, inv).float(), rtol=5e-2, atol=5e-2)
+
+
+def sentinel_empty(shape: tuple[int, ...], slack: list[torch.Tensor], tail: int) -> Callable[..., torch.Tensor]:
+    """A torch.empty that makes the one tensor of `shape` the start of a buffer with `tail` sentinel elements (-7)
+    after it, appended to `slack`; every other call is torch.empty's."""
+    real_empty, numel = torch.empty, int(np.prod(shape))
+
+    def empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+        dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        if tuple(dims) != shape:
+            return real_empty(*size, **kwargs)
+        buf = real_empty(numel + tail, **kwargs).fill_(-7.0)
+        slack.append(buf[numel:])
+        return buf[:numel].view(shape)
+
+    return empty
+
+
+@pytest.mark.parametrize(("dim", "rot"), [(40, 40), (88, 40)])  # half 20 in 32 lanes; no pass-through, or 48 in 64
+def test_rope_stores_nothing_past_its_output(monkeypatch: pytest.MonkeyPatch, dim: int, rot: int) -> None:
+    """No program stores past the last row, head, rotated pair or passed-through dim: with the output of 33 rows
+    (a partial third program under the interpreter) of 3 heads (in 4 lanes) made inside a longer buffer, the
+    elements after it keep their bits, and the output is the model's rope."""
+    n, heads = 33, 3
+    x, pos, inv = rows(n, heads, dim, seed=12), positions_of(n, seed=12), rope_inv_freq(rot, THETA, "cpu")
+    slack: list[torch.Tensor] = []
+    empty = sentinel_empty((n, heads, dim), slack, 16 * 4 * 128)  # a whole program's lanes past
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", empty)
+        out = rope(x, pos, inv)
+    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    check_rope(out, x, pos, rot)
+
+
+@pytest.mark.parametrize(("dim", "rot"), [(40, 40), (88, 40)])
+def test_norm_rope_stores_nothing_past_its_output(monkeypatch: pytest.MonkeyPatch, dim: int, rot: int) -> None:
+    """No norm_rope program stores past its (row, head) pairs, rotated pairs or other dims: with the output of
+    33 rows of 3 heads made inside a longer buffer, the elements after it keep their bits, and the output has the
+    bits of the norm then rope."""
+    n, heads = 33, 3
+    x, weight = rows(n, heads, dim, seed=13), rows(dim, seed=14) * 0.1
+    pos, inv = positions_of(n, seed=13), rope_inv_freq(rot, THETA, "cpu")
+    room = torch.zeros(2 * n * heads * dim, dtype=torch.bfloat16)  # rope's own stores kept in a buffer too
+    want = rope(zc_rms_norm(x, weight, 1e-6), pos, inv, room[: n * heads * dim].view(n, heads, dim))
+    slack: list[torch.Tensor] = []
+    empty = sentinel_empty((n, heads, dim), slack, 4096 * 2)  # a whole tile's lanes past
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", empty)
+        got = norm_rope(x, weight, 1e-6, pos, inv)
+    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dim", [41, 40 + 257])  # the other dims: one chunk of 1, or chunks of 256 and 1
+def test_last_chunk_of_one_passed_through_dim(dim: int) -> None:
+    """A head whose dims past the rotary ones end in a chunk of a single dim still passes that dim through: rope's
+    output (made in a NaN-filled out) is the model's, and norm_rope's has the bits of the norm then rope."""
+    n, heads, rot = 5, 2, 40
+    x, pos, inv = rows(n, heads, dim, seed=15), positions_of(n, seed=15), rope_inv_freq(rot, THETA, "cpu")
+    out = torch.full_like(x, float("nan"))
+    check_rope(rope(x, pos, inv, out), x, pos, rot)
+    weight = rows(dim, seed=16) * 0.1
+    want = rope(zc_rms_norm(x, weight, 1e-6), pos, inv)
+    assert torch.equal(norm_rope(x, weight, 1e-6, pos, inv).view(torch.int16), want.view(torch.int16))
