@@ -34,6 +34,7 @@ from kernels.hyper import (
 from kernels.linear import k_ranges as linear_k_ranges
 from model.hyper import GatedResidual
 from tests.kernels.launches import recording_launches
+from tests.kernels.sentinels import outputs_with_slack, untouched
 
 D, R, EPS = 32, 8, 1e-6
 TILES = (
@@ -601,21 +602,11 @@ def test_the_up_kernels_inject_programs_store_nothing_past_a_rows_streams() -> N
     w_up = (torch.randn(k, r, generator=g) * 2 / r**0.5).bfloat16()
     tiles = ReadTiles(16, 16, 16, 32, False, 2, 1, via_linear=True, up_over_normed=True, up_by_row=True)
     _, want = launch_read(wide, norm_w, w_down, w_up, w_inject, EPS, hc, tiles)
-    slack, real_empty = [], torch.empty
-
-    def empty(*size, **kwargs):
-        """inject [n, hc] bf16 as the start of a buffer with 16 sentinel elements after it."""
-        if size != ((n, hc),) or kwargs.get("dtype") != torch.bfloat16:
-            return real_empty(*size, **kwargs)
-        buf = real_empty(n * hc + 16, **kwargs).fill_(-7.0)
-        slack.append(buf[n * hc :])
-        return buf[: n * hc].view(n, hc)
-
     adds_ranges = dataclasses.replace(tiles, up_adds_ranges=True)
-    with recording_launches() as launched, mock.patch.object(torch, "empty", empty):
+    with recording_launches() as launched, outputs_with_slack(((n, hc),), 16, torch.bfloat16) as slack:
         _, inj = launch_read(wide, norm_w, w_down, w_up, w_inject, EPS, hc, adds_ranges)
     assert launched == ["_rstd_kernel", "_linear_kernel", "_up_mix_kernel"], launched
-    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0)), slack
+    assert len(slack) == 1 and untouched(slack), slack
     assert torch.equal(inj.view(torch.int16), want.view(torch.int16))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -12,6 +11,7 @@ import torch
 
 from kernels.ngram import ngram_rows, ngram_rows_reference
 from model.ple import hash_multipliers
+from tests.kernels.sentinels import outputs_with_slack, untouched
 
 EOS = 7
 
@@ -45,7 +45,7 @@ def test_rejects_bad_inputs() -> None:
         ngram_rows(windows, EOS, torch.ones(3, dtype=torch.int64), moduli, moduli, 2, (0, 5))
 
 
-def test_rows_store_nothing_past_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_store_nothing_past_the_output() -> None:
     """No program stores past the last row or past head hi: with the rows [33, 3] (a partial second program of
     32 rows, 3 heads in 4 lanes) made inside a longer buffer, the elements after them keep their bits, and the rows
     equal the torch hash."""
@@ -56,19 +56,7 @@ def test_rows_store_nothing_past_the_output(monkeypatch: pytest.MonkeyPatch) -> 
     multipliers = hash_multipliers(248_320, width, 1, 42)
     moduli = torch.tensor([1_000_003 + 2 * h for h in range((width - 1) * per)])
     offsets = torch.cumsum(moduli, 0) - moduli
-    slack, real_empty = [], torch.empty
-    tail = 32 * 4  # every lane of the last program past the output
-
-    def empty(*size: Any, **kwargs: Any) -> torch.Tensor:
-        """The rows [n, hi - lo] as the start of a buffer with `tail` sentinel elements after them."""
-        if size != (n, hi - lo):
-            return real_empty(*size, **kwargs)
-        buf = real_empty(n * (hi - lo) + tail, **kwargs).fill_(-7)
-        slack.append(buf[n * (hi - lo) :])
-        return buf[: n * (hi - lo)].view(n, hi - lo)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", empty)
+    with outputs_with_slack(((n, hi - lo),), 32 * 4) as slack:  # every lane of the last program past the output
         got = ngram_rows(windows, EOS, torch.tensor(multipliers), moduli, offsets, per, (lo, hi))
-    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7))
+    assert len(slack) == 1 and untouched(slack)
     assert torch.equal(got, ngram_rows_reference(windows, EOS, multipliers, moduli, offsets, per)[:, lo:hi])

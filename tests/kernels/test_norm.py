@@ -23,6 +23,7 @@ from kernels.norm import (
 )
 from model.ops import gated_rms_norm as model_gated_rms_norm
 from model.ops import zc_rms_norm as model_zc_rms_norm
+from tests.kernels.sentinels import outputs_with_slack, untouched
 
 EPS = 1e-6
 
@@ -121,26 +122,15 @@ def test_rejects_bad_inputs() -> None:
         block_mean(x, 2)
 
 
-def test_block_means_store_nothing_past_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_means_store_nothing_past_their_rows() -> None:
     """No program stores a feature past C (here 100, inside one 128-lane column program): with the means made inside a
     longer buffer, the elements after them keep their bits. (A store past a row lands in the next block's first
     feature, which on the CPU the next block's program overwrites, and on a GPU races it; past the last block it shows
     here.)"""
     x = rows(3 * 4, 100, dtype=torch.float32, seed=9)
-    slack, real_empty = [], torch.empty
-
-    def empty(*size, **kwargs):
-        """The means [3, 100] as the start of a buffer with 64 sentinel elements after them."""
-        if size != ((3, 100),):
-            return real_empty(*size, **kwargs)
-        buf = real_empty(300 + 64, **kwargs).fill_(-7.0)
-        slack.append(buf[300:])
-        return buf[:300].view(3, 100)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", empty)
+    with outputs_with_slack(((3, 100),), 64) as slack:
         got = block_mean(x, 4)
-    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    assert len(slack) == 1 and untouched(slack)
     assert torch.equal(got, block_mean_reference(x, 4))
 
 

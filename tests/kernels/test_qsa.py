@@ -15,6 +15,7 @@ import kernels.qsa as qsa
 from kernels.gates import sigmoid_mul
 from model.ops import masked_attention
 from model.qsa import QSAIndexer
+from tests.kernels.sentinels import outputs_with_slack, untouched
 
 HQ, HKV, D, HI, DI, RATIO, TOP = 4, 2, 16, 2, 8, 2, 3
 LANES, CONTEXT = 3, 40
@@ -142,7 +143,7 @@ def test_index_radix_passes_count_the_last_block_of_a_row() -> None:
     assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
 
 
-def test_index_stores_nothing_past_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_index_stores_nothing_past_its_rows() -> None:
     """No program stores past a row of the index or past a row's block scores: with the index [5, width] and the
     score scratch [5, blocks] made inside longer buffers, the elements after them keep their bits. (A store past a row
     lands in the next row's first elements, which on the CPU the next row's programs overwrite and on a GPU race;
@@ -151,20 +152,9 @@ def test_index_stores_nothing_past_its_rows(monkeypatch: pytest.MonkeyPatch) -> 
     q, keys, lanes, positions = _index_inputs(gen, 5)
     positions[4] = CONTEXT - 1  # the last row needs a top-k
     shapes = ((5, qsa.index_width(RATIO, TOP)), (5, keys.shape[1]))
-    slack, real_empty = [], torch.empty
-
-    def empty(*size, **kwargs):
-        """The index and the scores as the starts of buffers with 64 sentinel elements after them."""
-        if size not in shapes:
-            return real_empty(*size, **kwargs)
-        buf = real_empty(size[0] * size[1] + 64, **kwargs).fill_(-7)
-        slack.append(buf[size[0] * size[1] :])
-        return buf[: size[0] * size[1]].view(size)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", empty)
+    with outputs_with_slack(shapes, 64) as slack:
         idx, counts = qsa.qsa_index(q, keys, lanes, positions, RATIO, TOP)
-    assert len(slack) == 2 and all(torch.equal(s, torch.full_like(s, -7)) for s in slack)
+    assert len(slack) == 2 and untouched(slack)
     ref, ref_counts = qsa.qsa_index_reference(q, keys, lanes, positions, RATIO, TOP)
     assert torch.equal(idx, ref) and torch.equal(counts, ref_counts)
 

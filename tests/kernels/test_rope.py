@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -16,6 +14,7 @@ import torch
 from kernels.norm import zc_rms_norm
 from kernels.rope import TILE, norm_rope, rope, rope_inv_freq, rope_reference, scatter_rows
 from model.ops import apply_rope, rope_cos_sin
+from tests.kernels.sentinels import outputs_with_slack, untouched
 
 MAX_POSITION = 300_000
 THETA = 10_000_000.0
@@ -268,40 +267,21 @@ def test_heads_past_one_tile_equal_their_rope_in_single_tile_calls() -> None:
     torch.testing.assert_close(out.float(), rope_reference(x, pos, inv).float(), rtol=5e-2, atol=5e-2)
 
 
-def sentinel_empty(shape: tuple[int, ...], slack: list[torch.Tensor], tail: int) -> Callable[..., torch.Tensor]:
-    """A torch.empty that makes the one tensor of `shape` the start of a buffer with `tail` sentinel elements (-7)
-    after it, appended to `slack`; every other call is torch.empty's."""
-    real_empty, numel = torch.empty, int(np.prod(shape))
-
-    def empty(*size: Any, **kwargs: Any) -> torch.Tensor:
-        dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
-        if tuple(dims) != shape:
-            return real_empty(*size, **kwargs)
-        buf = real_empty(numel + tail, **kwargs).fill_(-7.0)
-        slack.append(buf[numel:])
-        return buf[:numel].view(shape)
-
-    return empty
-
-
 @pytest.mark.parametrize(("dim", "rot"), [(40, 40), (88, 40)])  # half 20 in 32 lanes; no pass-through, or 48 in 64
-def test_rope_stores_nothing_past_its_output(monkeypatch: pytest.MonkeyPatch, dim: int, rot: int) -> None:
+def test_rope_stores_nothing_past_its_output(dim: int, rot: int) -> None:
     """No program stores past the last row, head, rotated pair or passed-through dim: with the output of 33 rows
     (a partial third program under the interpreter) of 3 heads (in 4 lanes) made inside a longer buffer, the
     elements after it keep their bits, and the output is the model's rope."""
     n, heads = 33, 3
     x, pos, inv = rows(n, heads, dim, seed=12), positions_of(n, seed=12), rope_inv_freq(rot, THETA, "cpu")
-    slack: list[torch.Tensor] = []
-    empty = sentinel_empty((n, heads, dim), slack, 16 * 4 * 128)  # a whole program's lanes past
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", empty)
+    with outputs_with_slack(((n, heads, dim),), 16 * 4 * 128) as slack:  # a whole program's lanes past
         out = rope(x, pos, inv)
-    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    assert len(slack) == 1 and untouched(slack)
     check_rope(out, x, pos, rot)
 
 
 @pytest.mark.parametrize(("dim", "rot"), [(40, 40), (88, 40)])
-def test_norm_rope_stores_nothing_past_its_output(monkeypatch: pytest.MonkeyPatch, dim: int, rot: int) -> None:
+def test_norm_rope_stores_nothing_past_its_output(dim: int, rot: int) -> None:
     """No norm_rope program stores past its (row, head) pairs, rotated pairs or other dims: with the output of
     33 rows of 3 heads made inside a longer buffer, the elements after it keep their bits, and the output has the
     bits of the norm then rope."""
@@ -310,12 +290,9 @@ def test_norm_rope_stores_nothing_past_its_output(monkeypatch: pytest.MonkeyPatc
     pos, inv = positions_of(n, seed=13), rope_inv_freq(rot, THETA, "cpu")
     room = torch.zeros(2 * n * heads * dim, dtype=torch.bfloat16)  # rope's own stores kept in a buffer too
     want = rope(zc_rms_norm(x, weight, 1e-6), pos, inv, room[: n * heads * dim].view(n, heads, dim))
-    slack: list[torch.Tensor] = []
-    empty = sentinel_empty((n, heads, dim), slack, 4096 * 2)  # a whole tile's lanes past
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", empty)
+    with outputs_with_slack(((n, heads, dim),), 4096 * 2) as slack:  # a whole tile's lanes past
         got = norm_rope(x, weight, 1e-6, pos, inv)
-    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    assert len(slack) == 1 and untouched(slack)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 

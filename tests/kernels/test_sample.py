@@ -25,6 +25,7 @@ from kernels.sample import (
     sequential_cumsum_reference,
 )
 from server.sampling import draw_uniform, sample_token
+from tests.kernels.sentinels import outputs_with_slack, untouched
 
 # (temperature, top_k, top_p, min_p): greedy, temperature only, each filter alone, all together, edge values
 COMBOS = (
@@ -127,26 +128,15 @@ def test_sequential_cumsum_of_rows_that_start_with_zeros() -> None:
     assert torch.equal(sequential_cumsum(values), sequential_cumsum_reference(values))
 
 
-def test_sequential_cumsum_stores_nothing_past_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sequential_cumsum_stores_nothing_past_its_rows() -> None:
     """No program stores past its row's sums (rows of 100, not a multiple of the scan chunk): with the sums made inside
     a longer buffer, the elements after them keep their bits. (A store past a row lands in the next row's first sums,
     which on the CPU the next row's program overwrites and on a GPU races; past the last row it shows here.)"""
     values = spread_values(3, 100, torch.Generator().manual_seed(18))
     assert values.shape[1] % SCAN_BLOCK
-    slack, real_empty = [], torch.empty
-
-    def empty(*size, **kwargs):
-        """The sums [3, 100] as the start of a buffer with two chunks of sentinel elements after them."""
-        if size != (values.shape,):
-            return real_empty(*size, **kwargs)
-        buf = real_empty(values.numel() + 2 * SCAN_BLOCK, **kwargs).fill_(-7.0)
-        slack.append(buf[values.numel() :])
-        return buf[: values.numel()].view(values.shape)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(torch, "empty", empty)
+    with outputs_with_slack((tuple(values.shape),), 2 * SCAN_BLOCK) as slack:
         out = sequential_cumsum(values)
-    assert len(slack) == 1 and torch.equal(slack[0], torch.full_like(slack[0], -7.0))
+    assert len(slack) == 1 and untouched(slack)
     assert torch.equal(out, sequential_cumsum_reference(values))
 
 
