@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from kernels import FORCE_NO_FP_FUSION_ENV, FP_FUSION_ENV
 from model.side_stream import SITES, parse_sites
+
+TRITON_TRUE = ("1", "true", "on", "yes", "y")  # how Triton reads a true boolean variable, case aside
 
 
 def _port(text: str) -> int:
@@ -73,8 +76,21 @@ class EnvSettings:
     peer_sums: bool = False
 
 
+def check_fp_fusion(environ: Mapping[str, str]) -> None:
+    """Refuse, by name, a Triton setting that compiles the kernels without fused multiply-adds (`kernels`' pin)."""
+    default = environ.get(FP_FUSION_ENV)
+    if default is not None and default.strip().lower() not in TRITON_TRUE:
+        raise ValueError(f"{FP_FUSION_ENV}={default!r} turns off the fused multiply-adds the kernels' bits were "
+                         "checked with; unset it or set it to 1")  # fmt: skip
+    if environ.get(FORCE_NO_FP_FUSION_ENV, "").strip().lower() in TRITON_TRUE:
+        raise ValueError(f"{FORCE_NO_FP_FUSION_ENV} turns off the fused multiply-adds the kernels' bits were checked "
+                         "with; unset it")  # fmt: skip
+
+
 def read_environment(environ: Mapping[str, str]) -> EnvSettings:
-    """Parse every FLASHNEXT_* variable; an unknown name or a malformed value is refused by name."""
+    """Parse every FLASHNEXT_* variable; an unknown name or a malformed value is refused by name, as is a Triton
+    setting that turns off fused multiply-adds."""
+    check_fp_fusion(environ)
     values: dict[str, object] = {}
     for name, text in environ.items():
         if not name.startswith("FLASHNEXT_"):

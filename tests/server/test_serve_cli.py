@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 from server.cli import build_parser
 from server.ranks import free_port
+from server.settings import read_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,7 +104,6 @@ def test_cuda_graphs_on_without_their_needs_is_refused_by_flag():
 
 def test_peer_sums_without_two_cuda_ranks_on_the_kernels_are_refused_by_name():
     from server.serve import peer_sums_refusal
-    from server.settings import read_environment
 
     on, off = read_environment({"FLASHNEXT_PEER_SUMS": "1"}), read_environment({})
     assert on.peer_sums and not off.peer_sums
@@ -114,6 +115,35 @@ def test_peer_sums_without_two_cuda_ranks_on_the_kernels_are_refused_by_name():
         assert peer_sums_refusal(on, world, build_parser().parse_args(["serve", *flags])) == want
     with pytest.raises(ValueError, match="FLASHNEXT_PEER_SUMS"):
         read_environment({"FLASHNEXT_PEER_SUMS": "yes"})
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "refused"),
+    [("TRITON_DEFAULT_FP_FUSION", "0", True), ("TRITON_DEFAULT_FP_FUSION", "off", True),
+     ("TRITON_FORCE_DISABLE_FP_FUSION", "1", True), ("TRITON_DEFAULT_FP_FUSION", "1", False),
+     ("TRITON_DEFAULT_FP_FUSION", "True", False), ("TRITON_FORCE_DISABLE_FP_FUSION", "0", False)],
+)  # fmt: skip
+def test_a_triton_setting_that_turns_off_fused_multiply_adds_is_refused_by_name(name, value, refused):
+    if refused:
+        with pytest.raises(ValueError, match=name):
+            read_environment({name: value})
+    else:
+        read_environment({name: value})
+
+
+def test_serve_refuses_triton_fp_fusion_off_before_the_model_loads():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "--port", "0"],
+        cwd=ROOT,
+        env={**env, "TRITON_DEFAULT_FP_FUSION": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "TRITON_DEFAULT_FP_FUSION='0' turns off the fused multiply-adds" in proc.stderr
+    assert "loaded" not in proc.stderr
 
 
 def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, monkeypatch):
