@@ -4,6 +4,7 @@
 # scheduler and warp stall statistics and the instruction mix (CSV), and each kernel's SASS with its stall samples.
 # Logs under $OUT.
 # Usage, from the repo root there:  OUT=... [PARTS="moe gdn hyper router"] bash scripts/gpu_ncu.sh  (default: moe gdn)
+# Then, anywhere:  python3 scripts/ncu_summary.py $OUT/NAME.csv $OUT/NAME_sass.csv  (per launch: figures, stalls, mix)
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FLASHNEXT_PDL=0 PYTHONPATH=.
