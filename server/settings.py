@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kernels import FORCE_NO_FP_FUSION_ENV, FP_FUSION_ENV
 from model.side_stream import SITES, parse_sites
 
-TRITON_TRUE = ("1", "true", "on", "yes", "y")  # how Triton reads a true boolean variable, case aside
+TRITON_TRUE = ("1", "true", "on", "yes", "y")  # how Triton reads a true boolean variable: these, in any case
 
 
 def _port(text: str) -> int:
@@ -79,10 +79,10 @@ class EnvSettings:
 def check_fp_fusion(environ: Mapping[str, str]) -> None:
     """Refuse, by name, a Triton setting that compiles the kernels without fused multiply-adds (`kernels`' pin)."""
     default = environ.get(FP_FUSION_ENV)
-    if default is not None and default.strip().lower() not in TRITON_TRUE:
+    if default is not None and default.lower() not in TRITON_TRUE:
         raise ValueError(f"{FP_FUSION_ENV}={default!r} turns off the fused multiply-adds the kernels' bits were "
                          "checked with; unset it or set it to 1")  # fmt: skip
-    if environ.get(FORCE_NO_FP_FUSION_ENV, "").strip().lower() in TRITON_TRUE:
+    if environ.get(FORCE_NO_FP_FUSION_ENV, "").lower() in TRITON_TRUE:
         raise ValueError(f"{FORCE_NO_FP_FUSION_ENV} turns off the fused multiply-adds the kernels' bits were checked "
                          "with; unset it")  # fmt: skip
 

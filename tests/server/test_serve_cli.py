@@ -120,6 +120,7 @@ def test_peer_sums_without_two_cuda_ranks_on_the_kernels_are_refused_by_name():
 @pytest.mark.parametrize(
     ("name", "value", "refused"),
     [("TRITON_DEFAULT_FP_FUSION", "0", True), ("TRITON_DEFAULT_FP_FUSION", "off", True),
+     ("TRITON_DEFAULT_FP_FUSION", "1 ", True), ("TRITON_FORCE_DISABLE_FP_FUSION", "Yes", True),
      ("TRITON_FORCE_DISABLE_FP_FUSION", "1", True), ("TRITON_DEFAULT_FP_FUSION", "1", False),
      ("TRITON_DEFAULT_FP_FUSION", "True", False), ("TRITON_FORCE_DISABLE_FP_FUSION", "0", False)],
 )  # fmt: skip
@@ -133,17 +134,22 @@ def test_a_triton_setting_that_turns_off_fused_multiply_adds_is_refused_by_name(
 
 def test_serve_refuses_triton_fp_fusion_off_before_the_model_loads():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "server", "--port", "0"],
-        cwd=ROOT,
-        env={**env, "TRITON_DEFAULT_FP_FUSION": "0"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    taken = socket.socket()  # a server that did not refuse stops at once on the port, saying so
+    taken.bind(("127.0.0.1", 0))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(taken.getsockname()[1])],
+            cwd=ROOT,
+            env={**env, "TRITON_DEFAULT_FP_FUSION": "0"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        taken.close()
     assert proc.returncode == 1
     assert "TRITON_DEFAULT_FP_FUSION='0' turns off the fused multiply-adds" in proc.stderr
-    assert "loaded" not in proc.stderr
+    assert "cannot listen there" not in proc.stderr
 
 
 def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, monkeypatch):
