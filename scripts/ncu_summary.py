@@ -34,7 +34,7 @@ def details(text: str) -> list[tuple[str, dict[str, str]]]:
     for row in csv.DictReader(io.StringIO(text)):
         launch = launches.setdefault(row["ID"], (row["Kernel Name"], {}))
         label = wanted.get((row["Section Name"], row["Metric Name"]))
-        if label and label not in launch[1]:  # the first of a metric's rows (Memory Throughput comes twice)
+        if label:
             unit = row["Metric Unit"]
             launch[1][label] = row["Metric Value"] + ("" if unit in ("", "inst") else f" {unit}")
     return list(launches.values())
