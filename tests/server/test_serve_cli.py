@@ -134,19 +134,7 @@ def test_a_triton_setting_that_turns_off_fused_multiply_adds_is_refused_by_name(
 
 def test_serve_refuses_triton_fp_fusion_off_before_the_model_loads():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
-    taken = socket.socket()  # a server that did not refuse stops at once on the port, saying so
-    taken.bind(("127.0.0.1", 0))
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(taken.getsockname()[1])],
-            cwd=ROOT,
-            env={**env, "TRITON_DEFAULT_FP_FUSION": "0"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        taken.close()
+    proc, _ = serve_on_a_taken_port({**env, "TRITON_DEFAULT_FP_FUSION": "0"})  # not refused: it stops on the port
     assert proc.returncode == 1
     assert "TRITON_DEFAULT_FP_FUSION='0' turns off the fused multiply-adds" in proc.stderr
     assert "cannot listen there" not in proc.stderr
@@ -191,7 +179,8 @@ def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, 
     ]
 
 
-def test_a_port_in_use_is_refused_by_flag_before_the_model_loads():
+def serve_on_a_taken_port(env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, int]:
+    """`python -m server` (the shipped model) asked to listen on a port another socket holds, and that port."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]
@@ -199,12 +188,18 @@ def test_a_port_in_use_is_refused_by_flag_before_the_model_loads():
         proc = subprocess.run(
             [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
+            env=env,
             capture_output=True,
             text=True,
             timeout=120,
         )
     finally:
         taken.close()
+    return proc, port
+
+
+def test_a_port_in_use_is_refused_by_flag_before_the_model_loads():
+    proc, port = serve_on_a_taken_port()
     assert proc.returncode == 1
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in proc.stderr
     assert "loaded" not in proc.stderr  # refused before any weights were read
