@@ -14,10 +14,11 @@ SENTINEL = -7
 
 @contextmanager
 def outputs_with_slack(
-    shapes: tuple[tuple[int, ...], ...], tail: int, dtype: torch.dtype | None = None
+    shapes: tuple[tuple[int, ...], ...], tail: int, dtype: torch.dtype | None = None, fill: float = SENTINEL
 ) -> Iterator[list[torch.Tensor]]:
     """Within: each torch.empty of one of `shapes` (and of `dtype`, if given) is the start of a buffer with `tail`
-    SENTINEL elements after it; yields those tails, in the order they were made (`untouched` checks them)."""
+    elements of `fill` after it (SENTINEL, which `untouched` checks, unless told); yields those tails, in the order
+    they were made."""
     real_empty, tails = torch.empty, []
 
     def empty(*size: object, **kwargs: object) -> torch.Tensor:
@@ -25,7 +26,7 @@ def outputs_with_slack(
         if dims not in shapes or (dtype is not None and kwargs.get("dtype") != dtype):
             return real_empty(*size, **kwargs)
         numel = math.prod(dims)
-        buf = real_empty(numel + tail, **kwargs).fill_(SENTINEL)
+        buf = real_empty(numel + tail, **kwargs).fill_(fill)
         tails.append(buf[numel:])
         return buf[:numel].view(dims)
 

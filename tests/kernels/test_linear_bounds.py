@@ -12,7 +12,6 @@ from unittest import mock
 import torch
 
 import kernels.linear as linear_module
-import tests.kernels.sentinels as sentinels
 from kernels.linear import (
     BLOCK_K,
     Gates,
@@ -27,6 +26,7 @@ from kernels.linear import (
 )
 from kernels.router import router_topk
 from tests.kernels.sentinels import outputs_with_slack, untouched
+from tests.kernels.test_linear import rel_err
 
 TAIL = 16 * 64 * 4  # a whole 16-row, 64-column tile's lanes past an output, and then some
 
@@ -52,7 +52,7 @@ def test_no_launch_stores_past_its_outputs() -> None:
     with outputs_with_slack(((5, 48), (3, 5, 48)), TAIL, torch.float32) as slack:  # wide tiles, the sum kernel adds
         launch(x5, w, torch.float32, Tiles(64, 64, 4, 1), 3, 128)
     assert len(slack) == 2 and untouched(slack)
-    for tiles, split, k_split in ((Tiles(16, 64, 2, 1), 1, 384), (Tiles(16, 64, 2, 1), 3, 128)):  # gates, h and inject
+    for tiles, split, k_split in launches:  # gates, h and inject
         with outputs_with_slack(((3, 44), (3, 4)), TAIL, torch.bfloat16) as slack:  # the gates' outputs made inside
             gates = Gates(torch.empty(3, 44, dtype=torch.bfloat16), torch.empty(3, 4, dtype=torch.bfloat16), 4)
             launch(x, w * 40, torch.float32, tiles, split, k_split, gates=gates)
@@ -70,10 +70,6 @@ def test_no_launch_stores_past_its_outputs() -> None:
     with outputs_with_slack(((7, 3),), TAIL) as slack:  # the router kernel: weights and ids
         router_topk(torch.randn(7, 12, generator=torch.Generator().manual_seed(10)), 3)
     assert len(slack) == 2 and untouched(slack)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def test_the_last_k_range_ends_at_k() -> None:
@@ -141,8 +137,7 @@ def test_the_range_sums_past_n_are_not_read() -> None:
     kernel's over `linear`'s logits."""
     x, w = bf16(1, 2560, seed=17), bf16(48, 2560, seed=18, scale=2560**-0.5)
     split, _ = k_ranges(48, 2560)
-    nan_tail = mock.patch.object(sentinels, "SENTINEL", float("nan"))
-    with nan_tail, outputs_with_slack(((split, 1, 48),), TAIL, torch.float32) as slack:
+    with outputs_with_slack(((split, 1, 48),), TAIL, torch.float32, fill=float("nan")) as slack:
         got = linear_topk(x, w, 5)
     assert len(slack) == 1
     want = router_topk(linear(x, w, torch.float32), 5)

@@ -144,7 +144,6 @@ def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, 
     """Verify graphs up to every lane's window (at most VERIFY_ROWS), prompt chunks beside them, and listed logits
     for every lane's window: a round's draws."""
     import argparse
-    import os
 
     from make_checkpoint import make_checkpoint
 
