@@ -11,8 +11,9 @@ timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [-
 python3 scripts/gpu_step_profile.py --out DIR --alone-as 2 ...   # rank 0's half on one GPU, no links (timing only)
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
     [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
-    [--chrome-trace]          # the kernels, with their streams, of one lane's profiled rounds (DIR/step_trace.json.gz)
-                              # and of the most lanes' (DIR/step_trace_N.json.gz); not of the verify or prompt ones
+    [--chrome-trace]          # the kernels, with their streams, of one lane's profiled rounds (DIR/step_trace.json.gz),
+                              # the most lanes' (DIR/step_trace_N.json.gz) and the verify rounds'
+                              # (DIR/step_trace_verify.json.gz); not of the prompt ones
 # DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_verify.txt,
 # step_profile_prompt.txt, step_profile.json
 """
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=0, metavar="ROWS", help="also time and profile a prompt pass")
     ap.add_argument("--ngram-table", choices=("device", "host"), default="device", help="where the n-gram table lives")
     ap.add_argument("--chrome-trace", action="store_true",
-                    help="also write one lane's and the most lanes' profiled rounds as Chrome traces")  # fmt: skip
+                    help="also write the profiled decode and verify rounds as Chrome traces")  # fmt: skip
     ap.add_argument("--alone-as", type=int, default=0, metavar="WORLD",
                     help="no torchrun: rank 0's share of a WORLD-rank model, collectives skipped")  # fmt: skip
     ap.add_argument("--peer-sums", action="store_true",
@@ -286,7 +287,8 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
         model(decode_batch(lanes, WINDOW, vocab, rng), snapshot_rows={0: range(WINDOW)})
         restore_length(lanes[0], lanes[0].length - WINDOW)
 
-    tables["_verify"] = profile(verify_round, f"a verify round with {WINDOW - 1} drafts", rank)
+    trace = args.out / "step_trace_verify.json.gz" if args.chrome_trace else None
+    tables["_verify"] = profile(verify_round, f"a verify round with {WINDOW - 1} drafts", rank, trace=trace)
     syncs = {"verify": sync_sites(verify_round), "graphs_current": graphs.covers("trunk", 1)}
     trace = args.out / "step_trace.json.gz" if args.chrome_trace else None
     tables[""] = profile(lambda: model(decode_batch(lanes, 1, vocab, rng)), "1 lane", rank, trace=trace)
