@@ -34,6 +34,8 @@ MAX_BLOCK = 1024
 TILE = 4096
 NUM_WARPS = 4
 FEW_PAIRS = 1024  # pairs up to which a zc norm call takes small tiles (`program_rows`)
+FEW_GATED_PAIRS = 256  # pairs up to which a gated norm call takes GATED_FEW_TILE (`gated_norm_tile`)
+GATED_FEW_TILE = (4, 4)  # (pairs a program, warps) of a gated norm call of few pairs
 
 
 def block_c(c: int) -> int:
@@ -306,10 +308,25 @@ def zc_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return (xf * rstd * (1.0 + w)).to(x.dtype).reshape(x.shape)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str) -> torch.Tensor:
+def gated_norm_tile(pairs: int, c: int) -> tuple[int, int]:
+    """(pairs a program, warps) of a gated norm call of `pairs` pairs: up to FEW_GATED_PAIRS (decode and verify rows)
+    GATED_FEW_TILE, so that more programs share them, else a whole tile on NUM_WARPS; the bits are the same either
+    way (`gated_norm_pairs`' sums depend on no tile shape)."""
+    return GATED_FEW_TILE if pairs <= FEW_GATED_PAIRS else (block_r(c), NUM_WARPS)
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    act: str,
+    tile: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """GDN output norm of x [M, G, C] (rounded to gate's dtype first), times act(gate) [M, G, C]; gate's dtype out.
 
-    `weight · act(x · rstd)` is rounded once more before the gate multiplies it, as the model does."""
+    `weight · act(x · rstd)` is rounded once more before the gate multiplies it, as the model does. `tile`: (pairs a
+    program, a power of two; warps) in place of `gated_norm_tile`'s (benchmarks and tests)."""
     x3, z3 = row_groups(x, "x"), row_groups(gate, "gate")
     if x3.shape != z3.shape:
         raise ValueError(f"gate: shape {tuple(gate.shape)} differs from x's {tuple(x.shape)}")
@@ -319,11 +336,11 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _norm_weight(weight, 1, c)
     out = torch.empty((m, g, c), dtype=gate.dtype, device=x.device)
     if out.numel():
-        rows = block_r(c)
+        rows, warps = tile or gated_norm_tile(m * g, c)
         _gated_norm_kernel[(triton.cdiv(m * g, rows),)](
             x3, z3, weight, out, g, m * g, c, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
             SILU=act == "silu", ACT_BF16=gate.dtype == torch.bfloat16, BLOCK_R=rows, BLOCK_C=block_c(c),
-            INTERPRET=INTERPRET, num_warps=NUM_WARPS, enable_fp_fusion=True, enable_reflect_ftz=False,
+            INTERPRET=INTERPRET, num_warps=warps, enable_fp_fusion=True, enable_reflect_ftz=False,
             **launch_options(_gated_norm_kernel, x3.device),
         )  # fmt: skip
     return out.view(gate.shape)

@@ -9,11 +9,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
+from kernels import norm
 from kernels.norm import (
     MAX_BLOCK,
+    NUM_WARPS,
     block_mean,
     block_mean_reference,
     block_r,
+    gated_norm_tile,
     gated_rms_norm,
     gated_rms_norm_reference,
     group_dot,
@@ -84,6 +87,34 @@ def test_gated_rms_norm_matches_reference_and_model(act: str, dtype: torch.dtype
         assert ulps_apart(out, ref) <= 0.02
     model = model_gated_rms_norm(x.to(dtype), z, wt, EPS, act)
     torch.testing.assert_close(out.float(), model.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tile", [(1, 1), (2, 2), (4, 4), (8, 1), (32, 4)])
+def test_gated_norm_tiles_decide_only_which_program_computes_a_pair(tile: tuple[int, int]) -> None:
+    """7 rows of 3 groups (21 pairs: a last program part full at every tile): each tile's bits are the whole tile's."""
+    x, z = rows(7, 3, 40, dtype=torch.float32), rows(7, 3, 40, seed=5)
+    wt = (1.0 + weight(40).float()).to(torch.bfloat16)
+    whole = gated_rms_norm(x, z, wt, EPS, "silu", tile=(block_r(40), NUM_WARPS))
+    assert torch.equal(gated_rms_norm(x, z, wt, EPS, "silu", tile=tile), whole)
+
+
+def test_a_verify_rounds_gated_norm_spreads_its_pairs_over_more_programs() -> None:
+    """Few pairs (a verify round's 4 rows of 24 heads) take GATED_FEW_TILE's programs; a 64-lane round and prompts
+    whole tiles."""
+    assert gated_norm_tile(4 * 24, 128) == norm.GATED_FEW_TILE
+    assert norm.GATED_FEW_TILE[0] < block_r(128)
+    assert gated_norm_tile(64 * 24, 128) == gated_norm_tile(8192 * 24, 128) == (block_r(128), NUM_WARPS)
+
+
+def test_gated_norm_rows_alone_in_few_pair_tiles_equal_them_in_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row alone (4 pairs: the few-pair tile) has the bits it has inside a call of 36 pairs that takes whole
+    tiles."""
+    monkeypatch.setattr(norm, "FEW_GATED_PAIRS", 8)
+    x, z = rows(9, 4, 32, dtype=torch.float32), rows(9, 4, 32, seed=6)
+    wt = (1.0 + weight(32).float()).to(torch.bfloat16)
+    assert gated_norm_tile(4, 32) == norm.GATED_FEW_TILE != gated_norm_tile(36, 32)
+    alone = torch.cat([gated_rms_norm(x[i : i + 1], z[i : i + 1], wt, EPS, "sigmoid") for i in range(9)])
+    assert torch.equal(gated_rms_norm(x, z, wt, EPS, "sigmoid"), alone)
 
 
 def test_group_dot_and_block_mean_match_references() -> None:
