@@ -58,6 +58,7 @@ from model.weights import load_model  # noqa: E402
 LANES = (1, 4, 8, 64)
 WINDOW = 4  # a verify window's rows: the pending token and up to three drafts
 HOST_LINES = 12  # host operations listed per profiled step
+SHARES = 24  # kernels' busy shares listed (and kept in step_profile.json) per profiled step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,16 +145,20 @@ def busy_shares(spans: list[tuple[str, float, float]]) -> tuple[Counter[str], fl
     return shares, idle
 
 
-def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5, trace: Path | None = None) -> str:
-    """torch.profiler's kernel table of `rounds` calls of `step` (every rank profiles, so both pay its cost alike);
-    rank 0 prints each kernel's ms and calls a round, then the host operations that took the most host time, and
-    writes the rounds to `trace` (gzipped Chrome trace: every kernel with its stream) when given."""
+def profile(
+    step: Callable[[], object], label: str, rank: int, rounds: int = 5, trace: Path | None = None
+) -> tuple[str, dict[str, object]]:
+    """(torch.profiler's kernel table, the busy time) of `rounds` calls of `step` (every rank profiles, so both pay
+    its cost alike); rank 0 prints each kernel's ms and calls a round, then the host operations that took the most
+    host time, writes the rounds to `trace` (gzipped Chrome trace: every kernel with its stream) when given, and
+    returns the GPU's busy and idle ms a round with the SHARES largest kernel shares (empty on other ranks)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(rounds):
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
+    busy_report: dict[str, object] = {}
     if rank == 0:
         if trace is not None:  # torch gzips a path that ends in .gz
             trace.parent.mkdir(parents=True, exist_ok=True)
@@ -169,12 +174,14 @@ def profile(step: Callable[[], object], label: str, rank: int, rounds: int = 5, 
         busy = sum(shares.values())
         shares_ms = f"{busy / 1e3 / rounds:.3f} ms (idle between: {idle / 1e3 / rounds:.3f})"
         print(f"busy time, {label}, per round: {shares_ms}", flush=True)
-        for name, us in shares.most_common(24):
-            print(f"  {us / 1e3 / rounds:7.3f} ms  {name[:90]}", flush=True)
+        largest = {name: us / 1e3 / rounds for name, us in shares.most_common(SHARES)}
+        for name, ms in largest.items():
+            print(f"  {ms:7.3f} ms  {name[:90]}", flush=True)
         print(f"host, {label}, per round:", flush=True)
         for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_LINES]:
             print(f"  {e.self_cpu_time_total / 1e3 / rounds:7.3f} ms {e.count / rounds:6.1f} calls  {e.key[:90]}")
-    return events.table(sort_by="self_cuda_time_total", row_limit=40)
+        busy_report = {"ms": busy / 1e3 / rounds, "idle_ms": idle / 1e3 / rounds, "shares_ms": largest}
+    return events.table(sort_by="self_cuda_time_total", row_limit=40), busy_report
 
 
 def sync_sites(step: Callable[[], object]) -> list[tuple[str, int]]:
@@ -229,7 +236,7 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
     # a slot more than the most lanes: the verify rounds' lane then never grows the pool (which makes the graphs stale)
     kernel_path.lane_pool(model, slots=most + 1, context=args.context)
     graphs = kernel_path.enable_graphs(model, {"trunk": most, "verify": WINDOW})
-    rows, rows_report, vocab, tables, prompt_report = [], [], model.cfg.vocab_size, {}, None
+    rows, rows_report, vocab, tables, busy, prompt_report = [], [], model.cfg.vocab_size, {}, {}, None
     if not 0 <= args.prompt <= args.context:
         raise SystemExit(f"--prompt: {args.prompt} rows do not fit a slot of --context {args.context} positions")
     if not 0 <= args.random_tokens <= vocab:
@@ -262,7 +269,7 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
         if count == most:  # profiled while these lanes hold the pool (nothing keeps them after: a lane more would
             # grow the pool, and every later round would run eagerly, the graphs stale)
             trace = args.out / f"step_trace_{most}.json.gz" if args.chrome_trace and most > 1 else None
-            tables[f"_{most}"] = profile(
+            tables[f"_{most}"], busy[f"{most} lanes"] = profile(
                 functools.partial(decode_round, model, lanes, vocab, rng), f"{most} lanes", rank, trace=trace
             )
     del lanes
@@ -288,10 +295,12 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
         restore_length(lanes[0], lanes[0].length - WINDOW)
 
     trace = args.out / "step_trace_verify.json.gz" if args.chrome_trace else None
-    tables["_verify"] = profile(verify_round, f"a verify round with {WINDOW - 1} drafts", rank, trace=trace)
+    tables["_verify"], busy["verify"] = profile(
+        verify_round, f"a verify round with {WINDOW - 1} drafts", rank, trace=trace
+    )
     syncs = {"verify": sync_sites(verify_round), "graphs_current": graphs.covers("trunk", 1)}
     trace = args.out / "step_trace.json.gz" if args.chrome_trace else None
-    tables[""] = profile(lambda: model(decode_batch(lanes, 1, vocab, rng)), "1 lane", rank, trace=trace)
+    tables[""], busy["1 lane"] = profile(lambda: model(decode_batch(lanes, 1, vocab, rng)), "1 lane", rank, trace=trace)
     syncs["1 lane"] = sync_sites(lambda: model(decode_batch(lanes, 1, vocab, rng)))
     if args.prompt:
         lanes = [model.new_lane()]
@@ -311,7 +320,7 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
         prompt_report = {"rows": args.prompt, "wall_ms": statistics.median(times)}
         if rank == 0:
             print(json.dumps({"prompt": prompt_report}), flush=True)
-        tables["_prompt"] = profile(prompt_pass, f"a {args.prompt}-row prompt pass", rank, rounds=3)
+        tables["_prompt"], busy["prompt"] = profile(prompt_pass, f"a {args.prompt}-row prompt pass", rank, rounds=3)
         syncs["prompt"] = sync_sites(prompt_pass)
     if rank == 0:
         print(json.dumps({"host waits": syncs}), flush=True)
@@ -321,7 +330,7 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
             (args.out / f"step_profile{name}.txt").write_text(table)
         report = {"rows": rows, "verify": rows_report, "profiled_rounds": 5, "profiled_lanes": [1, most],
                   "context": args.context, "random_tokens": args.random_tokens, "prompt": prompt_report,
-                  "alone_as": args.alone_as, "host_waits": syncs}  # fmt: skip
+                  "alone_as": args.alone_as, "host_waits": syncs, "busy": busy}  # fmt: skip
         (args.out / "step_profile.json").write_text(json.dumps(report, indent=2))
     return 0
 

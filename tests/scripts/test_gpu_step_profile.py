@@ -1,11 +1,12 @@
 """scripts/gpu_step_profile.py on the CPU: the collectives its one-rank mode skips and the worlds it refuses, the
-busy shares of overlapping kernels, and the Chrome trace of a profile."""
+busy shares of overlapping kernels, a profile's busy time as step_profile.json keeps it, and its Chrome trace."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -50,6 +51,18 @@ def test_busy_time_goes_to_the_earliest_started_kernel_running() -> None:
 
 def test_busy_shares_of_no_spans_are_empty() -> None:
     assert gpu_step_profile.busy_shares([]) == ({}, 0.0)
+
+
+def test_a_profile_returns_rank_0s_busy_time_and_largest_shares_a_round(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    shares = Counter({f"k{i}": 100.0 * (i + 1) for i in range(gpu_step_profile.SHARES + 2)})
+    monkeypatch.setattr(gpu_step_profile, "busy_shares", lambda spans: (shares, 500.0))
+    _table, busy = gpu_step_profile.profile(lambda: torch.ones(4).sum(), "a step", rank=0, rounds=2)
+    assert busy["ms"] == pytest.approx(sum(shares.values()) / 2e3) and busy["idle_ms"] == 0.25
+    largest = sorted(shares, key=shares.get, reverse=True)[: gpu_step_profile.SHARES]
+    assert list(busy["shares_ms"]) == largest
+    assert busy["shares_ms"][largest[0]] == shares[largest[0]] / 2e3
+    assert gpu_step_profile.profile(lambda: torch.ones(4).sum(), "a step", rank=1, rounds=2)[1] == {}
 
 
 def test_a_profile_writes_its_rounds_as_a_gzipped_chrome_trace(tmp_path: Path, monkeypatch) -> None:
