@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def profile_run(tree: Path, out: Path, lanes: list[int], timeout: int) -> dict:
-    """One step profile of `tree` into `out`: its step_profile.json, or {"error": why} with the output's tail."""
+    """One step profile of `tree` into `out`: its step_profile.json, or {"error": why, "log_tail": its output's
+    end}."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "scripts/gpu_step_profile.py", "--out", str(out), *PROFILE_ARGS]
     command += ["--lanes", *map(str, lanes)]
@@ -62,7 +63,7 @@ def profile_run(tree: Path, out: Path, lanes: list[int], timeout: int) -> dict:
         return {"error": f"timed out after {timeout} s"}
     (out / "profile.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        return {"error": f"exit status {done.returncode}: {(done.stdout + done.stderr)[-LOG_TAIL:]}"}
+        return {"error": f"exit status {done.returncode}", "log_tail": (done.stdout + done.stderr)[-LOG_TAIL:]}
     return json.loads((out / "step_profile.json").read_text())
 
 
@@ -86,7 +87,8 @@ def table(rows: list[dict], lanes: list[int], kernels: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         if "error" in row:
-            cells = [row["tree"], str(row["turn"]), row["error"].splitlines()[0]] + [""] * (len(head) - 3)
+            last = row.get("log_tail", "").strip().splitlines()[-1:]  # the exception, where one was printed
+            cells = [row["tree"], str(row["turn"]), ": ".join([row["error"], *last])] + [""] * (len(head) - 3)
         else:
             cells = [row["tree"], str(row["turn"]), *(f"{row['replay_ms'][str(n)]:.3f}" for n in lanes)]
             cells += [f"{row['one_lane_busy_ms']:.3f}", f"{row['verify_busy_ms']:.3f}", f"{row['ratio']:.3f}"]

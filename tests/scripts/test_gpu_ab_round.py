@@ -58,15 +58,16 @@ def test_trees_run_in_turn_and_each_row_has_its_runs_figures(tmp_path: Path, cap
     assert (out / "new_2" / "step_profile.json").is_file()
 
 
-def test_a_failed_run_is_a_row_with_its_error_and_fails_the_call(tmp_path: Path) -> None:
+def test_a_failed_run_is_a_row_with_its_error_and_fails_the_call(tmp_path: Path, capsys) -> None:
     log = tmp_path / "calls.log"
     good = fake_tree(tmp_path, "good", log, plain=4.0, verify=5.2, norm=0.1, replay=4.2)
     bad = fake_tree(tmp_path, "bad", log, fail=1)
     out = tmp_path / "out"
     assert gpu_ab_round.main(["--out", str(out), "--tree", f"good={good}", "--tree", f"bad={bad}", "--turns", "1"]) == 1
     rows = json.loads((out / "ab_round.json").read_text())
-    assert "ratio" in rows[0] and rows[1]["error"].startswith("exit status 3")
-    assert "a failure the row keeps" in rows[1]["error"]
+    assert "ratio" in rows[0] and rows[1]["error"] == "exit status 3"
+    assert rows[1]["log_tail"].strip() == "a failure the row keeps"
+    assert "| bad | 1 | exit status 3: a failure the row keeps |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("spec", ["base", "=build/base", "base=", "x=does/not/exist"])
