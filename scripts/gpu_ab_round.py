@@ -64,7 +64,10 @@ def profile_run(tree: Path, out: Path, lanes: list[int], timeout: int) -> dict:
     (out / "profile.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         return {"error": f"exit status {done.returncode}", "log_tail": (done.stdout + done.stderr)[-LOG_TAIL:]}
-    return json.loads((out / "step_profile.json").read_text())
+    report = json.loads((out / "step_profile.json").read_text())
+    if "busy" not in report:
+        return {"error": "no busy times in step_profile.json (the tree's step profile predates 1dddce0)"}
+    return report
 
 
 def figures(report: dict, kernels: list[str]) -> dict:

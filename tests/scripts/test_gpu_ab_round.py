@@ -18,6 +18,9 @@ lanes = [int(a) for a in args[args.index("--lanes") + 1:]]
 me = json.loads(Path("figures.json").read_text())
 with open(me["log"], "a") as log:
     log.write(me["name"] + " " + " ".join(args) + "\\n")
+if me.get("old"):
+    (out / "step_profile.json").write_text(json.dumps({"rows": []}))
+    sys.exit(0)
 if me.get("fail"):
     print("a failure the row keeps")
     sys.exit(3)
@@ -82,3 +85,10 @@ def test_a_tree_name_given_twice_is_refused(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         gpu_ab_round.parse_args(["--out", "o", "--tree", f"a={tree}", "--tree", f"a={tree}"])
     assert "given twice" in capsys.readouterr().err
+
+
+def test_a_tree_whose_profile_keeps_no_busy_times_is_an_error_row(tmp_path: Path) -> None:
+    old = fake_tree(tmp_path, "old", tmp_path / "calls.log", old=1)
+    out = tmp_path / "out"
+    assert gpu_ab_round.main(["--out", str(out), "--tree", f"old={old}", "--turns", "1"]) == 1
+    assert "predates" in json.loads((out / "ab_round.json").read_text())[0]["error"]
