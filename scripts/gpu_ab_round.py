@@ -7,8 +7,9 @@ Each turn runs every tree's `scripts/gpu_step_profile.py` (rank 0's half of tp=2
 given) from the tree's root with its own code first on PYTHONPATH, trees in the order given, and reads the run's
 step_profile.json. It prints a markdown table, a row a run: the replayed round's ms at each lane count, the busy ms of
 a one-lane round and of a verify round with 3 drafts, their ratio (issue 7's figure), and the verify round's busy
-share of each kernel named. DIR/ab_round.json keeps the rows; DIR/TREE_TURN/ each run's profile files and log. A run
-that fails or times out is a row with its error, and the exit status is 1.
+share of each kernel named. DIR/ab_round.json keeps the rows, rewritten after each run; DIR/TREE_TURN/ each run's
+profile files and log. A run that fails, times out or writes no report is a row with its error, and the exit status
+is 1. Keep trees × turns × a run's time within the device's limit on one command.
 """
 
 from __future__ import annotations
@@ -50,27 +51,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def profile_run(tree: Path, out: Path, lanes: list[int], timeout: int) -> dict:
+def _text(output: str | bytes | None) -> str:
+    """A run's captured output as text (a timed-out run's comes as bytes, or None)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def profile_run(tree: Path, out: Path, lanes: list[int], timeout: int) -> dict[str, object]:
     """One step profile of `tree` into `out`: its step_profile.json, or {"error": why, "log_tail": its output's
-    end}."""
+    end}; the output goes to out/profile.log either way."""
     out.mkdir(parents=True, exist_ok=True)
+    report_path = out / "step_profile.json"
+    report_path.unlink(missing_ok=True)  # a report left by an earlier call is not this run's
     command = [sys.executable, "scripts/gpu_step_profile.py", "--out", str(out), *PROFILE_ARGS]
     command += ["--lanes", *map(str, lanes)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH"))))}
     try:
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    (out / "profile.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        return {"error": f"exit status {done.returncode}", "log_tail": (done.stdout + done.stderr)[-LOG_TAIL:]}
-    report = json.loads((out / "step_profile.json").read_text())
+        log, error = done.stdout + done.stderr, f"exit status {done.returncode}" if done.returncode else ""
+    except subprocess.TimeoutExpired as stopped:
+        log, error = _text(stopped.stdout) + _text(stopped.stderr), f"timed out after {timeout} s"
+    (out / "profile.log").write_text(log)
+    if not error and not report_path.is_file():
+        error = "no step_profile.json written"
+    if error:
+        return {"error": error, "log_tail": log[-LOG_TAIL:]}
+    report = json.loads(report_path.read_text())
     if "busy" not in report:
         return {"error": "no busy times in step_profile.json (the tree's step profile predates 1dddce0)"}
     return report
 
 
-def figures(report: dict, kernels: list[str]) -> dict:
+def figures(report: dict[str, object], kernels: list[str]) -> dict[str, object]:
     """A run's row figures from its step_profile.json."""
     busy = report["busy"]
     plain, verify = busy["1 lane"]["ms"], busy["verify"]["ms"]
@@ -83,8 +94,9 @@ def figures(report: dict, kernels: list[str]) -> dict:
     }
 
 
-def table(rows: list[dict], lanes: list[int], kernels: list[str]) -> str:
-    """The runs as a markdown table, in the order they ran."""
+def table(rows: list[dict[str, object]], lanes: list[int], kernels: list[str]) -> str:
+    """The runs as a markdown table, in the order they ran ("—": a kernel not among the verify round's largest
+    shares, which step_profile.json keeps)."""
     head = ["tree", "turn", *(f"{n} lanes, replay ms" for n in lanes), "one lane, busy ms", "verify, busy ms", "ratio"]
     head += [f"{k} (verify), ms" for k in kernels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -103,16 +115,16 @@ def table(rows: list[dict], lanes: list[int], kernels: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = []
+    rows: list[dict[str, object]] = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for turn in range(1, args.turns + 1):
         for name, tree in args.trees.items():
             report = profile_run(tree, args.out / f"{name}_{turn}", args.lanes, args.timeout)
-            row = {"tree": name, "turn": turn}
+            row: dict[str, object] = {"tree": name, "turn": turn}
             row.update(report if "error" in report else figures(report, args.kernels))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ab_round.json").write_text(json.dumps(rows, indent=1))
+            (args.out / "ab_round.json").write_text(json.dumps(rows, indent=1))  # kept if a later run is cut off
     print(table(rows, args.lanes, args.kernels), flush=True)
     return 1 if any("error" in row for row in rows) else 0
 

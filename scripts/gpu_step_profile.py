@@ -269,9 +269,11 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
         if count == most:  # profiled while these lanes hold the pool (nothing keeps them after: a lane more would
             # grow the pool, and every later round would run eagerly, the graphs stale)
             trace = args.out / f"step_trace_{most}.json.gz" if args.chrome_trace and most > 1 else None
-            tables[f"_{most}"], busy[f"{most} lanes"] = profile(
+            tables[f"_{most}"], most_busy = profile(
                 functools.partial(decode_round, model, lanes, vocab, rng), f"{most} lanes", rank, trace=trace
             )
+            if most > 1:  # one lane's is the "1 lane" profile below
+                busy[f"{most} lanes"] = most_busy
     del lanes
     lanes = [model.new_lane()]
     model(decode_batch(lanes, 16, vocab))

@@ -22,7 +22,7 @@ from gpu_timing import graph_median_us, wall_us
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.norm import NUM_WARPS, block_r, gated_norm_tile, gated_rms_norm  # noqa: E402
+from kernels.norm import INTERPRET, NUM_WARPS, block_r, gated_norm_tile, gated_rms_norm  # noqa: E402
 
 HEADS, WIDTH = 24, 128  # value heads a rank holds at tp=2, and their width
 EPS = 1e-6
@@ -37,11 +37,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pairs-a-program", type=int, nargs="+", default=[1, 2, 4, 8, 32], help="powers of two")
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4], help="warps a program")
     ap.add_argument("--smoke", action="store_true", help="two heads of 16 on the CPU (TRITON_INTERPRET=1)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    odd = [p for p in args.pairs_a_program if p < 1 or p & (p - 1)]
+    if odd:
+        ap.error(f"--pairs-a-program: {odd} are not powers of two")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 when every tile gives the whole tile's bits, 1 when one does not, 2 without a GPU (or --smoke without the
+    interpreter)."""
     args = parse_args(argv)
+    if args.smoke != INTERPRET or not (args.smoke or torch.cuda.is_available()):
+        print("gpu_sweep_gated_norm: needs a CUDA device, or --smoke with TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
     device = "cpu" if args.smoke else "cuda"
     heads, width = (2, 16) if args.smoke else (HEADS, WIDTH)
     gen = torch.Generator(device=device).manual_seed(0)

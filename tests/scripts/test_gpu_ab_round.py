@@ -18,6 +18,15 @@ lanes = [int(a) for a in args[args.index("--lanes") + 1:]]
 me = json.loads(Path("figures.json").read_text())
 with open(me["log"], "a") as log:
     log.write(me["name"] + " " + " ".join(args) + "\\n")
+if me.get("peek"):  # what the call has written so far
+    with open(me["log"], "a") as log:
+        log.write("seen " + (out.parent / "ab_round.json").read_text().replace("\\n", "") + "\\n")
+if me.get("sleep"):
+    print("started", flush=True)
+    import time
+    time.sleep(me["sleep"])
+if me.get("silent"):
+    sys.exit(0)
 if me.get("old"):
     (out / "step_profile.json").write_text(json.dumps({"rows": []}))
     sys.exit(0)
@@ -92,3 +101,31 @@ def test_a_tree_whose_profile_keeps_no_busy_times_is_an_error_row(tmp_path: Path
     out = tmp_path / "out"
     assert gpu_ab_round.main(["--out", str(out), "--tree", f"old={old}", "--turns", "1"]) == 1
     assert "predates" in json.loads((out / "ab_round.json").read_text())[0]["error"]
+
+
+def test_each_run_is_kept_before_the_next_starts(tmp_path: Path) -> None:
+    log = tmp_path / "calls.log"
+    first = fake_tree(tmp_path, "first", log, plain=4.0, verify=5.2, norm=0.1, replay=4.2)
+    second = fake_tree(tmp_path, "second", log, peek=1, silent=1)
+    argv = ["--out", str(tmp_path / "out"), "--tree", f"first={first}", "--tree", f"second={second}", "--turns", "1"]
+    assert gpu_ab_round.main(argv) == 1
+    seen = json.loads(log.read_text().splitlines()[-1].removeprefix("seen "))
+    assert [row["tree"] for row in seen] == ["first"]
+
+
+def test_a_run_that_writes_no_report_is_not_read_from_an_earlier_calls(tmp_path: Path) -> None:
+    silent = fake_tree(tmp_path, "silent", tmp_path / "calls.log", silent=1)
+    out = tmp_path / "out"
+    (out / "silent_1").mkdir(parents=True)
+    (out / "silent_1" / "step_profile.json").write_text(json.dumps({"rows": [], "busy": {}}))
+    assert gpu_ab_round.main(["--out", str(out), "--tree", f"silent={silent}", "--turns", "1"]) == 1
+    assert json.loads((out / "ab_round.json").read_text())[0]["error"] == "no step_profile.json written"
+
+
+def test_a_run_past_its_timeout_keeps_what_it_printed(tmp_path: Path) -> None:
+    slow = fake_tree(tmp_path, "slow", tmp_path / "calls.log", sleep=30)
+    out = tmp_path / "out"
+    assert gpu_ab_round.main(["--out", str(out), "--tree", f"slow={slow}", "--turns", "1", "--timeout", "2"]) == 1
+    row = json.loads((out / "ab_round.json").read_text())[0]
+    assert row["error"] == "timed out after 2 s" and "started" in row["log_tail"]
+    assert "started" in (out / "slow_1" / "profile.log").read_text()

@@ -8,6 +8,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import gpu_sweep_gated_norm
+import pytest
 import torch
 
 
@@ -32,3 +33,14 @@ def test_a_tile_that_gives_other_bits_fails_the_run(tmp_path, monkeypatch) -> No
     argv = ["--out", str(tmp_path), "--smoke", "--rows", "1", "--pairs-a-program", "1", "2", "--warps", "1"]
     assert gpu_sweep_gated_norm.main(argv) == 1
     assert [r["same"] for r in json.loads((tmp_path / "gated_norm.json").read_text())] == [True, False]
+
+
+def test_a_pair_count_that_is_not_a_power_of_two_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        gpu_sweep_gated_norm.parse_args(["--out", "o", "--pairs-a-program", "4", "3"])
+    assert "--pairs-a-program: [3]" in capsys.readouterr().err
+
+
+def test_a_run_on_the_gpu_without_one_is_refused(tmp_path, capsys) -> None:
+    assert gpu_sweep_gated_norm.main(["--out", str(tmp_path)]) == 2  # the interpreter is on here: no --smoke
+    assert "needs a CUDA device" in capsys.readouterr().err
