@@ -114,6 +114,7 @@ def table(rows: list[dict[str, object]], lanes: list[int], kernels: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 when every run gave its figures, 1 when one failed, timed out or wrote no report."""
     args = parse_args(argv)
     rows: list[dict[str, object]] = []
     args.out.mkdir(parents=True, exist_ok=True)

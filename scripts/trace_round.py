@@ -9,14 +9,18 @@ against the other kernels of that window, and how long the attention waits for t
 The MoE: each grouped gate-up launch's duration by whether another stream's kernel that started before it was
 still running at its start (`start_overlaps`), and each one-row layer's chain (`pair_chains`: the router's launch,
 the gate-up pairs and the down pairs kernels, and when each of the two starts against the end of the one before).
+With `--chain START NAME...` (repeatable): the medians over every START launch of when each NAME's first launch
+after it ends, µs from START's end (`chain_ends`; a kernel as NAME or NAME[x,y,z], its grid).
 
-python3 scripts/trace_round.py DIR/step_trace.json.gz   # or DIR/step_trace_N.json.gz, the most lanes' rounds
+python3 scripts/trace_round.py DIR/step_trace.json.gz   # or step_trace_N.json.gz (the most lanes'), step_trace_verify
+    [--chain _up_mix_kernel '_linear_kernel[1,32,4]' _router_kernel _plan_kernel _gate_up_kernel]
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import statistics
 from collections import Counter, defaultdict
@@ -129,10 +133,40 @@ def pair_chains(kernels: list[dict]) -> list[dict[str, float]]:
     return chains
 
 
+def kernel_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
+    """`NAME` or `NAME[x,y,z]` (a launch grid) -> (name, grid or None)."""
+    name, _, grid = spec.partition("[")
+    return name, tuple(int(g) for g in grid.rstrip("]").split(",")) if grid else None
+
+
+def matches(kernel: dict, spec: tuple[str, tuple[int, ...] | None]) -> bool:
+    """Whether a kernel has the spec's name and, when the spec gives one, its grid."""
+    return kernel["name"] == spec[0] and (spec[1] is None or tuple(kernel["args"]["grid"]) == spec[1])
+
+
+def chain_ends(kernels: list[dict], start: str, names: list[str]) -> list[dict[str, float]]:
+    """One round's chains from each `start` launch: µs from its end to the end of the first launch of each of `names`
+    (specs as `kernel_spec` reads them) that starts after it; only chains with every name before `start`'s next
+    launch."""
+    first = kernel_spec(start)
+    specs = [kernel_spec(n) for n in names]
+    at = [i for i, k in enumerate(kernels) if matches(k, first)] + [len(kernels)]
+    chains = []
+    for i, stop in itertools.pairwise(at):
+        window = kernels[i + 1 : stop]
+        ends = [next((end(k) - end(kernels[i]) for k in window if matches(k, spec)), None) for spec in specs]
+        if None not in ends:
+            chains.append(dict(zip(names, ends, strict=True)))
+    return chains
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path, help="step_trace.json.gz (or an uncompressed .json)")
     ap.add_argument("--top", type=int, default=20, help="kernels listed by the time they close (default 20)")
+    ap.add_argument("--chain", nargs="+", action="append", default=[], metavar="KERNEL",
+                    help="START NAME...: medians of when each NAME ends after START's end (KERNEL: name or "
+                         "name[x,y,z]); repeatable")  # fmt: skip
     args = ap.parse_args(argv)
     raw = args.trace.read_bytes()
     events = json.loads(gzip.decompress(raw) if args.trace.suffix == ".gz" else raw)["traceEvents"]
@@ -171,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
               f"after the router's launch, the down pairs kernel {med['down']:.2f} µs after it; "
               f"{med['layer']:.2f} µs from the up kernel's end; the gate-up starts {med['gate_up_start']:.2f} µs "
               f"after the router's end, the down {med['down_start']:.2f} µs after the gate-up's")  # fmt: skip
+    for start, *names in args.chain:
+        found = [c for r in rounds for c in chain_ends(r, start, names)]
+        medians = ", ".join(f"{n} {statistics.median(c[n] for c in found):.2f}" for n in names) if found else "none"
+        print(f"chain from {start}'s end, {len(found)} launches, medians µs: {medians}")
     return 0
 
 

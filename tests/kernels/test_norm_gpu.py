@@ -9,10 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+from gpu_sweep_gated_norm import EPS, HEADS, WIDTH
 
 from kernels.norm import NUM_WARPS, block_r, gated_norm_tile, gated_rms_norm
-
-HEADS, WIDTH, EPS = 24, 128, 1e-6  # value heads a rank holds at tp=2, their width
 
 pytestmark = [
     pytest.mark.gpu,

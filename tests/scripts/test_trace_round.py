@@ -1,5 +1,5 @@
 """scripts/trace_round.py on a made-up trace: replays by correlation, the kernels by the time they close, the linear
-kernel by grid, QSA's join wait, the MoE's gate-up beside other streams and its one-row chain."""
+kernel by grid, QSA's join wait, the MoE's gate-up beside other streams and its one-row chain, and chains asked for."""
 
 from __future__ import annotations
 
@@ -89,3 +89,28 @@ def test_the_moe_gate_up_beside_other_streams_and_the_one_row_chain(tmp_path: Pa
     out = capsys.readouterr().out
     assert "grouped gate-up: 2 launches" in out and "before it starts: 90.00 (1), after: 100.00 (1)" in out
     assert "gate-up pairs kernel ends 12.00 µs after the router's launch, the down pairs kernel 5.00 µs" in out
+
+
+def test_chains_from_a_kernels_end_need_every_name_before_its_next_launch(tmp_path: Path, capsys) -> None:
+    """Ends after each start launch's end, the grid telling two launches of one kernel apart; a chain missing a name
+    before the start's next launch is left out."""
+    kernels = [
+        kernel("_up_mix_kernel", 0, 10, 1, 5),
+        kernel("_linear_kernel", 10, 3, 1, 5, (1, 80, 4)),  # another grid: not the one asked for
+        kernel("_linear_kernel", 13, 2, 1, 5, (1, 32, 4)),
+        kernel("_plan_kernel", 15, 5, 1, 5),
+        kernel("_up_mix_kernel", 20, 10, 1, 5),
+        kernel("_plan_kernel", 30, 4, 1, 5),  # no logits launch in this window
+    ]
+    chains = trace_round.chain_ends(kernels, "_up_mix_kernel", ["_linear_kernel[1,32,4]", "_plan_kernel"])
+    assert chains == [{"_linear_kernel[1,32,4]": 5, "_plan_kernel": 10}]
+    assert trace_round.kernel_spec("_linear_kernel[1, 32, 4]") == ("_linear_kernel", (1, 32, 4))
+    events = [{"name": "cudaGraphLaunch", "cat": "cuda_runtime", "ts": 0.0, "args": {"correlation": 5}}, *kernels]
+    path = tmp_path / "step_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert trace_round.main([str(path), "--chain", "_up_mix_kernel", "_linear_kernel[1,32,4]", "_plan_kernel"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "chain from _up_mix_kernel's end, 1 launches, medians µs: _linear_kernel[1,32,4] 5.00, _plan_kernel 10.00"
+        in out
+    )
