@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the front-end process imports this module for Request and U
     from server.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+FRONT_END_FINISHES = ("abort", "stop")  # the reasons a request may be ended from outside the engine
 
 
 class ContextLengthError(ValueError):
@@ -114,7 +115,7 @@ class Engine:
         self.new_keeps: list[tuple[bytes, Kept]] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.aborted: set[str] = set()
+        self.aborted: dict[str, str] = {}  # request id -> finish reason
         self.to_free: list[int] = []
         self.outbox: Outbox = []
         # how a round's updates reach the sinks: all of them in one call (the HTTP side hops to its event loop once)
@@ -159,10 +160,13 @@ class Engine:
             self.waiting.append(request)
             self.cond.notify()
 
-    def abort(self, request_id: str) -> None:
-        """End a request (its client went away, or a stop string matched); its lane is freed next round."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request for `reason`: "abort" (its client went away) or "stop" (a stop string matched, which the
+        front end finds); its lane is freed next round, and `reason` is its finish reason."""
+        if reason not in FRONT_END_FINISHES:
+            raise ValueError(f"abort: reason {reason!r} is not one of {FRONT_END_FINISHES}")
         with self.cond:
-            self.aborted.add(request_id)
+            self.aborted[request_id] = reason
             self.cond.notify()
 
     def counts(self) -> tuple[int, int]:
@@ -225,7 +229,7 @@ class Engine:
     def _plan(self) -> RoundPlan:
         """Drop aborted requests, admit waiting ones to free lanes, and lay out this round's rows (lock held)."""
         for request in [r for r in self.running if r.request_id in self.aborted]:
-            self._finish(request, Update((), "abort"))
+            self._finish(request, Update((), self.aborted[request.request_id]))
         self.waiting = deque(r for r in self.waiting if r.request_id not in self.aborted)
         self.aborted.clear()
         used = {r.slot for r in self.running}

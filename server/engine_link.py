@@ -31,9 +31,10 @@ LOST = "the engine process went away"
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """End a request early."""
+    """End a request early, for `reason` ("abort" or "stop": `EngineHandle.abort`)."""
 
     request_id: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,7 @@ class EngineHost:
             except (ContextLengthError, EngineStopped) as exc:
                 self._send(Delivered([(message.request_id, 0, (), "error", str(exc))]))
         elif isinstance(message, Abort):
-            self.engine.abort(message.request_id)
+            self.engine.abort(message.request_id, message.reason)
         elif isinstance(message, Ask):
             value = self.engine.stats() if message.what == "stats" else self.metrics.render()
             self._send(Answer(message.ask_id, value))
@@ -177,9 +178,9 @@ class EngineClient:
         self.requests[request.request_id] = request
         self._send(replace(request, sink=_ignore))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.requests.pop(request_id, None) is not None:
-            self._send(Abort(request_id))
+            self._send(Abort(request_id, reason))
 
     async def stats(self) -> dict[str, Any]:
         return await self._ask("stats")

@@ -106,17 +106,26 @@ class Generation:
         return outcome
 
     def _piece(self, update: Update) -> Piece:
-        text = self.detok.add(update.token_ids) if self.detok else ""
-        finish = update.finish_reason
-        if finish is not None and self.detok:
-            text += self.detok.flush()
-        emit, stopped = self.stops.feed(text)
-        if stopped:
-            self.engine.abort(self.request_id)
-            finish = "stop"
-        elif finish is not None:
-            emit += self.stops.flush()
-        piece = Piece(list(update.token_ids), finish_reason=finish)
+        """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the
+        piece at the token that completes it, so drafts accepted after that token are never part of the output."""
+        tokens, finish = list(update.token_ids), update.finish_reason
+        texts = [self.detok.add((token,)) if self.detok else "" for token in tokens]
+        if finish is not None and self.detok:  # what the detokenizer held back belongs to the last token
+            flushed = self.detok.flush()
+            texts = [*texts[:-1], texts[-1] + flushed] if texts else [flushed]
+        emit = ""
+        for at, text in enumerate(texts):
+            delta, stopped = self.stops.feed(text)
+            emit += delta
+            if stopped:
+                if finish is None:  # the engine is still drawing for it
+                    self.engine.abort(self.request_id, "stop")
+                tokens, finish = tokens[: at + 1], "stop"
+                break
+        else:
+            if finish is not None:
+                emit += self.stops.flush()
+        piece = Piece(tokens, finish_reason=finish)
         if self.splitter is None:
             piece.content = emit
             return piece

@@ -29,8 +29,8 @@ class EngineHandle(Protocol):
     def submit(self, request: Request) -> None:
         """Queue a request, or raise ContextLengthError / EngineStopped."""
 
-    def abort(self, request_id: str) -> None:
-        """End a request early (its client left, or a stop string matched)."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request early: "abort" (its client left) or "stop" (a stop string matched), its finish reason."""
 
     async def stats(self) -> dict[str, Any]:
         """The engine's part of /health (`Engine.stats`)."""
@@ -65,8 +65,8 @@ class LocalEngine:
     def submit(self, request: Request) -> None:
         self.engine.submit(request)
 
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self.engine.abort(request_id, reason)
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -130,14 +130,17 @@ def test_a_resumed_prompt_reports_its_cached_tokens_and_the_health_and_metrics_a
     asyncio.run(main())
 
 
-def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> None:
+@pytest.mark.parametrize("reason", ["abort", "stop"])
+def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model, reason) -> None:
+    """The client left ("abort") or the front end matched a stop string ("stop"): the engine ends it for that reason."""
+
     async def main() -> None:
         engine = engine_for(model)
         async with linked(engine) as (_, client):
             seen = Collected()
             client.submit(Request("long", PROMPTS[0], 240, GREEDY, frozenset(), seen.sink))
             await asyncio.wait_for(first_update(seen), 60)
-            client.abort("long")
+            client.abort("long", reason)
             count = len(seen.updates)
             for _ in range(500):
                 if (await client.stats())["requests_running"] == 0:
@@ -145,7 +148,8 @@ def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model) -> 
                 await asyncio.sleep(0.02)
             assert (await client.stats())["requests_running"] == 0
             assert len(seen.updates) == count and not seen.ended.done()
-            assert (finished(engine, "abort"), finished(engine, "length")) == (1, 0)  # ended by the abort
+            ended = (finished(engine, "abort"), finished(engine, "stop"), finished(engine, "length"))
+            assert ended == ((1, 0, 0) if reason == "abort" else (0, 1, 0))  # ended by the abort, for its reason
 
     asyncio.run(main())
 
@@ -229,3 +233,9 @@ def test_a_prompt_larger_than_the_socket_buffers_arrives_whole() -> None:
             assert (got.stop_ids, got.keep_at) == (frozenset({2}), (64,))
 
     asyncio.run(main())
+
+
+def test_an_abort_for_a_reason_no_front_end_gives_is_refused(model) -> None:
+    """Only "abort" and "stop" end a request from outside the engine; another reason is a bug, named at once."""
+    with pytest.raises(ValueError, match="reason 'length'"):
+        engine_for(model).abort("any", "length")

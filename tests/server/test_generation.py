@@ -1,0 +1,112 @@
+"""Tests for server/generation.py: a request's output is the same however the engine groups its tokens into updates."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from server.engine import Request, Update
+from server.generation import Generation, Outcome
+from server.protocol import SamplingParams
+from tests.server.test_textout import TEXTS, load_script
+
+EOS = "<|endoftext|>"
+
+
+class RecordingEngine:
+    """An EngineHandle that keeps what the generation asks of it and delivers nothing itself."""
+
+    cache_enabled = False
+
+    def __init__(self) -> None:
+        """No requests and no aborts yet."""
+        self.submitted: list[Request] = []
+        self.aborts: list[tuple[str, str]] = []
+
+    def submit(self, request: Request) -> None:
+        """Keep the request."""
+        self.submitted.append(request)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Keep the abort and its reason."""
+        self.aborts.append((request_id, reason))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny byte-level BPE tokenizer (vocab 512)."""
+    out = tmp_path_factory.mktemp("tok")
+    load_script().build_tokenizer(out, 512)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def run(tok: Any, params: SamplingParams, updates: list[Update]) -> tuple[Outcome, list[tuple[str, str]]]:
+    """Deliver `updates` to a new generation as the engine would, and collect its outcome and its aborts."""
+
+    async def main() -> tuple[Outcome, list[tuple[str, str]]]:
+        engine = RecordingEngine()
+        generation = Generation(engine, tok, [5, 6, 7], params, 64, (tok.convert_tokens_to_ids(EOS),), None)
+        generation.submit()
+        for update in updates:
+            generation.queue.put_nowait(update)
+        outcome = await generation.collect()
+        return outcome, [reason for _, reason in engine.aborts]
+
+    return asyncio.run(main())
+
+
+def grouped(ids: list[int], finish: str | None, rng: random.Random) -> list[Update]:
+    """The ids in updates of one to four tokens (a verify round keeps up to four), the last with `finish`."""
+    updates, at = [], 0
+    while at < len(ids):
+        size = rng.choice((1, 2, 3, 4))
+        updates.append(Update(tuple(ids[at : at + size])))
+        at += size
+    updates[-1] = Update(updates[-1].token_ids, finish)
+    return updates
+
+
+def one_by_one(ids: list[int], finish: str | None) -> list[Update]:
+    """The ids one a round, as an undrafted request gets them."""
+    return [Update((i,), finish if at == len(ids) - 1 else None) for at, i in enumerate(ids)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_stop_string_ends_the_output_at_its_token_however_the_tokens_are_grouped(tok: Any, seed: int) -> None:
+    """Drafted = undrafted with stop strings: tokens accepted in the same round after the one that completes a stop
+    string are not part of the output, so token ids, usage and token_sha equal the one-token-a-round run's."""
+    rng = random.Random(seed)
+    text = rng.choice(TEXTS)
+    ids = tok.encode(text, add_special_tokens=False)
+    start = rng.randrange(1, len(text) // 2)
+    stop = text[start : start + rng.choice((1, 2, 3))]
+    params = SamplingParams(temperature=0.0, stop=(stop,))
+    serial, serial_aborts = run(tok, params, one_by_one(ids, "length"))
+    batched, batched_aborts = run(tok, params, grouped(ids, "length", rng))
+    assert (batched.token_ids, batched.content, batched.finish_reason) == (
+        serial.token_ids,
+        serial.content,
+        serial.finish_reason,
+    )
+    assert serial.finish_reason == "stop" and stop not in serial.content and text.startswith(serial.content)
+    assert len(serial.token_ids) < len(ids)
+    assert batched_aborts == serial_aborts == ["stop"]  # the engine counts the request as stopped, not aborted
+
+
+def test_a_stop_string_completed_by_the_last_tokens_text_ends_the_request_without_an_abort(tok: Any) -> None:
+    """The engine ended the request already (length): the stop still ends the text, and no abort is sent."""
+    ids = tok.encode("abc def", add_special_tokens=False)
+    outcome, aborts = run(tok, SamplingParams(temperature=0.0, stop=("def",)), [Update(tuple(ids), "length")])
+    assert (outcome.content, outcome.finish_reason, outcome.token_ids, aborts) == ("abc ", "stop", ids, [])
+
+
+def test_without_a_stop_string_every_token_and_the_engines_finish_come_through(tok: Any) -> None:
+    """No stop string: all tokens, the whole text and the engine's finish reason, in any grouping."""
+    text = TEXTS[3]
+    ids = tok.encode(text, add_special_tokens=False)
+    outcome, aborts = run(tok, SamplingParams(temperature=0.0), grouped(ids, "length", random.Random(3)))
+    assert (outcome.token_ids, outcome.content, outcome.finish_reason, aborts) == (ids, text, "length", [])
