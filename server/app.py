@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.engine import ContextLengthError, EngineStopped
 from server.generation import Generation, Outcome
@@ -34,6 +36,26 @@ class ServerState:
     vocab_size: int
     eos_ids: tuple[int, ...]
     api_key: str | None = None
+
+
+class RequireApiKey:
+    """Refuses HTTP requests outside PUBLIC_PATHS without `Authorization: Bearer KEY`. Plain ASGI, not Starlette's
+    `BaseHTTPMiddleware`, behind which a route never sees its client disconnect (so an abandoned request would run on
+    to its last token)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(
+                    "missing or wrong API key", status=401, type="authentication_error", code="invalid_api_key"
+                )
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -60,15 +82,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        key_ok = request.headers.get("authorization", "") == f"Bearer {state.api_key}"
-        if state.api_key and request.url.path not in PUBLIC_PATHS and not key_ok:
-            error = ApiError(
-                "missing or wrong API key", status=401, type="authentication_error", code="invalid_api_key"
-            )
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(RequireApiKey, key=state.api_key)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != state.model_name:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -255,6 +257,39 @@ def test_a_client_that_disconnects_frees_its_lane(ckpt):
         # the only lane was held by a 3000-token request; the next request gets it once the client has gone
         assert len(seeded(one_lane, 5, PROMPT, 4)) == 64
         assert httpx.get(f"{one_lane.url}/health").json()["requests_running"] == 0
+
+
+@pytest.mark.parametrize("key", [None, "sesame"])
+def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, key):
+    """The route sees the client leave (with or without the API key's middleware) and the engine drops the request
+    instead of drawing all its tokens."""
+    flags = ("--max-lanes", "1") + (("--api-key", key) if key else ())
+    with serve(ckpt, *flags) as one_lane:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}).encode()
+        auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
+        host, port = one_lane.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + auth
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            running = wait_for_running(one_lane, lambda n: n == 1)
+            assert running == 1
+        assert wait_for_running(one_lane, lambda n: n == 0) == 0  # within seconds, long before 3000 tokens
+        metrics = httpx.get(f"{one_lane.url}/metrics").text
+        assert 'flashnext:request_success_total{finished_reason="abort"} 1.0' in metrics
+
+
+def wait_for_running(live: Live, done, timeout_s: float = 10.0) -> int:
+    """Poll /health until its requests_running satisfies `done` or the time is up; the last count seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = httpx.get(f"{live.url}/health").json()["requests_running"]
+        if done(running) or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
 
 
 def test_api_key_is_required_when_set(ckpt):
