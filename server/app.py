@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.engine import ContextLengthError, EngineStopped
+from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import Generation, Outcome
 from server.handle import EngineHandle
 from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
@@ -153,10 +153,12 @@ def build_app(state: ServerState) -> FastAPI:
             thinking_open,
             keep_at,
         )
+        asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         try:
+            check_context(generation.request, state.context, asked_by)
             generation.submit()
         except ContextLengthError as exc:
-            raise ApiError(str(exc), param="max_tokens", code="context_length_exceeded") from exc
+            raise ApiError(str(exc), param=asked_by, code="context_length_exceeded") from exc
         except EngineStopped as exc:
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return generation
@@ -226,13 +228,15 @@ def build_app(state: ServerState) -> FastAPI:
         return task.result()
 
     async def stream(generation: Generation, frame, include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: `frame(piece)` chunks, then usage and [DONE]; the engine is told when the client leaves."""
+        """SSE events: `frame(piece)` chunks (with `"usage": null` when usage comes last, as OpenAI sends them), then
+        usage and [DONE]; the engine is told when the client leaves."""
         tokens: list[int] = []
+        no_usage = {"usage": None} if include_usage else {}
         try:
-            yield frame(None)
+            yield {**frame(None), **no_usage}
             async for piece in generation.pieces():
                 tokens += piece.token_ids
-                chunk = frame(piece)
+                chunk = {**frame(piece), **no_usage}
                 if piece.finish_reason is not None:
                     chunk["token_sha"] = token_sha(tokens)
                 yield chunk
@@ -321,6 +325,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await json_body(request)
+        check_model(body.get("model"))
         tokenizer = need_tokenizer("prompt")
         if "messages" in body:
             chat = parse_request(
@@ -338,7 +343,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(request: Request):
         body = await json_body(request)
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < state.vocab_size for t in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.vocab_size for t in ids
+        ):
             raise ApiError(f"tokens: expected a list of token ids in [0, {state.vocab_size})", param="tokens")
         return {"prompt": need_tokenizer("tokens").decode(ids)}
 

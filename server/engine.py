@@ -66,13 +66,13 @@ class Request:
 Outbox = list[tuple[Request, Update]]
 
 
-def check_context(request: Request, context: int) -> None:
-    """Refuse a request whose prompt plus max_tokens can never fit `context` tokens."""
+def check_context(request: Request, context: int, asked_by: str = "max_tokens") -> None:
+    """Refuse a request whose prompt plus max_tokens (the request field `asked_by`) can never fit `context` tokens."""
     need = len(request.prompt_ids) + request.max_tokens
     if need > context:
         raise ContextLengthError(
             f"this model's context is {context} tokens; the prompt has {len(request.prompt_ids)} and "
-            f"max_tokens asks for {request.max_tokens} more ({need} in all)"
+            f"{asked_by} asks for {request.max_tokens} more ({need} in all)"
         )
 
 

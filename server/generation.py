@@ -70,7 +70,8 @@ class Generation:
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None
-        self.stops = StopMatcher(params.stop)
+        self.stops = StopMatcher(params.stop, include=params.include_stop_str_in_output)
+        self.speak_stop_token = params.include_stop_str_in_output
         self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
         self.done = False
 
@@ -109,7 +110,10 @@ class Generation:
         """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the
         piece at the token that completes it, so drafts accepted after that token are never part of the output."""
         tokens, finish = list(update.token_ids), update.finish_reason
-        texts = [self.detok.add((token,)) if self.detok else "" for token in tokens]
+        # a stop token (from stop_token_ids, or EOS) is kept among the ids but its text is not, as vLLM does
+        silent = finish == "stop" and bool(tokens) and tokens[-1] in self.request.stop_ids and not self.speak_stop_token
+        spoken = tokens[:-1] if silent else tokens
+        texts = [self.detok.add((token,)) if self.detok else "" for token in spoken] + ([""] if silent else [])
         if finish is not None and self.detok:  # what the detokenizer held back belongs to the last token
             flushed = self.detok.flush()
             texts = [*texts[:-1], texts[-1] + flushed] if texts else [flushed]

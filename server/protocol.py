@@ -15,8 +15,31 @@ MAX_STOP_STRINGS = 8
 MAX_SEED = 2**63 - 1
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
-# Values of fields we cannot honour yet that mean the same as leaving the field out.
-_HARMLESS: dict[str, Any] = {"logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+# Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
+# value of an unhonoured field not named here is refused.
+_HARMLESS: dict[str, Any] = {
+    "logit_bias": {},
+    "tools": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    # vLLM's sampling and output extensions
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "bad_words": [],
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "use_beam_search": False,
+    # chat only: how the template renders the conversation
+    "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+}
+# Arguments of the template call itself, which the server sets: not template variables.
+TEMPLATE_CALL_ARGS = frozenset(
+    {"conversation", "add_generation_prompt", "continue_final_message", "tokenize", "tools", "documents",
+     "chat_template", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+     "return_assistant_tokens_mask"}
+)  # fmt: skip
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -40,6 +63,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     draft: bool = True
+    include_stop_str_in_output: bool = False  # a stop string's text, or a stop token's, ends the output
 
 
 class ApiError(Exception):
@@ -73,7 +97,7 @@ def _not_supported(message: str) -> PydanticCustomError:
 
 def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
     """Refuse a field we cannot honour unless its value means the same as leaving it out."""
-    if value != _HARMLESS[info.field_name]:
+    if info.field_name not in _HARMLESS or value != _HARMLESS[info.field_name]:
         raise _not_supported("not supported yet")
     return value
 
@@ -97,6 +121,16 @@ class ChatTemplateKwargs(_StrictModel):
 
     enable_thinking: bool | None = None
     reasoning_effort: Literal["low", "medium", "high", "xhigh"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _template_variables_only(cls, data: Any) -> Any:
+        taken = sorted(TEMPLATE_CALL_ARGS & set(data)) if isinstance(data, dict) else []
+        if taken:
+            raise PydanticCustomError(
+                "template_call_arg", f"{taken[0]!r} is an argument of the template call, which the server sets"
+            )
+        return data
 
 
 class ChatMessage(_StrictModel):
@@ -151,8 +185,29 @@ class _SamplingRequest(_StrictModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+    response_format: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
-    _check_logit_bias = field_validator("logit_bias")(_refuse_unless_harmless)
+    _check_unhonoured = field_validator(
+        "logit_bias", "response_format", "repetition_penalty", "min_tokens", "bad_words", "allowed_token_ids",
+        "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search", "prompt_logprobs",
+        "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "structured_outputs",
+    )(_refuse_unless_harmless)  # fmt: skip
 
     @model_validator(mode="before")
     @classmethod
@@ -208,6 +263,7 @@ class _SamplingRequest(_StrictModel):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             draft=self.draft,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
@@ -218,11 +274,17 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=ChatTemplateKwargs)
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
 
-    _check_unhonoured = field_validator("response_format", "tools", "tool_choice")(_refuse_unless_harmless)
+    _check_chat_unhonoured = field_validator(
+        "tools", "tool_choice", "echo", "add_generation_prompt", "continue_final_message", "chat_template", "documents"
+    )(_refuse_unless_harmless)
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod

@@ -75,23 +75,25 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Cut generated text at the first stop string, holding back text that may be the start of one."""
 
-    __slots__ = ("_held", "_stops", "stopped")
+    __slots__ = ("_held", "_include", "_stops", "stopped")
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        """Empty stop strings are ignored."""
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
+        """Empty stop strings are ignored; `include`: the text ends after the stop string, not before it."""
         self._stops = tuple(s for s in stops if s)
+        self._include = include
         self._held = ""
         self.stopped = False
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string was reached); the stop string itself is never emitted."""
+        """(text safe to emit now, whether a stop string was reached); the text ends where the first stop string found
+        starts, or with `include` where the first to end ends."""
         if self.stopped:
             return "", True
         text = self._held + text
-        hits = [i for stop in self._stops if (i := text.find(stop)) >= 0]
+        hits = [(i, i + len(stop)) for stop in self._stops if (i := text.find(stop)) >= 0]
         if hits:
             self._held, self.stopped = "", True
-            return text[: min(hits)], True
+            return text[: min(end for _, end in hits) if self._include else min(start for start, _ in hits)], True
         cut = len(text) - _partial_len(text, self._stops)
         self._held = text[cut:]
         return text[:cut], False

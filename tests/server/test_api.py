@@ -201,6 +201,10 @@ def test_context_overflow_is_refused_with_its_code(live):
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
     response = httpx.post(f"{live.v1}/completions", json={"prompt": [7, 99999]})
     assert response.status_code == 400 and error_of(response)["param"] == "prompt"
+    response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_completion_tokens": 100_000})
+    error = error_of(response)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_completion_tokens")
+    assert "max_completion_tokens asks for 100000" in error["message"]  # the field the client sent, not max_tokens
 
 
 def test_bad_requests_lose_nothing_in_flight(live):
@@ -209,6 +213,22 @@ def test_bad_requests_lose_nothing_in_flight(live):
         for _ in range(10):
             assert httpx.post(f"{live.v1}/chat/completions", json={"messages": "x"}).status_code == 400
         assert len(long.result()) == 64
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_with_include_usage_every_chunk_but_the_last_has_null_usage(live, include_usage):
+    """OpenAI's stream shape: with include_usage every chunk carries "usage" (null until the last, usage-only one);
+    without it no chunk has the key."""
+    body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{live.v1}/completions", json=body, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    if include_usage:
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    else:
+        assert not any("usage" in c for c in chunks)
 
 
 def test_thirty_two_streams_all_complete(live):
@@ -233,6 +253,10 @@ def test_models_metrics_tokenize_detokenize(live):
     assert [m.id for m in client(live).models.list()] == [live.model]
     ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "def add(a, b):"}).json()["tokens"]
     assert httpx.post(f"{live.url}/detokenize", json={"tokens": ids}).json()["prompt"] == "def add(a, b):"
+    refused = httpx.post(f"{live.url}/detokenize", json={"tokens": [True]})  # a JSON bool is not a token id
+    assert refused.status_code == 400 and error_of(refused)["param"] == "tokens"
+    other = httpx.post(f"{live.url}/tokenize", json={"prompt": "x", "model": "another-model"})
+    assert other.status_code == 404 and error_of(other)["param"] == "model"
     metrics = httpx.get(f"{live.url}/metrics").text
     for name in (
         "flashnext:num_requests_running",

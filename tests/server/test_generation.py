@@ -110,3 +110,24 @@ def test_without_a_stop_string_every_token_and_the_engines_finish_come_through(t
     ids = tok.encode(text, add_special_tokens=False)
     outcome, aborts = run(tok, SamplingParams(temperature=0.0), grouped(ids, "length", random.Random(3)))
     assert (outcome.token_ids, outcome.content, outcome.finish_reason, aborts) == (ids, text, "length", [])
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_id_is_kept_and_its_text_only_with_include_stop_str_in_output(tok: Any, include: bool) -> None:
+    """As vLLM: the token from stop_token_ids that ended the request is among the ids; its text is left out unless
+    include_stop_str_in_output."""
+    ids = tok.encode("one two, three", add_special_tokens=False)
+    stop_token = ids[-1]
+    params = SamplingParams(temperature=0.0, stop_token_ids=(stop_token,), include_stop_str_in_output=include)
+    outcome, _ = run(tok, params, grouped(ids, "stop", random.Random(1)))
+    assert outcome.token_ids == ids and outcome.finish_reason == "stop"
+    assert outcome.content == (tok.decode(ids) if include else tok.decode(ids[:-1]))
+
+
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tok: Any) -> None:
+    """The stop string stays in the text, and the tokens still end at the one that completes it."""
+    ids = tok.encode("abc def ghi", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, stop=("def",), include_stop_str_in_output=True)
+    serial, _ = run(tok, params, one_by_one(ids, "length"))
+    assert serial.content == "abc def" and serial.finish_reason == "stop"
+    assert tok.decode(serial.token_ids).endswith("def") and len(serial.token_ids) < len(ids)

@@ -146,6 +146,48 @@ def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) ->
     assert error["code"] == "unsupported_parameter"
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("repetition_penalty", 1.2),
+        ("min_tokens", 10),
+        ("bad_words", ["no"]),
+        ("allowed_token_ids", [1, 2]),
+        ("skip_special_tokens", False),
+        ("spaces_between_special_tokens", False),
+        ("use_beam_search", True),
+        ("prompt_logprobs", 0),
+        ("truncate_prompt_tokens", 100),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= x"),
+        ("structured_outputs", {"json": {}}),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_vllms_sampling_fields_are_refused_by_both_routes_unless_they_change_nothing(field: str, value: Any) -> None:
+    """vLLM's extensions we do not honour are refused, naming the field, rather than silently ignored."""
+    for error in (chat_error(**{field: value}), completion_error(prompt="hi", **{field: value})):
+        assert_names(error, field, "not supported yet")
+        assert error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("echo", True), ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
+     ("documents", [{"text": "d"}])],
+)  # fmt: skip
+def test_chat_rendering_fields_are_refused_unless_they_change_nothing(field: str, value: Any) -> None:
+    assert_names(chat_error(**{field: value}), field, "not supported yet")
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "tokenize", "conversation", "tools"])
+def test_chat_template_kwargs_that_are_arguments_of_the_template_call_are_refused(key: str) -> None:
+    """The server sets these itself: passing them on would fail inside the template call with a Python error."""
+    assert_names(chat_error(chat_template_kwargs={key: False}), "chat_template_kwargs", repr(key), "server sets")
+
+
 def test_stream_options_need_stream() -> None:
     assert_names(chat_error(stream_options={"include_usage": True}), "stream_options", "stream is true")
     assert_names(chat_error(stream=False, stream_options={"include_usage": True}), "stream_options")
@@ -248,6 +290,16 @@ def test_nulls_and_harmless_values_read_as_not_given() -> None:
         "logit_bias": {},
         "user": "u-1",
         "some_client_extra": {"x": 1},
+        "repetition_penalty": 1,
+        "min_tokens": 0,
+        "bad_words": [],
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "use_beam_search": False,
+        "guided_json": None,
+        "echo": False,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
     }
     request = parse_request(ChatCompletionRequest, body)
     assert request.sampling_params() == SamplingParams()
@@ -292,6 +344,9 @@ def test_completion_sampling_fields() -> None:
     body = {"prompt": "x", "max_tokens": 5, "temperature": 0.7, "top_k": 0, "stop": ["a", "b"], "seed": 3}
     params = parse_request(CompletionRequest, body).sampling_params()
     assert (params.max_tokens, params.temperature, params.top_k, params.stop, params.seed) == (5, 0.7, 0, ("a", "b"), 3)
+    assert not params.include_stop_str_in_output
+    body = {"prompt": "x", "stop": "a", "include_stop_str_in_output": True, "response_format": {"type": "text"}}
+    assert parse_request(CompletionRequest, body).sampling_params().include_stop_str_in_output
 
 
 def test_parse_raw_json_bytes() -> None:

@@ -230,6 +230,14 @@ def test_random_pieces_match_one_shot_cut(seed: int) -> None:
     assert run_stops(stops, pieces) == expected
 
 
+def test_included_stop_ends_the_text_after_the_first_stop_to_end() -> None:
+    """include_stop_str_in_output: the text runs through the stop string that completes first, and no further."""
+    matcher = StopMatcher(("STOP",), include=True)
+    assert feed_all(matcher.feed, ["abc S", "TO", "Px y"]) == [("abc ", False), ("", False), ("STOP", True)]
+    assert StopMatcher(("lo w", "world"), include=True).feed("hello world") == ("hello w", True)
+    assert StopMatcher(("abcd", "bc"), include=True).feed("xabcd") == ("xabc", True)
+
+
 def test_no_stops_passes_through() -> None:
     """Without stop strings (or only empty ones) nothing is held back."""
     assert StopMatcher(("",)).feed("abc") == ("abc", False)
