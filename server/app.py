@@ -23,6 +23,10 @@ from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, 
 from server.textout import prompt_opens_thinking
 
 PUBLIC_PATHS = ("/health", "/metrics")
+# the fields of a chat request that shape its rendered prompt: /tokenize checks them as the chat route does
+CHAT_RENDERING_FIELDS = (
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template", "documents", "tools",
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -48,7 +52,7 @@ class RequireApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 error = ApiError(
                     "missing or wrong API key", status=401, type="authentication_error", code="invalid_api_key"
@@ -328,10 +332,8 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(body.get("model"))
         tokenizer = need_tokenizer("prompt")
         if "messages" in body:
-            chat = parse_request(
-                ChatCompletionRequest,
-                {"messages": body["messages"], "chat_template_kwargs": body.get("chat_template_kwargs")},
-            )
+            rendering = {key: body[key] for key in CHAT_RENDERING_FIELDS if key in body}
+            chat = parse_request(ChatCompletionRequest, {"messages": body["messages"], **rendering})
             ids = tokenizer(render_chat(chat), add_special_tokens=False)["input_ids"]
         elif isinstance(body.get("prompt"), str):
             ids = tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"]

@@ -113,7 +113,10 @@ class Generation:
         # a stop token (from stop_token_ids, or EOS) is kept among the ids but its text is not, as vLLM does
         silent = finish == "stop" and bool(tokens) and tokens[-1] in self.request.stop_ids and not self.speak_stop_token
         spoken = tokens[:-1] if silent else tokens
-        texts = [self.detok.add((token,)) if self.detok else "" for token in spoken] + ([""] if silent else [])
+        if self.stops.watching:  # a token at a time, so the output can end at the token that completes a stop string
+            texts = [self.detok.add((token,)) if self.detok else "" for token in spoken] + ([""] if silent else [])
+        else:  # nothing can end it early: the update's text at once
+            texts = [self.detok.add(spoken) if self.detok else ""]
         if finish is not None and self.detok:  # what the detokenizer held back belongs to the last token
             flushed = self.detok.flush()
             texts = [*texts[:-1], texts[-1] + flushed] if texts else [flushed]

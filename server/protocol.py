@@ -34,11 +34,12 @@ _HARMLESS: dict[str, Any] = {
     "add_generation_prompt": True,
     "continue_final_message": False,
 }
+_NO_VALUE = object()  # the harmless value of a field that has none
 # Arguments of the template call itself, which the server sets: not template variables.
 TEMPLATE_CALL_ARGS = frozenset(
-    {"conversation", "add_generation_prompt", "continue_final_message", "tokenize", "tools", "documents",
-     "chat_template", "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
-     "return_assistant_tokens_mask"}
+    {"conversation", "conversations", "messages", "add_generation_prompt", "continue_final_message", "tokenize",
+     "tools", "documents", "chat_template", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "tokenizer_kwargs", "return_assistant_tokens_mask", "sanitize_control_tokens"}
 )  # fmt: skip
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -96,8 +97,11 @@ def _not_supported(message: str) -> PydanticCustomError:
 
 
 def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
-    """Refuse a field we cannot honour unless its value means the same as leaving it out."""
-    if info.field_name not in _HARMLESS or value != _HARMLESS[info.field_name]:
+    """Refuse a field we cannot honour unless its value means the same as leaving it out (of the same JSON type: no
+    1 for true, though 1 for 1.0)."""
+    harmless = _HARMLESS.get(info.field_name, _NO_VALUE)
+    same_type = type(value) is type(harmless) or (type(harmless) is float and type(value) is int)
+    if not same_type or value != harmless:
         raise _not_supported("not supported yet")
     return value
 

@@ -84,6 +84,11 @@ class StopMatcher:
         self._held = ""
         self.stopped = False
 
+    @property
+    def watching(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was reached); the text ends where the first stop string found
         starts, or with `include` where the first to end ends."""

@@ -257,6 +257,8 @@ def test_models_metrics_tokenize_detokenize(live):
     assert refused.status_code == 400 and error_of(refused)["param"] == "tokens"
     other = httpx.post(f"{live.url}/tokenize", json={"prompt": "x", "model": "another-model"})
     assert other.status_code == 404 and error_of(other)["param"] == "model"
+    unrendered = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT, "add_generation_prompt": False})
+    assert unrendered.status_code == 400 and error_of(unrendered)["param"] == "add_generation_prompt"
     metrics = httpx.get(f"{live.url}/metrics").text
     for name in (
         "flashnext:num_requests_running",

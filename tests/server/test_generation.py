@@ -131,3 +131,23 @@ def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tok: Any
     serial, _ = run(tok, params, one_by_one(ids, "length"))
     assert serial.content == "abc def" and serial.finish_reason == "stop"
     assert tok.decode(serial.token_ids).endswith("def") and len(serial.token_ids) < len(ids)
+
+
+def test_include_stop_str_in_output_gives_the_same_output_however_the_tokens_are_grouped(tok: Any) -> None:
+    """With the stop string kept in the text, drafted = undrafted still holds."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        text = rng.choice(TEXTS)
+        ids = tok.encode(text, add_special_tokens=False)
+        start = rng.randrange(1, len(text) // 2)
+        params = SamplingParams(temperature=0.0, stop=(text[start : start + 2],), include_stop_str_in_output=True)
+        serial, _ = run(tok, params, one_by_one(ids, "length"))
+        batched, _ = run(tok, params, grouped(ids, "length", rng))
+        assert serial.content.endswith(text[start : start + 2]) and len(serial.token_ids) < len(ids)
+        assert (batched.token_ids, batched.content) == (serial.token_ids, serial.content)
+
+
+def test_an_eos_that_ends_the_request_is_among_the_ids_and_not_in_the_text(tok: Any) -> None:
+    ids = [*tok.encode("done.", add_special_tokens=False), tok.convert_tokens_to_ids(EOS)]
+    outcome, aborts = run(tok, SamplingParams(temperature=0.0), grouped(ids, "stop", random.Random(0)))
+    assert (outcome.token_ids, outcome.content, outcome.finish_reason, aborts) == (ids, "done.", "stop", [])

@@ -182,7 +182,19 @@ def test_chat_rendering_fields_are_refused_unless_they_change_nothing(field: str
     assert_names(chat_error(**{field: value}), field, "not supported yet")
 
 
-@pytest.mark.parametrize("key", ["add_generation_prompt", "tokenize", "conversation", "tools"])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("repetition_penalty", True), ("min_tokens", False), ("use_beam_search", 0), ("skip_special_tokens", 1),
+     ("echo", 0), ("add_generation_prompt", 1)],
+)  # fmt: skip
+def test_a_harmless_value_must_also_have_the_harmless_json_type(field: str, value: Any) -> None:
+    """Strict as every other field: true is not 1 and 0 is not false, though 1 is 1.0."""
+    assert_names(chat_error(**{field: value}), field, "not supported yet")
+
+
+@pytest.mark.parametrize(
+    "key", ["add_generation_prompt", "tokenize", "conversation", "tools", "messages", "sanitize_control_tokens"]
+)
 def test_chat_template_kwargs_that_are_arguments_of_the_template_call_are_refused(key: str) -> None:
     """The server sets these itself: passing them on would fail inside the template call with a Python error."""
     assert_names(chat_error(chat_template_kwargs={key: False}), "chat_template_kwargs", repr(key), "server sets")
