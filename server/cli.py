@@ -5,18 +5,50 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
 from model.shipped import SHIPPED_MODEL
 
 FRONTENDS = ("process", "thread")  # where the HTTP front end runs (server/frontend.py)
+MAX_LANES = 65535  # rankwire/codec.py packs a lane's slot as an unsigned 16-bit number
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from exc
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _lanes(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_LANES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LANES} (the control link sends lane slots as 16-bit numbers)")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from exc
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {value}")
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from exc
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 
@@ -66,7 +98,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The serve command's flags (also `python -m server`)."""
     add_model_flags(parser)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
     parser.add_argument(
         "--context",
         type=_positive_int,
@@ -76,7 +108,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-lanes",
-        type=_positive_int,
+        type=_lanes,
         default=64,
         help="requests served at once, one lane each; more wait (default 64)",
     )
@@ -130,7 +162,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt-cache-gib",
-        type=float,
+        type=_gib,
         default=None,
         help="memory for kept prompt states; 0 turns the prompt cache off (default: 1 GiB on cpu, a quarter of the "
         "free GPU memory after loading on cuda)",
@@ -225,6 +257,30 @@ def check_kernels(args: argparse.Namespace) -> None:
         check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel())
 
 
+def start_refusal(args: argparse.Namespace) -> str | None:
+    """Why these flags cannot start, naming the flag, found before any model loads (None: they can)."""
+    import torch
+
+    from model.config import load_config
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is available to this process (torch.cuda.is_available() is False)"
+    cfg = load_config(args.model)
+    if args.command != "serve":
+        return None
+    if args.context is not None and args.context > cfg.max_position_embeddings:
+        return f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions"
+    for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):
+        if value is not None and not value.strip():
+            return f"{flag}: must not be empty"
+    if args.cuda_graphs == "on":
+        from model.weights import resolve_kernels
+        from server.serve import resolve_graphs
+
+        resolve_graphs("on", resolve_kernels(args.kernels, args.device), args.device, args.ngram_table)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -232,15 +288,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: no config.json in {args.model}", file=sys.stderr)
         return 2
     try:
+        refusal = start_refusal(args)
         check_kernels(args)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
+    except (ValueError, SystemExit) as exc:  # a ConfigError names the field; resolve_graphs' refusal the flag
+        refusal = str(exc)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
         return 2
-    if args.command == "serve":
-        from server.serve import run_serve
+    from model.weights import CheckpointError
 
-        return run_serve(args, list(argv if argv is not None else sys.argv[1:])[1:])
-    return run_generate(args)
+    try:
+        if args.command == "serve":
+            from server.serve import run_serve
+
+            return run_serve(args, list(argv if argv is not None else sys.argv[1:])[1:])
+        return run_generate(args)
+    except CheckpointError as exc:
+        print(f"model: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before serving began (loading): nothing to shut down
+        return 130
 
 
 if __name__ == "__main__":

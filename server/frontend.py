@@ -39,12 +39,18 @@ class FrontSettings:
     port: int
 
 
+GRACE_S = 30  # seconds open responses get to finish once a shutdown begins
+
+
 class HttpServer(uvicorn.Server):
-    """uvicorn, whose SIGTERM/SIGINT end a clean shutdown (exit 0) instead of being raised again after it."""
+    """uvicorn, whose SIGTERM/SIGINT begin a clean shutdown (exit 0) instead of being raised again after it; open
+    responses get GRACE_S to finish, and a second SIGINT (Ctrl-C twice) ends them at once, as uvicorn's own."""
 
     @contextlib.contextmanager
     def capture_signals(self):
-        def shut_down(_signum, _frame) -> None:
+        def shut_down(signum, _frame) -> None:
+            if self.should_exit and signum == signal.SIGINT:
+                self.force_exit = True
             self.should_exit = True
 
         previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -70,7 +76,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def http_server(state: ServerState, settings: FrontSettings) -> HttpServer:
     """The server of `state`'s app (it listens on the socket given to `run`)."""
-    config = uvicorn.Config(build_app(state), host=settings.host, port=settings.port, log_level="warning")
+    config = uvicorn.Config(
+        build_app(state), host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=GRACE_S
+    )
     return HttpServer(config)
 
 
@@ -142,8 +150,8 @@ class FrontendProcess:
                 signal.signal(sig, handler)
         return 0 if asked else 1
 
-    def _stop_process(self, grace_s: float = 30) -> None:
-        """SIGTERM (uvicorn finishes open responses), then SIGKILL after `grace_s`."""
+    def _stop_process(self, grace_s: float = GRACE_S + 5) -> None:
+        """SIGTERM (uvicorn gives open responses GRACE_S to finish), then SIGKILL after `grace_s`."""
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(grace_s)

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -66,6 +67,28 @@ def init_group(env: RankEnv, device: str, timeout_s: float) -> torch.device:
     return where
 
 
+FOLLOWER_GRACE_S = 60  # how long a signalled rank 1 waits for rank 0 to stop it (rank 0 gives responses 30 s)
+
+
+def hold_signals_for_rank0(grace_s: float = FOLLOWER_GRACE_S) -> None:
+    """On rank 1: SIGTERM and SIGINT (torchrun sends every rank one; a terminal's Ctrl-C reaches its whole process
+    group) leave the stop to rank 0, which ends rank 1 over the control link once its open responses are done; only
+    if that has not happened `grace_s` after the first signal does rank 1 exit (1) by itself."""
+    deadline: list[threading.Timer] = []
+
+    def later(signum: int, _frame) -> None:
+        if not deadline:
+            log.info("%s: rank 1 stops when rank 0 tells it (at the latest in %.0f s)", signal.Signals(signum).name,
+                     grace_s)  # fmt: skip
+            timer = threading.Timer(grace_s, os._exit, (1,))
+            timer.daemon = True
+            deadline.append(timer)
+            timer.start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, later)
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct free TCP ports on the loopback (held together while they are picked)."""
     with ExitStack() as stack:
@@ -95,9 +118,11 @@ def rank_environments(world: int, environ: dict[str, str]) -> list[dict[str, str
 
 
 def launch(argv: list[str], world: int) -> int:
-    """Start `world` rank processes of `python -m server ARGV` with torchrun's variables; stop all when one fails."""
+    """Start `world` rank processes of `python -m server ARGV` with torchrun's variables; stop all when one fails.
+    The ranks run in a session of their own, so a terminal's Ctrl-C reaches this process alone, which passes it to
+    rank 0 once (rank 0 stops rank 1 over the control link)."""
     procs = [
-        subprocess.Popen([sys.executable, "-m", "server", *argv], env=env)
+        subprocess.Popen([sys.executable, "-m", "server", *argv], env=env, start_new_session=True)
         for env in rank_environments(world, dict(os.environ))
     ]
 

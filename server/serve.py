@@ -28,7 +28,7 @@ from server.frontend import FrontendProcess, FrontSettings, http_server, listen_
 from server.handle import LocalEngine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
-from server.ranks import RankEnv, control_link_port, init_group, launch, rank_env
+from server.ranks import RankEnv, control_link_port, hold_signals_for_rank0, init_group, launch, rank_env
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
 from server.settings import EnvSettings, read_environment
@@ -185,8 +185,6 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     runner = runner or ModelRunner(model, args.max_lanes)
     if args.drafts and not runner.can_draft:
         log.warning("%s has no MTP layer: only copy drafts are proposed", args.model)
-    if args.prompt_cache_gib is not None and args.prompt_cache_gib < 0:
-        raise SystemExit(f"--prompt-cache-gib: must be >= 0, got {args.prompt_cache_gib}")
     cache_bytes = (
         int(args.prompt_cache_gib * 2**30)
         if args.prompt_cache_gib is not None
@@ -295,6 +293,10 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     if ranks.world > 1 and "WORLD_SIZE" not in os.environ:
         return launch(argv, ranks.world)
     listener = listen_socket(args.host, args.port) if ranks.rank == 0 else None  # before minutes of loading
+    if listener is not None:
+        host, port = listener.getsockname()[:2]
+        log.info("listening on http://%s:%d%s", f"[{host}]" if ":" in host else host, port,
+                 " (API key required)" if args.api_key else "")  # fmt: skip
     link = None
     if ranks.world > 1:
         try:
@@ -306,6 +308,7 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     model = runner.model
     if listener is None:
         plan_lanes(args, model)  # rank 0 plans in create_serving: the same pool, graphs captured in the same order
+        hold_signals_for_rank0()
         return follow(link, runner)
     return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link, listener)
 

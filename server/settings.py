@@ -31,6 +31,12 @@ def _switch(text: str) -> bool:
     return text == "1"
 
 
+def _key(text: str) -> str:
+    if not text.strip():
+        raise ValueError("an empty key would turn authentication off; unset the variable for that")
+    return text
+
+
 def _lanes(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -39,7 +45,7 @@ def _lanes(text: str) -> int:
 
 
 KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
-    "FLASHNEXT_API_KEY": (str, "the API key, as --api-key"),
+    "FLASHNEXT_API_KEY": (_key, "the API key, as --api-key"),
     "FLASHNEXT_LINK_PORT": (_port, "the control link's port on rank 0 (default: MASTER_PORT + 1)"),
     "FLASHNEXT_TP_TIMEOUT_S": (_seconds, "seconds a collective may take before the ranks give up (default 60)"),
     "FLASHNEXT_ROUND_DIGESTS": (str, "a folder where each rank writes a digest of every round's logits and tokens"),

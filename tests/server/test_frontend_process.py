@@ -145,3 +145,23 @@ def test_a_second_server_cannot_take_an_address_one_has_bound() -> None:
             listen_socket("127.0.0.1", port)
     finally:
         first.close()
+
+
+@pytest.mark.parametrize("frontend", ["thread", "process"])
+def test_a_second_ctrl_c_ends_open_responses_at_once(ckpt, frontend) -> None:
+    """The first SIGINT waits for open responses (up to the grace period); a second one, as uvicorn's own, ends
+    them now, whichever process the front end runs in (a terminal's Ctrl-C reaches both)."""
+    with served(ckpt, frontend) as (proc, url):
+        body = {"prompt": [5, 9, 14, 3], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(lines)
+            group = [proc.pid, *children(proc.pid)]
+            for pid in group:
+                os.kill(pid, signal.SIGINT)
+            time.sleep(1.0)
+            assert proc.poll() is None  # the stream is still open: the first Ctrl-C waits for it
+            for pid in group:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGINT)
+            assert proc.wait(timeout=15) == 0

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 
-from server.cli import build_parser
+from model.shipped import SHIPPED_MODEL
+from server.cli import build_parser, main
 from server.ranks import free_port
 from server.settings import read_environment
 
@@ -202,3 +206,99 @@ def test_a_port_in_use_is_refused_by_flag_before_the_model_loads():
     assert proc.returncode == 1
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in proc.stderr
     assert "loaded" not in proc.stderr  # refused before any weights were read
+
+
+def broken_checkpoint(folder: Path, config: str) -> Path:
+    """A folder with a config.json of `config` and nothing else."""
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--prompt-cache-gib", "nan"], "--prompt-cache-gib"),
+        (["--prompt-cache-gib", "-1"], "--prompt-cache-gib"),
+        (["--max-lanes", "1.5"], "--max-lanes: expected a whole number"),
+        (["--max-lanes", "1000000000"], "--max-lanes: at most 65535"),
+    ],
+)
+def test_malformed_flag_values_are_refused_by_the_parser_naming_the_flag(capsys, flags, named):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", *flags])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--context", "100000"], "--context: 100000 exceeds the model's"),
+        (["--api-key", ""], "--api-key: must not be empty"),
+        (["--served-model-name", " "], "--served-model-name: must not be empty"),
+        (["--cuda-graphs", "on"], "--cuda-graphs on: needs --kernels on and --device cuda"),
+    ],
+)
+def test_flags_that_cannot_serve_are_refused_before_the_model_loads(capsys, monkeypatch, flags, message):
+    import server.serve
+
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_refused_by_flag(capsys):
+    assert main(["serve", "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [("{not json", "is not valid JSON"), ("{}", "model_type"), (None, "no *.safetensors files")],
+)
+def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, capsys, config, message):
+    """The message names what is wrong, with no traceback (a config the loader reads, weights it cannot find)."""
+    text = config if config is not None else (SHIPPED_MODEL / "config.json").read_text()
+    folder = broken_checkpoint(tmp_path / "broken", text)
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
+    """--port 0 binds a free port, which the log line says, so a client can find it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", "0", "--api-key", "k"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        deadline, line = time.monotonic() + 60, ""
+        while "listening on" not in line:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))  # queue.Empty: no such line in time
+        address = line.split("listening on ")[1].split()[0]
+        assert "(API key required)" in line and address.startswith("http://127.0.0.1:")
+        assert int(address.rsplit(":", 1)[1]) > 0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_empty_api_key_in_the_environment_is_refused_by_name():
+    """FLASHNEXT_API_KEY="" would silently serve without authentication."""
+    assert read_environment({"FLASHNEXT_API_KEY": "sesame"}).api_key == "sesame"
+    with pytest.raises(ValueError, match=r"FLASHNEXT_API_KEY: malformed value '' .*empty key"):
+        read_environment({"FLASHNEXT_API_KEY": ""})

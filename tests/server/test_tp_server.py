@@ -237,3 +237,37 @@ def test_rank_0_exits_when_an_idle_rank_1_dies(ckpt):
         assert ranks[0].returncode == 1
     finally:
         stop(ranks)
+
+
+def test_ctrl_c_in_a_terminal_stops_both_ranks_cleanly(ckpt):
+    """A terminal's Ctrl-C reaches its whole process group: `--tp 2` stops both ranks through rank 0 (exit 0), and
+    rank 1 does not die of the signal on its own."""
+    port = free_port()
+    argv = [sys.executable, "-m", "server", str(ckpt), "--tp", "2", "--host", "127.0.0.1", "--port", str(port)]
+    launcher = subprocess.Popen(
+        argv, cwd=ROOT, env={**os.environ, **QUIET}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # the launcher leads a process group, as a shell's foreground job
+    )  # fmt: skip
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [launcher])
+        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        assert launcher.wait(timeout=60) == 0
+        err = launcher.stderr.read()
+        assert "Traceback" not in err and "hung up or failed" not in err, err[-3000:]
+    finally:
+        stop([launcher])
+
+
+def test_sigterm_to_both_ranks_as_torchrun_sends_it_stops_them_cleanly(ckpt):
+    """torchrun passes a SIGTERM to every rank: rank 1 leaves the stop to rank 0, and both exit 0."""
+    rank_ports, http_port = tuple(free_ports(2)), free_port()
+    ranks = [start_rank(rank, rank_ports, http_port, ckpt) for rank in (0, 1)]
+    try:
+        wait_healthy(f"http://127.0.0.1:{http_port}", ranks)
+        for proc in ranks:
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(timeout=60) for proc in ranks] == [0, 0]
+        err = ranks[0].stderr.read()
+        assert "hung up or failed" not in err, err[-3000:]
+    finally:
+        stop(ranks)
