@@ -149,7 +149,7 @@ class WeightLoader:
         self.shards = model.plan
         self.table_device = table_device or device
         params = dict(model.named_parameters())
-        for name, param in tqdm(params.items(), desc="loading weights", unit="tensor", leave=False):
+        for name, param in tqdm(params.items(), desc="loading weights", unit="tensor", leave=False, disable=None):
             tensor = self._load(name, param, model, dtype, device)
             if tensor is not None:
                 set_parameter(model, name, tensor)
@@ -242,7 +242,7 @@ class WeightLoader:
         lo, hi = self.shards.expert_cols
         i = hi - lo
         groups: dict[str, list[list[torch.Tensor]]] = {"gate_up": [[], [], []], "down": [[], [], []]}
-        for expert in tqdm(range(e), desc=f"{base} (NVFP4)", unit="expert", leave=False):
+        for expert in tqdm(range(e), desc=f"{base} (NVFP4)", unit="expert", leave=False, disable=None):
             parts = []
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 key = f"{base}.{expert}.{proj}"

@@ -185,3 +185,10 @@ def test_the_ngram_table_in_host_memory_gives_the_same_logits(good):
     assert torch.equal(logits(on_host), logits(on_device))
     with pytest.raises(ValueError, match="--ngram-table"):
         load_model(good, dtype="float32", ngram_table="disk")
+
+
+def test_loading_draws_no_progress_bars_into_a_log_that_is_not_a_terminal(good, capsys, monkeypatch):
+    """Bars are for terminals: docker logs and files get no carriage returns or cursor moves from them."""
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    load_model(good, dtype="float32")
+    assert "loading weights" not in capsys.readouterr().err
