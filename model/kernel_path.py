@@ -35,15 +35,16 @@ from model.state import LaneSnapshot
 
 
 def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel) -> None:
-    """Refuse, naming the setting or config field, a model the kernels cannot run (before any weight is read)."""
+    """Refuse, naming the setting or config field, a model the kernels cannot run (before any weight is read); the
+    device first, since no other setting mends that."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--kernels on: the Triton kernels run on --device cuda, not {device.type}; pass --kernels off"
+        )
     if dtype != torch.bfloat16:
         raise ValueError(
             f"--kernels on: the kernels take bfloat16 weights and activations, but --dtype gives {dtype}; "
             "pass --dtype bfloat16 or --kernels off"
-        )
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"--kernels on: the Triton kernels run on --device cuda, not {device.type}; pass --kernels off"
         )
     powers = {
         "linear_key_head_dim": (cfg.linear_key_head_dim, 16),

@@ -465,6 +465,8 @@ def test_bad_combinations_are_refused_by_setting(models, paths, monkeypatch) -> 
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="--device cuda"):
         kernel_path.check(ker.cfg, torch.bfloat16, torch.device("cpu"), ker.tp)
+    with pytest.raises(ValueError, match="--device cuda"):  # the device first: --dtype bfloat16 would not mend it
+        kernel_path.check(ker.cfg, torch.float32, torch.device("cpu"), ker.tp)
 
 
 def test_the_kernels_setting_is_checked_at_start_and_agreed_by_the_ranks(paths, capsys) -> None:
