@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         refusal = start_refusal(args)
-        check_kernels(args)
+        if refusal is None:
+            check_kernels(args)
     except (ValueError, SystemExit) as exc:  # a ConfigError names the field; resolve_graphs' refusal the flag
         refusal = str(exc)
     if refusal is not None:

@@ -60,6 +60,13 @@ class HttpServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown; when forced, the app's own shutdown still runs (it stops the engine, which stops rank
+        1 over the control link), which uvicorn skips then."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            await self.lifespan.shutdown()
+
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """The HTTP address, bound before the model loads so that one in use is refused at once, naming the flags."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -117,22 +119,41 @@ def rank_environments(world: int, environ: dict[str, str]) -> list[dict[str, str
     return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+
+def _end_with_launcher() -> None:
+    """In a rank, before it runs (Linux): a SIGTERM when the launcher dies, which its own session would hide."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def launch(argv: list[str], world: int) -> int:
     """Start `world` rank processes of `python -m server ARGV` with torchrun's variables; stop all when one fails.
-    The ranks run in a session of their own, so a terminal's Ctrl-C reaches this process alone, which passes it to
-    rank 0 once (rank 0 stops rank 1 over the control link)."""
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "server", *argv], env=env, start_new_session=True)
-        for env in rank_environments(world, dict(os.environ))
-    ]
+    Each rank leads a session of its own, so a terminal's Ctrl-C reaches only this process, which passes each signal
+    to rank 0's process group (rank 0 and its front end, as a terminal would at tp 1; a hangup as SIGTERM); rank 0
+    stops rank 1 over the control link, and a rank whose launcher dies gets a SIGTERM."""
+    procs: list[subprocess.Popen] = []
+    pending: list[int] = []  # a signal that came before rank 0 started
 
     def forward(signum: int, _frame) -> None:
-        # rank 0 shuts down gracefully and tells rank 1 to stop over the control link
-        if procs[0].poll() is None:
-            procs[0].send_signal(signum)
+        signum = signal.SIGTERM if signum == signal.SIGHUP else signum
+        if not procs:
+            pending.append(signum)
+        elif procs[0].poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(procs[0].pid, signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for env in rank_environments(world, dict(os.environ)):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "server", *argv], env=env, start_new_session=True, preexec_fn=_end_with_launcher
+            )
+        )
+    for signum in pending:
+        forward(signum, None)
     code = 0
     while any(p.poll() is None for p in procs):
         failed = [p for p in procs if p.poll() not in (None, 0)]

@@ -292,7 +292,18 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit(refusal)
     if ranks.world > 1 and "WORLD_SIZE" not in os.environ:
         return launch(argv, ranks.world)
+    if ranks.rank > 0:
+        hold_signals_for_rank0()
     listener = listen_socket(args.host, args.port) if ranks.rank == 0 else None  # before minutes of loading
+    try:
+        return serve_rank(args, ranks, env, listener)
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def serve_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings, listener: socket.socket | None) -> int:
+    """Connect the ranks, load this one's half, then serve HTTP on `listener` (rank 0) or run rank 0's plans."""
     if listener is not None:
         host, port = listener.getsockname()[:2]
         log.info("listening on http://%s:%d%s", f"[{host}]" if ":" in host else host, port,
@@ -308,7 +319,6 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     model = runner.model
     if listener is None:
         plan_lanes(args, model)  # rank 0 plans in create_serving: the same pool, graphs captured in the same order
-        hold_signals_for_rank0()
         return follow(link, runner)
     return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link, listener)
 

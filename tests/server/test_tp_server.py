@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -239,23 +241,54 @@ def test_rank_0_exits_when_an_idle_rank_1_dies(ckpt):
         stop(ranks)
 
 
-def test_ctrl_c_in_a_terminal_stops_both_ranks_cleanly(ckpt):
-    """A terminal's Ctrl-C reaches its whole process group: `--tp 2` stops both ranks through rank 0 (exit 0), and
-    rank 1 does not die of the signal on its own."""
+@contextlib.contextmanager
+def launched(ckpt: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`--tp 2` as a shell's foreground job (the launcher leads a process group), once /health answers: the launcher
+    and the URL."""
     port = free_port()
-    argv = [sys.executable, "-m", "server", str(ckpt), "--tp", "2", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "server", str(ckpt), "--tp", "2", "--host", "127.0.0.1", "--port", str(port), *flags]
     launcher = subprocess.Popen(
         argv, cwd=ROOT, env={**os.environ, **QUIET}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,  # the launcher leads a process group, as a shell's foreground job
+        start_new_session=True,
     )  # fmt: skip
     try:
         wait_healthy(f"http://127.0.0.1:{port}", [launcher])
-        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        assert launcher.wait(timeout=60) == 0
-        err = launcher.stderr.read()
-        assert "Traceback" not in err and "hung up or failed" not in err, err[-3000:]
+        yield launcher, f"http://127.0.0.1:{port}"
     finally:
-        stop([launcher])
+        stop([launcher])  # the ranks get a SIGTERM when their launcher dies
+
+
+def assert_stopped_cleanly(launcher: subprocess.Popen, url: str, seconds: float) -> None:
+    """The launcher exits 0 within `seconds`, no rank logged a failure, and nothing answers at `url` any more."""
+    assert launcher.wait(timeout=seconds) == 0
+    err = launcher.stderr.read()
+    assert "Traceback" not in err and "failed" not in err and "exited with" not in err, err[-3000:]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+@pytest.mark.parametrize("hangup", [False, True])
+def test_ctrl_c_or_a_hangup_stops_both_ranks_cleanly(ckpt, hangup):
+    """A terminal's Ctrl-C (SIGINT) or a closed terminal (SIGHUP) reaches its whole foreground process group: both
+    ranks stop through rank 0, exit 0."""
+    with launched(ckpt) as (launcher, url):
+        os.killpg(launcher.pid, signal.SIGHUP if hangup else signal.SIGINT)
+        assert_stopped_cleanly(launcher, url, 60)
+
+
+@pytest.mark.parametrize("frontend", ["thread", "process"])
+def test_a_second_ctrl_c_at_tp2_ends_an_open_response_and_stops_rank_1_cleanly(ckpt, frontend):
+    """The second Ctrl-C cuts the open stream at once, and rank 1 still gets its stop over the control link."""
+    with launched(ckpt, "--frontend", frontend) as (launcher, url):
+        body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            assert next(response.iter_lines())
+            os.killpg(launcher.pid, signal.SIGINT)
+            time.sleep(1.0)
+            assert launcher.poll() is None  # the first Ctrl-C waits for the open stream
+            os.killpg(launcher.pid, signal.SIGINT)
+            assert launcher.wait(timeout=20) == 0
+        assert "Traceback" not in launcher.stderr.read()
 
 
 def test_sigterm_to_both_ranks_as_torchrun_sends_it_stops_them_cleanly(ckpt):
