@@ -7,19 +7,27 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from model.shipped import SHIPPED_MODEL
 
 FRONTENDS = ("process", "thread")  # where the HTTP front end runs (server/frontend.py)
+T = TypeVar("T")
 MAX_LANES = 65535  # rankwire/codec.py packs a lane's slot as an unsigned 16-bit number
 
 
-def _positive_int(text: str) -> int:
+def _parsed(text: str, parse: Callable[[str], T], expected: str) -> T:
+    """`parse(text)`, or the parser's error saying what was expected."""
     try:
-        value = int(text)
+        return parse(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from exc
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from exc
+
+
+def _positive_int(text: str) -> int:
+    value = _parsed(text, int, "a whole number >= 1")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -33,27 +41,21 @@ def _lanes(text: str) -> int:
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from exc
+    value = _parsed(text, int, "a TCP port number")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {value}")
     return value
 
 
 def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from exc
+    value = _parsed(text, float, "a number of GiB")
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 
 def _temperature(text: str) -> float:
-    value = float(text)
+    value = _parsed(text, float, "a number")
     if not 0 <= value <= 100:
         raise argparse.ArgumentTypeError(f"must be in [0, 100], got {value}")
     return value

@@ -20,6 +20,7 @@ from model.shipped import SHIPPED_MODEL
 from server.cli import build_parser, main
 from server.ranks import free_port
 from server.settings import read_environment
+from tests.server.test_tp_server import stop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -289,12 +290,7 @@ def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
         assert "(API key required)" in line and address.startswith("http://127.0.0.1:")
         assert int(address.rsplit(":", 1)[1]) > 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop([proc])
 
 
 def test_an_empty_api_key_in_the_environment_is_refused_by_name():
