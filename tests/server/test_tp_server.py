@@ -276,10 +276,10 @@ def test_ctrl_c_or_a_hangup_stops_both_ranks_cleanly(ckpt, hangup):
         assert_stopped_cleanly(launcher, url, 60)
 
 
-@pytest.mark.parametrize("frontend", ["thread", "process"])
-def test_a_second_ctrl_c_at_tp2_ends_an_open_response_and_stops_rank_1_cleanly(ckpt, frontend):
-    """The second Ctrl-C cuts the open stream at once, and rank 1 still gets its stop over the control link."""
-    with launched(ckpt, "--frontend", frontend) as (launcher, url):
+def test_a_second_ctrl_c_at_tp2_ends_an_open_response_and_stops_rank_1_cleanly(ckpt):
+    """The second Ctrl-C cuts the open stream at once, and rank 1 still gets its stop over the control link (the
+    thread front end: there the forced shutdown skipped the app's own, which stops the engine and so rank 1)."""
+    with launched(ckpt, "--frontend", "thread") as (launcher, url):
         body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
             assert next(response.iter_lines())
