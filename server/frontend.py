@@ -53,12 +53,13 @@ class HttpServer(uvicorn.Server):
                 self.force_exit = True
             self.should_exit = True
 
-        previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, shut_down)
         try:
             yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        finally:  # served: the process is on its way out, and a late Ctrl-C must not kill it mid-teardown
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
 
     async def shutdown(self, sockets=None) -> None:
         """uvicorn's shutdown; when forced, the app's own shutdown still runs (it stops the engine, which stops rank
