@@ -243,31 +243,24 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_kernels(args: argparse.Namespace) -> None:
-    """Refuse a --kernels setting the model cannot run on, naming the setting, before any device work."""
-    import torch
-
-    from model.config import load_config
-    from model.parallel import TensorParallel
-    from model.weights import resolve_dtype, resolve_kernels
-
-    device = torch.device(args.device)
-    if resolve_kernels(args.kernels, device):
-        from model.kernel_path import check
-
-        cfg = load_config(args.model)
-        check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel())
-
-
 def start_refusal(args: argparse.Namespace) -> str | None:
-    """Why these flags cannot start, naming the flag, found before any model loads (None: they can)."""
+    """Why these flags cannot start, naming the flag, found before any model loads or device work (None: they can);
+    a --kernels setting the model cannot run on raises ValueError naming the setting."""
     import torch
 
     from model.config import load_config
+    from model.weights import resolve_dtype, resolve_kernels
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this process (torch.cuda.is_available() is False)"
     cfg = load_config(args.model)
+    device = torch.device(args.device)
+    kernels = resolve_kernels(args.kernels, device)
+    if kernels:
+        from model.kernel_path import check
+        from model.parallel import TensorParallel
+
+        check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel())
     if args.command != "serve":
         return None
     if args.context is not None and args.context > cfg.max_position_embeddings:
@@ -276,10 +269,9 @@ def start_refusal(args: argparse.Namespace) -> str | None:
         if value is not None and not value.strip():
             return f"{flag}: must not be empty"
     if args.cuda_graphs == "on":
-        from model.weights import resolve_kernels
         from server.serve import resolve_graphs
 
-        resolve_graphs("on", resolve_kernels(args.kernels, args.device), args.device, args.ngram_table)
+        resolve_graphs("on", kernels, args.device, args.ngram_table)
     return None
 
 
@@ -291,8 +283,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         refusal = start_refusal(args)
-        if refusal is None:
-            check_kernels(args)
     except (ValueError, SystemExit) as exc:  # a ConfigError names the field; resolve_graphs' refusal the flag
         refusal = str(exc)
     if refusal is not None:
