@@ -19,6 +19,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Its functions take `group.WORLD` as a default argument when the module is first imported (torch._dynamo imports it,
+# lazily): imported after the group exists, they would hold the group alive past `leave_group`.
+import torch.distributed.nn.functional
+
 log = logging.getLogger(__name__)
 
 
@@ -67,6 +71,15 @@ def init_group(env: RankEnv, device: str, timeout_s: float) -> torch.device:
             timeout=timedelta(seconds=timeout_s),
         )
     return where
+
+
+def leave_group() -> None:
+    """Destroy a gloo process group while the interpreter is whole: its worker threads may still hold a finished
+    collective's tensors, and releasing them once the interpreter is finalizing aborts the process (SIGABRT,
+    "terminate called without an active exception"). NCCL groups are kept to the end: their teardown is not yet
+    checked on two GPUs."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 FOLLOWER_GRACE_S = 60  # how long a signalled rank 1 waits for rank 0 to stop it (rank 0 gives responses 30 s)
@@ -159,7 +172,7 @@ def launch(argv: list[str], world: int) -> int:
         failed = [p for p in procs if p.poll() not in (None, 0)]
         if failed and code == 0:
             code = failed[0].returncode
-            log.error("a rank exited with %d: stopping the others", code)
+            log.error("rank %d exited with %d: stopping the others", procs.index(failed[0]), code)
             deadline = time.monotonic() + 10
             for proc in procs:
                 if proc.poll() is None:

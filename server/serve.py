@@ -28,7 +28,15 @@ from server.frontend import FrontendProcess, FrontSettings, http_server, listen_
 from server.handle import LocalEngine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
-from server.ranks import RankEnv, control_link_port, hold_signals_for_rank0, init_group, launch, rank_env
+from server.ranks import (
+    RankEnv,
+    control_link_port,
+    hold_signals_for_rank0,
+    init_group,
+    launch,
+    leave_group,
+    rank_env,
+)
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
 from server.settings import EnvSettings, read_environment
@@ -298,6 +306,7 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         return serve_rank(args, ranks, env, listener)
     finally:
+        leave_group()
         if listener is not None:
             listener.close()
 

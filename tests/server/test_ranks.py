@@ -1,8 +1,12 @@
-"""`--tp` starting its own ranks: the ports it hands them."""
+"""`--tp` starting its own ranks: the ports it hands them, and a rank leaving its process group before it exits."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +47,48 @@ def test_free_ports_are_distinct_and_bindable(count):
     for port in ports:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A rank whose serving joined a gloo group and ran a collective: the native threads left once `run_serve` returns.
+SERVED_RANK = """
+import argparse, importlib, os, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from server import serve
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def serve_rank(args, ranks, env, listener):
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(8))
+    importlib.import_module("torch._dynamo")  # as the model load does (torch.nn.init): it imports torch.distributed.nn
+    return 0
+
+torch.set_num_threads(1)
+before = threads()
+serve.serve_rank = serve_rank
+args = argparse.Namespace(api_key=None, tp=None, host="127.0.0.1", port=0, device="cpu", kernels="off")
+code = serve.run_serve(args, [])
+print(code, before, threads(), dist.is_initialized())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts native threads through /proc")
+def test_a_rank_leaves_its_gloo_group_before_the_interpreter_exits():
+    """gloo's worker threads, still alive at interpreter exit, can abort a rank that served cleanly (SIGABRT: they
+    release a finished collective's tensors once the interpreter is finalizing); run_serve destroys the group, and
+    nothing imported after the group was made (torch._dynamo, when the model loads) keeps it alive."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    done = subprocess.run(
+        [sys.executable, "-c", SERVED_RANK, str(ranks.free_port())], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    code, before, after, still_in_group = done.stdout.split()
+    assert (code, still_in_group) == ("0", "False")
+    assert after == before  # no gloo worker or store thread left behind

@@ -242,11 +242,11 @@ def test_rank_0_exits_when_an_idle_rank_1_dies(ckpt):
 
 
 @contextlib.contextmanager
-def launched(ckpt: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+def launched(ckpt: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """`--tp 2` as a shell's foreground job (the launcher leads a process group), once /health answers: the launcher
     and the URL."""
     port = free_port()
-    argv = [sys.executable, "-m", "server", str(ckpt), "--tp", "2", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "server", str(ckpt), "--tp", "2", "--host", "127.0.0.1", "--port", str(port), *flags]
     launcher = subprocess.Popen(
         argv, cwd=ROOT, env={**os.environ, **QUIET}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -274,6 +274,22 @@ def test_ctrl_c_or_a_hangup_stops_both_ranks_cleanly(ckpt, hangup):
     with launched(ckpt) as (launcher, url):
         os.killpg(launcher.pid, signal.SIGHUP if hangup else signal.SIGINT)
         assert_stopped_cleanly(launcher, url, 60)
+
+
+def test_a_second_ctrl_c_at_tp2_ends_an_open_response_and_stops_rank_1_cleanly(ckpt):
+    """The second Ctrl-C cuts the open stream at once, and rank 1 still gets its stop over the control link (the
+    thread front end: there the forced shutdown skipped the app's own, which stops the engine and so rank 1)."""
+    with launched(ckpt, "--frontend", "thread") as (launcher, url):
+        body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            assert next(response.iter_lines())
+            os.killpg(launcher.pid, signal.SIGINT)
+            time.sleep(1.0)
+            assert launcher.poll() is None  # the first Ctrl-C waits for the open stream
+            os.killpg(launcher.pid, signal.SIGINT)
+            code = launcher.wait(timeout=20)
+        err = launcher.stderr.read()
+        assert code == 0 and "Traceback" not in err, err[-3000:]
 
 
 def test_sigterm_to_both_ranks_as_torchrun_sends_it_stops_them_cleanly(ckpt):
