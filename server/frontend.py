@@ -40,26 +40,38 @@ class FrontSettings:
 
 
 GRACE_S = 30  # seconds open responses get to finish once a shutdown begins
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def ignore_stop_signals() -> None:
+    """Served: the process is on its way out, and a late SIGTERM or Ctrl-C must not kill it mid-teardown."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class HttpServer(uvicorn.Server):
     """uvicorn, whose SIGTERM/SIGINT begin a clean shutdown (exit 0) instead of being raised again after it; open
-    responses get GRACE_S to finish, and a second SIGINT (Ctrl-C twice) ends them at once, as uvicorn's own."""
+    responses get GRACE_S to finish, and a second SIGINT (Ctrl-C twice) ends them at once. Unlike uvicorn's own, a
+    SIGTERM never counts as the first of two: a front-end process gets one from its engine process alongside the
+    terminal's Ctrl-C, in either order."""
 
     @contextlib.contextmanager
     def capture_signals(self):
+        interrupts = 0
+
         def shut_down(signum, _frame) -> None:
-            if self.should_exit and signum == signal.SIGINT:
-                self.force_exit = True
+            nonlocal interrupts
+            if signum == signal.SIGINT:
+                interrupts += 1
+                self.force_exit = self.force_exit or interrupts > 1
             self.should_exit = True
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, shut_down)
         try:
             yield
-        finally:  # served: the process is on its way out, and a late Ctrl-C must not kill it mid-teardown
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
+        finally:
+            ignore_stop_signals()
 
     async def shutdown(self, sockets=None) -> None:
         """uvicorn's shutdown; when forced, the app's own shutdown still runs (it stops the engine, which stops rank
@@ -139,12 +151,14 @@ class FrontendProcess:
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT or `request_stop` (0), or until the front end exits by itself (1); then stop
-        it, letting open responses finish, and the engine. Signals during the shutdown change nothing."""
+        it, letting open responses finish, and the engine. Signals during the shutdown or after it change nothing
+        here (the front-end process, which a terminal's Ctrl-C reaches too, takes a second one as forcing)."""
         self.host.start()
         self.process.start()
         for sock in self.handed:
             sock.close()
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
         try:
             while not self.stopping.wait(0.1) and not self.signalled:
                 if not self.process.is_alive():
@@ -154,8 +168,7 @@ class FrontendProcess:
             self._stop_process()
             self.host.stop()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            ignore_stop_signals()
         return 0 if asked else 1
 
     def _stop_process(self, grace_s: float = GRACE_S + 5) -> None:

@@ -165,3 +165,42 @@ def test_a_second_ctrl_c_ends_open_responses_at_once(ckpt, frontend) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGINT)
             assert proc.wait(timeout=15) == 0
+
+
+def test_only_a_second_sigint_forces_the_http_shutdown() -> None:
+    """A front-end process gets its engine's SIGTERM and the terminal's SIGINT for one Ctrl-C, in either order: the
+    SIGTERM never counts as the first of two, so open responses keep their grace period until a second Ctrl-C."""
+    import uvicorn
+
+    from server.frontend import HttpServer
+
+    server = HttpServer(uvicorn.Config(app=None))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with server.capture_signals():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+            assert server.should_exit and not server.force_exit
+            signal.raise_signal(signal.SIGTERM)
+            assert not server.force_exit
+            signal.raise_signal(signal.SIGINT)
+            assert server.force_exit
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_a_ctrl_c_after_the_shutdown_began_does_not_kill_the_engine_process(ckpt) -> None:
+    """Ctrl-C pressed again while the engine process tears down (its front end already gone) changes nothing: it
+    exits 0, with no KeyboardInterrupt and no death by SIGINT."""
+    with served(ckpt, "process") as (proc, _):
+        (front,) = children(proc.pid)
+        for pid in (proc.pid, front):
+            os.kill(pid, signal.SIGINT)
+        assert wait_until(lambda: not running(front), 20)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.02)
+        assert proc.wait(timeout=5) == 0, proc.stderr.read()[-3000:]
