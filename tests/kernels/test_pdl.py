@@ -52,7 +52,7 @@ SAFE_CALLS = {
 SETTLED_READERS = {
     "_gdn_step_kernel": "its row's lane (written at the round's start) and state (a round before)",
     "_down_pairs_kernel": "its row's expert ids and weights (written before the gate-up pairs kernel, which waits)",
-    "_combine_kernel": "its row's ids and weights (before the plan) and shared output (joined before the gate-up)",
+    "_combine_kernel": "its row's ids, weights (before the plan), shared output and logit (joined before the gate-up)",
 }
 
 
