@@ -63,6 +63,9 @@ PLAN_COUNT = 256
 PAIR_ROWS = 2
 PAIR_COUNTERS = 2048  # arrival counters of the pairs path: each row's column tiles of the down projection
 PLAN_CHUNK, PLAN_SCAN = 64, 256  # pairs one plan program places; ids it counts a step
+# The combine's columns a program: COMBINE_FEW_BLOCK up to COMBINE_FEW_ROWS rows (verify rounds: more programs for few
+# rows), else COMBINE_BLOCK; each output element's sum is the same either way
+COMBINE_FEW_ROWS, COMBINE_FEW_BLOCK, COMBINE_BLOCK = 16, 256, 1024
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_KEYS = ("gate_up_words", "gate_up_scale", "gate_up_scale_2", "down_words", "down_scale", "down_scale_2")
 TWO_POW_119 = tl.constexpr(2.0**119)  # block scale · 2^119 is at most 448·2^119 < the largest bf16
@@ -601,16 +604,20 @@ def _combine_kernel(
 ):
     """out[row] = Σ weight·y over the row's pairs in ascending expert id (ties by slot), fp32, one rounding. GATED:
     out = `gated_value(that sum, the row's shared-expert logit, its shared output)`, `_gated_add_kernel`'s bits, as
-    `_down_pairs_kernel` stores it."""
-    enter(PDL)
+    `_down_pairs_kernel` stores it. Before its wait, while the down runs, it reads its row's ids and weights (written
+    before the plan) and the shared expert's output and logit (joined before the gate-up) and ranks the ids."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     slots = tl.arange(0, K_POW2)
     slot_ok = slots < TOP_K
-    ids = tl.load(ids_ptr + row * TOP_K + slots, mask=slot_ok, other=2147483647)
-    wts = tl.load(wts_ptr + row * TOP_K + slots, mask=slot_ok, other=0.0)
+    ids = load_settled(ids_ptr + row * TOP_K + slots, slot_ok, 2147483647)
+    wts = load_settled(wts_ptr + row * TOP_K + slots, slot_ok, 0.0)
     rank = _ascending_places(ids, slots)
+    if GATED:
+        shared = load_settled(shared_ptr + row.to(tl.int64) * D + cols, col_ok, 0.0)
+        logit = load_settled(logit_ptr + row.to(tl.int64) * stride_logit, None, None)
+    enter(PDL)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # unrolled, so that the pairs' loads need not wait on the sum before them
         chosen = rank == j
@@ -620,8 +627,7 @@ def _combine_kernel(
         acc = acc + w * y
     out = out_ptr + row.to(tl.int64) * D + cols
     if GATED:  # a gated value is exact in bf16: stored from its bits (the interpreter's cast drops subnormals)
-        shared = tl.load(shared_ptr + row.to(tl.int64) * D + cols, mask=col_ok, other=0.0)
-        acc = gated_value(acc, tl.load(logit_ptr + row.to(tl.int64) * stride_logit), shared, True, INTERPRET)
+        acc = gated_value(acc, logit, shared, True, INTERPRET)
         tl.store(out, to_act(acc, True, INTERPRET) if OUT_BF16 else acc, mask=col_ok)
     elif OUT_BF16:
         tl.store(out, _round_bf16(acc, INTERPRET), mask=col_ok)
@@ -906,12 +912,17 @@ def _grouped_forward(
     _gate_up_grouped(x, plan, wb, h, top_k, tiles, interpret)
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
     _down_grouped(h, plan, wb, y, tiles, interpret)
-    block_d = min(1024, triton.next_power_of_2(wb.d))
+    block_d = min(combine_block(n), triton.next_power_of_2(wb.d))
     _combine_kernel[(n, triton.cdiv(wb.d, block_d))](
         y, ids, wts, out, shared, logit, wb.d, logit.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
         BLOCK_D=block_d, OUT_BF16=out.dtype == torch.bfloat16, GATED=gated is not None, INTERPRET=interpret,
         num_warps=4, **launch_options(_combine_kernel, x.device),
     )  # fmt: skip
+
+
+def combine_block(rows: int) -> int:
+    """The combine's columns a program for a call of `rows` rows."""
+    return COMBINE_FEW_BLOCK if rows <= COMBINE_FEW_ROWS else COMBINE_BLOCK
 
 
 def _gate_up_grouped(

@@ -7,7 +7,8 @@ waited for its predecessor has also waited for everything before that), and the 
 the launch, the blocks' start-up, the reads of weights no kernel writes (`load_unwritten`: the hyper read's norm
 weight; `prefetch_l2`: the linear kernel's and the up kernel's weights, into L2) and of memory that neither the
 kernel just before nor one on a stream joined just before writes (`load_settled`: GDN's recurrent states in its
-decode step, the router's ids and weights in the one-row MoE's down). Launches pass
+decode step, the router's ids and weights in the one-row MoE's down, and those with the shared expert's output and
+logit in the grouped MoE's combine). Launches pass
 `**launch_options(kernel, device)`: PDL on Hopper or later unless `FLASHNEXT_PDL=0`; never under the interpreter.
 """
 

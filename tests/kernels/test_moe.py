@@ -434,6 +434,21 @@ def test_the_gated_shared_expert_is_added_as_gated_add_adds_it(
         assert marks == [launched[: launched.index("_gate_up_kernel")]], (launched, marks)
 
 
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_the_combine_in_several_column_programs_gives_the_same_bits(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped combine in 16-column programs (4 a row at D = 64) equals it in one program a row, gated or not:
+    each output element's sum is its own, whatever the program that forms it."""
+    x, ids, w = make_routing(5, seed=77)
+    g = torch.Generator().manual_seed(78)
+    shared, logits = (torch.randn(5, D, generator=g) * 4).bfloat16(), (torch.randn(5, 1, generator=g) * 8).bfloat16()
+    gates = (None, SharedGate(shared, logits, lambda: None))
+    whole = [moe_forward(x, ids, w, BANKS[kind], gated=gate) for gate in gates]
+    monkeypatch.setattr(moe, "COMBINE_FEW_BLOCK", 16)
+    assert moe.combine_block(5) == 16 and moe.combine_block(moe.COMBINE_FEW_ROWS + 1) == moe.COMBINE_BLOCK
+    split = [moe_forward(x, ids, w, BANKS[kind], gated=gate) for gate in gates]
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(whole, split, strict=True))
+
+
 def test_a_shared_gate_of_other_rows_is_refused() -> None:
     x, ids, w = make_routing(2, seed=62)
     shared, logits = torch.zeros(2, D, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.bfloat16)

@@ -52,6 +52,7 @@ SAFE_CALLS = {
 SETTLED_READERS = {
     "_gdn_step_kernel": "its row's lane (written at the round's start) and state (a round before)",
     "_down_pairs_kernel": "its row's expert ids and weights (written before the gate-up pairs kernel, which waits)",
+    "_combine_kernel": "its row's ids, weights (before the plan), shared output and logit (joined before the gate-up)",
 }
 
 
@@ -115,6 +116,17 @@ def test_the_one_row_moe_down_finds_its_expert_while_the_gate_up_runs() -> None:
     loads = [line.split(" = ", 1)[0] for line in early if "load_settled(" in line]
     assert loads == ["row_ids", "row_wts"], early
     assert any(line.startswith("e = ") for line in early), early
+
+
+def test_the_combine_reads_its_rows_routing_and_shared_output_while_the_down_runs() -> None:
+    """The grouped path's combine reads its row's ids and weights and the shared expert's output and logit ahead of
+    its wait (the down before it writes none of them) and ranks the ids, so only the down's outputs wait for it."""
+    tree = ast.parse((KERNELS / "moe.py").read_text())
+    early = [ast.unparse(stmt) for stmt in before_enter(kernel_defs(tree)["_combine_kernel"])]
+    loads = [line.split(" = ", 1)[0] for line in early if "load_settled(" in line and "\n" not in line]
+    gated = next(line for line in early if line.startswith("if GATED:"))
+    assert loads == ["ids", "wts"] and "shared = load_settled(" in gated and "logit = load_settled(" in gated, early
+    assert any(line.startswith("rank = ") for line in early), early
 
 
 def test_the_helpers_let_before_the_wait_touch_no_memory() -> None:
