@@ -34,7 +34,7 @@ MAX_BLOCK = 1024
 TILE = 4096
 NUM_WARPS = 4
 FEW_PAIRS = 1024  # pairs up to which a zc norm call takes small tiles (`program_rows`)
-FEW_GATED_PAIRS = 256  # pairs up to which a gated norm call takes GATED_FEW_TILE (`gated_norm_tile`)
+FEW_GATED_PAIRS = 2048  # pairs up to which a gated norm call takes GATED_FEW_TILE (`gated_norm_tile`)
 GATED_FEW_TILE = (4, 4)  # (pairs a program, warps) of a gated norm call of few pairs
 
 

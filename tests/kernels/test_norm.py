@@ -99,12 +99,12 @@ def test_gated_norm_tiles_mask_a_last_part_full_program(tile: tuple[int, int]) -
     assert torch.equal(gated_rms_norm(x, z, wt, EPS, "silu", tile=tile), whole)
 
 
-def test_a_verify_rounds_gated_norm_spreads_its_pairs_over_more_programs() -> None:
-    """Few pairs (a verify round's 4 rows of 24 heads) take GATED_FEW_TILE's programs; a 64-lane round and prompts
-    whole tiles."""
-    assert gated_norm_tile(4 * 24, 128) == norm.GATED_FEW_TILE
+def test_decode_and_verify_rounds_gated_norm_spreads_its_pairs_over_more_programs() -> None:
+    """A verify round's 4 rows and a 64-lane decode round's 64 (24 heads each) take GATED_FEW_TILE's programs; calls
+    of more than 85 rows (prompts) whole tiles."""
+    assert gated_norm_tile(4 * 24, 128) == gated_norm_tile(64 * 24, 128) == norm.GATED_FEW_TILE
     assert norm.GATED_FEW_TILE[0] < block_r(128)
-    assert gated_norm_tile(64 * 24, 128) == gated_norm_tile(8192 * 24, 128) == (block_r(128), NUM_WARPS)
+    assert gated_norm_tile(86 * 24, 128) == gated_norm_tile(8192 * 24, 128) == (block_r(128), NUM_WARPS)
 
 
 def test_group_dot_and_block_mean_match_references() -> None:
