@@ -74,10 +74,9 @@ def init_group(env: RankEnv, device: str, timeout_s: float) -> torch.device:
 
 
 def leave_group() -> None:
-    """Destroy a gloo process group while the interpreter is whole: its worker threads may still hold a finished
-    collective's tensors, and releasing them once the interpreter is finalizing aborts the process (SIGABRT,
-    "terminate called without an active exception"). NCCL groups are kept to the end: their teardown is not yet
-    checked on two GPUs."""
+    """Destroy a gloo process group while the interpreter is whole (NCCL's teardown is not yet checked on two GPUs)."""
+    # gloo's worker threads may still hold a finished collective's tensors; releasing them once the interpreter is
+    # finalizing aborts the process (SIGABRT, "terminate called without an active exception")
     if dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 

@@ -306,9 +306,9 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         return serve_rank(args, ranks, env, listener)
     finally:
-        leave_group()
         if listener is not None:
             listener.close()
+        leave_group()
 
 
 def serve_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings, listener: socket.socket | None) -> int:

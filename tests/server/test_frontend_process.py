@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
+from server.frontend import HttpServer
 from server.ranks import free_port
 from tests.server.live import tiny_chat_checkpoint
 from tests.server.test_tp_server import QUIET, stop, wait_healthy
@@ -170,10 +172,6 @@ def test_a_second_ctrl_c_ends_open_responses_at_once(ckpt, frontend) -> None:
 def test_only_a_second_sigint_forces_the_http_shutdown() -> None:
     """A front-end process gets its engine's SIGTERM and the terminal's SIGINT for one Ctrl-C, in either order: the
     SIGTERM never counts as the first of two, so open responses keep their grace period until a second Ctrl-C."""
-    import uvicorn
-
-    from server.frontend import HttpServer
-
     server = HttpServer(uvicorn.Config(app=None))
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
