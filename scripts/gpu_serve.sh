@@ -21,10 +21,17 @@ serve_until_up() {
   return 1
 }
 
-stop_server() {
+stop_server() {  # SIGTERM, then the server's exit status (SIGKILL if it still runs STOP_S, default 45, seconds later)
   kill $SERVER 2>/dev/null
-  sleep 3
-  pkill -9 -f "m server" 2>/dev/null
+  for _ in $(seq 1 "${STOP_S:-45}"); do kill -0 $SERVER 2>/dev/null || break; sleep 1; done
+  if kill -0 $SERVER 2>/dev/null; then
+    echo "server still running ${STOP_S:-45} s after SIGTERM: killed"
+    kill -9 $SERVER 2>/dev/null
+    pkill -9 -f "m server" 2>/dev/null
+  fi
+  wait $SERVER 2>/dev/null
+  echo "server exit status $?"
+  pkill -9 -f "m server" 2>/dev/null  # a rank its launcher left behind
 }
 
 # The shipped model served at --tp 2 with the MTP drafter and ARGS, each rank writing a digest of every round:
