@@ -27,11 +27,10 @@ stop_server() {  # SIGTERM, then the server's exit status (SIGKILL if it still r
   if kill -0 $SERVER 2>/dev/null; then
     echo "server still running ${STOP_S:-45} s after SIGTERM: killed"
     kill -9 $SERVER 2>/dev/null
-    pkill -9 -f "m server" 2>/dev/null
   fi
   wait $SERVER 2>/dev/null
   echo "server exit status $?"
-  pkill -9 -f "m server" 2>/dev/null  # a rank its launcher left behind
+  pkill -9 -f "m server" 2>/dev/null  # a rank its launcher left behind, or one the SIGKILL above orphaned
 }
 
 # The shipped model served at --tp 2 with the MTP drafter and ARGS, each rank writing a digest of every round:
