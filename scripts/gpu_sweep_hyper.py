@@ -48,6 +48,7 @@ KERNELS = {  # name: (module, kernel attribute) of every launch a read can make
 # (down_r, in_program, up_d): one down-side and one up-side setting per candidate
 PAIRS = ((16, False, 16), (32, False, 32), (64, False, 64), (32, True, 128))
 UP_TILES = ((16, 8), (16, 16), (32, 16), (64, 16), (64, 32), (128, 32))  # (up_m, up_d) of `_up_mix_kernel`
+ROW_UP_D = (8, 16, 32)  # up_d of the 16-row tiles gated row by row
 WARPS = (2, 4, 8)
 STAGES = (2, 3, 4, 5)
 
@@ -61,11 +62,15 @@ def candidates(
 ) -> list[ReadTiles]:
     """Every PAIRS setting at every (num_warps, num_stages), with 16-row tiles; with via_linear also the down
     projection by the linear kernel under each up-side setting, the up projection over stored normed rows under each
-    down-side setting, and both under each UP_TILES tile; with up_only just those last (16-row ones row by row too)."""
+    down-side setting, and both under each UP_TILES tile; with up_only just those last (16-row ones also row by row,
+    gating h from stored h or from the down projection's K-range sums: `ReadTiles.up_adds_ranges`)."""
     grid = list(itertools.product(warps, stages))
-    if up_only:  # each up tile gated over its whole row tile and, for 16-row tiles, row by row
-        forms = [(um, ud, by_row) for um, ud in UP_TILES for by_row in ((False, True) if um == 16 else (False,))]
-        return [ReadTiles(16, 32, um, ud, False, w, s, True, True, by) for w, s in grid for um, ud, by in forms]
+    if up_only:  # each up tile gated over its whole row tile; 16-row tiles also row by row, with or without the sums
+        forms = [(um, ud, False, False) for um, ud in UP_TILES]
+        forms += [(16, ud, True, adds) for ud in ROW_UP_D for adds in (False, True)]
+        return [
+            ReadTiles(16, 32, um, ud, False, w, s, True, True, by, adds) for w, s in grid for um, ud, by, adds in forms
+        ]
     tiles = [ReadTiles(16, dr, 16, ud, ip, w, s) for w, s in grid for dr, ip, ud in PAIRS]
     if via_linear:
         tiles += [ReadTiles(16, 32, 16, ud, False, w, s, True) for w, s in grid for ud in (16, 32)]

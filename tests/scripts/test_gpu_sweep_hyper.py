@@ -154,3 +154,18 @@ def test_via_linear_candidates_launch_the_paths_over_normed_rows_instead_of_the_
     assert set(rows[False, True]["kernel_us"]) == {"rstd", "down", "up_mix"}
     for row in rows.values():
         assert row["error"] is None and row["x_mismatches"] is not None
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_up_only_candidates_gate_rows_from_stored_h_and_from_the_range_sums_with_the_same_bits(n) -> None:
+    """--up-only sweeps 16-row up tiles gated row by row both from stored h and from the down projection's K-range
+    sums (the one-row read's default form), at every row count, each compared bit for bit with the default."""
+    tiles = candidates((4,), (1,), up_only=True)
+    rowwise = [t for t in tiles if t.up_by_row]
+    assert {(t.up_d, t.up_adds_ranges) for t in rowwise} == {(d, a) for d in (8, 16, 32) for a in (False, True)}
+    assert all(t.up_m == 16 and t.via_linear and t.up_over_normed for t in rowwise)
+    rows = run([t for t in rowwise if t.up_d == 16], n=n)
+    assert [r["tiles"]["up_adds_ranges"] for r in rows[1:]] == [False, True]
+    for row in rows[1:]:
+        assert row["error"] is None and row["x_mismatches"] == 0 and row["inject_mismatches"] == 0
+        assert set(row["kernel_us"]) == {"rstd", "linear", "up_mix"}
