@@ -5,6 +5,8 @@
 # both ranks' round phases; time cold 1k and 8k prompts (PROMPTS). Then serve the shipped model at --tp 2 and check
 # drafted = undrafted and concurrent = solo (eval_small) with the ranks' round digests compared (SMALL=0 skips it).
 # FLASHNEXT_ROUND_PROFILE=LANES in the environment adds the kernel tables of served rounds (rank{r}.profile.txt).
+# ALONE=2 serves rank 0's half alone on one GPU instead (scripts/serve_alone.py: collectives skipped, no rank 1,
+# timing only) and skips the shipped model's two-rank checks.
 # Usage, from the repo root there (carry .whl and build/small/data):  bash scripts/gpu_trace.sh  # logs under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
@@ -18,8 +20,14 @@ mkdir -p "$trace"
 port=8500
 url=http://127.0.0.1:$port
 up=0
+ranks="0 1" tp="--tp 2"
+if [ -n "${ALONE:-}" ]; then
+  export SERVE_CMD="python3 scripts/serve_alone.py --alone-as $ALONE"
+  ranks=0 tp="" SMALL=0
+fi
+# shellcheck disable=SC2086
 FLASHNEXT_ROUND_TRACE=$trace serve_until_up "${SERVE_S:-330}" $port "$OUT/serve_real.log" configs/qwen3.8-flash-next \
-  --load-format dummy --tp 2 --device cuda --max-lanes 64 --drafts 3 --prompt-cache-gib 0 ${SERVE_ARGS:-} && up=1
+  --load-format dummy $tp --device cuda --max-lanes 64 --drafts 3 --prompt-cache-gib 0 ${SERVE_ARGS:-} && up=1
 echo "real server up=$up $(since)"
 grep "lane pool\|CUDA graphs" "$OUT/serve_real.log" | head -3
 if [ $up = 1 ]; then
@@ -34,7 +42,7 @@ if [ $up = 1 ]; then
   for n in ${LEVELS:-1 4 8 32 64}; do
     : > "$trace/rank0.trace"; : > "$trace/rank1.trace"
     conc "off_$n" --levels $n --tokens ${TOKENS:-64} --drafts off
-    for r in 0 1; do
+    for r in $ranks; do
       cp "$trace/rank$r.trace" "$trace/off_${n}_rank$r.trace"
       echo "-- rank $r, $n streams:"; python3 scripts/trace_summary.py "$trace/rank$r.trace" --min-rounds 3 | head -5
     done
@@ -60,7 +68,7 @@ if [ "${SMALL:-1}" = 1 ]; then  # SMALL=0 skips the shipped model's exactness ch
   small_exactness small 8501 --device cuda --cuda-graphs on
   echo "shipped model checked $(since)"
 fi
-for r in 0 1; do [ -f "$trace/rank$r.profile.txt" ] && head -32 "$trace/rank$r.profile.txt"; done
+for r in $ranks; do [ -f "$trace/rank$r.profile.txt" ] && head -32 "$trace/rank$r.profile.txt"; done
 tar czf "$OUT/trace.tgz" -C "$OUT" trace
 rm -rf "$trace"
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.out ./*.log ./*.txt 2>/dev/null)  # few files come back: pack them
