@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -14,7 +14,7 @@ from model.hyper import GatedResidual, linear
 from model.layers import DecoderLayer, ForwardBatch, Segment
 from model.mtp import MTPLayer
 from model.parallel import ShardPlan, TensorParallel
-from model.state import LaneSnapshot, LaneState, snapshot
+from model.state import LaneSnapshot, LaneState, restore, snapshot
 
 
 @dataclass(slots=True)
@@ -114,6 +114,15 @@ class FlashNextModel(nn.Module):
                     snapshots[index][r - seg.start] = snapshot(lane)
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return ForwardOutput(logits=self.logits(rows), hidden=hidden, snapshots=snapshots)
+
+    def restore_lanes(self, restores: Sequence[tuple[LaneState, LaneSnapshot]]) -> None:
+        """Put each lane back to its snapshot (`model.state.restore`); on the kernel path its pooled lanes together
+        (`LanePool.restore`: one launch)."""
+        if self.lane_pool is not None:
+            self.lane_pool.restore(restores)
+            return
+        for lane, snap in restores:
+            restore(lane, snap)
 
     @torch.no_grad()
     def mtp_forward(

@@ -31,7 +31,7 @@ from model.lane_pool import MTP, LanePool
 from model.layers import ForwardBatch
 from model.parallel import TensorParallel
 from model.peer_sums import forward_sites
-from model.state import LaneSnapshot
+from model.state import KeptRow, LaneSnapshot
 
 
 def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel) -> None:
@@ -200,7 +200,7 @@ def snapshots(
 ) -> dict[int, dict[int, LaneSnapshot]]:
     """By segment index and row offset, the lane after each of the kept `rows` (batch row indices, ascending);
     the round kept the states of those rows in order, or with `by_row` of every row; `windows` are the rows'
-    n-gram windows."""
+    n-gram windows. The states are `KeptRow`s of the round's kept stacks: no view is made until one is read."""
     kept, out = rnd.kept, {}
     firsts = [seg.start for seg in batch.segments]
     for order, row in enumerate(rows):
@@ -208,9 +208,9 @@ def snapshots(
         index = bisect.bisect_right(firsts, row) - 1
         offset = row - firsts[index]
         out.setdefault(index, {})[offset] = LaneSnapshot(
-            gdn_conv={i: t[k] for i, t in kept.gdn_conv.items()},
-            gdn_recurrent={i: t[k] for i, t in kept.gdn_recurrent.items()},
-            ple_conv={i: t[k] for i, t in kept.ple_conv.items()},
+            gdn_conv=KeptRow(kept.gdn_conv, k),
+            gdn_recurrent=KeptRow(kept.gdn_recurrent, k),
+            ple_conv=KeptRow(kept.ple_conv, k),
             ngram_history=windows[row, 1:],
             length=starts[index] + offset + 1,
         )

@@ -10,11 +10,12 @@ longer context) moves every tensor, so it bumps `generation` (captured graphs ar
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from model.state import AttentionCache, LaneState
+from kernels.row_copy import copy_rows
+from model.state import AttentionCache, KeptRow, LaneSnapshot, LaneState, restore, restore_positions
 
 MTP = -1  # the cache key of the MTP layer's QSA cache
 
@@ -103,6 +104,27 @@ class LanePool:
         self._bind(lane)
         self.lanes[slot] = lane
         weakref.finalize(lane, self._release, slot)
+
+    def restore(self, restores: Sequence[tuple[LaneState, LaneSnapshot]]) -> None:
+        """`model.state.restore` of each (lane, snapshot): the lanes of this pool whose snapshots are rows of one
+        forward's kept states (`KeptRow`s of one row) in one `copy_rows` launch for all their layers, any other
+        lane as `restore` puts it back. The same bits either way: each state is copied as it is."""
+        batches: dict[tuple[int, int, int], list[tuple[LaneState, LaneSnapshot]]] = {}
+        for lane, snap in restores:
+            kept = (snap.gdn_conv, snap.gdn_recurrent, snap.ple_conv)
+            ours = lane.slot is not None and self.lanes.get(lane.slot) is lane
+            if ours and all(isinstance(k, KeptRow) and k.row == kept[0].row for k in kept):
+                batches.setdefault(tuple(id(k.stacks) for k in kept), []).append((lane, snap))
+            else:
+                restore(lane, snap)
+        for batch in batches.values():
+            first = batch[0][1]
+            groups = ((self.gdn_conv, first.gdn_conv), (self.gdn_recurrent, first.gdn_recurrent),
+                      (self.ple_conv, first.ple_conv))  # fmt: skip
+            pairs = [(kept.stacks[i], ours[i]) for ours, kept in groups for i in kept.stacks]
+            copy_rows(pairs, [(snap.gdn_conv.row, lane.slot) for lane, snap in batch])
+            for lane, snap in batch:
+                restore_positions(lane, snap)
 
     def _release(self, slot: int) -> None:
         """A collected lane's slot is free again."""

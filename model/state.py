@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -87,14 +88,34 @@ class LaneState:
     slot: int | None = None  # the lane-pool slot its tensors view (kernel path), or None: tensors of its own
 
 
+class KeptRow(Mapping[int, torch.Tensor]):
+    """One row of a forward's kept states by layer, `stacks[i][row]`, each viewed only when read: a verify round keeps
+    the states after every row of every window, of which a restore reads one a lane (and the pool's restore none:
+    it copies from the stacks by row, `LanePool.restore`)."""
+
+    __slots__ = ("row", "stacks")
+
+    def __init__(self, stacks: Mapping[int, torch.Tensor], row: int) -> None:
+        self.stacks, self.row = stacks, row
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.stacks[layer][self.row]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.stacks)
+
+    def __len__(self) -> int:
+        return len(self.stacks)
+
+
 @dataclass(frozen=True, slots=True)
 class LaneSnapshot:
     """The part of a lane's state that cannot be cut back by position: recurrent and conv states, the n-gram
     history, and the token count (QSA caches are truncated to it on restore)."""
 
-    gdn_conv: dict[int, torch.Tensor]
-    gdn_recurrent: dict[int, torch.Tensor]
-    ple_conv: dict[int, torch.Tensor]
+    gdn_conv: Mapping[int, torch.Tensor]
+    gdn_recurrent: Mapping[int, torch.Tensor]
+    ple_conv: Mapping[int, torch.Tensor]
     ngram_history: torch.Tensor
     length: int
 
@@ -128,6 +149,11 @@ def restore(lane: LaneState, snap: LaneSnapshot) -> None:
         ):
             for i, t in theirs.items():
                 ours[i].copy_(t)
+    restore_positions(lane, snap)
+
+
+def restore_positions(lane: LaneState, snap: LaneSnapshot) -> None:
+    """The part of `restore` that is bookkeeping: the n-gram history, the token count and the QSA caches' lengths."""
     lane.ngram_history = snap.ngram_history
     lane.length = snap.length
     for cache in lane.attention.values():

@@ -11,7 +11,7 @@ import torch
 
 from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import ForwardBatch, Segment
-from model.state import LaneState, copy_lane, lane_bytes, restore
+from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.round_trace import RoundTrace
 from server.sampling import sample_token
@@ -173,7 +173,7 @@ class ModelRunner:
         trace.mark("forward")
         if launched is not None:
             launched()
-        results, mtp_rows, next_logit = [], [], 0
+        results, mtp_rows, restores, next_logit = [], [], [], 0
         draws = self._draw(plan.rows, out.logits)
         trace.mark("draw")
         for index, (rows, seg) in enumerate(zip(plan.rows, segments, strict=True)):
@@ -181,11 +181,12 @@ class ModelRunner:
             if rows.draw is not None:
                 next_logit += len(rows.drafts) + 1
             if rows.drafts and len(kept) - 1 < len(rows.drafts):
-                restore(seg.lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2])
+                restores.append((seg.lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2]))
             folded = len(rows.token_ids) + max(len(kept) - 1, 0)
             if rows.draft_depth:
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
             results.append(LaneResult(tokens=tuple(kept)))
+        self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)
         trace.mark("verify")
         if mtp_rows:
             drafts = self._draft(plan.rows, mtp_rows)

@@ -18,8 +18,9 @@ from model.flashnext import FlashNextModel, single_lane_batch
 from model.graphs import LISTED_LOGITS, PROMPT_KEEPS, RoundGraphs, buckets_for
 from model.kernel_blocks import SharedOutputs
 from model.layers import ForwardBatch, Segment
-from model.state import LaneState, restore
+from model.state import KeptRow, LaneState, restore
 from model.weights import load_model
+from tests.kernels.launches import recording_launches
 from tests.tiny import KERNEL_TEXT, text_config
 
 PROMPTS = ([7, 19, 5, 33, 2, 91], [8, 13, 21], [4, 4, 4, 4, 4])
@@ -145,6 +146,44 @@ def test_replayed_prompt_verify_and_mtp_rows_equal_the_eager_ones_bit_for_bit(pa
     for a, b in zip(lanes, expected_lanes, strict=True):
         assert a.mtp_length == b.mtp_length
         assert torch.equal(a.mtp_attention.keys[: a.mtp_length], b.mtp_attention.keys[: b.mtp_length])
+
+
+def verify_window(model: FlashNextModel) -> tuple[list[LaneState], dict]:
+    """Three prompts in one round, then a verify window of 3, 2 and 3 rows keeping every row's state: (the lanes,
+    the window's snapshots)."""
+    lanes = [model.new_lane() for _ in PROMPTS]
+    segments, start = [], 0
+    for lane, prompt in zip(lanes, PROMPTS, strict=True):
+        segments.append(Segment(lane, start, len(prompt)))
+        start += len(prompt)
+    positions = torch.cat([torch.arange(len(prompt)) for prompt in PROMPTS])
+    model(ForwardBatch(torch.tensor([t for prompt in PROMPTS for t in prompt]), positions, segments))
+    window = ForwardBatch(
+        torch.tensor([9, 10, 11, 12, 13, 14, 15, 16]),
+        torch.tensor([6, 7, 8, 3, 4, 5, 6, 7]),
+        [Segment(lanes[0], 0, 3), Segment(lanes[1], 3, 2), Segment(lanes[2], 5, 3)],
+    )
+    return lanes, model(window, snapshot_rows={0: {0, 1}, 1: {0}, 2: {0, 1}}).snapshots
+
+
+def test_the_pool_restores_lanes_together_in_one_launch_with_each_lanes_restore_bits(path) -> None:
+    """The pool's restore of three lanes to rows of one verify window (`KeptRow`s of its kept stacks) is one
+    `copy_rows` launch and leaves each lane as `restore` does one lane at a time; a lane of no pool beside them is
+    restored on its own."""
+    rows = {0: 1, 1: 0, 2: 0}
+    ref_lanes, ref_snaps = verify_window(pooled(path, 16))
+    for i, row in rows.items():
+        restore(ref_lanes[i], ref_snaps[i][row])
+    model = pooled(path, 16)
+    lanes, snaps = verify_window(model)
+    assert all(isinstance(getattr(snaps[0][0], name), KeptRow) for name in ("gdn_conv", "gdn_recurrent", "ple_conv"))
+    loose = model.new_lane()  # no slot: restored by `restore`
+    with recording_launches() as launched:
+        model.restore_lanes([*((lanes[i], snaps[i][row]) for i, row in rows.items()), (loose, snaps[2][1])])
+    assert launched == ["_copy_rows_kernel"]
+    assert_same_lanes(lanes, ref_lanes)
+    assert all(torch.equal(a.ngram_history, b.ngram_history) for a, b in zip(lanes, ref_lanes, strict=True))
+    assert loose.length == snaps[2][1].length and torch.equal(loose.gdn_recurrent[0], snaps[2][1].gdn_recurrent[0])
 
 
 def prompt_round(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneState]]:

@@ -1,0 +1,117 @@
+"""Rows of many tensors copied in one launch: the lane pool's restore of every lane a verify round rejected drafts of
+(model/lane_pool.py), one launch whatever the lanes and layers, where a copy per lane and tensor took thousands.
+
+`copy_rows(pairs, rows)` takes (source, destination) tensor pairs, each two stacks along dim 0 of contiguous rows of
+one shape and dtype, and (source row, destination row) pairs that apply to every tensor pair. Each
+destination row gets its source row's bytes, moved as 32-bit words (16-bit or single bytes where a row's size, stride
+or address is not a multiple of 4), so every bit is kept, NaN payloads included. One program copies up to CHUNK words
+of one row of one tensor pair: the grid is (the chunks of every pair's row, the rows). The tensors' addresses go to
+the kernel in a table, so sources and destinations must stay allocated until the launch has run (stream order: a
+tensor freed after the call is reused only by later work on its stream).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import enter, launch_options
+
+CHUNK = 4096  # words one program copies
+_WORD_TYPES = {4: tl.int32, 2: tl.int16, 1: tl.int8}
+
+
+@triton.jit
+def _copy_rows_kernel(table_ptr, chunk_pair_ptr, rows_ptr, WORD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Chunk program_id(0) of its tensor pair's row, for row pair program_id(1): destination row = source row. A table
+    row: source and destination addresses, their row strides in words, words a row, the pair's first chunk."""
+    chunk = tl.program_id(0)
+    pair = tl.program_id(1)
+    enter(PDL)
+    entry = table_ptr + tl.load(chunk_pair_ptr + chunk).to(tl.int64) * 6
+    src_base = tl.load(entry).to(tl.pointer_type(WORD))
+    dst_base = tl.load(entry + 1).to(tl.pointer_type(WORD))
+    words = tl.load(entry + 4)
+    offs = (chunk - tl.load(entry + 5)) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < words
+    src = src_base + tl.load(rows_ptr + 2 * pair) * tl.load(entry + 2) + offs
+    dst = dst_base + tl.load(rows_ptr + 2 * pair + 1) * tl.load(entry + 3) + offs
+    tl.store(dst, tl.load(src, mask=ok), mask=ok)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row (dim 0) of a stack."""
+    return t[0].numel() * t.element_size()
+
+
+def _check(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
+    """Refuse, saying why, pairs or rows `copy_rows` cannot copy."""
+    devices = {t.device for pair in pairs for t in pair}
+    if len(devices) > 1:
+        raise ValueError(f"copy_rows: the tensors are on {len(devices)} devices, not one")
+    for j, (src, dst) in enumerate(pairs):
+        if src.dim() < 1 or dst.dim() < 1 or src.shape[0] == 0 or dst.shape[0] == 0:
+            raise ValueError(f"copy_rows: pair {j} is not two stacks of rows")
+        if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+            raise ValueError(f"copy_rows: pair {j} has rows {tuple(src.shape[1:])} {src.dtype} and "
+                             f"{tuple(dst.shape[1:])} {dst.dtype}")  # fmt: skip
+        if not (src[0].is_contiguous() and dst[0].is_contiguous()):
+            raise ValueError(f"copy_rows: pair {j} has rows that are not contiguous")
+        if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+            raise ValueError(f"copy_rows: pair {j} copies within one storage")
+        for s, d in rows:
+            if not (0 <= s < src.shape[0] and 0 <= d < dst.shape[0]):
+                raise ValueError(f"copy_rows: row pair ({s}, {d}) is outside pair {j}'s {src.shape[0]} and "
+                                 f"{dst.shape[0]} rows")  # fmt: skip
+    destinations = [d for _, d in rows]
+    if len(set(destinations)) != len(destinations):
+        raise ValueError("copy_rows: a destination row appears twice")
+
+
+def word_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The widest of 4, 2 and 1 bytes that divides every row's size, stride and address: the kernel's word."""
+    sizes = [n for src, dst in pairs for t in (src, dst) for n in (_row_bytes(t), t.stride(0) * t.element_size())]
+    sizes += [t.data_ptr() for pair in pairs for t in pair]
+    return next(w for w in (4, 2, 1) if all(n % w == 0 for n in sizes))
+
+
+def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
+    """For every (source, destination) tensor pair and every (source row, destination row): dst[d] = src[s], bit for
+    bit, in one launch (nothing when either list is empty)."""
+    _check(pairs, rows)
+    if not pairs or not rows:
+        return
+    width = word_bytes(pairs)
+    entries, chunk_pair, first = [], [], 0
+    for j, (src, dst) in enumerate(pairs):
+        words = _row_bytes(src) // width
+        chunks = triton.cdiv(words, CHUNK)
+        entries.append([src.data_ptr(), dst.data_ptr(), src.stride(0) * src.element_size() // width,
+                        dst.stride(0) * dst.element_size() // width, words, first])  # fmt: skip
+        chunk_pair += [j] * chunks
+        first += chunks
+    device = pairs[0][0].device
+    table = _on(device, entries, torch.int64)
+    chunk_of = _on(device, chunk_pair, torch.int32)
+    row_pairs = _on(device, list(itertools.chain.from_iterable(rows)), torch.int64)
+    _copy_rows_kernel[(first, len(rows))](
+        table, chunk_of, row_pairs, WORD=_WORD_TYPES[width], CHUNK=CHUNK, **launch_options(_copy_rows_kernel, device)
+    )
+
+
+def copy_rows_reference(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
+    """`copy_rows` by torch copies, one a row and pair."""
+    _check(pairs, rows)
+    for src, dst in pairs:
+        for s, d in rows:
+            dst[d].copy_(src[s])
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the GPU (pinned memory on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
