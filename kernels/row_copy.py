@@ -12,6 +12,7 @@ tensor freed after the call is reused only by later work on its stream).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -86,21 +87,27 @@ def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence
     if not pairs or not rows:
         return
     width = word_bytes(pairs)
-    entries, chunk_pair, first = [], [], 0
-    for j, (src, dst) in enumerate(pairs):
-        words = _row_bytes(src) // width
-        chunks = triton.cdiv(words, CHUNK)
-        entries.append([src.data_ptr(), dst.data_ptr(), src.stride(0) * src.element_size() // width,
-                        dst.stride(0) * dst.element_size() // width, words, first])  # fmt: skip
-        chunk_pair += [j] * chunks
-        first += chunks
+    words = tuple(_row_bytes(src) // width for src, _ in pairs)
     device = pairs[0][0].device
+    chunk_of, firsts = _chunk_map(words, device)
+    entries = [[src.data_ptr(), dst.data_ptr(), src.stride(0) * src.element_size() // width,
+                dst.stride(0) * dst.element_size() // width, n, first]
+               for (src, dst), n, first in zip(pairs, words, firsts, strict=True)]  # fmt: skip
     table = _on(device, entries, torch.int64)
-    chunk_of = _on(device, chunk_pair, torch.int32)
     row_pairs = _on(device, list(itertools.chain.from_iterable(rows)), torch.int64)
-    _copy_rows_kernel[(first, len(rows))](
+    _copy_rows_kernel[(chunk_of.shape[0], len(rows))](
         table, chunk_of, row_pairs, WORD=_WORD_TYPES[width], CHUNK=CHUNK, **launch_options(_copy_rows_kernel, device)
     )
+
+
+@functools.cache
+def _chunk_map(words: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """For rows of `words` words a pair: each chunk's pair (int32 on `device`, never written) and each pair's first
+    chunk; made once per shape, as a model's restores all have one."""
+    chunks = [triton.cdiv(n, CHUNK) for n in words]
+    firsts = tuple(itertools.accumulate(chunks, initial=0))[:-1]
+    pair_of = [j for j, n in enumerate(chunks) for _ in range(n)]
+    return _on(device, pair_of, torch.int32), firsts
 
 
 def copy_rows_reference(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
