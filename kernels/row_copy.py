@@ -2,24 +2,27 @@
 (model/lane_pool.py), one launch whatever the lanes and layers, where a copy per lane and tensor took thousands.
 
 `copy_rows(pairs, rows)` takes (source, destination) tensor pairs, each two stacks along dim 0 of contiguous rows of
-one shape and dtype, and (source row, destination row) pairs that apply to every tensor pair. Each
-destination row gets its source row's bytes, moved as 32-bit words (16-bit or single bytes where a row's size, stride
-or address is not a multiple of 4), so every bit is kept, NaN payloads included. One program copies up to CHUNK words
-of one row of one tensor pair: the grid is (the chunks of every pair's row, the rows). The tensors' addresses go to
-the kernel in a table, so sources and destinations must stay allocated until the launch has run (stream order: a
-tensor freed after the call is reused only by later work on its stream).
+one shape and dtype, and (source row, destination row) pairs that apply to every tensor pair. Each destination row
+gets its source row's bytes, moved as 32-bit words (16-bit or single bytes where a row's size, stride or address is
+not a multiple of 4), so every bit is kept, NaN payloads included. No two copies may touch one byte: a destination
+tensor appears once and is no source, its rows do not overlap, and a destination row appears once. One program
+copies up to CHUNK words of one row of one tensor pair: the grid is (the chunks of every pair's row, the rows). The
+tensors' addresses go to the kernel in a table, so sources and destinations must stay allocated until the launch has
+run (stream order: a tensor freed after the call is reused only by later work on its stream).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.host import to_device
 from kernels.pdl import enter, launch_options
 
 CHUNK = 4096  # words one program copies
@@ -29,9 +32,9 @@ _WORD_TYPES = {4: tl.int32, 2: tl.int16, 1: tl.int8}
 @triton.jit
 def _copy_rows_kernel(table_ptr, chunk_pair_ptr, rows_ptr, WORD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Chunk program_id(0) of its tensor pair's row, for row pair program_id(1): destination row = source row. A table
-    row: source and destination addresses, their row strides in words, words a row, the pair's first chunk."""
+    row: source and destination addresses, their row strides in words, words a row, the tensor pair's first chunk."""
     chunk = tl.program_id(0)
-    pair = tl.program_id(1)
+    row_pair = tl.program_id(1)
     enter(PDL)
     entry = table_ptr + tl.load(chunk_pair_ptr + chunk).to(tl.int64) * 6
     src_base = tl.load(entry).to(tl.pointer_type(WORD))
@@ -39,38 +42,54 @@ def _copy_rows_kernel(table_ptr, chunk_pair_ptr, rows_ptr, WORD: tl.constexpr, C
     words = tl.load(entry + 4)
     offs = (chunk - tl.load(entry + 5)) * CHUNK + tl.arange(0, CHUNK)
     ok = offs < words
-    src = src_base + tl.load(rows_ptr + 2 * pair) * tl.load(entry + 2) + offs
-    dst = dst_base + tl.load(rows_ptr + 2 * pair + 1) * tl.load(entry + 3) + offs
+    src = src_base + tl.load(rows_ptr + 2 * row_pair) * tl.load(entry + 2) + offs
+    dst = dst_base + tl.load(rows_ptr + 2 * row_pair + 1) * tl.load(entry + 3) + offs
     tl.store(dst, tl.load(src, mask=ok), mask=ok)
 
 
 def _row_bytes(t: torch.Tensor) -> int:
     """Bytes of one row (dim 0) of a stack."""
-    return t[0].numel() * t.element_size()
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each row of a stack is contiguous in memory (its strides those of a contiguous row)."""
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:], strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
-    """Refuse, saying why, pairs or rows `copy_rows` cannot copy."""
+    """Refuse, saying why, pairs or rows `copy_rows` cannot copy, or copies that would touch one byte twice."""
     devices = {t.device for pair in pairs for t in pair}
     if len(devices) > 1:
         raise ValueError(f"copy_rows: the tensors are on {len(devices)} devices, not one")
+    destinations = [dst.untyped_storage().data_ptr() for _, dst in pairs]
     for j, (src, dst) in enumerate(pairs):
         if src.dim() < 1 or dst.dim() < 1 or src.shape[0] == 0 or dst.shape[0] == 0:
             raise ValueError(f"copy_rows: pair {j} is not two stacks of rows")
         if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
             raise ValueError(f"copy_rows: pair {j} has rows {tuple(src.shape[1:])} {src.dtype} and "
                              f"{tuple(dst.shape[1:])} {dst.dtype}")  # fmt: skip
-        if not (src[0].is_contiguous() and dst[0].is_contiguous()):
+        if not (_rows_contiguous(src) and _rows_contiguous(dst)):
             raise ValueError(f"copy_rows: pair {j} has rows that are not contiguous")
-        if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
-            raise ValueError(f"copy_rows: pair {j} copies within one storage")
-        for s, d in rows:
-            if not (0 <= s < src.shape[0] and 0 <= d < dst.shape[0]):
-                raise ValueError(f"copy_rows: row pair ({s}, {d}) is outside pair {j}'s {src.shape[0]} and "
-                                 f"{dst.shape[0]} rows")  # fmt: skip
-    destinations = [d for _, d in rows]
+        if dst.shape[0] > 1 and abs(dst.stride(0)) * dst.element_size() < _row_bytes(dst):
+            raise ValueError(f"copy_rows: pair {j}'s destination rows overlap")
+        if src.untyped_storage().data_ptr() in destinations:
+            raise ValueError(f"copy_rows: pair {j}'s source shares a storage with a destination")
     if len(set(destinations)) != len(destinations):
-        raise ValueError("copy_rows: a destination row appears twice")
+        raise ValueError("copy_rows: two pairs share a destination storage")
+    if pairs and rows:
+        sources, targets = zip(*rows, strict=True)
+        if min(sources) < 0 or max(sources) >= min(src.shape[0] for src, _ in pairs):
+            raise ValueError(f"copy_rows: a source row of {sorted(set(sources))} is outside a source stack")
+        if min(targets) < 0 or max(targets) >= min(dst.shape[0] for _, dst in pairs):
+            raise ValueError(f"copy_rows: a destination row of {sorted(set(targets))} is outside a destination stack")
+        if len(set(targets)) != len(targets):
+            raise ValueError("copy_rows: a destination row appears twice")
 
 
 def word_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -93,8 +112,8 @@ def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence
     entries = [[src.data_ptr(), dst.data_ptr(), src.stride(0) * src.element_size() // width,
                 dst.stride(0) * dst.element_size() // width, n, first]
                for (src, dst), n, first in zip(pairs, words, firsts, strict=True)]  # fmt: skip
-    table = _on(device, entries, torch.int64)
-    row_pairs = _on(device, list(itertools.chain.from_iterable(rows)), torch.int64)
+    table = to_device(device, entries, torch.int64)
+    row_pairs = to_device(device, list(itertools.chain.from_iterable(rows)), torch.int64)
     _copy_rows_kernel[(chunk_of.shape[0], len(rows))](
         table, chunk_of, row_pairs, WORD=_WORD_TYPES[width], CHUNK=CHUNK, **launch_options(_copy_rows_kernel, device)
     )
@@ -102,12 +121,12 @@ def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence
 
 @functools.cache
 def _chunk_map(words: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """For rows of `words` words a pair: each chunk's pair (int32 on `device`, never written) and each pair's first
-    chunk; made once per shape, as a model's restores all have one."""
+    """For rows of `words` words a pair: each chunk's tensor pair (int32 on `device`, copied before this returns, so
+    any stream may read it) and each pair's first chunk; made once per shape, as a model's restores all have one."""
     chunks = [triton.cdiv(n, CHUNK) for n in words]
     firsts = tuple(itertools.accumulate(chunks, initial=0))[:-1]
     pair_of = [j for j, n in enumerate(chunks) for _ in range(n)]
-    return _on(device, pair_of, torch.int32), firsts
+    return torch.tensor(pair_of, dtype=torch.int32).to(device), firsts
 
 
 def copy_rows_reference(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
@@ -116,9 +135,3 @@ def copy_rows_reference(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows
     for src, dst in pairs:
         for s, d in rows:
             dst[d].copy_(src[s])
-
-
-def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied without waiting for the GPU (pinned memory on CUDA)."""
-    host = torch.tensor(values, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

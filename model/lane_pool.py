@@ -108,20 +108,23 @@ class LanePool:
     def restore(self, restores: Sequence[tuple[LaneState, LaneSnapshot]]) -> None:
         """`model.state.restore` of each (lane, snapshot): the lanes of this pool whose snapshots are rows of one
         forward's kept states (`KeptRow`s of one row) in one `copy_rows` launch for all their layers, any other
-        lane as `restore` puts it back. The same bits either way: each state is copied as it is."""
+        lane as `restore` puts it back. The same bits either way: each state is copied as it is. A lane listed twice
+        is refused before anything is copied."""
+        if len({id(lane) for lane, _ in restores}) != len(restores):
+            raise ValueError("LanePool.restore: a lane is listed twice")
         batches: dict[tuple[int, int, int], list[tuple[LaneState, LaneSnapshot]]] = {}
         for lane, snap in restores:
-            kept = (snap.gdn_conv, snap.gdn_recurrent, snap.ple_conv)
-            ours = lane.slot is not None and self.lanes.get(lane.slot) is lane
-            if ours and all(isinstance(k, KeptRow) and k.row == kept[0].row for k in kept):
-                batches.setdefault(tuple(id(k.stacks) for k in kept), []).append((lane, snap))
+            rows = (snap.gdn_conv, snap.gdn_recurrent, snap.ple_conv)
+            pooled = lane.slot is not None and self.lanes.get(lane.slot) is lane
+            if pooled and all(isinstance(r, KeptRow) and r.row == rows[0].row for r in rows):
+                batches.setdefault(tuple(id(r.stacks) for r in rows), []).append((lane, snap))
             else:
                 restore(lane, snap)
         for batch in batches.values():
             first = batch[0][1]
             groups = ((self.gdn_conv, first.gdn_conv), (self.gdn_recurrent, first.gdn_recurrent),
                       (self.ple_conv, first.ple_conv))  # fmt: skip
-            pairs = [(kept.stacks[i], ours[i]) for ours, kept in groups for i in kept.stacks]
+            pairs = [(row.stacks[i], slots[i]) for slots, row in groups for i in row.stacks]
             copy_rows(pairs, [(snap.gdn_conv.row, lane.slot) for lane, snap in batch])
             for lane, snap in batch:
                 restore_positions(lane, snap)

@@ -4,8 +4,8 @@ per-layer views, as the runner did) against the pool's one launch (`LanePool.res
 The lane states are rank 0's of a --world-rank model of the config (a meta-device model gives their shapes and
 dtypes); the kept stacks hold the states after every row of every window (lanes × drafts rows, random bits), and each
 lane goes back to one of its rows. Per N: the host's time to make every kept row's snapshot (views, or `KeptRow`s),
-the host's time to issue the restores, the time until the GPU has done them, and the copies' launches; the two ways
-must leave the pool with the same bits.
+the host's time to issue the restores and the time until the GPU has done them; the two ways must leave the pool with
+the same bits.
 
 python3 scripts/bench_restore.py [--lanes 1 8 64] [--drafts 3] [--reps 5] [--json FILE]   # CUDA; exit 1: bits differ
 """
@@ -131,7 +131,7 @@ def pool_bits(pool: LanePool) -> list[torch.Tensor]:
 
 
 def measure(template: LaneState, lanes: int, drafts: int, reps: int, gen: torch.Generator) -> dict:
-    """Both ways at `lanes` lanes: medians of `reps`, the launches of the copies, whether the bits agree."""
+    """Both ways at `lanes` lanes: medians of `reps`, and whether the bits agree."""
     device = template.gdn_recurrent[next(iter(template.gdn_recurrent))].device
     pool = LanePool(template, lanes, CONTEXT, 4, {})
     members = [fresh_lane(template) for _ in range(lanes)]
@@ -164,10 +164,8 @@ def measure(template: LaneState, lanes: int, drafts: int, reps: int, gen: torch.
         out["together_ms"].append(total)
         same = same and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                             for a, b in zip(pool_bits(pool), want, strict=True))  # fmt: skip
-    layers = sum(len(getattr(template, name)) for name in STATES)
     report = {k: statistics.median(v) for k, v in out.items()}
-    return {"lanes": lanes, "kept_rows": lanes * drafts, "copies_one_by_one": lanes * layers, "launches_together": 1,
-            **report, "same_bits": same}  # fmt: skip
+    return {"lanes": lanes, "kept_rows": lanes * drafts, **report, "same_bits": same}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from model.flashnext import FlashNextModel, ForwardOutput  # noqa: E402
 from model.layers import ForwardBatch, Segment  # noqa: E402
 from model.shipped import SHIPPED_MODEL  # noqa: E402
-from model.state import LaneState, copy_lane, restore  # noqa: E402
+from model.state import LaneState, copy_lane  # noqa: E402
 from model.weights import load_model  # noqa: E402
 
 log = logging.getLogger("gpu_forward_check")
@@ -192,9 +192,9 @@ def invariance(ker: FlashNextModel, texts: list[list[int]]) -> dict:
         for i in range(count):
             if not torch.equal(out.logits[i * WINDOW : (i + 1) * WINDOW], serial[i]):
                 failures.append(f"window: lane {i}'s {WINDOW} rows among {count} lanes differ from serial rows")
+        ker.restore_lanes([(copies[i], out.snapshots[i][i % WINDOW]) for i in range(count)])  # as the runner does
         for i in range(count):
             kept = i % WINDOW
-            restore(copies[i], out.snapshots[i][kept])
             if (part := state_diff(copies[i], serial_states[i][kept])) is not None:
                 failures.append(f"window: lane {i} among {count} restored after row {kept} differs in {part}")
         nxt = fold(ker, [(copies[i], [3]) for i in range(count)]).logits

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.host import to_device
 from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import ForwardBatch, Segment
 from model.state import LaneState, copy_lane, lane_bytes
@@ -243,8 +244,8 @@ class ModelRunner:
             temperature = torch.tensor([s.temperature for s, _ in keys], dtype=torch.float64)  # on the host: greedy
             # rows skip the sort, and a greedy round (its parameters on the host too) is one launch
             device = logits.device if temperature.any() else torch.device("cpu")
-            floats = _on(device, [[s.top_p, s.min_p] for s, _ in keys], torch.float64)
-            ints = _on(device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
+            floats = to_device(device, [[s.top_p, s.min_p] for s, _ in keys], torch.float64)
+            ints = to_device(device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
             tokens = sample_rows(logits, temperature, ints[:, 0], floats[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
             self.trace.gpu_mark("draw", logits.device)
             tokens = tokens.tolist()
@@ -317,12 +318,6 @@ class ModelRunner:
                 drafts[s].append(token)
                 state[s] = (wide[i], state[s][1] + 1)
         return {s: tuple(d) for s, d in drafts.items()}
-
-
-def _on(device: torch.device, rows: list[list], dtype: torch.dtype) -> torch.Tensor:
-    """A host table [N, C] on `device` in one copy that does not wait for the GPU (pinned memory on CUDA)."""
-    table = torch.tensor(rows, dtype=dtype)
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
 
 def _argmaxes(logits: torch.Tensor, kernels: bool) -> list[int]:

@@ -82,8 +82,19 @@ def test_no_pairs_or_no_rows_launch_nothing() -> None:
         ([(torch.zeros(2, 4), torch.zeros(2, 5))], [(0, 0)], r"pair 0 has rows \(4,\) torch.float32 and \(5,\)"),
         ([(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16))], [(0, 0)], "pair 0 has rows"),
         ([(torch.zeros(2, 4, 2)[:, :, 0], torch.zeros(2, 4))], [(0, 0)], "pair 0 has rows that are not contiguous"),
-        ([(torch.zeros(2, 4), torch.zeros(3, 4))], [(2, 0)], r"row pair \(2, 0\) is outside pair 0's 2 and 3 rows"),
-        ([(torch.zeros(2, 4), torch.zeros(3, 4))], [(0, 3)], r"row pair \(0, 3\) is outside"),
+        ([(torch.zeros(2, 4), torch.zeros(3, 4))], [(2, 0)], r"a source row of \[2\] is outside a source stack"),
+        ([(torch.zeros(2, 4), torch.zeros(3, 4))], [(0, 3)], r"a destination row of \[3\] is outside a destination"),
+        ([(torch.zeros(2, 4), torch.zeros(3, 4))], [(-1, 0)], r"a source row of \[-1\] is outside"),
+        (
+            [(torch.zeros(3, 4), torch.zeros(3, 4)), (torch.zeros(2, 4), torch.zeros(3, 4))],
+            [(2, 0)],
+            r"a source row of \[2\] is outside a source stack",
+        ),
+        (
+            [(torch.zeros(2, 4), torch.zeros(4, 4).as_strided((3, 4), (2, 1)))],
+            [(0, 0)],
+            "pair 0's destination rows overlap",
+        ),
         ([(torch.zeros(2, 4), torch.zeros(3, 4))], [(0, 1), (1, 1)], "a destination row appears twice"),
         ([(torch.zeros(0, 4), torch.zeros(3, 4))], [(0, 1)], "pair 0 is not two stacks of rows"),
     ],
@@ -94,7 +105,38 @@ def test_bad_pairs_or_rows_are_refused_by_name(pairs, rows, message) -> None:
             copy(pairs, rows)
 
 
-def test_a_copy_within_one_storage_is_refused() -> None:
-    t = torch.zeros(4, 8)
-    with pytest.raises(ValueError, match="pair 0 copies within one storage"):
+def test_copies_that_could_touch_one_byte_twice_are_refused() -> None:
+    """A source in a destination's storage (its own pair's or another's) and one destination in two pairs race in
+    one launch, where torch's copies would go one after another."""
+    t, u = torch.zeros(4, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="pair 0's source shares a storage with a destination"):
         copy_rows([(t[:2], t[2:])], [(0, 1)])
+    with pytest.raises(ValueError, match="pair 1's source shares a storage with a destination"):
+        copy_rows([(torch.ones(2, 8), t), (t, u)], [(0, 1)])
+    with pytest.raises(ValueError, match="two pairs share a destination storage"):
+        copy_rows([(torch.ones(2, 8), t), (torch.ones(2, 8), t)], [(0, 1)])
+
+
+def test_rows_with_other_strides_in_source_and_destination_over_more_than_one_chunk() -> None:
+    """Source rows of a stack sliced from a wider one and destination rows packed: each side by its own stride, and
+    a row longer than a program's chunk."""
+    gen = torch.Generator().manual_seed(3)
+    wide = random_bits((3, 2, CHUNK + 40), torch.float32, gen)
+    src = wide[:, 1]  # rows of CHUNK + 40 words, 2 * (CHUNK + 40) apart
+    dst = torch.zeros(4, CHUNK + 40)
+    copy_rows([(src, dst)], [(2, 3), (0, 1)])
+    assert torch.equal(dst[3].view(torch.int32), src[2].view(torch.int32))
+    assert torch.equal(dst[1].view(torch.int32), src[0].view(torch.int32))
+    assert not dst[0].any() and not dst[2].any()
+
+
+@pytest.mark.parametrize(("offset", "width"), [(0, 4), (1, 2), (2, 4), (3, 2)])
+def test_the_word_follows_the_rows_addresses(offset, width) -> None:
+    """bf16 rows of 4 values starting 1 to 3 elements into a buffer: a row at an odd element is 2-byte aligned only."""
+    buf = torch.zeros(40, dtype=torch.bfloat16)
+    src = buf[offset : offset + 12].view(3, 4)
+    dst = torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert word_bytes([(src, dst)]) == width
+    src.copy_(torch.arange(12, dtype=torch.bfloat16).view(3, 4))
+    copy_rows([(src, dst)], [(1, 0)])
+    assert torch.equal(dst[0], src[1]) and not dst[1:].any()

@@ -186,6 +186,39 @@ def test_the_pool_restores_lanes_together_in_one_launch_with_each_lanes_restore_
     assert loose.length == snaps[2][1].length and torch.equal(loose.gdn_recurrent[0], snaps[2][1].gdn_recurrent[0])
 
 
+def test_lanes_of_two_forwards_restored_after_the_pool_grew_take_a_launch_a_forward(path) -> None:
+    """Snapshots of two verify windows (two forwards' kept stacks) restored in one call after the pool grew: one
+    launch for each forward's lanes, and the bits of `restore` one lane at a time; a pooled lane of another model's
+    pool is restored as `restore` does it, with no launch."""
+    rows = {0: 1, 1: 0, 2: 1}
+    ref = pooled(path, 16)
+    ref_lanes = []
+    for _ in range(2):
+        lanes, snaps = verify_window(ref)
+        for i, row in rows.items():
+            restore(lanes[i], snaps[i][row])
+        ref_lanes += lanes
+    model = pooled(path, 16)
+    windows = [verify_window(model) for _ in range(2)]  # six lanes: the pool of four slots grows once
+    model.lane_pool._grow(16, model.lane_pool.context)
+    stranger, stranger_snaps = verify_window(pooled(path, 16))
+    restores = [(lanes[i], snaps[i][row]) for lanes, snaps in windows for i, row in rows.items()]
+    with recording_launches() as launched:
+        model.restore_lanes([*restores, (stranger[0], stranger_snaps[0][1])])
+    assert launched == ["_copy_rows_kernel", "_copy_rows_kernel"]
+    assert_same_lanes([lane for lanes, _ in windows for lane in lanes], ref_lanes)
+    assert_same_lanes([stranger[0]], [ref_lanes[0]])  # the same window and row as the reference's first lane
+
+
+def test_a_lane_listed_twice_is_refused_before_any_copy(path) -> None:
+    model = pooled(path, 16)
+    lanes, snaps = verify_window(model)
+    before = lanes[1].gdn_recurrent[0].clone()
+    with pytest.raises(ValueError, match="a lane is listed twice"):
+        model.restore_lanes([(lanes[1], snaps[1][0]), (lanes[0], snaps[0][0]), (lanes[0], snaps[0][1])])
+    assert torch.equal(lanes[1].gdn_recurrent[0], before) and lanes[1].length == snaps[1][0].length + 1
+
+
 def prompt_round(model: FlashNextModel) -> tuple[list[torch.Tensor], list[LaneState]]:
     """A 17-token prompt beside a new lane's first row, keeping the states after two of its rows and asking for three
     rows' logits: (the logits and the kept states' tensors, the lanes)."""

@@ -32,10 +32,8 @@ def test_the_template_has_rank_0s_states_in_the_served_dtypes(template) -> None:
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_both_ways_leave_the_same_bits_and_every_figure_is_reported(template, lanes) -> None:
     result = measure(template, lanes, 2, 1, torch.Generator().manual_seed(lanes))
-    layers = sum(len(getattr(template, name)) for name in STATES)
     assert result["same_bits"] is True
     assert result["lanes"] == lanes and result["kept_rows"] == 2 * lanes
-    assert result["copies_one_by_one"] == lanes * layers and result["launches_together"] == 1
     timings = ("views_ms", "kept_rows_ms", "one_by_one_host_ms", "one_by_one_ms", "together_host_ms", "together_ms")
     assert all(result[k] >= 0 for k in timings)
     json.dumps(result)
