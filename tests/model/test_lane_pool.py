@@ -32,14 +32,19 @@ def path(tmp_path_factory):
     return make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path_factory.mktemp("lane_pool"), fmt="bf16")
 
 
-def decode(model: FlashNextModel, lanes: list[LaneState]) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prefill the prompts in one round, then STEPS greedy decode rounds of every lane together."""
+def prefill(model: FlashNextModel, lanes: list[LaneState]) -> None:
+    """PROMPTS into the lanes in one round."""
     segments, start = [], 0
     for lane, prompt in zip(lanes, PROMPTS, strict=True):
         segments.append(Segment(lane, start, len(prompt)))
         start += len(prompt)
     positions = torch.cat([torch.arange(len(prompt)) for prompt in PROMPTS])
     model(ForwardBatch(torch.tensor([t for prompt in PROMPTS for t in prompt]), positions, segments))
+
+
+def decode(model: FlashNextModel, lanes: list[LaneState]) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill the prompts in one round, then STEPS greedy decode rounds of every lane together."""
+    prefill(model, lanes)
     tokens, logits = [[1], [2], [3]], []
     for _ in range(STEPS):
         segments = [Segment(lane, i, 1) for i, lane in enumerate(lanes)]
@@ -152,12 +157,7 @@ def verify_window(model: FlashNextModel) -> tuple[list[LaneState], dict]:
     """Three prompts in one round, then a verify window of 3, 2 and 3 rows keeping every row's state: (the lanes,
     the window's snapshots)."""
     lanes = [model.new_lane() for _ in PROMPTS]
-    segments, start = [], 0
-    for lane, prompt in zip(lanes, PROMPTS, strict=True):
-        segments.append(Segment(lane, start, len(prompt)))
-        start += len(prompt)
-    positions = torch.cat([torch.arange(len(prompt)) for prompt in PROMPTS])
-    model(ForwardBatch(torch.tensor([t for prompt in PROMPTS for t in prompt]), positions, segments))
+    prefill(model, lanes)
     window = ForwardBatch(
         torch.tensor([9, 10, 11, 12, 13, 14, 15, 16]),
         torch.tensor([6, 7, 8, 3, 4, 5, 6, 7]),
