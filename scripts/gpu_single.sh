@@ -2,6 +2,10 @@
 # What one GPU can check of a change, in one call on nvidia-h200. CHECKS picks among (default: all, in this order):
 #   pytest        `pytest -m gpu` of PYTEST_FILES (default: test_gdn_gpu, test_sample_gpu and test_hyper_gpu in
 #                 tests/kernels; PYTEST_FILES=tests runs the whole GPU suite, the README's command)
+#   restore       a verify round's lane restores one at a time against the pool's one launch, host and GPU time
+#                 and bits at 1, 8 and 64 lanes (`bench_restore.py`)
+#   forward       the kernel path's greedy tokens against the CPU reference, and rows, windows and restores
+#                 batched against alone, on the shipped model (`gpu_forward_check.py --models shipped --reps 1`)
 #   hyper         the hyper-connection reads' errors, rows and times at 1 to 1,024 rows (`gpu_check_hyper.py`)
 #   moe           with BEFORE: the routed MoE's bits and time against BEFORE's (`gpu_ab_moe.py`); then its tiles swept
 #                 at MOE_ROWS (default 1 4) over 4 warps and 3 or 4 stages (`gpu_sweep_moe.py`)
@@ -25,7 +29,7 @@ set -u
 source scripts/gpu_serve.sh
 start=$(date +%s)
 since() { echo "at $(( $(date +%s) - start )) s"; }
-checks=" ${CHECKS:-pytest hyper moe step prompt draws graphs serve resume frontend} "
+checks=" ${CHECKS:-pytest restore forward hyper moe step prompt draws graphs serve resume frontend} "
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
 both() {  # name, limit, script and flags: run in this tree, and in BEFORE when set
@@ -46,6 +50,15 @@ if [[ $checks == *" pytest "* ]]; then
     ${PYTEST_FILES:-tests/kernels/test_gdn_gpu.py tests/kernels/test_sample_gpu.py tests/kernels/test_hyper_gpu.py} \
     > "$OUT/pytest_gpu.out" 2>&1
   echo "pytest -m gpu rc=$? $(since)"; tail -2 "$OUT/pytest_gpu.out"
+fi
+if [[ $checks == *" restore "* ]]; then
+  timeout 240 python3 scripts/bench_restore.py --lanes 1 8 64 --json "$OUT/restore.json" > "$OUT/restore.out" 2>&1
+  echo "restore rc=$? $(since)"; tail -4 "$OUT/restore.out"
+fi
+if [[ $checks == *" forward "* ]]; then
+  timeout 300 python3 scripts/gpu_forward_check.py --out "$OUT/forward" --models shipped --reps 1 \
+    > "$OUT/forward.out" 2>&1
+  echo "forward check rc=$? $(since)"; grep -i "fail\|error" "$OUT/forward.out" | tail -6
 fi
 [[ $checks == *" hyper "* ]] && both hyper 150 scripts/gpu_check_hyper.py --only read read_mixer \
   --batches 1 8 64 256 1024
