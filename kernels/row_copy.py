@@ -47,13 +47,10 @@ def _copy_rows_kernel(table_ptr, chunk_pair_ptr, rows_ptr, WORD: tl.constexpr, C
     tl.store(dst, tl.load(src, mask=ok), mask=ok)
 
 
-def _row_bytes(t: torch.Tensor) -> int:
-    """Bytes of one row (dim 0) of a stack."""
-    return math.prod(t.shape[1:]) * t.element_size()
-
-
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """Whether each row of a stack is contiguous in memory (its strides those of a contiguous row)."""
+    if t.is_contiguous():
+        return True
     expected = 1
     for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:], strict=True))):
         if size != 1 and stride != expected:
@@ -62,12 +59,10 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
-def _check(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
-    """Refuse, saying why, pairs or rows `copy_rows` cannot copy, or copies that would touch one byte twice."""
-    devices = {t.device for pair in pairs for t in pair}
-    if len(devices) > 1:
-        raise ValueError(f"copy_rows: the tensors are on {len(devices)} devices, not one")
-    destinations = [dst.untyped_storage().data_ptr() for _, dst in pairs]
+def _layout(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int, int, int, int]]:
+    """Each pair's (source address, destination address, their row strides and a row, in bytes), in one pass;
+    refuses, saying why, a pair `copy_rows` cannot copy or copies that would touch one byte twice."""
+    layout, sources, destinations, devices = [], [], [], set()
     for j, (src, dst) in enumerate(pairs):
         if src.dim() < 1 or dst.dim() < 1 or src.shape[0] == 0 or dst.shape[0] == 0:
             raise ValueError(f"copy_rows: pair {j} is not two stacks of rows")
@@ -76,42 +71,69 @@ def _check(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tu
                              f"{tuple(dst.shape[1:])} {dst.dtype}")  # fmt: skip
         if not (_rows_contiguous(src) and _rows_contiguous(dst)):
             raise ValueError(f"copy_rows: pair {j} has rows that are not contiguous")
-        if dst.shape[0] > 1 and abs(dst.stride(0)) * dst.element_size() < _row_bytes(dst):
+        size = src.element_size()
+        row = math.prod(src.shape[1:]) * size
+        dst_stride = dst.stride(0) * size
+        if dst.shape[0] > 1 and abs(dst_stride) < row:
             raise ValueError(f"copy_rows: pair {j}'s destination rows overlap")
-        if src.untyped_storage().data_ptr() in destinations:
-            raise ValueError(f"copy_rows: pair {j}'s source shares a storage with a destination")
+        layout.append((src.data_ptr(), dst.data_ptr(), src.stride(0) * size, dst_stride, row))
+        sources.append(src.untyped_storage().data_ptr())
+        destinations.append(dst.untyped_storage().data_ptr())
+        devices.update((src.device, dst.device))
+    if len(devices) > 1:
+        raise ValueError(f"copy_rows: the tensors are on {len(devices)} devices, not one")
     if len(set(destinations)) != len(destinations):
         raise ValueError("copy_rows: two pairs share a destination storage")
-    if pairs and rows:
-        sources, targets = zip(*rows, strict=True)
-        if min(sources) < 0 or max(sources) >= min(src.shape[0] for src, _ in pairs):
-            raise ValueError(f"copy_rows: a source row of {sorted(set(sources))} is outside a source stack")
-        if min(targets) < 0 or max(targets) >= min(dst.shape[0] for _, dst in pairs):
-            raise ValueError(f"copy_rows: a destination row of {sorted(set(targets))} is outside a destination stack")
-        if len(set(targets)) != len(targets):
-            raise ValueError("copy_rows: a destination row appears twice")
+    shared = set(sources) & set(destinations)
+    if shared:
+        j = next(j for j, storage in enumerate(sources) if storage in shared)
+        raise ValueError(f"copy_rows: pair {j}'s source shares a storage with a destination")
+    return layout
+
+
+def _check_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
+    """Refuse row pairs outside a stack, or a destination row named twice."""
+    if not pairs or not rows:
+        return
+    sources, targets = zip(*rows, strict=True)
+    if min(sources) < 0 or max(sources) >= min(src.shape[0] for src, _ in pairs):
+        raise ValueError(f"copy_rows: a source row of {sorted(set(sources))} is outside a source stack")
+    if min(targets) < 0 or max(targets) >= min(dst.shape[0] for _, dst in pairs):
+        raise ValueError(f"copy_rows: a destination row of {sorted(set(targets))} is outside a destination stack")
+    if len(set(targets)) != len(targets):
+        raise ValueError("copy_rows: a destination row appears twice")
+
+
+def _word(layout: list[tuple[int, int, int, int, int]]) -> int:
+    """The widest of 4, 2 and 1 bytes that divides every address, stride and row size of a layout."""
+    bits = 0
+    for entry in layout:
+        for value in entry:
+            bits |= value
+    return 4 if bits % 4 == 0 else 2 if bits % 2 == 0 else 1
 
 
 def word_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """The widest of 4, 2 and 1 bytes that divides every row's size, stride and address: the kernel's word."""
-    sizes = [n for src, dst in pairs for t in (src, dst) for n in (_row_bytes(t), t.stride(0) * t.element_size())]
-    sizes += [t.data_ptr() for pair in pairs for t in pair]
-    return next(w for w in (4, 2, 1) if all(n % w == 0 for n in sizes))
+    """The kernel's word for these pairs: the widest of 4, 2 and 1 bytes that divides every row's size, stride and
+    address."""
+    return _word(_layout(pairs))
 
 
 def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
     """For every (source, destination) tensor pair and every (source row, destination row): dst[d] = src[s], bit for
     bit, in one launch (nothing when either list is empty)."""
-    _check(pairs, rows)
+    layout = _layout(pairs)
+    _check_rows(pairs, rows)
     if not pairs or not rows:
         return
-    width = word_bytes(pairs)
-    words = tuple(_row_bytes(src) // width for src, _ in pairs)
+    width = _word(layout)
+    words = tuple(row // width for *_, row in layout)
     device = pairs[0][0].device
     chunk_of, firsts = _chunk_map(words, device)
-    entries = [[src.data_ptr(), dst.data_ptr(), src.stride(0) * src.element_size() // width,
-                dst.stride(0) * dst.element_size() // width, n, first]
-               for (src, dst), n, first in zip(pairs, words, firsts, strict=True)]  # fmt: skip
+    entries = [
+        [src, dst, src_stride // width, dst_stride // width, n, first]
+        for (src, dst, src_stride, dst_stride, _), n, first in zip(layout, words, firsts, strict=True)
+    ]
     table = to_device(device, entries, torch.int64)
     row_pairs = to_device(device, list(itertools.chain.from_iterable(rows)), torch.int64)
     _copy_rows_kernel[(chunk_of.shape[0], len(rows))](
@@ -131,7 +153,8 @@ def _chunk_map(words: tuple[int, ...], device: torch.device) -> tuple[torch.Tens
 
 def copy_rows_reference(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
     """`copy_rows` by torch copies, one a row and pair."""
-    _check(pairs, rows)
+    _layout(pairs)
+    _check_rows(pairs, rows)
     for src, dst in pairs:
         for s, d in rows:
             dst[d].copy_(src[s])
