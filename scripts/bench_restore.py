@@ -8,6 +8,7 @@ the host's time to issue the restores and the time until the GPU has done them; 
 the same bits.
 
 python3 scripts/bench_restore.py [--lanes 1 8 64] [--drafts 3] [--reps 5] [--json FILE]   # CUDA; exit 1: bits differ
+python3 scripts/bench_restore.py --host-only [--lanes 1 8 64] [--reps 7]   # the snapshots' host time, on any machine
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from model.config import load_config  # noqa: E402
 from model.flashnext import FlashNextModel  # noqa: E402
 from model.lane_pool import LanePool  # noqa: E402
 from model.parallel import TensorParallel  # noqa: E402
-from model.state import AttentionCache, KeptRow, LaneSnapshot, LaneState, restore  # noqa: E402
+from model.state import KeptRow, LaneSnapshot, LaneState, copy_lane, restore  # noqa: E402
 
 STATES = ("gdn_conv", "gdn_recurrent", "ple_conv")
 CONTEXT = 16  # positions a pool slot holds: the QSA caches play no part in a restore
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafts", type=int, default=3, help="kept rows a lane (its window's drafts)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions of each way (medians reported)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--host-only", action="store_true", help="only the snapshots' host time (no device needed)")
     args = ap.parse_args(argv)
     for flag, value, least in (("--world", args.world, 1), ("--drafts", args.drafts, 1), ("--reps", args.reps, 1)):
         if value < least:
@@ -67,23 +69,6 @@ def template_lane(model_dir: Path, world: int, device: torch.device) -> LaneStat
         if cache is not None:
             cache.keys, cache.values, cache.index_keys = (real(t) for t in (cache.keys, cache.values, cache.index_keys))
     return lane
-
-
-def fresh_lane(template: LaneState) -> LaneState:
-    """A lane with the template's shapes and zeroed states."""
-    return LaneState(
-        gdn_conv={i: torch.zeros_like(t) for i, t in template.gdn_conv.items()},
-        gdn_recurrent={i: torch.zeros_like(t) for i, t in template.gdn_recurrent.items()},
-        ple_conv={i: torch.zeros_like(t) for i, t in template.ple_conv.items()},
-        ngram_history=template.ngram_history.clone(),
-        attention={i: empty_cache(c) for i, c in template.attention.items()},
-    )
-
-
-def empty_cache(like: AttentionCache) -> AttentionCache:
-    """An empty QSA cache shaped as `like`."""
-    return AttentionCache.empty(like.keys.shape[1], like.keys.shape[2], like.index_keys.shape[1], like.keys.dtype,
-                                like.keys.device)  # fmt: skip
 
 
 def restore_each(restores: list[tuple[LaneState, LaneSnapshot]]) -> None:
@@ -113,6 +98,21 @@ def kept_snapshot(stacks: dict[str, dict[int, torch.Tensor]], row: int, length: 
     return LaneSnapshot(*(KeptRow(stacks[name], row) for name in STATES), history, length)
 
 
+def snapshot_ms(template: LaneState, rows: int, reps: int) -> dict[str, float]:
+    """Host ms (median of `reps`) to make `rows` kept rows' snapshots as views and as `KeptRow`s, over stacks of the
+    template's layers with one element a row (a view's cost does not depend on its size)."""
+    stacks = {name: {i: torch.zeros(rows, 1) for i in getattr(template, name)} for name in STATES}
+    history = torch.zeros(2)
+    times: dict[str, list[float]] = {"views_ms": [], "kept_rows_ms": []}
+    for _ in range(reps):
+        for key, make in (("views_ms", view_snapshot), ("kept_rows_ms", kept_snapshot)):
+            start = time.perf_counter()
+            for r in range(rows):
+                make(stacks, r, 1, history)
+            times[key].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
     """(host ms to issue `fn`, ms until the device has done it)."""
     if device.type == "cuda":
@@ -134,22 +134,17 @@ def measure(template: LaneState, lanes: int, drafts: int, reps: int, gen: torch.
     """Both ways at `lanes` lanes: medians of `reps`, and whether the bits agree."""
     device = template.gdn_recurrent[next(iter(template.gdn_recurrent))].device
     pool = LanePool(template, lanes, CONTEXT, 4, {})
-    members = [fresh_lane(template) for _ in range(lanes)]
+    members = [copy_lane(template) for _ in range(lanes)]  # the template's states are zeros
     pool.place(members, 1)
     stacks = random_stacks(template, lanes * drafts, gen)
     rows = [lane * drafts + lane % drafts for lane in range(lanes)]  # each lane's row: its first, second, ...
     history = template.ngram_history
-    every = range(lanes * drafts)
-    out: dict[str, list[float]] = {k: [] for k in ("views_ms", "kept_rows_ms", "one_by_one_host_ms",
-                                                   "one_by_one_ms", "together_host_ms", "together_ms")}  # fmt: skip
+    views = [view_snapshot(stacks, r, 1, history) for r in range(lanes * drafts)]
+    kept = [kept_snapshot(stacks, r, 1, history) for r in range(lanes * drafts)]
+    out: dict[str, list[float]] = {k: [] for k in ("one_by_one_host_ms", "one_by_one_ms", "together_host_ms",
+                                                   "together_ms")}  # fmt: skip
     same = True
     for _ in range(reps):
-        start = time.perf_counter()
-        views = [view_snapshot(stacks, r, 1, history) for r in every]
-        out["views_ms"].append((time.perf_counter() - start) * 1e3)
-        start = time.perf_counter()
-        kept = [kept_snapshot(stacks, r, 1, history) for r in every]
-        out["kept_rows_ms"].append((time.perf_counter() - start) * 1e3)
         host, total = timed(partial(restore_each, [(lane, views[r]) for lane, r in zip(members, rows, strict=True)]),
                             device)  # fmt: skip
         out["one_by_one_host_ms"].append(host)
@@ -165,12 +160,21 @@ def measure(template: LaneState, lanes: int, drafts: int, reps: int, gen: torch.
         same = same and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                             for a, b in zip(pool_bits(pool), want, strict=True))  # fmt: skip
     report = {k: statistics.median(v) for k, v in out.items()}
-    return {"lanes": lanes, "kept_rows": lanes * drafts, **report, "same_bits": same}
+    return {"lanes": lanes, "kept_rows": lanes * drafts, **snapshot_ms(template, lanes * drafts, reps), **report,
+            "same_bits": same}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure every lane count; 2 without CUDA, 1 if the two ways left other bits."""
+    """Measure every lane count; 2 without CUDA (unless --host-only), 1 if the two ways left other bits."""
     args = parse_args(argv)
+    if args.host_only:
+        template = template_lane(args.model, args.world, torch.device("meta"))  # its layers, no memory
+        results = [{"lanes": n, "kept_rows": n * args.drafts, **snapshot_ms(template, n * args.drafts, args.reps)}
+                   for n in args.lanes]  # fmt: skip
+        print("\n".join(json.dumps(r) for r in results))
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=1))
+        return 0
     if not torch.cuda.is_available():
         print("bench_restore: needs a CUDA device (the pool's restore is a Triton launch)", file=sys.stderr)
         return 2

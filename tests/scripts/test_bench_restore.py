@@ -53,6 +53,17 @@ def test_a_pool_left_with_other_bits_is_reported(template, monkeypatch) -> None:
     assert measure(template, 1, 2, 1, torch.Generator().manual_seed(0))["same_bits"] is False
 
 
+def test_host_only_times_the_snapshots_of_every_lane_count_on_any_machine(template, tmp_path, monkeypatch) -> None:
+    """--host-only needs no device: each lane count's kept rows made as views and as `KeptRow`s, written as JSON."""
+    import bench_restore
+
+    monkeypatch.setattr(bench_restore, "template_lane", lambda *_args: template)
+    assert main(["--host-only", "--lanes", "1", "4", "--reps", "2", "--json", str(tmp_path / "r.json")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [(r["lanes"], r["kept_rows"]) for r in rows] == [(1, 3), (4, 12)]
+    assert all(r["views_ms"] > 0 and r["kept_rows_ms"] > 0 for r in rows)
+
+
 def test_without_cuda_it_stops_with_2(capsys) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
