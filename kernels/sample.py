@@ -299,31 +299,39 @@ def scaled_softmax(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["V"])
-def _greedy_kernel(x_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per row: the first id of the row's maximum, -1 if the row holds a NaN or no finite maximum."""
+def _greedy_kernel(x_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr, REFUSE: tl.constexpr, PDL: tl.constexpr):
+    """One program per row: the first id of the row's maximum; where the row holds a NaN or no finite maximum, -1
+    with REFUSE, else torch.argmax's id (the first NaN's, or the first of the infinite maximum)."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     best_at = tl.zeros((BLOCK,), dtype=tl.int32)
-    nan = tl.zeros((BLOCK,), dtype=tl.int32)
+    nan_at = tl.full((BLOCK,), V, dtype=tl.int32)  # each lane's first NaN (V: none)
     for start in tl.range(0, V, BLOCK):
         at = start + offs
         x = tl.load(x_ptr + row * stride_x + at, mask=at < V, other=float("-inf")).to(tl.float32)
-        nan = nan | (x != x).to(tl.int32)
+        nan_at = tl.where((x != x) & (nan_at == V), at, nan_at)
         take = x > best  # strictly greater: a lane keeps its first maximum
         best = tl.where(take, x, best)
         best_at = tl.where(take, at, best_at)
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, best_at, V), axis=0)  # the lowest id among the lanes holding the maximum
-    finite = (top < float("inf")) & (top > float("-inf")) & (tl.max(nan, axis=0) == 0)
-    tl.store(out_ptr + row, tl.where(finite, first, -1).to(tl.int64))
+    first_nan = tl.min(nan_at, axis=0)
+    if REFUSE:
+        finite = (top < float("inf")) & (top > float("-inf")) & (first_nan == V)
+        token = tl.where(finite, first, -1)
+    else:
+        token = tl.where(first_nan < V, first_nan, first)
+    tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def greedy_tokens(logits: torch.Tensor, block: int = GREEDY_BLOCK, warps: int = GREEDY_WARPS) -> torch.Tensor:
-    """tokens [N] int64 of logits [N, V] (any float dtype): each row's first maximal id, -1 where the row holds a NaN
-    or its maximum is not finite (where `sample_token` at temperature 0 raises). The tile (`block` logits at once over
-    `warps` warps) changes no result."""
+def greedy_tokens(
+    logits: torch.Tensor, block: int = GREEDY_BLOCK, warps: int = GREEDY_WARPS, refuse: bool = True
+) -> torch.Tensor:
+    """tokens [N] int64 of logits [N, V] (any float dtype): each row's first maximal id; where the row holds a NaN or
+    its maximum is not finite, -1 (where `sample_token` at temperature 0 raises), or with `refuse` off torch.argmax's
+    id of the fp32 row (`argmax_tokens`). The tile (`block` logits at once over `warps` warps) changes no result."""
     if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
         raise ValueError(f"greedy_tokens takes logits [N, V] with V > 0 contiguous, got shape {tuple(logits.shape)}")
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -334,10 +342,17 @@ def greedy_tokens(logits: torch.Tensor, block: int = GREEDY_BLOCK, warps: int = 
             logits.shape[1],
             logits.stride(0),
             BLOCK=block,
+            REFUSE=refuse,
             num_warps=warps,
             **launch_options(_greedy_kernel, logits.device),
         )
     return out
+
+
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax of each fp32 row of logits [N, V] in one launch, on the logits' device (no host copy): the first
+    maximal id, or the first NaN's where a row holds one."""
+    return greedy_tokens(logits, refuse=False)
 
 
 def greedy_tokens_reference(logits: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from kernels.sample import (
     MASK64,
     SCAN_BLOCK,
     _mix64_reference,
+    argmax_tokens,
     draw_uniforms,
     greedy_tokens,
     greedy_tokens_reference,
@@ -301,6 +302,25 @@ def test_greedy_tokens_take_the_first_maximum_and_refuse_rows_without_a_finite_o
     assert expected[3:6].tolist() == [-1, -1, -1] and expected[7] == 0
     if vocab > GREEDY_BLOCK:
         assert expected[1:3].tolist() == [3, GREEDY_BLOCK + 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, GREEDY_BLOCK - 1, 3 * GREEDY_BLOCK + 5])
+def test_argmax_tokens_equal_torchs_argmax_whatever_a_row_holds(vocab: int, dtype) -> None:
+    """Rows without a finite maximum too: the first NaN, the first infinite maximum, or id 0 of a row of -inf."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(8, vocab, generator=gen).to(dtype)
+    logits[1, vocab // 2] = float("nan")
+    logits[2, [vocab - 1, vocab // 3]] = float("nan")  # two NaNs, maybe in different lanes: the lower id
+    logits[2, 0] = float("inf")  # an infinity before them: the NaN still wins
+    logits[3, [vocab - 1, vocab // 2]] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, : vocab // 2] = float("-inf")
+    logits[6] = 0.0  # every id ties: the first
+    logits[7, vocab - 1] = 7.0  # the maximum in the last, partial tile
+    expected = torch.argmax(logits.float(), dim=-1)
+    assert argmax_tokens(logits).tolist() == expected.tolist()
+    assert argmax_tokens(logits).tolist() != greedy_tokens(logits).tolist()  # the refusing form gives -1 for some
 
 
 def test_a_greedy_round_with_host_parameters_is_one_launch_and_refuses_by_row(monkeypatch) -> None:
