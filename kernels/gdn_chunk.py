@@ -39,6 +39,7 @@ import triton.language as tl
 
 from kernels.fp32_ops import exp_f32, round_to_act
 from kernels.gdn import gdn_recurrent, unit_qk
+from kernels.host import to_device
 from kernels.pdl import enter, launch_options
 
 CHUNK = 64
@@ -92,7 +93,8 @@ def recurrent_lanes(slots: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
 
 def plan_chunks(runs: Sequence[Run], rows: int, device: torch.device | str) -> ChunkPlan:
     """The plan for a call of `rows` rows whose lane runs are (first_row, length, first_position, slot), made on the
-    host (a CUDA graph copies it into the plan it was captured with)."""
+    host and copied to `device` without waiting for the GPU (a CUDA graph copies it into the plan it was captured
+    with)."""
     size = plan_size(rows)
     chunk_rows = [-1] * size
     plan_runs = [(0, 0, 0)] * size
@@ -108,10 +110,8 @@ def plan_chunks(runs: Sequence[Run], rows: int, device: torch.device | str) -> C
         plan_runs[taken] = (first, n, slot)
         chunk_rows[chunks : chunks + n] = range(first, first + n * CHUNK, CHUNK)
         taken, chunks = taken + 1, chunks + n
-    return ChunkPlan(
-        torch.tensor(chunk_rows, dtype=torch.int32).to(device),
-        torch.tensor(plan_runs, dtype=torch.int32).to(device),
-    )
+    where = torch.device(device)
+    return ChunkPlan(to_device(where, chunk_rows, torch.int32), to_device(where, plan_runs, torch.int32))
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import torch
 
 from kernels.gdn import run_firsts
 from kernels.gdn_chunk import CHUNK, ChunkPlan, Run, plan_chunks, recurrent_lanes
+from kernels.host import copy_in
 from model.kernel_blocks import Round, SharedOutputs
 from model.lane_pool import LanePool
 
@@ -162,7 +163,8 @@ class RoundGraphs:
         runs: Sequence[Run] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, Round]:
         """Logits and pre-mixer wide states of n rows (copies), and the bucket's Round (its kept states are in the
-        shared buffers: read them before the next replay), by replaying the graph of their bucket; a
+        shared buffers: read them before the next replay), by replaying the graph of their bucket (its inputs copied
+        in without waiting for the GPU, host ones through pinned memory); a
         prompt graph keeps the states after `keep_rows` (ascending), in their order, and runs GDN's chunked form over
         the whole chunks of the lanes' `runs`; prompt and MTP graphs give the logits of `logit_rows` only (None:
         every row), in their order."""
@@ -172,27 +174,27 @@ class RoundGraphs:
         if kind == "prompt":
             places = torch.full((size,), -1, dtype=torch.int32)
             places[list(keep_rows)] = torch.arange(len(keep_rows), dtype=torch.int32)
-            self.keep_places[:size].copy_(places)
-            self.keep_rows.copy_(torch.tensor([*keep_rows, *[0] * (PROMPT_KEEPS - len(keep_rows))]))
+            copy_in(self.keep_places[:size], places)
+            copy_in(self.keep_rows, torch.tensor([*keep_rows, *[0] * (PROMPT_KEEPS - len(keep_rows))]))
             plan = plan_chunks(runs, size, torch.device("cpu"))
-            self.chunk_rows[: plan.chunk_rows.shape[0]].copy_(plan.chunk_rows)
-            self.chunk_runs[: plan.runs.shape[0]].copy_(plan.runs)
+            copy_in(self.chunk_rows[: plan.chunk_rows.shape[0]], plan.chunk_rows)
+            copy_in(self.chunk_runs[: plan.runs.shape[0]], plan.runs)
             lanes = torch.cat((recurrent_lanes(slots, runs), slots.new_full((size - n,), self.pool.scratch)))
-            self.recurrent_lanes[:size].copy_(lanes)
+            copy_in(self.recurrent_lanes[:size], lanes)
             entries = self.first_entries(size)
-            self.recurrent_firsts[:entries].copy_(run_firsts(lanes, entries))
+            copy_in(self.recurrent_firsts[:entries], run_firsts(lanes, entries))
         if kind in LISTING_KINDS:
             rows = torch.arange(n) if logit_rows is None else logit_rows
             wanted = rows.shape[0]
-            self.logit_rows[:wanted].copy_(rows)
+            copy_in(self.logit_rows[:wanted], rows)
             self.logit_rows[wanted:].zero_()  # row 0's logits again: computed, never returned
-        self.tokens[:n].copy_(token_ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
+        copy_in(self.tokens[:n], token_ids)
+        copy_in(self.positions[:n], positions)
+        copy_in(self.slots[:n], slots)
         if windows is not None:
-            self.windows[:n].copy_(windows)
+            copy_in(self.windows[:n], windows)
         if hidden is not None:
-            self.hidden[:n].copy_(hidden)
+            copy_in(self.hidden[:n], hidden)
         self.tokens[n:size].zero_()
         self.positions[n:size].zero_()
         self.slots[n:size].fill_(self.pool.scratch)

@@ -22,6 +22,7 @@ import torch
 
 from kernels.gdn import LONG_RUN, kept_row_places, run_firsts
 from kernels.gdn_chunk import CHUNK, Run, chunk_spans, plan_chunks, recurrent_lanes
+from kernels.host import to_device
 from kernels.norm import zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
@@ -32,6 +33,8 @@ from model.layers import ForwardBatch
 from model.parallel import TensorParallel
 from model.peer_sums import forward_sites
 from model.state import KeptRow, LaneSnapshot
+
+HOST = torch.device("cpu")
 
 
 def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel) -> None:
@@ -88,20 +91,27 @@ def qsa_layers(model: FlashNextModel) -> list:
 
 
 def segment_starts(batch: ForwardBatch) -> list[int]:
-    """Each segment's first absolute position; refuses segments that do not tile the rows in order, rows whose
-    positions are not consecutive, or a lane in two segments."""
-    positions = batch.positions.tolist()
+    """Each segment's first absolute position (the batch's `starts` when it has them: no copy from the device);
+    refuses segments that do not tile the rows in order, rows whose positions are not consecutive, or a lane in two
+    segments."""
+    rows = batch.token_ids.shape[0]
+    if batch.starts is not None and len(batch.starts) != len(batch.segments):
+        raise ValueError(f"the batch gives {len(batch.starts)} starts for {len(batch.segments)} segments")
+    positions = batch.positions.tolist() if batch.starts is None else None
     starts, end = [], 0
     for i, seg in enumerate(batch.segments):
         if seg.start != end or seg.length < 1:
             raise ValueError(f"segment {i} does not continue the rows at {end} with at least one row")
-        first = positions[seg.start]
-        if positions[seg.rows] != list(range(first, first + seg.length)):
-            raise ValueError(f"segment {i}: its rows' positions are not consecutive")
+        if positions is None:
+            first = batch.starts[i]
+        else:
+            first = positions[seg.start]
+            if positions[seg.rows] != list(range(first, first + seg.length)):
+                raise ValueError(f"segment {i}: its rows' positions are not consecutive")
         starts.append(first)
         end += seg.length
-    if end != len(positions):
-        raise ValueError(f"the segments cover {end} of the batch's {len(positions)} rows")
+    if end != rows:
+        raise ValueError(f"the segments cover {end} of the batch's {rows} rows")
     if len({id(seg.lane) for seg in batch.segments}) != len(batch.segments):
         raise ValueError("a lane appears in two segments of one forward")
     return starts
@@ -144,21 +154,22 @@ def build_round(
         for p in range(first, first + seg.length)
         if (p + 1) % ratio == 0
     ]
-    block_rows = torch.tensor([r for r, _ in completing], dtype=torch.long, device=device)
-    block_dest = torch.tensor([b for _, b in completing], dtype=torch.long, device=device)
-    kept = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long, device=device)
+    block_rows = to_device(device, [r for r, _ in completing], torch.long)
+    block_dest = to_device(device, [b for _, b in completing], torch.long)
+    kept = None if keep_rows is None else to_device(device, keep_rows, torch.long)
     rows = batch.token_ids.shape[0]
     places = None if kept is None or len(keep_rows) == rows else kept_row_places(kept, rows)  # once, not per layer
     slots = row_slots(batch)
     rnd = Round(
-        pool, slots.to(device), batch.positions, windows, block_rows, block_dest, kept, has_long_run(batch),
-        keep_places=places, single_rows=all(seg.length == 1 for seg in batch.segments),
+        pool, to_device(device, slots, torch.long), batch.positions, windows, block_rows, block_dest, kept,
+        has_long_run(batch), keep_places=places, single_rows=all(seg.length == 1 for seg in batch.segments),
     )  # fmt: skip
     if chunked_runs is not None:
         lanes = recurrent_lanes(slots, chunked_runs)
         rnd.chunks = plan_chunks(chunked_runs, rows, device)
-        rnd.recurrent_lanes = lanes.to(device)
-        rnd.recurrent_firsts = run_firsts(lanes, len(chunked_runs)).to(device)  # a segment starts one run at most
+        rnd.recurrent_lanes = to_device(device, lanes, torch.long)
+        # a segment starts one run at most
+        rnd.recurrent_firsts = to_device(device, run_firsts(lanes, len(chunked_runs)), torch.int32)
     return rnd
 
 
@@ -172,11 +183,12 @@ def logit_inputs(rnd: Round, wide: torch.Tensor) -> torch.Tensor:
     return wide if rnd.logit_rows is None else wide.index_select(0, rnd.logit_rows)
 
 
-def per_row(batch: ForwardBatch, values: list[int], device: torch.device | None = None) -> torch.Tensor:
+def per_row(batch: ForwardBatch, values: list[int], device: torch.device = HOST) -> torch.Tensor:
     """Each segment's value repeated for each of its rows, built in Python (torch's CPU repeat_interleave starts
-    its thread pool for a few lanes: milliseconds a round beside a busy second rank)."""
-    return torch.tensor(
-        [v for seg, v in zip(batch.segments, values, strict=True) for _ in range(seg.length)], device=device
+    its thread pool for a few lanes: milliseconds a round beside a busy second rank), on `device` without waiting
+    for the GPU."""
+    return to_device(
+        device, [v for seg, v in zip(batch.segments, values, strict=True) for _ in range(seg.length)], torch.long
     )
 
 

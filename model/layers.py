@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kernels.host import to_device
 from model.config import LINEAR, FlashNextConfig
 from model.gdn import GatedDeltaNet
 from model.hyper import GatedResidual
@@ -32,11 +34,20 @@ class Segment:
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """The rows of one forward: token ids and absolute positions [N], grouped by lane into segments."""
+    """The rows of one forward: token ids and absolute positions [N], grouped by lane into segments; `starts`, when
+    its maker holds them on the host, each segment's first position (`batch_from_starts`)."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
     segments: list[Segment]
+    starts: tuple[int, ...] | None = None
+
+
+def batch_from_starts(token_ids: torch.Tensor, segments: list[Segment], starts: Sequence[int]) -> ForwardBatch:
+    """A batch whose segments' positions run on from `starts`: the positions are copied to the token ids' device
+    without waiting for the GPU, and the kernel path reads `starts` instead of copying the positions back."""
+    positions = [p for seg, first in zip(segments, starts, strict=True) for p in range(first, first + seg.length)]
+    return ForwardBatch(token_ids, to_device(token_ids.device, positions, torch.long), segments, tuple(starts))
 
 
 class DecoderLayer(nn.Module):

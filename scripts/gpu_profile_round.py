@@ -15,20 +15,21 @@ from pathlib import Path
 
 import torch
 
-from model.layers import ForwardBatch, Segment
+from kernels.host import to_device
+from model.layers import ForwardBatch, Segment, batch_from_starts
 from model.shipped import SHIPPED_MODEL
 from model.weights import load_model
 
 
 def decode_batch(lanes: list, window: int, vocab: int, rng: random.Random | None = None) -> ForwardBatch:
-    """One round: `window` rows for each lane at its next positions; fixed tokens, or `rng`'s draws below vocab."""
+    """One round: `window` rows for each lane at its next positions; fixed tokens, or `rng`'s draws below vocab; its
+    inputs made as the runner makes them (`batch_from_starts`: no wait for the GPU)."""
     device = lanes[0].ngram_history.device
-    tokens, positions, segments = [], [], []
+    tokens, segments = [], []
     for i, lane in enumerate(lanes):
         tokens += [rng.randrange(vocab) if rng is not None else (7 * i + 11 * k) % vocab for k in range(window)]
-        positions += list(range(lane.length, lane.length + window))
         segments.append(Segment(lane, i * window, window))
-    return ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)
+    return batch_from_starts(to_device(device, tokens, torch.long), segments, [lane.length for lane in lanes])
 
 
 def main() -> None:

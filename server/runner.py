@@ -11,7 +11,7 @@ import torch
 
 from kernels.host import to_device
 from model.flashnext import FlashNextModel, ForwardOutput
-from model.layers import ForwardBatch, Segment
+from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.round_trace import RoundTrace
@@ -147,14 +147,13 @@ class ModelRunner:
                 launched()
             return []
         device = self.model.device
-        tokens, positions, segments, logit_rows = [], [], [], []
+        tokens, segments, logit_rows = [], [], []
         snapshot_rows: dict[int, set[int]] = {}
         keeps_after = {(op.slot, op.after) for op in plan.ops if op.after}
         for index, rows in enumerate(plan.rows):
             window = (*rows.token_ids, *rows.drafts)
             segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
             tokens.extend(window)
-            positions.extend(range(rows.start, rows.start + len(window)))
             if rows.draw is not None:
                 logit_rows.extend(range(len(tokens) - len(rows.drafts) - 1, len(tokens)))
             wanted = {after - 1 for slot, after in keeps_after if slot == rows.slot}
@@ -165,9 +164,9 @@ class ModelRunner:
         graphs = self.model.round_graphs
         replays = dict(graphs.replays) if trace.enabled and graphs is not None else {}
         trace.gpu_mark("start", device)
-        out = self.model(
-            ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        out = self.model(  # its inputs reach the device without waiting for the GPU
+            batch_from_starts(to_device(device, tokens, torch.long), segments, [rows.start for rows in plan.rows]),
+            logit_rows=to_device(device, logit_rows, torch.long),
             snapshot_rows=snapshot_rows,
         )
         trace.gpu_mark("forward", device)
@@ -284,50 +283,55 @@ class ModelRunner:
         return _MtpRows(rows.slot, hidden, next_tokens, start)
 
     def _draft(self, plan_rows: tuple[LaneRows, ...], mtp_rows: list[_MtpRows]) -> dict[int, tuple[int, ...]]:
-        """Absorb every lane's rows into the MTP layer, then chain greedy drafts to each lane's depth."""
+        """Absorb every lane's rows into the MTP layer, then chain greedy drafts to each lane's depth. The chain's
+        tokens stay on the device, so each step is launched while the one before runs; they reach the host in one
+        copy at the end."""
         device = self.model.device
         depth = {rows.slot: rows.draft_depth if rows.draw is not None else 0 for rows in plan_rows}
         live = [m for m in mtp_rows if m.tokens]
         if not live:
             return {}
-        tokens, positions, segments, hidden = [], [], [], []
+        tokens, segments, hidden = [], [], []
         for m in live:
             segments.append(Segment(self.slots[m.slot], len(tokens), len(m.tokens)))
             tokens.extend(m.tokens)
-            positions.extend(range(m.start, m.start + len(m.tokens)))
             hidden.append(m.hidden)
-        batch = ForwardBatch(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), segments)
-        ends = [(m.slot, seg.start + seg.length - 1) for m, seg in zip(live, segments, strict=True)]
-        drafting = [(slot, last) for slot, last in ends if depth[slot]]
-        lasts = torch.tensor([last for _, last in drafting], dtype=torch.long, device=device)
+        batch = batch_from_starts(to_device(device, tokens, torch.long), segments, [m.start for m in live])
+        drafting = [(m.slot, seg.start + seg.length - 1, m.start + seg.length - 1)
+                    for m, seg in zip(live, segments, strict=True) if depth[m.slot]]  # fmt: skip
+        lasts = to_device(device, [last for _, last, _ in drafting], torch.long)
         logits, wide = self.model.mtp_forward(batch, torch.cat(hidden), logit_rows=lasts)  # drafting lanes' last rows
-        firsts = _argmaxes(logits, self.model.kernels) if drafting else []
-        drafts = {slot: [token] for (slot, _), token in zip(drafting, firsts, strict=True)}
-        state = {slot: (wide[last], positions[last]) for slot, last in drafting}
-        for step in range(1, max(depth.values(), default=0)):
-            chained = [s for s in drafts if depth[s] > step]
-            if not chained:
+        if not drafting:
+            return {}
+        lanes = [slot for slot, _, _ in drafting]  # the lanes of the last step's rows, in order
+        position = {slot: at for slot, _, at in drafting}  # each lane's position of its last step's row
+        drawn, wide = _argmaxes(logits, self.model.kernels), wide.index_select(0, lasts)
+        steps = [(lanes, drawn)]
+        for step in range(1, max(depth.values())):
+            kept = [i for i, slot in enumerate(lanes) if depth[slot] > step]
+            if not kept:
                 break
-            batch = ForwardBatch(
-                torch.tensor([drafts[s][-1] for s in chained], device=device),
-                torch.tensor([state[s][1] + 1 for s in chained], device=device),
-                [Segment(self.slots[s], i, 1) for i, s in enumerate(chained)],
+            if len(kept) < len(lanes):
+                pick = to_device(device, kept, torch.long)
+                drawn, wide, lanes = drawn.index_select(0, pick), wide.index_select(0, pick), [lanes[i] for i in kept]
+            batch = batch_from_starts(
+                drawn, [Segment(self.slots[s], i, 1) for i, s in enumerate(lanes)], [position[s] + step for s in lanes]
             )
-            logits, wide = self.model.mtp_forward(batch, torch.stack([state[s][0] for s in chained]))
-            for i, (s, token) in enumerate(zip(chained, _argmaxes(logits, self.model.kernels), strict=True)):
-                drafts[s].append(token)
-                state[s] = (wide[i], state[s][1] + 1)
+            logits, wide = self.model.mtp_forward(batch, wide)
+            drawn = _argmaxes(logits, self.model.kernels)
+            steps.append((lanes, drawn))
+        drafts: dict[int, list[int]] = {}
+        chained = torch.cat([tokens for _, tokens in steps]).tolist()  # the round's one copy of its drafts
+        for slot, token in zip((s for lanes, _ in steps for s in lanes), chained, strict=True):
+            drafts.setdefault(slot, []).append(token)
         return {s: tuple(d) for s, d in drafts.items()}
 
 
-def _argmaxes(logits: torch.Tensor, kernels: bool) -> list[int]:
-    """Each row's most likely token, ties to the lower id (torch.argmax returns the first maximal index), in one
-    copy to the host: on the kernel path by one launch of `greedy_tokens` (rows without a finite maximum, which it
-    refuses, take torch's argmax as before)."""
+def _argmaxes(logits: torch.Tensor, kernels: bool) -> torch.Tensor:
+    """Each row's most likely token as torch.argmax gives it (ties to the lower id; the first NaN in a row that
+    holds one), left on the logits' device: on the kernel path one launch of `argmax_tokens`."""
     if kernels:
-        from kernels.sample import greedy_tokens
+        from kernels.sample import argmax_tokens
 
-        tokens = greedy_tokens(logits.contiguous()).tolist()
-        if -1 not in tokens:
-            return tokens
-    return torch.argmax(logits.float(), dim=-1).tolist()
+        return argmax_tokens(logits.contiguous())
+    return torch.argmax(logits.float(), dim=-1)

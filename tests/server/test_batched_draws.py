@@ -48,18 +48,20 @@ def test_a_round_draws_once_and_every_row_equals_its_draw_alone(tmp_path, monkey
     assert all(token == alone for _, token, alone in rows)
 
 
-def test_mtp_drafts_take_each_rows_first_maximum_in_one_greedy_launch(monkeypatch) -> None:
-    """On the kernel path a drafting step's argmax is one `greedy_tokens` launch; a row without a finite maximum
-    (which greedy_tokens refuses) takes torch's argmax, as every row did before."""
+def test_mtp_drafts_take_torchs_argmax_in_one_launch_left_on_the_device(monkeypatch) -> None:
+    """On the kernel path a drafting step's argmax is one `argmax_tokens` launch, a tensor (no copy to the host):
+    each row's first maximum, and torch's argmax for a row without a finite maximum, as the reference path."""
     from server import runner
 
-    launches, real = [], kernels.sample.greedy_tokens
-    monkeypatch.setattr(kernels.sample, "greedy_tokens", lambda x: launches.append(x.shape[0]) or real(x))
+    launches, real = [], kernels.sample.argmax_tokens
+    monkeypatch.setattr(kernels.sample, "argmax_tokens", lambda x: launches.append(x.shape[0]) or real(x))
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4)).bfloat16()
     logits[1, [40, 3]] = 9.0  # a tie: the lower id
-    assert runner._argmaxes(logits, True) == torch.argmax(logits.float(), dim=-1).tolist() and launches == [4]
-    assert runner._argmaxes(logits, True)[1] == 3
-    logits[2, 7] = float("nan")
-    assert runner._argmaxes(logits, True) == torch.argmax(logits.float(), dim=-1).tolist()
+    logits[2, [30, 7]] = float("nan")  # torch's argmax: the first NaN
+    logits[3] = float("-inf")
+    expected = torch.argmax(logits.float(), dim=-1)
+    drawn = runner._argmaxes(logits, True)
+    assert isinstance(drawn, torch.Tensor) and torch.equal(drawn, expected) and launches == [4]
+    assert drawn.tolist()[1:] == [3, 7, 0]
     launches.clear()
-    assert runner._argmaxes(logits, False) == torch.argmax(logits.float(), dim=-1).tolist() and not launches
+    assert torch.equal(runner._argmaxes(logits, False), expected) and not launches
