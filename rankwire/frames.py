@@ -20,6 +20,7 @@ class Tag(IntEnum):
     HEADER = 2  # a round header
     ERROR = 3  # the sender failed: a UTF-8 message
     BYE = 4  # clean shutdown
+    VERDICT = 5  # the sender's verdict on the round at hand: empty if it runs it, else why not (UTF-8)
 
 
 class Frame(NamedTuple):

@@ -1,4 +1,5 @@
-"""The control link: one socket from rank 0 to rank 1 that carries the handshake and a header per round."""
+"""The control link: one socket between rank 0 and rank 1 that carries the handshake, a header per round and each
+rank's verdict on it."""
 
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ class ControlLink:
         if frame.tag is not Tag.HEADER:
             raise FrameError(f"expected a round header from rank {1 - self.rank}, got {frame.tag.name}")
         return decode_header(frame.payload)
+
+    def send_verdict(self, problem: str | None) -> None:
+        """Send this rank's verdict on the round at hand: None if it runs the round, else why not."""
+        if problem == "":
+            raise ValueError("a refusal needs a reason")
+        send_frame(self.sock, Tag.VERDICT, (problem or "").encode("utf-8"))
+
+    def recv_verdict(self, deadline: float | None = None) -> str | None:
+        """Wait (hybrid) for the peer's verdict on the round at hand until `deadline`: None if it runs the round,
+        else its reason."""
+        frame = self._recv(deadline, "round verdict")
+        if frame.tag is not Tag.VERDICT:
+            raise FrameError(f"expected a round verdict from rank {1 - self.rank}, got {frame.tag.name}")
+        return frame.payload.decode("utf-8", "replace") or None
 
     def send_error(self, message: str) -> None:
         """Tell the peer this rank failed (best effort: a peer that is already gone is ignored)."""

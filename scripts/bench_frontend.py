@@ -227,7 +227,7 @@ def engine_phase(args: argparse.Namespace) -> dict[str, float]:
     ranks = rank_env(serve.tp)
     link = connect_ranks(serve, ranks, env) if ranks.world > 1 else None
     runner = load_rank(serve, ranks, env)
-    state = create_serving(serve, runner.model, LinkedRunner(runner, link) if link else runner)
+    state = create_serving(serve, runner.model, LinkedRunner(runner, link, env.tp_timeout_s) if link else runner)
     state.engine.start()
     try:
         for run, prompts in enumerate(workloads(args)):  # the last run is the measured one

@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                 ngram_table=args.ngram_table,
                 kernels=args.kernels,
             )
-            return serve_http(args, model, rank_runner(model, args.max_lanes, 0, env), None, listener)
+            runner = rank_runner(model, args.max_lanes, 0, env)
+            runner.agreement = lambda _problem: None  # no rank 1 to refuse a round
+            return serve_http(args, model, runner, None, listener)
     finally:
         listener.close()
 

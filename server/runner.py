@@ -56,6 +56,8 @@ class ModelRunner:
         self.kept: dict[int, LaneState] = {}
         self.digests = digests  # a file that gets a line per round: a digest of its logits and tokens
         self.trace = trace or RoundTrace(None)  # its round begins and ends with the caller (engine or follower)
+        # with several ranks: sends this rank's verdict on a round (None: it runs it) and returns the other rank's
+        self.agreement: Callable[[str | None], str | None] | None = None
         self.rounds = 0
 
     def kept_bytes(self, handle: int) -> int:
@@ -119,15 +121,17 @@ class ModelRunner:
         return None
 
     def _agree(self, problem: str | None) -> None:
-        """The agreement gate: all ranks learn whether any rank refuses the round, before its collectives."""
-        tp = self.model.tp
-        if tp.world == 1:
-            if problem:
-                raise RoundRefused(problem)
-            return
-        flags = tp.gather(torch.tensor([int(problem is not None)], device=self.model.device), dim=0)
-        if problem or int(flags.sum()):
-            raise RoundRefused(problem or f"rank {int(flags.argmax())} refused the round")
+        """The agreement gate: all ranks learn whether any rank refuses the round, before its collectives: each
+        rank sends its verdict over the control link and waits for the other's (`agreement`, which several ranks
+        need)."""
+        if self.agreement is not None:
+            theirs = self.agreement(problem)
+            if not problem and theirs:
+                problem = f"rank {1 - self.model.tp.rank} refused the round: {theirs}"
+        elif self.model.tp.world > 1:
+            raise RuntimeError("a runner of several ranks needs the control link's agreement to run a round")
+        if problem:
+            raise RoundRefused(problem)
 
     def execute(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> list[LaneResult]:
         """Apply the lane operations; run every lane's rows and drafts as one verify forward; keep each lane's

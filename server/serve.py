@@ -328,8 +328,8 @@ def serve_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings, liste
     model = runner.model
     if listener is None:
         plan_lanes(args, model)  # rank 0 plans in create_serving: the same pool, graphs captured in the same order
-        return follow(link, runner)
-    return serve_http(args, model, LinkedRunner(runner, link) if link else runner, link, listener)
+        return follow(link, runner, env.tp_timeout_s)
+    return serve_http(args, model, LinkedRunner(runner, link, env.tp_timeout_s) if link else runner, link, listener)
 
 
 def serve_http(args: argparse.Namespace, model, runner, link: ControlLink | None, listener: socket.socket) -> int:

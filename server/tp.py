@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from rankwire.errors import LinkError, PeerFailed, PeerGone
@@ -19,9 +20,10 @@ log = logging.getLogger(__name__)
 class LinkedRunner:
     """Rank 0's runner: every plan goes to rank 1 before this rank runs it, so both enter the same collectives."""
 
-    def __init__(self, runner: ModelRunner, link: ControlLink) -> None:
-        self.runner, self.link = runner, link
+    def __init__(self, runner: ModelRunner, link: ControlLink, timeout_s: float) -> None:
+        self.runner, self.link, self.timeout_s = runner, link, timeout_s
         self.lock = threading.Lock()
+        runner.agreement = self._agree
 
     @property
     def max_lanes(self) -> int:
@@ -48,6 +50,12 @@ class LinkedRunner:
         self.runner.trace.mark("link")
         return self.runner.execute(plan, launched)
 
+    def _agree(self, problem: str | None) -> str | None:
+        """The agreement gate on the control link: send rank 0's verdict on the round, then wait for rank 1's."""
+        with self.lock:
+            self.link.send_verdict(problem)
+        return self.link.recv_verdict(time.monotonic() + self.timeout_s)
+
     def close(self) -> None:
         """Tell rank 1 to stop, if it is still there."""
         with contextlib.suppress(OSError, LinkError), self.lock:
@@ -63,9 +71,16 @@ def watch_peer(link: ControlLink, on_gone: Callable[[str], None], stop: threadin
             return
 
 
-def follow(link: ControlLink, runner: ModelRunner) -> int:
-    """Rank 1: run every plan rank 0 sends until STOP (exit 0) or rank 0 goes away (exit 1)."""
+def follow(link: ControlLink, runner: ModelRunner, timeout_s: float) -> int:
+    """Rank 1: run every plan rank 0 sends until STOP (exit 0) or rank 0 goes away (exit 1); its verdict on each
+    goes to rank 0 before rank 0's is awaited (within `timeout_s`)."""
     trace = runner.trace
+
+    def agree(problem: str | None) -> str | None:
+        link.send_verdict(problem)
+        return link.recv_verdict(time.monotonic() + timeout_s)
+
+    runner.agreement = agree
     while True:
         trace.start()
         try:

@@ -209,3 +209,27 @@ def test_a_killed_peer_process_is_noticed() -> None:
     finally:
         child.kill()
         child.join(timeout=10)
+
+
+def test_verdicts_cross_both_ways_with_their_reasons(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    rank0.send_verdict(None)
+    rank1.send_verdict("round plan uses lane slot 3, which is not allocated")
+    assert rank1.recv_verdict(time.monotonic() + 5) is None
+    assert rank0.recv_verdict(time.monotonic() + 5) == "round plan uses lane slot 3, which is not allocated"
+    with pytest.raises(ValueError, match="a refusal needs a reason"):
+        rank0.send_verdict("")
+
+
+def test_a_header_where_a_verdict_is_due_is_refused_and_an_error_is_peer_failed(
+    links: tuple[ControlLink, ControlLink],
+) -> None:
+    rank0, rank1 = links
+    rank0.send_header(PLAN)
+    with pytest.raises(FrameError, match="expected a round verdict from rank 0, got HEADER"):
+        rank1.recv_verdict(time.monotonic() + 5)
+    rank1.send_error("rank 1: CUDA out of memory")
+    with pytest.raises(PeerFailed, match="CUDA out of memory"):
+        rank0.recv_verdict(time.monotonic() + 5)
+    with pytest.raises(TimeoutError, match="no round verdict from rank 0 by the deadline"):
+        rank1.recv_verdict(time.monotonic() + 0.05)

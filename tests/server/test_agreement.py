@@ -1,0 +1,78 @@
+"""The agreement gate on the control link: each rank sends its verdict on a round and waits for the other's, so a
+round one rank refuses runs on neither, before any collective, and each names the refusing rank's reason."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from model.parallel import TensorParallel
+from model.weights import load_model
+from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from rankwire.link import ControlLink
+from server.runner import ModelRunner, RoundRefused
+from server.tp import LinkedRunner, follow
+from tests.tiny import checkpoint
+
+GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
+PROMPT = (7, 19, 40, 33, 2)
+REASON = "round plan uses lane slot 0, which is not allocated"
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return checkpoint(tmp_path_factory.mktemp("agree") / "m")
+
+
+class Ranks:
+    """Rank 0's LinkedRunner in this thread, rank 1 following in another, over a socket pair; each model's forwards
+    counted."""
+
+    def __init__(self, path) -> None:
+        a, b = socket.socketpair()
+        self.links = ControlLink(a, rank=0), ControlLink(b, rank=1)
+        self.runners = [ModelRunner(load_model(path, dtype="float32"), 1) for _ in range(2)]
+        self.forwards = [0, 0]
+        for rank, runner in enumerate(self.runners):
+            forward = runner.model.forward
+
+            def counted(*args, _rank=rank, _forward=forward, **kwargs):
+                self.forwards[_rank] += 1
+                return _forward(*args, **kwargs)
+
+            runner.model.forward = counted
+        self.rank0 = LinkedRunner(self.runners[0], self.links[0], timeout_s=10)
+        self.exit: list[int] = []
+        self.thread = threading.Thread(target=lambda: self.exit.append(follow(self.links[1], self.runners[1], 10)))
+        self.thread.start()
+
+    def close(self) -> None:
+        self.rank0.close()
+        self.thread.join(timeout=10)
+        self.links[1].close()
+
+
+@pytest.mark.parametrize("refusing", [0, 1])
+def test_a_round_one_rank_refuses_runs_on_neither_and_both_name_the_reason(path, refusing: int) -> None:
+    ranks = Ranks(path)
+    try:
+        first = ranks.rank0.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, PROMPT, 0, GREEDY),)))
+        assert len(first[0].tokens) == 1 and ranks.forwards == [1, 1]  # an agreed round runs on both
+        ranks.runners[refusing].slots[0] = None  # this rank lost the lane (rank 1 waits for the next header)
+        with pytest.raises(RoundRefused) as refused:
+            ranks.rank0.execute(RoundPlan(rows=(LaneRows(0, first[0].tokens, len(PROMPT), GREEDY),)))
+        ranks.thread.join(timeout=10)
+        assert ranks.forwards == [1, 1]  # neither rank ran the refused round
+        assert str(refused.value) == (REASON if refusing == 0 else f"rank 1 refused the round: {REASON}")
+        assert ranks.exit == [1]  # rank 1 stops on a refused round, its own or rank 0's
+    finally:
+        ranks.close()
+
+
+def test_a_runner_of_two_ranks_without_the_link_refuses_to_run(path) -> None:
+    runner = ModelRunner(load_model(path, dtype="float32"), 1)
+    runner.model.tp = TensorParallel(0, 2)  # the gate comes before any collective
+    with pytest.raises(RuntimeError, match="needs the control link's agreement"):
+        runner.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, PROMPT, 0, GREEDY),)))
