@@ -1,4 +1,5 @@
-"""The greedy draw compiled on a GPU at the real vocabulary: each row's first maximum, as torch's argmax gives it."""
+"""The greedy draw and the drafts' argmax compiled on a GPU at the real vocabulary: each row's first maximum, as
+torch's argmax gives it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels.sample import GREEDY_BLOCK, greedy_tokens, greedy_tokens_reference
+from kernels.sample import GREEDY_BLOCK, argmax_tokens, greedy_tokens, greedy_tokens_reference
 
 VOCAB = 248_320
 
@@ -32,3 +33,4 @@ def test_greedy_tokens_equal_torchs_argmax_at_the_real_vocabulary(rows: int, dty
     assert torch.equal(got, expected) and got[0] == GREEDY_BLOCK + 7
     alone = torch.cat([greedy_tokens(logits[i : i + 1]) for i in range(rows)])
     assert torch.equal(alone, got)
+    assert torch.equal(argmax_tokens(logits), torch.argmax(logits.float(), dim=-1))  # NaN and -inf rows too
