@@ -12,7 +12,7 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 3
+VERSION = 4
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -34,6 +34,8 @@ def encode_header(plan: RoundPlan) -> bytes:
     unknown = {op.code for op in plan.ops} - _CODES
     if unknown:
         raise HeaderError(f"cannot encode unknown lane op code {min(unknown)}")
+    for index, row in enumerate(rows):
+        _check_prior_draw(index, row.prior_draw, row.token_ids, row.drafts, row.draft_depth)
     body = b"".join(
         (
             _pack_counts(plan, len(rows)),
@@ -56,6 +58,7 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("H", [op.slot for op in plan.ops], "lane op slots"),
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
             _pack("I", [op.after for op in plan.ops], "lane op row offsets"),
+            _pack("B", [row.prior_draw for row in rows], "prior-draw flags"),
         )
     )
     return _PREFIX.pack(MAGIC, VERSION, _PREFIX.size + len(body), zlib.crc32(body)) + body
@@ -119,13 +122,20 @@ class _Reader:
         draft_ids = self.take("i", sum(draft_counts), "draft ids")
         draws = self._draws(sum(flags))
         ops = self._ops(n_ops)
+        priors = self.take("B", n_rows, "prior-draw flags")
+        if max(priors, default=0) > 1:
+            raise HeaderError(f"prior-draw flag {max(priors)} is neither 0 nor 1")
+        token_bounds = list(pairwise(accumulate(token_counts, initial=0)))
+        for index, prior in enumerate(priors):
+            a, b = token_bounds[index]
+            _check_prior_draw(index, bool(prior), token_ids[a:b], range(draft_counts[index]), depths[index])
         if self.pos != len(self.data):
             raise HeaderError(f"{len(self.data) - self.pos} trailing bytes inside the header's body")
         return RoundPlan(
             kind=RoundKind(kind),
             allocate=allocate,
             free=free,
-            rows=_rows(slots, starts, token_counts, draft_counts, flags, depths, token_ids, draft_ids, draws),
+            rows=_rows(slots, starts, token_counts, draft_counts, flags, depths, token_ids, draft_ids, draws, priors),
             ops=ops,
         )
 
@@ -161,6 +171,7 @@ def _rows(
     token_ids: tuple[int, ...],
     draft_ids: tuple[int, ...],
     draws: list[DrawSpec],
+    priors: tuple[int, ...],
 ) -> tuple[LaneRows, ...]:
     """Cut the flat token, draft and draw columns back into per-lane rows."""
     token_bounds = pairwise(accumulate(token_counts, initial=0))
@@ -175,6 +186,7 @@ def _rows(
             [next(next_draw) if flag else None for flag in flags],
             [draft_ids[a:b] for a, b in draft_bounds],
             depths,
+            map(bool, priors),
         )
     )
 
@@ -203,6 +215,13 @@ def _check_non_negative(code: str, packed: bytes, values: tuple[Any, ...], what:
     width = _SIZES[code]
     if code in _SIGNED and not packed[width - 1 :: width].isascii():
         raise HeaderError(f"{what}: {min(values)} is negative")
+
+
+def _check_prior_draw(index: int, prior: bool, token_ids: Sequence[int], drafts: Sequence[int], depth: int) -> None:
+    """Refuse a prior-draw row that is not one row holding 0, without drafts to verify or to chain (a rank takes its
+    token from the device, where its own host never sees it)."""
+    if prior and (tuple(token_ids) != (0,) or len(drafts) or depth):
+        raise HeaderError(f"row {index}: a prior-draw row is one token 0 with no drafts and no draft depth")
 
 
 def _check_draws(temperatures: Sequence[float], top_ps: Sequence[float], min_ps: Sequence[float]) -> None:

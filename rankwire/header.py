@@ -36,7 +36,9 @@ class DrawSpec:
 @dataclass(frozen=True, slots=True)
 class LaneRows:
     """A lane's rows this round: tokens from absolute position `start`, then the drafts to verify; draw after them
-    if `draw` is set, and chain `draft_depth` new MTP drafts for the next round."""
+    if `draw` is set, and chain `draft_depth` new MTP drafts for the next round. With `prior_draw` the one row's
+    token is the lane's draw of the round before, which this plan was made without: each rank takes it from its own
+    draws (`token_ids` holds a 0 in its place)."""
 
     slot: int
     token_ids: tuple[int, ...]
@@ -44,6 +46,7 @@ class LaneRows:
     draw: DrawSpec | None
     drafts: tuple[int, ...] = ()
     draft_depth: int = 0
+    prior_draw: bool = False
 
 
 @dataclass(frozen=True, slots=True)

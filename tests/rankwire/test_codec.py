@@ -17,7 +17,7 @@ PREFIX = struct.Struct("<4sHII")
 COUNTS = struct.Struct("<BIIII")
 
 
-def seal(body: bytes, magic: bytes = b"FNRH", version: int = 3) -> bytes:
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 4) -> bytes:
     """A header around `body` with a correct length and checksum, written from the documented layout."""
     return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
 
@@ -36,18 +36,16 @@ def random_ids(rng: random.Random, most: int) -> tuple[int, ...]:
     return tuple(rng.choice([0, 2**31 - 1, rng.randrange(200_000)]) for _ in range(rng.randrange(most + 1)))
 
 
+def random_row(rng: random.Random) -> LaneRows:
+    slot, start = rng.randrange(2**16), rng.choice([0, 2**63 - 1, rng.randrange(1 << 20)])
+    draw = random_draw(rng) if rng.random() < 0.7 else None
+    if rng.random() < 0.2:  # its token is the lane's draw of the round before
+        return LaneRows(slot, (0,), start, draw, prior_draw=True)
+    return LaneRows(slot, random_ids(rng, 12), start, draw, random_ids(rng, 4), rng.randrange(16))
+
+
 def random_plan(rng: random.Random) -> RoundPlan:
-    rows = tuple(
-        LaneRows(
-            slot=rng.randrange(2**16),
-            token_ids=random_ids(rng, 12),
-            start=rng.choice([0, 2**63 - 1, rng.randrange(1 << 20)]),
-            draw=random_draw(rng) if rng.random() < 0.7 else None,
-            drafts=random_ids(rng, 4),
-            draft_depth=rng.randrange(16),
-        )
-        for _ in range(rng.randrange(9))
-    )
+    rows = tuple(random_row(rng) for _ in range(rng.randrange(9)))
     ops = tuple(
         LaneOp(
             rng.choice(list(LaneOpCode)),
@@ -109,10 +107,14 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<2i", 8, 9),  # draft ids
             struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234),  # one drawing row: temperature, top_k, top_p, min_p, seed
             struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
+            struct.pack("<2B", 0, 0),  # prior-draw flags
         )
     )
     assert encode_header(SAMPLE) == seal(body)
     assert decode_header(seal(body)) == SAMPLE
+    prior = RoundPlan(rows=(LaneRows(5, (0,), 41, SAMPLE.rows[1].draw, prior_draw=True),))
+    tail = struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234) + struct.pack("<B", 1)  # its draw, then its flag
+    assert encode_header(prior).endswith(tail) and decode_header(encode_header(prior)) == prior
 
 
 @pytest.mark.parametrize("plan", EXAMPLES, ids=range(len(EXAMPLES)))
@@ -180,7 +182,7 @@ def test_resealed_random_bodies_are_refused_or_exact() -> None:
     for _ in range(5000):
         counts = [rng.randrange(3) for _ in range(4)]
         body = COUNTS.pack(rng.choice([0, 1, 2, 3]), *counts)
-        size = 2 * counts[0] + 2 * counts[1] + 19 * counts[2] + 15 * counts[3] + rng.randrange(-2, 3)
+        size = 2 * counts[0] + 2 * counts[1] + 20 * counts[2] + 15 * counts[3] + rng.randrange(-2, 3)
         body += rng.randbytes(max(0, size))
         try:
             plan = decode_header(seal(body))
@@ -205,7 +207,7 @@ def test_faults_are_named() -> None:
         (sample[:5], "truncated header: 5 bytes"),
         (sample + b"xy", "2 trailing bytes"),
         (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
-        (PREFIX.pack(b"FNRH", 3, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (PREFIX.pack(b"FNRH", 4, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
         (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
         (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
         (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
@@ -219,8 +221,14 @@ def test_faults_are_named() -> None:
     corrupt[tokens : tokens + 4] = struct.pack("<i", -5)
     cases.append((seal(bytes(corrupt)), "token ids: -5 is negative"))
     corrupt = body.copy()
-    corrupt[-15] = 7
+    corrupt[-17] = 7  # before the lane op's slot, argument and row offset, and the two rows' prior-draw flags
     cases.append((seal(bytes(corrupt)), "unknown lane op code 7"))
+    corrupt = body.copy()
+    corrupt[-1] = 2
+    cases.append((seal(bytes(corrupt)), "prior-draw flag 2 is neither 0 nor 1"))
+    corrupt = body.copy()
+    corrupt[-2] = 1  # row 0 holds three tokens
+    cases.append((seal(bytes(corrupt)), "row 0: a prior-draw row is one token 0 with no drafts and no draft depth"))
     temperature = tokens + 4 * 4 + 4 * 2
     for value, message in [
         (math.nan, "temperature nan is not a finite number >= 0"),
@@ -251,6 +259,9 @@ def test_faults_are_named() -> None:
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, -1, 1.0, 0.0, 1)),)), "top_k values: -1 is negative"),
         (RoundPlan(ops=(LaneOp(7, 0, 0),)), "unknown lane op code 7"),  # type: ignore[arg-type]
         (RoundPlan(kind=5), "cannot encode the round kind"),  # type: ignore[arg-type]
+        (RoundPlan(rows=(LaneRows(0, (7,), 0, None, prior_draw=True),)), "row 0: a prior-draw row is one token 0"),
+        (RoundPlan(rows=(LaneRows(0, (0,), 0, None, (3,), prior_draw=True),)), "a prior-draw row is one token 0"),
+        (RoundPlan(rows=(LaneRows(0, (0,), 0, None, (), 2, prior_draw=True),)), "a prior-draw row is one token 0"),
     ],
 )
 def test_the_encoder_refuses_what_the_format_cannot_carry(plan: RoundPlan, message: str) -> None:
