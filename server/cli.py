@@ -156,6 +156,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="draft tokens verified per round and lane; 0 turns drafting off (default 3)",
     )
     parser.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="on",
+        help="plan and launch the next round while the GPU runs one that drafts nothing, so the host's work between "
+        "rounds hides behind the GPU's (the same tokens either way; default on)",
+    )
+    parser.add_argument(
         "--drafter",
         choices=("copy", "mtp"),
         default="copy",

@@ -16,7 +16,7 @@ from server.metrics import EngineMetrics
 from server.prompt_cache import Kept, PromptCache, prefix_digests
 
 if TYPE_CHECKING:  # the front-end process imports this module for Request and Update: it needs no torch
-    from server.runner import ModelRunner
+    from server.runner import LaunchedRound, ModelRunner
 
 log = logging.getLogger(__name__)
 FRONT_END_FINISHES = ("abort", "stop")  # the reasons a request may be ended from outside the engine
@@ -61,9 +61,21 @@ class Request:
     depth: int = 0  # drafts asked of this lane next round: it adapts to what the lane's windows keep
     history: History | None = None
     last_token_time: float = 0.0
+    drawing: int = 0  # tokens a launched, unfinished round draws for it (0 or 1): its rows are planned past them
 
 
 Outbox = list[tuple[Request, Update]]
+
+
+@dataclass(slots=True)
+class Flight:
+    """A planned round until it is finished: its plan, the request of each of its rows, the prompt states it keeps,
+    and once launched the runner's handle."""
+
+    plan: RoundPlan
+    requests: list[Request]
+    keeps: list[tuple[bytes, Kept]]
+    launched: LaunchedRound | None = None
 
 
 def check_context(request: Request, context: int, asked_by: str = "max_tokens") -> None:
@@ -96,8 +108,10 @@ class Engine:
         drafter: Drafter | None = None,
         prompt_cache: PromptCache | None = None,
         cache_grid: int = 512,
+        overlap: bool = False,
     ) -> None:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
+        self.overlap = overlap  # plan and launch the next round while the GPU runs one that drafts nothing
         self.metrics = metrics
         self.on_fatal = on_fatal
         self.max_lanes = runner.max_lanes
@@ -205,29 +219,49 @@ class Engine:
         return not self.stopped and not self.running and not self.waiting and not self.to_free
 
     def _loop(self) -> None:
+        flight: Flight | None = None  # a launched round not finished yet: the next one is planned and launched first
         while True:
             with self.cond:
-                idle = self._idle()
+                idle = self._idle() and flight is None
             if idle:  # no round follows to carry them: deliver the last round's updates now
                 self._flush()
             with self.cond:
-                while self._idle():
+                while self._idle() and flight is None:
                     self.cond.wait()
-                if self.stopped:
-                    return
-                start = time.perf_counter()
-                trace = self.runner.trace
-                trace.start()
-                plan = self._plan()
-                trace.mark("plan")
-            self._run(plan)
+                stopped = self.stopped
+                if not stopped:
+                    start = time.perf_counter()
+                    trace = self.runner.trace
+                    trace.start()
+                    plan, requests = self._plan()
+                    keeps, self.new_keeps = self.new_keeps, []
+                    trace.mark("plan")
+            if stopped:  # the round in flight still hands its tokens over
+                if flight is not None:
+                    self._complete(flight)
+                    self._flush()
+                return
+            launched = None
+            if flight is None or plan.rows or plan.ops or plan.allocate or plan.free:
+                launched = self._launch(Flight(plan, requests, keeps), flight)
+                flight = None if launched is None else flight  # a failed launch failed the round in flight too
+            if flight is not None:
+                self._complete(flight)
+            flight = None
+            if launched is not None:
+                if self.overlap and launched.launched.ahead_safe and launched.plan.rows:
+                    flight = launched
+                else:
+                    self._complete(launched)
             trace.mark("post")
             trace.write()
             if self.metrics is not None:
                 self.metrics.round_seconds.observe(time.perf_counter() - start)
 
-    def _plan(self) -> RoundPlan:
-        """Drop aborted requests, admit waiting ones to free lanes, and lay out this round's rows (lock held)."""
+    def _plan(self) -> tuple[RoundPlan, list[Request]]:
+        """Drop aborted requests, admit waiting ones to free lanes, and lay out this round's rows (lock held); the
+        plan, and the request of each of its rows. A request whose token a launched round still draws gets a
+        prior-draw row after it."""
         for request in [r for r in self.running if r.request_id in self.aborted]:
             self._finish(request, Update((), self.aborted[request.request_id]))
         self.waiting = deque(r for r in self.waiting if r.request_id not in self.aborted)
@@ -248,11 +282,17 @@ class Engine:
         for request in self.running:
             prompt = request.prompt_ids
             depth = min(request.depth, self.mtp_depth)
-            if request.prefilled == len(prompt):
+            if request.drawing:  # its token is being drawn: the next row takes it on the device, if one follows
+                if len(request.output) + request.drawing < request.max_tokens:
+                    start = len(prompt) + len(request.output) + request.drawing - 1
+                    rows.append(LaneRows(request.slot, (0,), start, request.draw, prior_draw=True))
+                    request.drawing += 1
+            elif request.prefilled == len(prompt):
                 start = len(prompt) + len(request.output) - 1
                 room = min(request.max_tokens - len(request.output), self.context - start) - 1
                 drafts = request.drafts[: max(room, 0)]
                 rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
+                request.drawing += 1
             elif budget > 0:
                 take = self._pass_length(request, budget)
                 if take == 0:
@@ -264,9 +304,13 @@ class Engine:
                 draw = request.draw if done else None
                 # every prompt pass feeds the MTP layer, drafting or not: its kept states may resume a drafting lane
                 rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=self.mtp_depth))
+                request.prefilled += take  # the next plan goes on from there, whether or not this round finished
+                request.drawing += done
                 budget -= take
         free, self.to_free = tuple(self.to_free), []
-        return RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
+        owners = {request.slot: request for request in self.running}
+        plan = RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
+        return plan, [owners[row.slot] for row in rows]
 
     def _pass_length(self, request: Request, budget: int) -> int:
         """Rows of this round's prompt pass: the rest of the prompt if the budget holds it, else as many as the
@@ -300,42 +344,55 @@ class Engine:
             ops.append(LaneOp(LaneOpCode.KEEP, request.slot, handle, after))
             self.new_keeps.append((digest, Kept(handle, position, 0)))
 
-    def _run(self, plan: RoundPlan) -> None:
-        """Execute a plan and hand each lane's kept tokens to its request."""
-        by_slot = {r.slot: r for r in self.running}
+    def _launch(self, planned: Flight, flight: Flight | None) -> Flight | None:
+        """Launch a planned round (the updates gathered so far are delivered once its forward is on its way); None
+        if that failed, which fails the round before it (`flight`) too: its requests' rows follow on from it."""
         try:
             # the updates gathered so far reach the HTTP side while the GPU runs this round, so its streaming
             # work overlaps the forward instead of holding the GIL between rounds
-            results = self.runner.execute(plan, launched=self._flush)
+            planned.launched = self.runner.launch(planned.plan, launched=self._flush)
         except Exception as exc:
-            log.exception("round failed")
-            if self.on_fatal is not None:  # with several ranks a failed round leaves their states unknown
-                self.fail(f"the round failed: {exc}")
-                return
-            with self.cond:
-                # the round's keeps were never made (or not all): drop their handles wherever they exist
-                self.ops += [LaneOp(LaneOpCode.DROP, 0, kept.handle) for _, kept in self.new_keeps]
-                self.new_keeps = []
-                for rows in plan.rows:
-                    self._finish(by_slot[rows.slot], Update((), "error", f"the round failed: {exc}"))
+            self._failed([f for f in (flight, planned) if f is not None], exc)
+            return None
+        return planned
+
+    def _complete(self, flight: Flight) -> None:
+        """Finish a launched round and hand each lane's kept tokens to its request."""
+        try:
+            results = self.runner.finish(flight.launched)
+        except Exception as exc:
+            self._failed([flight], exc)
             return
         now = time.monotonic()
         with self.cond:
-            for digest, kept in self.new_keeps:
+            for digest, kept in flight.keeps:
                 kept.nbytes = self.runner.kept_bytes(kept.handle)
                 self.ops += [LaneOp(LaneOpCode.DROP, 0, h) for h in self.cache.add(digest, kept)]
-            self.new_keeps = []
-            for rows, result in zip(plan.rows, results, strict=True):
-                request = by_slot[rows.slot]
+            for rows, request, result in zip(flight.plan.rows, flight.requests, results, strict=True):
                 if request not in self.running:
-                    continue
+                    continue  # it ended after this round was planned (a stop token the round before, an abort)
+                request.drawing -= rows.draw is not None
                 if not result.tokens:
-                    request.prefilled += len(rows.token_ids)
                     continue
-                request.prefilled = len(request.prompt_ids)
                 self._count_drafts(len(rows.drafts), result.accepted)
                 self._adapt_depth(request, len(rows.drafts), result.accepted)
                 self._keep(request, result.tokens, result.drafts, now)
+
+    def _failed(self, flights: list[Flight], exc: Exception) -> None:
+        """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request
+        with rows in it (or in the round launched ahead of it) ends with the error, and the prompt states their plans
+        would have kept are dropped."""
+        log.error("round failed", exc_info=exc)
+        if self.on_fatal is not None:  # with several ranks a failed round leaves their states unknown
+            self.fail(f"the round failed: {exc}")
+            return
+        with self.cond:
+            for flight in flights:
+                # the round's keeps were never made (or not all): drop their handles wherever they exist
+                self.ops += [LaneOp(LaneOpCode.DROP, 0, kept.handle) for _, kept in flight.keeps]
+                for request in flight.requests:
+                    if request in self.running:
+                        self._finish(request, Update((), "error", f"the round failed: {exc}"))
 
     def _keep(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...], now: float) -> None:
         """Append a round's tokens, stopping at a stop token or max_tokens; plan the lane's next drafts."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from kernels.host import to_device
 from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
-from rankwire.header import LaneOp, LaneOpCode, LaneRows, RoundPlan
+from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.round_trace import RoundTrace
 from server.sampling import sample_token
 
@@ -33,6 +33,26 @@ class LaneResult:
     def accepted(self) -> int:
         """Drafts kept: every token after the first."""
         return max(len(self.tokens) - 1, 0)
+
+
+@dataclass(slots=True)
+class LaunchedRound:
+    """A round on its way (`ModelRunner.launch`): what `ModelRunner.finish` completes it from."""
+
+    plan: RoundPlan
+    segments: list[Segment] = field(default_factory=list)
+    out: ForwardOutput | None = None
+    drawn: torch.Tensor | None = None  # every logit row's draw, on the device
+    rows: int = 0
+    replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts before it (round traces)
+
+    @property
+    def ahead_safe(self) -> bool:
+        """Whether the next round may be launched before this one is finished: its finish changes no lane (no
+        drafts to verify or restore, no MTP rows, no state kept after its rows), and each lane drew one token."""
+        return not any(rows.drafts or rows.draft_depth for rows in self.plan.rows) and not any(
+            op.after for op in self.plan.ops
+        )
 
 
 @dataclass(slots=True)
@@ -58,6 +78,9 @@ class ModelRunner:
         self.trace = trace or RoundTrace(None)  # its round begins and ends with the caller (engine or follower)
         # with several ranks: sends this rank's verdict on a round (None: it runs it) and returns the other rank's
         self.agreement: Callable[[str | None], str | None] | None = None
+        self.unfinished: LaunchedRound | None = None  # the last launched round, until it is finished
+        # the last launched round's draws on the device, and the lanes that drew one token: their places among them
+        self.prior_draws: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0, dtype=torch.long), {})
         self.rounds = 0
 
     def kept_bytes(self, handle: int) -> int:
@@ -118,6 +141,8 @@ class ModelRunner:
                 return f"lane {rows.slot} holds {self.slots[rows.slot].length} tokens, the plan writes at {rows.start}"
             if rows.draft_depth and not self.can_draft:
                 return "the plan asks for MTP drafts but this checkpoint has no MTP layer"
+            if rows.prior_draw and rows.slot not in self.prior_draws[1]:
+                return f"lane slot {rows.slot} takes the round before's draw, but that round drew no one token for it"
         return None
 
     def _agree(self, problem: str | None) -> None:
@@ -134,9 +159,17 @@ class ModelRunner:
             raise RoundRefused(problem)
 
     def execute(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> list[LaneResult]:
-        """Apply the lane operations; run every lane's rows and drafts as one verify forward; keep each lane's
-        accepted prefix; then absorb the kept rows into the MTP layer and chain new drafts. `launched` is called once
-        the forward is on its way (while the GPU runs it), or after the operations when the round has no rows."""
+        """Run a round to its end: `launch`, then `finish`."""
+        return self.finish(self.launch(plan, launched))
+
+    def launch(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> LaunchedRound:
+        """Apply the lane operations and launch every lane's rows and drafts as one verify forward and its draws,
+        without waiting for the GPU (a prior-draw row's token is taken from the last launched round's draws on the
+        device); `finish` completes the round. `launched` is called once the forward is on its way (while the GPU
+        runs it), or after the operations when the round has no rows. A round may be launched before the one before
+        it is finished only if that one is `ahead_safe`."""
+        if self.unfinished is not None and not self.unfinished.ahead_safe:
+            raise RuntimeError("a round was launched before the one before it, which keeps or drafts, was finished")
         for slot in plan.free:
             self.slots[slot] = None
         for slot in plan.allocate:
@@ -147,15 +180,18 @@ class ModelRunner:
         self._agree(problem)
         trace.mark("agree")
         if not plan.rows:
+            self.prior_draws = (self.prior_draws[0], {})
             if launched is not None:
                 launched()
-            return []
+            return LaunchedRound(plan)
         device = self.model.device
-        tokens, segments, logit_rows = [], [], []
+        tokens, segments, logit_rows, follows = [], [], [], []
         snapshot_rows: dict[int, set[int]] = {}
         keeps_after = {(op.slot, op.after) for op in plan.ops if op.after}
         for index, rows in enumerate(plan.rows):
             window = (*rows.token_ids, *rows.drafts)
+            if rows.prior_draw:
+                follows.append((len(tokens), self.prior_draws[1][rows.slot]))
             segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
             tokens.extend(window)
             if rows.draw is not None:
@@ -165,11 +201,15 @@ class ModelRunner:
                 wanted |= set(range(len(rows.token_ids) - 1, len(window) - 1))
             if wanted:
                 snapshot_rows[index] = wanted
+        token_ids = to_device(device, tokens, torch.long)
+        if follows:  # a draw that needs the host (-1) fails its own round's finish: 0 stands in for it here
+            rows_at, draws_at = (to_device(device, list(column), torch.long) for column in zip(*follows, strict=True))
+            token_ids.index_copy_(0, rows_at, self.prior_draws[0].index_select(0, draws_at).clamp(min=0))
         graphs = self.model.round_graphs
         replays = dict(graphs.replays) if trace.enabled and graphs is not None else {}
         trace.gpu_mark("start", device)
         out = self.model(  # its inputs reach the device without waiting for the GPU
-            batch_from_starts(to_device(device, tokens, torch.long), segments, [rows.start for rows in plan.rows]),
+            batch_from_starts(token_ids, segments, [rows.start for rows in plan.rows]),
             logit_rows=to_device(device, logit_rows, torch.long),
             snapshot_rows=snapshot_rows,
         )
@@ -177,8 +217,27 @@ class ModelRunner:
         trace.mark("forward")
         if launched is not None:
             launched()
+        drawn = self._launch_draws(plan.rows, out.logits)
+        at, singles = 0, {}  # each lane that drew one token: its place among the draws
+        for rows in plan.rows:
+            if rows.draw is not None:
+                if not rows.drafts:
+                    singles[rows.slot] = at
+                at += len(rows.drafts) + 1
+        self.prior_draws = (drawn, singles)
+        self.unfinished = LaunchedRound(plan, segments, out, drawn, len(tokens), replays)
+        return self.unfinished
+
+    def finish(self, launched: LaunchedRound) -> list[LaneResult]:
+        """Complete a launched round: read its draws, keep each lane's accepted prefix, restore the lanes whose
+        drafts were rejected, then absorb the kept rows into the MTP layer and chain new drafts."""
+        if self.unfinished is launched:
+            self.unfinished = None
+        plan, segments, out, trace = launched.plan, launched.segments, launched.out, self.trace
+        if out is None:
+            return []
         results, mtp_rows, restores, next_logit = [], [], [], 0
-        draws = self._draw(plan.rows, out.logits)
+        draws = self._draw(plan.rows, out.logits, launched.drawn)
         trace.mark("draw")
         for index, (rows, seg) in enumerate(zip(plan.rows, segments, strict=True)):
             kept = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
@@ -198,9 +257,11 @@ class ModelRunner:
                 LaneResult(r.tokens, drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)
             ]
             trace.mark("mtp")
+        graphs = self.model.round_graphs
         if trace.enabled:
-            ran = {k: n - replays.get(k, 0) for k, n in graphs.replays.items()} if graphs is not None else {}
-            trace.note(lanes=len(plan.rows), rows=len(tokens), replays={k: n for k, n in ran.items() if n})
+            before = launched.replays
+            ran = {k: n - before.get(k, 0) for k, n in graphs.replays.items()} if graphs is not None else {}
+            trace.note(lanes=len(plan.rows), rows=launched.rows, replays={k: n for k, n in ran.items() if n})
         if self.digests is not None:
             self._write_digest(out.logits, results)
         by_slot = {rows.slot: index for index, rows in enumerate(plan.rows)}
@@ -230,33 +291,46 @@ class ModelRunner:
             kept.mtp_pending = out.hidden[seg.start + after - 1].clone()
         return kept
 
-    def _draw(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor) -> list[int]:
-        """The target's draw at every logit row, keyed by (seed, absolute position): on the kernel path one batched
-        draw for the round (`sample_rows`, which gives each row `sample_token`'s token), else row by row."""
-        keys = [
+    def _draw_keys(self, plan_rows: tuple[LaneRows, ...]) -> list[tuple[DrawSpec, int]]:
+        """Each logit row's draw parameters and absolute position, the key of its draw."""
+        return [
             (rows.draw, rows.start + len(rows.token_ids) + i)
             for rows in plan_rows
             if rows.draw is not None
             for i in range(len(rows.drafts) + 1)
         ]
-        if not keys:
-            return []
-        if self.model.kernels:
-            from kernels.sample import sample_rows
 
-            temperature = torch.tensor([s.temperature for s, _ in keys], dtype=torch.float64)  # on the host: greedy
-            # rows skip the sort, and a greedy round (its parameters on the host too) is one launch
-            device = logits.device if temperature.any() else torch.device("cpu")
-            floats = to_device(device, [[s.top_p, s.min_p] for s, _ in keys], torch.float64)
-            ints = to_device(device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
-            tokens = sample_rows(logits, temperature, ints[:, 0], floats[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
-            self.trace.gpu_mark("draw", logits.device)
-            tokens = tokens.tolist()
-            if -1 not in tokens:
-                return tokens
-        return [  # the reference path, or a row sample_rows refused: sample_token names what is wrong
+    def _launch_draws(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor) -> torch.Tensor:
+        """The target's draw at every logit row, keyed by (seed, absolute position), as a tensor on the logits'
+        device: on the kernel path one batched draw launched for the round (`sample_rows`, which gives each row
+        `sample_token`'s token, or -1 where that raises), else drawn row by row on the host."""
+        keys = self._draw_keys(plan_rows)
+        if not self.model.kernels:
+            tokens = [sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
+                      for i, (s, position) in enumerate(keys)]  # fmt: skip
+            return torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        if not keys:
+            return torch.empty(0, dtype=torch.long, device=logits.device)
+        from kernels.sample import sample_rows
+
+        temperature = torch.tensor([s.temperature for s, _ in keys], dtype=torch.float64)  # on the host: greedy
+        # rows skip the sort, and a greedy round (its parameters on the host too) is one launch
+        device = logits.device if temperature.any() else torch.device("cpu")
+        floats = to_device(device, [[s.top_p, s.min_p] for s, _ in keys], torch.float64)
+        ints = to_device(device, [[s.top_k, s.seed, p] for s, p in keys], torch.int64)
+        tokens = sample_rows(logits, temperature, ints[:, 0], floats[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
+        self.trace.gpu_mark("draw", logits.device)
+        return tokens
+
+    def _draw(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: torch.Tensor) -> list[int]:
+        """The launched draws on the host; a row sample_rows refused is drawn by `sample_token`, which names what is
+        wrong."""
+        tokens = drawn.tolist()
+        if -1 not in tokens:
+            return tokens
+        return [
             sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
-            for i, (s, position) in enumerate(keys)
+            for i, (s, position) in enumerate(self._draw_keys(plan_rows))
         ]
 
     def _verify(self, rows: LaneRows, draws: list[int]) -> list[int]:

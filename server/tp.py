@@ -12,7 +12,7 @@ from rankwire.errors import LinkError, PeerFailed, PeerGone
 from rankwire.header import RoundKind, RoundPlan
 from rankwire.link import ControlLink
 from server.round_trace import RoundTrace
-from server.runner import LaneResult, ModelRunner
+from server.runner import LaneResult, LaunchedRound, ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,15 @@ class LinkedRunner:
     def kept_bytes(self, handle: int) -> int:
         return self.runner.kept_bytes(handle)
 
-    def execute(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> list[LaneResult]:
+    def launch(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> LaunchedRound:
+        """Send the plan to rank 1, then launch it here."""
         with self.lock:
             self.link.send_header(plan)
         self.runner.trace.mark("link")
-        return self.runner.execute(plan, launched)
+        return self.runner.launch(plan, launched)
+
+    def finish(self, launched: LaunchedRound) -> list[LaneResult]:
+        return self.runner.finish(launched)
 
     def _agree(self, problem: str | None) -> str | None:
         """The agreement gate on the control link: send rank 0's verdict on the round, then wait for rank 1's."""
@@ -73,7 +77,9 @@ def watch_peer(link: ControlLink, on_gone: Callable[[str], None], stop: threadin
 
 def follow(link: ControlLink, runner: ModelRunner, timeout_s: float) -> int:
     """Rank 1: run every plan rank 0 sends until STOP (exit 0) or rank 0 goes away (exit 1); its verdict on each
-    goes to rank 0 before rank 0's is awaited (within `timeout_s`)."""
+    goes to rank 0 before rank 0's is awaited (within `timeout_s`). A round that may be (`ahead_safe`) is finished
+    once the next one is launched, as rank 0 does when it plans ahead, so this rank's GPU is never left waiting on
+    its host between such rounds."""
     trace = runner.trace
 
     def agree(problem: str | None) -> str | None:
@@ -81,6 +87,7 @@ def follow(link: ControlLink, runner: ModelRunner, timeout_s: float) -> int:
         return link.recv_verdict(time.monotonic() + timeout_s)
 
     runner.agreement = agree
+    unfinished: LaunchedRound | None = None
     while True:
         trace.start()
         try:
@@ -91,12 +98,19 @@ def follow(link: ControlLink, runner: ModelRunner, timeout_s: float) -> int:
         except PeerFailed as exc:
             log.error("rank 0 failed: %s", exc.message)
             return 1
-        if plan.kind is RoundKind.STOP:
-            log.info("rank 0 asked to stop")
-            return 0
         trace.mark("wait")
         try:
-            runner.execute(plan)
+            if plan.kind is RoundKind.STOP:
+                if unfinished is not None:
+                    runner.finish(unfinished)
+                log.info("rank 0 asked to stop")
+                return 0
+            launched = runner.launch(plan)
+            if unfinished is not None:
+                runner.finish(unfinished)
+            unfinished = launched if launched.ahead_safe and plan.rows else None
+            if unfinished is None:
+                runner.finish(launched)
             trace.write()
         except Exception as exc:
             log.exception("round failed on rank 1")

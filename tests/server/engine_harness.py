@@ -35,11 +35,16 @@ class RecordingRunner(ModelRunner):
         super().__init__(model, max_lanes)
         self.rounds: list[list[LaneResult]] = []
         self.plans = []
+        self.ahead = 0
         self.engine: Engine | None = None
 
-    def execute(self, plan, launched=None):
-        results = super().execute(plan, launched)
-        self.plans.append(plan)
+    def launch(self, plan, launched=None):
+        self.ahead += self.unfinished is not None  # launched before the round before it was finished
+        return super().launch(plan, launched)
+
+    def finish(self, launched):
+        results = super().finish(launched)
+        self.plans.append(launched.plan)
         self.rounds.append(results)
         return results
 
@@ -54,6 +59,7 @@ def run(
     draft: bool = True,
     budget: int = 64,
     cache_grid: int | None = None,
+    overlap: bool = False,
 ) -> tuple[list[list[int]], RecordingRunner]:
     """Serve the prompts together (ignoring EOS) and return each one's tokens; with `cache_grid` a prompt cache keeps
     lane states on that grid and before each prompt's last token."""
@@ -61,7 +67,7 @@ def run(
     cache = None if cache_grid is None else PromptCache(1 << 30)
     engine = Engine(
         runner, context=4096, prompt_budget=budget, draft_depth=depth, drafter=drafter, prompt_cache=cache,
-        cache_grid=cache_grid or 512,
+        cache_grid=cache_grid or 512, overlap=overlap,
     )  # fmt: skip
     runner.engine = engine
     outcomes = [Outcome() for _ in prompts]

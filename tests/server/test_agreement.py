@@ -48,6 +48,10 @@ class Ranks:
         self.thread = threading.Thread(target=lambda: self.exit.append(follow(self.links[1], self.runners[1], 10)))
         self.thread.start()
 
+    def run(self, plan: RoundPlan) -> list:
+        """One round on both ranks, as rank 0's engine runs it."""
+        return self.rank0.finish(self.rank0.launch(plan))
+
     def close(self) -> None:
         self.rank0.close()
         self.thread.join(timeout=10)
@@ -58,11 +62,11 @@ class Ranks:
 def test_a_round_one_rank_refuses_runs_on_neither_and_both_name_the_reason(path, refusing: int) -> None:
     ranks = Ranks(path)
     try:
-        first = ranks.rank0.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, PROMPT, 0, GREEDY),)))
+        first = ranks.run(RoundPlan(allocate=(0,), rows=(LaneRows(0, PROMPT, 0, GREEDY),)))
         assert len(first[0].tokens) == 1 and ranks.forwards == [1, 1]  # an agreed round runs on both
         ranks.runners[refusing].slots[0] = None  # this rank lost the lane (rank 1 waits for the next header)
         with pytest.raises(RoundRefused) as refused:
-            ranks.rank0.execute(RoundPlan(rows=(LaneRows(0, first[0].tokens, len(PROMPT), GREEDY),)))
+            ranks.run(RoundPlan(rows=(LaneRows(0, first[0].tokens, len(PROMPT), GREEDY),)))
         ranks.thread.join(timeout=10)
         assert ranks.forwards == [1, 1]  # neither rank ran the refused round
         assert str(refused.value) == (REASON if refusing == 0 else f"rank 1 refused the round: {REASON}")

@@ -129,16 +129,14 @@ def test_updates_reach_the_sinks_once_the_next_round_is_launched_or_the_engine_i
     events: list[str] = []
 
     class Ordered(ModelRunner):
-        def execute(self, plan, launched=None):
-            events.append("execute")
+        def launch(self, plan, launched=None):
+            events.append("launch")
 
             def on_launch() -> None:
                 events.append("launched")
                 launched()
 
-            results = super().execute(plan, on_launch)
-            events.append("done")
-            return results
+            return super().launch(plan, on_launch)
 
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
     engine = Engine(Ordered(model, 2), context=256, prompt_budget=64)
@@ -148,15 +146,15 @@ def test_updates_reach_the_sinks_once_the_next_round_is_launched_or_the_engine_i
     delivered = [i for i, event in enumerate(events) if event == "deliver"]
     assert len(delivered) >= 3
     assert all(events[i - 1] == "launched" for i in delivered)  # each round's updates ride on the next launch
-    assert events.count("launched") == events.count("execute")  # rows or not, every round says when it is launched
+    assert events.count("launched") == events.count("launch")  # rows or not, every round says when it is launched
 
 
 def test_updates_still_arrive_when_the_runner_never_says_launched(tmp_path) -> None:
     """With nothing left to run the engine delivers what it holds, whatever the runner does."""
 
     class Silent(ModelRunner):
-        def execute(self, plan, launched=None):
-            return super().execute(plan)
+        def launch(self, plan, launched=None):
+            return super().launch(plan)
 
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
     (outcome,) = serve(Engine(Silent(model, 1), context=256, prompt_budget=64), 1, 3, wait_s=60)

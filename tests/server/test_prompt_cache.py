@@ -210,11 +210,11 @@ def test_a_failed_round_loses_its_keeps_and_the_engine_goes_on(ckpt):
     class FailsOnce(RecordingRunner):
         failed = False
 
-        def execute(self, plan, launched=None):
+        def launch(self, plan, launched=None):
             if not self.failed and any(op.after for op in plan.ops):
                 self.failed = True
                 raise RuntimeError("injected")
-            return super().execute(plan, launched)
+            return super().launch(plan, launched)
 
     model = load_model(ckpt, dtype="float32")
     outcomes, _ = serve_in_turn(model, [(LONG[:20], True), (LONG[:20], True)], PromptCache(1 << 30), FailsOnce)

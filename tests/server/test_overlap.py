@@ -1,0 +1,117 @@
+"""Rounds planned ahead (`--overlap on`): while the GPU runs a round that drafts nothing, the engine plans and
+launches the next one, whose rows take their tokens from the round before's draws on the device. The tokens are
+the same as with each round finished before the next is planned, whatever ends a request (its length, a stop
+token, an abort), alone or among others, greedy or sampled, on the reference path and the kernel path."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import threading
+
+import pytest
+from make_checkpoint import make_checkpoint
+
+from model.weights import load_model
+from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from server.engine import Engine, Request
+from server.runner import ModelRunner
+from tests.server.engine_harness import Outcome, RecordingRunner, run
+from tests.tiny import KERNEL_TEXT, checkpoint, text_config
+
+PROMPTS = [[7, 19, 40, 33, 2, 91, 12, 44, 8, 13], [5, 6, 7], [60, 61, 62, 63, 64, 65, 66]]
+DRAWS = [DrawSpec(0.0, 0, 1.0, 0.0, 1), DrawSpec(0.9, 20, 0.95, 0.0, 77), DrawSpec(0.0, 0, 1.0, 0.0, 3)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(checkpoint(tmp_path_factory.mktemp("overlap") / "m"), dtype="float32")
+
+
+@pytest.mark.parametrize("budget", [4, 64], ids=["prompts-in-chunks", "whole-prompts"])
+def test_rounds_planned_ahead_give_the_tokens_of_rounds_in_turn(model, budget: int) -> None:
+    apart, _ = run(model, PROMPTS, 12, DRAWS, draft=False, budget=budget)
+    ahead, runner = run(model, PROMPTS, 12, DRAWS, draft=False, budget=budget, overlap=True)
+    assert ahead == apart
+    assert runner.ahead >= 10  # most rounds were launched before the one before them was finished
+    assert any(row.prior_draw for plan in runner.plans for row in plan.rows)
+
+
+def test_each_request_planned_ahead_equals_itself_alone(model) -> None:
+    together, _ = run(model, PROMPTS, 10, DRAWS, draft=False, budget=8, overlap=True)
+    for prompt, draw, tokens in zip(PROMPTS, DRAWS, together, strict=True):
+        (alone,), _ = run(model, [prompt], 10, [draw], draft=False)
+        assert tokens == alone
+
+
+def test_a_drafting_round_is_finished_before_the_next_is_planned(model) -> None:
+    drafted, runner = run(model, PROMPTS[:1], 16, DRAWS[:1], budget=64, overlap=True)
+    (plain,), _ = run(model, PROMPTS[:1], 16, DRAWS[:1], draft=False)
+    assert drafted == [plain]
+    assert runner.ahead == 0 and not any(row.prior_draw for plan in runner.plans for row in plan.rows)
+
+
+def serve_with_stops(model, overlap: bool, stops: list[frozenset[int]], abort_after: int | None = None):
+    """The prompts served together with stop tokens, the second aborted once `abort_after` of its tokens arrived."""
+    runner = RecordingRunner(model, len(PROMPTS))
+    engine = Engine(runner, context=256, prompt_budget=64, overlap=overlap)
+    outcomes = [Outcome() for _ in PROMPTS]
+    engine.start()
+    try:
+        for i, (prompt, draw, stop) in enumerate(zip(PROMPTS, DRAWS, stops, strict=True)):
+            sink = outcomes[i].sink
+            if i == 1 and abort_after is not None:
+
+                def sink(update, _sink=sink, _outcome=outcomes[i]):
+                    _sink(update)
+                    if len(_outcome.tokens) >= abort_after and update.finish_reason is None:
+                        threading.Thread(target=engine.abort, args=("r1",)).start()
+
+            engine.submit(Request(f"r{i}", prompt, 20, draw, stop, sink, draft=False))
+        for outcome in outcomes:
+            assert outcome.done.wait(120)
+    finally:
+        engine.stop()
+    return [(o.tokens, o.finish) for o in outcomes], runner
+
+
+def test_a_stop_token_ends_a_request_planned_ahead_and_its_lane_goes_to_the_next(model) -> None:
+    (reference,), _ = run(model, PROMPTS[:1], 20, DRAWS[:1], draft=False)
+    stops = [frozenset({reference[4]}), frozenset(), frozenset()]
+    apart, _ = serve_with_stops(model, False, stops)
+    ahead, runner = serve_with_stops(model, True, stops)
+    assert ahead == apart and runner.ahead > 0
+    assert ahead[0] == (reference[: reference.index(reference[4]) + 1], "stop")
+    assert [finish for _, finish in ahead[1:]] == ["length", "length"]
+
+
+def test_an_abort_while_a_round_is_planned_ahead_ends_only_its_request(model) -> None:
+    stops = [frozenset()] * 3
+    apart, _ = serve_with_stops(model, False, stops)
+    ahead, _ = serve_with_stops(model, True, stops, abort_after=3)
+    assert ahead[1][1] == "abort" and ahead[1][0] == apart[1][0][: len(ahead[1][0])]
+    assert ahead[0] == apart[0] and ahead[2] == apart[2]
+
+
+def test_the_kernel_path_takes_the_prior_draws_on_the_device(tmp_path) -> None:
+    kernel_model = load_model(
+        make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
+    )
+    apart, _ = run(kernel_model, PROMPTS[:2], 6, DRAWS[:2], draft=False, budget=16)
+    ahead, runner = run(kernel_model, PROMPTS[:2], 6, DRAWS[:2], draft=False, budget=16, overlap=True)
+    assert ahead == apart and runner.ahead > 0
+
+
+def test_a_prior_draw_row_needs_a_round_before_that_drew_one_token_for_its_lane(model) -> None:
+    runner = ModelRunner(model, 2)
+    greedy = DRAWS[0]
+    first = runner.launch(RoundPlan(allocate=(0, 1), rows=(LaneRows(0, (5, 6), 0, greedy), LaneRows(1, (7,), 0, None))))
+    with pytest.raises(RuntimeError, match="lane slot 1 takes the round before's draw"):
+        runner.launch(RoundPlan(rows=(LaneRows(1, (0,), 1, greedy, prior_draw=True),)))
+    (token,) = runner.finish(first)[0].tokens
+    ahead = runner.finish(runner.launch(RoundPlan(rows=(LaneRows(0, (0,), 2, greedy, prior_draw=True),))))
+    stepped = ModelRunner(model, 1)
+    stepped.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, (5, 6), 0, greedy),)))
+    assert ahead == stepped.execute(RoundPlan(rows=(LaneRows(0, (token,), 2, greedy),)))
