@@ -6,8 +6,11 @@ import torch
 
 
 def to_device(device: torch.device, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A host list (of rows, or flat) or host tensor as a tensor on `device`, copied from pinned memory without
-    waiting for the GPU on CUDA (the pinned block is kept until its copy has run); the host tensor itself elsewhere."""
+    """A host list (of rows, or flat) or a tensor as a tensor on `device`, a host one copied from pinned memory
+    without waiting for the GPU on CUDA (the pinned block is kept until its copy has run); the host tensor itself
+    elsewhere."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.to(device=device, dtype=dtype)
     table = torch.as_tensor(values, dtype=dtype)
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import to_device
 from kernels.pdl import enter, launch_options
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -376,7 +377,7 @@ def _drawn_rows(temperature: torch.Tensor, n: int, device: torch.device) -> torc
     if temperature.device.type != "cpu":
         return torch.arange(n, device=device) if n else None
     rows = torch.nonzero(temperature.to(torch.float64) != 0).flatten()
-    return rows.to(device) if rows.numel() else None
+    return to_device(device, rows, torch.long) if rows.numel() else None
 
 
 def sample_rows(
@@ -401,11 +402,12 @@ def sample_rows(
         raise ValueError(f"sample_rows: every parameter needs one value per row ({n})")
     if all(t.device.type == "cpu" for t in params) and not temperature.any():  # a greedy round: one launch
         tokens, valid = greedy_tokens(logits.contiguous()), valid_parameters(*params)
-        return tokens if valid.all() else torch.where(valid.to(dev), tokens, -1)
-    t64 = temperature.to(device=dev, dtype=torch.float64)
-    k64 = top_k.to(device=dev, dtype=torch.int64).contiguous()
-    p64 = top_p.to(device=dev, dtype=torch.float64).contiguous()
-    m64 = min_p.to(device=dev, dtype=torch.float64).contiguous()
+        return tokens if valid.all() else torch.where(to_device(dev, valid, torch.bool), tokens, -1)
+    # host parameters reach the device without waiting for it (a round may be launched while the one before runs)
+    t64 = to_device(dev, temperature, torch.float64)
+    k64 = to_device(dev, top_k, torch.int64).contiguous()
+    p64 = to_device(dev, top_p, torch.float64).contiguous()
+    m64 = to_device(dev, min_p, torch.float64).contiguous()
     x = logits.float()
     valid = valid_parameters(t64, k64, p64, m64) & torch.isfinite(x.amax(dim=-1))
     greedy = t64 == 0
@@ -416,7 +418,7 @@ def sample_rows(
     if drawn.numel() < n:  # each row's softmax and sort are its own: the other rows' absence changes no bits
         x, t64, k64, p64, m64 = (v.index_select(0, drawn) for v in (x, t64, k64, p64, m64))
         valid, greedy = valid.index_select(0, drawn), greedy.index_select(0, drawn)
-        seed, position = seed.to(dev).index_select(0, drawn), position.to(dev).index_select(0, drawn)
+        seed, position = (to_device(dev, v, torch.int64).index_select(0, drawn) for v in (seed, position))
     sorted_probs, sorted_ids = torch.sort(scaled_softmax(x, t64), dim=-1, descending=True, stable=True)
     mode = torch.where(valid, torch.where(greedy, MODE_GREEDY, MODE_SAMPLE), MODE_INVALID).to(torch.int32)
     picked = tokens if drawn.numel() == n else tokens.index_select(0, drawn)  # the kernel fills the sampled rows
@@ -429,8 +431,8 @@ def sample_rows(
         k64,
         p64,
         m64,
-        seed.to(device=dev, dtype=torch.int64).contiguous(),
-        position.to(device=dev, dtype=torch.int64).contiguous(),
+        to_device(dev, seed, torch.int64).contiguous(),
+        to_device(dev, position, torch.int64).contiguous(),
         picked,
         vocab,
         sorted_probs.stride(0),

@@ -84,3 +84,35 @@ def test_the_verify_forward_never_waits_and_the_mtp_chain_waits_once(tmp_path, m
             )
         )
     assert graphs.replays["verify"] - replays == 3  # the watched forwards were replays of the verify graph
+
+
+@pytest.mark.parametrize("draw", [GREEDY, DrawSpec(0.9, 20, 0.95, 0.0, 7)], ids=["greedy", "sampled"])
+def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_tokens(tmp_path, draw) -> None:
+    path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
+    model = load_model(path, "cuda", "bfloat16", kernels="on")
+    kernel_path.lane_pool(model, slots=4, context=64)
+    kernel_path.enable_graphs(model, {"trunk": 8, "verify": 8, "prompt": 16, "mtp": 8}, listed_logits=8)
+    prompts = [(7, 19, 40, 33, 2), (91, 12, 44)]
+    first = RoundPlan(allocate=(0, 1), rows=tuple(LaneRows(i, p, 0, draw) for i, p in enumerate(prompts)))
+    in_turn, ahead = ModelRunner(model, 2), ModelRunner(model, 2)
+    expected = [list(r.tokens) for r in in_turn.execute(first)]
+    for step in range(5):
+        rows = [
+            LaneRows(i, (t[-1],), len(p) + step, draw) for i, (p, t) in enumerate(zip(prompts, expected, strict=True))
+        ]
+        for tokens, result in zip(expected, in_turn.execute(RoundPlan(rows=tuple(rows))), strict=True):
+            tokens += result.tokens
+    got, pending = [[], []], ahead.launch(first)
+    for step in range(5):
+        rows = tuple(LaneRows(i, (0,), len(p) + step, draw, prior_draw=True) for i, p in enumerate(prompts))
+        if step >= 2:  # compiled and placed: from here each launch is watched
+            with syncs_refused():
+                launched = ahead.launch(RoundPlan(rows=rows))
+        else:
+            launched = ahead.launch(RoundPlan(rows=rows))
+        for tokens, result in zip(got, ahead.finish(pending), strict=True):
+            tokens += result.tokens
+        pending = launched
+    for tokens, result in zip(got, ahead.finish(pending), strict=True):
+        tokens += result.tokens
+    assert got == expected
