@@ -156,7 +156,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="draft tokens verified per round and lane; 0 turns drafting off (default 3)",
     )
     parser.add_argument(
-        "--overlap",
+        "--plan-ahead",
         choices=("on", "off"),
         default="on",
         help="plan and launch the next round while the GPU runs one that drafts nothing, so the host's work between "

@@ -108,10 +108,10 @@ class Engine:
         drafter: Drafter | None = None,
         prompt_cache: PromptCache | None = None,
         cache_grid: int = 512,
-        overlap: bool = False,
+        plan_ahead: bool = False,
     ) -> None:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
-        self.overlap = overlap  # plan and launch the next round while the GPU runs one that drafts nothing
+        self.plan_ahead = plan_ahead  # plan and launch the next round while the GPU runs one that drafts nothing
         self.metrics = metrics
         self.on_fatal = on_fatal
         self.max_lanes = runner.max_lanes
@@ -249,7 +249,7 @@ class Engine:
                 self._complete(flight)
             flight = None
             if launched is not None:
-                if self.overlap and launched.launched.ahead_safe and launched.plan.rows:
+                if self.plan_ahead and launched.launched.ahead_safe and launched.plan.rows:
                     flight = launched
                 else:
                     self._complete(launched)

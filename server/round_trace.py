@@ -4,6 +4,7 @@ after the first of at least LANES lanes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ class RoundTrace:
     """Marks the end of each phase of a round and writes the phases' seconds; without a path it keeps nothing.
 
     On CUDA it also records events on the stream (`gpu_mark`): the GPU's milliseconds between consecutive points of a
-    round are written as `gpu`, read when the round is written (a wait for the GPU in a round without a draw)."""
+    round are written as `gpu`, once the GPU has passed the round's last point: a round's line waits, in order, for a
+    later write rather than the host for the GPU (a round launched ahead is still running when its line is made)."""
 
     PROFILED_ROUNDS = 5
 
@@ -29,6 +31,7 @@ class RoundTrace:
         self.phases: dict[str, float] = {}
         self.fields: dict[str, Any] = {}
         self.events: list[tuple[str, torch.cuda.Event]] = []
+        self.unwritten: list[tuple[dict[str, Any], list[tuple[str, torch.cuda.Event]]]] = []  # lines, oldest first
         self.last = time.perf_counter()
 
     @property
@@ -58,13 +61,10 @@ class RoundTrace:
         event.record()
         self.events.append((point, event))
 
-    def gpu_spans(self) -> dict[str, float]:
-        """Milliseconds of GPU stream time between consecutive points (waits for the last point)."""
-        if len(self.events) < 2:
-            return {}
-        self.events[-1][1].synchronize()
-        pairs = zip(self.events, self.events[1:], strict=False)
-        return {point: round(begin.elapsed_time(end), 4) for (_, begin), (point, end) in pairs}
+    @staticmethod
+    def gpu_spans(events: list[tuple[str, torch.cuda.Event]]) -> dict[str, float]:
+        """Milliseconds of GPU stream time between consecutive points, all passed."""
+        return {point: round(begin.elapsed_time(end), 4) for (_, begin), (point, end) in itertools.pairwise(events)}
 
     def note(self, **fields: Any) -> None:
         """Facts about the round (rows, lanes, which graphs ran), written with its phases."""
@@ -75,10 +75,18 @@ class RoundTrace:
         if self.path is None:
             return
         line = {**self.fields, "phases": {k: round(v, 6) for k, v in self.phases.items()}}
-        if self.events:
-            line["gpu"] = self.gpu_spans()
+        self.unwritten.append((line, self.events))
+        ready = 0
+        for _, events in self.unwritten:
+            if events and not events[-1][1].query():  # the GPU has not passed this round's last point yet
+                break
+            ready += 1
         with self.path.open("a") as out:
-            out.write(json.dumps(line) + "\n")
+            for line, events in self.unwritten[:ready]:
+                if len(events) > 1:
+                    line["gpu"] = self.gpu_spans(events)
+                out.write(json.dumps(line) + "\n")
+        del self.unwritten[:ready]
         if self.profile_lanes is not None:
             self._profile_step(self.fields.get("lanes", 0))
 

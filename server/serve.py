@@ -209,7 +209,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         DRAFTERS[args.drafter](),
         cache,
         args.prompt_cache_grid,
-        args.overlap == "on",
+        args.plan_ahead == "on",
     )
     metrics.track_cache(cache)
     metrics.track_collectives(model.tp.counts)

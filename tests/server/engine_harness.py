@@ -59,7 +59,7 @@ def run(
     draft: bool = True,
     budget: int = 64,
     cache_grid: int | None = None,
-    overlap: bool = False,
+    plan_ahead: bool = False,
 ) -> tuple[list[list[int]], RecordingRunner]:
     """Serve the prompts together (ignoring EOS) and return each one's tokens; with `cache_grid` a prompt cache keeps
     lane states on that grid and before each prompt's last token."""
@@ -67,7 +67,7 @@ def run(
     cache = None if cache_grid is None else PromptCache(1 << 30)
     engine = Engine(
         runner, context=4096, prompt_budget=budget, draft_depth=depth, drafter=drafter, prompt_cache=cache,
-        cache_grid=cache_grid or 512, overlap=overlap,
+        cache_grid=cache_grid or 512, plan_ahead=plan_ahead,
     )  # fmt: skip
     runner.engine = engine
     outcomes = [Outcome() for _ in prompts]

@@ -95,22 +95,43 @@ def test_summary_takes_the_median_of_each_gpu_span():
     assert "gpu_ms" not in entries[1]  # a CPU round has no GPU points
 
 
+class Event:
+    """A stand-in for a CUDA event at a time in ms, which the GPU has passed or not."""
+
+    def __init__(self, at: float, passed: bool = True) -> None:
+        self.at, self.passed = at, passed
+
+    def elapsed_time(self, end: Event) -> float:
+        return end.at - self.at
+
+    def query(self) -> bool:
+        return self.passed
+
+
 def test_gpu_spans_name_each_span_after_its_end_point():
-    class Event:
-        def __init__(self, at: float) -> None:
-            self.at = at
-
-        def elapsed_time(self, end: Event) -> float:
-            return end.at - self.at
-
-        def synchronize(self) -> None:
-            pass
-
+    events = [("start", Event(1.0)), ("forward", Event(9.5)), ("draw", Event(9.75))]
+    assert RoundTrace.gpu_spans(events) == {"forward": 8.5, "draw": 0.25}
     trace = RoundTrace(Path("unused"))
-    trace.events = [("start", Event(1.0)), ("forward", Event(9.5)), ("draw", Event(9.75))]
-    assert trace.gpu_spans() == {"forward": 8.5, "draw": 0.25}
     trace.gpu_mark("cpu", torch.device("cpu"))  # no events off CUDA
-    assert len(trace.events) == 3
+    assert trace.events == []
+
+
+def test_a_rounds_line_waits_in_order_until_the_gpu_has_passed_its_last_point(tmp_path):
+    """The host never waits for the GPU to write a line: a round still running is written by a later write."""
+    path, late = tmp_path / "rank0.trace", Event(5.0, passed=False)
+    trace = RoundTrace(path)
+    first, second = [("start", Event(1.0)), ("draw", Event(2.0))], [("start", Event(3.0)), ("draw", late)]
+    rounds = {1: first, 2: second, 3: [], 4: []}
+    for lanes, events in rounds.items():
+        trace.start()
+        trace.events = events
+        trace.note(lanes=lanes)
+        if lanes == 4:
+            late.passed = True
+        trace.write()
+        written = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [line["lanes"] for line in written] == ([1] if lanes < 4 else [1, 2, 3, 4])
+    assert written[0]["gpu"] == {"draw": 1.0} and written[1]["gpu"] == {"draw": 2.0} and "gpu" not in written[2]
 
 
 def test_profile_pdl_gluon_and_overlap_settings_are_parsed_and_refused_by_name():

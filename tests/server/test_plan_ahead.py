@@ -1,4 +1,4 @@
-"""Rounds planned ahead (`--overlap on`): while the GPU runs a round that drafts nothing, the engine plans and
+"""Rounds planned ahead (`--plan-ahead on`): while the GPU runs a round that drafts nothing, the engine plans and
 launches the next one, whose rows take their tokens from the round before's draws on the device. The tokens are
 the same as with each round finished before the next is planned, whatever ends a request (its length, a stop
 token, an abort), alone or among others, greedy or sampled, on the reference path and the kernel path."""
@@ -27,36 +27,36 @@ DRAWS = [DrawSpec(0.0, 0, 1.0, 0.0, 1), DrawSpec(0.9, 20, 0.95, 0.0, 77), DrawSp
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return load_model(checkpoint(tmp_path_factory.mktemp("overlap") / "m"), dtype="float32")
+    return load_model(checkpoint(tmp_path_factory.mktemp("ahead") / "m"), dtype="float32")
 
 
 @pytest.mark.parametrize("budget", [4, 64], ids=["prompts-in-chunks", "whole-prompts"])
 def test_rounds_planned_ahead_give_the_tokens_of_rounds_in_turn(model, budget: int) -> None:
     apart, _ = run(model, PROMPTS, 12, DRAWS, draft=False, budget=budget)
-    ahead, runner = run(model, PROMPTS, 12, DRAWS, draft=False, budget=budget, overlap=True)
+    ahead, runner = run(model, PROMPTS, 12, DRAWS, draft=False, budget=budget, plan_ahead=True)
     assert ahead == apart
     assert runner.ahead >= 10  # most rounds were launched before the one before them was finished
     assert any(row.prior_draw for plan in runner.plans for row in plan.rows)
 
 
 def test_each_request_planned_ahead_equals_itself_alone(model) -> None:
-    together, _ = run(model, PROMPTS, 10, DRAWS, draft=False, budget=8, overlap=True)
+    together, _ = run(model, PROMPTS, 10, DRAWS, draft=False, budget=8, plan_ahead=True)
     for prompt, draw, tokens in zip(PROMPTS, DRAWS, together, strict=True):
         (alone,), _ = run(model, [prompt], 10, [draw], draft=False)
         assert tokens == alone
 
 
 def test_a_drafting_round_is_finished_before_the_next_is_planned(model) -> None:
-    drafted, runner = run(model, PROMPTS[:1], 16, DRAWS[:1], budget=64, overlap=True)
+    drafted, runner = run(model, PROMPTS[:1], 16, DRAWS[:1], budget=64, plan_ahead=True)
     (plain,), _ = run(model, PROMPTS[:1], 16, DRAWS[:1], draft=False)
     assert drafted == [plain]
     assert runner.ahead == 0 and not any(row.prior_draw for plan in runner.plans for row in plan.rows)
 
 
-def serve_with_stops(model, overlap: bool, stops: list[frozenset[int]], abort_after: int | None = None):
+def serve_with_stops(model, plan_ahead: bool, stops: list[frozenset[int]], abort_after: int | None = None):
     """The prompts served together with stop tokens, the second aborted once `abort_after` of its tokens arrived."""
     runner = RecordingRunner(model, len(PROMPTS))
-    engine = Engine(runner, context=256, prompt_budget=64, overlap=overlap)
+    engine = Engine(runner, context=256, prompt_budget=64, plan_ahead=plan_ahead)
     outcomes = [Outcome() for _ in PROMPTS]
     engine.start()
     try:
@@ -100,7 +100,7 @@ def test_the_kernel_path_takes_the_prior_draws_on_the_device(tmp_path) -> None:
         make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
     )
     apart, _ = run(kernel_model, PROMPTS[:2], 6, DRAWS[:2], draft=False, budget=16)
-    ahead, runner = run(kernel_model, PROMPTS[:2], 6, DRAWS[:2], draft=False, budget=16, overlap=True)
+    ahead, runner = run(kernel_model, PROMPTS[:2], 6, DRAWS[:2], draft=False, budget=16, plan_ahead=True)
     assert ahead == apart and runner.ahead > 0
 
 
