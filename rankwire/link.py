@@ -100,7 +100,7 @@ class ControlLink:
         try:
             events = poll_fd(self.sock.fileno(), 0.0, HANGUP | POLLIN)
             return bool(events & HANGUP) or bool(events & POLLIN and not self.sock.recv(1, _PEEK))
-        except InterruptedError:
+        except (InterruptedError, BlockingIOError):  # a frame taken by the reader between the poll and the peek
             return False
         except ConnectionResetError:
             return True

@@ -243,13 +243,12 @@ class Engine:
                 return
             launched = None
             if flight is None or plan.rows or plan.ops or plan.allocate or plan.free:
-                launched = self._launch(Flight(plan, requests, keeps), flight)
-                flight = None if launched is None else flight  # a failed launch failed the round in flight too
+                launched = self._launch(Flight(plan, requests, keeps))
             if flight is not None:
                 self._complete(flight)
             flight = None
             if launched is not None:
-                if self.plan_ahead and launched.launched.ahead_safe and launched.plan.rows:
+                if self.plan_ahead and launched.plan.rows and self._ahead(launched):
                     flight = launched
                 else:
                     self._complete(launched)
@@ -344,17 +343,23 @@ class Engine:
             ops.append(LaneOp(LaneOpCode.KEEP, request.slot, handle, after))
             self.new_keeps.append((digest, Kept(handle, position, 0)))
 
-    def _launch(self, planned: Flight, flight: Flight | None) -> Flight | None:
+    def _launch(self, planned: Flight) -> Flight | None:
         """Launch a planned round (the updates gathered so far are delivered once its forward is on its way); None
-        if that failed, which fails the round before it (`flight`) too: its requests' rows follow on from it."""
+        if that failed (a round in flight before it is still finished)."""
         try:
             # the updates gathered so far reach the HTTP side while the GPU runs this round, so its streaming
             # work overlaps the forward instead of holding the GIL between rounds
             planned.launched = self.runner.launch(planned.plan, launched=self._flush)
         except Exception as exc:
-            self._failed([f for f in (flight, planned) if f is not None], exc)
+            self._failed([planned], exc)
             return None
         return planned
+
+    def _ahead(self, flight: Flight) -> bool:
+        """Whether the next round may be planned before this launched one is finished: its finish changes no lane
+        (`LaunchedRound.ahead_safe`), and none of its requests wants drafts, which are proposed from its tokens."""
+        wants_drafts = self.draft_depth and any(request.draft for request in flight.requests)
+        return flight.launched.ahead_safe and not wants_drafts
 
     def _complete(self, flight: Flight) -> None:
         """Finish a launched round and hand each lane's kept tokens to its request."""
@@ -380,8 +385,7 @@ class Engine:
 
     def _failed(self, flights: list[Flight], exc: Exception) -> None:
         """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request
-        with rows in it (or in the round launched ahead of it) ends with the error, and the prompt states their plans
-        would have kept are dropped."""
+        with rows in it ends with the error, and the prompt states its plan would have kept are dropped."""
         log.error("round failed", exc_info=exc)
         if self.on_fatal is not None:  # with several ranks a failed round leaves their states unknown
             self.fail(f"the round failed: {exc}")

@@ -40,7 +40,7 @@ class LaunchedRound:
     """A round on its way (`ModelRunner.launch`): what `ModelRunner.finish` completes it from."""
 
     plan: RoundPlan
-    segments: list[Segment] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)  # its lanes' rows, unless it is `ahead_safe`
     out: ForwardOutput | None = None
     drawn: torch.Tensor | None = None  # every logit row's draw, on the device
     rows: int = 0
@@ -48,11 +48,14 @@ class LaunchedRound:
 
     @property
     def ahead_safe(self) -> bool:
-        """Whether the next round may be launched before this one is finished: its finish changes no lane (no
-        drafts to verify or restore, no MTP rows, no state kept after its rows), and each lane drew one token."""
-        return not any(rows.drafts or rows.draft_depth for rows in self.plan.rows) and not any(
-            op.after for op in self.plan.ops
-        )
+        """Whether the next round may be launched before this one is finished (`ahead_safe`)."""
+        return ahead_safe(self.plan)
+
+
+def ahead_safe(plan: RoundPlan) -> bool:
+    """Whether a round's finish changes no lane (no drafts to verify or restore, no MTP rows, no state kept after its
+    rows), so the next round may be launched before it is finished; such a round holds no lane meanwhile."""
+    return not any(rows.drafts or rows.draft_depth for rows in plan.rows) and not any(op.after for op in plan.ops)
 
 
 @dataclass(slots=True)
@@ -225,7 +228,9 @@ class ModelRunner:
                     singles[rows.slot] = at
                 at += len(rows.drafts) + 1
         self.prior_draws = (drawn, singles)
-        self.unfinished = LaunchedRound(plan, segments, out, drawn, len(tokens), replays)
+        # a round finished later holds no lane: a freed lane's pool slot is free at once for the next request
+        held = [] if ahead_safe(plan) else segments
+        self.unfinished = LaunchedRound(plan, held, out, drawn, len(tokens), replays)
         return self.unfinished
 
     def finish(self, launched: LaunchedRound) -> list[LaneResult]:
@@ -239,14 +244,15 @@ class ModelRunner:
         results, mtp_rows, restores, next_logit = [], [], [], 0
         draws = self._draw(plan.rows, out.logits, launched.drawn)
         trace.mark("draw")
-        for index, (rows, seg) in enumerate(zip(plan.rows, segments, strict=True)):
+        for index, rows in enumerate(plan.rows):
             kept = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
             if rows.draw is not None:
                 next_logit += len(rows.drafts) + 1
             if rows.drafts and len(kept) - 1 < len(rows.drafts):
-                restores.append((seg.lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2]))
+                restores.append((segments[index].lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2]))
             folded = len(rows.token_ids) + max(len(kept) - 1, 0)
             if rows.draft_depth:
+                seg = segments[index]
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
             results.append(LaneResult(tokens=tuple(kept)))
         self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)

@@ -22,7 +22,7 @@ class LinkedRunner:
 
     def __init__(self, runner: ModelRunner, link: ControlLink, timeout_s: float) -> None:
         self.runner, self.link, self.timeout_s = runner, link, timeout_s
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a round's header and verdict go out with no STOP between them
         runner.agreement = self._agree
 
     @property
@@ -45,11 +45,11 @@ class LinkedRunner:
         return self.runner.kept_bytes(handle)
 
     def launch(self, plan: RoundPlan, launched: Callable[[], None] | None = None) -> LaunchedRound:
-        """Send the plan to rank 1, then launch it here."""
+        """Send the plan to rank 1, then launch it here (the link held until then: `close` waits for the verdict)."""
         with self.lock:
             self.link.send_header(plan)
-        self.runner.trace.mark("link")
-        return self.runner.launch(plan, launched)
+            self.runner.trace.mark("link")
+            return self.runner.launch(plan, launched)
 
     def finish(self, launched: LaunchedRound) -> list[LaneResult]:
         return self.runner.finish(launched)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rankwire import link as link_module
 from rankwire.errors import FrameError, PeerFailed, PeerGone, SettingsMismatch
 from rankwire.frames import Tag, send_frame
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
@@ -144,6 +145,24 @@ def test_watch_for_hangup_sees_a_hangup_without_taking_a_frame(links: tuple[Cont
     assert rank0.watch_for_hangup()
     with pytest.raises(PeerFailed, match="rank 1 failed"):  # the frame is still there
         rank0.recv_header(time.monotonic() + 5)
+
+
+def test_a_frame_read_between_the_watchers_poll_and_peek_is_no_hang_up(
+    links: tuple[ControlLink, ControlLink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's engine reads rank 1's verdicts while its watcher polls the same socket: the frame the poll saw may be
+    gone when the watcher peeks."""
+    rank0, rank1 = links
+    rank1.send_verdict(None)
+    poll = link_module.poll_fd
+
+    def poll_then_read(fd: int, timeout: float | None, events: int) -> int:
+        seen = poll(fd, timeout, events)
+        assert rank0.recv_verdict(time.monotonic() + 5) is None  # the engine thread takes the frame meanwhile
+        return seen
+
+    monkeypatch.setattr(link_module, "poll_fd", poll_then_read)
+    assert not rank0.watch_for_hangup()
 
 
 def test_tcp_connect_retries_until_rank_0_listens() -> None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
 from model.parallel import TensorParallel
 from model.weights import load_model
-from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from rankwire.header import DrawSpec, LaneRows, RoundKind, RoundPlan
 from rankwire.link import ControlLink
+from server.round_trace import RoundTrace
 from server.runner import ModelRunner, RoundRefused
 from server.tp import LinkedRunner, follow
 from tests.tiny import checkpoint
@@ -80,3 +82,44 @@ def test_a_runner_of_two_ranks_without_the_link_refuses_to_run(path) -> None:
     runner.model.tp = TensorParallel(0, 2)  # the gate comes before any collective
     with pytest.raises(RuntimeError, match="needs the control link's agreement"):
         runner.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, PROMPT, 0, GREEDY),)))
+
+
+def test_stop_never_lands_between_a_rounds_header_and_its_verdict() -> None:
+    """`LinkedRunner.close` (the engine stopping) while a round is being prepared waits for the round's verdict."""
+    a, b = socket.socketpair()
+    rank0, rank1 = ControlLink(a, rank=0), ControlLink(b, rank=1)
+    preparing, closing = threading.Event(), threading.Event()
+
+    class Preparing:
+        """A runner still preparing its round when the engine stops."""
+
+        trace = RoundTrace(None)
+        agreement = None
+
+        def launch(self, plan: RoundPlan, launched=None) -> None:
+            preparing.set()
+            closing.wait(5)
+            time.sleep(0.1)  # close() is waiting for the link by now
+            self.agreement(None)
+
+    linked, seen = LinkedRunner(Preparing(), rank0, timeout_s=5), []
+
+    def rank_1() -> None:
+        try:
+            rank1.recv_header(time.monotonic() + 5)
+            rank1.send_verdict(None)
+            seen.extend((rank1.recv_verdict(time.monotonic() + 5), rank1.recv_header(time.monotonic() + 5).kind))
+        except Exception as exc:
+            seen.append(exc)
+
+    threads = [threading.Thread(target=rank_1), threading.Thread(target=linked.launch, args=(RoundPlan(),))]
+    for thread in threads:
+        thread.start()
+    assert preparing.wait(5)
+    closer = threading.Thread(target=linked.close)
+    closer.start()
+    closing.set()
+    for thread in (*threads, closer):
+        thread.join(timeout=10)
+    rank1.close()
+    assert seen == [None, RoundKind.STOP]

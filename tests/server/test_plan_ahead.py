@@ -14,8 +14,10 @@ import threading
 import pytest
 from make_checkpoint import make_checkpoint
 
+from model import kernel_path
 from model.weights import load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
+from server.drafters import ScriptedDrafter
 from server.engine import Engine, Request
 from server.runner import ModelRunner
 from tests.server.engine_harness import Outcome, RecordingRunner, run
@@ -115,3 +117,72 @@ def test_a_prior_draw_row_needs_a_round_before_that_drew_one_token_for_its_lane(
     stepped = ModelRunner(model, 1)
     stepped.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, (5, 6), 0, greedy),)))
     assert ahead == stepped.execute(RoundPlan(rows=(LaneRows(0, (token,), 2, greedy),)))
+
+
+def test_a_lane_freed_while_a_round_is_in_flight_gives_its_pool_slot_to_the_next_request(tmp_path) -> None:
+    """Every lane in use and a request waiting: the first request's stop token frees its lane while the round after
+    it (its row computed past the stop) is in flight; the waiting request takes the same pool slot, so the pool
+    neither grows nor leaves its graphs."""
+    kernel_model = load_model(
+        make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
+    )
+    pool = kernel_path.lane_pool(kernel_model, slots=2, context=64)
+    (reference,), _ = run(kernel_model, PROMPTS[:1], 6, DRAWS[:1], draft=False)
+    runner = RecordingRunner(kernel_model, 2)
+    engine = Engine(runner, context=64, prompt_budget=64, plan_ahead=True)
+    outcomes = [Outcome() for _ in PROMPTS]
+    engine.start()
+    try:
+        for i, (prompt, draw, outcome) in enumerate(zip(PROMPTS, DRAWS, outcomes, strict=True)):
+            stops = frozenset({reference[2]}) if i == 0 else frozenset()
+            engine.submit(Request(f"r{i}", prompt, 6, draw, stops, outcome.sink, draft=False))
+        assert all(outcome.done.wait(120) for outcome in outcomes)
+    finally:
+        engine.stop()
+    assert outcomes[0].finish == "stop" and [o.finish for o in outcomes[1:]] == ["length", "length"]
+    assert runner.ahead > 0 and (pool.slots, pool.generation) == (2, 0)
+
+
+def test_copy_drafts_are_still_proposed_and_verified_when_rounds_may_be_planned_ahead(tmp_path) -> None:
+    """A checkpoint without an MTP layer: its rounds never pass rows to it, so only a request's wish for drafts
+    (proposed from its tokens, on the host) keeps its rounds from being planned ahead."""
+    plain = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    plain.mtp = None
+    (reference,), _ = run(plain, PROMPTS[:1], 16, DRAWS[:1], draft=False)
+
+    def script(history, wanted):
+        done = len(history) - len(PROMPTS[0])
+        return tuple(reference[done : done + wanted])
+
+    (drafted,), runner = run(plain, PROMPTS[:1], 16, DRAWS[:1], drafter=ScriptedDrafter(script), plan_ahead=True)
+    assert drafted == reference
+    assert any(rows.drafts for plan in runner.plans for rows in plan.rows) and runner.ahead == 0
+
+
+def test_a_failed_launch_fails_its_own_round_and_the_round_in_flight_still_finishes(model) -> None:
+    """Two lanes, three requests: the second ends after two tokens and the third takes its lane in a round whose
+    launch fails, while the round drawing the first request's last token is in flight (the first has no row in the
+    failed round): the first still ends on its length, with all its tokens, and only the third fails."""
+    (reference,), _ = run(model, PROMPTS[:1], 3, DRAWS[:1], draft=False)
+
+    class FailsTheSecondUseOfSlot1(RecordingRunner):
+        uses = 0
+
+        def launch(self, plan, launched=None):
+            self.uses += 1 in plan.allocate
+            if self.uses == 2 and 1 in plan.allocate:
+                raise RuntimeError("injected")
+            return super().launch(plan, launched)
+
+    runner = FailsTheSecondUseOfSlot1(model, 2)
+    engine = Engine(runner, context=256, prompt_budget=64, plan_ahead=True)
+    outcomes = [Outcome() for _ in PROMPTS]
+    for i, (prompt, draw, tokens) in enumerate(zip(PROMPTS, DRAWS, (3, 2, 4), strict=True)):
+        engine.submit(Request(f"r{i}", prompt, tokens, draw, frozenset(), outcomes[i].sink, draft=False))
+    engine.start()
+    try:
+        assert all(outcome.done.wait(60) for outcome in outcomes)
+    finally:
+        engine.stop()
+    assert [o.finish for o in outcomes] == ["length", "length", "error"] and runner.uses == 2
+    assert outcomes[0].tokens == reference
