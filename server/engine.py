@@ -351,7 +351,7 @@ class Engine:
             # work overlaps the forward instead of holding the GIL between rounds
             planned.launched = self.runner.launch(planned.plan, launched=self._flush)
         except Exception as exc:
-            self._failed([planned], exc)
+            self._failed(planned, exc)
             return None
         return planned
 
@@ -366,7 +366,7 @@ class Engine:
         try:
             results = self.runner.finish(flight.launched)
         except Exception as exc:
-            self._failed([flight], exc)
+            self._failed(flight, exc)
             return
         now = time.monotonic()
         with self.cond:
@@ -383,7 +383,7 @@ class Engine:
                 self._adapt_depth(request, len(rows.drafts), result.accepted)
                 self._keep(request, result.tokens, result.drafts, now)
 
-    def _failed(self, flights: list[Flight], exc: Exception) -> None:
+    def _failed(self, flight: Flight, exc: Exception) -> None:
         """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request
         with rows in it ends with the error, and the prompt states its plan would have kept are dropped."""
         log.error("round failed", exc_info=exc)
@@ -391,12 +391,11 @@ class Engine:
             self.fail(f"the round failed: {exc}")
             return
         with self.cond:
-            for flight in flights:
-                # the round's keeps were never made (or not all): drop their handles wherever they exist
-                self.ops += [LaneOp(LaneOpCode.DROP, 0, kept.handle) for _, kept in flight.keeps]
-                for request in flight.requests:
-                    if request in self.running:
-                        self._finish(request, Update((), "error", f"the round failed: {exc}"))
+            # the round's keeps were never made (or not all): drop their handles wherever they exist
+            self.ops += [LaneOp(LaneOpCode.DROP, 0, kept.handle) for _, kept in flight.keeps]
+            for request in flight.requests:
+                if request in self.running:
+                    self._finish(request, Update((), "error", f"the round failed: {exc}"))
 
     def _keep(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...], now: float) -> None:
         """Append a round's tokens, stopping at a stop token or max_tokens; plan the lane's next drafts."""
