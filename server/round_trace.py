@@ -70,6 +70,12 @@ class RoundTrace:
         """Facts about the round (rows, lanes, which graphs ran), written with its phases."""
         self.fields.update(fields)
 
+    def add_counts(self, name: str, counts: dict[str, int]) -> None:
+        """Add counts by key to the round's fact `name` (a dict of counts)."""
+        total = self.fields.setdefault(name, {})
+        for key, n in counts.items():
+            total[key] = total.get(key, 0) + n
+
     def write(self) -> None:
         """Append the round's line: its facts and each phase's seconds."""
         if self.path is None:

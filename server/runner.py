@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.round_trace import RoundTrace
 from server.sampling import sample_token
+
+if TYPE_CHECKING:  # the graphs' module imports Triton, which the kernel path imports on first use
+    from model.graphs import RoundGraphs
 
 
 class RoundRefused(RuntimeError):
@@ -43,8 +47,7 @@ class LaunchedRound:
     segments: list[Segment] = field(default_factory=list)  # its lanes' rows, unless it is `ahead_safe`
     out: ForwardOutput | None = None
     drawn: torch.Tensor | None = None  # every logit row's draw, on the device
-    rows: int = 0
-    replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts before it (round traces)
+    replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts after its forward (traces)
 
     @property
     def ahead_safe(self) -> bool:
@@ -209,7 +212,7 @@ class ModelRunner:
             rows_at, draws_at = (to_device(device, list(column), torch.long) for column in zip(*follows, strict=True))
             token_ids.index_copy_(0, rows_at, self.prior_draws[0].index_select(0, draws_at).clamp(min=0))
         graphs = self.model.round_graphs
-        replays = dict(graphs.replays) if trace.enabled and graphs is not None else {}
+        before = _replays(graphs) if trace.enabled else {}
         trace.gpu_mark("start", device)
         out = self.model(  # its inputs reach the device without waiting for the GPU
             batch_from_starts(token_ids, segments, [rows.start for rows in plan.rows]),
@@ -218,6 +221,8 @@ class ModelRunner:
         )
         trace.gpu_mark("forward", device)
         trace.mark("forward")
+        replays = _replays(graphs) if trace.enabled else {}
+        trace.note(lanes=len(plan.rows), rows=len(tokens), replays=_ran(before, replays))
         if launched is not None:
             launched()
         drawn = self._launch_draws(plan.rows, out.logits)
@@ -230,7 +235,7 @@ class ModelRunner:
         self.prior_draws = (drawn, singles)
         # a round finished later holds no lane: a freed lane's pool slot is free at once for the next request
         held = [] if ahead_safe(plan) else segments
-        self.unfinished = LaunchedRound(plan, held, out, drawn, len(tokens), replays)
+        self.unfinished = LaunchedRound(plan, held, out, drawn, replays)
         return self.unfinished
 
     def finish(self, launched: LaunchedRound) -> list[LaneResult]:
@@ -263,11 +268,8 @@ class ModelRunner:
                 LaneResult(r.tokens, drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)
             ]
             trace.mark("mtp")
-        graphs = self.model.round_graphs
-        if trace.enabled:
-            before = launched.replays
-            ran = {k: n - before.get(k, 0) for k, n in graphs.replays.items()} if graphs is not None else {}
-            trace.note(lanes=len(plan.rows), rows=launched.rows, replays={k: n for k, n in ran.items() if n})
+            if trace.enabled:  # a round with MTP rows is finished in the trace line that launched it
+                trace.add_counts("replays", _ran(launched.replays, _replays(self.model.round_graphs)))
         if self.digests is not None:
             self._write_digest(out.logits, results)
         by_slot = {rows.slot: index for index, rows in enumerate(plan.rows)}
@@ -409,6 +411,16 @@ class ModelRunner:
         for slot, token in zip((s for lanes, _ in steps for s in lanes), chained, strict=True):
             drafts.setdefault(slot, []).append(token)
         return {s: tuple(d) for s, d in drafts.items()}
+
+
+def _replays(graphs: RoundGraphs | None) -> dict[str, int]:
+    """The graphs' replay counts by kind so far (none without graphs)."""
+    return {} if graphs is None else dict(graphs.replays)
+
+
+def _ran(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The replays by kind between two counts, the kinds that ran."""
+    return {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
 
 
 def _argmaxes(logits: torch.Tensor, kernels: bool) -> torch.Tensor:

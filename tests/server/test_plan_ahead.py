@@ -9,6 +9,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import json
 import threading
 
 import pytest
@@ -19,6 +20,7 @@ from model.weights import load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
 from server.drafters import ScriptedDrafter
 from server.engine import Engine, Request
+from server.round_trace import RoundTrace
 from server.runner import ModelRunner
 from tests.server.engine_harness import Outcome, RecordingRunner, run
 from tests.tiny import KERNEL_TEXT, checkpoint, text_config
@@ -186,3 +188,30 @@ def test_a_failed_launch_fails_its_own_round_and_the_round_in_flight_still_finis
         engine.stop()
     assert [o.finish for o in outcomes] == ["length", "length", "error"] and runner.uses == 2
     assert outcomes[0].tokens == reference
+
+
+def test_a_traced_round_planned_ahead_notes_its_own_lanes_rows_and_replays(tmp_path) -> None:
+    """A round finished a trace line later than it was launched: its facts are noted where it is launched."""
+    kernel_model = load_model(
+        make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
+    )
+    kernel_path.lane_pool(kernel_model, slots=2, context=64)
+    kernel_path.enable_graphs(kernel_model, {"trunk": 4})
+    launched = {}
+    for plan_ahead in (False, True):
+        path = tmp_path / f"rank0-{plan_ahead}.trace"
+        engine = Engine(ModelRunner(kernel_model, 2, trace=RoundTrace(path)), 64, 64, plan_ahead=plan_ahead)
+        outcomes = [Outcome(), Outcome()]
+        for i, (tokens, outcome) in enumerate(zip((6, 3), outcomes, strict=True)):
+            engine.submit(Request(f"r{i}", PROMPTS[i], tokens, DRAWS[i], frozenset(), outcome.sink, draft=False))
+        engine.start()
+        try:
+            assert all(outcome.done.wait(120) for outcome in outcomes)
+        finally:
+            engine.stop()
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        launched[plan_ahead] = [
+            (line["lanes"], line["rows"], line["replays"]) for line in lines if "forward" in line["phases"]
+        ]
+    assert launched[True] == launched[False]
+    assert [replays for _, _, replays in launched[True]] == [{}] + [{"trunk": 1}] * 5  # the prompts' round is eager
