@@ -90,6 +90,12 @@ class ControlLink:
             raise FrameError(f"expected a round verdict from rank {1 - self.rank}, got {frame.tag.name}")
         return frame.payload.decode("utf-8", "replace") or None
 
+    def exchange_verdicts(self, problem: str | None, timeout_s: float) -> str | None:
+        """The agreement gate: send this rank's verdict on the round at hand, then wait (hybrid) up to `timeout_s`
+        for the peer's: None if the peer runs the round, else its reason."""
+        self.send_verdict(problem)
+        return self.recv_verdict(time.monotonic() + timeout_s)
+
     def send_error(self, message: str) -> None:
         """Tell the peer this rank failed (best effort: a peer that is already gone is ignored)."""
         with contextlib.suppress(PeerGone, OSError):

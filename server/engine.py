@@ -61,7 +61,9 @@ class Request:
     depth: int = 0  # drafts asked of this lane next round: it adapts to what the lane's windows keep
     history: History | None = None
     last_token_time: float = 0.0
-    drawing: int = 0  # tokens a launched, unfinished round draws for it (0 or 1): its rows are planned past them
+    # tokens launched, unfinished rounds draw for it (up to 2: the round in flight and one planned after it); its
+    # next row is planned past them
+    drawing: int = 0
 
 
 Outbox = list[tuple[Request, Update]]

@@ -222,7 +222,8 @@ class ModelRunner:
         trace.gpu_mark("forward", device)
         trace.mark("forward")
         replays = _replays(graphs) if trace.enabled else {}
-        trace.note(lanes=len(plan.rows), rows=len(tokens), replays=_ran(before, replays))
+        if trace.enabled:
+            trace.note(lanes=len(plan.rows), rows=len(tokens), replays=_ran(before, replays))
         if launched is not None:
             launched()
         drawn = self._launch_draws(plan.rows, out.logits)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from rankwire.errors import LinkError, PeerFailed, PeerGone
@@ -21,9 +20,9 @@ class LinkedRunner:
     """Rank 0's runner: every plan goes to rank 1 before this rank runs it, so both enter the same collectives."""
 
     def __init__(self, runner: ModelRunner, link: ControlLink, timeout_s: float) -> None:
-        self.runner, self.link, self.timeout_s = runner, link, timeout_s
-        self.lock = threading.RLock()  # a round's header and verdict go out with no STOP between them
-        runner.agreement = self._agree
+        self.runner, self.link = runner, link
+        self.lock = threading.Lock()  # held from a round's header to its verdict: no STOP goes out between them
+        runner.agreement = lambda problem: link.exchange_verdicts(problem, timeout_s)
 
     @property
     def max_lanes(self) -> int:
@@ -54,12 +53,6 @@ class LinkedRunner:
     def finish(self, launched: LaunchedRound) -> list[LaneResult]:
         return self.runner.finish(launched)
 
-    def _agree(self, problem: str | None) -> str | None:
-        """The agreement gate on the control link: send rank 0's verdict on the round, then wait for rank 1's."""
-        with self.lock:
-            self.link.send_verdict(problem)
-        return self.link.recv_verdict(time.monotonic() + self.timeout_s)
-
     def close(self) -> None:
         """Tell rank 1 to stop, if it is still there."""
         with contextlib.suppress(OSError, LinkError), self.lock:
@@ -81,12 +74,7 @@ def follow(link: ControlLink, runner: ModelRunner, timeout_s: float) -> int:
     once the next one is launched, as rank 0 does when it plans ahead, so this rank's GPU is never left waiting on
     its host between such rounds."""
     trace = runner.trace
-
-    def agree(problem: str | None) -> str | None:
-        link.send_verdict(problem)
-        return link.recv_verdict(time.monotonic() + timeout_s)
-
-    runner.agreement = agree
+    runner.agreement = lambda problem: link.exchange_verdicts(problem, timeout_s)
     unfinished: LaunchedRound | None = None
     while True:
         trace.start()

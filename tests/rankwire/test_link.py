@@ -238,6 +238,10 @@ def test_verdicts_cross_both_ways_with_their_reasons(links: tuple[ControlLink, C
     assert rank0.recv_verdict(time.monotonic() + 5) == "round plan uses lane slot 3, which is not allocated"
     with pytest.raises(ValueError, match="a refusal needs a reason"):
         rank0.send_verdict("")
+    assert both(lambda: rank0.exchange_verdicts(None, 5), lambda: rank1.exchange_verdicts("lane 2 lost", 5)) == (
+        "lane 2 lost",
+        None,
+    )
 
 
 def test_a_header_where_a_verdict_is_due_is_refused_and_an_error_is_peer_failed(
