@@ -38,11 +38,15 @@ class History:
 class Drafter(Protocol):
     """Proposes up to `depth` tokens to follow `history`, given the MTP layer's chain for this lane."""
 
+    reads_history: bool  # whether it may propose without an MTP layer
+
     def propose(self, history: History, depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]: ...
 
 
 class MtpDrafter:
     """The MTP layer's greedy chain."""
+
+    reads_history = False
 
     def propose(self, history: History, depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
         return mtp[:depth]
@@ -51,12 +55,16 @@ class MtpDrafter:
 class CopyDrafter:
     """Copies the continuation of repeated text (code, quotes, lists), else falls back to the MTP chain."""
 
+    reads_history = True
+
     def propose(self, history: History, depth: int, mtp: tuple[int, ...]) -> tuple[int, ...]:
         return history.copy_continuation(depth) or mtp[:depth]
 
 
 class ScriptedDrafter:
     """Proposes whatever a script returns for the tokens so far (tests use it to force every accept length)."""
+
+    reads_history = True
 
     def __init__(self, script: Callable[[Sequence[int], int], tuple[int, ...]]) -> None:
         self.script = script

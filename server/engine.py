@@ -120,6 +120,8 @@ class Engine:
         self.draft_depth = draft_depth
         self.mtp_depth = draft_depth if runner.can_draft else 0
         self.drafter = drafter or MtpDrafter()
+        # whether a request that wants drafts can get any: the MTP drafter proposes nothing without an MTP layer
+        self.proposes = bool(draft_depth) and (runner.can_draft or self.drafter.reads_history)
         self.drafted = self.accepted = 0
         self.drafted_at = [0] * draft_depth
         self.accepted_at = [0] * draft_depth
@@ -359,8 +361,8 @@ class Engine:
 
     def _ahead(self, flight: Flight) -> bool:
         """Whether the next round may be planned before this launched one is finished: its finish changes no lane
-        (`LaunchedRound.ahead_safe`), and none of its requests wants drafts, which are proposed from its tokens."""
-        wants_drafts = self.draft_depth and any(request.draft for request in flight.requests)
+        (`LaunchedRound.ahead_safe`), and none of its requests wants drafts that can be proposed (from its tokens)."""
+        wants_drafts = self.proposes and any(request.draft for request in flight.requests)
         return flight.launched.ahead_safe and not wants_drafts
 
     def _complete(self, flight: Flight) -> None:

@@ -192,7 +192,8 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     metrics = EngineMetrics(name)
     runner = runner or ModelRunner(model, args.max_lanes)
     if args.drafts and not runner.can_draft:
-        log.warning("%s has no MTP layer: only copy drafts are proposed", args.model)
+        proposed = "only copy drafts are" if args.drafter == "copy" else "no drafts are"
+        log.warning("%s has no MTP layer: %s proposed", args.model, proposed)
     cache_bytes = (
         int(args.prompt_cache_gib * 2**30)
         if args.prompt_cache_gib is not None

@@ -18,7 +18,7 @@ from make_checkpoint import make_checkpoint
 from model import kernel_path
 from model.weights import load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
-from server.drafters import ScriptedDrafter
+from server.drafters import MtpDrafter, ScriptedDrafter
 from server.engine import Engine, Request
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
@@ -159,6 +159,17 @@ def test_copy_drafts_are_still_proposed_and_verified_when_rounds_may_be_planned_
     (drafted,), runner = run(plain, PROMPTS[:1], 16, DRAWS[:1], drafter=ScriptedDrafter(script), plan_ahead=True)
     assert drafted == reference
     assert any(rows.drafts for plan in runner.plans for rows in plan.rows) and runner.ahead == 0
+
+
+def test_mtp_drafts_on_a_checkpoint_without_an_mtp_layer_let_rounds_be_planned_ahead(tmp_path) -> None:
+    """The MTP drafter proposes only what the MTP layer chained, so without that layer a request's wish for drafts
+    proposes nothing and must not keep its rounds in turn."""
+    plain = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    plain.mtp = None
+    (reference,), _ = run(plain, PROMPTS[:1], 16, DRAWS[:1], draft=False)
+    (drafted,), runner = run(plain, PROMPTS[:1], 16, DRAWS[:1], drafter=MtpDrafter(), plan_ahead=True)
+    assert drafted == reference
+    assert runner.ahead >= 10 and not any(rows.drafts for plan in runner.plans for rows in plan.rows)
 
 
 def test_a_failed_launch_fails_its_own_round_and_the_round_in_flight_still_finishes(model) -> None:
