@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Rounds planned ahead against rounds in turn (`--plan-ahead on` / `off`), served through HTTP on one GPU in one call.
+# Each mode in MODES (default "on off on off") starts its own server and runs bench_concurrent at LEVELS (default
+# "1 64") streams, greedy, "draft": false, REPS runs a level; then every stream's token_sha is compared across modes.
+# MODEL=small (default) serves the shipped model at --tp 1 with CUDA graphs; MODEL=real serves rank 0's half of the
+# real shapes alone (scripts/serve_alone.py --alone-as 2, dummy weights, 64 lanes, collectives skipped: time only).
+# Usage, from the repo root there (carry .whl; build/small/data is not needed):  bash scripts/gpu_plan_ahead.sh
+set -u
+: "${OUT:?set OUT to the folder for logs}"
+source scripts/gpu_serve.sh
+start=$(date +%s)
+since() { echo "at $(( $(date +%s) - start )) s"; }
+git log --oneline -1 2>/dev/null || true
+port=8700
+model_args=(--tp 1 --device cuda --cuda-graphs on --max-lanes 64)
+if [ "${MODEL:-small}" = real ]; then
+  export SERVE_CMD="python3 scripts/serve_alone.py --alone-as 2"
+  model_args=(configs/qwen3.8-flash-next --load-format dummy --device cuda --max-lanes 64 --prompt-cache-gib 0)
+fi
+run=0
+for mode in ${MODES:-on off on off}; do
+  run=$((run + 1))
+  name=${MODEL:-small}_${run}_$mode
+  port=$((port + 1))
+  serve_until_up "${SERVE_S:-300}" $port "$OUT/serve_$name.log" "${model_args[@]}" --plan-ahead "$mode" ${SERVE_ARGS:-} \
+    && up=1 || up=0
+  echo "== $name up=$up $(since)"
+  if [ $up = 1 ]; then
+    timeout 60 python3 scripts/bench_concurrent.py --base-url "http://127.0.0.1:$port" --random-prompt 128 \
+      --vocab "${VOCAB:-4000}" --levels 1 --tokens 8 --reps 1 --temperatures 0 --drafts off > /dev/null 2>&1  # warm
+    for n in ${LEVELS:-1 64}; do
+      timeout 150 python3 scripts/bench_concurrent.py --base-url "http://127.0.0.1:$port" --random-prompt 128 \
+        --vocab "${VOCAB:-4000}" --levels "$n" --tokens "${TOKENS:-128}" --reps "${REPS:-3}" --temperatures 0 \
+        --drafts off --json > "$OUT/${name}_$n.out" 2>&1
+      echo "$name, $n streams: rc=$? $(grep "^T=0 drafts off N=$n:" "$OUT/${name}_$n.out")"
+    done
+  fi
+  stop_server
+  grep -i "error\|Traceback" "$OUT/serve_$name.log" | head -5
+done
+# every stream's token_sha, level by level, must be the same in every mode
+python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+shas = {}
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*_*_o*_*.out")):
+    lines = path.read_text().strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
+        continue
+    level = path.stem.rsplit("_", 1)[1]
+    for run in json.loads(lines[-1])["runs"]:
+        key = (level, run["rep"])
+        got = [s["token_sha"] for s in run["streams"]]
+        shas.setdefault(key, {})[path.stem] = got
+same = all(len({tuple(v) for v in by_run.values()}) == 1 for by_run in shas.values())
+print(f"token_sha across modes: {len(shas)} (level, rep) cells, {'all equal' if same else 'DIFFERENT'}")
+EOF
+echo "done $(since)"
