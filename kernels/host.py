@@ -1,4 +1,5 @@
-"""Host values to the device in one copy that does not wait for the GPU: launch tables, draw parameters, inputs."""
+"""Host values to the device in one copy that does not wait for the GPU (launch tables, draw parameters, inputs), and
+device values back to the host in one copy that waits only for itself (draws)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,24 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     if src.device.type == "cpu" and dst.device.type == "cuda":
         src = src.pin_memory()
     dst.copy_(src, non_blocking=True)
+
+
+class HostCopy:
+    """A tensor's copy to the host, started without waiting for the GPU (into pinned memory, with an event after it),
+    so reading it waits only for the work queued before it, not for what was launched since."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.ready: torch.cuda.Event | None = None
+        if source.device.type != "cuda":
+            self.host = source
+            return
+        self.host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        self.host.copy_(source, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def tolist(self) -> list:
+        """The values, once the copy has run."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.host import to_device
+from kernels.host import HostCopy, to_device
 from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
@@ -46,7 +46,7 @@ class LaunchedRound:
     plan: RoundPlan
     segments: list[Segment] = field(default_factory=list)  # its lanes' rows, unless it is `ahead_safe`
     out: ForwardOutput | None = None
-    drawn: torch.Tensor | None = None  # every logit row's draw, on the device
+    drawn: HostCopy | None = None  # every logit row's draw, on its way to the host
     replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts after its forward (traces)
 
     @property
@@ -236,7 +236,7 @@ class ModelRunner:
         self.prior_draws = (drawn, singles)
         # a round finished later holds no lane: a freed lane's pool slot is free at once for the next request
         held = [] if ahead_safe(plan) else segments
-        self.unfinished = LaunchedRound(plan, held, out, drawn, replays)
+        self.unfinished = LaunchedRound(plan, held, out, HostCopy(drawn), replays)
         return self.unfinished
 
     def finish(self, launched: LaunchedRound) -> list[LaneResult]:
@@ -331,9 +331,9 @@ class ModelRunner:
         self.trace.gpu_mark("draw", logits.device)
         return tokens
 
-    def _draw(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: torch.Tensor) -> list[int]:
-        """The launched draws on the host; a row sample_rows refused is drawn by `sample_token`, which names what is
-        wrong."""
+    def _draw(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy) -> list[int]:
+        """The launched draws on the host (waiting only for their own copy, not for a round launched since); a row
+        sample_rows refused is drawn by `sample_token`, which names what is wrong."""
         tokens = drawn.tolist()
         if -1 not in tokens:
             return tokens

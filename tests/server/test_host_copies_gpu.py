@@ -116,3 +116,27 @@ def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_to
     for tokens, result in zip(got, ahead.finish(pending), strict=True):
         tokens += result.tokens
     assert got == expected
+
+
+def test_finishing_a_round_waits_for_its_own_draws_not_for_the_round_launched_after_it(tmp_path) -> None:
+    """A round planned ahead is launched before the one before it is finished; that finish reads its draws through
+    their own copy, so it returns while the GPU still runs what was queued after (here a one-second sleep)."""
+    path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
+    model = load_model(path, "cuda", "bfloat16", kernels="on")
+    kernel_path.lane_pool(model, slots=4, context=64)
+    runner = ModelRunner(model, 2)
+    prompts = [(7, 19, 40, 33, 2), (91, 12, 44)]
+    first = runner.execute(
+        RoundPlan(allocate=(0, 1), rows=tuple(LaneRows(i, p, 0, GREEDY) for i, p in enumerate(prompts)))
+    )
+    rows = [LaneRows(i, r.tokens, len(p), GREEDY) for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
+    launched = runner.launch(RoundPlan(rows=tuple(rows)))
+    follows = [LaneRows(i, (0,), len(p) + 1, GREEDY, prior_draw=True) for i, p in enumerate(prompts)]
+    ahead = runner.launch(RoundPlan(rows=tuple(follows)))
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles, queued after the round planned ahead
+    slept = torch.cuda.Event()
+    slept.record()
+    tokens = [result.tokens for result in runner.finish(launched)]
+    assert not slept.query()  # the finish did not wait for the work launched after its round
+    torch.cuda.synchronize()
+    assert all(len(t) == 1 for t in tokens) and len(runner.finish(ahead)) == 2
