@@ -250,6 +250,8 @@ class Engine:
                 launched = self._launch(Flight(plan, requests, keeps))
             if flight is not None:
                 self._complete(flight)
+                if launched is not None:  # the next round runs meanwhile: hand the finished one's tokens over now
+                    self._flush()
             flight = None
             if launched is not None:
                 if self.plan_ahead and launched.plan.rows and self._ahead(launched):

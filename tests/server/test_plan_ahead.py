@@ -19,7 +19,7 @@ from model import kernel_path
 from model.weights import load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
 from server.drafters import MtpDrafter, ScriptedDrafter
-from server.engine import Engine, Request
+from server.engine import Engine, Request, Update
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
 from tests.server.engine_harness import Outcome, RecordingRunner, run
@@ -170,6 +170,38 @@ def test_mtp_drafts_on_a_checkpoint_without_an_mtp_layer_let_rounds_be_planned_a
     (drafted,), runner = run(plain, PROMPTS[:1], 16, DRAWS[:1], drafter=MtpDrafter(), plan_ahead=True)
     assert drafted == reference
     assert runner.ahead >= 10 and not any(rows.drafts for plan in runner.plans for rows in plan.rows)
+
+
+class LaunchCounting(RecordingRunner):
+    """Counts the rounds launched, so a test can tell which launch a token was delivered in."""
+
+    launches = 0
+
+    def launch(self, plan, launched=None):
+        self.launches += 1
+        return super().launch(plan, launched)
+
+
+@pytest.mark.parametrize("plan_ahead", [False, True], ids=["in-turn", "ahead"])
+def test_a_rounds_tokens_are_delivered_before_the_round_after_next_is_launched(model, plan_ahead: bool) -> None:
+    """Token k is drawn by round k (a prompt round, then one decode round a token) and reaches its sink by the
+    launch of round k + 1, planned ahead or not: a token held back until the launch after would arrive a round
+    late."""
+    runner = LaunchCounting(model, 1)
+    engine = Engine(runner, context=256, prompt_budget=64, plan_ahead=plan_ahead)
+    outcome, seen = Outcome(), []
+
+    def sink(update: Update) -> None:
+        seen.extend(runner.launches - (len(outcome.tokens) + i) for i in range(1, len(update.token_ids) + 1))
+        outcome.sink(update)
+
+    engine.submit(Request("r0", PROMPTS[0], 8, DRAWS[0], frozenset(), sink, draft=False))
+    engine.start()
+    try:
+        assert outcome.done.wait(60)
+    finally:
+        engine.stop()
+    assert len(seen) == 8 and max(seen) <= 1, seen
 
 
 def test_a_failed_launch_fails_its_own_round_and_the_round_in_flight_still_finishes(model) -> None:
