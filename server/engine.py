@@ -399,9 +399,23 @@ class Engine:
         with self.cond:
             # the round's keeps were never made (or not all): drop their handles wherever they exist
             self.ops += [LaneOp(LaneOpCode.DROP, 0, kept.handle) for _, kept in flight.keeps]
+            if flight.launched is None:  # its launch failed, perhaps part way through its lane operations
+                self._unapply(flight)
             for request in flight.requests:
                 if request in self.running:
                     self._finish(request, Update((), "error", f"the round failed: {exc}"))
+
+    def _unapply(self, flight: Flight) -> None:
+        """After a failed launch (lock held): its drops are asked again (a drop is idempotent), and the requests it
+        admitted without rows, whose lanes may not exist, go back to the front of the queue to be admitted afresh."""
+        plan, ran = flight.plan, {id(request) for request in flight.requests}
+        self.ops += [op for op in plan.ops if op.code is LaneOpCode.DROP]
+        back = [r for r in self.running if r.slot in plan.allocate and id(r) not in ran]
+        for request in reversed(back):
+            self.running.remove(request)
+            self.to_free.append(request.slot)
+            request.slot, request.prefilled, request.cached, request.keeps = None, 0, 0, []
+            self.waiting.appendleft(request)
 
     def _keep(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...], now: float) -> None:
         """Append a round's tokens, stopping at a stop token or max_tokens; plan the lane's next drafts."""

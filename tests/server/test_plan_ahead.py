@@ -204,6 +204,34 @@ def test_a_rounds_tokens_are_delivered_before_the_round_after_next_is_launched(m
     assert len(seen) == 8 and max(seen) <= 1, seen
 
 
+@pytest.mark.parametrize("plan_ahead", [False, True], ids=["in-turn", "ahead"])
+def test_requests_admitted_without_rows_in_a_launch_that_failed_are_admitted_again(model, monkeypatch, plan_ahead):
+    """Three requests admitted in one round whose prompt budget gives rows to the first only; its launch fails while
+    allocating the lanes (as an out-of-memory error would). The first ends with the error; the other two, whose
+    lanes may not exist, are admitted afresh and served as if alone."""
+    alone = [run(model, [prompt], 4, [DRAWS[0]], draft=False)[0][0] for prompt in PROMPTS[1:]]
+    new_lane, calls = model.new_lane, []
+
+    def fails_first(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (injected)")
+        return new_lane(*args)
+
+    monkeypatch.setattr(model, "new_lane", fails_first)
+    engine = Engine(RecordingRunner(model, 3), context=256, prompt_budget=4, plan_ahead=plan_ahead)
+    outcomes = [Outcome() for _ in PROMPTS]
+    for i, (prompt, outcome) in enumerate(zip(PROMPTS, outcomes, strict=True)):
+        engine.submit(Request(f"r{i}", prompt, 4, DRAWS[0], frozenset(), outcome.sink, draft=False))
+    engine.start()
+    try:
+        assert all(outcome.done.wait(60) for outcome in outcomes)
+    finally:
+        engine.stop()
+    assert [o.finish for o in outcomes] == ["error", "length", "length"]
+    assert [o.tokens for o in outcomes[1:]] == alone
+
+
 def test_a_failed_launch_fails_its_own_round_and_the_round_in_flight_still_finishes(model) -> None:
     """Two lanes, three requests: the second ends after two tokens and the third takes its lane in a round whose
     launch fails, while the round drawing the first request's last token is in flight (the first has no row in the

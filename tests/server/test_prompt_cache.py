@@ -221,6 +221,43 @@ def test_a_failed_round_loses_its_keeps_and_the_engine_goes_on(ckpt):
     assert [o.finish for o in outcomes] == ["error", "length"]
 
 
+def test_a_launch_that_failed_before_its_drops_asks_for_them_again(ckpt):
+    """A 1-byte cache evicts every state it is given, so the next plan carries their drops; that launch fails
+    before applying them (as one failing to allocate its lane does). Every state the runner still holds must be
+    named by the cache or have its drop asked again: none is left outside the cache's budget for good."""
+    from model.weights import load_model
+    from rankwire.header import DrawSpec, LaneOpCode
+    from server.engine import Engine, Request
+    from tests.server.engine_harness import Outcome, RecordingRunner
+
+    class FailsBeforeItsDrops(RecordingRunner):
+        failed = False
+
+        def launch(self, plan, launched=None):
+            if not self.failed and any(op.code is LaneOpCode.DROP for op in plan.ops):
+                self.failed = True
+                raise RuntimeError("out of memory (injected)")
+            return super().launch(plan, launched)
+
+    runner = FailsBeforeItsDrops(load_model(ckpt, dtype="float32"), 1)
+    cache = PromptCache(1)
+    engine = Engine(runner, 4096, 64, prompt_cache=cache, cache_grid=8)
+    engine.start()
+    outcomes = []
+    try:
+        for i, prompt in enumerate([LONG[:20], LONG[5:25], LONG[10:30]]):
+            outcomes.append(Outcome())
+            draw = DrawSpec(0.0, 0, 1.0, 0.0, 1)
+            engine.submit(Request(f"r{i}", prompt, 4, draw, frozenset(), outcomes[-1].sink, draft=False))
+            assert outcomes[-1].done.wait(120)
+    finally:
+        engine.stop()
+    assert runner.failed and [o.finish for o in outcomes] == ["error", "length", "length"]
+    named = {kept.handle for kept in cache.entries.values()}
+    asked = {op.arg for op in engine.ops if op.code is LaneOpCode.DROP}
+    assert set(runner.kept) - named - asked == set()
+
+
 def test_a_resumed_prompt_reaches_its_first_token_in_one_round(ckpt):
     from model.weights import load_model
 
