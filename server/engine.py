@@ -64,6 +64,7 @@ class Request:
     # tokens launched, unfinished rounds draw for it (up to 2: the round in flight and one planned after it); its
     # next row is planned past them
     drawing: int = 0
+    admitted: bool = False  # counted in the metrics and the cache's figures (once, if a failed launch puts it back)
 
 
 Outbox = list[tuple[Request, Update]]
@@ -281,8 +282,9 @@ class Engine:
             allocate.append(request.slot)
             self.running.append(request)
             self._admit(request, ops)
-            if self.metrics is not None:
+            if self.metrics is not None and not request.admitted:
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+            request.admitted = True
         rows, budget = [], self.prompt_budget
         for request in self.running:
             prompt = request.prompt_ids
@@ -330,7 +332,7 @@ class Engine:
         positions, the given message boundaries, and one token before the end, each rounded down to the alignment."""
         prompt = request.prompt_ids
         request.depth = self.draft_depth if request.draft else 0
-        hit = self.cache.lookup(prompt)
+        hit = self.cache.lookup(prompt, counted=not request.admitted)
         if hit is not None:
             ops.append(LaneOp(LaneOpCode.RESTORE, request.slot, hit.handle))
             request.prefilled = request.cached = hit.length

@@ -43,19 +43,19 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.budget > 0
 
-    def lookup(self, prompt: Sequence[int]) -> Kept | None:
-        """The longest kept prefix of `prompt` that leaves at least one token to run."""
+    def lookup(self, prompt: Sequence[int], counted: bool = True) -> Kept | None:
+        """The longest kept prefix of `prompt` that leaves at least one token to run (in the figures if `counted`)."""
         if not self.enabled:
             return None
-        self.queries += 1
+        self.queries += counted
         lengths = sorted({e.length for e in self.entries.values() if e.length < len(prompt)})
         digests = prefix_digests(prompt, lengths)
         for n in reversed(lengths):
             entry = self.entries.get(digests[n])
             if entry is not None and entry.length == n:
                 self.entries.move_to_end(digests[n])
-                self.hits += 1
-                self.cached_tokens += n
+                self.hits += counted
+                self.cached_tokens += n * counted
                 return entry
         return None
 

@@ -20,6 +20,7 @@ from model.weights import load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
 from server.drafters import MtpDrafter, ScriptedDrafter
 from server.engine import Engine, Request, Update
+from server.metrics import EngineMetrics
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
 from tests.server.engine_harness import Outcome, RecordingRunner, run
@@ -208,7 +209,7 @@ def test_a_rounds_tokens_are_delivered_before_the_round_after_next_is_launched(m
 def test_requests_admitted_without_rows_in_a_launch_that_failed_are_admitted_again(model, monkeypatch, plan_ahead):
     """Three requests admitted in one round whose prompt budget gives rows to the first only; its launch fails while
     allocating the lanes (as an out-of-memory error would). The first ends with the error; the other two, whose
-    lanes may not exist, are admitted afresh and served as if alone."""
+    lanes may not exist, are admitted afresh and served as if alone, their prompts counted once."""
     alone = [run(model, [prompt], 4, [DRAWS[0]], draft=False)[0][0] for prompt in PROMPTS[1:]]
     new_lane, calls = model.new_lane, []
 
@@ -219,7 +220,8 @@ def test_requests_admitted_without_rows_in_a_launch_that_failed_are_admitted_aga
         return new_lane(*args)
 
     monkeypatch.setattr(model, "new_lane", fails_first)
-    engine = Engine(RecordingRunner(model, 3), context=256, prompt_budget=4, plan_ahead=plan_ahead)
+    metrics = EngineMetrics("m")
+    engine = Engine(RecordingRunner(model, 3), context=256, prompt_budget=4, metrics=metrics, plan_ahead=plan_ahead)
     outcomes = [Outcome() for _ in PROMPTS]
     for i, (prompt, outcome) in enumerate(zip(PROMPTS, outcomes, strict=True)):
         engine.submit(Request(f"r{i}", prompt, 4, DRAWS[0], frozenset(), outcome.sink, draft=False))
@@ -230,6 +232,7 @@ def test_requests_admitted_without_rows_in_a_launch_that_failed_are_admitted_aga
         engine.stop()
     assert [o.finish for o in outcomes] == ["error", "length", "length"]
     assert [o.tokens for o in outcomes[1:]] == alone
+    assert metrics.registry.get_sample_value("flashnext:prompt_tokens_total") == sum(map(len, PROMPTS))
 
 
 def test_a_failed_launch_fails_its_own_round_and_the_round_in_flight_still_finishes(model) -> None:
