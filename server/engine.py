@@ -241,10 +241,10 @@ class Engine:
                     plan, requests = self._plan()
                     keeps, self.new_keeps = self.new_keeps, []
                     trace.mark("plan")
-            if stopped:  # the round in flight still hands its tokens over
+            if stopped:  # the round in flight, and the last one finished, still hand their tokens over
                 if flight is not None:
                     self._complete(flight)
-                    self._flush()
+                self._flush()
                 return
             launched = None
             if flight is None or plan.rows or plan.ops or plan.allocate or plan.free:

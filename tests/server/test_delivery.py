@@ -159,3 +159,24 @@ def test_updates_still_arrive_when_the_runner_never_says_launched(tmp_path) -> N
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
     (outcome,) = serve(Engine(Silent(model, 1), context=256, prompt_budget=64), 1, 3, wait_s=60)
     assert len(outcome.tokens) == 3 and outcome.finish == "length"
+
+
+def test_the_last_round_before_a_stop_still_hands_its_tokens_over(tmp_path) -> None:
+    """Rounds in turn: the engine stops right after finishing its second round, with no round in flight; that
+    round's token is delivered all the same."""
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+
+    class StopsAfterTwoRounds(RecordingRunner):
+        def finish(self, launched):
+            results = super().finish(launched)
+            if len(self.rounds) == 2:
+                with engine.cond:
+                    engine.stopped = True
+            return results
+
+    engine = Engine(StopsAfterTwoRounds(model, 1), context=256, prompt_budget=64)
+    outcome = Outcome()
+    engine.submit(Request("r0", [5, 9, 14, 3], 8, GREEDY, frozenset(), outcome.sink))
+    engine.start()
+    engine.thread.join(60)
+    assert not engine.thread.is_alive() and len(outcome.tokens) == 2
