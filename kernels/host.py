@@ -36,7 +36,7 @@ class HostCopy:
         self.host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
         self.host.copy_(source, non_blocking=True)
         self.ready = torch.cuda.Event()
-        self.ready.record()
+        self.ready.record(torch.cuda.current_stream(source.device))
 
     def tolist(self) -> list:
         """The values, once the copy has run."""
