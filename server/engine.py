@@ -140,6 +140,7 @@ class Engine:
         # how a round's updates reach the sinks: all of them in one call (the HTTP side hops to its event loop once)
         self.deliver: Callable[[Outbox], None] = deliver_each
         self.cond = threading.Condition()
+        self.flushing = threading.Lock()
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -478,8 +479,10 @@ class Engine:
         self.outbox.append((request, update))
 
     def _flush(self) -> None:
-        """Deliver the updates gathered so far in one call, outside the lock."""
-        with self.cond:
-            batch, self.outbox = self.outbox, []
-        if batch:
-            self.deliver(batch)
+        """Deliver the updates gathered so far in one call, outside the engine's lock; one flush at a time, so they
+        reach the sinks in the order they were gathered whichever thread flushes (a failure comes from a watcher)."""
+        with self.flushing:
+            with self.cond:
+                batch, self.outbox = self.outbox, []
+            if batch:
+                self.deliver(batch)

@@ -180,3 +180,29 @@ def test_the_last_round_before_a_stop_still_hands_its_tokens_over(tmp_path) -> N
     engine.start()
     engine.thread.join(60)
     assert not engine.thread.is_alive() and len(outcome.tokens) == 2
+
+
+def test_a_failure_from_another_thread_reaches_the_sink_after_the_tokens_gathered_before_it(tmp_path) -> None:
+    """A peer's failure ends every request from the watcher's thread while the engine thread is still delivering
+    a round's tokens: the error must not overtake them."""
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    engine = Engine(RecordingRunner(model, 1), context=256, prompt_budget=64)
+    delivering, release, seen = threading.Event(), threading.Event(), []
+
+    def deliver(batch: Outbox) -> None:
+        if threading.current_thread() is engine.thread and not delivering.is_set():
+            delivering.set()
+            release.wait(30)  # the engine thread is held inside its delivery of the first round's token
+        seen.extend(update.finish_reason or "token" for _, update in batch)
+
+    engine.deliver = deliver
+    engine.submit(Request("r0", [5, 9, 14, 3], 8, GREEDY, frozenset(), Outcome().sink))
+    engine.start()
+    assert delivering.wait(60)
+    failing = threading.Thread(target=engine.fail, args=("the other rank went away",))
+    failing.start()
+    failing.join(0.5)  # time for the failure's own delivery, if it does not wait its turn
+    release.set()
+    failing.join(30)
+    engine.thread.join(30)
+    assert seen[0] == "token" and seen[-1] == "error", seen
