@@ -8,8 +8,6 @@
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 source scripts/gpu_serve.sh
-start=$(date +%s)
-since() { echo "at $(( $(date +%s) - start )) s"; }
 git log --oneline -1 2>/dev/null || true
 port=8700
 model_args=(--tp 1 --device cuda --cuda-graphs on --max-lanes 64)

@@ -9,8 +9,6 @@ set -u
 source scripts/gpu_serve.sh
 port=8400
 url=http://127.0.0.1:$port
-start=$(date +%s)
-since() { echo "at $(( $(date +%s) - start )) s"; }
 up=0
 serve_until_up "${SERVE_S:-570}" $port "$OUT/serve_real.log" configs/qwen3.8-flash-next --load-format dummy --tp 2 \
   --device cuda --max-lanes 64 --drafts 3 --prompt-cache-gib 0 ${SERVE_ARGS:-} && up=1

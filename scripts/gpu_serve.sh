@@ -1,12 +1,14 @@
 # Shared by the GPU scripts (source it from the repo root on the GPU machine): the environment, the carried
-# wheels, and `serve_until_up SECONDS PORT LOG ARGS...`, which starts `python3 -m server ARGS` (or `$SERVE_CMD ARGS`)
-# with a time limit and waits until /health answers (SERVER holds its pid; returns 1 if it died or never came up);
-# `small_exactness NAME
-# PORT ARGS...` serves the shipped model at --tp 2 with ARGS and checks it (below).
+# wheels, `since` (seconds since this file was sourced), and `serve_until_up SECONDS PORT LOG ARGS...`, which starts
+# `python3 -m server ARGS` (or `$SERVE_CMD ARGS`) with a time limit and waits until /health answers (SERVER holds
+# its pid; returns 1 if it died or never came up); `small_exactness NAME PORT ARGS...` serves the shipped model at
+# --tp 2 with ARGS and checks it (below).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:.
+start=$(date +%s)
+since() { echo "at $(( $(date +%s) - start )) s"; }
 
 serve_until_up() {
   local limit=$1 port=$2 log=$3

@@ -27,8 +27,6 @@
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 source scripts/gpu_serve.sh
-start=$(date +%s)
-since() { echo "at $(( $(date +%s) - start )) s"; }
 checks=" ${CHECKS:-pytest restore forward hyper moe step prompt draws graphs serve resume frontend} "
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 

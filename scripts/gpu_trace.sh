@@ -11,8 +11,6 @@
 set -u
 : "${OUT:?set OUT to the folder for logs}"
 source scripts/gpu_serve.sh
-start=$(date +%s)
-since() { echo "at $(( $(date +%s) - start )) s"; }
 git log --oneline -1 2>/dev/null || true
 
 trace=$OUT/trace
