@@ -179,7 +179,7 @@ def serve_in_turn(model, requests, prompt_cache: PromptCache, runner_class=None)
     from tests.server.engine_harness import Outcome, RecordingRunner
 
     runner = (runner_class or RecordingRunner)(model, 1)
-    engine = Engine(runner, 4096, 64, draft_depth=3, prompt_cache=prompt_cache, cache_grid=8)
+    engine = runner.engine = Engine(runner, 4096, 64, draft_depth=3, prompt_cache=prompt_cache, cache_grid=8)
     engine.start()
     outcomes = []
     try:
@@ -226,9 +226,8 @@ def test_a_launch_that_failed_before_its_drops_asks_for_them_again(ckpt):
     before applying them (as one failing to allocate its lane does). Every state the runner still holds must be
     named by the cache or have its drop asked again: none is left outside the cache's budget for good."""
     from model.weights import load_model
-    from rankwire.header import DrawSpec, LaneOpCode
-    from server.engine import Engine, Request
-    from tests.server.engine_harness import Outcome, RecordingRunner
+    from rankwire.header import LaneOpCode
+    from tests.server.engine_harness import RecordingRunner
 
     class FailsBeforeItsDrops(RecordingRunner):
         failed = False
@@ -239,22 +238,12 @@ def test_a_launch_that_failed_before_its_drops_asks_for_them_again(ckpt):
                 raise RuntimeError("out of memory (injected)")
             return super().launch(plan, launched)
 
-    runner = FailsBeforeItsDrops(load_model(ckpt, dtype="float32"), 1)
     cache = PromptCache(1)
-    engine = Engine(runner, 4096, 64, prompt_cache=cache, cache_grid=8)
-    engine.start()
-    outcomes = []
-    try:
-        for i, prompt in enumerate([LONG[:20], LONG[5:25], LONG[10:30]]):
-            outcomes.append(Outcome())
-            draw = DrawSpec(0.0, 0, 1.0, 0.0, 1)
-            engine.submit(Request(f"r{i}", prompt, 4, draw, frozenset(), outcomes[-1].sink, draft=False))
-            assert outcomes[-1].done.wait(120)
-    finally:
-        engine.stop()
+    prompts = [(LONG[:20], False), (LONG[5:25], False), (LONG[10:30], False)]
+    outcomes, runner = serve_in_turn(load_model(ckpt, dtype="float32"), prompts, cache, FailsBeforeItsDrops)
     assert runner.failed and [o.finish for o in outcomes] == ["error", "length", "length"]
     named = {kept.handle for kept in cache.entries.values()}
-    asked = {op.arg for op in engine.ops if op.code is LaneOpCode.DROP}
+    asked = {op.arg for op in runner.engine.ops if op.code is LaneOpCode.DROP}
     assert set(runner.kept) - named - asked == set()
 
 
