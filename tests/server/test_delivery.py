@@ -206,3 +206,24 @@ def test_a_failure_from_another_thread_reaches_the_sink_after_the_tokens_gathere
     failing.join(30)
     engine.thread.join(30)
     assert seen[0] == "token" and seen[-1] == "error", seen
+
+
+def test_a_request_aborted_while_it_waits_for_a_lane_gets_its_finish(tmp_path) -> None:
+    """One lane, two requests: the second is aborted before it has a lane; its sink still learns it ended, and the
+    finished-requests metric counts it."""
+    from server.metrics import EngineMetrics
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    metrics = EngineMetrics("m")
+    engine = Engine(RecordingRunner(model, 1), context=256, prompt_budget=64, metrics=metrics)
+    first, second = Outcome(), Outcome()
+    engine.submit(Request("r0", [5, 9, 14, 3], 6, GREEDY, frozenset(), first.sink))
+    engine.submit(Request("r1", [5, 9, 14, 3], 6, GREEDY, frozenset(), second.sink))
+    engine.abort("r1")
+    engine.start()
+    try:
+        assert first.done.wait(60) and second.done.wait(10)
+    finally:
+        engine.stop()
+    assert (first.finish, second.finish, second.tokens) == ("length", "abort", [])
+    assert metrics.registry.get_sample_value("flashnext:request_success_total", {"finished_reason": "abort"}) == 1
