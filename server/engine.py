@@ -273,8 +273,7 @@ class Engine:
             self._finish(request, Update((), self.aborted[request.request_id]))
         for request in [r for r in self.waiting if r.request_id in self.aborted]:  # no lane yet: only its finish
             self.waiting.remove(request)
-            self._count_finish(self.aborted[request.request_id])
-            self.outbox.append((request, Update((), self.aborted[request.request_id])))
+            self._end(request, Update((), self.aborted[request.request_id]))
         self.aborted.clear()
         used = {r.slot for r in self.running}
         free_slots = [s for s in range(self.max_lanes) if s not in used]
@@ -477,13 +476,13 @@ class Engine:
         """Send the last update, release the lane (next round's plan frees the slot on every rank)."""
         self.running.remove(request)
         self.to_free.append(request.slot)
-        self._count_finish(update.finish_reason)
-        self.outbox.append((request, update))
+        self._end(request, update)
 
-    def _count_finish(self, reason: str | None) -> None:
-        """Count a request's end in the metrics, by its reason."""
+    def _end(self, request: Request, update: Update) -> None:
+        """Count a request's end in the metrics and queue its last update."""
         if self.metrics is not None:
-            self.metrics.finished.labels(finished_reason=reason).inc()
+            self.metrics.finished.labels(finished_reason=update.finish_reason).inc()
+        self.outbox.append((request, update))
 
     def _flush(self) -> None:
         """Deliver the updates gathered so far in one call, outside the engine's lock; one flush at a time, so they

@@ -191,8 +191,9 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     name = args.served_model_name or args.model.name
     metrics = EngineMetrics(name)
     runner = runner or ModelRunner(model, args.max_lanes)
+    drafter = DRAFTERS[args.drafter]()
     if args.drafts and not runner.can_draft:
-        proposed = "only copy drafts are" if args.drafter == "copy" else "no drafts are"
+        proposed = "only copy drafts are" if drafter.reads_history else "no drafts are"
         log.warning("%s has no MTP layer: %s proposed", args.model, proposed)
     cache_bytes = (
         int(args.prompt_cache_gib * 2**30)
@@ -207,7 +208,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         metrics,
         on_fatal,
         args.drafts,
-        DRAFTERS[args.drafter](),
+        drafter,
         cache,
         args.prompt_cache_grid,
         args.plan_ahead == "on",
