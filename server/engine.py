@@ -163,7 +163,7 @@ class Engine:
             for request in list(self.running):
                 self._finish(request, Update((), "error", message))
             while self.waiting:
-                self.outbox.append((self.waiting.popleft(), Update((), "error", message)))
+                self._end(self.waiting.popleft(), Update((), "error", message))
             self.stopped = True
             self.cond.notify()
         self._flush()

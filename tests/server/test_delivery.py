@@ -99,6 +99,19 @@ def test_a_failure_reaches_waiting_and_running_requests_through_deliver(tmp_path
     ]
 
 
+def test_a_failure_counts_the_waiting_requests_it_ends_in_the_finished_metric(tmp_path) -> None:
+    from server.metrics import EngineMetrics
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    metrics = EngineMetrics("m")
+    engine = Engine(ModelRunner(model, 1), context=256, prompt_budget=64, metrics=metrics)
+    engine.deliver = lambda batch: None
+    for i in range(2):  # not started: both wait
+        engine.submit(Request(f"r{i}", [5, 9], 4, GREEDY, frozenset(), Outcome().sink))
+    engine.fail("rank 1 went away")
+    assert metrics.registry.get_sample_value("flashnext:request_success_total", {"finished_reason": "error"}) == 2
+
+
 def test_the_app_delivers_on_its_loop_and_shortens_the_switch_interval_while_it_runs(tmp_path) -> None:
     """Started by its lifespan, the app's engine delivers through the event loop and the GIL switch interval is
     ENGINE_SWITCH_INTERVAL_S; shutting down restores both the engine and the interval."""
