@@ -262,6 +262,8 @@ def build_app(state: ServerState) -> FastAPI:
         def frame(piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+            if piece is None and with_ids:  # the first chunk (the usage chunk's choices are replaced)
+                choice["prompt_token_ids"] = generation.prompt_ids
             if piece is not None:
                 if piece.content or not piece.reasoning:
                     delta["content"] = piece.content
@@ -285,6 +287,8 @@ def build_app(state: ServerState) -> FastAPI:
 
         def frame(piece) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
+            if piece is None and with_ids:  # the first chunk (the usage chunk's choices are replaced)
+                choice["prompt_token_ids"] = generation.prompt_ids
             if piece is not None:
                 choice.update(text=piece.content, finish_reason=piece.finish_reason)
                 if with_ids:

@@ -231,6 +231,19 @@ def test_with_include_usage_every_chunk_but_the_last_has_null_usage(live, includ
         assert not any("usage" in c for c in chunks)
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_stream_with_return_token_ids_carries_the_prompts_ids_too(live, route):
+    """As the non-streamed response (and vLLM's first chunk): the prompt's ids come once, in the first chunk."""
+    body = {"max_tokens": 3, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
+    prompt = PROMPT if route == "completions" else httpx.post(f"{live.url}/tokenize", json=body).json()["tokens"]
+    with httpx.stream("POST", f"{live.v1}/{route}", json=body, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    sent = [choice["prompt_token_ids"] for c in chunks for choice in c["choices"] if "prompt_token_ids" in choice]
+    assert sent == [prompt]
+    assert len([t for c in chunks for choice in c["choices"] for t in choice.get("token_ids", [])]) == 3
+
+
 def test_thirty_two_streams_all_complete(live):
     def stream(i: int) -> int:
         chunks = client(live).chat.completions.create(
