@@ -26,6 +26,7 @@ PUBLIC_PATHS = ("/health", "/metrics")
 # the fields of a chat request that shape its rendered prompt: /tokenize checks them as the chat route does
 CHAT_RENDERING_FIELDS = (
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template", "documents", "tools",
+    "reasoning_effort",
 )  # fmt: skip
 
 

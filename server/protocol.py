@@ -285,6 +285,7 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
+    reasoning_effort: Literal["none", "low", "medium", "high", "xhigh"] | None = None
 
     _check_chat_unhonoured = field_validator(
         "tools", "tool_choice", "echo", "add_generation_prompt", "continue_final_message", "chat_template", "documents"
@@ -298,8 +299,14 @@ class ChatCompletionRequest(_SamplingRequest):
         return value
 
     def template_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the chat template: the given switches and pass-through keys."""
-        return self.chat_template_kwargs.model_dump(exclude_none=True)
+        """Keyword arguments for the chat template: the given switches and pass-through keys, and OpenAI's top-level
+        reasoning_effort as vLLM passes it (thinking on unless "none"; chat_template_kwargs' own keys win)."""
+        kwargs = self.chat_template_kwargs.model_dump(exclude_none=True)
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+            if self.reasoning_effort != "none":
+                kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
 
 class CompletionRequest(_SamplingRequest):

@@ -111,6 +111,13 @@ def test_thinking_goes_to_reasoning_content(live):
     assert plain["choices"][0]["message"]["content"]
 
 
+def test_openais_reasoning_effort_shapes_the_prompt_as_tokenize_shows_it(live):
+    plain = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT}).json()["count"]
+    effort = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT, "reasoning_effort": "high"}).json()["count"]
+    out = chat_ids(live, CHAT, reasoning_effort="high")
+    assert out["usage"]["prompt_tokens"] == effort != plain
+
+
 def test_streaming_equals_non_streaming(live):
     chat_ids(live, CHAT)  # the prompt cache keeps the prompt from here: both calls below report the same cached tokens
     whole = chat_ids(live, CHAT)

@@ -342,6 +342,20 @@ def test_chat_template_kwargs_pass_through() -> None:
     assert request.template_kwargs() == kwargs
 
 
+def test_openais_reasoning_effort_reaches_the_template_as_vllm_passes_it() -> None:
+    """The top-level field (OpenAI's) sets the template's reasoning_effort and turns thinking on, "none" off; keys
+    given in chat_template_kwargs win."""
+
+    def kwargs(**fields: Any) -> dict[str, Any]:
+        return parse_request(ChatCompletionRequest, {"messages": USER, **fields}).template_kwargs()
+
+    assert kwargs(reasoning_effort="high") == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert kwargs(reasoning_effort="none") == {"enable_thinking": False}
+    given = {"enable_thinking": False, "reasoning_effort": "low"}
+    assert kwargs(reasoning_effort="high", chat_template_kwargs=given) == given
+    assert_names(chat_error(reasoning_effort="minimal"), "reasoning_effort", "minimal")
+
+
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[0, 9]], [0, 9])],
