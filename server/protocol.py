@@ -29,10 +29,16 @@ _HARMLESS: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "use_beam_search": False,
+    "logits_processors": [],
+    "continuous_usage_stats": False,  # in stream_options
     # chat only: how the template renders the conversation
     "echo": False,
     "add_generation_prompt": True,
     "continue_final_message": False,
+    # chat only: OpenAI's tools before `tools`, and vLLM's switch for the reasoning text
+    "functions": [],
+    "function_call": "none",
+    "include_reasoning": True,
 }
 _NO_VALUE = object()  # the harmless value of a field that has none
 # Arguments of the template call itself, which the server sets: not template variables.
@@ -99,6 +105,8 @@ def _not_supported(message: str) -> PydanticCustomError:
 def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
     """Refuse a field we cannot honour unless its value means the same as leaving it out (of the same JSON type: no
     1 for true, though 1 for 1.0)."""
+    if value is None:  # JSON null, where no model validator dropped it
+        return value
     harmless = _HARMLESS.get(info.field_name, _NO_VALUE)
     same_type = type(value) is type(harmless) or (type(harmless) is float and type(value) is int)
     if not same_type or value != harmless:
@@ -116,6 +124,9 @@ class StreamOptions(_StrictModel):
     """`stream_options`: whether the last streamed chunk carries usage."""
 
     include_usage: bool = False
+    continuous_usage_stats: Any = None
+
+    _check_unhonoured = field_validator("continuous_usage_stats")(_refuse_unless_harmless)
 
 
 class ChatTemplateKwargs(_StrictModel):
@@ -205,12 +216,14 @@ class _SamplingRequest(_StrictModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    structural_tag: Any = None
+    logits_processors: Any = None
 
     _check_unhonoured = field_validator(
         "logit_bias", "response_format", "repetition_penalty", "min_tokens", "bad_words", "allowed_token_ids",
         "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search", "prompt_logprobs",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "structured_outputs",
+        "structured_outputs", "structural_tag", "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
 
     @model_validator(mode="before")
@@ -285,11 +298,15 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
+    functions: Any = None
+    function_call: Any = None
+    include_reasoning: Any = None
     reasoning_effort: Literal["none", "low", "medium", "high", "xhigh"] | None = None
 
     _check_chat_unhonoured = field_validator(
-        "tools", "tool_choice", "echo", "add_generation_prompt", "continue_final_message", "chat_template", "documents"
-    )(_refuse_unless_harmless)
+        "tools", "tool_choice", "echo", "add_generation_prompt", "continue_final_message", "chat_template", "documents",
+        "functions", "function_call", "include_reasoning",
+    )(_refuse_unless_harmless)  # fmt: skip
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod

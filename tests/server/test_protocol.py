@@ -138,6 +138,10 @@ def test_missing_messages() -> None:
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"include_reasoning": False}, "include_reasoning"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ],
 )
 def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) -> None:
@@ -164,6 +168,8 @@ def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) ->
         ("guided_grammar", "root ::= x"),
         ("structured_outputs", {"json": {}}),
         ("response_format", {"type": "json_object"}),
+        ("structural_tag", {"type": "structural_tag"}),
+        ("logits_processors", ["my.module.Processor"]),
     ],
 )
 def test_vllms_sampling_fields_are_refused_by_both_routes_unless_they_change_nothing(field: str, value: Any) -> None:
@@ -312,6 +318,12 @@ def test_nulls_and_harmless_values_read_as_not_given() -> None:
         "echo": False,
         "add_generation_prompt": True,
         "continue_final_message": False,
+        "functions": [],
+        "function_call": "none",
+        "include_reasoning": True,
+        "logits_processors": [],
+        "stream": True,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": None},
     }
     request = parse_request(ChatCompletionRequest, body)
     assert request.sampling_params() == SamplingParams()
