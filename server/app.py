@@ -141,6 +141,8 @@ def build_app(state: ServerState) -> FastAPI:
                 f"{param}: token id {bad[0]} is outside the vocabulary (size {state.vocab_size})", param=param
             )
         params = body.sampling_params()
+        if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
+            raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
         room = state.context - len(prompt_ids)
         if room < 1:
             raise ApiError(

@@ -201,6 +201,26 @@ def test_bad_chat_fields_get_400s_naming_them(live, body, param):
     assert error["param"] == param and param.split(".")[0] in error["message"]
 
 
+def test_stop_strings_are_refused_by_a_model_without_a_tokenizer():
+    """Without a tokenizer no text is made, so a stop string could never match: a 400 naming it, and nothing runs."""
+    from fastapi.testclient import TestClient
+
+    from server.app import ServerState, build_app
+    from server.engine import Update
+    from tests.server.test_generation import RecordingEngine
+
+    class Finishing(RecordingEngine):
+        def submit(self, request) -> None:
+            super().submit(request)
+            request.sink(Update((), "length"))
+
+    engine = Finishing()
+    http = TestClient(build_app(ServerState(engine, None, "m", 256, 512, (0,))))
+    response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stop": ["x"]})
+    assert response.status_code == 400 and error_of(response)["param"] == "stop"
+    assert "tokenizer" in error_of(response)["message"] and engine.submitted == []
+
+
 def test_context_overflow_is_refused_with_its_code(live):
     response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 100_000})
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
