@@ -317,7 +317,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the chat template: the given switches and pass-through keys, and OpenAI's top-level
-        reasoning_effort as vLLM passes it (thinking on unless "none"; chat_template_kwargs' own keys win)."""
+        reasoning_effort, thinking at that effort ("none": no thinking; chat_template_kwargs' own keys win)."""
         kwargs = self.chat_template_kwargs.model_dump(exclude_none=True)
         if self.reasoning_effort is not None:
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")

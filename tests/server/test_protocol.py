@@ -354,7 +354,7 @@ def test_chat_template_kwargs_pass_through() -> None:
     assert request.template_kwargs() == kwargs
 
 
-def test_openais_reasoning_effort_reaches_the_template_as_vllm_passes_it() -> None:
+def test_openais_reasoning_effort_turns_thinking_on_at_that_effort() -> None:
     """The top-level field (OpenAI's) sets the template's reasoning_effort and turns thinking on, "none" off; keys
     given in chat_template_kwargs win."""
 
