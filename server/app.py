@@ -343,7 +343,10 @@ def build_app(state: ServerState) -> FastAPI:
             chat = parse_request(ChatCompletionRequest, {"messages": body["messages"], **rendering})
             ids = tokenizer(render_chat(chat), add_special_tokens=False)["input_ids"]
         elif isinstance(body.get("prompt"), str):
-            ids = tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"]
+            special = body.get("add_special_tokens", False)
+            if not isinstance(special, bool):
+                raise ApiError("add_special_tokens: expected true or false", param="add_special_tokens")
+            ids = tokenizer(body["prompt"], add_special_tokens=special)["input_ids"]
         else:
             raise ApiError("prompt: expected a string (or send messages)", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.context}

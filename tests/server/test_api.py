@@ -299,6 +299,8 @@ def test_models_metrics_tokenize_detokenize(live):
     assert other.status_code == 404 and error_of(other)["param"] == "model"
     unrendered = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT, "add_generation_prompt": False})
     assert unrendered.status_code == 400 and error_of(unrendered)["param"] == "add_generation_prompt"
+    stringly = httpx.post(f"{live.url}/tokenize", json={"prompt": "x", "add_special_tokens": "false"})
+    assert stringly.status_code == 400 and error_of(stringly)["param"] == "add_special_tokens"
     metrics = httpx.get(f"{live.url}/metrics").text
     for name in (
         "flashnext:num_requests_running",
