@@ -51,6 +51,7 @@ class Request:
     sink: Callable[[Update], None]
     draft: bool = True
     keep_at: tuple[int, ...] = ()
+    cache_salt: str | None = None  # its prompt states are kept and resumed apart from other salts' (vLLM's field)
     arrival: float = field(default_factory=time.monotonic)
     cached: int = 0
     keeps: list[int] = field(default_factory=list)
@@ -335,7 +336,7 @@ class Engine:
         positions, the given message boundaries, and one token before the end, each rounded down to the alignment."""
         prompt = request.prompt_ids
         request.depth = self.draft_depth if request.draft else 0
-        hit = self.cache.lookup(prompt, counted=not request.admitted)
+        hit = self.cache.lookup(prompt, counted=not request.admitted, salt=request.cache_salt)
         if hit is not None:
             ops.append(LaneOp(LaneOpCode.RESTORE, request.slot, hit.handle))
             request.prefilled = request.cached = hit.length
@@ -348,7 +349,7 @@ class Engine:
         """Keep the lane's state at its next boundary, `after` rows into this round (a prompt pass runs through its
         boundaries: the forward snapshots each row), unless that prefix is kept already."""
         position = request.keeps.pop(0)
-        digest = prefix_digests(request.prompt_ids, [position])[position]
+        digest = prefix_digests(request.prompt_ids, [position], request.cache_salt)[position]
         if self.cache.wants(digest) and all(d != digest for d, _ in self.new_keeps):
             handle = self.cache.new_handle()
             ops.append(LaneOp(LaneOpCode.KEEP, request.slot, handle, after))

@@ -67,6 +67,7 @@ class Generation:
             sink=self.queue.put_nowait,  # runs on the event loop: every EngineHandle delivers there
             draft=params.draft,
             keep_at=keep_at,
+            cache_salt=params.cache_salt,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None

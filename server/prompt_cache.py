@@ -9,10 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def prefix_digests(tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, bytes]:
-    """SHA-256 of tokens[:n] for each n in `lengths`, in one pass."""
+def prefix_digests(tokens: Sequence[int], lengths: Sequence[int], salt: str | None = None) -> dict[int, bytes]:
+    """SHA-256 of tokens[:n] for each n in `lengths`, in one pass; a salt's digest goes first, so salted prefixes
+    never share an entry with unsalted ones or with another salt's."""
     data = array("q", tokens).tobytes()
     digests, hasher, done = {}, hashlib.sha256(), 0
+    if salt is not None:
+        hasher.update(hashlib.sha256(salt.encode()).digest())
     for n in sorted(set(lengths)):
         hasher.update(data[done * 8 : n * 8])
         done = n
@@ -43,13 +46,14 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.budget > 0
 
-    def lookup(self, prompt: Sequence[int], counted: bool = True) -> Kept | None:
-        """The longest kept prefix of `prompt` that leaves at least one token to run (in the figures if `counted`)."""
+    def lookup(self, prompt: Sequence[int], counted: bool = True, salt: str | None = None) -> Kept | None:
+        """The longest prefix of `prompt` kept under `salt` that leaves at least one token to run (in the figures if
+        `counted`)."""
         if not self.enabled:
             return None
         self.queries += counted
         lengths = sorted({e.length for e in self.entries.values() if e.length < len(prompt)})
-        digests = prefix_digests(prompt, lengths)
+        digests = prefix_digests(prompt, lengths, salt)
         for n in reversed(lengths):
             entry = self.entries.get(digests[n])
             if entry is not None and entry.length == n:

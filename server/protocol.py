@@ -58,7 +58,8 @@ def fresh_seed() -> int:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How the engine draws and stops one request's tokens (top_k 0 means off, max_tokens None means the context)."""
+    """How the engine draws and stops one request's tokens (top_k 0 means off, max_tokens None means the context),
+    and which prompt states it may resume."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -71,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     draft: bool = True
     include_stop_str_in_output: bool = False  # a stop string's text, or a stop token's, ends the output
+    cache_salt: str | None = None  # prompt states are resumed only from requests with the same salt
 
 
 class ApiError(Exception):
@@ -195,6 +197,7 @@ class _SamplingRequest(_StrictModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     draft: bool = True
+    cache_salt: str | None = Field(None, min_length=1)
     n: int = Field(1, ge=1)
     user: str | None = None
     presence_penalty: float = 0.0
@@ -281,6 +284,7 @@ class _SamplingRequest(_StrictModel):
             ignore_eos=self.ignore_eos,
             draft=self.draft,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            cache_salt=self.cache_salt,
         )
 
 

@@ -66,6 +66,25 @@ def test_a_prompt_resumed_at_a_grid_boundary_equals_it_fresh(servers, sampling, 
     assert resumed["token_sha"] == fresh["token_sha"]
 
 
+def test_a_cache_salt_keeps_its_requests_prompt_states_apart(servers):
+    """vLLM's cache_salt: a prompt resumes only states kept under the same salt (none is a salt of its own)."""
+    on, off = servers
+    prompt = [6, *LONG[5:30]]
+    first = complete(on, prompt, cache_salt="alice")
+    other, unsalted = complete(on, prompt, cache_salt="bob"), complete(on, prompt)
+    again = complete(on, prompt, cache_salt="alice")
+    assert (cached(first), cached(other), cached(unsalted), cached(again)) == (0, 0, 0, len(prompt) - 1)
+    assert len({out["token_sha"] for out in (first, other, unsalted, again, complete(off, prompt))}) == 1
+    empty = httpx.post(f"{on.v1}/completions", json={"prompt": prompt, "cache_salt": ""}, timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+
+
+def test_salted_prefix_digests_differ_from_unsalted_and_from_each_other() -> None:
+    plain = prefix_digests([5, 9, 14], [1, 3])
+    assert plain != prefix_digests([5, 9, 14], [1, 3], salt="a") != prefix_digests([5, 9, 14], [1, 3], salt="b")
+    assert prefix_digests([5, 9, 14], [3], salt="a")[3] == prefix_digests([5, 9, 14], [1, 3], salt="a")[3]
+
+
 def test_the_same_prompt_again_resumes_one_token_before_its_end(servers):
     on, off = servers
     prompt = [5, *LONG[3:30]]
