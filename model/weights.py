@@ -39,7 +39,10 @@ class TensorIndex:
     def __init__(self, model_dir: Path) -> None:
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (json.JSONDecodeError, AttributeError) as exc:
+                raise CheckpointError(f"{index}: not a JSON object with a weight_map ({exc})") from exc
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no weight_map")
             self.files = {name: model_dir / f for name, f in weight_map.items()}
@@ -49,7 +52,7 @@ class TensorIndex:
                 raise CheckpointError(f"no *.safetensors files in {model_dir}")
             self.files = {}
             for f in files:
-                with safe_open(f, "pt") as handle:
+                with _open_safetensors(f) as handle:
                     self.files.update(dict.fromkeys(handle.keys(), f))
         self._open: dict[Path, object] = {}
 
@@ -63,11 +66,18 @@ class TensorIndex:
         if path not in self._open:
             if not path.is_file():
                 raise CheckpointError(f"tensor {name}: its file {path.name} is missing")
-            self._open[path] = safe_open(path, "pt")
+            self._open[path] = _open_safetensors(path)
         return self._open[path]
 
+    def _slice(self, name: str):
+        handle = self._handle(name)
+        try:
+            return handle.get_slice(name)
+        except Exception as exc:  # a weight_map naming a file that does not hold the tensor
+            raise CheckpointError(f"tensor {name}: not in {self.files[name].name} ({exc})") from exc
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
         """The named tensor, or a refusal naming it."""
@@ -82,9 +92,17 @@ class TensorIndex:
         """The whole tensor, or only this rank's pieces of it (the other rank's bytes are never read)."""
         if shard is None:
             return self.get(name)
-        view = self._handle(name).get_slice(name)
+        view = self._slice(name)
         lead = (slice(None),) * shard.dim
         return torch.cat([view[(*lead, slice(lo, hi))] for lo, hi in shard.ranges], dim=shard.dim)
+
+
+def _open_safetensors(path: Path):
+    """A safetensors file opened for reading, or a refusal naming it (a truncated download fails here)."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as exc:
+        raise CheckpointError(f"{path.name}: not a readable safetensors file ({exc})") from exc
 
 
 @dataclass(slots=True)

@@ -192,3 +192,26 @@ def test_loading_draws_no_progress_bars_into_a_log_that_is_not_a_terminal(good, 
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     load_model(good, dtype="float32")
     assert "loading weights" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_truncated_safetensors_file_is_named(good, tmp_path, shards):
+    """An interrupted download: the refusal names the file, with or without an index."""
+    path = rewrite(good, tmp_path / "cut", tensors_of(good), shards)
+    cut = sorted(path.glob("*.safetensors"))[-1]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{cut.name}: not a readable safetensors file"):
+        load_model(path, dtype="float32")
+
+
+def test_an_index_naming_the_wrong_file_is_named(good, tmp_path):
+    path = rewrite(good, tmp_path / "moved", tensors_of(good), shards=2)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    key = "model.layers.0.linear_attn.out_proj.weight"
+    index["weight_map"][key] = next(f for f in set(index["weight_map"].values()) if f != index["weight_map"][key])
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"tensor {key}: not in {index['weight_map'][key]}"):
+        load_model(path, dtype="float32")
+    (path / "model.safetensors.index.json").write_text("{cut short")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a JSON object with a weight_map"):
+        load_model(path, dtype="float32")
