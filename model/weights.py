@@ -275,9 +275,9 @@ class WeightLoader:
                     self.shards.expert_shard(proj, 16),
                     (torch.float8_e4m3fn,),
                 )
-                scale_2 = self.index.get(f"{key}.weight_scale_2")
-                _check(f"{key}.weight_scale_2", scale_2.reshape(()), (), torch.float32)
-                parts.append((weight, scale, scale_2.reshape(())))
+                scale_2 = _scalar(f"{key}.weight_scale_2", self.index.get(f"{key}.weight_scale_2"))
+                _check(f"{key}.weight_scale_2", scale_2, (), torch.float32)
+                parts.append((weight, scale, scale_2))
             gate, up, down = parts
             for slot, tensors in enumerate(((gate[0], up[0]), (gate[1], up[1]))):
                 groups["gate_up"][slot].append(torch.cat(tensors))
@@ -326,7 +326,8 @@ class WeightLoader:
         if self.quant.algo(base) == "FP8":
             if tensor.dtype != torch.float8_e4m3fn:
                 raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected float8_e4m3fn (FP8)")
-            module.weight_scale = self.index.get(f"{base}.weight_scale").float().reshape(()).to(self.table_device)
+            scale = _scalar(f"{base}.weight_scale", self.index.get(f"{base}.weight_scale"))
+            module.weight_scale = scale.float().to(self.table_device)
             return _host_or_device(tensor, self.table_device, tensor.dtype)
         if tensor.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {base}.weight: dtype {tensor.dtype}, expected bfloat16 or float32")
@@ -348,6 +349,13 @@ def _own(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torc
 def _check_shape(key: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
     if tuple(got) != tuple(expected):
         raise CheckpointError(f"tensor {key}: shape {list(got)}, expected {list(expected)}")
+
+
+def _scalar(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A per-tensor scale as a 0-d tensor (stored as [] or [1]), or a refusal naming it."""
+    if tensor.numel() != 1:
+        raise CheckpointError(f"tensor {key}: shape {list(tensor.shape)}, expected a single value ([] or [1])")
+    return tensor.reshape(())
 
 
 def _check(key: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -178,6 +178,22 @@ def test_nvfp4_scale_dtype_is_checked(tmp_path):
         load_model(bad, dtype="float32")
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.language_model.layers.1.mlp.experts.2.down_proj.weight_scale_2",
+        "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.weight_scale",
+    ],
+)
+def test_a_per_tensor_scale_that_is_not_one_value_is_named(tmp_path, key):
+    path = checkpoint(tmp_path / "nvfp4", fmt="nvfp4")
+    tensors = tensors_of(path)
+    tensors[key] = tensors[key].reshape(1).repeat(2)
+    bad = rewrite(path, tmp_path / "bad", tensors, shards=2)
+    with pytest.raises(CheckpointError, match=rf"tensor {key}: shape \[2\], expected a single value"):
+        load_model(bad, dtype="float32")
+
+
 def test_the_ngram_table_in_host_memory_gives_the_same_logits(good):
     on_device = load_model(good, dtype="float32")
     on_host = load_model(good, dtype="float32", ngram_table="host")
