@@ -264,6 +264,8 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
         )
 
     heads, kv_heads = r.int("num_attention_heads"), r.int("num_key_value_heads")
+    if r.bool("attention_bias", False):
+        raise ConfigError(f"{r.name('attention_bias')}: QSA projections with biases are not supported")
     if heads % kv_heads:
         raise ConfigError(f"{r.name('num_key_value_heads')}: {kv_heads} does not divide num_attention_heads {heads}")
     lk, lv = r.int("linear_num_key_heads", 16), r.int("linear_num_value_heads", 32)

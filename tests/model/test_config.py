@@ -83,6 +83,7 @@ def test_refusals_name_the_field():
     refuse({**base, "hidden_size": "32"}, "hidden_size")
     refuse({**base, "num_hidden_layers": 0}, "num_hidden_layers")
     refuse({**base, "num_key_value_heads": 3}, "num_key_value_heads")
+    refuse({**base, "attention_bias": True}, "attention_bias")  # transformers adds q/k/v/o biases: not ignored
     refuse({**base, "linear_num_value_heads": 5}, "linear_num_value_heads")
     refuse({**base, "num_experts_per_tok": 9}, "num_experts_per_tok")
     refuse({**base, "indexer_budget": None}, "indexer_budget")
