@@ -249,11 +249,13 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
     num_layers = r.int("num_hidden_layers")
     hidden = r.int("hidden_size")
     layer_types = _layer_types(r, num_layers)
-    rope = data.get("rope_parameters") or {}
+    # transformers reads a legacy rope_scaling in place of rope_parameters, and a legacy "type" as rope_type
+    rope_key = "rope_scaling" if data.get("rope_scaling") else "rope_parameters"
+    rope = data.get(rope_key) or {}
     if not isinstance(rope, dict):
-        raise ConfigError(f"{r.name('rope_parameters')}: expected an object, got {rope!r}")
-    rope_r = _Reader(rope, prefix + "rope_parameters.")
-    rope_r.choice("rope_type", "default", ("default",))
+        raise ConfigError(f"{r.name(rope_key)}: expected an object, got {rope!r}")
+    rope_r = _Reader(rope, prefix + rope_key + ".")
+    rope_r.choice("type" if "type" in rope and "rope_type" not in rope else "rope_type", "default", ("default",))
     theta = rope_r.float("rope_theta", data.get("rope_theta", 10_000.0))
     partial = rope_r.float("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
     head_dim = r.int("head_dim", hidden // max(r.int("num_attention_heads"), 1))

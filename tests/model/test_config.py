@@ -93,6 +93,10 @@ def test_refusals_name_the_field():
     refuse({**base, "ple_layer_ids": [9]}, "ple_layer_ids")
     refuse({**base, "output_gate_type": "tanh"}, "output_gate_type")
     refuse({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type")
+    # the legacy spellings transformers still reads: "type" for rope_type, rope_scaling for rope_parameters
+    yarn = {"type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.25}
+    refuse({**base, "rope_parameters": yarn}, "rope_parameters.type")
+    refuse({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type")
     refuse({**base, "eos_token_id": None}, "eos_token_id")
     refuse({**base, "mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers")
     refuse({"model_type": "qwen4_exp", "text_config": {**base, "hc_count": 1}}, "text_config.hc_count")
