@@ -237,6 +237,14 @@ def run_generate(args: argparse.Namespace) -> int:
     if not prompt_ids or max(prompt_ids) >= vocab:
         print(f"--prompt-ids: ids must be in [0, {vocab}), got {prompt_ids}", file=sys.stderr)
         return 2
+    positions = model.cfg.max_position_embeddings
+    if len(prompt_ids) + args.max_tokens > positions:
+        print(
+            f"--max-tokens: {args.max_tokens} after a prompt of {len(prompt_ids)} tokens exceeds the model's "
+            f"{positions} positions",
+            file=sys.stderr,
+        )
+        return 2
     params = GenerateParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -73,6 +73,16 @@ def test_bad_prompt_ids_are_refused_by_name(tmp_path, capsys):
     assert "has no tokenizer" in capsys.readouterr().err
 
 
+def test_a_prompt_and_max_tokens_past_the_models_positions_are_refused_by_name(tmp_path, capsys):
+    """As the server refuses them (context_length_exceeded): the model was never run at those positions."""
+    path = checkpoint(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8}))
+    assert run_cli(capsys, str(path), "--prompt-ids", "7,8,9", "--max-tokens", "5", "--ignore-eos")["token_ids"]
+    assert main(["generate", str(path), "--prompt-ids", "7,8,9", "--max-tokens", "6", "--ignore-eos"]) == 2
+    assert "--max-tokens: 6 after a prompt of 3 tokens exceeds the model's 8 positions" in capsys.readouterr().err
+
+
 def test_the_shipped_model_generates_from_text(capsys):
     out = run_cli(capsys, "--prompt", "def add(a, b):", "--max-tokens", "6", "--temperature", "0", "--ignore-eos")
     assert len(out["token_ids"]) == 6 and isinstance(out["text"], str)
