@@ -268,14 +268,29 @@ def start_refusal(args: argparse.Namespace) -> str | None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this process (torch.cuda.is_available() is False)"
+    from model.parallel import TensorParallel
+
     cfg = load_config(args.model)
     device = torch.device(args.device)
     kernels = resolve_kernels(args.kernels, device)
+    world = 1
+    if args.command == "serve":
+        from server.ranks import rank_env
+
+        world = rank_env(args.tp).world
     if kernels:
         from model.kernel_path import check
-        from model.parallel import TensorParallel
 
-        check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel())
+        check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel(0, world))
+    if world > 1:  # each rank's half of every layer, on no device: a config that does not split is refused now
+        from model.flashnext import FlashNextModel
+
+        with torch.device("meta"):
+            for rank in range(world):
+                try:
+                    FlashNextModel(cfg, tp=TensorParallel(rank, world))
+                except ValueError as exc:
+                    return f"--tp {world}: {exc}"
     if args.command != "serve":
         return None
     if args.context is not None and args.context > cfg.max_position_embeddings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -249,6 +250,30 @@ def test_flags_that_cannot_serve_are_refused_before_the_model_loads(capsys, monk
     monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"vocab_size": 4095}, "vocab_size (4095) does not split over 2 ranks"),
+        (
+            {"linear_num_key_heads": 3, "linear_num_value_heads": 6},
+            "linear_num_value_heads: a rank's value heads must share whole key heads",
+        ),
+    ],
+)
+def test_tp_2_on_a_model_that_does_not_split_is_refused_before_the_ranks_start(
+    tmp_path, capsys, monkeypatch, fields, message
+):
+    import server.serve
+
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    config["text_config"].update(fields)
+    folder = broken_checkpoint(tmp_path / "odd", json.dumps(config))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(server.serve, "launch", lambda *a, **k: pytest.fail("the ranks were started"))
+    assert main(["serve", str(folder), "--tp", "2", "--load-format", "dummy"]) == 2
+    assert f"--tp 2: {message}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
