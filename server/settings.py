@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -20,8 +21,8 @@ def _port(text: str) -> int:
 
 def _seconds(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise ValueError(f"{value} is not a positive number of seconds")
+    if not 0 < value < math.inf:  # an infinite timeout overflows the process group's timedelta
+        raise ValueError(f"{value} is not a positive, finite number of seconds")
     return value
 
 

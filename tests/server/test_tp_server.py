@@ -213,7 +213,13 @@ def test_a_settings_mismatch_stops_both_ranks_naming_the_setting(ckpt):
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("FLASHNEXT_TP_TIMEOUT_S", "soon"), ("FLASHNEXT_LINK_PORT", "99999"), ("FLASHNEXT_TYPO", "1")]
+    ("name", "value"),
+    [
+        ("FLASHNEXT_TP_TIMEOUT_S", "soon"),
+        ("FLASHNEXT_TP_TIMEOUT_S", "inf"),
+        ("FLASHNEXT_LINK_PORT", "99999"),
+        ("FLASHNEXT_TYPO", "1"),
+    ],
 )
 def test_flashnext_settings_are_refused_by_name_before_any_device_work(ckpt, name, value):
     proc = subprocess.run(
