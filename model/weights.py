@@ -123,7 +123,13 @@ def read_quant_plan(model_dir: Path, quantization_config: dict | None) -> QuantP
         sources.append(("config.json quantization_config", quantization_config))
     hf_quant = model_dir / "hf_quant_config.json"
     if hf_quant.is_file():
-        sources.append(("hf_quant_config.json quantization", json.loads(hf_quant.read_text()).get("quantization", {})))
+        try:
+            quantization = json.loads(hf_quant.read_text()).get("quantization", {})
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"{hf_quant}: not a JSON object ({exc})") from exc
+        if not isinstance(quantization, dict):
+            raise CheckpointError(f"hf_quant_config.json quantization: expected an object, got {quantization!r}")
+        sources.append(("hf_quant_config.json quantization", quantization))
     for where, qc in sources:
         method = qc.get("quant_method", "modelopt")
         if method != "modelopt":

@@ -168,6 +168,16 @@ def test_unknown_quant_algo_is_named(good, tmp_path):
         load_model(path, dtype="float32")
 
 
+def test_an_unreadable_hf_quant_config_is_named(tmp_path):
+    path = checkpoint(tmp_path / "nvfp4", fmt="nvfp4")
+    (path / "hf_quant_config.json").write_text('{"quantization": ')
+    with pytest.raises(CheckpointError, match=r"hf_quant_config\.json: not a JSON object"):
+        load_model(path, dtype="float32")
+    (path / "hf_quant_config.json").write_text('{"quantization": "NVFP4"}')
+    with pytest.raises(CheckpointError, match=r"hf_quant_config\.json quantization: expected an object"):
+        load_model(path, dtype="float32")
+
+
 def test_nvfp4_scale_dtype_is_checked(tmp_path):
     path = checkpoint(tmp_path / "nvfp4", fmt="nvfp4")
     key = "model.language_model.layers.1.mlp.experts.2.down_proj.weight_scale"
