@@ -258,7 +258,7 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
     rope_r.choice("type" if "type" in rope and "rope_type" not in rope else "rope_type", "default", ("default",))
     theta = rope_r.float("rope_theta", data.get("rope_theta", 10_000.0))
     partial = rope_r.float("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
-    head_dim = r.int("head_dim", hidden // max(r.int("num_attention_heads"), 1))
+    head_dim = r.int("head_dim", 256)  # transformers' default, not hidden_size / heads
     rotary_dim = int(head_dim * partial)
     if rotary_dim % 2 or rotary_dim > head_dim:
         raise ConfigError(

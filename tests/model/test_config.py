@@ -41,6 +41,14 @@ def test_layer_types_from_the_interval_match_transformers():
     assert cfg.ple_layers == (1,)  # ple_layer_ids are 1-based
 
 
+def test_a_config_without_head_dim_takes_transformers_default():
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    data = real_text()
+    del data["head_dim"]
+    assert parse_config(data).head_dim == Qwen4ExpTextConfig.head_dim == 256
+
+
 def test_real_config_parses_with_the_model_card_shape():
     cfg = load_config(REAL)
     assert cfg.qsa_layers == tuple(range(3, 48, 4))
