@@ -223,6 +223,7 @@ def _layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
 
 
 def _eos(r: _Reader) -> int:
+    """The first end-of-sequence id, which must be a token of the vocabulary."""
     eos = r.data.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
@@ -230,6 +231,9 @@ def _eos(r: _Reader) -> int:
         raise ConfigError(f"{r.name('eos_token_id')}: required (it is the n-gram embedding's reset token)")
     if isinstance(eos, bool) or not isinstance(eos, int) or eos < 0:
         raise ConfigError(f"{r.name('eos_token_id')}: expected a token id, got {eos!r}")
+    vocab = r.int("vocab_size")
+    if eos >= vocab:
+        raise ConfigError(f"{r.name('eos_token_id')}: {eos} is outside the vocabulary (vocab_size {vocab})")
     return eos
 
 

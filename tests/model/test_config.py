@@ -98,6 +98,7 @@ def test_refusals_name_the_field():
     refuse({**base, "indexer_kv_heads": 2}, "indexer_kv_heads")
     refuse({**base, "indexer_budget": 7}, "indexer_budget")
     refuse({**base, "ple_layer_ids": [2]}, "ple_layer_ids")  # layer 2 is a QSA layer
+    refuse({**base, "eos_token_id": base["vocab_size"]}, "eos_token_id")  # the n-gram reset token must exist
     refuse({**base, "ple_layer_ids": [9]}, "ple_layer_ids")
     refuse({**base, "output_gate_type": "tanh"}, "output_gate_type")
     refuse({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type")
