@@ -320,8 +320,11 @@ class WeightLoader:
                 pieces.append((key, start))
                 start += self.index.shape(key)[0]
         dim = module.weight.shape[1]
+        for key, _ in pieces:  # every shard as wide as the table, so their rows join
+            rows, *rest = self.index.shape(key)
+            _check_shape(key, (rows, *rest), (rows, dim))
         total = sum(self.index.shape(key)[0] for key, _ in pieces)
-        _check_shape(f"{base}.weight", (total, *self.index.shape(pieces[0][0])[1:]), (module.rows_total, dim))
+        _check_shape(f"{base}.weight", (total, dim), (module.rows_total, dim))
         parts = []
         for key, start in pieces:
             rows = self.index.shape(key)[0]

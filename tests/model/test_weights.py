@@ -145,6 +145,16 @@ def test_wrong_shape_is_named(good, tmp_path):
     refused(good, tmp_path, lambda t: t.update({key: t[key][:, :-1]}), rf"tensor {key}: shape \[32, 47\], expected")
 
 
+def test_an_ngram_table_shard_of_another_width_is_named(good, tmp_path):
+    table = "model.layers.0.ple.ple_embedding.ngram_embedding"
+
+    def widen_one(tensors: dict[str, torch.Tensor]) -> None:
+        shard = tensors[f"{table}.shard_1.weight"]
+        tensors[f"{table}.shard_1.weight"] = torch.cat([shard, shard[:, :1]], dim=1)
+
+    refused(good, tmp_path, widen_one, rf"tensor {table}\.shard_1\.weight: shape")
+
+
 def test_wrong_dtype_is_named(good, tmp_path):
     key = "lm_head.weight"
     refused(good, tmp_path, lambda t: t.update({key: t[key].to(torch.int32)}), f"tensor {key}: dtype torch.int32")
