@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from openai_stream import (
     DEFAULT_BASE_URL,
     DEFAULT_TIMEOUT,
@@ -26,6 +27,7 @@ from openai_stream import (
     completion_body,
     float_list,
     int_list,
+    open_client,
     resolve_model,
     stream_chat,
     stream_completion,
@@ -110,10 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def send(args: argparse.Namespace, body: dict[str, Any]) -> StreamResult:
+def send(args: argparse.Namespace, body: dict[str, Any], client: httpx.Client | None = None) -> StreamResult:
     """Stream one request: a token-id prompt from /v1/completions, messages from /v1/chat/completions."""
     stream = stream_completion if "prompt" in body else stream_chat
-    return stream(args.base_url, body, args.api_key, args.timeout)
+    return stream(args.base_url, body, args.api_key, args.timeout, client)
 
 
 def run_together(args: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[StreamResult]:
@@ -123,12 +125,14 @@ def run_together(args: argparse.Namespace, bodies: list[dict[str, Any]]) -> list
     errors: list[Exception] = []
 
     def work(i: int) -> None:
-        """Wait for the others, then stream body i."""
+        """Make a client, wait for the others, then stream body i (a client made after the barrier staggers starts)."""
         try:
-            barrier.wait()
-            results[i] = send(args, bodies[i])
+            with open_client(args.timeout) as client:
+                barrier.wait()
+                results[i] = send(args, bodies[i], client)
         except Exception as exc:
             errors.append(exc)
+            barrier.abort()  # so no other stream waits for this one forever
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(bodies))]
     for thread in threads:

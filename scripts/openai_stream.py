@@ -81,10 +81,15 @@ def headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def open_client(timeout: float = DEFAULT_TIMEOUT) -> httpx.Client:
+    """An HTTP client for streams; making one loads TLS certificates (milliseconds), so make it before the clock."""
+    return httpx.Client(timeout=timeout, trust_env=False)
+
+
 def resolve_model(base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str:
     """The first model id that GET /v1/models lists."""
     try:
-        with httpx.Client(timeout=timeout, trust_env=False) as client:
+        with open_client(timeout) as client:
             response = client.get(f"{base_url.rstrip('/')}/v1/models", headers=headers(api_key))
     except httpx.HTTPError as exc:
         raise StreamError(f"GET /v1/models: {exc!r}") from exc
@@ -169,40 +174,52 @@ def _read_chunk(chunk: dict[str, Any], result: StreamResult) -> None:
 
 
 def stream_chat(
-    base_url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    base_url: str,
+    body: dict[str, Any],
+    api_key: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    client: httpx.Client | None = None,
 ) -> StreamResult:
-    """Stream body from /v1/chat/completions."""
-    return _stream(f"{base_url.rstrip('/')}/v1/chat/completions", body, api_key, timeout)
+    """Stream body from /v1/chat/completions (on client, else on a client of its own)."""
+    return _stream(f"{base_url.rstrip('/')}/v1/chat/completions", body, api_key, timeout, client)
 
 
 def stream_completion(
-    base_url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    base_url: str,
+    body: dict[str, Any],
+    api_key: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    client: httpx.Client | None = None,
 ) -> StreamResult:
-    """Stream body from /v1/completions."""
-    return _stream(f"{base_url.rstrip('/')}/v1/completions", body, api_key, timeout)
+    """Stream body from /v1/completions (on client, else on a client of its own)."""
+    return _stream(f"{base_url.rstrip('/')}/v1/completions", body, api_key, timeout, client)
 
 
-def _stream(url: str, body: dict[str, Any], api_key: str | None, timeout: float) -> StreamResult:
+def _stream(
+    url: str, body: dict[str, Any], api_key: str | None, timeout: float, client: httpx.Client | None = None
+) -> StreamResult:
     """POST body to url as a stream with usage and read its SSE chunks until [DONE]."""
+    if client is None:
+        with open_client(timeout) as own:
+            return _stream(url, body, api_key, timeout, own)
     request = {**body, "stream": True, "stream_options": {"include_usage": True}}
     result = StreamResult()
     try:
-        with httpx.Client(timeout=timeout, trust_env=False) as client:
-            result.started = time.perf_counter()
-            with client.stream("POST", url, json=request, headers=headers(api_key)) as response:
-                if response.status_code != 200:
-                    raise StreamError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
-                for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[len("data:") :].strip()
-                    if payload == "[DONE]":
-                        return result
-                    try:
-                        chunk = json.loads(payload)
-                    except json.JSONDecodeError as exc:
-                        raise StreamError(f"malformed SSE data: {payload[:200]!r}") from exc
-                    _read_chunk(chunk, result)
+        result.started = time.perf_counter()
+        with client.stream("POST", url, json=request, headers=headers(api_key)) as response:
+            if response.status_code != 200:
+                raise StreamError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    return result
+                try:
+                    chunk = json.loads(payload)
+                except json.JSONDecodeError as exc:
+                    raise StreamError(f"malformed SSE data: {payload[:200]!r}") from exc
+                _read_chunk(chunk, result)
     except httpx.HTTPError as exc:
         raise StreamError(f"POST {url}: {exc!r}") from exc
     raise StreamError("the stream ended before [DONE]")

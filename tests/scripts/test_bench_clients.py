@@ -60,6 +60,7 @@ class FakeServer(ThreadingHTTPServer):
         self.vary = vary
         self.lock = threading.Lock()
         self.requests: list[tuple[str, dict[str, Any], str | None]] = []
+        self.arrivals: list[float] = []  # perf_counter when each POST came in
 
     @property
     def url(self) -> str:
@@ -97,9 +98,11 @@ class FakeHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         """Stream a completion: opening chunk, text chunks with token_ids, finish chunk, usage chunk, [DONE]."""
+        arrived = time.perf_counter()
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             self.server.requests.append((self.path, body, self.headers.get("Authorization")))
+            self.server.arrivals.append(arrived)
             salt = len(self.server.requests) if self.server.vary else 0
         if body["max_tokens"] < 1:
             self.send_json(400, {"error": {"message": "max_tokens must be at least 1", "code": "bad_request"}})
@@ -280,6 +283,25 @@ def test_bench_concurrent_serial_sampled(fake: FakeServer) -> None:
         sha_of(fake_ids({"seed": seed, "max_tokens": 4}, 0)) for seed in (1234, 1235)
     ]
     assert sum(body.get("draft") is False for _, body, _ in fake.requests) == 2
+
+
+def test_bench_concurrent_sends_every_stream_at_once(fake: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streams' clients are made before the barrier: making one (it loads TLS certificates) after the barrier sent
+    the N requests a client's making apart, so the N streams were not all in flight from the start."""
+    bench = load_script("bench_concurrent")
+    made, real = threading.Lock(), httpx.Client
+
+    def slow_client(*args: Any, **kwargs: Any) -> httpx.Client:
+        """A client that takes 50 ms to make, one at a time."""
+        with made:
+            time.sleep(0.05)
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(httpx, "Client", slow_client)
+    args = bench.parse_args(["--base-url", fake.url, "--tokens", "2"])
+    results = bench.run_together(args, [bench.stream_body(args, "fake-model", 0.0, "on", i) for i in range(4)])
+    assert len(results) == 4
+    assert max(fake.arrivals) - min(fake.arrivals) < 0.1  # made after the barrier: at least 3 x 50 ms apart
 
 
 def test_bench_openai_json(fake: FakeServer) -> None:
