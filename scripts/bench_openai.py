@@ -6,6 +6,7 @@ import argparse
 import json
 import statistics
 import sys
+import uuid
 from typing import Any
 
 from openai_stream import (
@@ -77,6 +78,7 @@ def run_cell(
     for rep in range(-1, args.reps):
         seed = args.seed + max(rep, 0) if sampling else None
         body = chat_body(model, prompt, args.tokens, temperature, seed, args.top_k, args.top_p, args.thinking)
+        body["cache_salt"] = uuid.uuid4().hex  # its own: no rep resumes the prompt state an earlier one left cached
         result = stream_chat(args.base_url, body, args.api_key, args.timeout)
         if rep >= 0:
             runs.append((seed, result))

@@ -304,6 +304,27 @@ def test_bench_concurrent_sends_every_stream_at_once(fake: FakeServer, monkeypat
     assert max(fake.arrivals) - min(fake.arrivals) < 0.1  # made after the barrier: at least 3 x 50 ms apart
 
 
+def resumable(requests: list[tuple[str, dict[str, Any], str | None]], since: int = 0) -> list[int]:
+    """Indices from since on of the requests whose prompt and cache_salt an earlier request sent: a server's prompt
+    cache resumes those from the earlier one's kept state, so their time to first token is not a prompt pass."""
+    seen: set[str] = set()
+    repeats = []
+    for index, (_, body, _) in enumerate(requests):
+        key = json.dumps([body.get("prompt"), body.get("messages"), body.get("cache_salt")])
+        if key in seen and index >= since:
+            repeats.append(index)
+        seen.add(key)
+    return repeats
+
+
+def test_bench_openai_reps_do_not_resume_cached_prompts(fake: FakeServer) -> None:
+    """Every rep sends the cell's prompt: without a salt of its own each rep after the warm-up resumed it from the
+    prompt cache, and the reported TTFT was a resume's, not a prompt's."""
+    done = run_script("bench_openai", fake.url, "--tokens", "2", "--reps", "3", "--temperatures", "0", "--prompt", "x")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(fake.requests) == 4 and resumable(fake.requests, since=1) == []
+
+
 def test_bench_openai_json(fake: FakeServer) -> None:
     """bench_openai runs a warm-up and the reps per cell and ends with a JSON summary."""
     done = run_script("bench_openai", fake.url, "--tokens", "4", "--reps", "2", "--json")
