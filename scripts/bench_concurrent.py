@@ -4,7 +4,8 @@
     python scripts/bench_concurrent.py --random-prompt 128 --vocab 200000 --tokens 128 --drafts both --json
 
 With --random-prompt N each stream sends its own N random token ids to /v1/completions, so a server without a
-tokenizer can be measured; otherwise every stream sends --prompt as a chat message.
+tokenizer can be measured; otherwise every stream sends --prompt as a chat message. Every timed request carries a
+cache_salt of its own, so none resumes a prompt state that the warm-up or another request left in the server's cache.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import random
 import sys
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,11 +193,12 @@ def check_alone(args: argparse.Namespace, streams: list[Stream]) -> tuple[int, i
 
     checked = mismatched = 0
     for stream in streams:
-        sha = alone_sha(stream.body)
-        key = json.dumps(stream.body, sort_keys=True)
+        body = {k: v for k, v in stream.body.items() if k != "cache_salt"}  # the same request, whichever run sent it
+        sha = alone_sha(body)
+        key = json.dumps(body, sort_keys=True)
         if args.serial and stream.drafts == "on" and key not in serial_checked:
             serial_checked.add(key)
-            serial = alone_sha({**stream.body, "draft": False})
+            serial = alone_sha({**body, "draft": False})
             checked += 1
             mismatched += not same(stream.name, sha, serial, 'alone vs "draft": false')
         checked += 1
@@ -226,7 +229,10 @@ def run_rep(
     args: argparse.Namespace, model: str, temperature: float, drafts: str, level: int, rep: int
 ) -> tuple[list[Stream], dict[str, Any]]:
     """One concurrent run of level streams: print it and return its streams and its JSON record."""
-    bodies = [stream_body(args, model, temperature, drafts, i) for i in range(level)]
+    # a salt of its own per request: no stream resumes a prompt state kept by the warm-up, another run or stream
+    bodies = [
+        {**stream_body(args, model, temperature, drafts, i), "cache_salt": uuid.uuid4().hex} for i in range(level)
+    ]
     results = run_together(args, bodies)
     batch = [
         Stream(temperature, drafts, level, rep, i, b, r) for i, (b, r) in enumerate(zip(bodies, results, strict=True))

@@ -325,6 +325,18 @@ def test_bench_openai_reps_do_not_resume_cached_prompts(fake: FakeServer) -> Non
     assert len(fake.requests) == 4 and resumable(fake.requests, since=1) == []
 
 
+def test_bench_concurrent_runs_do_not_resume_cached_prompts(fake: FakeServer) -> None:
+    """The timed streams send the same prompts at every level, rep and setting (stream i its own ids): without a salt
+    of their own they resumed the warm-up's and earlier runs' prompts; the alone checks still run each request once."""
+    flags = ("--random-prompt", "8", "--tokens", "2", "--levels", "1,2", "--reps", "2", "--temperatures", "0")
+    done = run_script("bench_concurrent", fake.url, *flags, "--drafts", "both", "--serial", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    timed = 2 + 2 * 2 * (1 + 2)  # two warm-ups, then each setting's two reps at 1 and 2 streams
+    assert resumable(fake.requests[:timed], since=2) == []
+    assert len(fake.requests) == timed + 4  # alone: two streams' bodies, with and without "draft": false
+    assert json.loads(done.stdout.splitlines()[-1])["mismatches"] == 0
+
+
 def test_bench_openai_json(fake: FakeServer) -> None:
     """bench_openai runs a warm-up and the reps per cell and ends with a JSON summary."""
     done = run_script("bench_openai", fake.url, "--tokens", "4", "--reps", "2", "--json")
