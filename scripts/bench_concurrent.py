@@ -155,6 +155,16 @@ def aggregate_tok_s(results: list[StreamResult]) -> float | None:
     return sum(r.tokens - 1 for r in timed) / span if span > 0 else None
 
 
+def output_tok_s(results: list[StreamResult]) -> float | None:
+    """Every completion token over the span from the first request sent to the last token (vLLM's and SGLang's output
+    throughput): unlike aggregate_tok_s it pays for the prompts and the first tokens."""
+    timed = [r for r in results if r.piece_times]
+    if not timed:
+        return None
+    span = max(r.piece_times[-1] for r in timed) - min(r.started for r in results)
+    return sum(r.tokens for r in timed) / span if span > 0 else None
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0 to 100), interpolated between ranks; None without values."""
     if not values:
@@ -237,14 +247,18 @@ def run_rep(
     batch = [
         Stream(temperature, drafts, level, rep, i, b, r) for i, (b, r) in enumerate(zip(bodies, results, strict=True))
     ]
-    total = aggregate_tok_s(results)
-    print(f"T={temperature:g} drafts {drafts} N={level} rep {rep}: aggregate {show(total, 1, 'tok/s')}")
+    total, output = aggregate_tok_s(results), output_tok_s(results)
+    print(
+        f"T={temperature:g} drafts {drafts} N={level} rep {rep}: aggregate {show(total, 1, 'tok/s')},"
+        f" output {show(output, 1, 'tok/s')}"
+    )
     record: dict[str, Any] = {
         "temperature": temperature,
         "drafts": drafts,
         "level": level,
         "rep": rep,
         "aggregate_tok_s": total,
+        "output_tok_s": output,
     }
     record["streams"] = []
     for s in batch:
@@ -275,6 +289,7 @@ def summarize(streams: list[Stream]) -> list[dict[str, Any]]:
     for (temperature, drafts, level), cell in cells.items():
         reps = sorted({s.rep for s in cell})
         totals = [aggregate_tok_s([s.result for s in cell if s.rep == rep]) for rep in reps]
+        outputs = [output_tok_s([s.result for s in cell if s.rep == rep]) for rep in reps]
         speeds = [s.result.decode_tok_s for s in cell]
         ttfts = [s.result.ttft for s in cell]
         entry = {
@@ -283,6 +298,7 @@ def summarize(streams: list[Stream]) -> list[dict[str, Any]]:
             "level": level,
             "reps": len(reps),
             "aggregate_tok_s": percentile([t for t in totals if t is not None], 50),
+            "output_tok_s": percentile([t for t in outputs if t is not None], 50),
             "stream_tok_s_median": percentile([v for v in speeds if v is not None], 50),
             "ttft_s_median": percentile([t for t in ttfts if t is not None], 50),
             "ttft_s_p90": percentile([t for t in ttfts if t is not None], 90),
@@ -290,6 +306,7 @@ def summarize(streams: list[Stream]) -> list[dict[str, Any]]:
         }
         print(
             f"T={temperature:g} drafts {drafts} N={level}: aggregate {show(entry['aggregate_tok_s'], 1, 'tok/s')},"
+            f" output {show(entry['output_tok_s'], 1, 'tok/s')},"
             f" per stream {show(entry['stream_tok_s_median'], 1, 'tok/s')},"
             f" TTFT median {show(entry['ttft_s_median'], 1e3, 'ms')} p90 {show(entry['ttft_s_p90'], 1e3, 'ms')},"
             f" ITL median {show(entry['itl_s_median'], 1e3, 'ms')}"

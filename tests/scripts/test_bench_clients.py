@@ -337,6 +337,16 @@ def test_bench_concurrent_runs_do_not_resume_cached_prompts(fake: FakeServer) ->
     assert json.loads(done.stdout.splitlines()[-1])["mismatches"] == 0
 
 
+def test_bench_concurrent_output_throughput_counts_from_the_first_request_sent() -> None:
+    """Besides aggregate_tok_s (tokens after each stream's first, from the first token of any stream), each run reports
+    vLLM's and SGLang's output throughput: every token over the span from the first request sent to the last token."""
+    bench = load_script("bench_concurrent")
+    first = openai_stream.StreamResult(token_ids=[1, 2], started=0.0, piece_times=[1.0, 2.0], piece_tokens=[1, 1])
+    second = openai_stream.StreamResult(token_ids=[3, 4], started=0.0, piece_times=[1.5, 3.0], piece_tokens=[1, 1])
+    assert bench.aggregate_tok_s([first, second]) == pytest.approx(2 / 2.0)
+    assert bench.output_tok_s([first, second]) == pytest.approx(4 / 3.0)
+
+
 def test_bench_openai_json(fake: FakeServer) -> None:
     """bench_openai runs a warm-up and the reps per cell and ends with a JSON summary."""
     done = run_script("bench_openai", fake.url, "--tokens", "4", "--reps", "2", "--json")
@@ -372,7 +382,14 @@ def test_bench_concurrent_random_prompt_drafts_both(fake: FakeServer) -> None:
     assert summary["random_prompt"] == 8
     assert cells(summary) == {(t, d, n) for t in (1.0, 0.0) for d in ("on", "off") for n in (1, 2)}
     for cell in summary["summary"]:
-        figures = ("aggregate_tok_s", "stream_tok_s_median", "ttft_s_median", "ttft_s_p90", "itl_s_median")
+        figures = (
+            "aggregate_tok_s",
+            "output_tok_s",
+            "stream_tok_s_median",
+            "ttft_s_median",
+            "ttft_s_p90",
+            "itl_s_median",
+        )
         assert all(cell[name] is not None and cell[name] > 0 for name in figures), cell
         assert cell["ttft_s_p90"] >= cell["ttft_s_median"]
     streams = [s for run in summary["runs"] for s in run["streams"]]
