@@ -106,7 +106,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     def render_chat(body: ChatCompletionRequest) -> str:
         tokenizer = need_tokenizer("messages")
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
             return tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False, **body.template_kwargs()
@@ -120,7 +120,7 @@ def build_app(state: ServerState) -> FastAPI:
         """Token positions where each message of the rendered chat ends (prompt cache boundaries)."""
         ends = []
         for i in range(1, len(body.messages)):
-            part = [{"role": m.role, "content": m.content} for m in body.messages[:i]]
+            part = [m.for_template() for m in body.messages[:i]]
             try:
                 text = state.tokenizer.apply_chat_template(part, tokenize=False, **body.template_kwargs())
             except Exception:

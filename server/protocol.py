@@ -157,6 +157,10 @@ class ChatMessage(_StrictModel):
     content: str
     name: str | None = None
 
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template takes it: role, content, and the name if one was given."""
+        return {"role": self.role, "content": self.content, **({"name": self.name} if self.name is not None else {})}
+
     @field_validator("content", mode="before")
     @classmethod
     def _join_text_parts(cls, value: Any, info: ValidationInfo) -> Any:

@@ -221,6 +221,33 @@ def test_stop_strings_are_refused_by_a_model_without_a_tokenizer():
     assert "tokenizer" in error_of(response)["message"] and engine.submitted == []
 
 
+def test_a_messages_name_reaches_the_chat_template():
+    """A chat message's `name` is given to the template with its role and content (the template decides its use)."""
+    from fastapi.testclient import TestClient
+
+    from server.app import ServerState, build_app
+    from tests.server.test_generation import RecordingEngine
+
+    class Template:
+        """A tokenizer that records the messages its chat template gets."""
+
+        def __init__(self) -> None:
+            self.messages: list[dict] = []
+
+        def apply_chat_template(self, messages, **kwargs) -> str:
+            self.messages = messages
+            return "rendered"
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [5, 6]}
+
+    tokenizer = Template()
+    http = TestClient(build_app(ServerState(RecordingEngine(), tokenizer, "m", 256, 512, (0,))))
+    chat = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
+    assert http.post("/tokenize", json={"messages": chat}).json()["tokens"] == [5, 6]
+    assert tokenizer.messages == [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
+
+
 def test_context_overflow_is_refused_with_its_code(live):
     response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 100_000})
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
