@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -19,10 +18,15 @@ def _port(text: str) -> int:
     return value
 
 
+# the longest timeout every wait it reaches can take: poll(2) counts milliseconds in a C int (the link's socket
+# timeouts, ten times it, and the process group's timedelta overflow only later)
+MAX_TIMEOUT_S = (2**31 - 1) // 1000
+
+
 def _seconds(text: str) -> float:
     value = float(text)
-    if not 0 < value < math.inf:  # an infinite timeout overflows the process group's timedelta
-        raise ValueError(f"{value} is not a positive, finite number of seconds")
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails too
+        raise ValueError(f"{value} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S}")
     return value
 
 

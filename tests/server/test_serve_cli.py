@@ -123,6 +123,36 @@ def test_peer_sums_without_two_cuda_ranks_on_the_kernels_are_refused_by_name():
         read_environment({"FLASHNEXT_PEER_SUMS": "yes"})
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "1e10", "1e300"])
+def test_a_tp_timeout_that_some_wait_cannot_take_is_refused_by_name(value):
+    """1e10 passed as positive and finite, and rank 0 crashed with an OverflowError naming nothing when the control
+    link's accept set its socket timeout (ten times the setting)."""
+    with pytest.raises(ValueError, match="FLASHNEXT_TP_TIMEOUT_S"):
+        read_environment({"FLASHNEXT_TP_TIMEOUT_S": value})
+
+
+def test_the_longest_tp_timeout_allowed_is_taken_by_every_wait_it_reaches():
+    """The process group's timedelta, the link's socket timeouts (ten times it) and poll(2) in milliseconds."""
+    import datetime
+    import select
+
+    from server.settings import MAX_TIMEOUT_S
+
+    seconds = read_environment({"FLASHNEXT_TP_TIMEOUT_S": str(MAX_TIMEOUT_S)}).tp_timeout_s
+    datetime.timedelta(seconds=seconds)
+    with socket.socket() as sock:
+        sock.settimeout(seconds * 10)
+    read, write = os.pipe()
+    try:
+        os.write(write, b"x")
+        poller = select.poll()
+        poller.register(read, select.POLLIN)
+        assert poller.poll(seconds * 1e3)  # ready: returns at once
+    finally:
+        os.close(read)
+        os.close(write)
+
+
 @pytest.mark.parametrize(
     ("name", "value", "refused"),
     [("TRITON_DEFAULT_FP_FUSION", "0", True), ("TRITON_DEFAULT_FP_FUSION", "off", True),
