@@ -267,6 +267,8 @@ def run_rep(
             f"  stream {s.index} seed {s.body.get('seed')}: {show(r.decode_tok_s, 1, 'tok/s')},"
             f" TTFT {show(r.ttft, 1e3, 'ms')}, {r.tokens} tokens, token_sha {r.token_sha}"
         )
+        if is_short(args, r):
+            print(f"  SHORT: stream {s.index} ended after {r.tokens} of {args.tokens} tokens ({r.finish_reason})")
         record["streams"].append(
             {
                 "seed": s.body.get("seed"),
@@ -275,9 +277,15 @@ def run_rep(
                 "tokens": r.tokens,
                 "prompt_tokens": (r.usage or {}).get("prompt_tokens"),
                 "token_sha": r.token_sha,
+                "finish_reason": r.finish_reason,
             }
         )
     return batch, record
+
+
+def is_short(args: argparse.Namespace, result: StreamResult) -> bool:
+    """Whether a stream ended before --tokens: the load at its level was then lighter than the level says."""
+    return result.finish_reason != "length" or result.tokens != args.tokens
 
 
 def summarize(streams: list[Stream]) -> list[dict[str, Any]]:
@@ -340,11 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     except StreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    short = sum(is_short(args, s.result) for s in streams)
+    if short:
+        print(f"{short} streams ended before {args.tokens} tokens: their levels' figures ran a lighter load")
     if args.json:
         setup = {"base_url": args.base_url, "model": model, "tokens": args.tokens, "random_prompt": args.random_prompt}
         report = {**setup, "runs": runs, "summary": summary, "comparisons": checked, "mismatches": mismatched}
-        print(json.dumps(report))
-    return 1 if mismatched else 0
+        print(json.dumps({**report, "short_streams": short}))
+    return 1 if mismatched or short else 0
 
 
 if __name__ == "__main__":

@@ -55,9 +55,10 @@ class FakeServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, vary: bool) -> None:
+    def __init__(self, vary: bool, stop_after: int | None = None) -> None:
         super().__init__(("127.0.0.1", 0), FakeHandler)
         self.vary = vary
+        self.stop_after = stop_after  # tokens after which every completion stops early, with finish "stop"
         self.lock = threading.Lock()
         self.requests: list[tuple[str, dict[str, Any], str | None]] = []
         self.arrivals: list[float] = []  # perf_counter when each POST came in
@@ -107,7 +108,7 @@ class FakeHandler(BaseHTTPRequestHandler):
         if body["max_tokens"] < 1:
             self.send_json(400, {"error": {"message": "max_tokens must be at least 1", "code": "bad_request"}})
             return
-        ids = fake_ids(body, salt)
+        ids = fake_ids(body, salt)[: self.server.stop_after]
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -126,7 +127,8 @@ class FakeHandler(BaseHTTPRequestHandler):
             piece = ids[start : start + TOKENS_PER_PIECE]
             self.event({**head, "choices": [choice("".join(f" t{t}" for t in piece), token_ids=piece)]})
             time.sleep(0.002)
-        self.event({**head, "choices": [choice("", finish_reason="length")]})
+        finish = "length" if len(ids) == body["max_tokens"] else "stop"
+        self.event({**head, "choices": [choice("", finish_reason=finish)]})
         prompt_tokens = len(body["prompt"]) if "prompt" in body else 11
         usage = {
             "prompt_tokens": prompt_tokens,
@@ -137,9 +139,9 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.event("[DONE]")
 
 
-def serve(vary: bool) -> Iterator[FakeServer]:
+def serve(vary: bool, stop_after: int | None = None) -> Iterator[FakeServer]:
     """Run a fake server in a thread for one test."""
-    server = FakeServer(vary)
+    server = FakeServer(vary, stop_after)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -158,6 +160,12 @@ def fake() -> Iterator[FakeServer]:
 def drifting() -> Iterator[FakeServer]:
     """A fake server whose completion changes with every request."""
     yield from serve(vary=True)
+
+
+@pytest.fixture
+def stopping() -> Iterator[FakeServer]:
+    """A fake server whose completions stop after 2 tokens, whatever max_tokens asks."""
+    yield from serve(vary=False, stop_after=2)
 
 
 def run_script(name: str, url: str, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -283,6 +291,17 @@ def test_bench_concurrent_serial_sampled(fake: FakeServer) -> None:
         sha_of(fake_ids({"seed": seed, "max_tokens": 4}, 0)) for seed in (1234, 1235)
     ]
     assert sum(body.get("draft") is False for _, body, _ in fake.requests) == 2
+
+
+def test_bench_concurrent_flags_streams_that_stop_short_and_exits_1(stopping: FakeServer) -> None:
+    """A stream that ends before --tokens ran a lighter load than the level says: it is named, and the run fails."""
+    flags = ("--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--json")
+    done = run_script("bench_concurrent", stopping.url, *flags)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.count("SHORT") == 2
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [s["finish_reason"] for s in record["runs"][0]["streams"]] == ["stop", "stop"]
+    assert record["short_streams"] == 2
 
 
 def test_bench_concurrent_sends_every_stream_at_once(fake: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
