@@ -112,9 +112,17 @@ def build_app(state: ServerState) -> FastAPI:
                 messages, add_generation_prompt=True, tokenize=False, **body.template_kwargs()
             )
         except Exception as exc:
-            raise ApiError(
-                f"chat_template_kwargs: the chat template refused this request: {exc}", param="chat_template_kwargs"
-            ) from exc
+            # the switches are to blame only if the messages render without them
+            param = "chat_template_kwargs" if renders(tokenizer, messages) else "messages"
+            raise ApiError(f"{param}: the chat template refused this request: {exc}", param=param) from exc
+
+    def renders(tokenizer: Any, messages: list[dict[str, str]]) -> bool:
+        """Whether the chat template takes these messages with none of the request's switches."""
+        try:
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception:
+            return False
+        return True
 
     def message_ends(body: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[int, ...]:
         """Token positions where each message of the rendered chat ends (prompt cache boundaries)."""

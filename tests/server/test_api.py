@@ -248,6 +248,36 @@ def test_a_messages_name_reaches_the_chat_template():
     assert tokenizer.messages == [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"), [({}, "messages"), ({"chat_template_kwargs": {"style": "loud"}}, "chat_template_kwargs")]
+)
+def test_a_template_refusal_names_what_caused_it(extra, param):
+    """The template refuses the messages themselves whatever the switches (no user turn here): the 400 names
+    messages; when only the switches make it refuse, it names chat_template_kwargs."""
+    from fastapi.testclient import TestClient
+
+    from server.app import ServerState, build_app
+    from tests.server.test_generation import RecordingEngine
+
+    class Strict:
+        """A tokenizer whose template wants a user turn and knows no style."""
+
+        def apply_chat_template(self, messages, style: str | None = None, **kwargs) -> str:
+            if style is not None:
+                raise ValueError(f"unknown style {style}")
+            if not any(m["role"] == "user" for m in messages):
+                raise ValueError("no user query found")
+            return "rendered"
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [5, 6]}
+
+    http = TestClient(build_app(ServerState(RecordingEngine(), Strict(), "m", 256, 512, (0,))))
+    role = "user" if extra else "system"
+    response = http.post("/tokenize", json={"messages": [{"role": role, "content": "hi"}], **extra})
+    assert response.status_code == 400 and error_of(response)["param"] == param
+
+
 def test_context_overflow_is_refused_with_its_code(live):
     response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 100_000})
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
