@@ -320,10 +320,11 @@ class WeightLoader:
                 pieces.append((key, start))
                 start += self.index.shape(key)[0]
         dim = module.weight.shape[1]
+        total = 0
         for key, _ in pieces:  # every shard as wide as the table, so their rows join
             rows, *rest = self.index.shape(key)
             _check_shape(key, (rows, *rest), (rows, dim))
-        total = sum(self.index.shape(key)[0] for key, _ in pieces)
+            total += rows
         _check_shape(f"{base}.weight", (total, dim), (module.rows_total, dim))
         parts = []
         for key, start in pieces:

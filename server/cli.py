@@ -274,20 +274,21 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     cfg = load_config(args.model)
     device = torch.device(args.device)
     kernels = resolve_kernels(args.kernels, device)
-    world = 1
-    if args.command == "serve":
-        from server.ranks import rank_env
+    from server.ranks import RankEnv, launches_ranks, rank_env
 
-        world = rank_env(args.tp).world
+    env = rank_env(args.tp) if args.command == "serve" else RankEnv()
+    world = env.world
     if kernels:
         from model.kernel_path import check
 
-        check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel(0, world))
-    if world > 1:  # each rank's half of every layer, on no device: a config that does not split is refused now
+        check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel(env.rank, world))
+    if world > 1:  # a rank's half of every layer, on no device: a config that does not split is refused now
         from model.flashnext import FlashNextModel
 
+        # a rank process builds only its own half; the launcher, which starts them all, builds each
+        ranks = range(world) if launches_ranks(env) else (env.rank,)
         with torch.device("meta"):
-            for rank in range(world):
+            for rank in ranks:
                 try:
                     FlashNextModel(cfg, tp=TensorParallel(rank, world))
                 except ValueError as exc:

@@ -55,6 +55,11 @@ def rank_env(tp: int | None, environ: dict[str, str] | None = None) -> RankEnv:
     return RankEnv(rank, local, world, env.get("MASTER_ADDR", "127.0.0.1"), port)
 
 
+def launches_ranks(env: RankEnv, environ: dict[str, str] | None = None) -> bool:
+    """Whether this process starts the ranks itself (`--tp 2` outside torchrun) rather than being one of them."""
+    return env.world > 1 and "WORLD_SIZE" not in (os.environ if environ is None else environ)
+
+
 def init_group(env: RankEnv, device: str, timeout_s: float) -> torch.device:
     """Join the process group (NCCL on CUDA, gloo on CPU); returns this rank's device."""
     if device == "cuda":

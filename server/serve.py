@@ -34,6 +34,7 @@ from server.ranks import (
     hold_signals_for_rank0,
     init_group,
     launch,
+    launches_ranks,
     leave_group,
     rank_env,
 )
@@ -301,7 +302,7 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     refusal = peer_sums_refusal(env, ranks.world, args)
     if refusal is not None:
         raise SystemExit(refusal)
-    if ranks.world > 1 and "WORLD_SIZE" not in os.environ:
+    if launches_ranks(ranks):
         return launch(argv, ranks.world)
     if ranks.rank > 0:
         hold_signals_for_rank0()

@@ -313,6 +313,29 @@ def test_tp_2_on_a_model_that_does_not_split_is_refused_before_the_ranks_start(
     assert f"--tp 2: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("environ", "built"), [({}, [0, 1]), ({"WORLD_SIZE": "2", "RANK": "1"}, [1])])
+def test_the_split_check_builds_the_halves_this_process_stands_for(monkeypatch, environ, built):
+    """The launcher checks every rank's half before starting them; a rank process (under torchrun or the launcher)
+    checks only its own, which it then loads."""
+    import model.flashnext
+    from server.cli import start_refusal
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    ranks: list[int] = []
+    real = model.flashnext.FlashNextModel
+
+    def counting(cfg, tp):
+        ranks.append(tp.rank)
+        return real(cfg, tp=tp)
+
+    monkeypatch.setattr(model.flashnext, "FlashNextModel", counting)
+    args = build_parser().parse_args(["serve", str(SHIPPED_MODEL), "--tp", "2"])
+    assert start_refusal(args) is None and ranks == built
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_a_gpu_is_refused_by_flag(capsys):
     assert main(["serve", "--device", "cuda"]) == 2
