@@ -32,11 +32,13 @@ class EngineStopped(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Update:
-    """New tokens for a request, and why it ended (stop, length, abort, error) when it did."""
+    """New tokens for a request, and why it ended (stop, length, abort, error) when it did; `refused`: the engine
+    took no work for it (it was shutting down)."""
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    refused: bool = False
 
 
 @dataclass(eq=False, slots=True)

@@ -61,6 +61,14 @@ class Delivered:
     updates: list[tuple[str, int, tuple[int, ...], str | None, str | None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The engine took no work for a request: it stopped taking any (`EngineStopped`), for `error`."""
+
+    request_id: str
+    error: str
+
+
 def encode(message: object) -> bytes:
     """One frame."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -135,8 +143,10 @@ class EngineHost:
         if isinstance(message, Request):
             try:
                 self.engine.submit(message)
-            except (ContextLengthError, EngineStopped) as exc:
+            except ContextLengthError as exc:
                 self._send(Delivered([(message.request_id, 0, (), "error", str(exc))]))
+            except EngineStopped as exc:
+                self._send(Refused(message.request_id, str(exc)))
         elif isinstance(message, Abort):
             self.engine.abort(message.request_id, message.reason)
         elif isinstance(message, Ask):
@@ -217,6 +227,10 @@ class EngineClient:
                 if request is not None:  # an aborted request's last updates are dropped
                     request.cached = cached
                     request.sink(Update(token_ids, finish, error))
+        elif isinstance(message, Refused):
+            request = self.requests.pop(message.request_id, None)
+            if request is not None:
+                request.sink(Update((), "error", message.error, refused=True))
         elif isinstance(message, Answer):
             future = self.asks.pop(message.ask_id, None)
             if future is None or future.done():

@@ -90,7 +90,7 @@ class Generation:
             update = await self.queue.get()
             if update.error is not None:
                 self.done = True
-                raise ApiError(update.error, status=500, type="server_error")
+                raise ApiError(update.error, status=503 if update.refused else 500, type="server_error")
             piece = self._piece(update)
             if piece.finish_reason is not None:
                 self.done = True

@@ -183,6 +183,22 @@ def test_when_the_engine_side_goes_every_open_request_and_question_ends_with_an_
     asyncio.run(main())
 
 
+def test_a_request_sent_after_the_engine_stopped_is_refused_as_no_work_taken(model) -> None:
+    """The front end answers it 503, as the in-process front end does when its submit raises EngineStopped."""
+
+    async def main() -> None:
+        engine = engine_for(model)
+        async with linked(engine) as (_, client):
+            engine.stop()  # shutting down, the link still up
+            seen = Collected()
+            client.submit(Request("late", PROMPTS[0], 3, GREEDY, frozenset(), seen.sink))
+            end = await asyncio.wait_for(seen.ended, 10)
+            assert (end.finish_reason, end.refused) == ("error", True) and "shutting down" in end.error
+            assert client.requests == {}
+
+    asyncio.run(main())
+
+
 def test_a_question_that_fails_is_answered_with_the_error_and_the_link_stays_up(model) -> None:
     async def main() -> None:
         engine = engine_for(model)

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from server.engine import Request, Update
 from server.generation import Generation, Outcome
-from server.protocol import SamplingParams
+from server.protocol import ApiError, SamplingParams
 from tests.server.test_textout import TEXTS, load_script
 
 EOS = "<|endoftext|>"
@@ -151,3 +151,11 @@ def test_an_eos_that_ends_the_request_is_among_the_ids_and_not_in_the_text(tok: 
     ids = [*tok.encode("done.", add_special_tokens=False), tok.convert_tokens_to_ids(EOS)]
     outcome, aborts = run(tok, SamplingParams(temperature=0.0), grouped(ids, "stop", random.Random(0)))
     assert (outcome.token_ids, outcome.content, outcome.finish_reason, aborts) == (ids, "done.", "stop", [])
+
+
+@pytest.mark.parametrize(("refused", "status"), [(True, 503), (False, 500)])
+def test_an_error_is_503_if_the_engine_took_no_work_else_500(tok: Any, refused: bool, status: int) -> None:
+    update = Update((), "error", "the server is shutting down", refused=refused)
+    with pytest.raises(ApiError) as caught:
+        run(tok, SamplingParams(), [update])
+    assert caught.value.status == status
