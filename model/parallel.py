@@ -156,6 +156,15 @@ class ShardPlan:
     def local_kv_heads(self) -> int:
         return (self.kv_rows[1] - self.kv_rows[0]) // self.cfg.head_dim
 
+    def check_expert_blocks(self, block: int) -> None:
+        """Refuse (naming moe_intermediate_size) a share of the experts' width not made of whole `block`-wide blocks."""
+        lo, hi = self.expert_cols
+        if lo % block or hi % block:
+            raise ValueError(
+                f"moe_intermediate_size: {self.cfg.moe_intermediate_size} gives rank {self.tp.rank} the columns "
+                f"[{lo}, {hi}), not whole {block}-wide NVFP4 scale blocks"
+            )
+
     def expert_shard(self, projection: str, packed: int = 1) -> Shard | None:
         """One expert's slice: gate/up rows or down columns of the intermediate width, `packed` values per unit."""
         if self.tp.world == 1:

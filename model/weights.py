@@ -145,6 +145,14 @@ def read_quant_plan(model_dir: Path, quantization_config: dict | None) -> QuantP
     return QuantPlan(layers)
 
 
+def experts_nvfp4(model_dir: Path, cfg: FlashNextConfig, load_format: str) -> bool:
+    """Whether the routed experts load as NVFP4: always with dummy weights, else where the checkpoint quantized them."""
+    if load_format == "dummy":
+        return True
+    plan = read_quant_plan(model_dir, cfg.quantization_config)
+    return any(module.endswith(".experts") and algo == "NVFP4" for module, algo in plan.layers.items())
+
+
 class WeightLoader:
     """Fills a FlashNextModel from a checkpoint, checking every tensor's presence, shape and dtype; at tensor
     parallel each rank reads only its shard (ShardPlan)."""

@@ -265,7 +265,7 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     import torch
 
     from model.config import load_config
-    from model.weights import resolve_dtype, resolve_kernels
+    from model.weights import experts_nvfp4, resolve_dtype, resolve_kernels
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this process (torch.cuda.is_available() is False)"
@@ -282,17 +282,26 @@ def start_refusal(args: argparse.Namespace) -> str | None:
         from model.kernel_path import check
 
         check(cfg, resolve_dtype(args.dtype, cfg, device), device, TensorParallel(env.rank, world))
+    # a rank process checks only its own half; the launcher, which starts them all, checks each
+    ranks = range(world) if launches_ranks(env) else (env.rank,)
     if world > 1:  # a rank's half of every layer, on no device: a config that does not split is refused now
         from model.flashnext import FlashNextModel
 
-        # a rank process builds only its own half; the launcher, which starts them all, builds each
-        ranks = range(world) if launches_ranks(env) else (env.rank,)
         with torch.device("meta"):
             for rank in ranks:
                 try:
                     FlashNextModel(cfg, tp=TensorParallel(rank, world))
                 except ValueError as exc:
                     return f"--tp {world}: {exc}"
+    if experts_nvfp4(args.model, cfg, getattr(args, "load_format", "auto")):
+        from model.parallel import ShardPlan
+        from model.quant import NVFP4_GROUP
+
+        for rank in ranks:
+            try:
+                ShardPlan(cfg, TensorParallel(rank, world)).check_expert_blocks(NVFP4_GROUP)
+            except ValueError as exc:
+                return f"--tp {world}: {exc}" if world > 1 else str(exc)
     if args.command != "serve":
         return None
     if args.context is not None and args.context > cfg.max_position_embeddings:

@@ -297,6 +297,10 @@ def test_flags_that_cannot_serve_are_refused_before_the_model_loads(capsys, monk
             {"linear_num_key_heads": 3, "linear_num_value_heads": 6},
             "linear_num_value_heads: a rank's value heads must share whole key heads",
         ),
+        (
+            {"moe_intermediate_size": 48},  # halves of 24 columns: NVFP4's scales cover 16 columns each
+            "moe_intermediate_size: 48 gives rank 0 the columns [0, 24), not whole 16-wide NVFP4 scale blocks",
+        ),
     ],
 )
 def test_tp_2_on_a_model_that_does_not_split_is_refused_before_the_ranks_start(
@@ -311,6 +315,34 @@ def test_tp_2_on_a_model_that_does_not_split_is_refused_before_the_ranks_start(
     monkeypatch.setattr(server.serve, "launch", lambda *a, **k: pytest.fail("the ranks were started"))
     assert main(["serve", str(folder), "--tp", "2", "--load-format", "dummy"]) == 2
     assert f"--tp 2: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_nvfp4_experts_whose_width_is_not_whole_scale_blocks_are_refused_before_loading(
+    tmp_path, capsys, monkeypatch, load_format
+):
+    """The shipped config quantizes its experts to NVFP4 (and dummy weights always are): 40 columns are 2.5 blocks."""
+    import server.serve
+
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    config["text_config"]["moe_intermediate_size"] = 40
+    folder = broken_checkpoint(tmp_path / "odd", json.dumps(config))
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", str(folder), "--load-format", load_format]) == 2
+    assert "moe_intermediate_size: 40 gives rank 0 the columns [0, 40), not whole 16-wide" in capsys.readouterr().err
+
+
+def test_bf16_experts_of_any_width_pass_the_block_check(tmp_path) -> None:
+    """Without NVFP4 experts the width needs no 16-wide blocks."""
+    from model.config import load_config
+    from model.weights import experts_nvfp4
+
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["text_config"].pop("quantization_config", None)
+    folder = broken_checkpoint(tmp_path / "bf16", json.dumps(config))
+    assert not experts_nvfp4(folder, load_config(folder), "auto")
+    assert experts_nvfp4(folder, load_config(folder), "dummy")
 
 
 @pytest.mark.parametrize(("environ", "built"), [({}, [0, 1]), ({"WORLD_SIZE": "2", "RANK": "1"}, [1])])
