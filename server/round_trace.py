@@ -1,6 +1,6 @@
 """Where a served round's time goes: host phase marks and GPU stream points per round, one JSON line a round
-(FLASHNEXT_ROUND_TRACE); with FLASHNEXT_ROUND_PROFILE=LANES also torch.profiler's kernel table of the five rounds
-after the first of at least LANES lanes."""
+(FLASHNEXT_ROUND_TRACE); with FLASHNEXT_ROUND_PROFILE=LANES also torch.profiler's kernel and host-call tables of the
+five rounds after the first of at least LANES lanes."""
 
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ class RoundTrace:
     def start(self) -> None:
         """Begin a round: phases count from now (and the profiler runs, once armed, for PROFILED_ROUNDS rounds)."""
         if self.armed and self.profiler is None and self.profiled < self.PROFILED_ROUNDS:
-            cuda = torch.cuda.is_available()
-            activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-            self.profiler = torch.profiler.profile(activities=[activity])
+            activities = [torch.profiler.ProfilerActivity.CPU]  # the host's calls, the CUDA API's among them
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
         self.phases, self.fields, self.events, self.last = {}, {}, [], time.perf_counter()
 
@@ -107,13 +108,23 @@ class RoundTrace:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
-        events = [e for e in self.profiler.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
-        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        averages = self.profiler.key_averages()
+        kernels = sorted(
+            (e for e in averages if getattr(e, "self_device_time_total", 0) > 0),
+            key=lambda e: e.self_device_time_total,
+            reverse=True,
+        )
+        host = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total)[::-1]
         rounds = self.PROFILED_ROUNDS
         lines = [f"kernels per round over {rounds} rounds from the first of {self.profile_lanes}+ lanes:"]
         lines += [
             f"{e.self_device_time_total / 1e3 / rounds:8.3f} ms {e.count / rounds:7.1f} calls  {e.key[:100]}"
-            for e in events[:40]
+            for e in kernels[:40]
+        ]
+        lines.append(f"host calls per round by self time (CUDA API calls among them), over the same {rounds} rounds:")
+        lines += [
+            f"{e.self_cpu_time_total / 1e3 / rounds:8.3f} ms {e.count / rounds:7.1f} calls  {e.key[:100]}"
+            for e in host[:30]
         ]
         self.path.with_suffix(".profile.txt").write_text("\n".join(lines) + "\n")
         self.profiler = None

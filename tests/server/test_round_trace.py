@@ -151,9 +151,12 @@ def test_the_profile_covers_five_rounds_after_the_first_with_enough_lanes(tmp_pa
     for lanes in (1, 2, 4, 1, 4, 4, 4, 4, 4, 4):
         trace.start()
         profiled.append(trace.profiler is not None)
+        torch.ones(8).add_(1)  # a host call for the profile to see
         trace.note(lanes=lanes)
         trace.write()
     assert profiled == [False, False, False, True, True, True, True, True, False, False]
     table = (tmp_path / "rank0.profile.txt").read_text()
     assert table.startswith("kernels per round over 5 rounds from the first of 4+ lanes")
+    host = table.split("host calls per round by self time")[1].splitlines()[1:]
+    assert any(line.endswith("1.0 calls  aten::add_") for line in host)
     assert len((tmp_path / "rank0.trace").read_text().splitlines()) == 10
