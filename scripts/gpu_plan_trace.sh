@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Where a one-stream round planned ahead spends its host time, against one in turn, in one call on one GPU: each
+# mode in MODES (default "on off") serves with FLASHNEXT_ROUND_TRACE and FLASHNEXT_ROUND_PROFILE=1 (the kernel and
+# host-call tables of five one-lane rounds), one stream decodes greedy without drafts, then the trace's phases are
+# summarised and the tables printed. MODEL=small (default) serves the shipped model at --tp 1 with CUDA graphs;
+# MODEL=real rank 0's half of the real shapes alone (scripts/serve_alone.py --alone-as 2; needs an H200's memory).
+# Usage, from the repo root there (carry .whl):  bash scripts/gpu_plan_trace.sh   # logs under $OUT
+set -u
+: "${OUT:?set OUT to the folder for logs}"
+source scripts/gpu_serve.sh
+port=8830
+vocab=4000
+model_args=(--tp 1 --device cuda --cuda-graphs on --max-lanes 64)
+if [ "${MODEL:-small}" = real ]; then
+  export SERVE_CMD="python3 scripts/serve_alone.py --alone-as 2"
+  model_args=(configs/qwen3.8-flash-next --load-format dummy --device cuda --max-lanes 64 --prompt-cache-gib 0)
+  vocab=200000
+fi
+for mode in ${MODES:-on off}; do
+  port=$((port + 1))
+  trace=$OUT/trace_${MODEL:-small}_$mode
+  mkdir -p "$trace"
+  FLASHNEXT_ROUND_TRACE=$trace FLASHNEXT_ROUND_PROFILE=1 serve_until_up "${SERVE_S:-150}" $port \
+    "$OUT/serve_${MODEL:-small}_$mode.log" "${model_args[@]}" --plan-ahead "$mode" && up=1 || up=0
+  echo "== ${MODEL:-small} plan-ahead $mode up=$up $(since)"
+  if [ $up = 1 ]; then
+    timeout 90 python3 scripts/bench_concurrent.py --base-url "http://127.0.0.1:$port" --random-prompt 128 \
+      --vocab $vocab --levels 1 --tokens "${TOKENS:-128}" --reps 2 --temperatures 0 --drafts off 2>&1 | grep "^T=0"
+  fi
+  stop_server
+  python3 scripts/trace_summary.py "$trace/rank0.trace" --min-rounds 20 | head -30
+  cat "$trace/rank0.profile.txt" 2>/dev/null
+done
+echo "done $(since)"
