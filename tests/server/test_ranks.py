@@ -105,3 +105,11 @@ def test_a_link_port_in_use_on_rank_0_is_refused_naming_the_setting():
         for env in (EnvSettings(link_port=taken), EnvSettings()):
             with pytest.raises(SystemExit, match=f"FLASHNEXT_LINK_PORT.*{taken}"):
                 connect_ranks(None, ranks.RankEnv(rank=0, world=2, master_port=taken - 1), env)
+
+
+def test_a_master_port_with_no_port_after_it_is_refused_naming_the_link_port():
+    """MASTER_PORT 65535 left the link on port 65536: each rank crashed with a bare OverflowError from the socket."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "65535"}
+    with pytest.raises(SystemExit, match="FLASHNEXT_LINK_PORT"):
+        effective_link_port(env)
+    assert effective_link_port({**env, "FLASHNEXT_LINK_PORT": "40123"}) == 40123
