@@ -13,6 +13,8 @@ from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 8
 MAX_SEED = 2**63 - 1
+# The round header carries top_k in 32 bits; any top_k of the vocabulary's size or more keeps every token.
+MAX_TOP_K = 2**31 - 1
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
@@ -279,7 +281,7 @@ class _SamplingRequest(_StrictModel):
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=max(self.top_k, 0),
+            top_k=min(max(self.top_k, 0), MAX_TOP_K),
             min_p=self.min_p,
             seed=self.seed,
             max_tokens=self.max_completion_tokens or self.max_tokens or self.default_max_tokens,

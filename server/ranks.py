@@ -124,7 +124,11 @@ def free_port() -> int:
 
 def control_link_port(ranks: RankEnv, link_port: int | None) -> int:
     """The control link's port: FLASHNEXT_LINK_PORT's when set, else the one after the master's."""
-    return link_port or ranks.master_port + 1
+    if link_port:
+        return link_port
+    if ranks.master_port >= 65535:
+        raise SystemExit(f"FLASHNEXT_LINK_PORT: unset, and MASTER_PORT {ranks.master_port} has no port after it")
+    return ranks.master_port + 1
 
 
 def rank_environments(world: int, environ: dict[str, str]) -> list[dict[str, str]]:

@@ -244,7 +244,13 @@ def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) ->
     """Open the control link (rank 0 listens, rank 1 connects) and compare settings."""
     port = control_link_port(ranks, env.link_port)
     if ranks.rank == 0:
-        listener = ControlLink.listen("0.0.0.0", port)
+        try:
+            listener = ControlLink.listen("0.0.0.0", port)
+        except OSError as exc:
+            raise SystemExit(
+                f"FLASHNEXT_LINK_PORT: rank 0 cannot listen for the control link on port {port} (unset, it is "
+                f"MASTER_PORT + 1): {exc.strerror or exc}; set it to a free port"
+            ) from exc
         try:
             link = listener.accept(timeout=env.tp_timeout_s * 10)
         finally:

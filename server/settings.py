@@ -18,9 +18,9 @@ def _port(text: str) -> int:
     return value
 
 
-# the longest timeout every wait it reaches can take: poll(2) counts milliseconds in a C int (the link's socket
-# timeouts, ten times it, and the process group's timedelta overflow only later)
-MAX_TIMEOUT_S = (2**31 - 1) // 1000
+# the longest timeout every wait it reaches can take: the link's accept and connect wait ten times it, in socket
+# timeouts that poll(2) takes as milliseconds in a C int (a longer one wraps around, to as little as no time)
+MAX_TIMEOUT_S = (2**31 - 1) // 1000 // 10
 
 
 def _seconds(text: str) -> float:

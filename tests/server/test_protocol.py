@@ -401,3 +401,17 @@ def test_api_error_body() -> None:
 def test_token_sha() -> None:
     assert token_sha([17, 4, 99]) == hashlib.sha256(b"17,4,99").hexdigest()
     assert token_sha([]) == hashlib.sha256(b"").hexdigest()
+
+
+@pytest.mark.parametrize("top_k", [2**31 - 1, 2**31, 2**70])
+def test_every_top_k_a_request_may_carry_crosses_the_control_link(top_k: int) -> None:
+    """At --tp 2 each draw goes to rank 1 in the round header, whose top_k column is 32 bits: a larger top_k (any
+    top_k of the vocabulary's size or more keeps every token) failed the round's encoding, which stops the server."""
+    from rankwire.codec import decode_header, encode_header
+    from rankwire.header import DrawSpec, LaneRows, RoundPlan
+
+    params = parse_request(CompletionRequest, {"prompt": "x", "top_k": top_k}).sampling_params()
+    draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, 7)
+    plan = RoundPlan(rows=(LaneRows(0, (1,), 0, draw),))
+    assert decode_header(encode_header(plan)) == plan
+    assert params.top_k >= 2**31 - 1

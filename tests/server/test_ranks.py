@@ -92,3 +92,24 @@ def test_a_rank_leaves_its_gloo_group_before_the_interpreter_exits():
     code, before, after, still_in_group = done.stdout.split()
     assert (code, still_in_group) == ("0", "False")
     assert after == before  # no gloo worker or store thread left behind
+
+
+def test_a_link_port_in_use_on_rank_0_is_refused_naming_the_setting():
+    """Under torchrun the link port (MASTER_PORT + 1 unless set) is not checked free; rank 0 then died with a bare
+    OSError that named neither the port's setting nor how to pick another."""
+    from server.serve import connect_ranks
+    from server.settings import EnvSettings
+
+    with socket.create_server(("0.0.0.0", 0)) as held:
+        taken = held.getsockname()[1]
+        for env in (EnvSettings(link_port=taken), EnvSettings()):
+            with pytest.raises(SystemExit, match=f"FLASHNEXT_LINK_PORT.*{taken}"):
+                connect_ranks(None, ranks.RankEnv(rank=0, world=2, master_port=taken - 1), env)
+
+
+def test_a_master_port_with_no_port_after_it_is_refused_naming_the_link_port():
+    """MASTER_PORT 65535 left the link on port 65536: each rank crashed with a bare OverflowError from the socket."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "65535"}
+    with pytest.raises(SystemExit, match="FLASHNEXT_LINK_PORT"):
+        effective_link_port(env)
+    assert effective_link_port({**env, "FLASHNEXT_LINK_PORT": "40123"}) == 40123

@@ -415,3 +415,29 @@ def test_an_empty_api_key_in_the_environment_is_refused_by_name():
     assert read_environment({"FLASHNEXT_API_KEY": "sesame"}).api_key == "sesame"
     with pytest.raises(ValueError, match=r"FLASHNEXT_API_KEY: malformed value '' .*empty key"):
         read_environment({"FLASHNEXT_API_KEY": ""})
+
+
+@pytest.mark.parametrize("value", ["429496.8", "MAX"])
+def test_no_tp_timeout_allowed_ends_the_link_accept_early(value):
+    """Rank 0 waits ten times the setting for rank 1 to connect, in a socket timeout that poll(2) takes as int
+    milliseconds: 429496.8 s was allowed, wrapped around to 0.7 s, and rank 0 gave up on rank 1 at once."""
+    from rankwire.link import ControlLink
+    from server.settings import MAX_TIMEOUT_S
+
+    text = str(MAX_TIMEOUT_S) if value == "MAX" else value
+    try:
+        seconds = read_environment({"FLASHNEXT_TP_TIMEOUT_S": text}).tp_timeout_s
+    except ValueError as exc:
+        assert "FLASHNEXT_TP_TIMEOUT_S" in str(exc)
+        return
+    listener = ControlLink.listen("127.0.0.1", 0)
+    outcome = queue.Queue()
+    waiter = threading.Thread(target=lambda: outcome.put(listener.accept(timeout=seconds * 10)))
+    waiter.start()
+    waiter.join(2.0)
+    early = not waiter.is_alive()
+    if not early:
+        with socket.create_connection(("127.0.0.1", listener.port)):
+            waiter.join(10)
+        outcome.get_nowait().close()
+    assert not early, "the accept ended before any rank 1 connected"
