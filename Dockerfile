@@ -12,6 +12,12 @@ ENV PYTHONUNBUFFERED=1 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1
 
+# Triton builds each kernel's launcher with the system's C compiler when the kernel first runs; PyTorch's runtime
+# images have not always carried one (pytorch/pytorch#116696), and without it the first round fails.
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/flashnext
 
 # torch, Triton and the NVIDIA libraries (NCCL among them) come from the image: pinning them to the image's versions

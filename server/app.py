@@ -216,10 +216,7 @@ def build_app(state: ServerState) -> FastAPI:
         return respond("cmpl", "text_completion", choice, outcome, prompt_ids, body.return_token_ids)
 
     def respond(prefix, kind, choice, outcome: Outcome, prompt_ids, with_ids: bool) -> dict[str, Any]:
-        if with_ids:
-            choice["token_ids"] = outcome.token_ids
-            choice["prompt_token_ids"] = prompt_ids
-        return {
+        response = {
             "id": f"{prefix}-{time.time_ns():x}",
             "object": kind,
             "created": int(time.time()),
@@ -228,6 +225,10 @@ def build_app(state: ServerState) -> FastAPI:
             "usage": usage(len(prompt_ids), len(outcome.token_ids), outcome.cached_tokens),
             "token_sha": token_sha(outcome.token_ids),
         }
+        if with_ids:  # where vLLM puts the prompt's ids: a chat response's top level, a text completion's choice
+            choice["token_ids"] = outcome.token_ids
+            (response if kind == "chat.completion" else choice)["prompt_token_ids"] = prompt_ids
+        return response
 
     async def wait(request: Request, generation: Generation) -> Outcome:
         """Collect a non-streamed result, aborting if the client goes away first."""
@@ -242,13 +243,15 @@ def build_app(state: ServerState) -> FastAPI:
                 raise ApiError("the client disconnected", status=499)
         return task.result()
 
-    async def stream(generation: Generation, frame, include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: `frame(piece)` chunks (with `"usage": null` when usage comes last, as OpenAI sends them), then
-        usage and [DONE]; the engine is told when the client leaves."""
+    async def stream(
+        generation: Generation, frame, include_usage: bool, opening: dict[str, Any] | None = None
+    ) -> AsyncIterator[str]:
+        """SSE events: `frame(piece)` chunks (with `"usage": null` when usage comes last, as OpenAI sends them; the
+        first with the `opening` fields too), then usage and [DONE]; the engine is told when the client leaves."""
         tokens: list[int] = []
         no_usage = {"usage": None} if include_usage else {}
         try:
-            yield {**frame(None), **no_usage}
+            yield {**frame(None), **(opening or {}), **no_usage}
             async for piece in generation.pieces():
                 tokens += piece.token_ids
                 chunk = {**frame(piece), **no_usage}
@@ -273,8 +276,6 @@ def build_app(state: ServerState) -> FastAPI:
         def frame(piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
-            if piece is None and with_ids:  # the first chunk (the usage chunk's choices are replaced)
-                choice["prompt_token_ids"] = generation.prompt_ids
             if piece is not None:
                 if piece.content or not piece.reasoning:
                     delta["content"] = piece.content
@@ -291,7 +292,8 @@ def build_app(state: ServerState) -> FastAPI:
                 "choices": [choice],
             }
 
-        return stream(generation, frame, include_usage)
+        opening = {"prompt_token_ids": generation.prompt_ids} if with_ids else None  # vLLM's place: the top level
+        return stream(generation, frame, include_usage, opening)
 
     def completion_chunks(generation: Generation, with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"

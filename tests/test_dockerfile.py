@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import json
 import re
 import shlex
@@ -199,6 +200,21 @@ def test_entrypoint_without_a_model_serves_the_shipped_model_on_the_exposed_port
     assert args.device == "cuda"
     exposed = {int(port.split("/")[0]) for key, value in dockerfile if key == "EXPOSE" for port in value.split()}
     assert args.port in exposed, f"the server listens on {args.port}, the image exposes {sorted(exposed)}"
+
+
+def test_a_c_compiler_is_installed_for_tritons_launchers(dockerfile):
+    """Triton compiles a launcher with gcc (or clang) and the C library's headers the first time a kernel runs; the
+    image must have them before it drops root, whatever the base image carries."""
+    before_user = dockerfile[: [key for key, _ in dockerfile].index("USER")]
+    installed: set[str] = set()
+    for key, args in before_user:
+        if key == "RUN":
+            for words in shell_commands(args):
+                words = list(itertools.dropwhile(lambda w: "=" in w, words))  # after VAR=value prefixes
+                if words[:1] in (["apt-get"], ["apt"]) and "install" in words:
+                    installed.update(w for w in words[words.index("install") + 1 :] if not w.startswith("-"))
+    assert installed & {"gcc", "clang", "build-essential"}, f"no C compiler among apt's installs {sorted(installed)}"
+    assert installed & {"libc6-dev", "build-essential"}, f"no libc headers among apt's installs {sorted(installed)}"
 
 
 def test_multicast_is_off_by_default(dockerfile):

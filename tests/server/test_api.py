@@ -315,17 +315,30 @@ def test_with_include_usage_every_chunk_but_the_last_has_null_usage(live, includ
         assert not any("usage" in c for c in chunks)
 
 
+def prompt_ids_sent(route: str, responses: list[dict]) -> list[list[int]]:
+    """Every `prompt_token_ids` in the responses, looked for only where vLLM puts it: a chat response's (or chunk's)
+    top level, a text completion's choice."""
+    if route == "chat/completions":
+        return [r["prompt_token_ids"] for r in responses if "prompt_token_ids" in r]
+    return [choice["prompt_token_ids"] for r in responses for choice in r["choices"] if "prompt_token_ids" in choice]
+
+
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
-def test_a_stream_with_return_token_ids_carries_the_prompts_ids_too(live, route):
-    """As the non-streamed response (and vLLM's first chunk): the prompt's ids come once, in the first chunk."""
-    body = {"max_tokens": 3, "ignore_eos": True, "stream": True, "return_token_ids": True}
+@pytest.mark.parametrize("streamed", [False, True])
+def test_return_token_ids_sends_the_prompts_ids_once_where_vllm_does(live, route, streamed):
+    """Streamed, the prompt's ids come once, in the first chunk (as vLLM's), where the non-streamed response has
+    them; a chat response has them at the top level, not in its choice (vLLM's chat response), and a text completion
+    in its choice."""
+    body = {"max_tokens": 3, "ignore_eos": True, "stream": streamed, "return_token_ids": True}
     body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
     prompt = PROMPT if route == "completions" else httpx.post(f"{live.url}/tokenize", json=body).json()["tokens"]
     with httpx.stream("POST", f"{live.v1}/{route}", json=body, timeout=60) as response:
-        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    sent = [choice["prompt_token_ids"] for c in chunks for choice in c["choices"] if "prompt_token_ids" in choice]
-    assert sent == [prompt]
-    assert len([t for c in chunks for choice in c["choices"] for t in choice.get("token_ids", [])]) == 3
+        text = response.read().decode()
+    responses = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")] or [json.loads(text)]
+    assert prompt_ids_sent(route, responses) == prompt_ids_sent(route, responses[:1]) == [prompt]
+    if route == "chat/completions":
+        assert not any("prompt_token_ids" in choice for r in responses for choice in r["choices"])
+    assert len([t for r in responses for choice in r["choices"] for t in choice.get("token_ids", [])]) == 3
 
 
 def test_thirty_two_streams_all_complete(live):
