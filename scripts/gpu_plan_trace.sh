@@ -3,7 +3,7 @@
 # mode in MODES (default "on off") serves with FLASHNEXT_ROUND_TRACE and FLASHNEXT_ROUND_PROFILE=1 (the kernel and
 # host-call tables of five one-lane rounds), one stream decodes greedy without drafts, then the trace's phases are
 # summarised and the tables printed. MODEL=small (default) serves the shipped model at --tp 1 with CUDA graphs;
-# MODEL=real rank 0's half of the real shapes alone (scripts/serve_alone.py --alone-as 2; needs an H200's memory).
+# MODEL=real rank 0's half of the real shapes alone (scripts/serve_alone.py --alone-as 2); SERVE_ARGS are added.
 # Usage, from the repo root there (carry .whl):  bash scripts/gpu_plan_trace.sh   # logs under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
@@ -21,7 +21,7 @@ for mode in ${MODES:-on off}; do
   trace=$OUT/trace_${MODEL:-small}_$mode
   mkdir -p "$trace"
   FLASHNEXT_ROUND_TRACE=$trace FLASHNEXT_ROUND_PROFILE=1 serve_until_up "${SERVE_S:-150}" $port \
-    "$OUT/serve_${MODEL:-small}_$mode.log" "${model_args[@]}" --plan-ahead "$mode" && up=1 || up=0
+    "$OUT/serve_${MODEL:-small}_$mode.log" "${model_args[@]}" --plan-ahead "$mode" ${SERVE_ARGS:-} && up=1 || up=0
   echo "== ${MODEL:-small} plan-ahead $mode up=$up $(since)"
   if [ $up = 1 ]; then
     timeout 90 python3 scripts/bench_concurrent.py --base-url "http://127.0.0.1:$port" --random-prompt 128 \
