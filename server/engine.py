@@ -391,11 +391,12 @@ class Engine:
                 if request not in self.running:
                     continue  # it ended after this round was planned (a stop token the round before, an abort)
                 request.drawing -= rows.draw is not None
-                if not result.tokens:
-                    continue
-                self._count_drafts(len(rows.drafts), result.accepted)
-                self._adapt_depth(request, len(rows.drafts), result.accepted)
-                self._keep(request, result.tokens, result.drafts, now)
+                if result.tokens:
+                    self._count_drafts(len(rows.drafts), result.accepted)
+                    self._adapt_depth(request, len(rows.drafts), result.accepted)
+                    self._keep(request, result.tokens, result.drafts, now)
+                if result.error is not None and request in self.running:  # a draw of its own failed
+                    self._finish(request, Update((), "error", result.error))
 
     def _failed(self, flight: Flight, exc: Exception) -> None:
         """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request
