@@ -304,6 +304,7 @@ class Engine:
                 start = len(prompt) + len(request.output) - 1
                 room = min(request.max_tokens - len(request.output), self.context - start) - 1
                 drafts = request.drafts[: max(room, 0)]
+                depth = self._chain_depth(depth, start + len(drafts))
                 rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
                 request.drawing += 1
             elif budget > 0:
@@ -316,7 +317,8 @@ class Engine:
                 done = request.prefilled + take == len(prompt)
                 draw = request.draw if done else None
                 # every prompt pass feeds the MTP layer, drafting or not: its kept states may resume a drafting lane
-                rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=self.mtp_depth))
+                depth = self._chain_depth(self.mtp_depth, request.prefilled + take - 1)
+                rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth))
                 request.prefilled += take  # the next plan goes on from there, whether or not this round finished
                 request.drawing += done
                 budget -= take
@@ -324,6 +326,12 @@ class Engine:
         owners = {request.slot: request for request in self.running}
         plan = RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
         return plan, [owners[row.slot] for row in rows]
+
+    def _chain_depth(self, depth: int, last: int) -> int:
+        """The MTP chain's depth after a window whose last row is at position `last`: the chain's last row lies
+        `depth - 2` past the lane's next pending token, itself at most one past `last`, so this keeps it inside the
+        context (the lane pool is sized for it); at least 1 while `depth` is, as a prompt pass feeds the MTP layer."""
+        return min(depth, self.context - last)
 
     def _pass_length(self, request: Request, budget: int) -> int:
         """Rows of this round's prompt pass: the rest of the prompt if the budget holds it, else as many as the
@@ -391,11 +399,12 @@ class Engine:
                 if request not in self.running:
                     continue  # it ended after this round was planned (a stop token the round before, an abort)
                 request.drawing -= rows.draw is not None
-                if not result.tokens:
-                    continue
-                self._count_drafts(len(rows.drafts), result.accepted)
-                self._adapt_depth(request, len(rows.drafts), result.accepted)
-                self._keep(request, result.tokens, result.drafts, now)
+                if result.tokens:
+                    self._count_drafts(len(rows.drafts), result.accepted)
+                    self._adapt_depth(request, len(rows.drafts), result.accepted)
+                    self._keep(request, result.tokens, result.drafts, now)
+                if result.error is not None and request in self.running:  # a draw of its own failed
+                    self._finish(request, Update((), "error", result.error))
 
     def _failed(self, flight: Flight, exc: Exception) -> None:
         """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request

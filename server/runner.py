@@ -28,10 +28,12 @@ class RoundRefused(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class LaneResult:
-    """What a lane's rows gave: the tokens kept (each the target's own draw) and MTP drafts for the next round."""
+    """What a lane's rows gave: the tokens kept (each the target's own draw) and MTP drafts for the next round; `error`:
+    why a draw after the kept tokens failed (its parameters overflow the logits, say), which ends this lane alone."""
 
     tokens: tuple[int, ...] = ()
     drafts: tuple[int, ...] = ()
+    error: str | None = None
 
     @property
     def accepted(self) -> int:
@@ -248,12 +250,16 @@ class ModelRunner:
         if out is None:
             return []
         results, mtp_rows, restores, next_logit = [], [], [], 0
-        draws = self._draw(plan.rows, out.logits, launched.drawn)
+        draws, refusals = self._draw(plan.rows, out.logits, launched.drawn)
         trace.mark("draw")
         for index, rows in enumerate(plan.rows):
-            kept = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
+            kept, failed = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
+            error = refusals[next_logit + len(kept)] if failed else None
             if rows.draw is not None:
                 next_logit += len(rows.drafts) + 1
+            if error is not None:  # the lane ends with its request: its state is left as it is, to be freed
+                results.append(LaneResult(tokens=tuple(kept), error=error))
+                continue
             if rows.drafts and len(kept) - 1 < len(rows.drafts):
                 restores.append((segments[index].lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2]))
             folded = len(rows.token_ids) + max(len(kept) - 1, 0)
@@ -266,7 +272,8 @@ class ModelRunner:
         if mtp_rows:
             drafts = self._draft(plan.rows, mtp_rows)
             results = [
-                LaneResult(r.tokens, drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)
+                LaneResult(r.tokens, drafts.get(rows.slot, ()), r.error)
+                for r, rows in zip(results, plan.rows, strict=True)
             ]
             trace.mark("mtp")
             if trace.enabled:  # a round with MTP rows is finished in the trace line that launched it
@@ -312,11 +319,10 @@ class ModelRunner:
     def _launch_draws(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor) -> torch.Tensor:
         """The target's draw at every logit row, keyed by (seed, absolute position), as a tensor on the logits'
         device: on the kernel path one batched draw launched for the round (`sample_rows`, which gives each row
-        `sample_token`'s token, or -1 where that raises), else drawn row by row on the host."""
+        `sample_token`'s token, or -1 where that raises), else drawn row by row on the host, -1 likewise."""
         keys = self._draw_keys(plan_rows)
         if not self.model.kernels:
-            tokens = [sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
-                      for i, (s, position) in enumerate(keys)]  # fmt: skip
+            tokens = [_draw_row(logits[i], spec, position)[0] for i, (spec, position) in enumerate(keys)]
             return torch.tensor(tokens, dtype=torch.long, device=logits.device)
         if not keys:
             return torch.empty(0, dtype=torch.long, device=logits.device)
@@ -331,28 +337,35 @@ class ModelRunner:
         self.trace.gpu_mark("draw", logits.device)
         return tokens
 
-    def _draw(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy) -> list[int]:
-        """The launched draws on the host (waiting only for their own copy, not for a round launched since); a row
-        sample_rows refused is drawn by `sample_token`, which names what is wrong."""
+    def _draw(
+        self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy
+    ) -> tuple[list[int], dict[int, str]]:
+        """The launched draws on the host (waiting only for their own copy, not for a round launched since), and why
+        each failed draw (-1) failed: a refused row is drawn again by `sample_token`, which names what is wrong."""
         tokens = drawn.tolist()
         if -1 not in tokens:
-            return tokens
-        return [
-            sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
-            for i, (s, position) in enumerate(self._draw_keys(plan_rows))
-        ]
+            return tokens, {}
+        refusals = {}
+        for i, (spec, position) in enumerate(self._draw_keys(plan_rows)):
+            if tokens[i] == -1:
+                tokens[i], refusal = _draw_row(logits[i], spec, position)
+                if refusal is not None:
+                    refusals[i] = refusal
+        return tokens, refusals
 
-    def _verify(self, rows: LaneRows, draws: list[int]) -> list[int]:
+    def _verify(self, rows: LaneRows, draws: list[int]) -> tuple[list[int], bool]:
         """The target's draws after the window, up to the first draft that differs from the draw at its position
-        (that draw is kept instead)."""
+        (that draw is kept instead), and whether a failed draw (-1) cut them short before that."""
         if rows.draw is None:
-            return []
+            return [], False
         kept = []
         for i, token in enumerate(draws):
+            if token == -1:
+                return kept, True
             kept.append(token)
             if i == len(rows.drafts) or rows.drafts[i] != token:
                 break
-        return kept
+        return kept, False
 
     def _mtp_rows(self, rows: LaneRows, lane: LaneState, hidden: torch.Tensor, kept: list[int]) -> _MtpRows:
         """The MTP layer's rows for what this lane folded: each row pairs a position's wide state with the next
@@ -412,6 +425,14 @@ class ModelRunner:
         for slot, token in zip((s for lanes, _ in steps for s in lanes), chained, strict=True):
             drafts.setdefault(slot, []).append(token)
         return {s: tuple(d) for s, d in drafts.items()}
+
+
+def _draw_row(logits: torch.Tensor, spec: DrawSpec, position: int) -> tuple[int, str | None]:
+    """`sample_token`'s draw of one row, or -1 and why where it refuses the row."""
+    try:
+        return sample_token(logits, spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.seed, position), None
+    except ValueError as exc:
+        return -1, f"the token draw failed: {exc}"
 
 
 def _replays(graphs: RoundGraphs | None) -> dict[str, int]:

@@ -30,13 +30,13 @@ def test_a_round_draws_once_and_every_row_equals_its_draw_alone(tmp_path, monkey
         batched.append(logits.shape[0])
         return sample_rows(logits, *columns)
 
-    def checked(self: ModelRunner, plan_rows, logits: torch.Tensor, drawn: torch.Tensor) -> list[int]:
-        tokens = draw(self, plan_rows, logits, drawn)
+    def checked(self: ModelRunner, plan_rows, logits: torch.Tensor, drawn: torch.Tensor):
+        tokens, refusals = draw(self, plan_rows, logits, drawn)
         keys = [(r.draw, r.start + len(r.token_ids) + i) for r in plan_rows if r.draw for i in range(len(r.drafts) + 1)]
         for i, ((s, position), token) in enumerate(zip(keys, tokens, strict=True)):
             alone = sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
             rows.append((s.temperature, token, alone))
-        return tokens
+        return tokens, refusals
 
     monkeypatch.setattr(kernels.sample, "sample_rows", counted)
     monkeypatch.setattr(ModelRunner, "_draw", checked)
