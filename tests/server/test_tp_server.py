@@ -106,7 +106,7 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
             str(ckpt),
             "--prompt-cache-grid",
             "4",
-            "--plan-ahead",  # off by default; on here so that rounds planned ahead are served at tp=2 too
+            "--plan-ahead",  # the default, said here so that rounds planned ahead are surely served at tp=2
             "on",
             "--tp",
             "2",
