@@ -129,7 +129,14 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
         windows = args.max_lanes * (args.drafts + 1)  # every lane's verify window: the most rows a round draws at
         round_rows = args.prompt_budget + windows  # prompt chunks beside every window
         rows = {"trunk": round_rows, "verify": min(windows, VERIFY_ROWS), "prompt": round_rows, "mtp": round_rows}
-        graphs = kernel_path.enable_graphs(model, rows, windows)
+        try:
+            graphs = kernel_path.enable_graphs(model, rows, windows)
+        except torch.OutOfMemoryError as exc:
+            raise SystemExit(
+                f"--cuda-graphs: capturing rounds of up to {round_rows} rows ran out of GPU memory beside the lane "
+                f"pool's {pool.nbytes() / 2**30:.2f} GiB; lower --max-lanes, --prompt-budget or --context, or pass "
+                "--cuda-graphs off"
+            ) from exc
         took, shared = time.monotonic() - started, graphs.shared.nbytes() / 2**30
         log.info("CUDA graphs: buckets %s captured in %.1f s; outputs %.2f GiB", graphs.buckets, took, shared)
     return context

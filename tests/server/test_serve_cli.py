@@ -221,6 +221,36 @@ def test_the_graphs_are_sized_from_the_lanes_drafts_and_prompt_budget(tmp_path, 
     ]
 
 
+def test_graphs_that_run_out_of_memory_at_capture_are_refused_naming_the_flags(tmp_path, monkeypatch):
+    """The lane pool takes its share of the free memory first; capturing the largest buckets may need more than is
+    left (the real shapes' half on one 80 GB GPU at 64 lanes): a refusal names what to lower, not a traceback."""
+    import argparse
+
+    from make_checkpoint import make_checkpoint
+
+    from model import kernel_path
+    from model.weights import load_model
+    from server import serve
+    from tests.tiny import text_config
+
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
+    text = text_config("base", linear_key_head_dim=16, linear_value_head_dim=16)
+    model = load_model(make_checkpoint(text, tmp_path, fmt="bf16"), dtype="bfloat16", kernels="on")
+
+    def out_of_memory(*_args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB.")
+
+    monkeypatch.setattr(serve, "resolve_graphs", lambda *_: True)
+    monkeypatch.setattr(kernel_path, "enable_graphs", out_of_memory)
+    args = argparse.Namespace(
+        context=64, max_lanes=5, cuda_graphs="on", ngram_table="device", prompt_budget=100, drafts=2
+    )
+    with pytest.raises(SystemExit) as refused:
+        serve.plan_lanes(args, model)
+    assert "--cuda-graphs: capturing rounds of up to 115 rows ran out of GPU memory" in str(refused.value)
+    assert "lower --max-lanes, --prompt-budget or --context, or pass --cuda-graphs off" in str(refused.value)
+
+
 def serve_on_a_taken_port(env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, int]:
     """`python -m server` (the shipped model) asked to listen on a port another socket holds, and that port."""
     taken = socket.socket()
