@@ -27,10 +27,11 @@ def model(tmp_path_factory):
     return load_model(checkpoint(tmp_path_factory.mktemp("fails") / "m"), dtype="float32")
 
 
-def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool) -> None:
+def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool, depth: int = 2) -> RecordingRunner:
     """A greedy request served beside one whose every draw fails: only the second ends, with the error."""
     (alone,), _ = run(model, PROMPTS[:1], 8, [GREEDY], draft=False)
-    engine = Engine(RecordingRunner(model, 2), context=256, prompt_budget=64, draft_depth=2, plan_ahead=plan_ahead)
+    runner = RecordingRunner(model, 2)
+    engine = Engine(runner, context=256, prompt_budget=64, draft_depth=depth, plan_ahead=plan_ahead)
     outcomes = [Outcome(), Outcome()]
     for i, (prompt, draw, outcome) in enumerate(zip(PROMPTS, (GREEDY, OVERFLOWS), outcomes, strict=True)):
         engine.submit(Request(f"r{i}", prompt, 8, draw, frozenset(), outcome.sink, draft=draft))
@@ -42,6 +43,7 @@ def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool) -> None:
     assert [o.finish for o in outcomes] == ["length", "error"]
     assert outcomes[0].tokens == alone and outcomes[1].tokens == []
     assert "temperature 1e-40 overflows" in outcomes[1].error
+    return runner
 
 
 @pytest.mark.parametrize("plan_ahead", [False, True], ids=["in-turn", "ahead"])
@@ -50,11 +52,20 @@ def test_a_failed_draw_ends_only_its_own_request(model, plan_ahead: bool, draft:
     serve_beside_an_overflow(model, plan_ahead, draft)
 
 
+def test_a_failed_draw_in_a_round_planned_ahead_ends_only_its_own_request(model) -> None:
+    """With drafts on, a prompt pass feeds the MTP layer, so the round of a first draw is never planned past; without
+    them the next round is launched before the failed draw is read, its row for that lane taking the draw on the
+    device (-1, for which 0 stands in): that row's results must be dropped with the request."""
+    runner = serve_beside_an_overflow(model, plan_ahead=True, draft=False, depth=0)
+    assert any(rows.prior_draw and rows.slot == 1 for plan in runner.plans for rows in plan.rows)
+
+
 def test_a_draw_the_batched_kernel_refuses_ends_only_its_own_request(tmp_path) -> None:
     kernel_model = load_model(
         make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
     )
-    serve_beside_an_overflow(kernel_model, plan_ahead=True, draft=False)
+    runner = serve_beside_an_overflow(kernel_model, plan_ahead=True, draft=False, depth=0)
+    assert any(rows.prior_draw and rows.slot == 1 for plan in runner.plans for rows in plan.rows)
 
 
 def first_drafts(model, first: DrawSpec | None, prompt: list[int]) -> tuple[int, ...]:
