@@ -257,16 +257,15 @@ class ModelRunner:
             error = refusals[next_logit + len(kept)] if failed else None
             if rows.draw is not None:
                 next_logit += len(rows.drafts) + 1
-            if error is not None:  # the lane ends with its request: its state is left as it is, to be freed
-                results.append(LaneResult(tokens=tuple(kept), error=error))
-                continue
-            if rows.drafts and len(kept) - 1 < len(rows.drafts):
+            # a lane whose draw failed ends with its request (its rejected rows need no restore), but its rows still
+            # reach the MTP layer: a state this round keeps after them (the prompt cache's) must hold them there
+            if error is None and rows.drafts and len(kept) - 1 < len(rows.drafts):
                 restores.append((segments[index].lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2]))
             folded = len(rows.token_ids) + max(len(kept) - 1, 0)
             if rows.draft_depth:
                 seg = segments[index]
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
-            results.append(LaneResult(tokens=tuple(kept)))
+            results.append(LaneResult(tokens=tuple(kept), error=error))
         self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)
         trace.mark("verify")
         if mtp_rows:

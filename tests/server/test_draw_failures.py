@@ -13,6 +13,7 @@ from make_checkpoint import make_checkpoint
 from model.weights import load_model
 from rankwire.header import DrawSpec
 from server.engine import Engine, Request
+from server.prompt_cache import PromptCache
 from tests.server.engine_harness import Outcome, RecordingRunner, run
 from tests.tiny import KERNEL_TEXT, checkpoint, text_config
 
@@ -26,10 +27,11 @@ def model(tmp_path_factory):
     return load_model(checkpoint(tmp_path_factory.mktemp("fails") / "m"), dtype="float32")
 
 
-def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool) -> None:
+def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool, depth: int = 2) -> RecordingRunner:
     """A greedy request served beside one whose every draw fails: only the second ends, with the error."""
     (alone,), _ = run(model, PROMPTS[:1], 8, [GREEDY], draft=False)
-    engine = Engine(RecordingRunner(model, 2), context=256, prompt_budget=64, draft_depth=2, plan_ahead=plan_ahead)
+    runner = RecordingRunner(model, 2)
+    engine = Engine(runner, context=256, prompt_budget=64, draft_depth=depth, plan_ahead=plan_ahead)
     outcomes = [Outcome(), Outcome()]
     for i, (prompt, draw, outcome) in enumerate(zip(PROMPTS, (GREEDY, OVERFLOWS), outcomes, strict=True)):
         engine.submit(Request(f"r{i}", prompt, 8, draw, frozenset(), outcome.sink, draft=draft))
@@ -41,6 +43,7 @@ def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool) -> None:
     assert [o.finish for o in outcomes] == ["length", "error"]
     assert outcomes[0].tokens == alone and outcomes[1].tokens == []
     assert "temperature 1e-40 overflows" in outcomes[1].error
+    return runner
 
 
 @pytest.mark.parametrize("plan_ahead", [False, True], ids=["in-turn", "ahead"])
@@ -49,8 +52,52 @@ def test_a_failed_draw_ends_only_its_own_request(model, plan_ahead: bool, draft:
     serve_beside_an_overflow(model, plan_ahead, draft)
 
 
+def test_a_failed_draw_in_a_round_planned_ahead_ends_only_its_own_request(model) -> None:
+    """With drafts on, a prompt pass feeds the MTP layer, so the round of a first draw is never planned past; without
+    them the next round is launched before the failed draw is read, its row for that lane taking the draw on the
+    device (-1, for which 0 stands in): that row's results must be dropped with the request."""
+    runner = serve_beside_an_overflow(model, plan_ahead=True, draft=False, depth=0)
+    assert any(rows.prior_draw and rows.slot == 1 for plan in runner.plans for rows in plan.rows)
+
+
 def test_a_draw_the_batched_kernel_refuses_ends_only_its_own_request(tmp_path) -> None:
     kernel_model = load_model(
         make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
     )
-    serve_beside_an_overflow(kernel_model, plan_ahead=True, draft=False)
+    runner = serve_beside_an_overflow(kernel_model, plan_ahead=True, draft=False, depth=0)
+    assert any(rows.prior_draw and rows.slot == 1 for plan in runner.plans for rows in plan.rows)
+
+
+def first_drafts(model, first: DrawSpec | None, prompt: list[int]) -> tuple[int, ...]:
+    """The drafts of `prompt`'s first drawing round, greedy and drafting, served after a request (drawn by `first`)
+    for its first 20 tokens, whose prompt pass keeps the states it resumes from; None: served fresh."""
+    runner = RecordingRunner(model, 1)
+    cache = PromptCache(1 << 30 if first is not None else 0)
+    engine = Engine(runner, 256, 64, draft_depth=3, prompt_cache=cache, cache_grid=8)
+    engine.start()
+    try:
+        if first is not None:
+            before = Outcome()
+            engine.submit(Request("before", prompt[:20], 4, first, frozenset(), before.sink, draft=False))
+            assert before.done.wait(60)
+        outcome = Outcome()
+        engine.submit(Request("after", prompt, 4, GREEDY, frozenset(), outcome.sink))
+        assert outcome.done.wait(60) and outcome.finish == "length"
+    finally:
+        engine.stop()
+    plan, results = next(
+        (plan, results)
+        for plan, results in zip(runner.plans[::-1], runner.rounds[::-1], strict=True)
+        if plan.rows and plan.rows[0].draw is not None and plan.rows[0].start < 24
+    )  # the last request's first drawing round (it resumes at 19 when the cache holds its prefix)
+    assert plan.rows[0].start == (0 if first is None else 19)
+    return results[0].drafts
+
+
+@pytest.mark.parametrize("first", [GREEDY, OVERFLOWS], ids=["drawn", "failed"])
+def test_the_states_kept_by_a_prompt_pass_whose_draw_failed_resume_as_fresh(model, first: DrawSpec) -> None:
+    """Its prompt pass's keeps go into the prompt cache: the MTP layer's part of them must hold the pass's rows, as a
+    pass whose draw succeeded gives them, so a request resumed from them drafts as if served fresh."""
+    prompt = [(13 * i) % 300 + 6 for i in range(24)]
+    fresh = first_drafts(model, None, prompt)
+    assert fresh and first_drafts(model, first, prompt) == fresh
