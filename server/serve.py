@@ -254,9 +254,10 @@ def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) ->
         try:
             listener = ControlLink.listen("0.0.0.0", port)
         except OSError as exc:
+            where = "as set" if env.link_port else "unset, it is MASTER_PORT + 1"
             raise SystemExit(
-                f"FLASHNEXT_LINK_PORT: rank 0 cannot listen for the control link on port {port} (unset, it is "
-                f"MASTER_PORT + 1): {exc.strerror or exc}; set it to a free port"
+                f"FLASHNEXT_LINK_PORT: rank 0 cannot listen for the control link on port {port} ({where}): "
+                f"{exc.strerror or exc}; set it to a free port"
             ) from exc
         try:
             link = listener.accept(timeout=env.tp_timeout_s * 10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -102,8 +103,8 @@ def test_a_link_port_in_use_on_rank_0_is_refused_naming_the_setting():
 
     with socket.create_server(("0.0.0.0", 0)) as held:
         taken = held.getsockname()[1]
-        for env in (EnvSettings(link_port=taken), EnvSettings()):
-            with pytest.raises(SystemExit, match=f"FLASHNEXT_LINK_PORT.*{taken}"):
+        for env, where in ((EnvSettings(link_port=taken), "as set"), (EnvSettings(), "unset, it is MASTER_PORT + 1")):
+            with pytest.raises(SystemExit, match=rf"FLASHNEXT_LINK_PORT.*{taken} \({re.escape(where)}\)"):
                 connect_ranks(None, ranks.RankEnv(rank=0, world=2, master_port=taken - 1), env)
 
 
