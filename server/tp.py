@@ -7,7 +7,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rankwire.errors import LinkError, PeerFailed, PeerGone
+from rankwire.codec import HeaderError
+from rankwire.errors import FrameError, LinkError, PeerFailed, PeerGone
 from rankwire.header import RoundKind, RoundPlan
 from rankwire.link import ControlLink
 from server.round_trace import RoundTrace
@@ -85,6 +86,11 @@ def follow(link: ControlLink, runner: ModelRunner, timeout_s: float) -> int:
             return 1
         except PeerFailed as exc:
             log.error("rank 0 failed: %s", exc.message)
+            return 1
+        except (FrameError, HeaderError) as exc:  # rank 0 learns why, not only that this rank hung up
+            log.error("rank 1 cannot read rank 0's round header: %s", exc)
+            with contextlib.suppress(OSError):
+                link.send_error(f"rank 1 cannot read rank 0's round header: {exc}")
             return 1
         trace.mark("wait")
         try:

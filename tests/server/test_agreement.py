@@ -11,6 +11,8 @@ import pytest
 
 from model.parallel import TensorParallel
 from model.weights import load_model
+from rankwire.errors import PeerFailed
+from rankwire.frames import Tag, send_frame
 from rankwire.header import DrawSpec, LaneRows, RoundKind, RoundPlan
 from rankwire.link import ControlLink
 from server.round_trace import RoundTrace
@@ -123,3 +125,27 @@ def test_stop_never_lands_between_a_rounds_header_and_its_verdict() -> None:
         thread.join(timeout=10)
     rank1.close()
     assert seen == [None, RoundKind.STOP]
+
+
+def test_a_header_rank_1_cannot_read_is_named_to_rank_0() -> None:
+    """A header of another codec version (or a broken frame) ends rank 1, which tells rank 0 why: before, rank 0
+    saw only that rank 1 had hung up."""
+    a, b = socket.socketpair()
+    rank0, rank1 = ControlLink(a, rank=0), ControlLink(b, rank=1)
+    exit_codes: list[int] = []
+
+    class Untouched:
+        """A runner that must never be asked to run a round."""
+
+        trace = RoundTrace(None)
+        agreement = None
+
+    thread = threading.Thread(target=lambda: exit_codes.append(follow(rank1, Untouched(), 5)))
+    thread.start()
+    send_frame(a, Tag.HEADER, b"\xff" * 8)  # no header this codec can decode
+    thread.join(timeout=10)
+    with pytest.raises(PeerFailed, match="rank 1 cannot read rank 0's round header"):
+        rank0.recv_verdict(time.monotonic() + 5)
+    assert exit_codes == [1]
+    rank0.close()
+    rank1.close()
