@@ -46,19 +46,6 @@ def launch_us(before: Callable[[], None], launch: Callable[[], None], reps: int)
     return statistics.median(times), times[int(0.9 * (len(times) - 1))]
 
 
-def gpu_ms(launch: Callable[[], None], reps: int) -> float:
-    """Median GPU ms of `launch()` alone, by CUDA events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def span_ms(before: Callable[[], None], launch: Callable[[], None], reps: int) -> float:
     """Median GPU ms from an event recorded after `before()` and just before `launch()` to one just after it."""
     times = []
@@ -109,7 +96,8 @@ def measure(graphs: RoundGraphs, args: argparse.Namespace) -> None:
         sleep()
         one.replay()
 
-    print(f"trunk 1 replay: {gpu_ms(one.replay, args.reps):.3f} ms GPU; sleep: {gpu_ms(sleep, args.reps):.3f} ms GPU")
+    replay_ms, sleep_ms = span_ms(nothing, one.replay, args.reps), span_ms(nothing, sleep, args.reps)
+    print(f"trunk 1 replay: {replay_ms:.3f} ms GPU; sleep: {sleep_ms:.3f} ms GPU")
     cases = {
         "GPU idle": nothing,
         "same exec running": one.replay,
