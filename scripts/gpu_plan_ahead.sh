@@ -10,11 +10,7 @@ set -u
 source scripts/gpu_serve.sh
 git log --oneline -1 2>/dev/null || true
 port=8700
-model_args=(--tp 1 --device cuda --cuda-graphs on --max-lanes 64)
-if [ "${MODEL:-small}" = real ]; then
-  export SERVE_CMD="python3 scripts/serve_alone.py --alone-as 2"
-  model_args=(configs/qwen3.8-flash-next --load-format dummy --device cuda --max-lanes 64 --prompt-cache-gib 0)
-fi
+pick_model
 run=0
 for mode in ${MODES:-on off on off}; do
   run=$((run + 1))
@@ -25,10 +21,10 @@ for mode in ${MODES:-on off on off}; do
   echo "== $name up=$up $(since)"
   if [ $up = 1 ]; then
     timeout 60 python3 scripts/bench_concurrent.py --base-url "http://127.0.0.1:$port" --random-prompt 128 \
-      --vocab "${VOCAB:-4000}" --levels 1 --tokens 8 --reps 1 --temperatures 0 --drafts off > /dev/null 2>&1  # warm
+      --vocab "${VOCAB:-$model_vocab}" --levels 1 --tokens 8 --reps 1 --temperatures 0 --drafts off > /dev/null 2>&1  # warm
     for n in ${LEVELS:-1 64}; do
       timeout 150 python3 scripts/bench_concurrent.py --base-url "http://127.0.0.1:$port" --random-prompt 128 \
-        --vocab "${VOCAB:-4000}" --levels "$n" --tokens "${TOKENS:-128}" --reps "${REPS:-3}" --temperatures 0 \
+        --vocab "${VOCAB:-$model_vocab}" --levels "$n" --tokens "${TOKENS:-128}" --reps "${REPS:-3}" --temperatures 0 \
         --drafts off --json > "$OUT/${name}_$n.out" 2>&1
       echo "$name, $n streams: rc=$? $(grep "^T=0 drafts off N=$n:" "$OUT/${name}_$n.out")"
     done

@@ -9,13 +9,7 @@ set -u
 : "${OUT:?set OUT to the folder for logs}"
 source scripts/gpu_serve.sh
 port=8830
-vocab=4000
-model_args=(--tp 1 --device cuda --cuda-graphs on --max-lanes 64)
-if [ "${MODEL:-small}" = real ]; then
-  export SERVE_CMD="python3 scripts/serve_alone.py --alone-as 2"
-  model_args=(configs/qwen3.8-flash-next --load-format dummy --device cuda --max-lanes 64 --prompt-cache-gib 0)
-  vocab=200000
-fi
+pick_model
 for mode in ${MODES:-on off}; do
   port=$((port + 1))
   trace=$OUT/trace_${MODEL:-small}_$mode
@@ -25,7 +19,7 @@ for mode in ${MODES:-on off}; do
   echo "== ${MODEL:-small} plan-ahead $mode up=$up $(since)"
   if [ $up = 1 ]; then
     timeout 90 python3 scripts/bench_concurrent.py --base-url "http://127.0.0.1:$port" --random-prompt 128 \
-      --vocab $vocab --levels 1 --tokens "${TOKENS:-128}" --reps 2 --temperatures 0 --drafts off 2>&1 | grep "^T=0"
+      --vocab "${VOCAB:-$model_vocab}" --levels 1 --tokens "${TOKENS:-128}" --reps 2 --temperatures 0 --drafts off 2>&1 | grep "^T=0"
   fi
   stop_server
   python3 scripts/trace_summary.py "$trace/rank0.trace" --min-rounds 20 | head -30

@@ -2,7 +2,7 @@
 # wheels, `since` (seconds since this file was sourced), and `serve_until_up SECONDS PORT LOG ARGS...`, which starts
 # `python3 -m server ARGS` (or `$SERVE_CMD ARGS`) with a time limit and waits until /health answers (SERVER holds
 # its pid; returns 1 if it died or never came up); `small_exactness NAME PORT ARGS...` serves the shipped model at
-# --tp 2 with ARGS and checks it (below).
+# --tp 2 with ARGS and checks it (below); `pick_model` sets the served model's flags from MODEL (small or real).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -22,6 +22,17 @@ serve_until_up() {
     sleep 1
   done
   return 1
+}
+
+pick_model() {  # MODEL=small (default): the shipped model at --tp 1, CUDA graphs, 64 lanes; MODEL=real: rank 0's
+  # half of the real shapes alone (serve_alone.py --alone-as 2, dummy weights). Sets model_args, model_vocab, SERVE_CMD
+  model_args=(--tp 1 --device cuda --cuda-graphs on --max-lanes 64)
+  model_vocab=4000
+  if [ "${MODEL:-small}" = real ]; then
+    export SERVE_CMD="python3 scripts/serve_alone.py --alone-as 2"
+    model_args=(configs/qwen3.8-flash-next --load-format dummy --device cuda --max-lanes 64 --prompt-cache-gib 0)
+    model_vocab=200000
+  fi
 }
 
 stop_server() {  # SIGTERM, then the server's exit status (SIGKILL if it still runs STOP_S, default 45, seconds later)
