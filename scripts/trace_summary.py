@@ -34,6 +34,7 @@ def summarise(lines: list[dict], min_rounds: int = 1) -> list[dict]:
         medians = {name: 1e3 * statistics.median(p.get(name, 0.0) for p in phases) for name in names}
         total = 1e3 * statistics.median(sum(p.values()) for p in phases)
         entry = {"kind": kind, "rounds": len(group), "total_ms": total, "median_ms": medians}
+        entry["pinned_blocks_made"] = sum(line.get("pinned_blocks_made", 0) for line in group)
         spans = [line["gpu"] for line in group if line.get("gpu")]
         if spans:  # GPU stream milliseconds between the round's points (already ms)
             points = sorted({name for s in spans for name in s})
@@ -54,6 +55,8 @@ def main() -> None:
         print(f"{entry['kind']}: {entry['rounds']} rounds, median {entry['total_ms']:.2f} ms ({phases})")
         if gpu:
             print(f"  GPU stream, median ms: {gpu}")
+        if entry["pinned_blocks_made"]:
+            print(f"  pinned host blocks made: {entry['pinned_blocks_made']} in {entry['rounds']} rounds")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ from typing import Any
 import torch
 
 
+def pinned_allocations() -> tuple[int, float]:
+    """Blocks the caching host (pinned) allocator has made so far, and the µs it spent making them (0 without CUDA)."""
+    stats = getattr(torch.cuda, "host_memory_stats", dict)()
+    return int(stats.get("num_host_alloc", 0)), float(stats.get("host_alloc_time.total", 0.0))
+
+
 class RoundTrace:
     """Marks the end of each phase of a round and writes the phases' seconds; without a path it keeps nothing.
 
@@ -33,6 +39,7 @@ class RoundTrace:
         self.events: list[tuple[str, torch.cuda.Event]] = []
         self.unwritten: list[tuple[dict[str, Any], list[tuple[str, torch.cuda.Event]]]] = []  # lines, oldest first
         self.last = time.perf_counter()
+        self.pinned_before = (0, 0.0)  # pinned_allocations() when the round started
 
     @property
     def enabled(self) -> bool:
@@ -47,6 +54,8 @@ class RoundTrace:
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
         self.phases, self.fields, self.events, self.last = {}, {}, [], time.perf_counter()
+        if self.path is not None:
+            self.pinned_before = pinned_allocations()
 
     def mark(self, phase: str) -> None:
         """The phase named `phase` ends now (a phase marked twice adds up)."""
@@ -81,7 +90,12 @@ class RoundTrace:
         """Append the round's line: its facts and each phase's seconds."""
         if self.path is None:
             return
-        line = {**self.fields, "phases": {k: round(v, 6) for k, v in self.phases.items()}}
+        (blocks, spent), (blocks_before, spent_before) = pinned_allocations(), self.pinned_before
+        pinned = {
+            "pinned_blocks_made": blocks - blocks_before,
+            "pinned_alloc_ms": round((spent - spent_before) / 1e3, 4),
+        }
+        line = {**self.fields, **pinned, "phases": {k: round(v, 6) for k, v in self.phases.items()}}
         self.unwritten.append((line, self.events))
         ready = 0
         for _, events in self.unwritten:

@@ -160,3 +160,21 @@ def test_the_profile_covers_five_rounds_after_the_first_with_enough_lanes(tmp_pa
     host = table.split("host calls per round by self time")[1].splitlines()[1:]
     assert any(line.endswith("1.0 calls  aten::add_") for line in host)
     assert len((tmp_path / "rank0.trace").read_text().splitlines()) == 10
+
+
+def test_each_round_counts_the_pinned_blocks_made_during_it(tmp_path, monkeypatch):
+    """The caching host allocator grows its pool when the blocks it holds still wait on their copies; a round's line
+    says how many blocks it made and the time spent making them."""
+    made = iter([{}, {"num_host_alloc": 3, "host_alloc_time.total": 250.0}])
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: next(made))
+    trace = RoundTrace(tmp_path / "rank0.trace")
+    trace.start()
+    trace.write()
+    line = json.loads((tmp_path / "rank0.trace").read_text())
+    assert (line["pinned_blocks_made"], line["pinned_alloc_ms"]) == (3, 0.25)
+
+
+def test_summary_adds_up_the_pinned_blocks_each_kind_made():
+    lines = [{"lanes": 1, "rows": 1, "phases": {"forward": 0.001}, "pinned_blocks_made": n} for n in (2, 0, 1)]
+    lines.append({"lanes": 2, "rows": 2, "phases": {"forward": 0.001}})  # a line from before the count
+    assert [e["pinned_blocks_made"] for e in summary.summarise(lines)] == [3, 0]
