@@ -340,16 +340,20 @@ class ModelRunner:
         self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy
     ) -> tuple[list[int], dict[int, str]]:
         """The launched draws on the host (waiting only for their own copy, not for a round launched since), and why
-        each failed draw (-1) failed: a refused row is drawn again by `sample_token`, which names what is wrong."""
+        each failed draw (-1) failed, as `sample_token` names it. A refused row stays refused even where the host
+        would draw it: a round planned ahead has already taken 0 for it on the device, and the two disagreeing is a
+        broken contract to report, not to paper over."""
         tokens = drawn.tolist()
         if -1 not in tokens:
             return tokens, {}
         refusals = {}
         for i, (spec, position) in enumerate(self._draw_keys(plan_rows)):
             if tokens[i] == -1:
-                tokens[i], refusal = _draw_row(logits[i], spec, position)
-                if refusal is not None:
-                    refusals[i] = refusal
+                token, refusal = _draw_row(logits[i], spec, position)
+                refusals[i] = refusal or (
+                    f"the device refused the draw at position {position}, which the host draws ({token}): the batched "
+                    "draw and sample_token disagree"
+                )
         return tokens, refusals
 
     def _verify(self, rows: LaneRows, draws: list[int]) -> tuple[list[int], bool]:

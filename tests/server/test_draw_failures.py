@@ -101,3 +101,22 @@ def test_the_states_kept_by_a_prompt_pass_whose_draw_failed_resume_as_fresh(mode
     prompt = [(13 * i) % 300 + 6 for i in range(24)]
     fresh = first_drafts(model, None, prompt)
     assert fresh and first_drafts(model, first, prompt) == fresh
+
+
+def test_a_row_the_device_refused_stays_refused_though_the_host_would_draw_it(model) -> None:
+    """A round planned ahead has already taken 0 for a refused row on the device; taking the host's token instead
+    would give that lane two different histories, so the lane ends with an error that names the disagreement."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rankwire.header import LaneRows
+    from server.runner import ModelRunner
+
+    runner = ModelRunner(model, 2)
+    rows = (LaneRows(0, (5,), 3, GREEDY), LaneRows(1, (6,), 7, GREEDY))
+    logits = torch.zeros(2, model.cfg.vocab_size)
+    drawn = SimpleNamespace(tolist=lambda: [-1, 4])  # the device refused row 0, which greedy draws as token 0
+    tokens, refusals = runner._draw(rows, logits, drawn)
+    assert tokens == [-1, 4]
+    assert set(refusals) == {0} and "the batched draw and sample_token disagree" in refusals[0]
