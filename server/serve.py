@@ -19,6 +19,7 @@ from model.config import load_config
 from model.parallel import TensorParallel
 from model.state import slot_state_bytes
 from model.weights import load_model, resolve_kernels
+from rankwire.codec import VERSION as HEADER_VERSION
 from rankwire.errors import SettingsMismatch
 from rankwire.link import ControlLink
 from server.app import ServerState
@@ -40,7 +41,7 @@ from server.ranks import (
 )
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
-from server.settings import EnvSettings, read_environment
+from server.settings import EnvSettings, rank_shaping, read_environment
 from server.tokenizer import eos_token_ids, load_tokenizer
 from server.tp import LinkedRunner, follow, watch_peer
 
@@ -161,6 +162,8 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
         "ngram_table": args.ngram_table,
         "prompt_cache_gib": args.prompt_cache_gib if args.prompt_cache_gib is not None else "auto",
         "prompt_cache_grid": args.prompt_cache_grid,
+        "header_codec": HEADER_VERSION,
+        "environment": rank_shaping(os.environ),
     }
 
 

@@ -74,6 +74,26 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
 }
 
 
+# the settings that shape a rank's kernels or the collectives it enters, with their defaults: both ranks must agree
+RANK_SHAPING_DEFAULTS = {
+    "FLASHNEXT_PEER_SUMS": "0",
+    "FLASHNEXT_OVERLAP": "1",
+    "FLASHNEXT_PDL": "1",
+    "FLASHNEXT_PDL_PREFETCH": "1",
+    "FLASHNEXT_GLUON": "1",
+}
+
+
+def rank_shaping(environ: Mapping[str, str]) -> dict[str, object]:
+    """The settings of RANK_SHAPING_DEFAULTS as this process parses them (the default where unset), for the ranks'
+    handshake: the same meaning written two ways compares equal."""
+    values: dict[str, object] = {}
+    for name, default in RANK_SHAPING_DEFAULTS.items():
+        value = KNOWN[name][0](environ.get(name, default))
+        values[name] = sorted(value) if isinstance(value, frozenset) else value
+    return values
+
+
 @dataclass(frozen=True, slots=True)
 class EnvSettings:
     """The parsed FLASHNEXT_* settings."""

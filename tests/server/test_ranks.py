@@ -114,3 +114,51 @@ def test_a_master_port_with_no_port_after_it_is_refused_naming_the_link_port():
     with pytest.raises(SystemExit, match="FLASHNEXT_LINK_PORT"):
         effective_link_port(env)
     assert effective_link_port({**env, "FLASHNEXT_LINK_PORT": "40123"}) == 40123
+
+
+@pytest.mark.parametrize(
+    ("rank1_environ", "differs"),
+    [
+        ({"FLASHNEXT_GLUON": "0"}, "environment.FLASHNEXT_GLUON"),  # other MoE kernels: other bits on one rank
+        ({"FLASHNEXT_PEER_SUMS": "1"}, "environment.FLASHNEXT_PEER_SUMS"),  # other collectives: the ranks would hang
+        ({"FLASHNEXT_OVERLAP": "1", "FLASHNEXT_PDL": "1"}, None),  # the defaults, written out
+    ],
+)
+def test_the_handshake_compares_the_settings_that_shape_a_ranks_work(monkeypatch, rank1_environ, differs):
+    """Two ranks started with different kernel or collective settings would compute differently or wait forever on
+    each other; the handshake refuses them naming the setting, and the same meaning written two ways passes."""
+    import threading
+
+    from model.shipped import SHIPPED_MODEL
+    from rankwire.errors import SettingsMismatch
+    from rankwire.link import ControlLink
+    from server.cli import build_parser
+    from server.serve import canonical_settings
+
+    args = build_parser().parse_args(["serve", str(SHIPPED_MODEL), "--tp", "2"])
+    for name in [*rank1_environ, "FLASHNEXT_PEER_SUMS", "FLASHNEXT_GLUON"]:
+        monkeypatch.delenv(name, raising=False)
+    rank0_settings = canonical_settings(args, 2)
+    for name, value in rank1_environ.items():
+        monkeypatch.setenv(name, value)
+    rank1_settings = canonical_settings(args, 2)
+    a, b = socket.socketpair()
+    links, errors = (ControlLink(a, rank=0), ControlLink(b, rank=1)), [None, None]
+
+    def shake(rank: int, settings: dict) -> None:
+        try:
+            links[rank].handshake(settings, timeout=5)
+        except SettingsMismatch as exc:
+            errors[rank] = str(exc)
+
+    threads = [threading.Thread(target=shake, args=(r, s)) for r, s in enumerate((rank0_settings, rank1_settings))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    for link in links:
+        link.close()
+    if differs is None:
+        assert errors == [None, None]
+    else:
+        assert all(error is not None and differs in error for error in errors), errors
