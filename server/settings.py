@@ -74,14 +74,9 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
 }
 
 
-# the settings that shape a rank's kernels or the collectives it enters, with their defaults: both ranks must agree
-RANK_SHAPING_DEFAULTS = {
-    "FLASHNEXT_PEER_SUMS": "0",
-    "FLASHNEXT_OVERLAP": "1",
-    "FLASHNEXT_PDL": "1",
-    "FLASHNEXT_PDL_PREFETCH": "1",
-    "FLASHNEXT_GLUON": "1",
-}
+# the settings that shape which collectives a rank enters, and on which stream, with their defaults: both ranks must
+# agree (FLASHNEXT_PDL, _PDL_PREFETCH and _GLUON change kernels only, with the same bits, so the ranks may differ)
+RANK_SHAPING_DEFAULTS = {"FLASHNEXT_PEER_SUMS": "0", "FLASHNEXT_OVERLAP": "1"}
 
 
 def rank_shaping(environ: Mapping[str, str]) -> dict[str, object]:
