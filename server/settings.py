@@ -74,9 +74,10 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
 }
 
 
-# the settings that shape which collectives a rank enters, and on which stream, with their defaults: both ranks must
-# agree (FLASHNEXT_PDL, _PDL_PREFETCH and _GLUON change kernels only, with the same bits, so the ranks may differ)
-RANK_SHAPING_DEFAULTS = {"FLASHNEXT_PEER_SUMS": "0", "FLASHNEXT_OVERLAP": "1"}
+# the settings that shape which collectives a rank enters, with their defaults: both ranks must agree
+# (FLASHNEXT_PDL, _PDL_PREFETCH, _GLUON and _OVERLAP change kernels or streams only, with the same bits and no
+# collective on the side stream, so the ranks may differ in them)
+RANK_SHAPING_DEFAULTS = {"FLASHNEXT_PEER_SUMS": "0"}
 
 
 def rank_shaping(environ: Mapping[str, str]) -> dict[str, object]:
@@ -84,8 +85,7 @@ def rank_shaping(environ: Mapping[str, str]) -> dict[str, object]:
     handshake: the same meaning written two ways compares equal."""
     values: dict[str, object] = {}
     for name, default in RANK_SHAPING_DEFAULTS.items():
-        value = KNOWN[name][0](environ.get(name, default))
-        values[name] = sorted(value) if isinstance(value, frozenset) else value
+        values[name] = KNOWN[name][0](environ.get(name, default))
     return values
 
 
