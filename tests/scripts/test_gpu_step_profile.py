@@ -29,10 +29,13 @@ def test_a_rank_alone_keeps_its_partials_and_copies_its_slice() -> None:
 
 
 def test_the_collectives_come_back_afterwards() -> None:
+    """Both collectives it stands in for are torch's again: without a process group each raises once more."""
     with gpu_step_profile.collectives_skipped():
         pass
     with pytest.raises((RuntimeError, ValueError)):
         TensorParallel(0, 2).gather(torch.ones(2))
+    with pytest.raises((RuntimeError, ValueError)):
+        TensorParallel(0, 2).reduce(torch.ones(2))
 
 
 @pytest.mark.parametrize("world", ["1", "-2"])
