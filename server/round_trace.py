@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,23 +123,18 @@ class RoundTrace:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
-        averages = self.profiler.key_averages()
-        kernels = sorted(
-            (e for e in averages if getattr(e, "self_device_time_total", 0) > 0),
-            key=lambda e: e.self_device_time_total,
-            reverse=True,
-        )
-        host = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total)[::-1]
-        rounds = self.PROFILED_ROUNDS
-        lines = [f"kernels per round over {rounds} rounds from the first of {self.profile_lanes}+ lanes:"]
-        lines += [
-            f"{e.self_device_time_total / 1e3 / rounds:8.3f} ms {e.count / rounds:7.1f} calls  {e.key[:100]}"
-            for e in kernels[:40]
-        ]
-        lines.append(f"host calls per round by self time (CUDA API calls among them), over the same {rounds} rounds:")
-        lines += [
-            f"{e.self_cpu_time_total / 1e3 / rounds:8.3f} ms {e.count / rounds:7.1f} calls  {e.key[:100]}"
-            for e in host[:30]
+        averages, rounds = self.profiler.key_averages(), self.PROFILED_ROUNDS
+
+        def busiest(time_of: Callable[[Any], float], top: int) -> list[str]:
+            """The `top` entries with the most time by `time_of` (µs over the rounds), each per round."""
+            busy = sorted((e for e in averages if time_of(e) > 0), key=time_of, reverse=True)[:top]
+            return [f"{time_of(e) / 1e3 / rounds:8.3f} ms {e.count / rounds:7.1f} calls  {e.key[:100]}" for e in busy]
+
+        lines = [
+            f"kernels per round over {rounds} rounds from the first of {self.profile_lanes}+ lanes:",
+            *busiest(lambda e: getattr(e, "self_device_time_total", 0), 40),
+            f"host calls per round by self time (CUDA API calls among them), over the same {rounds} rounds:",
+            *busiest(lambda e: e.self_cpu_time_total, 30),
         ]
         self.path.with_suffix(".profile.txt").write_text("\n".join(lines) + "\n")
         self.profiler = None

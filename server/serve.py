@@ -41,7 +41,7 @@ from server.ranks import (
 )
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
-from server.settings import EnvSettings, rank_shaping, read_environment
+from server.settings import EnvSettings, read_environment
 from server.tokenizer import eos_token_ids, load_tokenizer
 from server.tp import LinkedRunner, follow, watch_peer
 
@@ -143,8 +143,10 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
     return context
 
 
-def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object]:
-    """What both ranks must agree on; the handshake compares these."""
+def canonical_settings(args: argparse.Namespace, world: int, env: EnvSettings) -> dict[str, object]:
+    """What both ranks must agree on; the handshake compares these. Of the FLASHNEXT_* settings only
+    FLASHNEXT_PEER_SUMS, which decides the collectives a rank enters: PDL, Gluon and the side stream's overlap change
+    kernels or streams with the same bits and put no collective on the side stream, so the ranks may differ there."""
     config = (args.model / "config.json").read_bytes()
     return {
         "model": args.model.name,
@@ -163,7 +165,7 @@ def canonical_settings(args: argparse.Namespace, world: int) -> dict[str, object
         "prompt_cache_gib": args.prompt_cache_gib if args.prompt_cache_gib is not None else "auto",
         "prompt_cache_grid": args.prompt_cache_grid,
         "header_codec": HEADER_VERSION,
-        "environment": rank_shaping(os.environ),
+        "environment": {"FLASHNEXT_PEER_SUMS": env.peer_sums},
     }
 
 
@@ -268,7 +270,7 @@ def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) ->
             listener.close()
     else:
         link = ControlLink.connect(ranks.master_addr, port, timeout=env.tp_timeout_s * 10)
-    link.handshake(canonical_settings(args, ranks.world))
+    link.handshake(canonical_settings(args, ranks.world, env))
     return link
 
 

@@ -74,21 +74,6 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
 }
 
 
-# the settings that shape which collectives a rank enters, with their defaults: both ranks must agree
-# (FLASHNEXT_PDL, _PDL_PREFETCH, _GLUON and _OVERLAP change kernels or streams only, with the same bits and no
-# collective on the side stream, so the ranks may differ in them)
-RANK_SHAPING_DEFAULTS = {"FLASHNEXT_PEER_SUMS": "0"}
-
-
-def rank_shaping(environ: Mapping[str, str]) -> dict[str, object]:
-    """The settings of RANK_SHAPING_DEFAULTS as this process parses them (the default where unset), for the ranks'
-    handshake: the same meaning written two ways compares equal."""
-    values: dict[str, object] = {}
-    for name, default in RANK_SHAPING_DEFAULTS.items():
-        values[name] = KNOWN[name][0](environ.get(name, default))
-    return values
-
-
 @dataclass(frozen=True, slots=True)
 class EnvSettings:
     """The parsed FLASHNEXT_* settings."""

@@ -472,11 +472,12 @@ def test_bad_combinations_are_refused_by_setting(models, paths, monkeypatch) -> 
 def test_the_kernels_setting_is_checked_at_start_and_agreed_by_the_ranks(paths, capsys) -> None:
     from server.cli import build_parser, main
     from server.serve import canonical_settings
+    from server.settings import EnvSettings
 
     args = build_parser().parse_args(["serve", str(paths["bf16"])])
-    assert args.kernels == "auto" and canonical_settings(args, 2)["kernels"] == "off"
+    assert args.kernels == "auto" and canonical_settings(args, 2, EnvSettings())["kernels"] == "off"
     on_gpu = build_parser().parse_args(["serve", str(paths["bf16"]), "--device", "cuda"])
-    assert canonical_settings(on_gpu, 2)["kernels"] == "on"
+    assert canonical_settings(on_gpu, 2, EnvSettings())["kernels"] == "on"
     argv = ["generate", str(paths["bf16"]), "--kernels", "on", "--dtype", "float32", "--prompt-ids", "1"]
     assert main(argv) == 2
     assert "--dtype" in capsys.readouterr().err

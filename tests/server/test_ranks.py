@@ -138,10 +138,10 @@ def test_the_handshake_compares_the_settings_that_shape_a_ranks_work(monkeypatch
     args = build_parser().parse_args(["serve", str(SHIPPED_MODEL), "--tp", "2"])
     for name in [*rank1_environ, "FLASHNEXT_PEER_SUMS"]:
         monkeypatch.delenv(name, raising=False)
-    rank0_settings = canonical_settings(args, 2)
+    rank0_settings = canonical_settings(args, 2, read_environment(os.environ))
     for name, value in rank1_environ.items():
         monkeypatch.setenv(name, value)
-    rank1_settings = canonical_settings(args, 2)
+    rank1_settings = canonical_settings(args, 2, read_environment(os.environ))
     a, b = socket.socketpair()
     links, errors = (ControlLink(a, rank=0), ControlLink(b, rank=1)), [None, None]
 
