@@ -1,11 +1,14 @@
 """Where a served round's time goes: host phase marks and GPU stream points per round, one JSON line a round
 (FLASHNEXT_ROUND_TRACE); with FLASHNEXT_ROUND_PROFILE=LANES also torch.profiler's kernel and host-call tables of the
-five rounds after the first of at least LANES lanes."""
+five rounds after the first of at least LANES lanes; with FLASHNEXT_ROUND_PYPROFILE=LANES Python's own profile (which
+functions the round's thread spends its time in) of twenty such rounds, after the torch profile's when both are set."""
 
 from __future__ import annotations
 
+import cProfile
 import itertools
 import json
+import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,13 +31,19 @@ class RoundTrace:
     later write rather than the host for the GPU (a round launched ahead is still running when its line is made)."""
 
     PROFILED_ROUNDS = 5
+    PY_PROFILED_ROUNDS = 20
+    PY_LINES = 40  # functions listed in each of the Python profile's two tables
 
-    def __init__(self, path: Path | None, profile_lanes: int | None = None) -> None:
+    def __init__(self, path: Path | None, profile_lanes: int | None = None, pyprofile_lanes: int | None = None) -> None:
         self.path = path
         self.profile_lanes = profile_lanes if path is not None else None  # profile rounds of this many lanes or more
         self.profiler: torch.profiler.profile | None = None
         self.profiled = 0
         self.armed = False  # the last round had enough lanes: profile from the next one
+        self.pyprofile_lanes = pyprofile_lanes if path is not None else None  # the same, for Python's profile
+        self.pyprofiler: cProfile.Profile | None = None
+        self.pyprofiled = 0
+        self.py_armed = False
         self.phases: dict[str, float] = {}
         self.fields: dict[str, Any] = {}
         self.events: list[tuple[str, torch.cuda.Event]] = []
@@ -47,13 +56,17 @@ class RoundTrace:
         return self.path is not None
 
     def start(self) -> None:
-        """Begin a round: phases count from now (and the profiler runs, once armed, for PROFILED_ROUNDS rounds)."""
+        """Begin a round: phases count from now (and, once armed, torch's profiler runs for PROFILED_ROUNDS rounds,
+        then Python's for PY_PROFILED_ROUNDS)."""
         if self.armed and self.profiler is None and self.profiled < self.PROFILED_ROUNDS:
             activities = [torch.profiler.ProfilerActivity.CPU]  # the host's calls, the CUDA API's among them
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
+        elif self._py_due():
+            self.pyprofiler = cProfile.Profile()
+            self.pyprofiler.enable()
         self.phases, self.fields, self.events, self.last = {}, {}, [], time.perf_counter()
         if self.path is not None:
             self.pinned_before = pinned_allocations()
@@ -111,6 +124,38 @@ class RoundTrace:
         del self.unwritten[:ready]
         if self.profile_lanes is not None:
             self._profile_step(self.fields.get("lanes", 0))
+        if self.pyprofile_lanes is not None:
+            self._pyprofile_step(self.fields.get("lanes", 0))
+
+    def _py_due(self) -> bool:
+        """Whether Python's profile starts with this round: armed, not done, the torch profile not running or due."""
+        torch_due = self.profile_lanes is not None and self.profiled < self.PROFILED_ROUNDS
+        return self.py_armed and self.pyprofiler is None and self.pyprofiled < self.PY_PROFILED_ROUNDS and not torch_due
+
+    def _pyprofile_step(self, lanes: int) -> None:
+        """Arm Python's profile on the first round of enough lanes; after PY_PROFILED_ROUNDS rounds write its tables."""
+        self.py_armed = self.py_armed or lanes >= self.pyprofile_lanes
+        if self.pyprofiler is None:
+            return
+        self.pyprofiled += 1
+        if self.pyprofiled < self.PY_PROFILED_ROUNDS:
+            return
+        self.pyprofiler.disable()
+        stats = pstats.Stats(self.pyprofiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cum s, _)
+        rounds = self.PY_PROFILED_ROUNDS
+
+        def busiest(column: int, title: str) -> list[str]:
+            """The functions with the most seconds in `column` (2: own, 3: cumulative), per round."""
+            top = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[: self.PY_LINES]
+            rows = [
+                f"{times[column] * 1e3 / rounds:8.3f} ms {times[1] / rounds:8.1f} calls  {function_name(key)}"
+                for key, times in top
+            ]
+            return [f"{title} per round over {rounds} rounds from the first of {self.pyprofile_lanes}+ lanes:", *rows]
+
+        lines = [*busiest(2, "Python functions by own time"), *busiest(3, "Python functions by cumulative time")]
+        self.path.with_suffix(".pyprofile.txt").write_text("\n".join(lines) + "\n")
+        self.pyprofiler = None
 
     def _profile_step(self, lanes: int) -> None:
         """Arm on the first round of enough lanes; after PROFILED_ROUNDS profiled rounds write the kernel table."""
@@ -138,3 +183,11 @@ class RoundTrace:
         ]
         self.path.with_suffix(".profile.txt").write_text("\n".join(lines) + "\n")
         self.profiler = None
+
+
+def function_name(key: tuple[str, int, str]) -> str:
+    """A profiled function as `dir/file.py:line(name)` (built-ins as cProfile names them)."""
+    path, line, name = key
+    if path == "~":
+        return name
+    return f"{'/'.join(Path(path).parts[-2:])}:{line}({name})"

@@ -305,7 +305,7 @@ def rank_runner(model, max_lanes: int, rank: int, env: EnvSettings) -> ModelRunn
     """This rank's runner, writing the round digests and trace the environment asks for into rank{r}.* files."""
     digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{rank}.digests"
     trace_path = None if env.round_trace is None else Path(env.round_trace) / f"rank{rank}.trace"
-    trace = RoundTrace(trace_path, env.round_profile)
+    trace = RoundTrace(trace_path, env.round_profile, env.round_pyprofile)
     return ModelRunner(model, max_lanes, digests, trace)
 
 

@@ -71,6 +71,11 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
         _lanes,
         "with FLASHNEXT_ROUND_TRACE: the kernel table (rank{r}.profile.txt) of 5 rounds after one of this many lanes",
     ),
+    "FLASHNEXT_ROUND_PYPROFILE": (
+        _lanes,
+        "with FLASHNEXT_ROUND_TRACE: Python's profile of the round's thread (rank{r}.pyprofile.txt) over 20 rounds "
+        "after one of this many lanes",
+    ),
 }
 
 
@@ -84,6 +89,7 @@ class EnvSettings:
     round_digests: str | None = None
     round_trace: str | None = None
     round_profile: int | None = None
+    round_pyprofile: int | None = None
     peer_sums: bool = False
 
 
@@ -120,5 +126,6 @@ def read_environment(environ: Mapping[str, str]) -> EnvSettings:
         round_digests=values.get("FLASHNEXT_ROUND_DIGESTS"),
         round_trace=values.get("FLASHNEXT_ROUND_TRACE"),
         round_profile=values.get("FLASHNEXT_ROUND_PROFILE"),
+        round_pyprofile=values.get("FLASHNEXT_ROUND_PYPROFILE"),
         peer_sums=values.get("FLASHNEXT_PEER_SUMS", False),
     )

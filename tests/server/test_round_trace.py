@@ -178,3 +178,44 @@ def test_summary_adds_up_the_pinned_blocks_each_kind_made():
     lines = [{"lanes": 1, "rows": 1, "phases": {"forward": 0.001}, "pinned_blocks_made": n} for n in (2, 0, 1)]
     lines.append({"lanes": 2, "rows": 2, "phases": {"forward": 0.001}})  # a line from before the count
     assert [e["pinned_blocks_made"] for e in summary.summarise(lines)] == [3, 0]
+
+
+def _host_step() -> int:
+    """A function of the round's own for Python's profile to see."""
+    return sum(range(100))
+
+
+def test_python_profile_covers_twenty_rounds_after_the_first_with_enough_lanes(tmp_path):
+    trace = RoundTrace(tmp_path / "rank0.trace", pyprofile_lanes=2)
+    profiled = []
+    for lanes in (1, 2, *[1] * 21):
+        trace.start()
+        profiled.append(trace.pyprofiler is not None)
+        _host_step()
+        trace.note(lanes=lanes)
+        trace.write()
+    assert profiled == [False, False, *[True] * RoundTrace.PY_PROFILED_ROUNDS, False]
+    table = (tmp_path / "rank0.pyprofile.txt").read_text()
+    by_own, by_cumulative = table.split("Python functions by cumulative time")
+    assert by_own.startswith("Python functions by own time per round over 20 rounds from the first of 2+ lanes:")
+    ours = [line for line in by_cumulative.splitlines() if line.endswith("(_host_step)")]
+    assert len(ours) == 1 and "server/test_round_trace.py:" in ours[0] and " 1.0 calls  " in ours[0]
+
+
+def test_python_profile_waits_for_the_torch_profile(tmp_path):
+    trace = RoundTrace(tmp_path / "rank0.trace", profile_lanes=1, pyprofile_lanes=1)
+    running = []
+    for _ in range(1 + RoundTrace.PROFILED_ROUNDS + RoundTrace.PY_PROFILED_ROUNDS):
+        trace.start()
+        running.append((trace.profiler is not None, trace.pyprofiler is not None))
+        trace.note(lanes=1)
+        trace.write()
+    torch_rounds, py_rounds = RoundTrace.PROFILED_ROUNDS, RoundTrace.PY_PROFILED_ROUNDS
+    assert running == [(False, False), *[(True, False)] * torch_rounds, *[(False, True)] * py_rounds]
+    assert (tmp_path / "rank0.profile.txt").exists() and (tmp_path / "rank0.pyprofile.txt").exists()
+
+
+def test_python_profile_setting_is_parsed_and_refused_by_name():
+    assert read_environment({"FLASHNEXT_ROUND_PYPROFILE": "8"}).round_pyprofile == 8
+    with pytest.raises(ValueError, match="FLASHNEXT_ROUND_PYPROFILE"):
+        read_environment({"FLASHNEXT_ROUND_PYPROFILE": "-1"})
