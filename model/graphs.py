@@ -195,9 +195,10 @@ class RoundGraphs:
             copy_in(self.windows[:n], windows)
         if hidden is not None:
             copy_in(self.hidden[:n], hidden)
-        self.tokens[n:size].zero_()
-        self.positions[n:size].zero_()
-        self.slots[n:size].fill_(self.pool.scratch)
+        if size > n:  # the bucket's padding rows
+            self.tokens[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slots[n:size].fill_(self.pool.scratch)
         if self.capture:
             self.graphs[kind, size].replay()
             rnd, (logits, wide) = self.rounds[kind, size], self.outputs[kind, size]

@@ -34,8 +34,6 @@ from model.parallel import TensorParallel
 from model.peer_sums import forward_sites
 from model.state import KeptRow, LaneSnapshot
 
-HOST = torch.device("cpu")
-
 
 def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel) -> None:
     """Refuse, naming the setting or config field, a model the kernels cannot run (before any weight is read); the
@@ -183,28 +181,23 @@ def logit_inputs(rnd: Round, wide: torch.Tensor) -> torch.Tensor:
     return wide if rnd.logit_rows is None else wide.index_select(0, rnd.logit_rows)
 
 
-def per_row(batch: ForwardBatch, values: list[int], device: torch.device = HOST) -> torch.Tensor:
-    """Each segment's value repeated for each of its rows, built in Python (torch's CPU repeat_interleave starts
-    its thread pool for a few lanes: milliseconds a round beside a busy second rank), on `device` without waiting
-    for the GPU."""
-    return to_device(
-        device, [v for seg, v in zip(batch.segments, values, strict=True) for _ in range(seg.length)], torch.long
-    )
-
-
 def row_slots(batch: ForwardBatch) -> torch.Tensor:
-    """Each row's lane-pool slot (on the host)."""
-    return per_row(batch, [seg.lane.slot for seg in batch.segments])
+    """Each row's lane-pool slot, on the host, built in Python (torch's CPU repeat_interleave starts its thread pool
+    for a few lanes: milliseconds a round beside a busy second rank)."""
+    return torch.tensor([seg.lane.slot for seg in batch.segments for _ in range(seg.length)], dtype=torch.long)
 
 
 def ngram_windows(batch: ForwardBatch, n: int) -> torch.Tensor:
-    """Each row's last n tokens [N, n], oldest first: its lane's n-gram history, then the segment's rows."""
-    lane_of_row = per_row(batch, list(range(len(batch.segments))), batch.token_ids.device)
+    """Each row's last n tokens [N, n], oldest first: its lane's n-gram history, then the segment's rows (one gather,
+    its indices made on the host)."""
     parts = [t for seg in batch.segments for t in (seg.lane.ngram_history.long(), batch.token_ids[seg.rows].long())]
     flat = torch.cat(parts)
-    rows = torch.arange(batch.token_ids.shape[0], device=flat.device)
-    first = rows + lane_of_row * (n - 1)  # segment i's history sits before its rows, after i earlier histories
-    return flat[first[:, None] + torch.arange(n, device=flat.device)]
+    # segment i's history sits before its rows, after i earlier histories: row r's window starts at r + i (n - 1)
+    firsts = [
+        row + i * (n - 1) for i, seg in enumerate(batch.segments) for row in range(seg.start, seg.start + seg.length)
+    ]
+    index = to_device(flat.device, [first + k for first in firsts for k in range(n)], torch.long)
+    return flat.index_select(0, index).view(len(firsts), n)
 
 
 def snapshots(

@@ -216,9 +216,10 @@ class ModelRunner:
         graphs = self.model.round_graphs
         before = _replays(graphs) if trace.enabled else {}
         trace.gpu_mark("start", device)
+        every_row = logit_rows == list(range(len(tokens)))  # decode and verify rounds: no list to copy or index by
         out = self.model(  # its inputs reach the device without waiting for the GPU
             batch_from_starts(token_ids, segments, [rows.start for rows in plan.rows]),
-            logit_rows=to_device(device, logit_rows, torch.long),
+            logit_rows=None if every_row else to_device(device, logit_rows, torch.long),
             snapshot_rows=snapshot_rows,
         )
         trace.gpu_mark("forward", device)
