@@ -18,6 +18,14 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+class SamplingParamError(ValueError):
+    """A draw the request's own sampling parameters make fail; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def draw_uniform(seed: int, position: int) -> float:
     """A uniform in [0, 1) from (seed, position), each taken modulo 2**64, in pure integer arithmetic."""
     z = _mix64(_mix64(seed & MASK64) ^ (position & MASK64))
@@ -30,8 +38,15 @@ def sample_token(
     """Draw one token id from one row of logits [V]; greedy when temperature is 0."""
     if logits.dim() != 1:
         raise ValueError(f"sample_token takes one row of logits [V], got shape {tuple(logits.shape)}")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p <= 1:
-        raise ValueError(f"bad sampling parameters: {temperature=} {top_k=} {top_p=} {min_p=}")
+    bad = {
+        "temperature": temperature < 0,
+        "top_k": top_k < 0,
+        "top_p": not 0 < top_p <= 1,
+        "min_p": not 0 <= min_p <= 1,
+    }
+    wrong = [name for name, is_bad in bad.items() if is_bad]
+    if wrong:
+        raise SamplingParamError(f"bad sampling parameters: {temperature=} {top_k=} {top_p=} {min_p=}", wrong[0])
     row = logits.float()
     best = row.max()
     if not torch.isfinite(best):
@@ -45,7 +60,7 @@ def sample_token(
     keep = min(top_k, sorted_probs.numel()) if top_k > 0 else sorted_probs.numel()
     mass = sorted_probs[:keep].to(device="cpu", dtype=torch.float64)
     if not math.isfinite(mass[0].item()):
-        raise ValueError(f"temperature {temperature} overflows these logits")
+        raise SamplingParamError(f"temperature {temperature} overflows these logits", "temperature")
     cdf = torch.cumsum(mass, dim=0)
     if top_p < 1:
         # Mass is measured after top_k, as if the dropped tokens had never been candidates.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from server.protocol import fresh_seed
-from server.sampling import _mix64, draw_uniform, sample_token
+from server.sampling import SamplingParamError, _mix64, draw_uniform, sample_token
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -0.5, -3.0])
 
@@ -154,3 +154,27 @@ def test_bad_input_is_refused(logits: torch.Tensor, params: dict[str, float]) ->
     """Wrong shapes, out-of-range parameters and logits without a finite maximum raise ValueError."""
     with pytest.raises(ValueError):
         draw(logits, **params)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"temperature": -1.0, "top_p": 0.0}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.5}, "min_p"),
+        ({"temperature": 1e-40}, "temperature"),  # every logit over it is infinite
+    ],
+)
+def test_a_draw_its_parameters_make_fail_names_the_first_field_at_fault(params: dict[str, float], param: str) -> None:
+    """The request's own field is named, so the client hears of it as a bad request (400), not a server error."""
+    with pytest.raises(SamplingParamError) as caught:
+        draw(LOGITS, **params)
+    assert caught.value.param == param
+
+
+def test_logits_without_a_finite_maximum_are_not_the_parameters_fault() -> None:
+    """The model's logits, not the request, are at fault: a plain ValueError, which stays a server error."""
+    with pytest.raises(ValueError) as caught:
+        draw(torch.tensor([0.0, float("nan")]))
+    assert not isinstance(caught.value, SamplingParamError)
