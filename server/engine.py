@@ -33,12 +33,14 @@ class EngineStopped(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Update:
     """New tokens for a request, and why it ended (stop, length, abort, error) when it did; `refused`: the engine
-    took no work for it (it was shutting down)."""
+    took no work for it (it was shutting down); `error_param`: the request field whose value caused the error, where
+    one did (a bad request, not the server's fault)."""
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
     refused: bool = False
+    error_param: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -404,7 +406,7 @@ class Engine:
                     self._adapt_depth(request, len(rows.drafts), result.accepted)
                     self._keep(request, result.tokens, result.drafts, now)
                 if result.error is not None and request in self.running:  # a draw of its own failed
-                    self._finish(request, Update((), "error", result.error))
+                    self._finish(request, Update((), "error", result.error, error_param=result.error_param))
 
     def _failed(self, flight: Flight, exc: Exception) -> None:
         """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request

@@ -16,7 +16,7 @@ from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.round_trace import RoundTrace
-from server.sampling import sample_token
+from server.sampling import SamplingParamError, sample_token
 
 if TYPE_CHECKING:  # the graphs' module imports Triton, which the kernel path imports on first use
     from model.graphs import RoundGraphs
@@ -29,11 +29,13 @@ class RoundRefused(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class LaneResult:
     """What a lane's rows gave: the tokens kept (each the target's own draw) and MTP drafts for the next round; `error`:
-    why a draw after the kept tokens failed (its parameters overflow the logits, say), which ends this lane alone."""
+    why a draw after the kept tokens failed (its parameters overflow the logits, say), which ends this lane alone;
+    `error_param`: the request field whose value made it fail, where one did."""
 
     tokens: tuple[int, ...] = ()
     drafts: tuple[int, ...] = ()
     error: str | None = None
+    error_param: str | None = None
 
     @property
     def accepted(self) -> int:
@@ -255,7 +257,7 @@ class ModelRunner:
         trace.mark("draw")
         for index, rows in enumerate(plan.rows):
             kept, failed = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
-            error = refusals[next_logit + len(kept)] if failed else None
+            error, error_param = refusals[next_logit + len(kept)] if failed else (None, None)
             if rows.draw is not None:
                 next_logit += len(rows.drafts) + 1
             # a lane whose draw failed ends with its request (its rejected rows need no restore), but its rows still
@@ -266,13 +268,13 @@ class ModelRunner:
             if rows.draft_depth:
                 seg = segments[index]
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
-            results.append(LaneResult(tokens=tuple(kept), error=error))
+            results.append(LaneResult(tokens=tuple(kept), error=error, error_param=error_param))
         self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)
         trace.mark("verify")
         if mtp_rows:
             drafts = self._draft(plan.rows, mtp_rows)
             results = [
-                LaneResult(r.tokens, drafts.get(rows.slot, ()), r.error)
+                LaneResult(r.tokens, drafts.get(rows.slot, ()), r.error, r.error_param)
                 for r, rows in zip(results, plan.rows, strict=True)
             ]
             trace.mark("mtp")
@@ -339,11 +341,11 @@ class ModelRunner:
 
     def _draw(
         self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy
-    ) -> tuple[list[int], dict[int, str]]:
+    ) -> tuple[list[int], dict[int, tuple[str, str | None]]]:
         """The launched draws on the host (waiting only for their own copy, not for a round launched since), and why
-        each failed draw (-1) failed, as `sample_token` names it. A refused row stays refused even where the host
-        would draw it: a round planned ahead has already taken 0 for it on the device, and the two disagreeing is a
-        broken contract to report, not to paper over."""
+        each failed draw (-1) failed, as `sample_token` names it, with the request field at fault where one is. A
+        refused row stays refused even where the host would draw it: a round planned ahead has already taken 0 for it
+        on the device, and the two disagreeing is a broken contract to report, not to paper over."""
         tokens = drawn.tolist()
         if -1 not in tokens:
             return tokens, {}
@@ -353,7 +355,8 @@ class ModelRunner:
                 token, refusal = _draw_row(logits[i], spec, position)
                 refusals[i] = refusal or (
                     f"the device refused the draw at position {position}, which the host draws ({token}): the batched "
-                    "draw and sample_token disagree"
+                    "draw and sample_token disagree",
+                    None,
                 )
         return tokens, refusals
 
@@ -431,12 +434,13 @@ class ModelRunner:
         return {s: tuple(d) for s, d in drafts.items()}
 
 
-def _draw_row(logits: torch.Tensor, spec: DrawSpec, position: int) -> tuple[int, str | None]:
-    """`sample_token`'s draw of one row, or -1 and why where it refuses the row."""
+def _draw_row(logits: torch.Tensor, spec: DrawSpec, position: int) -> tuple[int, tuple[str, str | None] | None]:
+    """`sample_token`'s draw of one row, or -1 and why where it refuses the row (with the request field at fault,
+    where the request's own parameters are)."""
     try:
         return sample_token(logits, spec.temperature, spec.top_k, spec.top_p, spec.min_p, spec.seed, position), None
     except ValueError as exc:
-        return -1, f"the token draw failed: {exc}"
+        return -1, (f"the token draw failed: {exc}", exc.param if isinstance(exc, SamplingParamError) else None)
 
 
 def _replays(graphs: RoundGraphs | None) -> dict[str, int]:

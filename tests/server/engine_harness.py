@@ -15,17 +15,18 @@ from server.runner import LaneResult, ModelRunner
 
 @dataclass(slots=True)
 class Outcome:
-    """One request's tokens and how it ended (with the error, if that is how)."""
+    """One request's tokens and how it ended (with the error and the request field at fault, if that is how)."""
 
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     error: str | None = None
+    error_param: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def sink(self, update: Update) -> None:
         self.tokens.extend(update.token_ids)
         if update.finish_reason is not None:
-            self.finish, self.error = update.finish_reason, update.error
+            self.finish, self.error, self.error_param = update.finish_reason, update.error, update.error_param
             self.done.set()
 
 

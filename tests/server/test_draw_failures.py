@@ -43,6 +43,7 @@ def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool, depth: int = 
     assert [o.finish for o in outcomes] == ["length", "error"]
     assert outcomes[0].tokens == alone and outcomes[1].tokens == []
     assert "temperature 1e-40 overflows" in outcomes[1].error
+    assert outcomes[1].error_param == "temperature"  # the request's own field: a bad request, not a server error
     return runner
 
 
@@ -119,4 +120,5 @@ def test_a_row_the_device_refused_stays_refused_though_the_host_would_draw_it(mo
     drawn = SimpleNamespace(tolist=lambda: [-1, 4])  # the device refused row 0, which greedy draws as token 0
     tokens, refusals = runner._draw(rows, logits, drawn)
     assert tokens == [-1, 4]
-    assert set(refusals) == {0} and "the batched draw and sample_token disagree" in refusals[0]
+    assert set(refusals) == {0} and "the batched draw and sample_token disagree" in refusals[0][0]
+    assert refusals[0][1] is None  # the server's fault, not a parameter's
