@@ -56,9 +56,10 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Delivered:
-    """One round's updates: (request id, cached prompt tokens, token ids, finish reason, error) each."""
+    """One round's updates: (request id, cached prompt tokens, token ids, finish reason, error, the request field
+    that caused the error) each."""
 
-    updates: list[tuple[str, int, tuple[int, ...], str | None, str | None]]
+    updates: list[tuple[str, int, tuple[int, ...], str | None, str | None, str | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,8 @@ class EngineHost:
             self.sock.sendall(frame)
 
     def _deliver(self, batch: Outbox) -> None:
-        self._send(Delivered([(r.request_id, r.cached, u.token_ids, u.finish_reason, u.error) for r, u in batch]))
+        updates = [(r.request_id, r.cached, u.token_ids, u.finish_reason, u.error, u.error_param) for r, u in batch]
+        self._send(Delivered(updates))
 
     def _serve(self) -> None:
         """Run messages until the front end's end closes. One that fails is logged (a question that fails is answered
@@ -144,7 +146,7 @@ class EngineHost:
             try:
                 self.engine.submit(message)
             except ContextLengthError as exc:
-                self._send(Delivered([(message.request_id, 0, (), "error", str(exc))]))
+                self._send(Delivered([(message.request_id, 0, (), "error", str(exc), None)]))
             except EngineStopped as exc:
                 self._send(Refused(message.request_id, str(exc)))
         elif isinstance(message, Abort):
@@ -222,11 +224,11 @@ class EngineClient:
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Delivered):
-            for request_id, cached, token_ids, finish, error in message.updates:
+            for request_id, cached, token_ids, finish, error, error_param in message.updates:
                 request = self.requests.get(request_id) if finish is None else self.requests.pop(request_id, None)
                 if request is not None:  # an aborted request's last updates are dropped
                     request.cached = cached
-                    request.sink(Update(token_ids, finish, error))
+                    request.sink(Update(token_ids, finish, error, error_param=error_param))
         elif isinstance(message, Refused):
             request = self.requests.pop(message.request_id, None)
             if request is not None:

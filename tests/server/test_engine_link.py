@@ -23,6 +23,7 @@ from tests.tiny import checkpoint
 
 GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
 SAMPLED = DrawSpec(1.0, 0, 1.0, 0.0, 1234)
+OVERFLOWS = DrawSpec(1e-40, 0, 1.0, 0.0, 2)  # every logit over it is infinite: each draw fails
 PROMPTS = ([5, 9, 14, 3, 7, 8, 2, 11], [6, 6, 6, 6], [40, 41, 42])
 
 
@@ -150,6 +151,21 @@ def test_an_abort_frees_the_lane_and_nothing_more_reaches_the_request(model, rea
             assert len(seen.updates) == count and not seen.ended.done()
             ended = (finished(engine, "abort"), finished(engine, "stop"), finished(engine, "length"))
             assert ended == ((1, 0, 0) if reason == "abort" else (0, 1, 0))  # ended by the abort, for its reason
+
+    asyncio.run(main())
+
+
+def test_a_draw_its_parameters_make_fail_arrives_naming_the_field(model) -> None:
+    """The front end answers it 400 naming the field, as the in-process one does; the request beside it goes on."""
+
+    async def main() -> None:
+        async with linked(engine_for(model)) as (_, client):
+            seen = [Collected(), Collected()]
+            for i, draw in enumerate((GREEDY, OVERFLOWS)):
+                client.submit(Request(f"r{i}", PROMPTS[i], 6, draw, frozenset(), seen[i].sink))
+            ends = await asyncio.wait_for(asyncio.gather(*(s.ended for s in seen)), 120)
+            assert [(u.finish_reason, u.error_param) for u in ends] == [("length", None), ("error", "temperature")]
+            assert "temperature 1e-40 overflows" in ends[1].error and len(seen[0].tokens) == 6
 
     asyncio.run(main())
 
