@@ -90,6 +90,8 @@ class Generation:
             update = await self.queue.get()
             if update.error is not None:
                 self.done = True
+                if update.error_param is not None:  # the request's own field made it fail: a bad request
+                    raise ApiError(update.error, param=update.error_param)
                 raise ApiError(update.error, status=503 if update.refused else 500, type="server_error")
             piece = self._piece(update)
             if piece.finish_reason is not None:

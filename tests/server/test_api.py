@@ -299,6 +299,24 @@ def test_bad_requests_lose_nothing_in_flight(live):
         assert len(long.result()) == 64
 
 
+def test_a_temperature_that_overflows_the_logits_is_a_400_naming_it_and_loses_nothing_in_flight(live):
+    """1e-40 passes the schema, but every draw it makes fails on these logits: the client's parameter is at fault,
+    so a 400 (in the stream, an error event) names it as vLLM's would, and the request beside it goes on."""
+    overflows = {"model": live.model, "max_tokens": 4, "temperature": 1e-40}
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(seeded, live, 99, PROMPT, 48)
+        response = httpx.post(f"{live.v1}/completions", json={**overflows, "prompt": PROMPT})
+        assert response.status_code == 400
+        errors = [error_of(response)]
+        body = {**overflows, "messages": CHAT, "stream": True}
+        with httpx.stream("POST", f"{live.v1}/chat/completions", json=body, timeout=60) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        errors.append(events[-1]["error"])
+        assert len(long.result()) == 64
+    assert [(e["type"], e["param"]) for e in errors] == [("invalid_request_error", "temperature")] * 2
+    assert all("temperature 1e-40 overflows" in e["message"] for e in errors)
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_with_include_usage_every_chunk_but_the_last_has_null_usage(live, include_usage):
     """OpenAI's stream shape: with include_usage every chunk carries "usage" (null until the last, usage-only one);

@@ -76,13 +76,21 @@ BODIES = (
     {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0.7, "seed": 3},
     {"prompt": "some text", "max_tokens": 9, "temperature": 0, "stop": ["e"], "stream": True},
 )
+OVERFLOWS = (  # every draw fails on the request's own temperature: a 400, streamed an error event, naming it
+    {"prompt": [5, 9, 14, 3], "max_tokens": 4, "temperature": 1e-40},
+    {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 1e-40, "stream": True},
+)
+REFUSED = [("400", "invalid_request_error: temperature"), ("error event", "invalid_request_error: temperature")]
 
 
 def answer(url: str, body: dict) -> tuple[str, str]:
-    """(token_sha, text) of one request, streamed or not."""
+    """(token_sha, text) of one request, streamed or not; for an error, (its status or "error event", "type: param")."""
     path = "chat/completions" if "messages" in body else "completions"
     if not body.get("stream"):
-        reply = httpx.post(f"{url}/v1/{path}", json=body, timeout=120).json()
+        response = httpx.post(f"{url}/v1/{path}", json=body, timeout=120)
+        reply = response.json()
+        if "error" in reply:
+            return str(response.status_code), f"{reply['error']['type']}: {reply['error']['param']}"
         choice = reply["choices"][0]
         return reply["token_sha"], choice.get("text") or choice["message"]["content"]
     sha, text = "", ""
@@ -90,15 +98,17 @@ def answer(url: str, body: dict) -> tuple[str, str]:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 event = httpx.Response(200, content=line[6:]).json()
+                if "error" in event:
+                    return "error event", f"{event['error']['type']}: {event['error']['param']}"
                 sha = event.get("token_sha", sha)
                 text += "".join(c.get("text", "") for c in event["choices"])
     return sha, text
 
 
 def answers(url: str) -> list[tuple[str, str]]:
-    """Every body's answer, sent all at once."""
-    with concurrent.futures.ThreadPoolExecutor(len(BODIES)) as pool:
-        return list(pool.map(lambda body: answer(url, body), BODIES))
+    """Every body's answer, those that overflow too, sent all at once."""
+    with concurrent.futures.ThreadPoolExecutor(len(BODIES) + len(OVERFLOWS)) as pool:
+        return list(pool.map(lambda body: answer(url, body), BODIES + OVERFLOWS))
 
 
 def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_stops_both(ckpt) -> None:
@@ -113,7 +123,7 @@ def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_s
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
             assert wait_until(lambda: not any(running(f) for f in fronts), 10)  # noqa: B023
-    assert all(sha for sha, _ in got["process"])
+    assert all(sha for sha, _ in got["process"]) and got["process"][len(BODIES) :] == REFUSED
     assert got["process"] == got["thread"]
 
 

@@ -159,3 +159,10 @@ def test_an_error_is_503_if_the_engine_took_no_work_else_500(tok: Any, refused: 
     with pytest.raises(ApiError) as caught:
         run(tok, SamplingParams(), [update])
     assert caught.value.status == status
+
+
+def test_an_error_the_requests_own_field_caused_is_a_400_naming_it(tok: Any) -> None:
+    update = Update((), "error", "the token draw failed: temperature 1e-40 overflows", error_param="temperature")
+    with pytest.raises(ApiError) as caught:
+        run(tok, SamplingParams(temperature=1e-40), [update])
+    assert (caught.value.status, caught.value.type, caught.value.param) == (400, "invalid_request_error", "temperature")
