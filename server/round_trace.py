@@ -18,9 +18,10 @@ import torch
 
 
 def pinned_allocations() -> tuple[int, float]:
-    """Blocks the caching host (pinned) allocator has made so far, and the µs it spent making them (0 without CUDA)."""
-    stats = getattr(torch.cuda, "host_memory_stats", dict)()
-    return int(stats.get("num_host_alloc", 0)), float(stats.get("host_alloc_time.total", 0.0))
+    """Blocks the caching host (pinned) allocator has made so far, and the µs it spent making them (0 without CUDA);
+    read from the nested statistics: the flat form walks every statistic in Python, between two rounds."""
+    stats = getattr(torch.cuda, "host_memory_stats_as_nested_dict", dict)()
+    return int(stats.get("num_host_alloc", 0)), float(stats.get("host_alloc_time", {}).get("total", 0.0))
 
 
 class RoundTrace:
@@ -49,7 +50,7 @@ class RoundTrace:
         self.events: list[tuple[str, torch.cuda.Event]] = []
         self.unwritten: list[tuple[dict[str, Any], list[tuple[str, torch.cuda.Event]]]] = []  # lines, oldest first
         self.last = time.perf_counter()
-        self.pinned_before = (0, 0.0)  # pinned_allocations() when the round started
+        self.pinned_before = pinned_allocations() if path is not None else (0, 0.0)  # at the last line's writing
 
     @property
     def enabled(self) -> bool:
@@ -68,8 +69,6 @@ class RoundTrace:
             self.pyprofiler = cProfile.Profile()
             self.pyprofiler.enable()
         self.phases, self.fields, self.events, self.last = {}, {}, [], time.perf_counter()
-        if self.path is not None:
-            self.pinned_before = pinned_allocations()
 
     def mark(self, phase: str) -> None:
         """The phase named `phase` ends now (a phase marked twice adds up)."""
@@ -105,6 +104,7 @@ class RoundTrace:
         if self.path is None:
             return
         (blocks, spent), (blocks_before, spent_before) = pinned_allocations(), self.pinned_before
+        self.pinned_before = (blocks, spent)  # one read a round: what the next line counts from
         pinned = {
             "pinned_blocks_made": blocks - blocks_before,
             "pinned_alloc_ms": round((spent - spent_before) / 1e3, 4),

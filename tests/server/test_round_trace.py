@@ -165,13 +165,19 @@ def test_the_profile_covers_five_rounds_after_the_first_with_enough_lanes(tmp_pa
 def test_each_round_counts_the_pinned_blocks_made_during_it(tmp_path, monkeypatch):
     """The caching host allocator grows its pool when the blocks it holds still wait on their copies; a round's line
     says how many blocks it made and the time spent making them."""
-    made = iter([{}, {"num_host_alloc": 3, "host_alloc_time.total": 250.0}])
-    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: next(made))
+    made = iter([
+        {"num_host_alloc": 1, "host_alloc_time": {"total": 50.0}},
+        {"num_host_alloc": 4, "host_alloc_time": {"total": 300.0}},
+        {"num_host_alloc": 4, "host_alloc_time": {"total": 300.0}},
+    ])  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "host_memory_stats_as_nested_dict", lambda: next(made))
     trace = RoundTrace(tmp_path / "rank0.trace")
-    trace.start()
-    trace.write()
-    line = json.loads((tmp_path / "rank0.trace").read_text())
-    assert (line["pinned_blocks_made"], line["pinned_alloc_ms"]) == (3, 0.25)
+    for _ in range(2):
+        trace.start()
+        trace.write()
+    first, second = (json.loads(line) for line in (tmp_path / "rank0.trace").read_text().splitlines())
+    assert (first["pinned_blocks_made"], first["pinned_alloc_ms"]) == (3, 0.25)
+    assert (second["pinned_blocks_made"], second["pinned_alloc_ms"]) == (0, 0.0)
 
 
 def test_summary_adds_up_the_pinned_blocks_each_kind_made():
