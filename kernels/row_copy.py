@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -93,12 +94,18 @@ def _layout(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[in
 
 def _check_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
     """Refuse row pairs outside a stack, or a destination row named twice."""
-    if not pairs or not rows:
+    if pairs:
+        _check_row_range((min(s.shape[0] for s, _ in pairs), min(d.shape[0] for _, d in pairs)), rows)
+
+
+def _check_row_range(stack_rows: tuple[int, int], rows: Sequence[tuple[int, int]]) -> None:
+    """Refuse row pairs outside stacks of (source, destination) rows, or a destination row named twice."""
+    if not rows or not stack_rows[0]:
         return
     sources, targets = zip(*rows, strict=True)
-    if min(sources) < 0 or max(sources) >= min(src.shape[0] for src, _ in pairs):
+    if min(sources) < 0 or max(sources) >= stack_rows[0]:
         raise ValueError(f"copy_rows: a source row of {sorted(set(sources))} is outside a source stack")
-    if min(targets) < 0 or max(targets) >= min(dst.shape[0] for _, dst in pairs):
+    if min(targets) < 0 or max(targets) >= stack_rows[1]:
         raise ValueError(f"copy_rows: a destination row of {sorted(set(targets))} is outside a destination stack")
     if len(set(targets)) != len(targets):
         raise ValueError("copy_rows: a destination row appears twice")
@@ -119,26 +126,51 @@ def word_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return _word(_layout(pairs))
 
 
+class RowCopier:
+    """`copy_rows` for fixed tensor pairs: checked and tabled once (a model's restores copy the same hundred-odd
+    pairs every round), then each call copies its row pairs in one launch. It holds the tensors only weakly, and
+    `serves` says whether it was made for these very tensors."""
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layout = _layout(pairs)
+        self.refs = [(weakref.ref(src), weakref.ref(dst)) for src, dst in pairs]
+        self.stack_rows = (min(s.shape[0] for s, _ in pairs), min(d.shape[0] for _, d in pairs)) if pairs else (0, 0)
+        self.table: torch.Tensor | None = None
+        if not pairs:
+            return
+        self.width = _word(layout)
+        words = tuple(row // self.width for *_, row in layout)
+        self.device = pairs[0][0].device
+        self.chunk_of, firsts = _chunk_map(words, self.device)
+        entries = [
+            [src, dst, src_stride // self.width, dst_stride // self.width, n, first]
+            for (src, dst, src_stride, dst_stride, _), n, first in zip(layout, words, firsts, strict=True)
+        ]
+        self.table = to_device(self.device, entries, torch.int64)
+
+    def serves(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether these are the pairs it was made for, the same tensor objects in the same order, all alive."""
+        return len(pairs) == len(self.refs) and all(
+            src_ref() is src and dst_ref() is dst
+            for (src_ref, dst_ref), (src, dst) in zip(self.refs, pairs, strict=True)
+        )
+
+    def __call__(self, rows: Sequence[tuple[int, int]]) -> None:
+        """dst[d] = src[s] for every pair and every (source row, destination row), in one launch."""
+        _check_row_range(self.stack_rows, rows)
+        if self.table is None or not rows:
+            return
+        row_pairs = to_device(self.device, list(itertools.chain.from_iterable(rows)), torch.int64)
+        _copy_rows_kernel[(self.chunk_of.shape[0], len(rows))](
+            self.table, self.chunk_of, row_pairs, WORD=_WORD_TYPES[self.width], CHUNK=CHUNK,
+            **launch_options(_copy_rows_kernel, self.device),
+        )  # fmt: skip
+
+
 def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
     """For every (source, destination) tensor pair and every (source row, destination row): dst[d] = src[s], bit for
     bit, in one launch (nothing when either list is empty)."""
-    layout = _layout(pairs)
-    _check_rows(pairs, rows)
-    if not pairs or not rows:
-        return
-    width = _word(layout)
-    words = tuple(row // width for *_, row in layout)
-    device = pairs[0][0].device
-    chunk_of, firsts = _chunk_map(words, device)
-    entries = [
-        [src, dst, src_stride // width, dst_stride // width, n, first]
-        for (src, dst, src_stride, dst_stride, _), n, first in zip(layout, words, firsts, strict=True)
-    ]
-    table = to_device(device, entries, torch.int64)
-    row_pairs = to_device(device, list(itertools.chain.from_iterable(rows)), torch.int64)
-    _copy_rows_kernel[(chunk_of.shape[0], len(rows))](
-        table, chunk_of, row_pairs, WORD=_WORD_TYPES[width], CHUNK=CHUNK, **launch_options(_copy_rows_kernel, device)
-    )
+    RowCopier(pairs)(rows)
 
 
 @functools.cache

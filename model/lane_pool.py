@@ -14,10 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kernels.row_copy import copy_rows
+from kernels.row_copy import RowCopier
 from model.state import AttentionCache, KeptRow, LaneSnapshot, LaneState, restore, restore_positions
 
 MTP = -1  # the cache key of the MTP layer's QSA cache
+COPIERS = 16  # restore copiers kept (one a verify graph's kept stacks; eager rounds' stacks are new each round)
 
 
 class LanePool:
@@ -46,6 +47,7 @@ class LanePool:
         self.block_keys = {i: _rows_of(c.index_keys, slots, self.block_capacity) for i, c in caches.items()}
         self.free = list(range(slots - 1, -1, -1))
         self.lanes: weakref.WeakValueDictionary[int, LaneState] = weakref.WeakValueDictionary()
+        self.copiers: dict[tuple[int, int, int], RowCopier] = {}  # by kept stacks' ids: a graph's restores share one
 
     def _whole_blocks(self, context: int) -> int:
         """`context` rounded up to whole indexer blocks: a row's block never reaches past its slot."""
@@ -109,7 +111,8 @@ class LanePool:
         """`model.state.restore` of each (lane, snapshot): the lanes of this pool whose snapshots are rows of one
         forward's kept states (`KeptRow`s of one row) in one `copy_rows` launch for all their layers, any other
         lane as `restore` puts it back. The same bits either way: each state is copied as it is. A lane listed twice
-        is refused before anything is copied."""
+        is refused before anything is copied. The copier of a forward's stacks is kept for the next restore from them
+        (a graph's stacks are the same tensors every replay)."""
         if len({id(lane) for lane, _ in restores}) != len(restores):
             raise ValueError("LanePool.restore: a lane is listed twice")
         batches: dict[tuple[int, int, int], list[tuple[LaneState, LaneSnapshot]]] = {}
@@ -120,12 +123,17 @@ class LanePool:
                 batches.setdefault(tuple(id(r.stacks) for r in rows), []).append((lane, snap))
             else:
                 restore(lane, snap)
-        for batch in batches.values():
+        for key, batch in batches.items():
             first = batch[0][1]
             groups = ((self.gdn_conv, first.gdn_conv), (self.gdn_recurrent, first.gdn_recurrent),
                       (self.ple_conv, first.ple_conv))  # fmt: skip
             pairs = [(row.stacks[i], slots[i]) for slots, row in groups for i in row.stacks]
-            copy_rows(pairs, [(snap.gdn_conv.row, lane.slot) for lane, snap in batch])
+            copier = self.copiers.get(key)
+            if copier is None or not copier.serves(pairs):  # made for other (or freed) tensors: make one anew
+                if len(self.copiers) >= COPIERS:
+                    self.copiers.clear()
+                copier = self.copiers[key] = RowCopier(pairs)
+            copier([(snap.gdn_conv.row, lane.slot) for lane, snap in batch])
             for lane, snap in batch:
                 restore_positions(lane, snap)
 

@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from kernels.row_copy import CHUNK, copy_rows, copy_rows_reference, word_bytes
+from kernels.row_copy import CHUNK, RowCopier, copy_rows, copy_rows_reference, word_bytes
 from tests.kernels.launches import recording_launches
 
 
@@ -140,3 +140,24 @@ def test_the_word_follows_the_rows_addresses(offset, width) -> None:
     src.copy_(torch.arange(12, dtype=torch.bfloat16).view(3, 4))
     copy_rows([(src, dst)], [(1, 0)])
     assert torch.equal(dst[0], src[1]) and not dst[1:].any()
+
+
+def test_a_copier_made_once_copies_each_call_s_rows_and_serves_only_its_own_tensors() -> None:
+    gen = torch.Generator().manual_seed(3)
+    pairs = stacks(gen)
+    want = [(src, dst.clone()) for src, dst in pairs]
+    copier = RowCopier(pairs)
+    for rows in ([(4, 0)], [(0, 5), (2, 2)]):
+        copy_rows_reference(want, rows)
+        with recording_launches() as launched:
+            copier(rows)
+        assert launched == ["_copy_rows_kernel"]
+        for (_, got), (_, ref) in zip(pairs, want, strict=True):
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert copier.serves(pairs)
+    assert not copier.serves([(src.clone(), dst) for src, dst in pairs])  # equal values, another tensor
+    assert not copier.serves(pairs[:2])
+    with pytest.raises(ValueError, match="outside a destination stack"):
+        copier([(0, 8)])
+    del pairs, want
+    assert not copier.serves(stacks(torch.Generator().manual_seed(3)))  # its own tensors are gone

@@ -13,7 +13,9 @@ import pytest
 import torch
 from make_checkpoint import make_checkpoint
 
+from kernels.row_copy import RowCopier
 from model import kernel_path
+from model import lane_pool as lane_pool_module
 from model.flashnext import FlashNextModel, single_lane_batch
 from model.graphs import LISTED_LOGITS, PROMPT_KEEPS, RoundGraphs, buckets_for
 from model.kernel_blocks import SharedOutputs
@@ -184,6 +186,26 @@ def test_the_pool_restores_lanes_together_in_one_launch_with_each_lanes_restore_
     assert_same_lanes(lanes, ref_lanes)
     assert all(torch.equal(a.ngram_history, b.ngram_history) for a, b in zip(lanes, ref_lanes, strict=True))
     assert loose.length == snaps[2][1].length and torch.equal(loose.gdn_recurrent[0], snaps[2][1].gdn_recurrent[0])
+
+
+def test_restores_from_one_forwards_stacks_check_and_table_them_once(path, monkeypatch) -> None:
+    """A graph's kept stacks are the same tensors every replay: the pool keeps the copier it made for them, and makes
+    a new one for another forward's stacks or after it grew; every restore still has `restore`'s bits."""
+    made = []
+    monkeypatch.setattr(lane_pool_module, "RowCopier", lambda pairs: made.append(len(pairs)) or RowCopier(pairs))
+    ref_lanes, ref_snaps = verify_window(pooled(path, 16))
+    model = pooled(path, 16)
+    lanes, snaps = verify_window(model)
+    for row in (1, 0):
+        model.restore_lanes([(lanes[0], snaps[0][row])])
+        restore(ref_lanes[0], ref_snaps[0][row])
+        assert_same_lanes([lanes[0]], [ref_lanes[0]])
+    assert len(made) == 1
+    model.lane_pool._grow(8, model.lane_pool.context)
+    model.restore_lanes([(lanes[1], snaps[1][0])])
+    other_lanes, other_snaps = verify_window(model)
+    model.restore_lanes([(other_lanes[0], other_snaps[0][1])])
+    assert len(made) == 3
 
 
 def test_lanes_of_two_forwards_restored_after_the_pool_grew_take_a_launch_a_forward(path) -> None:
