@@ -50,7 +50,8 @@ class RoundTrace:
         self.events: list[tuple[str, torch.cuda.Event]] = []
         self.unwritten: list[tuple[dict[str, Any], list[tuple[str, torch.cuda.Event]]]] = []  # lines, oldest first
         self.last = time.perf_counter()
-        self.pinned_before = pinned_allocations() if path is not None else (0, 0.0)  # at the last line's writing
+        # at the last line's writing (or the first round's start: the server's start-up work is no round's own)
+        self.pinned_before: tuple[int, float] | None = None if path is not None else (0, 0.0)
 
     @property
     def enabled(self) -> bool:
@@ -68,6 +69,8 @@ class RoundTrace:
         elif self._py_due():
             self.pyprofiler = cProfile.Profile()
             self.pyprofiler.enable()
+        if self.pinned_before is None:
+            self.pinned_before = pinned_allocations()
         self.phases, self.fields, self.events, self.last = {}, {}, [], time.perf_counter()
 
     def mark(self, phase: str) -> None:

@@ -180,6 +180,20 @@ def test_each_round_counts_the_pinned_blocks_made_during_it(tmp_path, monkeypatc
     assert (second["pinned_blocks_made"], second["pinned_alloc_ms"]) == (0, 0.0)
 
 
+def test_pinned_blocks_made_before_the_first_round_are_not_its_own(tmp_path, monkeypatch):
+    """The runner's trace is made before the server's start-up work (the lane pool, the graphs' capture), which may
+    make pinned blocks: the first round's line counts only those made from its start on."""
+    made = {"num_host_alloc": 1, "host_alloc_time": {"total": 50.0}}
+    monkeypatch.setattr(torch.cuda, "host_memory_stats_as_nested_dict", lambda: made)
+    trace = RoundTrace(tmp_path / "rank0.trace")
+    made = {"num_host_alloc": 6, "host_alloc_time": {"total": 900.0}}  # start-up, after the trace was made
+    trace.start()
+    made = {"num_host_alloc": 8, "host_alloc_time": {"total": 1150.0}}  # the round's own
+    trace.write()
+    line = json.loads((tmp_path / "rank0.trace").read_text())
+    assert (line["pinned_blocks_made"], line["pinned_alloc_ms"]) == (2, 0.25)
+
+
 def test_summary_adds_up_the_pinned_blocks_each_kind_made():
     lines = [{"lanes": 1, "rows": 1, "phases": {"forward": 0.001}, "pinned_blocks_made": n} for n in (2, 0, 1)]
     lines.append({"lanes": 2, "rows": 2, "phases": {"forward": 0.001}})  # a line from before the count
