@@ -155,6 +155,10 @@ class RowCopier:
             for (src_ref, dst_ref), (src, dst) in zip(self.refs, pairs, strict=True)
         )
 
+    def stale(self) -> bool:
+        """Whether its first source is gone: it can serve no pairs again (an eager round's stacks, after the round)."""
+        return bool(self.refs) and self.refs[0][0]() is None
+
     def __call__(self, rows: Sequence[tuple[int, int]]) -> None:
         """dst[d] = src[s] for every pair and every (source row, destination row), in one launch."""
         _check_row_range(self.stack_rows, rows)

@@ -18,7 +18,7 @@ from kernels.row_copy import RowCopier
 from model.state import AttentionCache, KeptRow, LaneSnapshot, LaneState, restore, restore_positions
 
 MTP = -1  # the cache key of the MTP layer's QSA cache
-COPIERS = 16  # restore copiers kept (one a verify graph's kept stacks; eager rounds' stacks are new each round)
+COPIERS = 16  # restore copiers kept (one a graph's kept stacks; an eager round's stacks are new each round)
 
 
 class LanePool:
@@ -130,8 +130,10 @@ class LanePool:
             pairs = [(row.stacks[i], slots[i]) for slots, row in groups for i in row.stacks]
             copier = self.copiers.get(key)
             if copier is None or not copier.serves(pairs):  # made for other (or freed) tensors: make one anew
-                if len(self.copiers) >= COPIERS:
-                    self.copiers.clear()
+                if len(self.copiers) >= COPIERS:  # drop those of freed stacks first; all only if that made no room
+                    self.copiers = {k: c for k, c in self.copiers.items() if not c.stale()}
+                    if len(self.copiers) >= COPIERS:
+                        self.copiers.clear()
                 copier = self.copiers[key] = RowCopier(pairs)
             copier([(snap.gdn_conv.row, lane.slot) for lane, snap in batch])
             for lane, snap in batch:

@@ -208,6 +208,25 @@ def test_restores_from_one_forwards_stacks_check_and_table_them_once(path, monke
     assert len(made) == 3
 
 
+def test_a_full_copier_cache_drops_those_of_freed_stacks_first(path, monkeypatch) -> None:
+    """An eager round's stacks are freed after it; when the cache is full their copiers go, not a live graph's."""
+    made = []
+    monkeypatch.setattr(lane_pool_module, "RowCopier", lambda pairs: made.append(len(pairs)) or RowCopier(pairs))
+    monkeypatch.setattr(lane_pool_module, "COPIERS", 2)
+    model = pooled(path, 16)
+    model.lane_pool._grow(16, model.lane_pool.context)  # room for every window's lanes: no copier dies of a growth
+    kept_lanes, kept_snaps = verify_window(model)  # stacks that stay alive, as a captured graph's do
+    model.restore_lanes([(kept_lanes[0], kept_snaps[0][1])])
+    lanes, snaps = verify_window(model)
+    model.restore_lanes([(lanes[0], snaps[0][1])])
+    del lanes, snaps
+    gc.collect()
+    lanes, snaps = verify_window(model)
+    model.restore_lanes([(lanes[0], snaps[0][1])])  # the cache is full: the freed window's copier goes
+    model.restore_lanes([(kept_lanes[0], kept_snaps[0][0])])
+    assert len(made) == 3
+
+
 def test_lanes_of_two_forwards_restored_after_the_pool_grew_take_a_launch_a_forward(path) -> None:
     """Snapshots of two verify windows (two forwards' kept stacks) restored in one call after the pool grew: one
     launch for each forward's lanes, and the bits of `restore` one lane at a time; a pooled lane of another model's
