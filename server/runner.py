@@ -218,8 +218,8 @@ class ModelRunner:
         graphs = self.model.round_graphs
         before = _replays(graphs) if trace.enabled else {}
         trace.gpu_mark("start", device)
-        # decode and verify rounds: no list to copy or index by (the rows ascend, so as many as the tokens are all)
-        every_row = len(logit_rows) == len(tokens)
+        # decode and verify rounds: no list to copy or index by (a prompt round's few rows fail at the lengths)
+        every_row = len(logit_rows) == len(tokens) and logit_rows == list(range(len(tokens)))
         out = self.model(  # its inputs reach the device without waiting for the GPU
             batch_from_starts(token_ids, segments, [rows.start for rows in plan.rows]),
             logit_rows=None if every_row else to_device(device, logit_rows, torch.long),
