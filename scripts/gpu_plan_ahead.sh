@@ -33,19 +33,5 @@ for mode in ${MODES:-on off on off}; do
   grep -i "error\|Traceback" "$OUT/serve_$name.log" | head -5
 done
 # every stream's token_sha, level by level, must be the same in every mode
-python3 - "$OUT" <<'EOF'
-import json, pathlib, sys
-shas = {}
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*_*_o*_*.out")):
-    lines = path.read_text().strip().splitlines()
-    if not lines or not lines[-1].startswith("{"):
-        continue
-    level = path.stem.rsplit("_", 1)[1]
-    for run in json.loads(lines[-1])["runs"]:
-        key = (level, run["rep"])
-        got = [s["token_sha"] for s in run["streams"]]
-        shas.setdefault(key, {})[path.stem] = got
-same = all(len({tuple(v) for v in by_run.values()}) == 1 for by_run in shas.values())
-print(f"token_sha across modes: {len(shas)} (level, rep) cells, {'all equal' if same else 'DIFFERENT'}")
-EOF
+python3 scripts/same_tokens.py "$OUT"
 echo "done $(since)"
