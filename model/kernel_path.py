@@ -188,16 +188,17 @@ def row_slots(batch: ForwardBatch) -> torch.Tensor:
 
 
 def ngram_windows(batch: ForwardBatch, n: int) -> torch.Tensor:
-    """Each row's last n tokens [N, n], oldest first: its lane's n-gram history, then the segment's rows (one gather,
-    its indices made on the host)."""
+    """Each row's last n tokens [N, n], oldest first: its lane's n-gram history, then the segment's rows (rows of
+    the n-wide windows over the lanes' tokens laid end to end; one lane's are all of them)."""
     parts = [t for seg in batch.segments for t in (seg.lane.ngram_history.long(), batch.token_ids[seg.rows].long())]
-    flat = torch.cat(parts)
+    windows = torch.cat(parts).unfold(0, n, 1)
+    if len(batch.segments) == 1:
+        return windows.contiguous()
     # segment i's history sits before its rows, after i earlier histories: row r's window starts at r + i (n - 1)
     firsts = [
         row + i * (n - 1) for i, seg in enumerate(batch.segments) for row in range(seg.start, seg.start + seg.length)
     ]
-    index = to_device(flat.device, [first + k for first in firsts for k in range(n)], torch.long)
-    return flat.index_select(0, index).view(len(firsts), n)
+    return windows.index_select(0, to_device(windows.device, firsts, torch.long))
 
 
 def snapshots(

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "same_tokens.py"
-spec = importlib.util.spec_from_file_location("same_tokens", SCRIPT)
-assert spec is not None and spec.loader is not None
-same_tokens = importlib.util.module_from_spec(spec)
-sys.modules["same_tokens"] = same_tokens
-spec.loader.exec_module(same_tokens)
+import same_tokens  # scripts/ is on the path (tests/conftest.py)
 
 
 def write_out(path: Path, shas_by_rep: list[list[str]]) -> None:
