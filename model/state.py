@@ -51,18 +51,6 @@ class AttentionCache:
         self.index_keys[start:end] = index_keys
         self.length = end
 
-    def write_blocks(self, start: int, keys: torch.Tensor) -> None:
-        """Write block keys [B, dim] for blocks start.. (dropping any past them)."""
-        end = start + keys.shape[0]
-        if start > self.blocks:
-            raise ValueError(f"block key write at {start} leaves a gap after {self.blocks}")
-        if self.block_keys is None:
-            self.block_keys = keys.new_zeros(max(end, 16), keys.shape[1])
-        elif end > self.block_keys.shape[0]:
-            self.block_keys = _grow(self.block_keys, max(end, 2 * self.block_keys.shape[0]))
-        self.block_keys[start:end] = keys
-        self.blocks = end
-
 
 def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
     out = torch.zeros((cap, *t.shape[1:]), dtype=t.dtype, device=t.device)
