@@ -448,6 +448,17 @@ def wait_for_running(live: Live, done, timeout_s: float = 10.0) -> int:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize(
+    "body", ['{"prompt": "a\\ud800b"}', '{"messages": [{"role": "user", "content": "a\\ud800b"}]}']
+)
+def test_tokenize_refuses_a_lone_surrogate_as_the_completion_routes_do(live, body):
+    """JSON's \\ud800 escape alone is no Unicode text: /tokenize answers a 400 (the tokenizer raised a 500)."""
+    response = httpx.post(f"{live.url}/tokenize", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in error_of(response)["message"]
+    completion = httpx.post(f"{live.v1}/completions", content=body, headers={"content-type": "application/json"})
+    assert completion.status_code == 400
+
+
 def test_api_key_is_required_when_set(ckpt):
     with serve(ckpt, "--api-key", "sesame") as keyed:
         with pytest.raises(openai.AuthenticationError):
