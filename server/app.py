@@ -139,9 +139,8 @@ def build_app(state: ServerState) -> FastAPI:
                 ends.append(len(ids))
         return tuple(ends)
 
-    def start(
-        prompt_ids: list[int], body, param: str, thinking_open: bool | None, keep_at: tuple[int, ...] = ()
-    ) -> Generation:
+    def check_prompt(prompt_ids: list[int], param: str) -> None:
+        """Refuse an empty prompt, an id outside the vocabulary, or a prompt that leaves no room in the context."""
         if not prompt_ids:
             raise ApiError(f"{param}: the prompt is empty", param=param)
         bad = [t for t in prompt_ids if t >= state.vocab_size]
@@ -149,16 +148,19 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(
                 f"{param}: token id {bad[0]} is outside the vocabulary (size {state.vocab_size})", param=param
             )
-        params = body.sampling_params()
-        if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
-            raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
-        room = state.context - len(prompt_ids)
-        if room < 1:
+        if len(prompt_ids) >= state.context:
             raise ApiError(
                 f"{param}: the prompt has {len(prompt_ids)} tokens; this model's context is {state.context}",
                 param=param,
                 code="context_length_exceeded",
             )
+
+    def start(prompt_ids: list[int], body, thinking_open: bool | None, keep_at: tuple[int, ...] = ()) -> Generation:
+        """Submit a checked prompt with the body's sampling parameters."""
+        params = body.sampling_params()
+        if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
+            raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
+        room = state.context - len(prompt_ids)
         generation = Generation(
             state.engine,
             state.tokenizer,
@@ -185,8 +187,9 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         text = render_chat(body)
         prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
+        check_prompt(prompt_ids, "messages")  # first: message_ends renders every prefix of the messages
         keep_at = message_ends(body, prompt_ids) if state.engine.cache_enabled else ()
-        generation = start(prompt_ids, body, "messages", prompt_opens_thinking(text), keep_at)
+        generation = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(chat_chunks(generation, body.return_token_ids, include_usage))
@@ -208,7 +211,8 @@ def build_app(state: ServerState) -> FastAPI:
             prompt_ids = need_tokenizer("prompt")(body.prompt, add_special_tokens=False)["input_ids"]
         else:
             prompt_ids = list(body.prompt)
-        generation = start(prompt_ids, body, "prompt", None)
+        check_prompt(prompt_ids, "prompt")
+        generation = start(prompt_ids, body, None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(completion_chunks(generation, body.return_token_ids, include_usage))

@@ -278,6 +278,37 @@ def test_a_template_refusal_names_what_caused_it(extra, param):
     assert response.status_code == 400 and error_of(response)["param"] == param
 
 
+def test_a_chat_beyond_the_context_is_refused_before_each_message_end_is_rendered():
+    """Finding where each message ends renders every prefix of the messages, work that grows with their square (a
+    hundred thousand messages held the event loop for hours): a prompt beyond the context is refused first."""
+    from fastapi.testclient import TestClient
+
+    from server.app import ServerState, build_app
+    from tests.server.test_generation import RecordingEngine
+
+    class Counting:
+        """A tokenizer whose template gives each message one token and counts its renders."""
+
+        def __init__(self) -> None:
+            self.renders = 0
+
+        def apply_chat_template(self, messages, **kwargs) -> str:
+            self.renders += 1
+            return "x" * len(messages)
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [5] * len(text)}
+
+    class Caching(RecordingEngine):
+        cache_enabled = True
+
+    tokenizer = Counting()
+    http = TestClient(build_app(ServerState(Caching(), tokenizer, "m", 256, 512, (0,))))
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}] * 300})
+    assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
+    assert tokenizer.renders == 1
+
+
 def test_context_overflow_is_refused_with_its_code(live):
     response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 100_000})
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
