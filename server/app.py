@@ -181,14 +181,19 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return generation
 
+    def chat_prompt(body: ChatCompletionRequest) -> tuple[str, list[int], tuple[int, ...]]:
+        """The rendered chat, its checked token ids and where each message ends (prompt cache boundaries)."""
+        text = render_chat(body)
+        prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
+        check_prompt(prompt_ids, "messages")  # first: message_ends renders every prefix of the messages
+        return text, prompt_ids, message_ends(body, prompt_ids) if state.engine.cache_enabled else ()
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = parse_request(ChatCompletionRequest, await request.body())
         check_model(body.model)
-        text = render_chat(body)
-        prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
-        check_prompt(prompt_ids, "messages")  # first: message_ends renders every prefix of the messages
-        keep_at = message_ends(body, prompt_ids) if state.engine.cache_enabled else ()
+        # rendering and tokenizing run on a worker thread: a long chat would hold the event loop and every stream on it
+        text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
         generation = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -207,8 +212,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         body = parse_request(CompletionRequest, await request.body())
         check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = need_tokenizer("prompt")(body.prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(body.prompt, str):  # tokenized on a worker thread, as a chat is rendered
+            tokenizer = need_tokenizer("prompt")
+            prompt_ids = (await asyncio.to_thread(tokenizer, body.prompt, add_special_tokens=False))["input_ids"]
         else:
             prompt_ids = list(body.prompt)
         check_prompt(prompt_ids, "prompt")
@@ -352,6 +358,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         body = await json_body(request)
         check_model(body.get("model"))
+        ids = await asyncio.to_thread(tokenize_body, body)  # on a worker thread, as the completion routes tokenize
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+
+    def tokenize_body(body: dict[str, Any]) -> list[int]:
+        """The token ids of a /tokenize body's chat or prompt."""
         tokenizer = need_tokenizer("prompt")
         if "messages" in body:
             rendering = {key: body[key] for key in CHAT_RENDERING_FIELDS if key in body}
@@ -364,7 +375,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids = tokenizer(body["prompt"], add_special_tokens=special)["input_ids"]
         else:
             raise ApiError("prompt: expected a string (or send messages)", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+        return ids
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

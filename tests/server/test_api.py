@@ -309,6 +309,69 @@ def test_a_chat_beyond_the_context_is_refused_before_each_message_end_is_rendere
     assert tokenizer.renders == 1
 
 
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", {"messages": CHAT}),
+        ("/v1/completions", {"prompt": "def add(a, b):"}),
+        ("/tokenize", {"prompt": "def add(a, b):"}),
+    ],
+)
+def test_prompts_are_tokenized_while_the_event_loop_answers_others(ckpt, route, body):
+    """Rendering and tokenizing a prompt take time that grows with it (a chat's with the square of its messages, for
+    the prompt cache's boundaries): they run on a worker thread, so the loop that streams every other response
+    answers /health meanwhile."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from server.app import ServerState, build_app
+    from server.engine import Update
+    from tests.server.test_generation import RecordingEngine
+
+    class Held:
+        """The checkpoint's tokenizer, whose first encoding waits (5 s at most) until /health has been answered."""
+
+        def __init__(self, tokenizer) -> None:
+            self.tokenizer, self.encoding, self.answered = tokenizer, threading.Event(), threading.Event()
+            self.waited: bool | None = None
+
+        def __getattr__(self, name: str):
+            return getattr(self.tokenizer, name)
+
+        def __call__(self, text: str, **kwargs) -> dict:
+            if self.waited is None:
+                self.encoding.set()
+                self.waited = self.answered.wait(5)
+            return self.tokenizer(text, **kwargs)
+
+    tokenizer = Held(AutoTokenizer.from_pretrained(ckpt))
+
+    class Answering(RecordingEngine):
+        """An engine that finishes each request at once and answers /health."""
+
+        async def attach(self, loop) -> None:
+            pass
+
+        def detach(self) -> None:
+            pass
+
+        def submit(self, request) -> None:
+            super().submit(request)
+            request.sink(Update((), "length"))
+
+        async def stats(self) -> dict:
+            tokenizer.answered.set()
+            return {}
+
+    app = build_app(ServerState(Answering(), tokenizer, "m", 256, len(tokenizer.tokenizer), (0,)))
+    with TestClient(app) as http, ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(http.post, route, json={**body, "max_tokens": 1})
+        assert tokenizer.encoding.wait(30)
+        assert http.get("/health").status_code == 200
+        assert asked.result().status_code == 200
+    assert tokenizer.waited is True
+
+
 def test_context_overflow_is_refused_with_its_code(live):
     response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 100_000})
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
