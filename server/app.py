@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import from_json
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.engine import ContextLengthError, EngineStopped, check_context
@@ -87,6 +88,11 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_: Request, __: ClientDisconnect) -> Response:
+        """A client that leaves while sending its body: nothing started, and no one to answer (nor a traceback)."""
+        return Response(status_code=499)
 
     if state.api_key:
         app.add_middleware(RequireApiKey, key=state.api_key)

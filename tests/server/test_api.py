@@ -532,6 +532,31 @@ def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, ke
         assert 'flashnext:request_success_total{finished_reason="abort"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_a_client_that_leaves_while_sending_its_body_ends_its_request_quietly(path):
+    """A body cut off by the client's leaving is answered 499 (to no one), not raised from the app: uvicorn logged
+    each one as an exception in the ASGI application, with its traceback."""
+    import asyncio
+
+    from server.app import ServerState, build_app
+    from tests.server.test_generation import RecordingEngine
+
+    app = build_app(ServerState(RecordingEngine(), None, "m", 256, 512, (0,)))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}  # fmt: skip
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+
+
 def wait_for_running(live: Live, done, timeout_s: float = 10.0) -> int:
     """Poll /health until its requests_running satisfies `done` or the time is up; the last count seen."""
     deadline = time.monotonic() + timeout_s
