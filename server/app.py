@@ -97,7 +97,10 @@ def build_app(state: ServerState) -> FastAPI:
     if state.api_key:
         app.add_middleware(RequireApiKey, key=state.api_key)
 
-    def check_model(name: str | None) -> None:
+    def check_model(name: Any) -> None:
+        """Refuse a model name that is no string (400) or names another model (404); null or none means this one."""
+        if name is not None and not isinstance(name, str):
+            raise ApiError(f"model: expected a string, got {json.dumps(name)[:60]}", param="model")
         if name is not None and name != state.model_name:
             raise ApiError(
                 f"model: {name!r} is not served here; this server serves {state.model_name!r}",
@@ -386,6 +389,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await json_body(request)
+        check_model(body.get("model"))
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.vocab_size for t in ids

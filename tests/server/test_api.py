@@ -578,6 +578,18 @@ def test_tokenize_refuses_a_lone_surrogate_as_the_completion_routes_do(live, bod
     assert completion.status_code == 400
 
 
+@pytest.mark.parametrize("route", ["/tokenize", "/detokenize"])
+def test_tokenize_and_detokenize_check_the_model_as_the_completion_routes_do(live, route):
+    """Another model's name is a 404 on either route (/detokenize ignored it), and a name that is no string a 400
+    saying so (/tokenize answered it 404, as if it named another model)."""
+    body = {"prompt": "x"} if route == "/tokenize" else {"tokens": [5]}
+    other = httpx.post(f"{live.url}{route}", json={**body, "model": "another-model"})
+    assert other.status_code == 404 and error_of(other)["param"] == "model"
+    number = httpx.post(f"{live.url}{route}", json={**body, "model": 5})
+    assert number.status_code == 400 and error_of(number)["param"] == "model"
+    assert httpx.post(f"{live.url}{route}", json={**body, "model": live.model}).status_code == 200
+
+
 def test_api_key_is_required_when_set(ckpt):
     with serve(ckpt, "--api-key", "sesame") as keyed:
         with pytest.raises(openai.AuthenticationError):
