@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic_core import from_json
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.engine import ContextLengthError, EngineStopped, check_context
@@ -87,10 +89,18 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_: Request, __: ClientDisconnect) -> Response:
+        """A client that leaves while sending its body: nothing started, and no one to answer (nor a traceback)."""
+        return Response(status_code=499)
+
     if state.api_key:
         app.add_middleware(RequireApiKey, key=state.api_key)
 
-    def check_model(name: str | None) -> None:
+    def check_model(name: Any) -> None:
+        """Refuse a model name that is no string (400) or names another model (404); null or none means this one."""
+        if name is not None and not isinstance(name, str):
+            raise ApiError(f"model: expected a string, got {json.dumps(name)[:60]}", param="model")
         if name is not None and name != state.model_name:
             raise ApiError(
                 f"model: {name!r} is not served here; this server serves {state.model_name!r}",
@@ -138,9 +148,8 @@ def build_app(state: ServerState) -> FastAPI:
                 ends.append(len(ids))
         return tuple(ends)
 
-    def start(
-        prompt_ids: list[int], body, param: str, thinking_open: bool | None, keep_at: tuple[int, ...] = ()
-    ) -> Generation:
+    def check_prompt(prompt_ids: list[int], param: str) -> None:
+        """Refuse an empty prompt, an id outside the vocabulary, or a prompt that leaves no room in the context."""
         if not prompt_ids:
             raise ApiError(f"{param}: the prompt is empty", param=param)
         bad = [t for t in prompt_ids if t >= state.vocab_size]
@@ -148,16 +157,19 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(
                 f"{param}: token id {bad[0]} is outside the vocabulary (size {state.vocab_size})", param=param
             )
-        params = body.sampling_params()
-        if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
-            raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
-        room = state.context - len(prompt_ids)
-        if room < 1:
+        if len(prompt_ids) >= state.context:
             raise ApiError(
                 f"{param}: the prompt has {len(prompt_ids)} tokens; this model's context is {state.context}",
                 param=param,
                 code="context_length_exceeded",
             )
+
+    def start(prompt_ids: list[int], body, thinking_open: bool | None, keep_at: tuple[int, ...] = ()) -> Generation:
+        """Submit a checked prompt with the body's sampling parameters."""
+        params = body.sampling_params()
+        if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
+            raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
+        room = state.context - len(prompt_ids)
         generation = Generation(
             state.engine,
             state.tokenizer,
@@ -178,14 +190,20 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return generation
 
+    def chat_prompt(body: ChatCompletionRequest) -> tuple[str, list[int], tuple[int, ...]]:
+        """The rendered chat, its checked token ids and where each message ends (prompt cache boundaries)."""
+        text = render_chat(body)
+        prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
+        check_prompt(prompt_ids, "messages")  # first: message_ends renders every prefix of the messages
+        return text, prompt_ids, message_ends(body, prompt_ids) if state.engine.cache_enabled else ()
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = parse_request(ChatCompletionRequest, await request.body())
         check_model(body.model)
-        text = render_chat(body)
-        prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
-        keep_at = message_ends(body, prompt_ids) if state.engine.cache_enabled else ()
-        generation = start(prompt_ids, body, "messages", prompt_opens_thinking(text), keep_at)
+        # rendering and tokenizing run on a worker thread: a long chat would hold the event loop and every stream on it
+        text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
+        generation = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(chat_chunks(generation, body.return_token_ids, include_usage))
@@ -203,11 +221,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         body = parse_request(CompletionRequest, await request.body())
         check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = need_tokenizer("prompt")(body.prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(body.prompt, str):  # tokenized on a worker thread, as a chat is rendered
+            tokenizer = need_tokenizer("prompt")
+            prompt_ids = (await asyncio.to_thread(tokenizer, body.prompt, add_special_tokens=False))["input_ids"]
         else:
             prompt_ids = list(body.prompt)
-        generation = start(prompt_ids, body, "prompt", None)
+        check_prompt(prompt_ids, "prompt")
+        generation = start(prompt_ids, body, None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(completion_chunks(generation, body.return_token_ids, include_usage))
@@ -347,6 +367,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         body = await json_body(request)
         check_model(body.get("model"))
+        ids = await asyncio.to_thread(tokenize_body, body)  # on a worker thread, as the completion routes tokenize
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+
+    def tokenize_body(body: dict[str, Any]) -> list[int]:
+        """The token ids of a /tokenize body's chat or prompt."""
         tokenizer = need_tokenizer("prompt")
         if "messages" in body:
             rendering = {key: body[key] for key in CHAT_RENDERING_FIELDS if key in body}
@@ -359,11 +384,12 @@ def build_app(state: ServerState) -> FastAPI:
             ids = tokenizer(body["prompt"], add_special_tokens=special)["input_ids"]
         else:
             raise ApiError("prompt: expected a string (or send messages)", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+        return ids
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await json_body(request)
+        check_model(body.get("model"))
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.vocab_size for t in ids
@@ -375,9 +401,11 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, read by the completion routes' parser: no NaN, and no lone surrogate escape, which
+    Python's json module takes as text that no tokenizer can encode."""
     try:
-        body = json.loads(await request.body())
-    except json.JSONDecodeError as exc:
+        body = from_json(await request.body(), allow_inf_nan=False)
+    except ValueError as exc:
         raise ApiError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object")

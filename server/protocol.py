@@ -37,6 +37,8 @@ _HARMLESS: dict[str, Any] = {
     "echo": False,
     "add_generation_prompt": True,
     "continue_final_message": False,
+    # chat only: an assistant turn's calls of tools (which `tools` would have offered)
+    "tool_calls": [],
     # chat only: OpenAI's tools before `tools`, and vLLM's switch for the reasoning text
     "functions": [],
     "function_call": "none",
@@ -158,6 +160,9 @@ class ChatMessage(_StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
     name: str | None = None
+    tool_calls: Any = None
+
+    _check_unhonoured = field_validator("tool_calls")(_refuse_unless_harmless)
 
     def for_template(self) -> dict[str, str]:
         """The message as the chat template takes it: role, content, and the name if one was given."""

@@ -278,6 +278,100 @@ def test_a_template_refusal_names_what_caused_it(extra, param):
     assert response.status_code == 400 and error_of(response)["param"] == param
 
 
+def test_a_chat_beyond_the_context_is_refused_before_each_message_end_is_rendered():
+    """Finding where each message ends renders every prefix of the messages, work that grows with their square (a
+    hundred thousand messages held the event loop for hours): a prompt beyond the context is refused first."""
+    from fastapi.testclient import TestClient
+
+    from server.app import ServerState, build_app
+    from tests.server.test_generation import RecordingEngine
+
+    class Counting:
+        """A tokenizer whose template gives each message one token and counts its renders."""
+
+        def __init__(self) -> None:
+            self.renders = 0
+
+        def apply_chat_template(self, messages, **kwargs) -> str:
+            self.renders += 1
+            return "x" * len(messages)
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [5] * len(text)}
+
+    class Caching(RecordingEngine):
+        cache_enabled = True
+
+    tokenizer = Counting()
+    http = TestClient(build_app(ServerState(Caching(), tokenizer, "m", 256, 512, (0,))))
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}] * 300})
+    assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
+    assert tokenizer.renders == 1
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", {"messages": CHAT}),
+        ("/v1/completions", {"prompt": "def add(a, b):"}),
+        ("/tokenize", {"prompt": "def add(a, b):"}),
+    ],
+)
+def test_prompts_are_tokenized_while_the_event_loop_answers_others(ckpt, route, body):
+    """Rendering and tokenizing a prompt take time that grows with it (a chat's with the square of its messages, for
+    the prompt cache's boundaries): they run on a worker thread, so the loop that streams every other response
+    answers /health meanwhile."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from server.app import ServerState, build_app
+    from server.engine import Update
+    from tests.server.test_generation import RecordingEngine
+
+    class Held:
+        """The checkpoint's tokenizer, whose first encoding waits (5 s at most) until /health has been answered."""
+
+        def __init__(self, tokenizer) -> None:
+            self.tokenizer, self.encoding, self.answered = tokenizer, threading.Event(), threading.Event()
+            self.waited: bool | None = None
+
+        def __getattr__(self, name: str):
+            return getattr(self.tokenizer, name)
+
+        def __call__(self, text: str, **kwargs) -> dict:
+            if self.waited is None:
+                self.encoding.set()
+                self.waited = self.answered.wait(5)
+            return self.tokenizer(text, **kwargs)
+
+    tokenizer = Held(AutoTokenizer.from_pretrained(ckpt))
+
+    class Answering(RecordingEngine):
+        """An engine that finishes each request at once and answers /health."""
+
+        async def attach(self, loop) -> None:
+            pass
+
+        def detach(self) -> None:
+            pass
+
+        def submit(self, request) -> None:
+            super().submit(request)
+            request.sink(Update((), "length"))
+
+        async def stats(self) -> dict:
+            tokenizer.answered.set()
+            return {}
+
+    app = build_app(ServerState(Answering(), tokenizer, "m", 256, len(tokenizer.tokenizer), (0,)))
+    with TestClient(app) as http, ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(http.post, route, json={**body, "max_tokens": 1})
+        assert tokenizer.encoding.wait(30)
+        assert http.get("/health").status_code == 200
+        assert asked.result().status_code == 200
+    assert tokenizer.waited is True
+
+
 def test_context_overflow_is_refused_with_its_code(live):
     response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 100_000})
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
@@ -438,6 +532,31 @@ def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, ke
         assert 'flashnext:request_success_total{finished_reason="abort"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_a_client_that_leaves_while_sending_its_body_ends_its_request_quietly(path):
+    """A body cut off by the client's leaving is answered 499 (to no one), not raised from the app: uvicorn logged
+    each one as an exception in the ASGI application, with its traceback."""
+    import asyncio
+
+    from server.app import ServerState, build_app
+    from tests.server.test_generation import RecordingEngine
+
+    app = build_app(ServerState(RecordingEngine(), None, "m", 256, 512, (0,)))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}  # fmt: skip
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+
+
 def wait_for_running(live: Live, done, timeout_s: float = 10.0) -> int:
     """Poll /health until its requests_running satisfies `done` or the time is up; the last count seen."""
     deadline = time.monotonic() + timeout_s
@@ -446,6 +565,29 @@ def wait_for_running(live: Live, done, timeout_s: float = 10.0) -> int:
         if done(running) or time.monotonic() > deadline:
             return running
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "body", ['{"prompt": "a\\ud800b"}', '{"messages": [{"role": "user", "content": "a\\ud800b"}]}']
+)
+def test_tokenize_refuses_a_lone_surrogate_as_the_completion_routes_do(live, body):
+    """JSON's \\ud800 escape alone is no Unicode text: /tokenize answers a 400 (the tokenizer raised a 500)."""
+    response = httpx.post(f"{live.url}/tokenize", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in error_of(response)["message"]
+    completion = httpx.post(f"{live.v1}/completions", content=body, headers={"content-type": "application/json"})
+    assert completion.status_code == 400
+
+
+@pytest.mark.parametrize("route", ["/tokenize", "/detokenize"])
+def test_tokenize_and_detokenize_check_the_model_as_the_completion_routes_do(live, route):
+    """Another model's name is a 404 on either route (/detokenize ignored it), and a name that is no string a 400
+    saying so (/tokenize answered it 404, as if it named another model)."""
+    body = {"prompt": "x"} if route == "/tokenize" else {"tokens": [5]}
+    other = httpx.post(f"{live.url}{route}", json={**body, "model": "another-model"})
+    assert other.status_code == 404 and error_of(other)["param"] == "model"
+    number = httpx.post(f"{live.url}{route}", json={**body, "model": 5})
+    assert number.status_code == 400 and error_of(number)["param"] == "model"
+    assert httpx.post(f"{live.url}{route}", json={**body, "model": live.model}).status_code == 200
 
 
 def test_api_key_is_required_when_set(ckpt):

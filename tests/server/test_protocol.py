@@ -17,6 +17,7 @@ from server.protocol import (
 )
 
 USER = [{"role": "user", "content": "hi"}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def chat_error(**fields: Any) -> dict[str, Any]:
@@ -142,12 +143,21 @@ def test_missing_messages() -> None:
         ({"function_call": "auto"}, "function_call"),
         ({"include_reasoning": False}, "include_reasoning"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+        ({"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [CALL]}]}, "messages.1.tool_calls"),
     ],
 )
 def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) -> None:
     error = chat_error(**fields)
     assert_names(error, param, "not supported yet")
     assert error["code"] == "unsupported_parameter"
+
+
+def test_a_message_without_tool_calls_may_say_so() -> None:
+    """An assistant turn's tool calls would be dropped before rendering, so they are refused; none (null or an empty
+    list, as clients send them) changes nothing."""
+    for calls in (None, []):
+        body = {"messages": [*USER, {"role": "assistant", "content": "ok", "tool_calls": calls}]}
+        assert parse_request(ChatCompletionRequest, body).messages[1].content == "ok"
 
 
 @pytest.mark.parametrize(
