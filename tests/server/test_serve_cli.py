@@ -440,6 +440,18 @@ def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
         stop([proc])
 
 
+@pytest.mark.parametrize(("name", "field"), [("FLASHNEXT_ROUND_TRACE", "round_trace"),
+                                             ("FLASHNEXT_ROUND_DIGESTS", "round_digests")])  # fmt: skip
+def test_a_trace_or_digest_folder_that_cannot_take_the_rank_files_is_refused_by_name(tmp_path, name, field):
+    """Each rank opens its file there at its first round, not at start: a missing folder passed, then ended the
+    engine's thread at the first round (the request hung) or failed every request with a 500."""
+    assert getattr(read_environment({name: str(tmp_path)}), field) == str(tmp_path)
+    (tmp_path / "a_file").touch()
+    for value in (str(tmp_path / "missing"), str(tmp_path / "a_file"), ""):
+        with pytest.raises(ValueError, match=f"{name}: malformed value {value!r} .*folder"):
+            read_environment({name: value})
+
+
 def test_an_empty_api_key_in_the_environment_is_refused_by_name():
     """FLASHNEXT_API_KEY="" would silently serve without authentication."""
     assert read_environment({"FLASHNEXT_API_KEY": "sesame"}).api_key == "sesame"
