@@ -261,7 +261,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def start_refusal(args: argparse.Namespace) -> str | None:
     """Why these flags cannot start, naming the flag, found before any model loads or device work (None: they can);
-    a --kernels setting the model cannot run on raises ValueError naming the setting."""
+    a --kernels setting the model cannot run on raises ValueError naming the setting, and a tokenizer or
+    generation_config.json that does not load a CheckpointError naming the file."""
     import torch
 
     from model.config import load_config
@@ -302,6 +303,9 @@ def start_refusal(args: argparse.Namespace) -> str | None:
                 ShardPlan(cfg, TensorParallel(rank, world)).check_expert_blocks(NVFP4_GROUP)
             except ValueError as exc:
                 return f"--tp {world}: {exc}" if world > 1 else str(exc)
+    from server.tokenizer import eos_token_ids, load_tokenizer
+
+    eos_token_ids(args.model, load_tokenizer(args.model), cfg.eos_token_id)  # read again once the weights are in
     if args.command != "serve":
         return None
     if args.context is not None and args.context > cfg.max_position_embeddings:

@@ -6,26 +6,46 @@ import json
 import logging
 from pathlib import Path
 
+from model.weights import CheckpointError
+
 log = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work)."""
+    """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work); one that does not load
+    is refused as a CheckpointError."""
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         log.warning("%s has no tokenizer: only token-id prompts can be served", model_dir)
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # a broken file fails in json, tokenizers or transformers, each with its own errors
+        raise CheckpointError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
+
+
+def generation_eos_ids(model_dir: Path) -> list[int]:
+    """generation_config.json's end-of-sequence ids (none without one), refused naming the file when malformed."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise CheckpointError(f"{path.name}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
+    eos = data.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise CheckpointError(f"{path.name}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 def eos_token_ids(model_dir: Path, tokenizer, config_eos: int) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json's, the tokenizer's, else the model config's."""
-    ids: list[int] = []
-    generation = model_dir / "generation_config.json"
-    if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        ids.extend(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    ids = generation_eos_ids(model_dir)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     if not ids:

@@ -417,6 +417,28 @@ def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, capsys, config, me
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("tokenizer.json", "{not json", "tokenizer does not load"),
+        ("generation_config.json", "{not json", "generation_config.json: not valid JSON"),
+        ("generation_config.json", '{"eos_token_id": "</s>"}', "generation_config.json: eos_token_id must be"),
+    ],
+)
+def test_a_broken_tokenizer_or_generation_config_is_refused_before_the_model_loads(
+    tmp_path, capsys, monkeypatch, name, text, message
+):
+    """They were read after the weights, and failed with a traceback naming no file."""
+    import server.serve
+
+    folder = broken_checkpoint(tmp_path / "broken", (SHIPPED_MODEL / "config.json").read_text())
+    (folder / name).write_text(text)
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
     """--port 0 binds a free port, which the log line says, so a client can find it."""
     proc = subprocess.Popen(
