@@ -417,6 +417,18 @@ def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, capsys, config, me
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("raw", [b"\xff\xfe{}", b"[1, 2]"])
+def test_a_config_json_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path, capsys, raw):
+    """Bytes that are not UTF-8 were refused as "'utf-8' codec can't decode byte 0xff", and a JSON list as "config
+    must be a JSON object", neither naming the file."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(raw)
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert str(folder / "config.json") in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
