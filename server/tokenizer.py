@@ -20,9 +20,24 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # a broken file fails in json, tokenizers or transformers, each with its own errors
         raise CheckpointError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
+    check_chat_template(tokenizer, model_dir)
+    return tokenizer
+
+
+def check_chat_template(tokenizer, model_dir: Path) -> None:
+    """Refuse a chat template with a syntax error, which every chat request would meet; one that refuses some
+    conversations, or none at all, is the requests' business (text completions need none)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except TemplateSyntaxError as exc:
+        raise CheckpointError(f"{model_dir}: its chat template does not compile ({exc})") from exc
+    except Exception:  # a template that refuses this conversation, or no template at all
+        pass
 
 
 def generation_eos_ids(model_dir: Path) -> list[int]:

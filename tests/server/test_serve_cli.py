@@ -451,6 +451,22 @@ def test_a_broken_tokenizer_or_generation_config_is_refused_before_the_model_loa
     assert message in err and "Traceback" not in err
 
 
+def test_a_chat_template_with_a_syntax_error_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """It was found only at the first chat request, each answered 400 blaming the request's messages."""
+    import shutil
+
+    import server.serve
+
+    folder = broken_checkpoint(tmp_path / "broken", (SHIPPED_MODEL / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_MODEL / name, folder / name)
+    (folder / "chat_template.jinja").write_text("{% if %}")
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder}: its chat template does not compile" in err and "Traceback" not in err
+
+
 def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
     """--port 0 binds a free port, which the log line says, so a client can find it."""
     proc = subprocess.Popen(
