@@ -138,6 +138,18 @@ def test_a_tp_timeout_that_some_wait_cannot_take_is_refused_by_name(value):
         read_environment({"FLASHNEXT_TP_TIMEOUT_S": value})
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_that_do_not_meet_within_the_tp_timeout_are_refused_naming_it(rank):
+    """Rank 0 waits ten times FLASHNEXT_TP_TIMEOUT_S for rank 1 to connect and rank 1 as long for rank 0 to accept;
+    1e-9 passed, and the wait's TimeoutError ended the rank in a traceback."""
+    from server.ranks import RankEnv
+    from server.serve import connect_ranks
+
+    env = read_environment({"FLASHNEXT_TP_TIMEOUT_S": "0.01", "FLASHNEXT_LINK_PORT": str(free_port())})
+    with pytest.raises(SystemExit, match=r"FLASHNEXT_TP_TIMEOUT_S=0\.01: rank \d .* within 0\.1 s"):
+        connect_ranks(build_parser().parse_args(["serve"]), RankEnv(rank=rank, world=2), env)
+
+
 def test_the_longest_tp_timeout_allowed_is_taken_by_every_wait_it_reaches():
     """The process group's timedelta, the link's socket timeouts (ten times it) and poll(2) in milliseconds."""
     import datetime
