@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -223,8 +224,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from model.weights import load_model
     from server.generate import GenerateParams, generate
     from server.protocol import fresh_seed
+    from server.settings import read_environment
     from server.tokenizer import eos_token_ids, load_tokenizer
 
+    try:
+        read_environment(os.environ)  # the kernels read FLASHNEXT_PDL, _GLUON and _OVERLAP here too
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
