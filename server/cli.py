@@ -269,7 +269,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def start_refusal(args: argparse.Namespace) -> str | None:
     """Why these flags cannot start, naming the flag, found before any model loads or device work (None: they can);
     a --kernels setting the model cannot run on raises ValueError naming the setting, and a tokenizer or
-    generation_config.json that does not load a CheckpointError naming the file."""
+    generation_config.json that does not load a TokenizerError naming the file."""
     import torch
 
     from model.config import load_config

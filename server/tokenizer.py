@@ -6,14 +6,16 @@ import json
 import logging
 from pathlib import Path
 
-from model.weights import CheckpointError
-
 log = logging.getLogger(__name__)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer, chat template or generation_config.json that does not load; the message names it."""
 
 
 def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work); one that does not load
-    is refused as a CheckpointError."""
+    is refused as a TokenizerError."""
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         log.warning("%s has no tokenizer: only token-id prompts can be served", model_dir)
         return None
@@ -22,7 +24,7 @@ def load_tokenizer(model_dir: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # a broken file fails in json, tokenizers or transformers, each with its own errors
-        raise CheckpointError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
+        raise TokenizerError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
     check_chat_template(tokenizer, model_dir)
     return tokenizer
 
@@ -35,7 +37,7 @@ def check_chat_template(tokenizer, model_dir: Path) -> None:
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     except TemplateSyntaxError as exc:
-        raise CheckpointError(f"{model_dir}: its chat template does not compile ({exc})") from exc
+        raise TokenizerError(f"{model_dir}: its chat template does not compile ({exc})") from exc
     except Exception:  # a template that refuses this conversation, or no template at all
         pass
 
@@ -48,13 +50,13 @@ def generation_eos_ids(model_dir: Path) -> list[int]:
     try:
         data = json.loads(path.read_text())
     except ValueError as exc:  # not JSON, or not UTF-8
-        raise CheckpointError(f"{path.name}: not valid JSON ({exc})") from exc
+        raise TokenizerError(f"{path.name}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
+        raise TokenizerError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
     eos = data.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise CheckpointError(f"{path.name}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        raise TokenizerError(f"{path.name}: eos_token_id must be a token id or a list of them, got {eos!r}")
     return ids
 
 
