@@ -135,8 +135,10 @@ def load_config(model_dir: str | Path) -> FlashNextConfig:
         raise ConfigError(f"no config.json in {model_dir}")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or not UTF-8
         raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return parse_config(data)
 
 

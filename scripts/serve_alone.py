@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     refusal = start_refusal(args)
     if refusal is not None:
         raise SystemExit(refusal)
-    env = read_environment(os.environ)
+    try:
+        env = read_environment(os.environ)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     if args.api_key is None:
         args.api_key = env.api_key
     listener = listen_socket(args.host, args.port)

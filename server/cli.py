@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -223,8 +224,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from model.weights import load_model
     from server.generate import GenerateParams, generate
     from server.protocol import fresh_seed
+    from server.settings import read_environment
     from server.tokenizer import eos_token_ids, load_tokenizer
 
+    try:
+        read_environment(os.environ)  # the kernels read FLASHNEXT_PDL, _GLUON and _OVERLAP here too
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
@@ -261,7 +268,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def start_refusal(args: argparse.Namespace) -> str | None:
     """Why these flags cannot start, naming the flag, found before any model loads or device work (None: they can);
-    a --kernels setting the model cannot run on raises ValueError naming the setting."""
+    a --kernels setting the model cannot run on raises ValueError naming the setting, and a tokenizer or
+    generation_config.json that does not load a TokenizerError naming the file."""
     import torch
 
     from model.config import load_config
@@ -302,6 +310,9 @@ def start_refusal(args: argparse.Namespace) -> str | None:
                 ShardPlan(cfg, TensorParallel(rank, world)).check_expert_blocks(NVFP4_GROUP)
             except ValueError as exc:
                 return f"--tp {world}: {exc}" if world > 1 else str(exc)
+    from server.tokenizer import eos_token_ids, load_tokenizer
+
+    eos_token_ids(args.model, load_tokenizer(args.model), cfg.eos_token_id)  # read again once the weights are in
     if args.command != "serve":
         return None
     if args.context is not None and args.context > cfg.max_position_embeddings:

@@ -48,6 +48,8 @@ def rank_env(tp: int | None, environ: dict[str, str] | None = None) -> RankEnv:
         port = int(env.get("MASTER_PORT", "29500"))
     except ValueError as exc:
         raise SystemExit(f"RANK/LOCAL_RANK/WORLD_SIZE/MASTER_PORT: not integers ({exc})") from exc
+    if not 0 < port < 65536:
+        raise SystemExit(f"MASTER_PORT: {port} is not a TCP port")
     if tp is not None and tp != world:
         raise SystemExit(f"--tp: {tp} differs from WORLD_SIZE {world}")
     if world not in (1, 2) or not 0 <= rank < world:

@@ -264,12 +264,19 @@ def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) ->
                 f"FLASHNEXT_LINK_PORT: rank 0 cannot listen for the control link on port {port} ({where}): "
                 f"{exc.strerror or exc}; set it to a free port"
             ) from exc
-        try:
-            link = listener.accept(timeout=env.tp_timeout_s * 10)
-        finally:
-            listener.close()
-    else:
-        link = ControlLink.connect(ranks.master_addr, port, timeout=env.tp_timeout_s * 10)
+    try:
+        if ranks.rank == 0:
+            try:
+                link = listener.accept(timeout=env.tp_timeout_s * 10)
+            finally:
+                listener.close()
+        else:
+            link = ControlLink.connect(ranks.master_addr, port, timeout=env.tp_timeout_s * 10)
+    except TimeoutError as exc:
+        raise SystemExit(
+            f"FLASHNEXT_TP_TIMEOUT_S={env.tp_timeout_s:g}: {exc} (the ranks wait ten times it for each other at "
+            "start); raise it if a rank is slow to start"
+        ) from exc
     link.handshake(canonical_settings(args, ranks.world, env))
     return link
 

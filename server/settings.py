@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -42,6 +43,14 @@ def _key(text: str) -> str:
     return text
 
 
+def _folder(text: str) -> str:
+    if not text or not os.path.isdir(text):
+        raise ValueError("not an existing folder; each rank writes its file into it")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise ValueError("a folder this process cannot write files in")
+    return text
+
+
 def _lanes(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -53,8 +62,8 @@ KNOWN: dict[str, tuple[Callable[[str], object], str]] = {
     "FLASHNEXT_API_KEY": (_key, "the API key, as --api-key"),
     "FLASHNEXT_LINK_PORT": (_port, "the control link's port on rank 0 (default: MASTER_PORT + 1)"),
     "FLASHNEXT_TP_TIMEOUT_S": (_seconds, "seconds a collective may take before the ranks give up (default 60)"),
-    "FLASHNEXT_ROUND_DIGESTS": (str, "a folder where each rank writes a digest of every round's logits and tokens"),
-    "FLASHNEXT_ROUND_TRACE": (str, "a folder where each rank writes every round's phase timings (JSON lines)"),
+    "FLASHNEXT_ROUND_DIGESTS": (_folder, "a folder where each rank writes a digest of every round's logits and tokens"),
+    "FLASHNEXT_ROUND_TRACE": (_folder, "a folder where each rank writes every round's phase timings (JSON lines)"),
     "FLASHNEXT_PDL": (_switch, "0 turns off programmatic dependent launch of the Triton kernels (kernels/pdl.py)"),
     "FLASHNEXT_PDL_PREFETCH": (_switch, "0 keeps PDL but drops the linear kernel's weight prefetch (kernels/pdl.py)"),
     "FLASHNEXT_GLUON": (_switch, "0 runs the MoE's Triton gate-up and down, not its Gluon ones (kernels/moe_gluon.py)"),

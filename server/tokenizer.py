@@ -9,23 +9,60 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+class TokenizerError(ValueError):
+    """A tokenizer, chat template or generation_config.json that does not load; the message names it."""
+
+
 def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work)."""
+    """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work); one that does not load
+    is refused as a TokenizerError."""
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         log.warning("%s has no tokenizer: only token-id prompts can be served", model_dir)
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # a broken file fails in json, tokenizers or transformers, each with its own errors
+        raise TokenizerError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
+    check_chat_template(tokenizer, model_dir)
+    return tokenizer
+
+
+def check_chat_template(tokenizer, model_dir: Path) -> None:
+    """Refuse a chat template with a syntax error, which every chat request would meet; one that refuses some
+    conversations, or none at all, is the requests' business (text completions need none)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except TemplateSyntaxError as exc:
+        raise TokenizerError(f"{model_dir}: its chat template does not compile ({exc})") from exc
+    except Exception:  # a template that refuses this conversation, or no template at all
+        pass
+
+
+def generation_eos_ids(model_dir: Path) -> list[int]:
+    """generation_config.json's end-of-sequence ids (none without one), refused naming the file when malformed."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise TokenizerError(f"{path.name}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
+    eos = data.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise TokenizerError(f"{path.name}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 def eos_token_ids(model_dir: Path, tokenizer, config_eos: int) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json's, the tokenizer's, else the model config's."""
-    ids: list[int] = []
-    generation = model_dir / "generation_config.json"
-    if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        ids.extend(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    ids = generation_eos_ids(model_dir)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     if not ids:

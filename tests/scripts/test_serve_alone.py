@@ -12,6 +12,7 @@ import httpx
 import pytest
 from serve_alone import main, split_world
 
+from model.shipped import SHIPPED_MODEL
 from server.ranks import free_port
 from tests.server.live import tiny_chat_checkpoint
 from tests.server.test_tp_server import QUIET, stop, wait_healthy
@@ -36,6 +37,13 @@ def test_the_world_is_required_first_and_of_two_or_more_ranks(argv, message) -> 
 def test_a_tp_flag_is_refused_by_name(tmp_path) -> None:
     with pytest.raises(SystemExit, match="--tp: serve_alone runs one rank"):
         main(["--alone-as", "2", str(tmp_path), "--tp", "2"])
+
+
+def test_a_malformed_environment_setting_is_refused_by_name(monkeypatch) -> None:
+    """The serve command refuses it in one line; here it ended in read_environment's ValueError traceback."""
+    monkeypatch.setenv("FLASHNEXT_PDL", "2")
+    with pytest.raises(SystemExit, match="FLASHNEXT_PDL: malformed value '2'"):
+        main(["--alone-as", "2", str(SHIPPED_MODEL), "--port", "0"])
 
 
 def test_rank_0s_half_serves_completions_and_stops_cleanly(tmp_path) -> None:

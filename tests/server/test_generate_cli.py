@@ -86,3 +86,15 @@ def test_a_prompt_and_max_tokens_past_the_models_positions_are_refused_by_name(t
 def test_the_shipped_model_generates_from_text(capsys):
     out = run_cli(capsys, "--prompt", "def add(a, b):", "--max-tokens", "6", "--temperature", "0", "--ignore-eos")
     assert len(out["token_ids"]) == 6 and isinstance(out["text"], str)
+
+
+@pytest.mark.parametrize(("name", "value"), [("FLASHNEXT_PDL", "2"), ("TRITON_DEFAULT_FP_FUSION", "0")])
+def test_a_malformed_environment_setting_is_refused_by_name_before_the_model_loads(capsys, monkeypatch, name, value):
+    """The kernels read FLASHNEXT_PDL, _GLUON and _OVERLAP (and Triton its FP fusion) here as in served rounds, which
+    refuse a malformed value; generate read none of them at start, and took FLASHNEXT_PDL=2 as on."""
+    import model.weights
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(model.weights, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", "--prompt-ids", "1,2", "--max-tokens", "1"]) == 2
+    assert name in capsys.readouterr().err

@@ -41,6 +41,15 @@ def test_a_link_port_the_user_set_is_kept():
     assert [effective_link_port(env) for env in envs] == [40123, 40123]
 
 
+@pytest.mark.parametrize("port", ["-5", "0", "70000"])
+def test_a_master_port_that_is_no_tcp_port_is_refused_by_name(port):
+    """-5 passed, and rank 0 ended in an OverflowError traceback binding the control link on MASTER_PORT + 1; 70000
+    was blamed on FLASHNEXT_LINK_PORT, or with that set reached the process group's rendezvous."""
+    with pytest.raises(SystemExit, match=f"MASTER_PORT: {port} is not a TCP port"):
+        ranks.rank_env(None, {"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": port})
+    assert ranks.rank_env(None, {"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "65535"}).master_port == 65535
+
+
 @pytest.mark.parametrize("count", [1, 2, 5])
 def test_free_ports_are_distinct_and_bindable(count):
     ports = ranks.free_ports(count)

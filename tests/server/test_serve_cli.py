@@ -138,6 +138,18 @@ def test_a_tp_timeout_that_some_wait_cannot_take_is_refused_by_name(value):
         read_environment({"FLASHNEXT_TP_TIMEOUT_S": value})
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_that_do_not_meet_within_the_tp_timeout_are_refused_naming_it(rank):
+    """Rank 0 waits ten times FLASHNEXT_TP_TIMEOUT_S for rank 1 to connect and rank 1 as long for rank 0 to accept;
+    1e-9 passed, and the wait's TimeoutError ended the rank in a traceback."""
+    from server.ranks import RankEnv
+    from server.serve import connect_ranks
+
+    env = read_environment({"FLASHNEXT_TP_TIMEOUT_S": "0.01", "FLASHNEXT_LINK_PORT": str(free_port())})
+    with pytest.raises(SystemExit, match=r"FLASHNEXT_TP_TIMEOUT_S=0\.01: rank \d .* within 0\.1 s"):
+        connect_ranks(build_parser().parse_args(["serve"]), RankEnv(rank=rank, world=2), env)
+
+
 def test_the_longest_tp_timeout_allowed_is_taken_by_every_wait_it_reaches():
     """The process group's timedelta, the link's socket timeouts (ten times it) and poll(2) in milliseconds."""
     import datetime
@@ -417,6 +429,56 @@ def test_a_broken_checkpoint_is_refused_in_one_line(tmp_path, capsys, config, me
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("raw", [b"\xff\xfe{}", b"[1, 2]"])
+def test_a_config_json_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path, capsys, raw):
+    """Bytes that are not UTF-8 were refused as "'utf-8' codec can't decode byte 0xff", and a JSON list as "config
+    must be a JSON object", neither naming the file."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(raw)
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert str(folder / "config.json") in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("tokenizer.json", "{not json", "tokenizer does not load"),
+        ("generation_config.json", "{not json", "generation_config.json: not valid JSON"),
+        ("generation_config.json", '{"eos_token_id": "</s>"}', "generation_config.json: eos_token_id must be"),
+    ],
+)
+def test_a_broken_tokenizer_or_generation_config_is_refused_before_the_model_loads(
+    tmp_path, capsys, monkeypatch, name, text, message
+):
+    """They were read after the weights, and failed with a traceback naming no file."""
+    import server.serve
+
+    folder = broken_checkpoint(tmp_path / "broken", (SHIPPED_MODEL / "config.json").read_text())
+    (folder / name).write_text(text)
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_chat_template_with_a_syntax_error_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """It was found only at the first chat request, each answered 400 blaming the request's messages."""
+    import shutil
+
+    import server.serve
+
+    folder = broken_checkpoint(tmp_path / "broken", (SHIPPED_MODEL / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_MODEL / name, folder / name)
+    (folder / "chat_template.jinja").write_text("{% if %}")
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder}: its chat template does not compile" in err and "Traceback" not in err
+
+
 def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
     """--port 0 binds a free port, which the log line says, so a client can find it."""
     proc = subprocess.Popen(
@@ -438,6 +500,18 @@ def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
         assert int(address.rsplit(":", 1)[1]) > 0
     finally:
         stop([proc])
+
+
+@pytest.mark.parametrize(("name", "field"), [("FLASHNEXT_ROUND_TRACE", "round_trace"),
+                                             ("FLASHNEXT_ROUND_DIGESTS", "round_digests")])  # fmt: skip
+def test_a_trace_or_digest_folder_that_cannot_take_the_rank_files_is_refused_by_name(tmp_path, name, field):
+    """Each rank opens its file there at its first round, not at start: a missing folder passed, then ended the
+    engine's thread at the first round (the request hung) or failed every request with a 500."""
+    assert getattr(read_environment({name: str(tmp_path)}), field) == str(tmp_path)
+    (tmp_path / "a_file").touch()
+    for value in (str(tmp_path / "missing"), str(tmp_path / "a_file"), ""):
+        with pytest.raises(ValueError, match=f"{name}: malformed value {value!r} .*folder"):
+            read_environment({name: value})
 
 
 def test_an_empty_api_key_in_the_environment_is_refused_by_name():
