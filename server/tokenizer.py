@@ -26,7 +26,20 @@ def load_tokenizer(model_dir: Path):
     except Exception as exc:  # a broken file fails in json, tokenizers or transformers, each with its own errors
         raise TokenizerError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
     check_chat_template(tokenizer, model_dir)
+    clear_presets(tokenizer)
     return tokenizer
+
+
+def clear_presets(tokenizer) -> None:
+    """Drop truncation and padding preset in tokenizer.json: no call here asks for either, and transformers would
+    drop them at the first call, a change to the shared tokenizer that races calls on other threads."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
 
 
 def check_chat_template(tokenizer, model_dir: Path) -> None:
