@@ -121,7 +121,7 @@ class Engine:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
         self.plan_ahead = plan_ahead  # plan and launch the next round while the GPU runs one that drafts nothing
         self.metrics = metrics
-        self.on_fatal = on_fatal
+        self.on_fatal = on_fatal  # called once the engine has stopped on a failure (the server then exits)
         self.max_lanes = runner.max_lanes
         self.draft_depth = draft_depth
         self.mtp_depth = draft_depth if runner.can_draft else 0
@@ -171,10 +171,12 @@ class Engine:
                 self._end(self.waiting.popleft(), Update((), "error", message))
             self.stopped = True
             self.cond.notify()
-        self._flush()
-        log.error("stopping: %s", message)
-        if self.on_fatal is not None:
-            self.on_fatal(message)
+        try:
+            self._flush()
+        finally:  # a delivery that fails again (the front end gone) still ends the server
+            log.error("stopping: %s", message)
+            if self.on_fatal is not None:
+                self.on_fatal(message)
 
     def submit(self, request: Request) -> None:
         """Queue a request; one that can never fit the context is refused at once."""
@@ -230,6 +232,15 @@ class Engine:
         return not self.stopped and not self.running and not self.waiting and not self.to_free
 
     def _loop(self) -> None:
+        """Run rounds until stopped; a failure outside a round's own launch and finish (the engine's bookkeeping, a
+        sink, the trace) leaves the engine's state unknown, so it ends every request and stops, as a peer's does."""
+        try:
+            self._rounds()
+        except Exception as exc:
+            log.error("the engine failed", exc_info=exc)
+            self.fail(f"the engine failed: {type(exc).__name__}: {exc}")
+
+    def _rounds(self) -> None:
         flight: Flight | None = None  # a launched round not finished yet: the next one is planned and launched first
         while True:
             with self.cond:
@@ -412,7 +423,7 @@ class Engine:
         """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request
         with rows in it ends with the error, and the prompt states its plan would have kept are dropped."""
         log.error("round failed", exc_info=exc)
-        if self.on_fatal is not None:  # with several ranks a failed round leaves their states unknown
+        if self.runner.ranks > 1:  # a failed round leaves the ranks' states unknown
             self.fail(f"the round failed: {exc}")
             return
         with self.cond:

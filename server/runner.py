@@ -102,6 +102,11 @@ class ModelRunner:
         return len(self.slots)
 
     @property
+    def ranks(self) -> int:
+        """How many ranks run each round (a failed round leaves several ranks' states unknown)."""
+        return self.model.tp.world
+
+    @property
     def can_draft(self) -> bool:
         return self.model.mtp is not None
 

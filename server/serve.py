@@ -375,7 +375,7 @@ def serve_http(args: argparse.Namespace, model, runner, link: ControlLink | None
             stop_serving()
         threading.Timer(15, os._exit, (1,)).start()  # a shutdown that hangs still ends the process
 
-    serving = create_serving(args, model, runner, fatal if link is not None else None)
+    serving = create_serving(args, model, runner, fatal)
     stop_watch = threading.Event()
     if link is not None:
         threading.Thread(target=watch_peer, args=(link, serving.engine.fail, stop_watch), daemon=True).start()

@@ -6,6 +6,8 @@ import asyncio
 import sys
 import threading
 
+import pytest
+
 from model.weights import load_model
 from rankwire.header import DrawSpec
 from server.engine import Engine, Outbox, Request, Update, deliver_each
@@ -240,3 +242,27 @@ def test_a_request_aborted_while_it_waits_for_a_lane_gets_its_finish(tmp_path) -
         engine.stop()
     assert (first.finish, second.finish, second.tokens) == ("length", "abort", [])
     assert metrics.registry.get_sample_value("flashnext:request_success_total", {"finished_reason": "abort"}) == 1
+
+
+def test_a_failure_in_the_engines_own_work_ends_its_requests_and_stops_it(tmp_path) -> None:
+    """Outside a round's launch and finish (here: a finish that gives one result too few, which the engine's own
+    bookkeeping trips on) the engine thread died, and its request waited forever; now it ends with the error, the
+    engine takes no more work, and the server is told once so that it exits."""
+    from server.engine import EngineStopped
+
+    class OneResultShort(ModelRunner):
+        def finish(self, launched):
+            return super().finish(launched)[:-1]
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    fatal: list[str] = []
+    engine = Engine(OneResultShort(model, 1), context=256, prompt_budget=64, on_fatal=fatal.append)
+    outcome = Outcome()
+    engine.start()
+    engine.submit(Request("r0", [5, 9, 14, 3], 4, GREEDY, frozenset(), outcome.sink))
+    assert outcome.done.wait(60), "the request was never ended"
+    engine.thread.join(10)
+    assert outcome.finish == "error" and outcome.error.startswith("the engine failed: ValueError")
+    assert not engine.thread.is_alive() and len(fatal) == 1
+    with pytest.raises(EngineStopped):
+        engine.submit(Request("r1", [5, 9], 4, GREEDY, frozenset(), Outcome().sink))

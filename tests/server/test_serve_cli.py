@@ -545,3 +545,40 @@ def test_no_tp_timeout_allowed_ends_the_link_accept_early(value):
             waiter.join(10)
         outcome.get_nowait().close()
     assert not early, "the accept ended before any rank 1 connected"
+
+
+def test_an_engine_that_fails_between_rounds_ends_the_request_and_the_server_exits(tmp_path):
+    """At --tp 1 too: the trace folder removed while serving fails the engine's first trace write; the engine's
+    thread died there, the request hung and the server kept answering /health. Now the request gets an error and
+    the process exits 1, so a supervisor can restart it."""
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1", "FLASHNEXT_ROUND_TRACE": str(trace)},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        trace.rmdir()
+        body = {"prompt": [5, 9, 14], "max_tokens": 32, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 500 and "the engine failed" in response.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 1
+    finally:
+        stop([proc])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
