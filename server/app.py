@@ -25,6 +25,9 @@ from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, 
 from server.textout import prompt_opens_thinking
 
 PUBLIC_PATHS = ("/health", "/metrics")
+# message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
+# would cost the square of a long conversation's length
+MESSAGE_KEEPS = 4
 # the fields of a chat request that shape its rendered prompt: /tokenize checks them as the chat route does
 CHAT_RENDERING_FIELDS = (
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template", "documents", "tools",
@@ -135,9 +138,11 @@ def build_app(state: ServerState) -> FastAPI:
         return True
 
     def message_ends(body: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[int, ...]:
-        """Token positions where each message of the rendered chat ends (prompt cache boundaries)."""
+        """Token positions where each of the last MESSAGE_KEEPS messages before the final one ends (prompt cache
+        boundaries: a conversation's next turn resumes from the latest; the cache's grid covers earlier prefixes),
+        each found by rendering the messages up to it."""
         ends = []
-        for i in range(1, len(body.messages)):
+        for i in range(max(1, len(body.messages) - MESSAGE_KEEPS), len(body.messages)):
             part = [m.for_template() for m in body.messages[:i]]
             try:
                 text = state.tokenizer.apply_chat_template(part, tokenize=False, **body.template_kwargs())

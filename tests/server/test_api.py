@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import MappingProxyType
 
 import httpx
 import openai
@@ -655,3 +656,51 @@ def test_drafted_equals_draft_false_and_drafting_shows_in_metrics(live):
     first = [line for line in metrics.splitlines() if line.startswith("flashnext:spec_decode_num_draft_tokens_per_pos")]
     assert first and first[0].startswith('flashnext:spec_decode_num_draft_tokens_per_pos_total{position="0"}')
     assert len(health["draft_acceptance_per_position"]) == 3 and health["draft_acceptance_per_position"][0] is not None
+
+
+def test_a_long_chat_keeps_states_at_its_last_message_ends_only():
+    """Each message end costs a render of the messages up to it: all of a conversation's would cost the square of
+    its length (800 messages within the context took seconds of the front end's time); the last few are the ones
+    the next turn resumes from."""
+    from fastapi.testclient import TestClient
+
+    from server.app import MESSAGE_KEEPS, ServerState, build_app
+    from server.engine import Update
+    from tests.server.test_generation import RecordingEngine
+
+    class Counting:
+        """A tokenizer whose template gives each message one token and counts its renders."""
+
+        def __init__(self) -> None:
+            self.renders = 0
+
+        def apply_chat_template(self, messages, **kwargs) -> str:
+            self.renders += 1
+            return "x" * len(messages)
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [5] * len(text)}
+
+        # what the response's detokenizer asks of a tokenizer with no special tokens
+        added_tokens_decoder = MappingProxyType({})
+        all_special_ids = ()
+
+        def convert_tokens_to_ids(self, token: str) -> None:
+            return None
+
+        def decode(self, ids: list[int], **kwargs) -> str:
+            return "x" * len(ids)
+
+    class Caching(RecordingEngine):
+        cache_enabled = True
+
+        def submit(self, request) -> None:
+            super().submit(request)
+            request.sink(Update((), "length"))
+
+    engine, tokenizer = Caching(), Counting()
+    http = TestClient(build_app(ServerState(engine, tokenizer, "m", 256, 512, (0,))))
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}] * 100})
+    assert response.status_code == 200
+    assert tokenizer.renders == 1 + MESSAGE_KEEPS
+    assert engine.submitted[0].keep_at == tuple(range(100 - MESSAGE_KEEPS, 100))
