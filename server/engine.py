@@ -423,7 +423,7 @@ class Engine:
         """A round failed: with several ranks the ranks' states are unknown, so the engine stops; else each request
         with rows in it ends with the error, and the prompt states its plan would have kept are dropped."""
         log.error("round failed", exc_info=exc)
-        if self.runner.ranks > 1:  # a failed round leaves the ranks' states unknown
+        if self.runner.linked:  # a failed round leaves the other rank's state unknown
             self.fail(f"the round failed: {exc}")
             return
         with self.cond:

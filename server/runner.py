@@ -102,9 +102,10 @@ class ModelRunner:
         return len(self.slots)
 
     @property
-    def ranks(self) -> int:
-        """How many ranks run each round (a failed round leaves several ranks' states unknown)."""
-        return self.model.tp.world
+    def linked(self) -> bool:
+        """Whether another rank runs this runner's rounds too (`LinkedRunner`): a failed round then leaves that
+        rank's state unknown. One rank's half served alone has none."""
+        return False
 
     @property
     def can_draft(self) -> bool:

@@ -41,6 +41,10 @@ class LinkedRunner:
     def trace(self) -> RoundTrace:
         return self.runner.trace
 
+    @property
+    def linked(self) -> bool:
+        return True
+
     def kept_bytes(self, handle: int) -> int:
         return self.runner.kept_bytes(handle)
 

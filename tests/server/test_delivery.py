@@ -266,3 +266,33 @@ def test_a_failure_in_the_engines_own_work_ends_its_requests_and_stops_it(tmp_pa
     assert not engine.thread.is_alive() and len(fatal) == 1
     with pytest.raises(EngineStopped):
         engine.submit(Request("r1", [5, 9], 4, GREEDY, frozenset(), Outcome().sink))
+
+
+def test_a_failed_round_that_another_rank_ran_too_ends_every_request_with_its_error(tmp_path) -> None:
+    """With a peer the round's failure leaves the peer's state unknown: the engine stops, each request ends with the
+    round's own error, and the server is told once (the engine asked the linked runner a question it could not
+    answer, and its clients read an AttributeError instead)."""
+    import socket
+
+    from rankwire.link import ControlLink
+    from server.tp import LinkedRunner
+
+    class FailsToLaunch(ModelRunner):
+        def launch(self, plan, launched=None):
+            raise RuntimeError("out of memory")
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    ours, theirs = socket.socketpair()
+    fatal: list[str] = []
+    runner = LinkedRunner(FailsToLaunch(model, 1), ControlLink(ours, rank=0), timeout_s=5)
+    engine = Engine(runner, context=256, prompt_budget=64, on_fatal=fatal.append)
+    outcome = Outcome()
+    engine.start()
+    engine.submit(Request("r0", [5, 9, 14, 3], 4, GREEDY, frozenset(), outcome.sink))
+    try:
+        assert outcome.done.wait(60), "the request was never ended"
+        assert (outcome.finish, outcome.error) == ("error", "the round failed: out of memory")
+        assert fatal == ["the round failed: out of memory"]
+    finally:
+        engine.stop()
+        theirs.close()
