@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--tp: serve_alone runs one rank; give the world to --alone-as instead")
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"model: no config.json in {args.model}")
-    refusal = start_refusal(args)
-    if refusal is not None:
-        raise SystemExit(refusal)
-    try:
+    try:  # a ValueError names the setting or file at fault, as the serve command prints it
+        refusal = start_refusal(args)
         env = read_environment(os.environ)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    if refusal is not None:
+        raise SystemExit(refusal)
     if args.api_key is None:
         args.api_key = env.api_key
     listener = listen_socket(args.host, args.port)

@@ -51,6 +51,8 @@ def check_chat_template(tokenizer, model_dir: Path) -> None:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     except TemplateSyntaxError as exc:
         raise TokenizerError(f"{model_dir}: its chat template does not compile ({exc})") from exc
+    except ImportError as exc:  # transformers' own check of the jinja2 it renders with
+        raise TokenizerError(f"{model_dir}: its chat template cannot be rendered here ({exc})") from exc
     except Exception:  # a template that refuses this conversation, or no template at all
         pass
 

@@ -46,6 +46,18 @@ def test_a_malformed_environment_setting_is_refused_by_name(monkeypatch) -> None
         main(["--alone-as", "2", str(SHIPPED_MODEL), "--port", "0"])
 
 
+def test_a_broken_tokenizer_is_refused_naming_it(tmp_path) -> None:
+    """start_refusal raises it as a TokenizerError, which the serve command prints in one line; here it was a
+    traceback."""
+    import shutil
+
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_MODEL / name, tmp_path / name)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=f"{tmp_path}: its tokenizer does not load"):
+        main(["--alone-as", "2", str(tmp_path), "--port", "0"])
+
+
 def test_rank_0s_half_serves_completions_and_stops_cleanly(tmp_path) -> None:
     """The tiny checkpoint's rank 0 of 2 comes up (the log says tp 2), answers a completion with every token asked
     for, and exits 0 on SIGTERM."""

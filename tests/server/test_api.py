@@ -330,7 +330,7 @@ def test_prompts_are_tokenized_while_the_event_loop_answers_others(ckpt, route, 
     from tests.server.test_generation import RecordingEngine
 
     class Held:
-        """The checkpoint's tokenizer, whose first encoding waits (5 s at most) until /health has been answered."""
+        """The checkpoint's tokenizer, whose first encoding waits (30 s at most) until /health has been answered."""
 
         def __init__(self, tokenizer) -> None:
             self.tokenizer, self.encoding, self.answered = tokenizer, threading.Event(), threading.Event()
@@ -342,7 +342,7 @@ def test_prompts_are_tokenized_while_the_event_loop_answers_others(ckpt, route, 
         def __call__(self, text: str, **kwargs) -> dict:
             if self.waited is None:
                 self.encoding.set()
-                self.waited = self.answered.wait(5)
+                self.waited = self.answered.wait(30)
             return self.tokenizer(text, **kwargs)
 
     tokenizer = Held(AutoTokenizer.from_pretrained(ckpt))
