@@ -27,6 +27,7 @@ RUN pip list --format=freeze | grep -iE '^(torch|triton|nvidia-[a-z0-9-]+)==' > 
         "safetensors>=0.4" \
         "transformers>=5.16.1,<5.25" \
         "tokenizers>=0.21" \
+        "jinja2>=3.1.6" \
         "fastapi>=0.110" \
         "uvicorn>=0.29" \
         "pydantic>=2.6" \
