@@ -160,13 +160,29 @@ class ChatMessage(_StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
     name: str | None = None
+    # an earlier answer's reasoning, as the responses give it (either spelling), for templates that render it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: Any = None
 
     _check_unhonoured = field_validator("tool_calls")(_refuse_unless_harmless)
 
+    @model_validator(mode="after")
+    def _one_reasoning(self) -> ChatMessage:
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise PydanticCustomError("conflict", "reasoning and reasoning_content differ; send one of them")
+        return self
+
     def for_template(self) -> dict[str, str]:
-        """The message as the chat template takes it: role, content, and the name if one was given."""
-        return {"role": self.role, "content": self.content, **({"name": self.name} if self.name is not None else {})}
+        """The message as the chat template takes it: role, content, and the name and reasoning (as
+        `reasoning_content`, the name Qwen's templates read) where given."""
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message
 
     @field_validator("content", mode="before")
     @classmethod

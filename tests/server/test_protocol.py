@@ -160,6 +160,21 @@ def test_a_message_without_tool_calls_may_say_so() -> None:
         assert parse_request(ChatCompletionRequest, body).messages[1].content == "ok"
 
 
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_an_earlier_answers_reasoning_reaches_the_template_as_reasoning_content(field: str) -> None:
+    """The responses give an answer's reasoning in both spellings, and clients send it back with the conversation;
+    it was dropped before rendering, which Qwen's templates do with it as the request says."""
+    body = {"messages": [*USER, {"role": "assistant", "content": "4", field: "2 + 2"}, *USER]}
+    messages = parse_request(ChatCompletionRequest, body).messages
+    assert messages[1].for_template() == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}
+    assert "reasoning_content" not in messages[0].for_template()
+
+
+def test_two_reasonings_that_differ_are_refused() -> None:
+    both = {"role": "assistant", "content": "4", "reasoning": "a", "reasoning_content": "b"}
+    assert_names(chat_error(messages=[*USER, both]), "messages.1", "differ")
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
