@@ -13,6 +13,10 @@ from kernels.pdl import enter, launch_options
 
 SCAN_ROWS = 256
 HEAD_C = 128
+# Rows a head program looks through for lane starts: one in rounds of up to FEW_ROWS rows (a start each, run in
+# parallel), HEAD_ROWS in larger ones (prompt passes), where a program a row left thousands of programs idle.
+FEW_ROWS = 256
+HEAD_ROWS = 16
 BODY_ROWS = 16
 BODY_C = 256
 NUM_WARPS = 4
@@ -265,6 +269,7 @@ def _causal_conv_kernel(
     SILU: tl.constexpr,
     KEEP: tl.constexpr,
     BC_HEAD: tl.constexpr,
+    HR: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     SCAN: tl.constexpr,
@@ -273,45 +278,53 @@ def _causal_conv_kernel(
 ):
     """Causal conv of lanes' rows: programs for each lane's first S rows and tail, then programs for BT-row blocks."""
     enter(PDL)
-    # A head program (one per row and BC_HEAD channels; only a lane's first row works) convolves the lane's first
-    # S rows, the only ones that read its tail, then replaces the tail: one program reads and writes it, so no
-    # race. A body program convolves the rows S.. of any lane in BT rows and BC channels.
+    # A head program (one per HR rows and BC_HEAD channels) convolves, for each lane starting in its rows, the
+    # lane's first S rows, the only ones that read its tail, then replaces the tail: one program reads and writes
+    # it, so no race. A body program convolves the rows S.. of any lane in BT rows and BC channels.
     pid = tl.program_id(0)
-    heads = T * tl.cdiv(C, BC_HEAD)
+    heads = tl.cdiv(T, HR) * tl.cdiv(C, BC_HEAD)
     if pid < heads:
-        unit = pid // tl.cdiv(C, BC_HEAD)
+        first = pid // tl.cdiv(C, BC_HEAD) * HR
         head_cols = (pid % tl.cdiv(C, BC_HEAD)) * BC_HEAD + tl.arange(0, BC_HEAD)
-        lane = tl.load(lane_ptr + unit)
-        if lane != tl.load(lane_ptr + unit - 1, mask=unit > 0, other=-1):
-            _conv_head(
-                x_ptr,
-                tail_ptr,
-                w_ptr,
-                out_ptr,
-                kept_ptr,
-                lane_ptr,
-                unit,
-                lane,
-                head_cols,
-                T,
-                C,
-                stride_xt,
-                stride_tl,
-                stride_ts,
-                stride_wc,
-                stride_wk,
-                stride_ot,
-                stride_kt,
-                stride_ks,
-                K,
-                DIL,
-                S,
-                S_PAD,
-                SILU,
-                KEEP,
-                SCAN,
-                INTERPRET,
-            )
+        group = first + tl.arange(0, HR)
+        in_rows = group < T
+        starts = in_rows & (
+            tl.load(lane_ptr + group, mask=in_rows, other=-1)
+            != tl.load(lane_ptr + group - 1, mask=in_rows & (group > 0), other=-1)
+        )
+        for j in range(HR):
+            if tl.sum(tl.where(group == first + j, starts.to(tl.int32), 0)) > 0:
+                unit = first + j
+                lane = tl.load(lane_ptr + unit)
+                _conv_head(
+                    x_ptr,
+                    tail_ptr,
+                    w_ptr,
+                    out_ptr,
+                    kept_ptr,
+                    lane_ptr,
+                    unit,
+                    lane,
+                    head_cols,
+                    T,
+                    C,
+                    stride_xt,
+                    stride_tl,
+                    stride_ts,
+                    stride_wc,
+                    stride_wk,
+                    stride_ot,
+                    stride_kt,
+                    stride_ks,
+                    K,
+                    DIL,
+                    S,
+                    S_PAD,
+                    SILU,
+                    KEEP,
+                    SCAN,
+                    INTERPRET,
+                )
     else:
         block = pid - heads
         rows = block // tl.cdiv(C, BC) * BT + tl.arange(0, BT)
@@ -494,7 +507,9 @@ def causal_conv_update(
         return out
     keep = row_tails is not None
     row_tails = row_tails if keep else tail
-    grid = (seq * triton.cdiv(channels, HEAD_C) + triton.cdiv(seq, BODY_ROWS) * triton.cdiv(channels, BODY_C),)
+    head_rows = 1 if seq <= FEW_ROWS else HEAD_ROWS
+    heads = triton.cdiv(seq, head_rows) * triton.cdiv(channels, HEAD_C)
+    grid = (heads + triton.cdiv(seq, BODY_ROWS) * triton.cdiv(channels, BODY_C),)
     _causal_conv_kernel[grid](
         x,
         tail,
@@ -519,6 +534,7 @@ def causal_conv_update(
         SILU=activation == "silu",
         KEEP=keep,
         BC_HEAD=HEAD_C,
+        HR=head_rows,
         BT=BODY_ROWS,
         BC=BODY_C,
         SCAN=SCAN_ROWS,

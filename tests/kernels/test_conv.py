@@ -126,6 +126,29 @@ def test_row_invariance() -> None:
         assert torch.equal(tail[picked], together[1][picked])
 
 
+@pytest.mark.parametrize("dilation", [1, 3])
+def test_a_round_of_many_rows_convolves_every_lanes_head_as_a_few_row_round_does(dilation: int) -> None:
+    """Past FEW_ROWS rows a head program looks through HEAD_ROWS rows for lane starts: several starts in one group
+    (lanes of 1 and 2 rows), one on a group's last row, and lanes shorter than the tail, all with the reference's
+    outputs and tails; each lane's bits are those it has in a round of its own (HR 1)."""
+    from kernels.conv import FEW_ROWS, HEAD_ROWS
+
+    lens = [1, 2, 1, 11, 1, 200, 3, 30, 2, 50]  # starts at rows 0, 1, 3, 4, 15 (a group's last), 16, 216, ...
+    assert sum(lens) > FEW_ROWS and 15 % HEAD_ROWS == HEAD_ROWS - 1
+    slots = [7, 2, 9, 0, 5, 1, 8, 3, 6, 4]
+    inputs = make_inputs(lens, 40, dilation, torch.float32, seed=5, slots=10)
+    out, tail, row_tails = call(causal_conv_update, inputs, lanes_of(lens, slots), dilation, None)
+    ref, ref_tail, ref_row_tails = call(causal_conv_update_reference, inputs, lanes_of(lens, slots), dilation, None)
+    assert torch.equal(out, ref) and torch.equal(tail, ref_tail) and torch.equal(row_tails, ref_row_tails)
+    start = 0
+    for seq, slot in zip(lens, slots, strict=True):
+        rows = slice(start, start + seq)
+        part = {"x": inputs["x"][rows], "tail": inputs["tail"], "weight": inputs["weight"]}
+        alone, alone_tail, _ = call(causal_conv_update, part, lanes_of([seq], [slot]), dilation, None)
+        assert torch.equal(alone, out[rows]) and torch.equal(alone_tail[slot], tail[slot])
+        start += seq
+
+
 def test_rejects_bad_shapes() -> None:
     inputs, lanes = make_inputs([2], 8, 1, torch.float32), lanes_of([2], [0])
     with pytest.raises(ValueError, match="tail"):
