@@ -126,6 +126,11 @@ class _StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+def _without_nulls(data: Any) -> Any:
+    """A JSON object's fields less those given as null, which means the same as leaving them out."""
+    return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
 class StreamOptions(_StrictModel):
     """`stream_options`: whether the last streamed chunk carries usage."""
 
@@ -133,6 +138,7 @@ class StreamOptions(_StrictModel):
     continuous_usage_stats: Any = None
 
     _check_unhonoured = field_validator("continuous_usage_stats")(_refuse_unless_harmless)
+    _drop_nulls = model_validator(mode="before")(_without_nulls)
 
 
 class ChatTemplateKwargs(_StrictModel):
@@ -256,10 +262,7 @@ class _SamplingRequest(_StrictModel):
         "structured_outputs", "structural_tag", "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
 
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+    _drop_nulls = model_validator(mode="before")(_without_nulls)
 
     @field_validator("max_completion_tokens")
     @classmethod

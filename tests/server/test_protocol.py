@@ -231,6 +231,13 @@ def test_chat_template_kwargs_that_are_arguments_of_the_template_call_are_refuse
     assert_names(chat_error(chat_template_kwargs={key: False}), "chat_template_kwargs", repr(key), "server sets")
 
 
+def test_a_null_stream_option_means_its_default() -> None:
+    """As a null request field does (vLLM takes it so); it was a 400 naming stream_options.include_usage."""
+    body = {"messages": USER, "stream": True, "stream_options": {"include_usage": None}}
+    request = parse_request(ChatCompletionRequest, body)
+    assert request.stream_options is not None and request.stream_options.include_usage is False
+
+
 def test_stream_options_need_stream() -> None:
     assert_names(chat_error(stream_options={"include_usage": True}), "stream_options", "stream is true")
     assert_names(chat_error(stream=False, stream_options={"include_usage": True}), "stream_options")
