@@ -312,6 +312,8 @@ def rank_runner(model, max_lanes: int, rank: int, env: EnvSettings) -> ModelRunn
     """This rank's runner, writing the round digests and trace the environment asks for into rank{r}.* files."""
     digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{rank}.digests"
     trace_path = None if env.round_trace is None else Path(env.round_trace) / f"rank{rank}.trace"
+    if trace_path is None and (env.round_profile is not None or env.round_pyprofile is not None):
+        log.warning("FLASHNEXT_ROUND_PROFILE and _PYPROFILE write beside the round trace: without one, nothing")
     trace = RoundTrace(trace_path, env.round_profile, env.round_pyprofile)
     return ModelRunner(model, max_lanes, digests, trace)
 

@@ -239,3 +239,16 @@ def test_python_profile_setting_is_parsed_and_refused_by_name():
     assert read_environment({"FLASHNEXT_ROUND_PYPROFILE": "8"}).round_pyprofile == 8
     with pytest.raises(ValueError, match="FLASHNEXT_ROUND_PYPROFILE"):
         read_environment({"FLASHNEXT_ROUND_PYPROFILE": "-1"})
+
+
+def test_a_profile_asked_for_without_a_trace_is_warned_of(tmp_path, caplog):
+    """The profiles are written beside the trace's file: without FLASHNEXT_ROUND_TRACE the setting did nothing, and
+    said nothing."""
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    for name in ("FLASHNEXT_ROUND_PROFILE", "FLASHNEXT_ROUND_PYPROFILE"):
+        caplog.clear()
+        rank_runner(model, 1, 0, read_environment({name: "1"}))
+        assert "without one, nothing" in caplog.text
+    caplog.clear()
+    rank_runner(model, 1, 0, read_environment({"FLASHNEXT_ROUND_TRACE": str(tmp_path), "FLASHNEXT_ROUND_PROFILE": "1"}))
+    assert "without one" not in caplog.text
