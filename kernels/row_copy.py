@@ -92,10 +92,14 @@ def _layout(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[in
     return layout
 
 
+def _stack_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+    """Rows of the shortest source and destination stack (none without pairs)."""
+    return (min(s.shape[0] for s, _ in pairs), min(d.shape[0] for _, d in pairs)) if pairs else (0, 0)
+
+
 def _check_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[tuple[int, int]]) -> None:
     """Refuse row pairs outside a stack, or a destination row named twice."""
-    if pairs:
-        _check_row_range((min(s.shape[0] for s, _ in pairs), min(d.shape[0] for _, d in pairs)), rows)
+    _check_row_range(_stack_rows(pairs), rows)
 
 
 def _check_row_range(stack_rows: tuple[int, int], rows: Sequence[tuple[int, int]]) -> None:
@@ -134,7 +138,7 @@ class RowCopier:
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         layout = _layout(pairs)
         self.refs = [(weakref.ref(src), weakref.ref(dst)) for src, dst in pairs]
-        self.stack_rows = (min(s.shape[0] for s, _ in pairs), min(d.shape[0] for _, d in pairs)) if pairs else (0, 0)
+        self.stack_rows = _stack_rows(pairs)
         self.table: torch.Tensor | None = None
         if not pairs:
             return

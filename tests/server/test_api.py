@@ -279,6 +279,30 @@ def test_a_template_refusal_names_what_caused_it(extra, param):
     assert response.status_code == 400 and error_of(response)["param"] == param
 
 
+class CountingTokenizer:
+    """A tokenizer whose chat template gives each message one token and counts its renders."""
+
+    def __init__(self) -> None:
+        self.renders = 0
+
+    def apply_chat_template(self, messages, **kwargs) -> str:
+        self.renders += 1
+        return "x" * len(messages)
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [5] * len(text)}
+
+    # what a response's detokenizer asks of a tokenizer with no special tokens
+    added_tokens_decoder = MappingProxyType({})
+    all_special_ids = ()
+
+    def convert_tokens_to_ids(self, token: str) -> None:
+        return None
+
+    def decode(self, ids: list[int], **kwargs) -> str:
+        return "x" * len(ids)
+
+
 def test_a_chat_beyond_the_context_is_refused_before_each_message_end_is_rendered():
     """Finding where each message ends renders every prefix of the messages, work that grows with their square (a
     hundred thousand messages held the event loop for hours): a prompt beyond the context is refused first."""
@@ -287,23 +311,10 @@ def test_a_chat_beyond_the_context_is_refused_before_each_message_end_is_rendere
     from server.app import ServerState, build_app
     from tests.server.test_generation import RecordingEngine
 
-    class Counting:
-        """A tokenizer whose template gives each message one token and counts its renders."""
-
-        def __init__(self) -> None:
-            self.renders = 0
-
-        def apply_chat_template(self, messages, **kwargs) -> str:
-            self.renders += 1
-            return "x" * len(messages)
-
-        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-            return {"input_ids": [5] * len(text)}
-
     class Caching(RecordingEngine):
         cache_enabled = True
 
-    tokenizer = Counting()
+    tokenizer = CountingTokenizer()
     http = TestClient(build_app(ServerState(Caching(), tokenizer, "m", 256, 512, (0,))))
     response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}] * 300})
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
@@ -668,29 +679,6 @@ def test_a_long_chat_keeps_states_at_its_last_message_ends_only():
     from server.engine import Update
     from tests.server.test_generation import RecordingEngine
 
-    class Counting:
-        """A tokenizer whose template gives each message one token and counts its renders."""
-
-        def __init__(self) -> None:
-            self.renders = 0
-
-        def apply_chat_template(self, messages, **kwargs) -> str:
-            self.renders += 1
-            return "x" * len(messages)
-
-        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
-            return {"input_ids": [5] * len(text)}
-
-        # what the response's detokenizer asks of a tokenizer with no special tokens
-        added_tokens_decoder = MappingProxyType({})
-        all_special_ids = ()
-
-        def convert_tokens_to_ids(self, token: str) -> None:
-            return None
-
-        def decode(self, ids: list[int], **kwargs) -> str:
-            return "x" * len(ids)
-
     class Caching(RecordingEngine):
         cache_enabled = True
 
@@ -698,7 +686,7 @@ def test_a_long_chat_keeps_states_at_its_last_message_ends_only():
             super().submit(request)
             request.sink(Update((), "length"))
 
-    engine, tokenizer = Caching(), Counting()
+    engine, tokenizer = Caching(), CountingTokenizer()
     http = TestClient(build_app(ServerState(engine, tokenizer, "m", 256, 512, (0,))))
     response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}] * 100})
     assert response.status_code == 200

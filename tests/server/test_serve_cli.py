@@ -21,7 +21,7 @@ from model.shipped import SHIPPED_MODEL
 from server.cli import build_parser, main
 from server.ranks import free_port
 from server.settings import read_environment
-from tests.server.test_tp_server import stop
+from tests.server.test_tp_server import stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -564,10 +564,7 @@ def test_an_engine_that_fails_between_rounds_ends_the_request_and_the_server_exi
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(url, [proc])
         trace.rmdir()
         body = {"prompt": [5, 9, 14], "max_tokens": 32, "ignore_eos": True}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -575,10 +572,3 @@ def test_an_engine_that_fails_between_rounds_ends_the_request_and_the_server_exi
         assert proc.wait(timeout=30) == 1
     finally:
         stop([proc])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
