@@ -496,9 +496,13 @@ def causal_conv_update(
     dilation: int = 1,
     activation: str | None = "silu",
     row_tails: torch.Tensor | None = None,
+    head_rows: int | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv of each lane's consecutive rows of x [T, C] after its tail [L, S, C]; out [T, C]."""
+    """Depthwise causal conv of each lane's consecutive rows of x [T, C] after its tail [L, S, C]; out [T, C].
+    `head_rows` (a sweep's choice; by default 1 up to FEW_ROWS rows, else HEAD_ROWS) never changes a bit."""
     check_conv(x, tail, weight, lane_of_row, dilation, activation, row_tails)
+    if head_rows is not None and (head_rows < 1 or head_rows & (head_rows - 1)):
+        raise ValueError(f"head_rows: {head_rows} is not a power of two")
     seq, channels = x.shape
     kernel = weight.shape[1]
     kept = (kernel - 1) * dilation
@@ -507,7 +511,8 @@ def causal_conv_update(
         return out
     keep = row_tails is not None
     row_tails = row_tails if keep else tail
-    head_rows = 1 if seq <= FEW_ROWS else HEAD_ROWS
+    if head_rows is None:
+        head_rows = 1 if seq <= FEW_ROWS else HEAD_ROWS
     heads = triton.cdiv(seq, head_rows) * triton.cdiv(channels, HEAD_C)
     grid = (heads + triton.cdiv(seq, BODY_ROWS) * triton.cdiv(channels, BODY_C),)
     _causal_conv_kernel[grid](

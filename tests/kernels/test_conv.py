@@ -149,6 +149,29 @@ def test_a_round_of_many_rows_convolves_every_lanes_head_as_a_few_row_round_does
         start += seq
 
 
+@pytest.mark.parametrize("head_rows", [2, 8, 32])
+def test_any_head_rows_gives_one_row_a_programs_bits(head_rows: int) -> None:
+    """A sweep's head rows (lane starts side by side in a group, on its last row, and past the first group) change
+    no bit of the outputs or the tails."""
+    lens, slots = [1, 1, 2, 7, 1, 20, 3], [3, 0, 6, 1, 5, 2, 4]
+    inputs = make_inputs(lens, 40, 3, torch.bfloat16, seed=9, slots=7)
+    lanes = lanes_of(lens, slots)
+
+    def run(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tail = inputs["tail"].clone()
+        return causal_conv_update(inputs["x"], tail, inputs["weight"], lanes, 3, "silu", head_rows=rows), tail
+
+    (out, tail), (one_out, one_tail) = run(head_rows), run(1)
+    assert torch.equal(out, one_out) and torch.equal(tail, one_tail)
+
+
+@pytest.mark.parametrize("head_rows", [0, 3, 12])
+def test_head_rows_not_a_power_of_two_is_refused(head_rows: int) -> None:
+    inputs, lanes = make_inputs([2], 8, 1, torch.float32), lanes_of([2], [0])
+    with pytest.raises(ValueError, match="head_rows"):
+        causal_conv_update(inputs["x"], inputs["tail"], inputs["weight"], lanes, head_rows=head_rows)
+
+
 def test_rejects_bad_shapes() -> None:
     inputs, lanes = make_inputs([2], 8, 1, torch.float32), lanes_of([2], [0])
     with pytest.raises(ValueError, match="tail"):
