@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,16 +39,20 @@ class RankEnv:
 
 
 def rank_env(tp: int | None, environ: dict[str, str] | None = None) -> RankEnv:
-    """Read RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; `--tp` must agree with WORLD_SIZE."""
+    """Read RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; `--tp` must agree with WORLD_SIZE, and a
+    world of several ranks needs RANK (each refused by name)."""
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" not in env:
         return RankEnv(world=1) if tp in (None, 1) else RankEnv(world=tp)
-    try:
-        world, rank = int(env["WORLD_SIZE"]), int(env.get("RANK", "0"))
-        local = int(env.get("LOCAL_RANK", str(rank)))
-        port = int(env.get("MASTER_PORT", "29500"))
-    except ValueError as exc:
-        raise SystemExit(f"RANK/LOCAL_RANK/WORLD_SIZE/MASTER_PORT: not integers ({exc})") from exc
+    world = _int_var(env, "WORLD_SIZE")
+    if world > 1 and "RANK" not in env:
+        raise SystemExit(
+            f"RANK: unset while WORLD_SIZE is {world}; start the ranks with torchrun, or unset WORLD_SIZE and pass "
+            "--tp to start them"
+        )
+    rank = _int_var(env, "RANK", "0")
+    local = _int_var(env, "LOCAL_RANK", str(rank))
+    port = _int_var(env, "MASTER_PORT", "29500")
     if not 0 < port < 65536:
         raise SystemExit(f"MASTER_PORT: {port} is not a TCP port")
     if tp is not None and tp != world:
@@ -55,6 +60,15 @@ def rank_env(tp: int | None, environ: dict[str, str] | None = None) -> RankEnv:
     if world not in (1, 2) or not 0 <= rank < world:
         raise SystemExit(f"WORLD_SIZE/RANK: tensor parallel 1 or 2 is supported, got world {world}, rank {rank}")
     return RankEnv(rank, local, world, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def _int_var(env: Mapping[str, str], name: str, default: str | None = None) -> int:
+    """One of torchrun's integer variables (`default` where it is unset), refused by name if it is not an integer."""
+    text = env.get(name, default)
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise SystemExit(f"{name}: {text!r} is not an integer") from None
 
 
 def launches_ranks(env: RankEnv, environ: dict[str, str] | None = None) -> bool:

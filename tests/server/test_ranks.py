@@ -171,3 +171,21 @@ def test_the_handshake_compares_the_settings_that_shape_a_ranks_work(monkeypatch
         assert errors == [None, None]
     else:
         assert all(error is not None and differs in error for error in errors), errors
+
+
+def test_a_world_of_two_without_rank_is_refused_naming_rank():
+    """WORLD_SIZE=2 left in the environment without RANK made `flashnext serve --tp 2` a lone rank 0 (it starts no
+    ranks under WORLD_SIZE) that waited ten times FLASHNEXT_TP_TIMEOUT_S for a rank 1 nobody started, then blamed
+    that timeout; two processes missing RANK were both rank 0."""
+    for tp in (None, 2):
+        with pytest.raises(SystemExit, match=r"^RANK: unset while WORLD_SIZE is 2"):
+            ranks.rank_env(tp, {"WORLD_SIZE": "2", "MASTER_PORT": "29500"})
+    assert ranks.rank_env(None, {"WORLD_SIZE": "1"}).rank == 0  # one rank needs no RANK
+
+
+@pytest.mark.parametrize("name", ["WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"])
+def test_a_torchrun_variable_that_is_no_integer_is_refused_by_its_own_name(name):
+    """The refusal named all four variables at once, leaving the user to find the one at fault."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "29500", name: "one"}
+    with pytest.raises(SystemExit, match=rf"^{name}: 'one' is not an integer$"):
+        ranks.rank_env(None, env)
