@@ -8,6 +8,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from rankwire.errors import FrameError, PeerGone
+from rankwire.wait import wait_readable
 
 MAX_PAYLOAD = 64 << 20
 _PREFIX = struct.Struct("<IQ")
@@ -40,27 +41,36 @@ def send_frame(sock: socket.socket, tag: Tag, payload: bytes = b"") -> None:
         raise PeerGone(f"peer hung up while a {Tag(tag).name} frame was sent: {exc}") from exc
 
 
-def recv_frame(sock: socket.socket) -> Frame:
-    """Read exactly one frame (blocking); raise PeerGone at EOF and FrameError for a malformed prefix."""
-    raw_tag, length = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, "frame prefix"))
+def recv_frame(sock: socket.socket, deadline: float | None = None) -> Frame:
+    """Read exactly one frame, all of it by `deadline` (a time.monotonic() value; None blocks); raise PeerGone at
+    EOF, FrameError for a malformed prefix and TimeoutError for a frame unfinished at the deadline."""
+    raw_tag, length = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, "frame prefix", deadline))
     try:
         tag = Tag(raw_tag)
     except ValueError:
         raise FrameError(f"unknown frame tag {raw_tag}") from None
     if length > MAX_PAYLOAD:
         raise FrameError(f"{tag.name} frame announces {length} bytes, over the {MAX_PAYLOAD}-byte limit")
-    return Frame(tag, _recv_exact(sock, length, f"{tag.name} payload"))
+    return Frame(tag, _recv_exact(sock, length, f"{tag.name} payload", deadline))
 
 
-def _recv_exact(sock: socket.socket, size: int, what: str) -> bytes:
-    """Read exactly `size` bytes, raising PeerGone if the stream ends first."""
+def _recv_exact(sock: socket.socket, size: int, what: str, deadline: float | None) -> bytes:
+    """Read exactly `size` bytes, raising PeerGone if the stream ends first and TimeoutError if `deadline` passes
+    while bytes are missing (with a deadline each read takes what has come and waits, hybrid, for the rest)."""
+    buf = bytearray()
+    flags = 0 if deadline is None else socket.MSG_DONTWAIT
     try:
-        chunk = sock.recv(size)
-        if len(chunk) == size:
-            return chunk
-        buf = bytearray(chunk)
-        while chunk and len(buf) < size:
-            chunk = sock.recv(size - len(buf))
+        while len(buf) < size:
+            try:
+                chunk = sock.recv(size - len(buf), flags)
+            except BlockingIOError:
+                if not wait_readable(sock, deadline):
+                    raise TimeoutError(
+                        f"the {what} stopped after {len(buf)} of {size} bytes and was not whole by the deadline"
+                    ) from None
+                continue
+            if not chunk:
+                break
             buf += chunk
     except ConnectionResetError as exc:
         raise PeerGone(f"peer reset the link while reading the {what}") from exc

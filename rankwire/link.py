@@ -129,7 +129,7 @@ class ControlLink:
         """Receive one frame, turning ERROR into PeerFailed, BYE into PeerGone and the deadline into TimeoutError."""
         if not wait_readable(self.sock, deadline):
             raise TimeoutError(f"no {what} from rank {1 - self.rank} by the deadline")
-        frame = recv_frame(self.sock)
+        frame = recv_frame(self.sock, deadline)
         if frame.tag is Tag.ERROR:
             raise PeerFailed(frame.payload.decode("utf-8", "replace"))
         if frame.tag is Tag.BYE:

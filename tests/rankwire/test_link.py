@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -256,3 +257,36 @@ def test_a_header_where_a_verdict_is_due_is_refused_and_an_error_is_peer_failed(
         rank0.recv_verdict(time.monotonic() + 5)
     with pytest.raises(TimeoutError, match="no round verdict from rank 0 by the deadline"):
         rank1.recv_verdict(time.monotonic() + 0.05)
+
+
+def test_a_frame_left_unfinished_past_the_deadline_is_a_timeout(links: tuple[ControlLink, ControlLink]) -> None:
+    """The deadline covered only a frame's first byte: a peer stalled after part of a frame (stopped, or wedged in
+    its send) held the agreement gate's wait past its deadline for good, where the design asks for a timeout."""
+    rank0, rank1 = links
+    rank1.sock.sendall(struct.pack("<IQ", Tag.VERDICT, 10) + b"abc")
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            rank0.recv_verdict(time.monotonic() + 0.2)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    if waiter.is_alive():
+        rank1.sock.close()  # lets the stuck read end, as a peer's hang-up would
+        waiter.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError), outcome
+    assert "VERDICT payload stopped after 3 of 10 bytes" in str(outcome[0])
+
+
+def test_a_frame_sent_in_pieces_before_the_deadline_arrives_whole(links: tuple[ControlLink, ControlLink]) -> None:
+    rank0, rank1 = links
+    frame = struct.pack("<IQ", Tag.VERDICT, 6) + b"no way"
+    rank1.sock.sendall(frame[:5])
+    sender = threading.Timer(0.1, rank1.sock.sendall, (frame[5:],))
+    sender.start()
+    assert rank0.recv_verdict(time.monotonic() + 30) == "no way"
+    sender.join()
