@@ -106,9 +106,10 @@ FOLLOWER_GRACE_S = 60  # how long a signalled rank 1 waits for rank 0 to stop it
 
 
 def hold_signals_for_rank0(grace_s: float = FOLLOWER_GRACE_S) -> None:
-    """On rank 1: SIGTERM and SIGINT (torchrun sends every rank one; a terminal's Ctrl-C reaches its whole process
-    group) leave the stop to rank 0, which ends rank 1 over the control link once its open responses are done; only
-    if that has not happened `grace_s` after the first signal does rank 1 exit (1) by itself."""
+    """On rank 1, once the control link is up: SIGTERM and SIGINT (torchrun sends every rank one; a terminal's Ctrl-C
+    reaches its whole process group) leave the stop to rank 0, which ends rank 1 over the control link once its open
+    responses are done; only if that has not happened `grace_s` after the first signal does rank 1 exit (1) by
+    itself."""
     deadline: list[threading.Timer] = []
 
     def later(signum: int, _frame) -> None:

@@ -332,8 +332,6 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit(refusal)
     if launches_ranks(ranks):
         return launch(argv, ranks.world)
-    if ranks.rank > 0:
-        hold_signals_for_rank0()
     listener = listen_socket(args.host, args.port) if ranks.rank == 0 else None  # before minutes of loading
     try:
         return serve_rank(args, ranks, env, listener)
@@ -356,6 +354,8 @@ def serve_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings, liste
         except SettingsMismatch as exc:
             log.error("the ranks disagree: %s", exc)
             return 1
+        if ranks.rank > 0:  # not before: until the link is up no rank 0 can stop this rank
+            hold_signals_for_rank0()
     runner = load_rank(args, ranks, env)
     model = runner.model
     if listener is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -189,3 +190,33 @@ def test_a_torchrun_variable_that_is_no_integer_is_refused_by_its_own_name(name)
     env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "29500", name: "one"}
     with pytest.raises(SystemExit, match=rf"^{name}: 'one' is not an integer$"):
         ranks.rank_env(None, env)
+
+
+def test_rank_1_stops_on_sigterm_before_the_control_link_is_up():
+    """Rank 1 held SIGTERM for rank 0 from its first moment, when no rank 0 could stop it yet: a rank 0 that failed
+    at start (its HTTP port in use) left the launcher's SIGTERM to rank 1 ignored until SIGKILL, and a rank 1 waiting
+    on the link ran on to its own timeout. Here rank 0's listener takes the connection and says nothing."""
+    with socket.create_server(("127.0.0.1", 0)) as rank0:
+        env = {
+            **os.environ,
+            "WORLD_SIZE": "2",
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(ranks.free_port()),
+            "FLASHNEXT_LINK_PORT": str(rank0.getsockname()[1]),
+        }
+        rank1 = subprocess.Popen(
+            [sys.executable, "-m", "server", "--device", "cpu"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            rank0.settimeout(120)
+            peer, _ = rank0.accept()  # rank 1 is in the handshake, waiting for rank 0's settings
+            with peer:
+                rank1.send_signal(signal.SIGTERM)
+                code = rank1.wait(timeout=120)
+        finally:
+            if rank1.poll() is None:
+                rank1.kill()
+            rank1.wait()
+    assert code == -signal.SIGTERM, rank1.stderr.read()[-3000:]
