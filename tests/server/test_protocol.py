@@ -55,7 +55,7 @@ def assert_names(error: dict[str, Any], param: str, *words: str) -> None:
         ({"top_p": 1.5}, "top_p", ("1.5",)),
         ({"top_k": -2}, "top_k", ("-2",)),
         ({"min_p": 2}, "min_p", ("2",)),
-        ({"seed": -1}, "seed", ("-1",)),
+        ({"seed": -(2**63) - 1}, "seed", ()),
         ({"seed": 2**63}, "seed", ()),
         ({"max_tokens": 0}, "max_tokens", ("0",)),
         ({"max_completion_tokens": 0}, "max_completion_tokens", ()),
@@ -447,3 +447,16 @@ def test_every_top_k_a_request_may_carry_crosses_the_control_link(top_k: int) ->
     plan = RoundPlan(rows=(LaneRows(0, (1,), 0, draw),))
     assert decode_header(encode_header(plan)) == plan
     assert params.top_k >= 2**31 - 1
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63)])
+def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it_and_crosses_the_control_link(seed: int) -> None:
+    """OpenAI's seed is any signed 64-bit integer, and vLLM takes the same range: a negative seed was a 400."""
+    from rankwire.codec import decode_header, encode_header
+    from rankwire.header import DrawSpec, LaneRows, RoundPlan
+
+    params = parse_request(CompletionRequest, {"prompt": "x", "seed": seed}).sampling_params()
+    assert params.seed == seed
+    draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
+    plan = RoundPlan(rows=(LaneRows(0, (1,), 0, draw),))
+    assert decode_header(encode_header(plan)) == plan
