@@ -346,7 +346,8 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, value: bool | int) -> bool | int:
-        if value is not False:
+        """Refuse asking for logprobs; false, and a top_logprobs of 0 (vLLM's default), change nothing."""
+        if value:
             raise _not_supported("not supported yet")
         return value
 

@@ -132,7 +132,7 @@ def test_missing_messages() -> None:
     [
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 0}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1.0}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -150,6 +150,14 @@ def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) ->
     error = chat_error(**fields)
     assert_names(error, param, "not supported yet")
     assert error["code"] == "unsupported_parameter"
+
+
+def test_a_top_logprobs_of_zero_changes_nothing_and_is_taken() -> None:
+    """vLLM's default top_logprobs is 0, and clients that send their defaults send it: without logprobs it asks for
+    nothing, and was refused as unsupported."""
+    for fields in ({"top_logprobs": 0}, {"logprobs": False, "top_logprobs": 0}):
+        assert parse_request(ChatCompletionRequest, {"messages": USER, **fields}).sampling_params() == SamplingParams()
+    assert_names(chat_error(logprobs=True, top_logprobs=0), "logprobs", "not supported yet")
 
 
 def test_a_message_without_tool_calls_may_say_so() -> None:
