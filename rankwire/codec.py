@@ -12,11 +12,12 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 4
+VERSION = 5  # 5: seeds may be negative
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
 _SIGNED = frozenset("iq")  # columns read as signed, where a negative value (a set top bit) is refused
+_ANY_SIGN = frozenset({"seeds"})  # signed columns that may be negative: a draw takes its seed modulo 2**64
 _KINDS = frozenset(RoundKind)
 _CODES = frozenset(LaneOpCode)
 _MAX_FINITE = math.nextafter(math.inf, 0.0)
@@ -211,9 +212,9 @@ def _pack(code: str, values: Iterable[Any], what: str) -> bytes:
 
 
 def _check_non_negative(code: str, packed: bytes, values: tuple[Any, ...], what: str) -> None:
-    """Refuse a negative value in a signed column (checked on the packed bytes' sign bits)."""
+    """Refuse a negative value in a signed column other than _ANY_SIGN's (checked on the packed bytes' sign bits)."""
     width = _SIZES[code]
-    if code in _SIGNED and not packed[width - 1 :: width].isascii():
+    if code in _SIGNED and what not in _ANY_SIGN and not packed[width - 1 :: width].isascii():
         raise HeaderError(f"{what}: {min(values)} is negative")
 
 

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 8
-MAX_SEED = 2**63 - 1
+# OpenAI's and vLLM's seed range, a signed 64-bit integer; a draw takes the seed modulo 2**64
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # The round header carries top_k in 32 bits; any top_k of the vocabulary's size or more keeps every token.
 MAX_TOP_K = 2**31 - 1
 # Longest offending value, written as JSON, that an error message quotes back to the client.
@@ -222,7 +223,7 @@ class _SamplingRequest(_StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     stream: bool = False
@@ -345,7 +346,8 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, value: bool | int) -> bool | int:
-        if value is not False:
+        """Refuse asking for logprobs; false, and a top_logprobs of 0 (vLLM's default), change nothing."""
+        if value:
             raise _not_supported("not supported yet")
         return value
 

@@ -55,7 +55,7 @@ def assert_names(error: dict[str, Any], param: str, *words: str) -> None:
         ({"top_p": 1.5}, "top_p", ("1.5",)),
         ({"top_k": -2}, "top_k", ("-2",)),
         ({"min_p": 2}, "min_p", ("2",)),
-        ({"seed": -1}, "seed", ("-1",)),
+        ({"seed": -(2**63) - 1}, "seed", ()),
         ({"seed": 2**63}, "seed", ()),
         ({"max_tokens": 0}, "max_tokens", ("0",)),
         ({"max_completion_tokens": 0}, "max_completion_tokens", ()),
@@ -132,7 +132,7 @@ def test_missing_messages() -> None:
     [
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 0}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1.0}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -150,6 +150,14 @@ def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) ->
     error = chat_error(**fields)
     assert_names(error, param, "not supported yet")
     assert error["code"] == "unsupported_parameter"
+
+
+def test_a_top_logprobs_of_zero_changes_nothing_and_is_taken() -> None:
+    """vLLM's default top_logprobs is 0, and clients that send their defaults send it: without logprobs it asks for
+    nothing, and was refused as unsupported."""
+    for fields in ({"top_logprobs": 0}, {"logprobs": False, "top_logprobs": 0}):
+        assert parse_request(ChatCompletionRequest, {"messages": USER, **fields}).sampling_params() == SamplingParams()
+    assert_names(chat_error(logprobs=True, top_logprobs=0), "logprobs", "not supported yet")
 
 
 def test_a_message_without_tool_calls_may_say_so() -> None:
@@ -447,3 +455,16 @@ def test_every_top_k_a_request_may_carry_crosses_the_control_link(top_k: int) ->
     plan = RoundPlan(rows=(LaneRows(0, (1,), 0, draw),))
     assert decode_header(encode_header(plan)) == plan
     assert params.top_k >= 2**31 - 1
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63)])
+def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it_and_crosses_the_control_link(seed: int) -> None:
+    """OpenAI's seed is any signed 64-bit integer, and vLLM takes the same range: a negative seed was a 400."""
+    from rankwire.codec import decode_header, encode_header
+    from rankwire.header import DrawSpec, LaneRows, RoundPlan
+
+    params = parse_request(CompletionRequest, {"prompt": "x", "seed": seed}).sampling_params()
+    assert params.seed == seed
+    draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
+    plan = RoundPlan(rows=(LaneRows(0, (1,), 0, draw),))
+    assert decode_header(encode_header(plan)) == plan
