@@ -208,4 +208,5 @@ def launch(argv: list[str], world: int) -> int:
                 if proc.poll() is None:
                     proc.kill()
         time.sleep(0.05)
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+    code = code or next((p.returncode for p in procs if p.returncode), 0)
+    return 128 - code if code < 0 else code  # a rank a signal ended: the shell's 128 + signal, not sys.exit's 256 - it

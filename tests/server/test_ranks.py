@@ -220,3 +220,18 @@ def test_rank_1_stops_on_sigterm_before_the_control_link_is_up():
                 rank1.kill()
             rank1.wait()
     assert code == -signal.SIGTERM, rank1.stderr.read()[-3000:]
+
+
+def test_a_rank_killed_by_a_signal_ends_the_launcher_with_the_shells_code(monkeypatch):
+    """A rank that dies of SIGTERM makes the launcher exit 143 (128 + 15), as a shell reports it, not -15 (which
+    sys.exit turns into 241)."""
+    real_popen = subprocess.Popen
+    dies = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]
+    monkeypatch.setattr(ranks.subprocess, "Popen", lambda _args, **kwargs: real_popen(dies, **kwargs))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code = ranks.launch(["--tp", "2"], 2)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert code == 128 + signal.SIGTERM
