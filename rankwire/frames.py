@@ -37,7 +37,7 @@ def send_frame(sock: socket.socket, tag: Tag, payload: bytes = b"") -> None:
         raise FrameError(f"frame payload of {len(payload)} bytes exceeds the {MAX_PAYLOAD}-byte limit")
     try:
         sock.sendall(_PREFIX.pack(Tag(tag), len(payload)) + payload)
-    except (BrokenPipeError, ConnectionResetError) as exc:
+    except OSError as exc:  # a hang-up, or the link lost (keepalive's timeout, an unreachable host)
         raise PeerGone(f"peer hung up while a {Tag(tag).name} frame was sent: {exc}") from exc
 
 
@@ -72,8 +72,10 @@ def _recv_exact(sock: socket.socket, size: int, what: str, deadline: float | Non
             if not chunk:
                 break
             buf += chunk
-    except ConnectionResetError as exc:
-        raise PeerGone(f"peer reset the link while reading the {what}") from exc
+    except OSError as exc:
+        if exc.errno is None:  # the deadline's own TimeoutError, not the socket's
+            raise
+        raise PeerGone(f"the link failed while reading the {what}: {exc}") from exc
     if len(buf) < size:
         got = f" after {len(buf)} of {size} bytes" if buf else ""
         raise PeerGone(f"peer closed the link while reading the {what}{got}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import struct
 import threading
@@ -79,3 +81,26 @@ def test_sending_to_a_closed_peer_is_peer_gone(pair: tuple[socket.socket, socket
     b.close()
     with pytest.raises(PeerGone, match="HEADER"):
         send_frame(a, Tag.HEADER, b"x")
+
+
+class LostLink:
+    """A socket whose link is lost as keepalive or routing report it: every call raises that OSError."""
+
+    def __init__(self, code: int) -> None:
+        self.error = OSError(code, os.strerror(code))
+
+    def recv(self, *_args) -> bytes:
+        raise self.error
+
+    def sendall(self, _data: bytes) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("code", [errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ECONNABORTED])
+def test_a_lost_link_is_peer_gone_in_either_direction(code: int) -> None:
+    """Not only a reset: keepalive's timeout or an unreachable host end the link as the peer's hang-up does, so a
+    rank says that its peer went away instead of dying with a traceback."""
+    with pytest.raises(PeerGone, match=os.strerror(code)):
+        recv_frame(LostLink(code))  # type: ignore[arg-type]
+    with pytest.raises(PeerGone, match=os.strerror(code)):
+        send_frame(LostLink(code), Tag.HEADER, b"x")  # type: ignore[arg-type]
