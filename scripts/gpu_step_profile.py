@@ -10,12 +10,13 @@ timeout 400 torchrun --nproc-per-node 2 scripts/gpu_step_profile.py --out DIR [-
 (--nproc-per-node 1 runs the model whole, tp=1, on one GPU; --peer-sums at two: the combines inside the hyper writes)
 python3 scripts/gpu_step_profile.py --out DIR --alone-as 2 ...   # rank 0's half on one GPU, no links (timing only)
     [--random-tokens VOCAB]   # prompts and rows of random tokens below VOCAB, so lanes route as served ones do
-    [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS)
+    [--prompt ROWS]           # a prompt pass as a served prompt round makes it (ROWS <= POSITIONS), and the MTP
+                              # layer's pass over its rows
     [--chrome-trace]          # the kernels, with their streams, of one lane's profiled rounds (DIR/step_trace.json.gz),
                               # the most lanes' (DIR/step_trace_N.json.gz) and the verify rounds'
                               # (DIR/step_trace_verify.json.gz); not of the prompt ones
 # DIR/step_profile.txt (one lane), step_profile_N.txt (the most lanes), step_profile_verify.txt,
-# step_profile_prompt.txt, step_profile.json
+# step_profile_prompt.txt, step_profile_prompt_mtp.txt, step_profile.json
 """
 
 from __future__ import annotations
@@ -109,6 +110,22 @@ def restore_length(lane: LaneState, length: int) -> None:
     lane.length = length
     for cache in lane.attention.values():
         cache.length = min(cache.length, length)
+
+
+def mtp_prompt_pass(
+    model: FlashNextModel, lane: LaneState, rows: int, vocab: int, rng: random.Random | None
+) -> Callable[[], torch.Tensor]:
+    """A pass of the MTP layer over a `rows`-row prompt's wide states from position 0, asking for the last row's
+    logits only (a served prompt round's drafting lane); each pass writes the same positions, so it repeats."""
+    restore_length(lane, 0)
+    batch = decode_batch([lane], rows, vocab, rng)
+    hidden = model(batch).hidden
+    last = torch.tensor([rows - 1], device=hidden.device)
+
+    def run() -> torch.Tensor:
+        return model.mtp_forward(batch, hidden, logit_rows=last)[0]
+
+    return run
 
 
 def per_round(events, rounds: int) -> list[dict]:
@@ -324,6 +341,11 @@ def run(args: argparse.Namespace, tp: TensorParallel) -> int:
             print(json.dumps({"prompt": prompt_report}), flush=True)
         tables["_prompt"], busy["prompt"] = profile(prompt_pass, f"a {args.prompt}-row prompt pass", rank, rounds=3)
         syncs["prompt"] = sync_sites(prompt_pass)
+        if model.mtp is not None:  # the MTP layer's pass over the same rows, as a served prompt round makes it
+            tables["_prompt_mtp"], busy["prompt_mtp"] = profile(
+                mtp_prompt_pass(model, lanes[0], args.prompt, vocab, rng), f"the MTP's {args.prompt}-row pass", rank,
+                rounds=3,
+            )  # fmt: skip
     if rank == 0:
         print(json.dumps({"host waits": syncs}), flush=True)
     if rank == 0:

@@ -75,3 +75,19 @@ def test_a_profile_writes_its_rounds_as_a_gzipped_chrome_trace(tmp_path: Path, m
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     assert sum("cumsum" in event.get("name", "") for event in events) >= 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_trace.json.gz"]
+
+
+def test_the_mtp_prompt_pass_gives_the_last_rows_logits_and_repeats() -> None:
+    """The profiled MTP pass over a prompt's rows asks for the last row's logits only, and a second pass (the profile
+    runs three) gives the first one's, with the layer's cache as long as the prompt."""
+    import random
+
+    from model.shipped import SHIPPED_MODEL
+    from model.weights import load_model
+
+    model = load_model(SHIPPED_MODEL)
+    lane = model.new_lane()
+    run = gpu_step_profile.mtp_prompt_pass(model, lane, 5, 200, random.Random(0))
+    first, second = run(), run()
+    assert first.shape[0] == 1 and torch.equal(first, second)
+    assert lane.mtp_length == 5 and lane.mtp_attention.length == 5
