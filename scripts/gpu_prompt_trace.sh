@@ -2,8 +2,9 @@
 # Where a served cold prompt's time goes, on rank 0's half of the real shapes alone (serve_alone.py, dummy weights,
 # prompt cache off, FLASHNEXT_ROUND_TRACE): each prompt length in PROMPTS (default "1024 8192") sent cold REPEATS+1
 # times (default 3), then the trace's rounds summarised by kind (trace_summary.py: host phases and GPU spans); then,
-# with PROFILE_ROWS set (default 1024, at most 8192; empty skips it), gpu_step_profile.py's kernel table of that many rows' eager
-# prompt pass. SERVE_ARGS defaults to an 80 GB GPU's `--max-lanes 8 --prompt-budget 1024`.
+# with PROFILE_ROWS set (default 1024, at most 8192; empty skips it), gpu_step_profile.py's busy time of that many rows'
+# eager prompt pass and of the MTP layer's pass over them, with the MTP pass's kernels. SERVE_ARGS defaults to an
+# 80 GB GPU's `--max-lanes 8 --prompt-budget 1024`.
 # Usage, from the repo root there (carry .whl):  bash scripts/gpu_prompt_trace.sh   # logs under $OUT
 set -u
 : "${OUT:?set OUT to the folder for logs}"
@@ -36,6 +37,6 @@ if [ -n "${PROFILE_ROWS-1024}" ]; then
   timeout 300 python3 scripts/gpu_step_profile.py --out "$OUT/profile" --alone-as 2 --lanes 1 --rounds 5 \
     --random-tokens 200000 --context 8192 --prompt "$rows" > "$OUT/profile.log" 2>&1
   echo "step profile rc=$? $(since)"
-  grep '"prompt"' "$OUT/profile.log"
-  head -45 "$OUT/profile/step_profile_prompt.txt"
+  grep -E '"prompt"|^busy time, a .*prompt|^busy time, the MTP' "$OUT/profile.log"
+  grep -A14 "^kernels, the MTP" "$OUT/profile.log"
 fi
