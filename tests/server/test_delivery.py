@@ -182,8 +182,8 @@ def test_the_last_round_before_a_stop_still_hands_its_tokens_over(tmp_path) -> N
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
 
     class StopsAfterTwoRounds(RecordingRunner):
-        def finish(self, launched):
-            results = super().finish(launched)
+        def finish(self, launched, tokens_known=None):
+            results = super().finish(launched, tokens_known)
             if len(self.rounds) == 2:
                 with engine.cond:
                     engine.stopped = True
@@ -251,8 +251,8 @@ def test_a_failure_in_the_engines_own_work_ends_its_requests_and_stops_it(tmp_pa
     from server.engine import EngineStopped
 
     class OneResultShort(ModelRunner):
-        def finish(self, launched):
-            return super().finish(launched)[:-1]
+        def finish(self, launched, tokens_known=None):
+            return super().finish(launched, tokens_known)[:-1]
 
     model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
     fatal: list[str] = []
@@ -291,6 +291,7 @@ def test_a_failed_round_that_another_rank_ran_too_ends_every_request_with_its_er
     engine.submit(Request("r0", [5, 9, 14, 3], 4, GREEDY, frozenset(), outcome.sink))
     try:
         assert outcome.done.wait(60), "the request was never ended"
+        engine.thread.join(10)  # the server is told after the requests' ends are delivered
         assert (outcome.finish, outcome.error) == ("error", "the round failed: out of memory")
         assert fatal == ["the round failed: out of memory"]
     finally:
