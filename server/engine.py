@@ -16,7 +16,7 @@ from server.metrics import EngineMetrics
 from server.prompt_cache import Kept, PromptCache, prefix_digests
 
 if TYPE_CHECKING:  # the front-end process imports this module for Request and Update: it needs no torch
-    from server.runner import LaunchedRound, ModelRunner
+    from server.runner import LaneResult, LaunchedRound, ModelRunner
 
 log = logging.getLogger(__name__)
 FRONT_END_FINISHES = ("abort", "stop")  # the reasons a request may be ended from outside the engine
@@ -397,17 +397,36 @@ class Engine:
         return flight.launched.ahead_safe and not wants_drafts
 
     def _complete(self, flight: Flight) -> None:
-        """Finish a launched round and hand each lane's kept tokens to its request."""
+        """Finish a launched round and hand each lane's kept tokens to its request: while the MTP chain runs, if the
+        round drafts (delivered then, not after its drafts are read back), else once it is finished."""
+        taken: dict[int, tuple[int, ...]] = {}  # by id(request): the tokens a request kept and goes on after
+        told: list[bool] = []
+
+        def tokens_known(results: list[LaneResult]) -> None:
+            told.append(True)
+            self._take_tokens(flight, results, taken)
+            self._flush()
+
         try:
-            results = self.runner.finish(flight.launched)
+            results = self.runner.finish(flight.launched, tokens_known=tokens_known)
         except Exception as exc:
             self._failed(flight, exc)
             return
-        now = time.monotonic()
+        if not told:
+            self._take_tokens(flight, results, taken)
         with self.cond:
             for digest, kept in flight.keeps:
                 kept.nbytes = self.runner.kept_bytes(kept.handle)
                 self.ops += [LaneOp(LaneOpCode.DROP, 0, h) for h in self.cache.add(digest, kept)]
+            for request, result in zip(flight.requests, results, strict=True):
+                if id(request) in taken and request in self.running:
+                    self._propose(request, taken[id(request)], result.drafts)
+
+    def _take_tokens(self, flight: Flight, results: list[LaneResult], taken: dict[int, tuple[int, ...]]) -> None:
+        """Each lane's kept tokens to its request (ending it at a stop or its length), or its draw's error; `taken`
+        gets the tokens of each request that goes on."""
+        now = time.monotonic()
+        with self.cond:
             for rows, request, result in zip(flight.plan.rows, flight.requests, results, strict=True):
                 if request not in self.running:
                     continue  # it ended after this round was planned (a stop token the round before, an abort)
@@ -415,7 +434,8 @@ class Engine:
                 if result.tokens:
                     self._count_drafts(len(rows.drafts), result.accepted)
                     self._adapt_depth(request, len(rows.drafts), result.accepted)
-                    self._keep(request, result.tokens, result.drafts, now)
+                    if self._keep(request, result.tokens, now):
+                        taken[id(request)] = result.tokens
                 if result.error is not None and request in self.running:  # a draw of its own failed
                     self._finish(request, Update((), "error", result.error, error_param=result.error_param))
 
@@ -447,8 +467,8 @@ class Engine:
             request.slot, request.prefilled, request.cached, request.keeps = None, 0, 0, []
             self.waiting.appendleft(request)
 
-    def _keep(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...], now: float) -> None:
-        """Append a round's tokens, stopping at a stop token or max_tokens; plan the lane's next drafts."""
+    def _keep(self, request: Request, tokens: tuple[int, ...], now: float) -> bool:
+        """Append a round's tokens, stopping at a stop token or max_tokens; whether the request goes on."""
         taken: list[int] = []
         for token in tokens:
             self._record_token(request, now)
@@ -456,16 +476,21 @@ class Engine:
             taken.append(token)
             if token in request.stop_ids:
                 self._finish(request, Update(tuple(taken), "stop"))
-                return
+                return False
             if len(request.output) >= request.max_tokens:
                 self._finish(request, Update(tuple(taken), "length"))
-                return
+                return False
+        self.outbox.append((request, Update(tuple(taken))))
+        return True
+
+    def _propose(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...]) -> None:
+        """Plan the lane's next drafts from its text with the round's new tokens and the MTP layer's drafts (lock
+        held)."""
         if request.draft and self.draft_depth:
             if request.history is None:
                 request.history = History(request.prompt_ids)
-            request.history.extend(taken)
+            request.history.extend(tokens)
             request.drafts = self.drafter.propose(request.history, request.depth, mtp)
-        self.outbox.append((request, Update(tuple(taken))))
 
     def _adapt_depth(self, request: Request, drafted: int, accepted: int) -> None:
         """One more draft after a window kept whole, one fewer after a window that kept none (at least one, at most

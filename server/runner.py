@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -251,9 +252,13 @@ class ModelRunner:
         self.unfinished = LaunchedRound(plan, held, out, HostCopy(drawn), replays)
         return self.unfinished
 
-    def finish(self, launched: LaunchedRound) -> list[LaneResult]:
+    def finish(
+        self, launched: LaunchedRound, tokens_known: Callable[[list[LaneResult]], None] | None = None
+    ) -> list[LaneResult]:
         """Complete a launched round: read its draws, keep each lane's accepted prefix, restore the lanes whose
-        drafts were rejected, then absorb the kept rows into the MTP layer and chain new drafts."""
+        drafts were rejected, then absorb the kept rows into the MTP layer and chain new drafts. `tokens_known`, if
+        given, gets the lanes' results without drafts while the MTP chain runs, before the wait for its drafts (so
+        the tokens can be delivered meanwhile); it is not called in a round that waits for no drafts."""
         if self.unfinished is launched:
             self.unfinished = None
         plan, segments, out, trace = launched.plan, launched.segments, launched.out, self.trace
@@ -279,7 +284,7 @@ class ModelRunner:
         self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)
         trace.mark("verify")
         if mtp_rows:
-            drafts = self._draft(plan.rows, mtp_rows)
+            drafts = self._draft(plan.rows, mtp_rows, None if tokens_known is None else partial(tokens_known, results))
             results = [
                 LaneResult(r.tokens, drafts.get(rows.slot, ()), r.error, r.error_param)
                 for r, rows in zip(results, plan.rows, strict=True)
@@ -396,10 +401,12 @@ class ModelRunner:
             hidden = hidden[:-1]
         return _MtpRows(rows.slot, hidden, next_tokens, start)
 
-    def _draft(self, plan_rows: tuple[LaneRows, ...], mtp_rows: list[_MtpRows]) -> dict[int, tuple[int, ...]]:
+    def _draft(
+        self, plan_rows: tuple[LaneRows, ...], mtp_rows: list[_MtpRows], before_wait: Callable[[], None] | None
+    ) -> dict[int, tuple[int, ...]]:
         """Absorb every lane's rows into the MTP layer, then chain greedy drafts to each lane's depth. The chain's
         tokens stay on the device, so each step is launched while the one before runs; they reach the host in one
-        copy at the end."""
+        copy at the end, which `before_wait` (if given) runs just before."""
         device = self.model.device
         depth = {rows.slot: rows.draft_depth if rows.draw is not None else 0 for rows in plan_rows}
         live = [m for m in mtp_rows if m.tokens]
@@ -435,6 +442,8 @@ class ModelRunner:
             drawn = _argmaxes(logits, self.model.kernels)
             steps.append((lanes, drawn))
         drafts: dict[int, list[int]] = {}
+        if before_wait is not None:
+            before_wait()
         chained = torch.cat([tokens for _, tokens in steps]).tolist()  # the round's one copy of its drafts
         for slot, token in zip((s for lanes, _ in steps for s in lanes), chained, strict=True):
             drafts.setdefault(slot, []).append(token)

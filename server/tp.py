@@ -55,8 +55,10 @@ class LinkedRunner:
             self.runner.trace.mark("link")
             return self.runner.launch(plan, launched)
 
-    def finish(self, launched: LaunchedRound) -> list[LaneResult]:
-        return self.runner.finish(launched)
+    def finish(
+        self, launched: LaunchedRound, tokens_known: Callable[[list[LaneResult]], None] | None = None
+    ) -> list[LaneResult]:
+        return self.runner.finish(launched, tokens_known)
 
     def close(self) -> None:
         """Tell rank 1 to stop, if it is still there."""

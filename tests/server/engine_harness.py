@@ -44,8 +44,8 @@ class RecordingRunner(ModelRunner):
         self.ahead += self.unfinished is not None  # launched before the round before it was finished
         return super().launch(plan, launched)
 
-    def finish(self, launched):
-        results = super().finish(launched)
+    def finish(self, launched, tokens_known=None):
+        results = super().finish(launched, tokens_known)
         self.plans.append(launched.plan)
         self.rounds.append(results)
         return results

@@ -28,8 +28,8 @@ class MtpReach(RecordingRunner):
         super().__init__(model, max_lanes)
         self.reach = 0
 
-    def finish(self, launched):
-        results = super().finish(launched)
+    def finish(self, launched, tokens_known=None):
+        results = super().finish(launched, tokens_known)
         self.reach = max([self.reach, *(lane.mtp_length for lane in self.slots if lane is not None)])
         return results
 

@@ -297,3 +297,38 @@ def test_a_failed_round_that_another_rank_ran_too_ends_every_request_with_its_er
     finally:
         engine.stop()
         theirs.close()
+
+
+def test_a_drafting_rounds_tokens_are_delivered_while_its_mtp_chain_runs(tmp_path) -> None:
+    """A round that drafts hands its tokens over before it waits for the MTP chain's drafts (inside the runner's
+    finish), not after, when the next round is launched: the chain's time is no longer in every token's latency,
+    the first one's included. The tokens are those of the same requests served without drafts."""
+    events: list[str] = []
+    told: list[tuple[list, list]] = []  # (what tokens_known got, what finish returned) in rounds that told early
+
+    class Watched(ModelRunner):
+        def finish(self, launched, tokens_known=None):
+            events.append("finish")
+            early: list = []
+            results = super().finish(launched, lambda got: (early.append(list(got)), tokens_known(got)))
+            events.append("finished")
+            told.extend((got, results) for got in early)
+            return results
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    engine = Engine(Watched(model, 2), context=256, prompt_budget=64, draft_depth=3)
+    engine.deliver = lambda batch: (events.append("deliver"), deliver_each(batch))
+    drafted = serve(engine, 2, 6)
+    undrafted = serve(Engine(ModelRunner(model, 2), context=256, prompt_budget=64), 2, 6)
+    assert [o.tokens for o in drafted] == [o.tokens for o in undrafted]
+    assert all(o.finish == "length" for o in drafted)
+    inside, where = False, []
+    for event in events:
+        inside = event == "finish" or (inside and event != "finished")
+        if event == "deliver":
+            where.append(inside)
+    assert where and all(where), f"deliveries inside a finish: {where}"
+    assert told and all(len(got) == len(results) for got, results in told)
+    for got, results in told:  # the same tokens, before the drafts were known; the drafts came after
+        assert [r.tokens for r in got] == [r.tokens for r in results] and not any(r.drafts for r in got)
+    assert any(r.drafts for _, results in told for r in results)

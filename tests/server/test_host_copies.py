@@ -61,8 +61,8 @@ def test_a_rounds_forward_reads_nothing_back_and_its_drafts_come_back_in_one_cop
     drafted: list[int] = []
     draft = ModelRunner._draft
 
-    def counted(self, plan_rows, mtp_rows):
-        drafts = draft(self, plan_rows, mtp_rows)
+    def counted(self, plan_rows, mtp_rows, before_wait=None):
+        drafts = draft(self, plan_rows, mtp_rows, before_wait)
         drafted.append(max(map(len, drafts.values()), default=0))
         return drafts
 
@@ -94,9 +94,14 @@ def test_segment_starts_come_from_the_host_when_the_batch_has_them(monkeypatch) 
         segment_starts(ForwardBatch(batch.token_ids, torch.tensor([10, 11, 12, 4, 6]), segments))
 
 
-def draft_step_by_step(self: ModelRunner, plan_rows, mtp_rows: list[_MtpRows]) -> dict[int, tuple[int, ...]]:
+def draft_step_by_step(
+    self: ModelRunner, plan_rows, mtp_rows: list[_MtpRows], before_wait=None
+) -> dict[int, tuple[int, ...]]:
     """The MTP chain as the host would step it, one lane at a time: each draft read back as it is drawn, the next
-    step's row built from that host token and the lane's wide state of the step before."""
+    step's row built from that host token and the lane's wide state of the step before (`before_wait`, the round's
+    tokens handed over, first)."""
+    if before_wait is not None:
+        before_wait()
     depth = {rows.slot: rows.draft_depth if rows.draw is not None else 0 for rows in plan_rows}
     live = [m for m in mtp_rows if m.tokens]
     if not live:
