@@ -43,7 +43,8 @@ def test_rounds_through_graphs_give_the_eager_rounds_tokens_drafts_and_kept_stat
     got_tokens, got_rounds, got_kept, graphs = serve(True)
     assert graphs.replays["prompt"] >= 1 and graphs.replays["verify"] >= 1 and graphs.replays["mtp"] >= 1
     assert len(kept) >= 3  # the grid's and the last-but-one keeps, read after the round's MTP pass
-    assert got_tokens == tokens and got_rounds == rounds
+    # rounds with rows (a last round that only frees the lane runs or not, as the engine stops before it or after)
+    assert got_tokens == tokens and [r for r in got_rounds if r] == [r for r in rounds if r]
     assert got_kept.keys() == kept.keys()
     for handle, (length, tensors) in kept.items():
         assert got_kept[handle][0] == length
