@@ -401,15 +401,22 @@ class Engine:
         round drafts (delivered then, not after its drafts are read back), else once it is finished."""
         taken: dict[int, tuple[int, ...]] = {}  # by id(request): the tokens a request kept and goes on after
         told: list[bool] = []
+        own: list[Exception] = []  # a failure of the engine's own work inside the runner's call
 
         def tokens_known(results: list[LaneResult]) -> None:
             told.append(True)
-            self._take_tokens(flight, results, taken)
-            self._flush()
+            try:
+                self._take_tokens(flight, results, taken)
+                self._flush()
+            except Exception as exc:
+                own.append(exc)
+                raise
 
         try:
             results = self.runner.finish(flight.launched, tokens_known=tokens_known)
         except Exception as exc:
+            if own:  # the engine's bookkeeping or a sink failed, not the round: it stops the engine as elsewhere
+                raise own[0] from None
             self._failed(flight, exc)
             return
         if not told:

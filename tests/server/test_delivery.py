@@ -7,6 +7,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from model.weights import load_model
 from rankwire.header import DrawSpec
@@ -332,3 +333,62 @@ def test_a_drafting_rounds_tokens_are_delivered_while_its_mtp_chain_runs(tmp_pat
     for got, results in told:  # the same tokens, before the drafts were known; the drafts came after
         assert [r.tokens for r in got] == [r.tokens for r in results] and not any(r.drafts for r in got)
     assert any(r.drafts for _, results in told for r in results)
+
+
+def test_a_failure_of_the_engines_own_work_in_a_drafting_rounds_hand_over_stops_the_engine(tmp_path) -> None:
+    """The hand-over inside a drafting round's finish is the engine's own work (its bookkeeping, metrics, sinks): a
+    failure there stops the engine and tells the server, as it does anywhere else, and is not taken for the round's
+    failure (which at one rank would end only that round's requests and carry on)."""
+    from server.metrics import EngineMetrics
+
+    class Broken:
+        def observe(self, _: float) -> None:
+            raise RuntimeError("a metric broke")
+
+    metrics = EngineMetrics("m")
+    metrics.time_to_first_token = Broken()
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    fatal: list[str] = []
+    engine = Engine(
+        ModelRunner(model, 1), context=256, prompt_budget=64, draft_depth=3, on_fatal=fatal.append, metrics=metrics
+    )
+    outcome = Outcome()
+    engine.start()
+    try:
+        engine.submit(Request("r0", [5, 9, 14, 3], 4, GREEDY, frozenset(), outcome.sink))
+        assert outcome.done.wait(60), "the request was never ended"
+        engine.thread.join(10)
+        assert outcome.error.startswith("the engine failed: RuntimeError: a metric broke"), outcome.error
+        assert len(fatal) == 1 and not engine.thread.is_alive()
+    finally:
+        engine.stop()
+
+
+def test_a_drafting_rounds_tokens_are_delivered_before_its_drafts_are_read_back(tmp_path) -> None:
+    """The hand-over comes before the MTP chain's one read-back (its `.tolist()` in `_draft`), not merely somewhere
+    inside finish: that wait is what it keeps out of the tokens' latency."""
+    events: list[str] = []
+    real = torch.Tensor.tolist
+
+    class Watched(ModelRunner):
+        def _draft(self, plan_rows, mtp_rows, before_wait=None):
+            def tolist(t):
+                events.append("tolist")
+                return real(t)
+
+            torch.Tensor.tolist = tolist
+            try:
+                drafts = super()._draft(plan_rows, mtp_rows, before_wait)
+            finally:
+                torch.Tensor.tolist = real
+            if drafts:  # the chain ran: its read-back is this call's last tolist
+                events[max(i for i, e in enumerate(events) if e == "tolist")] = "read drafts"
+            return drafts
+
+    model = load_model(checkpoint(tmp_path / "m"), dtype="float32")
+    engine = Engine(Watched(model, 1), context=256, prompt_budget=64, draft_depth=3)
+    engine.deliver = lambda batch: (events.append("deliver"), deliver_each(batch))
+    (outcome,) = serve(engine, 1, 6)
+    assert outcome.finish == "length"
+    reads = [i for i, e in enumerate(events) if e == "read drafts"]
+    assert reads and all(events[i - 1] == "deliver" for i in reads), events
