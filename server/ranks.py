@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import logging
 import os
 import signal
@@ -146,6 +147,19 @@ def control_link_port(ranks: RankEnv, link_port: int | None) -> int:
     if ranks.master_port >= 65535:
         raise SystemExit(f"FLASHNEXT_LINK_PORT: unset, and MASTER_PORT {ranks.master_port} has no port after it")
     return ranks.master_port + 1
+
+
+def control_link_host(master_addr: str) -> str:
+    """Where rank 0 listens for the control link: the loopback interface when MASTER_ADDR is an IPv4 loopback address
+    or localhost (the ranks share a host; no other host can then reach a link that takes the first peer to connect),
+    else every interface."""
+    if master_addr == "localhost":
+        return "127.0.0.1"
+    with contextlib.suppress(ValueError):
+        address = ipaddress.ip_address(master_addr)
+        if address.version == 4 and address.is_loopback:
+            return master_addr
+    return "0.0.0.0"
 
 
 def rank_environments(world: int, environ: dict[str, str]) -> list[dict[str, str]]:

@@ -31,6 +31,7 @@ from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
 from server.ranks import (
     RankEnv,
+    control_link_host,
     control_link_port,
     hold_signals_for_rank0,
     init_group,
@@ -257,7 +258,7 @@ def connect_ranks(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) ->
     port = control_link_port(ranks, env.link_port)
     if ranks.rank == 0:
         try:
-            listener = ControlLink.listen("0.0.0.0", port)
+            listener = ControlLink.listen(control_link_host(ranks.master_addr), port)
         except OSError as exc:
             where = "as set" if env.link_port else "unset, it is MASTER_PORT + 1"
             raise SystemExit(

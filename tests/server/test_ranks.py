@@ -235,3 +235,33 @@ def test_a_rank_killed_by_a_signal_ends_the_launcher_with_the_shells_code(monkey
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert code == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("master_addr", "host"),
+    [("127.0.0.1", "127.0.0.1"), ("127.0.0.2", "127.0.0.2"), ("localhost", "127.0.0.1"), ("10.1.2.3", "0.0.0.0"),
+     ("node-7", "0.0.0.0"), ("::1", "0.0.0.0")],
+)  # fmt: skip
+def test_the_control_link_listens_on_loopback_when_the_master_is_this_host(master_addr, host):
+    """Rank 0 takes the first peer that connects to the control link: with the ranks on one host (the `--tp`
+    launcher's MASTER_ADDR, 127.0.0.1) no other host may reach it; a master named otherwise keeps every interface."""
+    assert ranks.control_link_host(master_addr) == host
+
+
+def test_rank_0_listens_for_the_link_where_control_link_host_says(monkeypatch):
+    """`connect_ranks` asks `control_link_host` for rank 0's interface (it listened on every one, whatever the
+    master)."""
+    from server import serve
+    from server.settings import read_environment
+
+    listened: list[tuple[str, int]] = []
+
+    def listen(host: str, port: int):
+        listened.append((host, port))
+        raise OSError(98, "stop here")
+
+    monkeypatch.setattr(serve.ControlLink, "listen", staticmethod(listen))
+    env = ranks.rank_env(None, {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    with pytest.raises(SystemExit, match="FLASHNEXT_LINK_PORT"):
+        serve.connect_ranks(None, env, read_environment({}))
+    assert listened == [("127.0.0.1", 29501)]
