@@ -7,7 +7,8 @@
 # Usage, from the repo root there (carry .whl and BEFORE):  BEFORE=build/before_conv bash scripts/gpu_prompt_ab.sh
 set -u
 : "${OUT:?set OUT to the folder for logs}" "${BEFORE:?set BEFORE to the other tree folder}"
-cp -r .whl "$BEFORE/" && cp scripts/gpu_serve.sh scripts/serve_alone.py scripts/bench_cache.py "$BEFORE/scripts/"
+cp -r .whl "$BEFORE/" && cp scripts/gpu_serve.sh scripts/serve_alone.py scripts/bench_cache.py scripts/openai_stream.py \
+  "$BEFORE/scripts/"
 source scripts/gpu_serve.sh
 here=$PWD
 export SERVE_CMD="python3 scripts/serve_alone.py --alone-as 2"

@@ -26,15 +26,21 @@ from tests.server.test_tp_server import stop, wait_healthy
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serve_with_no_model_answers_a_chat_request():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
+def spawn_server(*flags: str, **env: str) -> subprocess.Popen:
+    """`python -m server --host 127.0.0.1 FLAGS` from the repo root, its stderr piped, with `env` added to ours."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "server", "--host", "127.0.0.1", *flags],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "TQDM_DISABLE": "1", **env},
     )
+
+
+def test_serve_with_no_model_answers_a_chat_request():
+    port = free_port()
+    proc = spawn_server("--port", str(port))
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -481,14 +487,7 @@ def test_a_chat_template_with_a_syntax_error_is_refused_before_the_model_loads(t
 
 def test_the_start_log_gives_the_address_with_the_port_bound(tmp_path):
     """--port 0 binds a free port, which the log line says, so a client can find it."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", "0", "--api-key", "k"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TQDM_DISABLE": "1"},
-    )
+    proc = spawn_server("--port", "0", "--api-key", "k")
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     try:
@@ -554,14 +553,7 @@ def test_an_engine_that_fails_between_rounds_ends_the_request_and_the_server_exi
     trace = tmp_path / "trace"
     trace.mkdir()
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TQDM_DISABLE": "1", "FLASHNEXT_ROUND_TRACE": str(trace)},
-    )
+    proc = spawn_server("--port", str(port), FLASHNEXT_ROUND_TRACE=str(trace))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, [proc])
