@@ -219,7 +219,13 @@ def build_app(state: ServerState) -> FastAPI:
             "reasoning_content": outcome.reasoning or None,
             "reasoning": outcome.reasoning or None,
         }
-        choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": None}
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": outcome.finish_reason,
+            "stop_reason": outcome.stop_reason,
+            "logprobs": None,
+        }
         return respond("chatcmpl", "chat.completion", choice, outcome, prompt_ids, body.return_token_ids)
 
     @app.post("/v1/completions")
@@ -237,7 +243,13 @@ def build_app(state: ServerState) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(completion_chunks(generation, body.return_token_ids, include_usage))
         outcome = await wait(request, generation)
-        choice = {"index": 0, "text": outcome.content, "finish_reason": outcome.finish_reason, "logprobs": None}
+        choice = {
+            "index": 0,
+            "text": outcome.content,
+            "finish_reason": outcome.finish_reason,
+            "stop_reason": outcome.stop_reason,
+            "logprobs": None,
+        }
         return respond("cmpl", "text_completion", choice, outcome, prompt_ids, body.return_token_ids)
 
     def respond(prefix, kind, choice, outcome: Outcome, prompt_ids, with_ids: bool) -> dict[str, Any]:
@@ -300,13 +312,19 @@ def build_app(state: ServerState) -> FastAPI:
 
         def frame(piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": None,
+                "stop_reason": None,
+                "logprobs": None,
+            }
             if piece is not None:
                 if piece.content or not piece.reasoning:
                     delta["content"] = piece.content
                 if piece.reasoning:
                     delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
-                choice["finish_reason"] = piece.finish_reason
+                choice.update(finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {
@@ -324,11 +342,17 @@ def build_app(state: ServerState) -> FastAPI:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
 
         def frame(piece) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "text": "", "finish_reason": None, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": "",
+                "finish_reason": None,
+                "stop_reason": None,
+                "logprobs": None,
+            }
             if piece is None and with_ids:  # the first chunk (the usage chunk's choices are replaced)
                 choice["prompt_token_ids"] = generation.prompt_ids
             if piece is not None:
-                choice.update(text=piece.content, finish_reason=piece.finish_reason)
+                choice.update(text=piece.content, finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {

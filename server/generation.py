@@ -25,6 +25,7 @@ class Piece:
     content: str = ""
     reasoning: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it; None for EOS
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class Outcome:
     content: str = ""
     reasoning: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     cached_tokens: int = 0
 
 
@@ -73,6 +75,7 @@ class Generation:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None
         self.stops = StopMatcher(params.stop, include=params.include_stop_str_in_output)
         self.speak_stop_token = params.include_stop_str_in_output
+        self.stop_token_ids = frozenset(params.stop_token_ids)  # the request's own: reported as its stop_reason
         self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
         self.done = False
 
@@ -105,7 +108,7 @@ class Generation:
             outcome.token_ids += piece.token_ids
             outcome.content += piece.content
             outcome.reasoning += piece.reasoning
-            outcome.finish_reason = piece.finish_reason
+            outcome.finish_reason, outcome.stop_reason = piece.finish_reason, piece.stop_reason
         outcome.cached_tokens = self.request.cached
         return outcome
 
@@ -123,19 +126,21 @@ class Generation:
         if finish is not None and self.detok:  # what the detokenizer held back belongs to the last token
             flushed = self.detok.flush()
             texts = [*texts[:-1], texts[-1] + flushed] if texts else [flushed]
-        emit = ""
+        emit, stop_reason = "", None
         for at, text in enumerate(texts):
             delta, stopped = self.stops.feed(text)
             emit += delta
             if stopped:
                 if finish is None:  # the engine is still drawing for it
                     self.engine.abort(self.request_id, "stop")
-                tokens, finish = tokens[: at + 1], "stop"
+                tokens, finish, stop_reason = tokens[: at + 1], "stop", self.stops.matched
                 break
         else:
             if finish is not None:
                 emit += self.stops.flush()
-        piece = Piece(tokens, finish_reason=finish)
+            if finish == "stop" and tokens and tokens[-1] in self.stop_token_ids:
+                stop_reason = tokens[-1]
+        piece = Piece(tokens, finish_reason=finish, stop_reason=stop_reason)
         if self.splitter is None:
             piece.content = emit
             return piece

@@ -75,7 +75,7 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Cut generated text at the first stop string, holding back text that may be the start of one."""
 
-    __slots__ = ("_held", "_include", "_stops", "stopped")
+    __slots__ = ("_held", "_include", "_stops", "matched", "stopped")
 
     def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         """Empty stop strings are ignored; `include`: the text ends after the stop string, not before it."""
@@ -83,6 +83,7 @@ class StopMatcher:
         self._include = include
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string the text was cut at
 
     @property
     def watching(self) -> bool:
@@ -91,14 +92,15 @@ class StopMatcher:
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was reached); the text ends where the first stop string found
-        starts, or with `include` where the first to end ends."""
+        starts, or with `include` where the first to end ends (of two that cut it at one place, the first listed)."""
         if self.stopped:
             return "", True
         text = self._held + text
-        hits = [(i, i + len(stop)) for stop in self._stops if (i := text.find(stop)) >= 0]
+        hits = [(i, i + len(stop), stop) for stop in self._stops if (i := text.find(stop)) >= 0]
         if hits:
+            start, end, self.matched = min(hits, key=lambda hit: hit[1] if self._include else hit[0])
             self._held, self.stopped = "", True
-            return text[: min(end for _, end in hits) if self._include else min(start for start, _ in hits)], True
+            return text[: end if self._include else start], True
         cut = len(text) - _partial_len(text, self._stops)
         self._held = text[cut:]
         return text[:cut], False

@@ -97,6 +97,34 @@ def test_chat_usage_finish_reason_and_stop_token(live):
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["choices"][0]["token_ids"] == tokens[: tokens.index(tokens[3]) + 1]
     assert stopped["usage"]["completion_tokens"] == tokens.index(tokens[3]) + 1
+    assert (out["choices"][0]["stop_reason"], stopped["choices"][0]["stop_reason"]) == (None, tokens[3])
+
+
+def completion_choices(live: Live, streamed: bool, **extra) -> list[dict]:
+    """A greedy 12-token text completion of PROMPT with `extra`: its one choice, or every streamed chunk's choice."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": streamed, **extra}
+    with httpx.stream("POST", f"{live.v1}/completions", json=body, timeout=60) as response:
+        text = response.read().decode()
+    if not streamed:
+        return json.loads(text)["choices"]
+    return [
+        choice for line in text.splitlines() if line.startswith("data: {") for choice in json.loads(line[6:])["choices"]
+    ]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_the_output(live, streamed):
+    """As vLLM's: a choice's stop_reason is the stop string or the stop_token_ids id that ended it, and null when
+    the output ended at its length (streamed, null in every chunk before the last)."""
+    whole = completion_choices(live, False, ignore_eos=True, return_token_ids=True)[0]
+    tokens, text = whole["token_ids"], whole["text"]
+    stop = text[len(text) // 2 :][:2]
+    assert stop and whole["finish_reason"] == "length" and whole["stop_reason"] is None
+    cases = [({"stop_token_ids": [tokens[4]]}, tokens[4]), ({"stop": ["\x00never", stop]}, stop), ({}, None)]
+    for extra, reason in cases:
+        choices = completion_choices(live, streamed, ignore_eos=True, **extra)
+        assert [c["stop_reason"] for c in choices] == [None] * (len(choices) - 1) + [reason]
+        assert choices[-1]["finish_reason"] == ("length" if reason is None else "stop")
 
 
 def test_thinking_goes_to_reasoning_content(live):

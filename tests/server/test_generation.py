@@ -87,12 +87,18 @@ def test_a_stop_string_ends_the_output_at_its_token_however_the_tokens_are_group
     params = SamplingParams(temperature=0.0, stop=(stop,))
     serial, serial_aborts = run(tok, params, one_by_one(ids, "length"))
     batched, batched_aborts = run(tok, params, grouped(ids, "length", rng))
-    assert (batched.token_ids, batched.content, batched.finish_reason) == (
+    assert (batched.token_ids, batched.content, batched.finish_reason, batched.stop_reason) == (
         serial.token_ids,
         serial.content,
         serial.finish_reason,
+        serial.stop_reason,
     )
-    assert serial.finish_reason == "stop" and stop not in serial.content and text.startswith(serial.content)
+    assert (
+        serial.finish_reason == "stop"
+        and serial.stop_reason == stop
+        and stop not in serial.content
+        and text.startswith(serial.content)
+    )
     assert len(serial.token_ids) < len(ids)
     assert batched_aborts == serial_aborts == ["stop"]  # the engine counts the request as stopped, not aborted
 
@@ -120,7 +126,7 @@ def test_a_stop_tokens_id_is_kept_and_its_text_only_with_include_stop_str_in_out
     stop_token = ids[-1]
     params = SamplingParams(temperature=0.0, stop_token_ids=(stop_token,), include_stop_str_in_output=include)
     outcome, _ = run(tok, params, grouped(ids, "stop", random.Random(1)))
-    assert outcome.token_ids == ids and outcome.finish_reason == "stop"
+    assert outcome.token_ids == ids and (outcome.finish_reason, outcome.stop_reason) == ("stop", stop_token)
     assert outcome.content == (tok.decode(ids) if include else tok.decode(ids[:-1]))
 
 
@@ -151,6 +157,7 @@ def test_an_eos_that_ends_the_request_is_among_the_ids_and_not_in_the_text(tok: 
     ids = [*tok.encode("done.", add_special_tokens=False), tok.convert_tokens_to_ids(EOS)]
     outcome, aborts = run(tok, SamplingParams(temperature=0.0), grouped(ids, "stop", random.Random(0)))
     assert (outcome.token_ids, outcome.content, outcome.finish_reason, aborts) == (ids, "done.", "stop", [])
+    assert outcome.stop_reason is None  # vLLM's: EOS is no stop string or stop token of the request's
 
 
 @pytest.mark.parametrize(("refused", "status"), [(True, 503), (False, 500)])

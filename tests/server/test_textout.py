@@ -203,6 +203,17 @@ def test_earliest_of_several_stops_wins() -> None:
     assert run_stops(("bb", "abc"), ["xa", "bc bb"]) == ("x", True)
 
 
+@pytest.mark.parametrize(
+    ("include", "stops", "matched"),
+    [(False, ("lo w", "hello"), "hello"), (True, ("hello", "ell"), "ell"), (False, ("he", "hel"), "he")],
+)
+def test_the_matcher_names_the_stop_string_it_cut_at(include: bool, stops: tuple[str, ...], matched: str) -> None:
+    """The stop string that decides the cut: the first to start (to end, with include), the first listed on a tie."""
+    matcher = StopMatcher(stops, include=include)
+    assert matcher.matched is None and matcher.feed("say hello world")[1]
+    assert matcher.matched == matched
+
+
 def test_stop_at_the_very_start() -> None:
     """A stop string at the start of the output emits nothing."""
     assert run_stops(("</s>",), ["</", "s>after"]) == ("", True)
