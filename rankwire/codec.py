@@ -12,7 +12,7 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 5  # 5: seeds may be negative
+VERSION = 6  # 5: seeds may be negative; 6: draws carry a logit bias
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -32,6 +32,7 @@ def encode_header(plan: RoundPlan) -> bytes:
     rows = plan.rows
     draws = [row.draw for row in rows if row.draw is not None]
     _check_draws([d.temperature for d in draws], [d.top_p for d in draws], [d.min_p for d in draws])
+    _check_biases([draw.logit_bias for draw in draws])
     unknown = {op.code for op in plan.ops} - _CODES
     if unknown:
         raise HeaderError(f"cannot encode unknown lane op code {min(unknown)}")
@@ -55,6 +56,9 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("d", [draw.top_p for draw in draws], "top_p values"),
             _pack("d", [draw.min_p for draw in draws], "min_p values"),
             _pack("q", [draw.seed for draw in draws], "seeds"),
+            _pack("I", [len(draw.logit_bias) for draw in draws], "logit bias counts"),
+            _pack("i", [token for draw in draws for token, _ in draw.logit_bias], "logit bias ids"),
+            _pack("d", [bias for draw in draws for _, bias in draw.logit_bias], "logit biases"),
             _pack("B", [op.code for op in plan.ops], "lane op codes"),
             _pack("H", [op.slot for op in plan.ops], "lane op slots"),
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
@@ -148,7 +152,13 @@ class _Reader:
         min_ps = self.take("d", count, "min_p values")
         seeds = self.take("q", count, "seeds")
         _check_draws(temperatures, top_ps, min_ps)
-        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds))
+        bias_counts = self.take("I", count, "logit bias counts")
+        ids = self.take("i", sum(bias_counts), "logit bias ids")
+        values = self.take("d", sum(bias_counts), "logit biases")
+        pairs = list(zip(ids, values, strict=True))
+        biases = [tuple(pairs[a:b]) for a, b in pairwise(accumulate(bias_counts, initial=0))]
+        _check_biases(biases)
+        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases))
 
     def _ops(self, count: int) -> tuple[LaneOp, ...]:
         """Read the lane operations."""
@@ -223,6 +233,17 @@ def _check_prior_draw(index: int, prior: bool, token_ids: Sequence[int], drafts:
     token from the device, where its own host never sees it)."""
     if prior and (tuple(token_ids) != (0,) or len(drafts) or depth):
         raise HeaderError(f"row {index}: a prior-draw row is one token 0 with no drafts and no draft depth")
+
+
+def _check_biases(biases: Sequence[tuple[tuple[int, float], ...]]) -> None:
+    """Refuse a logit bias no draw can have: an id given twice, or a bias that is not a finite number."""
+    for index, pairs in enumerate(biases):
+        ids = [token for token, _ in pairs]
+        if len(set(ids)) != len(ids):
+            raise HeaderError(f"draw {index}: a logit bias gives one token id twice")
+        bad = next((bias for _, bias in pairs if not math.isfinite(bias)), None)
+        if bad is not None:
+            raise HeaderError(f"draw {index}: logit bias {bad} is not a finite number")
 
 
 def _check_draws(temperatures: Sequence[float], top_ps: Sequence[float], min_ps: Sequence[float]) -> None:

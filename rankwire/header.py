@@ -24,13 +24,14 @@ class LaneOpCode(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class DrawSpec:
-    """How a lane's next token is drawn (temperature 0 is greedy)."""
+    """How a lane's next token is drawn (temperature 0 is greedy), after its logit bias is added to the logits."""
 
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     seed: int
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, each id once
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,12 @@ def build_app(state: ServerState) -> FastAPI:
         params = body.sampling_params()
         if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
             raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
+        outside = [token for token, _ in params.logit_bias if token >= state.vocab_size]
+        if outside:
+            raise ApiError(
+                f"logit_bias: token id {outside[0]} is outside the vocabulary (size {state.vocab_size})",
+                param="logit_bias",
+            )
         room = state.context - len(prompt_ids)
         generation = Generation(
             state.engine,

@@ -59,7 +59,7 @@ class Generation:
         self.seed = params.seed if params.seed is not None else fresh_seed()
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
-        draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, self.seed)
+        draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, self.seed, params.logit_bias)
         self.request = Request(
             self.request_id,
             prompt_ids,

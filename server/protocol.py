@@ -16,12 +16,14 @@ MAX_STOP_STRINGS = 8
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # The round header carries top_k in 32 bits; any top_k of the vocabulary's size or more keeps every token.
 MAX_TOP_K = 2**31 - 1
+# OpenAI's logit_bias range; and the most token ids one request may bias (each crosses the control link every round).
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_IDS = 1024
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
 # value of an unhonoured field not named here is refused.
 _HARMLESS: dict[str, Any] = {
-    "logit_bias": {},
     "tools": [],
     "tool_choice": "none",
     "response_format": {"type": "text"},
@@ -78,6 +80,7 @@ class SamplingParams:
     draft: bool = True
     include_stop_str_in_output: bool = False  # a stop string's text, or a stop token's, ends the output
     cache_salt: str | None = None  # prompt states are resumed only from requests with the same salt
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs in id order, none of them 0
 
 
 class ApiError(Exception):
@@ -236,7 +239,7 @@ class _SamplingRequest(_StrictModel):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_IDS)
     include_stop_str_in_output: bool = False
     response_format: Any = None
     repetition_penalty: Any = None
@@ -257,7 +260,7 @@ class _SamplingRequest(_StrictModel):
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "logit_bias", "response_format", "repetition_penalty", "min_tokens", "bad_words", "allowed_token_ids",
+        "response_format", "repetition_penalty", "min_tokens", "bad_words", "allowed_token_ids",
         "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search", "prompt_logprobs",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "structural_tag", "logits_processors",
@@ -294,6 +297,20 @@ class _SamplingRequest(_StrictModel):
             raise _not_supported("more than one choice per request is not supported yet")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases_by_token_id(cls, value: dict[str, float]) -> dict[str, float]:
+        ids = [int(key) if key.isascii() and key.isdigit() else None for key in value]
+        if None in ids:
+            bad = next(key for key, token in zip(value, ids, strict=True) if token is None)
+            raise PydanticCustomError("logit_bias", f"keys are token ids written in decimal, got {bad!r}")
+        if len(set(ids)) != len(ids):
+            raise PydanticCustomError("logit_bias", "a token id is given twice")
+        outside = [bias for bias in value.values() if abs(bias) > MAX_ABS_LOGIT_BIAS]
+        if outside:
+            raise PydanticCustomError("logit_bias", f"bias {outside[0]} is outside [-100, 100]")
+        return value
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalty(cls, value: float) -> float:
@@ -316,6 +333,7 @@ class _SamplingRequest(_StrictModel):
             draft=self.draft,
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
         )
 
 

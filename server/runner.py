@@ -335,6 +335,7 @@ class ModelRunner:
         device: on the kernel path one batched draw launched for the round (`sample_rows`, which gives each row
         `sample_token`'s token, or -1 where that raises), else drawn row by row on the host, -1 likewise."""
         keys = self._draw_keys(plan_rows)
+        logits = _biased(logits, keys)
         if not self.model.kernels:
             tokens = [_draw_row(logits[i], spec, position)[0] for i, (spec, position) in enumerate(keys)]
             return torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -362,7 +363,9 @@ class ModelRunner:
         if -1 not in tokens:
             return tokens, {}
         refusals = {}
-        for i, (spec, position) in enumerate(self._draw_keys(plan_rows)):
+        keys = self._draw_keys(plan_rows)
+        logits = _biased(logits, keys)  # the bits `_launch_draws` drew from
+        for i, (spec, position) in enumerate(keys):
             if tokens[i] == -1:
                 token, refusal = _draw_row(logits[i], spec, position)
                 refusals[i] = refusal or (
@@ -448,6 +451,18 @@ class ModelRunner:
         for slot, token in zip((s for lanes, _ in steps for s in lanes), chained, strict=True):
             drafts.setdefault(slot, []).append(token)
         return {s: tuple(d) for s, d in drafts.items()}
+
+
+def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Tensor:
+    """The logit rows with each row's logit bias added in fp32 (the same tensor where no row has a bias)."""
+    entries = [(row, token, bias) for row, (spec, _) in enumerate(keys) for token, bias in spec.logit_bias]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries, strict=True)
+    at = (to_device(logits.device, rows, torch.long), to_device(logits.device, tokens, torch.long))
+    out = logits.to(torch.float32, copy=True)
+    out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
+    return out
 
 
 def _draw_row(logits: torch.Tensor, spec: DrawSpec, position: int) -> tuple[int, tuple[str, str | None] | None]:

@@ -17,7 +17,7 @@ PREFIX = struct.Struct("<4sHII")
 COUNTS = struct.Struct("<BIIII")
 
 
-def seal(body: bytes, magic: bytes = b"FNRH", version: int = 5) -> bytes:
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 6) -> bytes:
     """A header around `body` with a correct length and checksum, written from the documented layout."""
     return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
 
@@ -29,6 +29,10 @@ def random_draw(rng: random.Random) -> DrawSpec:
         top_p=rng.choice([0.0, 1.0, rng.random()]),
         min_p=rng.choice([0.0, 1.0, rng.random()]),
         seed=rng.choice([0, 2**63 - 1, -(2**63), rng.randrange(-(2**63), 2**63)]),
+        logit_bias=tuple(
+            (token, rng.choice([-100.0, 100.0, 0.0, rng.uniform(-100, 100), rng.uniform(-1e300, 1e300)]))
+            for token in rng.sample([0, 2**31 - 1, *range(1, 300)], rng.choice([0, 0, 1, rng.randrange(6)]))
+        ),
     )
 
 
@@ -106,6 +110,7 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<4i", 11, 12, 13, 7),  # token ids, row after row
             struct.pack("<2i", 8, 9),  # draft ids
             struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234),  # one drawing row: temperature, top_k, top_p, min_p, seed
+            struct.pack("<I", 0),  # its logit bias's count (its ids and biases follow: none)
             struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
             struct.pack("<2B", 0, 0),  # prior-draw flags
         )
@@ -113,8 +118,13 @@ def test_the_byte_layout_is_pinned() -> None:
     assert encode_header(SAMPLE) == seal(body)
     assert decode_header(seal(body)) == SAMPLE
     prior = RoundPlan(rows=(LaneRows(5, (0,), 41, SAMPLE.rows[1].draw, prior_draw=True),))
-    tail = struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234) + struct.pack("<B", 1)  # its draw, then its flag
+    tail = struct.pack("<dIddqI", 0.7, 20, 0.95, 0.05, 1234, 0) + struct.pack("<B", 1)  # its draw, then its flag
     assert encode_header(prior).endswith(tail) and decode_header(encode_header(prior)) == prior
+    draws = (DrawSpec(0.0, 0, 1.0, 0.0, 5, ((9, -100.0), (4, 2.5))), DrawSpec(1.0, 0, 1.0, 0.0, 6, ((7, 0.25),)))
+    biased = RoundPlan(rows=tuple(LaneRows(slot, (1,), 0, draw) for slot, draw in enumerate(draws)))
+    columns = struct.pack("<2I", 2, 1) + struct.pack("<3i", 9, 4, 7) + struct.pack("<3d", -100.0, 2.5, 0.25)
+    assert columns + struct.pack("<2B", 0, 0) in encode_header(biased)  # counts, then ids, then biases, draw by draw
+    assert decode_header(encode_header(biased)) == biased
 
 
 @pytest.mark.parametrize("plan", EXAMPLES, ids=range(len(EXAMPLES)))
@@ -207,7 +217,7 @@ def test_faults_are_named() -> None:
         (sample[:5], "truncated header: 5 bytes"),
         (sample + b"xy", "2 trailing bytes"),
         (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
-        (PREFIX.pack(b"FNRH", 5, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (PREFIX.pack(b"FNRH", 6, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
         (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
         (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
         (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
@@ -241,6 +251,17 @@ def test_faults_are_named() -> None:
     corrupt = body.copy()
     corrupt[temperature + 12 : temperature + 20] = struct.pack("<d", 1.5)
     cases.append((seal(bytes(corrupt)), "top_p 1.5 is not in"))
+    biased = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((3, 1.0), (4, 2.0)))),)))
+    ids, biases = len(biased) - 1 - 16 - 8, len(biased) - 1 - 16  # before the prior-draw flag
+    for at, value, message in [
+        (ids + 4, struct.pack("<i", 3), "a logit bias gives one token id twice"),
+        (ids, struct.pack("<i", -3), "logit bias ids: -3 is negative"),
+        (biases + 8, struct.pack("<d", math.inf), "logit bias inf is not a finite number"),
+        (biases, struct.pack("<d", math.nan), "logit bias nan is not a finite number"),
+    ]:
+        corrupt = biased.copy()
+        corrupt[at : at + len(value)] = value
+        cases.append((seal(bytes(corrupt)), message))
     for data, message in cases:
         with pytest.raises(HeaderError) as caught:
             decode_header(data)
@@ -257,6 +278,9 @@ def test_faults_are_named() -> None:
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(math.nan, 0, 1.0, 0.0, 1)),)), "temperature nan"),
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 2.0, 1)),)), "min_p 2.0 is not in"),
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, -1, 1.0, 0.0, 1)),)), "top_k values: -1 is negative"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((2, 1.0), (2, 3.0)))),)), "id twice"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((2, math.nan),))),)), "bias nan"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((-2, 1.0),))),)), "ids: -2 is negative"),
         (RoundPlan(ops=(LaneOp(7, 0, 0),)), "unknown lane op code 7"),  # type: ignore[arg-type]
         (RoundPlan(kind=5), "cannot encode the round kind"),  # type: ignore[arg-type]
         (RoundPlan(rows=(LaneRows(0, (7,), 0, None, prior_draw=True),)), "row 0: a prior-draw row is one token 0"),

@@ -67,6 +67,45 @@ def test_completions_with_token_ids_reproduce_transformers_greedy(live, ckpt):
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_logit_bias_is_added_to_the_logits_as_transformers_sequence_bias_adds_it(live, ckpt):
+    """OpenAI's logit_bias: each given token's bias is added to its logit before the draw. Greedy output equals
+    transformers' generate with the same biases as its sequence_bias, drafted or not; +100 makes a token certain."""
+    hf = oracle(ckpt)
+    with torch.no_grad(), ties_to_lower_index():
+        plain = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        plain = plain[0, len(PROMPT) :].tolist()
+        bias = {plain[0]: -100.0, plain[3]: -2.5, 77: 1.75}
+        sequence_bias = {(token,): value for token, value in bias.items()}
+        expected = hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False, sequence_bias=sequence_bias
+        )
+    expected = expected[0, len(PROMPT) :].tolist()
+    assert expected != plain
+
+    def ids(temperature: float, logit_bias: dict[int, float], **extra) -> list[int]:
+        out = client(live).completions.create(
+            model=live.model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=temperature,
+            seed=3,
+            logit_bias={str(token): value for token, value in logit_bias.items()},
+            extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
+        )
+        return out.to_dict()["choices"][0]["token_ids"]
+
+    assert ids(0, bias) == ids(0, bias, draft=False) == expected
+    assert ids(1.0, {plain[5]: 100.0}) == [plain[5]] * 12
+    assert ids(0, {plain[0]: 0.0}) == plain  # a bias of 0 changes nothing
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(live):
+    body = {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"1000000": 5}}
+    response = httpx.post(f"{live.v1}/completions", json=body)
+    assert response.status_code == 400 and error_of(response)["param"] == "logit_bias"
+    assert "token id 1000000 is outside the vocabulary" in error_of(response)["message"]
+
+
 def chat_ids(live: Live, messages, **extra) -> dict:
     """A greedy 12-token chat completion with the extension fields in `extra`."""
     return (

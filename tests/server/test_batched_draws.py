@@ -1,5 +1,5 @@
 """On the kernel path a round draws every row's token in one batched call (`sample_rows`), and each equals the
-token `sample_token` draws for that row alone, greedy and sampled, inside verify windows too."""
+token `sample_token` draws for that row alone (its logit bias added), greedy and sampled, inside verify windows too."""
 
 from __future__ import annotations
 
@@ -34,18 +34,29 @@ def test_a_round_draws_once_and_every_row_equals_its_draw_alone(tmp_path, monkey
         tokens, refusals = draw(self, plan_rows, logits, drawn)
         keys = [(r.draw, r.start + len(r.token_ids) + i) for r in plan_rows if r.draw for i in range(len(r.drafts) + 1)]
         for i, ((s, position), token) in enumerate(zip(keys, tokens, strict=True)):
-            alone = sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
-            rows.append((s.temperature, token, alone))
+            row = logits[i].float().clone()
+            for biased, bias in s.logit_bias:  # the request's logit bias, added in fp32
+                row[biased] = row[biased] + torch.tensor(bias, dtype=torch.float32)
+            alone = sample_token(row, s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
+            unbiased = sample_token(logits[i], s.temperature, s.top_k, s.top_p, s.min_p, s.seed, position)
+            rows.append((s.temperature, token, alone, bool(s.logit_bias) and unbiased != token))
         return tokens, refusals
 
     monkeypatch.setattr(kernels.sample, "sample_rows", counted)
     monkeypatch.setattr(ModelRunner, "_draw", checked)
-    draws = [DrawSpec(0.0, 0, 1.0, 0.0, 0), DrawSpec(0.9, 8, 0.9, 0.0, 1234)]
-    engine_harness.run(model, [[7, 19, 5, 33], [8, 13, 21]], 4, draws, depth=2, budget=16)
+    draws = [
+        DrawSpec(0.0, 0, 1.0, 0.0, 0),
+        DrawSpec(0.9, 8, 0.9, 0.0, 1234),
+        DrawSpec(0.0, 0, 1.0, 0.0, 5, ((9, 3.5), (40, -100.0))),
+        DrawSpec(0.9, 0, 1.0, 0.0, 6, ((3, 2.0), (17, 4.25))),
+    ]
+    prompts = [[7, 19, 5, 33], [8, 13, 21], [40, 2, 9], [11, 3]]
+    engine_harness.run(model, prompts, 4, draws, depth=2, budget=16)
     assert batched and max(batched) > 1  # one call per round, with every row of the round
     assert len(rows) == sum(batched)
-    assert {t for t, _, _ in rows} == {0.0, 0.9}
-    assert all(token == alone for _, token, alone in rows)
+    assert {t for t, *_ in rows} == {0.0, 0.9}
+    assert all(token == alone for _, token, alone, _ in rows)
+    assert any(moved for *_, moved in rows)  # a logit bias changed some row's draw
 
 
 def test_mtp_drafts_take_torchs_argmax_in_one_launch_left_on_the_device(monkeypatch) -> None:

@@ -138,7 +138,6 @@ def test_missing_messages() -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
         ({"include_reasoning": False}, "include_reasoning"),
@@ -150,6 +149,32 @@ def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) ->
     error = chat_error(**fields)
     assert_names(error, param, "not supported yet")
     assert error["code"] == "unsupported_parameter"
+
+
+def test_logit_bias_reaches_sampling_params_by_token_id_in_id_order_without_zeros() -> None:
+    body = {"messages": USER, "logit_bias": {"42": 5, "7": -100, "9": 0, "0012": 2.5}}
+    params = parse_request(ChatCompletionRequest, body).sampling_params()
+    assert params.logit_bias == ((7, -100.0), (12, 2.5), (42, 5.0))
+    assert all(type(bias) is float for _, bias in params.logit_bias)
+
+
+@pytest.mark.parametrize(
+    ("bias", "param", "words"),
+    [
+        ({"a": 1}, "logit_bias", ("token ids written in decimal", "'a'")),
+        ({"-5": 1}, "logit_bias", ("token ids written in decimal",)),
+        ({"\u0663": 1}, "logit_bias", ("token ids written in decimal",)),  # an Arabic-Indic three
+        ({"05": 1, "5": 2}, "logit_bias", ("given twice",)),
+        ({"5": 100.5}, "logit_bias", ("outside [-100, 100]",)),
+        ({"5": "3"}, "logit_bias.5", ("valid number",)),
+        ({"5": True}, "logit_bias.5", ("valid number",)),
+        ({str(i): 1 for i in range(1025)}, "logit_bias", ("1024",)),
+    ],
+)
+def test_bad_logit_biases_are_refused_naming_the_field(
+    bias: dict[str, Any], param: str, words: tuple[str, ...]
+) -> None:
+    assert_names(chat_error(logit_bias=bias), param, *words)
 
 
 def test_a_top_logprobs_of_zero_changes_nothing_and_is_taken() -> None:

@@ -89,10 +89,18 @@ def collectives(url: str) -> tuple[dict[str, float], dict[str, float]]:
     return found["flashnext:collectives_total"], found["flashnext:collective_bytes_total"]
 
 
-def expected_greedy(ckpt: Path, tokens: int = 16, prompt: list[int] = PROMPT) -> list[int]:
+def expected_greedy(ckpt: Path, tokens: int = 16, prompt: list[int] = PROMPT, bias: dict | None = None) -> list[int]:
+    """transformers' greedy tokens, with `bias` ({token id: bias}) added to the logits as its sequence_bias."""
     hf = oracle(ckpt)
+    sequence_bias = {(token,): value for token, value in bias.items()} if bias else None
     with torch.no_grad(), ties_to_lower_index():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            sequence_bias=sequence_bias,
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -124,7 +132,11 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, [proc])
-        assert greedy_ids(url) == greedy_ids(url, draft=False) == expected_greedy(ckpt)
+        plain = greedy_ids(url)
+        assert plain == greedy_ids(url, draft=False) == expected_greedy(ckpt)
+        bias = {plain[0]: -100.0, plain[2]: -3.0, 11: 2.25}  # rank 1 draws with the bias its round header carries
+        biased = greedy_ids(url, logit_bias={str(token): value for token, value in bias.items()})
+        assert biased == expected_greedy(ckpt, bias=bias) != plain
         sampled = {"temperature": 1.0, "seed": 5}
         assert greedy_ids(url, 24, **sampled) == greedy_ids(url, 24, draft=False, **sampled)
         assert httpx.get(f"{url}/health").json()["draft_tokens"] > 0
