@@ -335,7 +335,7 @@ class ModelRunner:
         device: on the kernel path one batched draw launched for the round (`sample_rows`, which gives each row
         `sample_token`'s token, or -1 where that raises), else drawn row by row on the host, -1 likewise."""
         keys = self._draw_keys(plan_rows)
-        logits = _biased(logits, keys)
+        logits = _biased(logits, [spec for spec, _ in keys])
         if not self.model.kernels:
             tokens = [_draw_row(logits[i], spec, position)[0] for i, (spec, position) in enumerate(keys)]
             return torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -364,7 +364,7 @@ class ModelRunner:
             return tokens, {}
         refusals = {}
         keys = self._draw_keys(plan_rows)
-        logits = _biased(logits, keys)  # the bits `_launch_draws` drew from
+        logits = _biased(logits, [spec for spec, _ in keys])  # the bits `_launch_draws` drew from
         for i, (spec, position) in enumerate(keys):
             if tokens[i] == -1:
                 token, refusal = _draw_row(logits[i], spec, position)
@@ -412,6 +412,7 @@ class ModelRunner:
         copy at the end, which `before_wait` (if given) runs just before."""
         device = self.model.device
         depth = {rows.slot: rows.draft_depth if rows.draw is not None else 0 for rows in plan_rows}
+        draws = {rows.slot: rows.draw for rows in plan_rows if rows.draw is not None}  # drafts follow the logit bias
         live = [m for m in mtp_rows if m.tokens]
         if not live:
             return {}
@@ -429,7 +430,8 @@ class ModelRunner:
             return {}
         lanes = [slot for slot, _, _ in drafting]  # the lanes of the last step's rows, in order
         position = {slot: at for slot, _, at in drafting}  # each lane's position of its last step's row
-        drawn, wide = _argmaxes(logits, self.model.kernels), wide.index_select(0, lasts)
+        drawn = _argmaxes(_biased(logits, [draws[slot] for slot in lanes]), self.model.kernels)
+        wide = wide.index_select(0, lasts)
         steps = [(lanes, drawn)]
         for step in range(1, max(depth.values())):
             kept = [i for i, slot in enumerate(lanes) if depth[slot] > step]
@@ -442,7 +444,7 @@ class ModelRunner:
                 drawn, [Segment(self.slots[s], i, 1) for i, s in enumerate(lanes)], [position[s] + step for s in lanes]
             )
             logits, wide = self.model.mtp_forward(batch, wide)
-            drawn = _argmaxes(logits, self.model.kernels)
+            drawn = _argmaxes(_biased(logits, [draws[slot] for slot in lanes]), self.model.kernels)
             steps.append((lanes, drawn))
         drafts: dict[int, list[int]] = {}
         if before_wait is not None:
@@ -453,9 +455,9 @@ class ModelRunner:
         return {s: tuple(d) for s, d in drafts.items()}
 
 
-def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Tensor:
+def _biased(logits: torch.Tensor, specs: list[DrawSpec]) -> torch.Tensor:
     """The logit rows with each row's logit bias added in fp32 (the same tensor where no row has a bias)."""
-    entries = [(row, token, bias) for row, (spec, _) in enumerate(keys) for token, bias in spec.logit_bias]
+    entries = [(row, token, bias) for row, spec in enumerate(specs) for token, bias in spec.logit_bias]
     if not entries:
         return logits
     rows, tokens, biases = zip(*entries, strict=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,23 @@ def test_mtp_and_copy_drafts_equal_undrafted(model, drafter, draw):
     (drafted,), runner = run(model, [PROMPT], 30, [draw], drafter=drafter)
     assert drafted == reference
     assert any(r.drafts for results in runner.rounds for r in results)  # drafts really were proposed
+
+
+@pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_mtp_drafts_follow_the_logit_bias_and_change_nothing(model, draw):
+    """A request's logit bias reaches its MTP drafts too: with +100 on one token every draw is that token, and so is
+    every draft, so every window is kept whole; beside an unbiased request, and equal to undrafted."""
+    token = 123
+    biased = dataclasses.replace(draw, logit_bias=((token, 100.0),))
+    (reference,), _ = run(model, [PROMPT], 24, [biased], draft=False)
+    together, runner = run(model, [PROMPT, PROMPT[:6]], 24, [biased, draw], drafter=MtpDrafter())
+    (unbiased,), _ = run(model, [PROMPT[:6]], 24, [draw], draft=False)
+    assert together == [reference, unbiased] and reference == [token] * 24
+    windows = [
+        (len(rows.drafts), r.accepted) for plan, results in zip(runner.plans, runner.rounds, strict=True)
+        for rows, r in zip(plan.rows, results, strict=True) if r.tokens and r.tokens[0] == token and rows.drafts
+    ]  # fmt: skip
+    assert len(windows) > 3 and all(accepted == drafted for drafted, accepted in windows)
 
 
 def test_eight_concurrent_drafted_requests_each_equal_their_solo_run(model):
