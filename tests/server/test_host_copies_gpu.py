@@ -86,7 +86,19 @@ def test_the_verify_forward_never_waits_and_the_mtp_chain_waits_once(tmp_path, m
     assert graphs.replays["verify"] - replays == 3  # the watched forwards were replays of the verify graph
 
 
-@pytest.mark.parametrize("draw", [GREEDY, DrawSpec(0.9, 20, 0.95, 0.0, 7)], ids=["greedy", "sampled"])
+BIAS = ((5, 2.5), (40, -100.0), (91, 4.0))
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        GREEDY,
+        DrawSpec(0.9, 20, 0.95, 0.0, 7),
+        DrawSpec(0.0, 0, 1.0, 0.0, 1, BIAS),
+        DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS),
+    ],
+    ids=["greedy", "sampled", "greedy-biased", "sampled-biased"],
+)
 def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_tokens(tmp_path, draw) -> None:
     path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
     model = load_model(path, "cuda", "bfloat16", kernels="on")
