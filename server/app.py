@@ -174,7 +174,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = body.sampling_params()
         if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
             raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
-        outside = [token for token, _ in params.logit_bias if token >= state.vocab_size]
+        outside = [int(key) for key in body.logit_bias or {} if int(key) >= state.vocab_size]  # zeros included
         if outside:
             raise ApiError(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary (size {state.vocab_size})",

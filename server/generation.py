@@ -75,7 +75,8 @@ class Generation:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None
         self.stops = StopMatcher(params.stop, include=params.include_stop_str_in_output)
         self.speak_stop_token = params.include_stop_str_in_output
-        self.stop_token_ids = frozenset(params.stop_token_ids)  # the request's own: reported as its stop_reason
+        # the request's own stop tokens, reported as its stop_reason; an EOS it also lists stays EOS (null), as vLLM's
+        self.stop_token_ids = frozenset(params.stop_token_ids) - (frozenset() if params.ignore_eos else set(eos_ids))
         self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
         self.done = False
 

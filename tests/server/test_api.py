@@ -99,8 +99,10 @@ def test_logit_bias_is_added_to_the_logits_as_transformers_sequence_bias_adds_it
     assert ids(0, {plain[0]: 0.0}) == plain  # a bias of 0 changes nothing
 
 
-def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(live):
-    body = {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"1000000": 5}}
+@pytest.mark.parametrize("bias", [5, 0])
+def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(live, bias):
+    """As vLLM checks every key: a bias of 0, which changes nothing, still names a token id."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"7": 1, "1000000": bias}}
     response = httpx.post(f"{live.v1}/completions", json=body)
     assert response.status_code == 400 and error_of(response)["param"] == "logit_bias"
     assert "token id 1000000 is outside the vocabulary" in error_of(response)["message"]
@@ -137,6 +139,11 @@ def test_chat_usage_finish_reason_and_stop_token(live):
     assert stopped["choices"][0]["token_ids"] == tokens[: tokens.index(tokens[3]) + 1]
     assert stopped["usage"]["completion_tokens"] == tokens.index(tokens[3]) + 1
     assert (out["choices"][0]["stop_reason"], stopped["choices"][0]["stop_reason"]) == (None, tokens[3])
+    body = {"messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{live.v1}/chat/completions", json={**body, "stop_token_ids": [tokens[3]]}) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    reasons = [choice["stop_reason"] for chunk in chunks for choice in chunk["choices"]]
+    assert reasons == [None] * (len(reasons) - 1) + [tokens[3]]  # streamed: in the last chunk only
 
 
 def completion_choices(live: Live, streamed: bool, **extra) -> list[dict]:

@@ -4,6 +4,7 @@ batched beside it go on as if alone."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -107,8 +108,6 @@ def test_the_states_kept_by_a_prompt_pass_whose_draw_failed_resume_as_fresh(mode
 def test_a_row_the_device_refused_stays_refused_though_the_host_would_draw_it(model) -> None:
     """A round planned ahead has already taken 0 for a refused row on the device; taking the host's token instead
     would give that lane two different histories, so the lane ends with an error that names the disagreement."""
-    from types import SimpleNamespace
-
     import torch
 
     from rankwire.header import LaneRows
@@ -122,3 +121,21 @@ def test_a_row_the_device_refused_stays_refused_though_the_host_would_draw_it(mo
     assert tokens == [-1, 4]
     assert set(refusals) == {0} and "the batched draw and sample_token disagree" in refusals[0][0]
     assert refusals[0][1] is None  # the server's fault, not a parameter's
+
+
+def test_the_host_redraws_a_refused_row_with_its_logit_bias(model) -> None:
+    """A temperature that overflows only the biased logits (105 / t, not 5 / t): the device refused the row, and the
+    host's draw, from the same biased logits, names the temperature; without the bias the host would draw a token and
+    report a disagreement, the server's fault."""
+    import torch
+
+    from rankwire.header import LaneRows
+    from server.runner import ModelRunner
+
+    runner = ModelRunner(model, 1)
+    logits = torch.full((1, model.cfg.vocab_size), 5.0)
+    t = 1e-37  # 5 / t is finite, 105 / t is not
+    rows = (LaneRows(0, (5,), 3, DrawSpec(t, 0, 1.0, 0.0, 1, logit_bias=((9, 100.0),))),)
+    drawn = SimpleNamespace(tolist=lambda: [-1])
+    tokens, refusals = runner._draw(rows, logits, drawn)
+    assert tokens == [-1] and refusals[0][1] == "temperature" and "overflows" in refusals[0][0]

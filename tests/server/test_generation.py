@@ -160,6 +160,16 @@ def test_an_eos_that_ends_the_request_is_among_the_ids_and_not_in_the_text(tok: 
     assert outcome.stop_reason is None  # vLLM's: EOS is no stop string or stop token of the request's
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_an_eos_the_request_also_lists_as_a_stop_token_is_reported_as_eos_unless_eos_is_ignored(tok, ignore_eos):
+    """vLLM checks EOS first: its stop_reason stays null; with ignore_eos the id stops the request as a stop token."""
+    eos = tok.convert_tokens_to_ids(EOS)
+    ids = [*tok.encode("done.", add_special_tokens=False), eos]
+    params = SamplingParams(temperature=0.0, stop_token_ids=(eos,), ignore_eos=ignore_eos)
+    outcome, _ = run(tok, params, grouped(ids, "stop", random.Random(0)))
+    assert (outcome.finish_reason, outcome.stop_reason) == ("stop", eos if ignore_eos else None)
+
+
 @pytest.mark.parametrize(("refused", "status"), [(True, 503), (False, 500)])
 def test_an_error_is_503_if_the_engine_took_no_work_else_500(tok: Any, refused: bool, status: int) -> None:
     update = Update((), "error", "the server is shutting down", refused=refused)
