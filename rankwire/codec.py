@@ -12,7 +12,7 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 6  # 5: seeds may be negative; 6: draws carry a logit bias
+VERSION = 6  # 5: seeds may be negative; 6: draws carry a logit bias and a logprobs count
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -33,6 +33,9 @@ def encode_header(plan: RoundPlan) -> bytes:
     draws = [row.draw for row in rows if row.draw is not None]
     _check_draws([d.temperature for d in draws], [d.top_p for d in draws], [d.min_p for d in draws])
     _check_biases([draw.logit_bias for draw in draws])
+    bad = next((d.logprobs for d in draws if d.logprobs is not None and not 0 <= d.logprobs < 255), None)
+    if bad is not None:
+        raise HeaderError(f"cannot encode logprobs counts: {bad} is not in [0, 254]")
     unknown = {op.code for op in plan.ops} - _CODES
     if unknown:
         raise HeaderError(f"cannot encode unknown lane op code {min(unknown)}")
@@ -59,6 +62,7 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("I", [len(draw.logit_bias) for draw in draws], "logit bias counts"),
             _pack("i", [token for draw in draws for token, _ in draw.logit_bias], "logit bias ids"),
             _pack("d", [bias for draw in draws for _, bias in draw.logit_bias], "logit biases"),
+            _pack("B", [0 if draw.logprobs is None else draw.logprobs + 1 for draw in draws], "logprobs counts"),
             _pack("B", [op.code for op in plan.ops], "lane op codes"),
             _pack("H", [op.slot for op in plan.ops], "lane op slots"),
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
@@ -158,7 +162,8 @@ class _Reader:
         pairs = list(zip(ids, values, strict=True))
         biases = [tuple(pairs[a:b]) for a, b in pairwise(accumulate(bias_counts, initial=0))]
         _check_biases(biases)
-        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases))
+        logprobs = [None if count == 0 else count - 1 for count in self.take("B", count, "logprobs counts")]
+        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs))
 
     def _ops(self, count: int) -> tuple[LaneOp, ...]:
         """Read the lane operations."""

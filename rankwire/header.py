@@ -32,6 +32,7 @@ class DrawSpec:
     min_p: float
     seed: int
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, each id once
+    logprobs: int | None = None  # with each drawn token, its raw log-probability and that many of the most likely
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import Generation, Outcome
 from server.handle import EngineHandle
+from server.logprobs import chat_logprobs, completion_logprobs, token_text
 from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
 from server.textout import prompt_opens_thinking
 
@@ -87,6 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.engine.detach()
 
     app = FastAPI(title="flashnext", lifespan=lifespan)
+    spell = token_text(state.tokenizer)  # a token's text in logprobs
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -230,7 +232,7 @@ def build_app(state: ServerState) -> FastAPI:
             "message": message,
             "finish_reason": outcome.finish_reason,
             "stop_reason": outcome.stop_reason,
-            "logprobs": None,
+            "logprobs": chat_logprobs(outcome.token_ids, outcome.logprobs, spell) if body.logprobs else None,
         }
         return respond("chatcmpl", "chat.completion", choice, outcome, prompt_ids, body.return_token_ids)
 
@@ -249,12 +251,15 @@ def build_app(state: ServerState) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(completion_chunks(generation, body.return_token_ids, include_usage))
         outcome = await wait(request, generation)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
         choice = {
             "index": 0,
             "text": outcome.content,
             "finish_reason": outcome.finish_reason,
             "stop_reason": outcome.stop_reason,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
         return respond("cmpl", "text_completion", choice, outcome, prompt_ids, body.return_token_ids)
 
@@ -315,6 +320,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     def chat_chunks(generation: Generation, with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
+        with_logprobs = generation.request.draw.logprobs is not None
 
         def frame(piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
@@ -331,6 +337,8 @@ def build_app(state: ServerState) -> FastAPI:
                 if piece.reasoning:
                     delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
                 choice.update(finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
+                if with_logprobs:
+                    choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, spell)
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {
@@ -346,6 +354,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     def completion_chunks(generation: Generation, with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
+        with_logprobs = generation.request.draw.logprobs is not None
+        spelled = [0]  # characters of the tokens' texts sent so far: the next token's text_offset
 
         def frame(piece) -> dict[str, Any]:
             choice: dict[str, Any] = {
@@ -359,6 +369,9 @@ def build_app(state: ServerState) -> FastAPI:
                 choice["prompt_token_ids"] = generation.prompt_ids
             if piece is not None:
                 choice.update(text=piece.content, finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
+                if with_logprobs:
+                    choice["logprobs"] = completion_logprobs(piece.token_ids, piece.logprobs, spell, spelled[0])
+                    spelled[0] += sum(map(len, choice["logprobs"]["tokens"]))
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {

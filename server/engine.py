@@ -31,16 +31,26 @@ class EngineStopped(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A drawn token's raw log-probability (the log-softmax of its row's logits, before any bias or temperature) and
+    the most likely ids with theirs, most likely first (ties to the lower id)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Update:
     """New tokens for a request, and why it ended (stop, length, abort, error) when it did; `refused`: the engine
     took no work for it (it was shutting down); `error_param`: the request field whose value caused the error, where
-    one did (a bad request, not the server's fault)."""
+    one did (a bad request, not the server's fault); `logprobs`: one per token, where the request asked for them."""
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
     refused: bool = False
     error_param: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -441,7 +451,7 @@ class Engine:
                 if result.tokens:
                     self._count_drafts(len(rows.drafts), result.accepted)
                     self._adapt_depth(request, len(rows.drafts), result.accepted)
-                    if self._keep(request, result.tokens, now):
+                    if self._keep(request, result.tokens, now, result.logprobs):
                         taken[id(request)] = result.tokens
                 if result.error is not None and request in self.running:  # a draw of its own failed
                     self._finish(request, Update((), "error", result.error, error_param=result.error_param))
@@ -474,20 +484,23 @@ class Engine:
             request.slot, request.prefilled, request.cached, request.keeps = None, 0, 0, []
             self.waiting.appendleft(request)
 
-    def _keep(self, request: Request, tokens: tuple[int, ...], now: float) -> bool:
-        """Append a round's tokens, stopping at a stop token or max_tokens; whether the request goes on."""
+    def _keep(
+        self, request: Request, tokens: tuple[int, ...], now: float, logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> bool:
+        """Append a round's tokens (with their logprobs, if any), stopping at a stop token or max_tokens; whether the
+        request goes on."""
         taken: list[int] = []
         for token in tokens:
             self._record_token(request, now)
             request.output.append(token)
             taken.append(token)
             if token in request.stop_ids:
-                self._finish(request, Update(tuple(taken), "stop"))
+                self._finish(request, Update(tuple(taken), "stop", logprobs=logprobs[: len(taken)]))
                 return False
             if len(request.output) >= request.max_tokens:
-                self._finish(request, Update(tuple(taken), "length"))
+                self._finish(request, Update(tuple(taken), "length", logprobs=logprobs[: len(taken)]))
                 return False
-        self.outbox.append((request, Update(tuple(taken))))
+        self.outbox.append((request, Update(tuple(taken), logprobs=logprobs)))
         return True
 
     def _propose(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...]) -> None:

@@ -20,7 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from server.engine import ContextLengthError, Engine, EngineStopped, Outbox, Request, Update, check_context
+from server.engine import (
+    ContextLengthError,
+    Engine,
+    EngineStopped,
+    Outbox,
+    Request,
+    TokenLogprob,
+    Update,
+    check_context,
+)
 from server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -57,9 +66,9 @@ class Answer:
 @dataclass(frozen=True, slots=True)
 class Delivered:
     """One round's updates: (request id, cached prompt tokens, token ids, finish reason, error, the request field
-    that caused the error) each."""
+    that caused the error, the tokens' logprobs) each."""
 
-    updates: list[tuple[str, int, tuple[int, ...], str | None, str | None, str | None]]
+    updates: list[tuple[str, int, tuple[int, ...], str | None, str | None, str | None, tuple[TokenLogprob, ...]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +128,9 @@ class EngineHost:
             self.sock.sendall(frame)
 
     def _deliver(self, batch: Outbox) -> None:
-        updates = [(r.request_id, r.cached, u.token_ids, u.finish_reason, u.error, u.error_param) for r, u in batch]
+        updates = [
+            (r.request_id, r.cached, u.token_ids, u.finish_reason, u.error, u.error_param, u.logprobs) for r, u in batch
+        ]
         self._send(Delivered(updates))
 
     def _serve(self) -> None:
@@ -146,7 +157,7 @@ class EngineHost:
             try:
                 self.engine.submit(message)
             except ContextLengthError as exc:
-                self._send(Delivered([(message.request_id, 0, (), "error", str(exc), None)]))
+                self._send(Delivered([(message.request_id, 0, (), "error", str(exc), None, ())]))
             except EngineStopped as exc:
                 self._send(Refused(message.request_id, str(exc)))
         elif isinstance(message, Abort):
@@ -224,11 +235,11 @@ class EngineClient:
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Delivered):
-            for request_id, cached, token_ids, finish, error, error_param in message.updates:
+            for request_id, cached, token_ids, finish, error, error_param, logprobs in message.updates:
                 request = self.requests.get(request_id) if finish is None else self.requests.pop(request_id, None)
                 if request is not None:  # an aborted request's last updates are dropped
                     request.cached = cached
-                    request.sink(Update(token_ids, finish, error, error_param=error_param))
+                    request.sink(Update(token_ids, finish, error, error_param=error_param, logprobs=logprobs))
         elif isinstance(message, Refused):
             request = self.requests.pop(message.request_id, None)
             if request is not None:

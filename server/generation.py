@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankwire.header import DrawSpec
-from server.engine import Request, Update
+from server.engine import Request, TokenLogprob, Update
 from server.handle import EngineHandle
 from server.protocol import ApiError, SamplingParams, fresh_seed
 from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
@@ -26,6 +26,7 @@ class Piece:
     reasoning: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it; None for EOS
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where the request asked for them
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class Outcome:
     reasoning: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_tokens: int = 0
 
 
@@ -59,7 +61,9 @@ class Generation:
         self.seed = params.seed if params.seed is not None else fresh_seed()
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
-        draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, self.seed, params.logit_bias)
+        draw = DrawSpec(
+            params.temperature, params.top_k, params.top_p, params.min_p, self.seed, params.logit_bias, params.logprobs
+        )
         self.request = Request(
             self.request_id,
             prompt_ids,
@@ -107,6 +111,7 @@ class Generation:
         outcome = Outcome()
         async for piece in self.pieces():
             outcome.token_ids += piece.token_ids
+            outcome.logprobs += piece.logprobs
             outcome.content += piece.content
             outcome.reasoning += piece.reasoning
             outcome.finish_reason, outcome.stop_reason = piece.finish_reason, piece.stop_reason
@@ -141,7 +146,7 @@ class Generation:
                 emit += self.stops.flush()
             if finish == "stop" and tokens and tokens[-1] in self.stop_token_ids:
                 stop_reason = tokens[-1]
-        piece = Piece(tokens, finish_reason=finish, stop_reason=stop_reason)
+        piece = Piece(tokens, finish_reason=finish, stop_reason=stop_reason, logprobs=update.logprobs[: len(tokens)])
         if self.splitter is None:
             piece.content = emit
             return piece

@@ -19,6 +19,8 @@ MAX_TOP_K = 2**31 - 1
 # OpenAI's logit_bias range; and the most token ids one request may bias (each crosses the control link every round).
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_IDS = 1024
+# OpenAI's largest top_logprobs (vLLM's default max_logprobs too)
+MAX_LOGPROBS = 20
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
@@ -81,6 +83,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string's text, or a stop token's, ends the output
     cache_salt: str | None = None  # prompt states are resumed only from requests with the same salt
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs in id order, none of them 0
+    logprobs: int | None = None  # each token's logprob and that many of the most likely; None: no logprobs
 
 
 class ApiError(Exception):
@@ -334,7 +337,12 @@ class _SamplingRequest(_StrictModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
+            logprobs=self.logprobs_count(),
         )
+
+    def logprobs_count(self) -> int | None:
+        """How many of the most likely tokens to give with each token's logprob; None: no logprobs."""
+        return None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -343,7 +351,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=ChatTemplateKwargs)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     echo: Any = None
@@ -361,13 +369,16 @@ class ChatCompletionRequest(_SamplingRequest):
         "functions", "function_call", "include_reasoning",
     )(_refuse_unless_harmless)  # fmt: skip
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool | int) -> bool | int:
-        """Refuse asking for logprobs; false, and a top_logprobs of 0 (vLLM's default), change nothing."""
-        if value:
-            raise _not_supported("not supported yet")
+    def _top_with_logprobs(cls, value: int, info: ValidationInfo) -> int:
+        """A top_logprobs above 0 needs logprobs (0, vLLM's default, asks for nothing)."""
+        if value and info.data.get("logprobs") is not True:
+            raise PydanticCustomError("conflict", "needs logprobs: true")
         return value
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the chat template: the given switches and pass-through keys, and OpenAI's top-level
@@ -389,7 +400,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int = Field(1, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -410,12 +421,15 @@ class CompletionRequest(_SamplingRequest):
                     )
         return value
 
-    @field_validator("echo", "logprobs")
+    @field_validator("echo")
     @classmethod
-    def _no_echo_or_logprobs(cls, value: bool | int) -> bool | int:
+    def _no_echo(cls, value: bool) -> bool:
         if value is not False:
             raise _not_supported("not supported yet")
         return value
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +16,7 @@ from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
+from server.engine import TokenLogprob
 from server.round_trace import RoundTrace
 from server.sampling import SamplingParamError, sample_token
 
@@ -31,12 +32,14 @@ class RoundRefused(RuntimeError):
 class LaneResult:
     """What a lane's rows gave: the tokens kept (each the target's own draw) and MTP drafts for the next round; `error`:
     why a draw after the kept tokens failed (its parameters overflow the logits, say), which ends this lane alone;
-    `error_param`: the request field whose value made it fail, where one did."""
+    `error_param`: the request field whose value made it fail, where one did; `logprobs`: one per kept token, where
+    the lane's draw asked for them."""
 
     tokens: tuple[int, ...] = ()
     drafts: tuple[int, ...] = ()
     error: str | None = None
     error_param: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def accepted(self) -> int:
@@ -52,6 +55,7 @@ class LaunchedRound:
     segments: list[Segment] = field(default_factory=list)  # its lanes' rows, unless it is `ahead_safe`
     out: ForwardOutput | None = None
     drawn: HostCopy | None = None  # every logit row's draw, on its way to the host
+    logprobs: _Logprobs | None = None  # the log-probabilities of the rows whose draws asked for them
     replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts after its forward (traces)
 
     @property
@@ -64,6 +68,34 @@ def ahead_safe(plan: RoundPlan) -> bool:
     """Whether a round's finish changes no lane (no drafts to verify or restore, no MTP rows, no state kept after its
     rows), so the next round may be launched before it is finished; such a round holds no lane meanwhile."""
     return not any(rows.drafts or rows.draft_depth for rows in plan.rows) and not any(op.after for op in plan.ops)
+
+
+class _Logprobs:
+    """Raw log-probabilities of the logit rows whose draws asked for them, on their way to the host: each row's drawn
+    token's, and the `most` most likely ids with theirs."""
+
+    def __init__(self, logits: torch.Tensor, drawn: torch.Tensor, asked: list[int], most: int) -> None:
+        at = to_device(logits.device, asked, torch.long)
+        logprobs = torch.log_softmax(logits.index_select(0, at).float(), dim=-1)
+        self.place = {row: place for place, row in enumerate(asked)}
+        self.chosen = HostCopy(logprobs.gather(1, drawn.index_select(0, at).clamp(min=0)[:, None])[:, 0])
+        self.top: tuple[HostCopy, HostCopy] | None = None
+        if most:  # a stable sort: equal log-probabilities keep ascending ids
+            values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+            self.top = (HostCopy(ids[:, :most].contiguous()), HostCopy(values[:, :most].contiguous()))
+        self.read: tuple[list, list, list] | None = None
+
+    def tokens(self, first_row: int, count: int, most: int) -> tuple[TokenLogprob, ...]:
+        """The TokenLogprobs of `count` logit rows from `first_row`, each with its `most` most likely ids."""
+        if self.read is None:
+            ids, values = (self.top[0].tolist(), self.top[1].tolist()) if self.top else ([], [])
+            self.read = (self.chosen.tolist(), ids, values)
+        chosen, ids, values = self.read
+        places = [self.place[row] for row in range(first_row, first_row + count)]
+        return tuple(
+            TokenLogprob(chosen[at], tuple(zip(ids[at][:most], values[at][:most], strict=True)) if most else ())
+            for at in places
+        )
 
 
 @dataclass(slots=True)
@@ -240,6 +272,7 @@ class ModelRunner:
         if launched is not None:
             launched()
         drawn = self._launch_draws(plan.rows, out.logits)
+        logprobs = self._launch_logprobs(plan.rows, out.logits, drawn)
         at, singles = 0, {}  # each lane that drew one token: its place among the draws
         for rows in plan.rows:
             if rows.draw is not None:
@@ -249,7 +282,7 @@ class ModelRunner:
         self.prior_draws = (drawn, singles)
         # a round finished later holds no lane: a freed lane's pool slot is free at once for the next request
         held = [] if ahead_safe(plan) else segments
-        self.unfinished = LaunchedRound(plan, held, out, HostCopy(drawn), replays)
+        self.unfinished = LaunchedRound(plan, held, out, HostCopy(drawn), logprobs, replays)
         return self.unfinished
 
     def finish(
@@ -270,6 +303,9 @@ class ModelRunner:
         for index, rows in enumerate(plan.rows):
             kept, failed = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
             error, error_param = refusals[next_logit + len(kept)] if failed else (None, None)
+            logprobs = ()
+            if rows.draw is not None and rows.draw.logprobs is not None and launched.logprobs is not None:
+                logprobs = launched.logprobs.tokens(next_logit, len(kept), rows.draw.logprobs)
             if rows.draw is not None:
                 next_logit += len(rows.drafts) + 1
             # a lane whose draw failed ends with its request (its rejected rows need no restore), but its rows still
@@ -280,15 +316,12 @@ class ModelRunner:
             if rows.draft_depth:
                 seg = segments[index]
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
-            results.append(LaneResult(tokens=tuple(kept), error=error, error_param=error_param))
+            results.append(LaneResult(tuple(kept), error=error, error_param=error_param, logprobs=logprobs))
         self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)
         trace.mark("verify")
         if mtp_rows:
             drafts = self._draft(plan.rows, mtp_rows, None if tokens_known is None else partial(tokens_known, results))
-            results = [
-                LaneResult(r.tokens, drafts.get(rows.slot, ()), r.error, r.error_param)
-                for r, rows in zip(results, plan.rows, strict=True)
-            ]
+            results = [replace(r, drafts=drafts.get(rows.slot, ())) for r, rows in zip(results, plan.rows, strict=True)]
             trace.mark("mtp")
             if trace.enabled:  # a round with MTP rows is finished in the trace line that launched it
                 trace.add_counts("replays", _ran(launched.replays, _replays(self.model.round_graphs)))
@@ -351,6 +384,17 @@ class ModelRunner:
         tokens = sample_rows(logits, temperature, ints[:, 0], floats[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
         self.trace.gpu_mark("draw", logits.device)
         return tokens
+
+    def _launch_logprobs(
+        self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: torch.Tensor
+    ) -> _Logprobs | None:
+        """The raw log-probabilities of the logit rows whose draws asked for them, launched before the next round
+        can overwrite the logits; None where none asked."""
+        specs = [spec for spec, _ in self._draw_keys(plan_rows)]
+        asked = [row for row, spec in enumerate(specs) if spec.logprobs is not None]
+        if not asked:
+            return None
+        return _Logprobs(logits, drawn, asked, max(specs[row].logprobs or 0 for row in asked))
 
     def _draw(
         self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy

@@ -33,6 +33,7 @@ def random_draw(rng: random.Random) -> DrawSpec:
             (token, rng.choice([-100.0, 100.0, 0.0, rng.uniform(-100, 100), rng.uniform(-1e300, 1e300)]))
             for token in rng.sample([0, 2**31 - 1, *range(1, 300)], rng.choice([0, 0, 1, rng.randrange(6)]))
         ),
+        logprobs=rng.choice([None, None, 0, 254, rng.randrange(21)]),
     )
 
 
@@ -111,6 +112,7 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<2i", 8, 9),  # draft ids
             struct.pack("<dIddq", 0.7, 20, 0.95, 0.05, 1234),  # one drawing row: temperature, top_k, top_p, min_p, seed
             struct.pack("<I", 0),  # its logit bias's count (its ids and biases follow: none)
+            struct.pack("<B", 0),  # its logprobs count: 0 for none, else 1 + how many of the most likely
             struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
             struct.pack("<2B", 0, 0),  # prior-draw flags
         )
@@ -118,11 +120,15 @@ def test_the_byte_layout_is_pinned() -> None:
     assert encode_header(SAMPLE) == seal(body)
     assert decode_header(seal(body)) == SAMPLE
     prior = RoundPlan(rows=(LaneRows(5, (0,), 41, SAMPLE.rows[1].draw, prior_draw=True),))
-    tail = struct.pack("<dIddqI", 0.7, 20, 0.95, 0.05, 1234, 0) + struct.pack("<B", 1)  # its draw, then its flag
+    tail = struct.pack("<dIddqIB", 0.7, 20, 0.95, 0.05, 1234, 0, 0) + struct.pack("<B", 1)  # its draw, then its flag
     assert encode_header(prior).endswith(tail) and decode_header(encode_header(prior)) == prior
-    draws = (DrawSpec(0.0, 0, 1.0, 0.0, 5, ((9, -100.0), (4, 2.5))), DrawSpec(1.0, 0, 1.0, 0.0, 6, ((7, 0.25),)))
+    draws = (
+        DrawSpec(0.0, 0, 1.0, 0.0, 5, ((9, -100.0), (4, 2.5)), logprobs=0),
+        DrawSpec(1.0, 0, 1.0, 0.0, 6, ((7, 0.25),), logprobs=20),
+    )
     biased = RoundPlan(rows=tuple(LaneRows(slot, (1,), 0, draw) for slot, draw in enumerate(draws)))
     columns = struct.pack("<2I", 2, 1) + struct.pack("<3i", 9, 4, 7) + struct.pack("<3d", -100.0, 2.5, 0.25)
+    columns += struct.pack("<2B", 1, 21)  # the logprobs counts
     assert columns + struct.pack("<2B", 0, 0) in encode_header(biased)  # counts, then ids, then biases, draw by draw
     assert decode_header(encode_header(biased)) == biased
 
@@ -252,7 +258,7 @@ def test_faults_are_named() -> None:
     corrupt[temperature + 12 : temperature + 20] = struct.pack("<d", 1.5)
     cases.append((seal(bytes(corrupt)), "top_p 1.5 is not in"))
     biased = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((3, 1.0), (4, 2.0)))),)))
-    ids, biases = len(biased) - 1 - 16 - 8, len(biased) - 1 - 16  # before the prior-draw flag
+    ids, biases = len(biased) - 2 - 16 - 8, len(biased) - 2 - 16  # before the logprobs count and prior-draw flag
     for at, value, message in [
         (ids + 4, struct.pack("<i", 3), "a logit bias gives one token id twice"),
         (ids, struct.pack("<i", -3), "logit bias ids: -3 is negative"),
@@ -281,6 +287,8 @@ def test_faults_are_named() -> None:
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((2, 1.0), (2, 3.0)))),)), "id twice"),
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((2, math.nan),))),)), "bias nan"),
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((-2, 1.0),))),)), "ids: -2 is negative"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, logprobs=255)),)), "logprobs counts"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, logprobs=-1)),)), "logprobs counts"),
         (RoundPlan(ops=(LaneOp(7, 0, 0),)), "unknown lane op code 7"),  # type: ignore[arg-type]
         (RoundPlan(kind=5), "cannot encode the round kind"),  # type: ignore[arg-type]
         (RoundPlan(rows=(LaneRows(0, (7,), 0, None, prior_draw=True),)), "row 0: a prior-draw row is one token 0"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from model.flashnext import FlashNextModel
 from rankwire.header import DrawSpec
 from server.drafters import Drafter
-from server.engine import Engine, Request, Update
+from server.engine import Engine, Request, TokenLogprob, Update
 from server.prompt_cache import PromptCache
 from server.runner import LaneResult, ModelRunner
 
@@ -18,6 +18,7 @@ class Outcome:
     """One request's tokens and how it ended (with the error and the request field at fault, if that is how)."""
 
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: str | None = None
     error: str | None = None
     error_param: str | None = None
@@ -25,6 +26,7 @@ class Outcome:
 
     def sink(self, update: Update) -> None:
         self.tokens.extend(update.token_ids)
+        self.logprobs.extend(update.logprobs)
         if update.finish_reason is not None:
             self.finish, self.error, self.error_param = update.finish_reason, update.error, update.error_param
             self.done.set()
@@ -39,6 +41,7 @@ class RecordingRunner(ModelRunner):
         self.plans = []
         self.ahead = 0
         self.engine: Engine | None = None
+        self.outcomes: list[Outcome] = []  # each request's, in the order given
 
     def launch(self, plan, launched=None):
         self.ahead += self.unfinished is not None  # launched before the round before it was finished
@@ -72,7 +75,7 @@ def run(
         cache_grid=cache_grid or 512, plan_ahead=plan_ahead,
     )  # fmt: skip
     runner.engine = engine
-    outcomes = [Outcome() for _ in prompts]
+    outcomes = runner.outcomes = [Outcome() for _ in prompts]
     engine.start()
     try:
         for i, (prompt, draw, outcome) in enumerate(zip(prompts, draws, outcomes, strict=True)):

@@ -21,6 +21,7 @@ from tests.tiny import ties_to_lower_index
 
 PROMPT = [7, 19, 40, 33, 2, 91, 12, 44, 8, 13, 21, 60]
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list, please."}]
+COLOR = [{"role": "user", "content": "Name a color."}]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,80 @@ def test_logit_bias_is_added_to_the_logits_as_transformers_sequence_bias_adds_it
     assert ids(0, bias) == ids(0, bias, draft=False) == expected
     assert ids(1.0, {plain[5]: 100.0}) == [plain[5]] * 12
     assert ids(0, {plain[0]: 0.0}) == plain  # a bias of 0 changes nothing
+
+
+def completion(live: Live, **fields) -> dict:
+    """The one choice of a text completion of PROMPT with `fields`, streamed chunks' choices merged into one."""
+    body = {"prompt": PROMPT, "ignore_eos": True, "return_token_ids": True, **fields}
+    if not body.get("stream"):
+        return httpx.post(f"{live.v1}/completions", json=body, timeout=60).json()["choices"][0]
+    merged: dict = {"text": "", "token_ids": [], "logprobs": {}}
+    for choice in completion_choices(live, True, **{k: v for k, v in body.items() if k != "stream"}):
+        merged["text"] += choice["text"]
+        merged["token_ids"] += choice.get("token_ids", [])
+        for key, values in (choice["logprobs"] or {}).items():
+            merged["logprobs"][key] = merged["logprobs"].get(key, []) + values
+    return merged
+
+
+def test_logprobs_are_each_tokens_raw_log_softmax_as_transformers_computes_it(live, ckpt):
+    """A text completion's logprobs (OpenAI's legacy shape): each token's log-softmax of the model's raw logits, and
+    the most likely tokens' (with the drawn one), within float error of transformers' own logits."""
+    hf = oracle(ckpt)
+    with torch.no_grad(), ties_to_lower_index():
+        out = hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    expected = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    choice = completion(live, max_tokens=8, temperature=0, logprobs=3)
+    tokens, logprobs = choice["token_ids"], choice["logprobs"]
+    assert tokens == out.sequences[0, len(PROMPT) :].tolist()
+    got = torch.tensor(logprobs["token_logprobs"])
+    assert torch.allclose(got, expected[torch.arange(8), tokens], atol=1e-4, rtol=0)
+    for step, top in enumerate(logprobs["top_logprobs"]):
+        assert max(top.values()) == logprobs["token_logprobs"][step]  # greedy: the drawn token is the likeliest
+        likeliest = expected[step].topk(3).values  # keyed by text, tokens that spell alike share an entry
+        assert all(torch.isclose(likeliest, torch.tensor(value), atol=1e-4, rtol=0).any() for value in top.values())
+    offsets = [sum(map(len, logprobs["tokens"][:i])) for i in range(8)]
+    assert logprobs["text_offset"] == offsets and "".join(logprobs["tokens"]) == choice["text"]
+
+
+def test_logprobs_are_the_same_drafted_streamed_and_among_other_requests(live):
+    """Exactness holds for logprobs as for tokens: drafted = undrafted = streamed, and concurrent = solo."""
+    sampled = {"max_tokens": 10, "temperature": 0.8, "seed": 21, "logprobs": 2}
+    alone = completion(live, **sampled)
+    with ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(seeded, live, 300 + i, PROMPT[i:], 12) for i in range(4)]
+        together = completion(live, **sampled)
+        assert all(len(other.result()) == 64 for other in others)
+    assert len(alone["logprobs"]["token_logprobs"]) == 10
+    undrafted, streamed = completion(live, draft=False, **sampled), completion(live, stream=True, **sampled)
+    shown = [(c["text"], c["token_ids"], c["logprobs"]) for c in (alone, together, undrafted, streamed)]
+    assert shown == [shown[0]] * 4
+
+
+def test_chat_logprobs_give_each_tokens_text_bytes_and_top_logprobs(live):
+    """OpenAI's chat shape: logprobs.content has an entry per token with its text, logprob, UTF-8 bytes and the
+    top_logprobs asked for, most likely first; streamed, each chunk has its own tokens' entries."""
+    # a prompt of its own: the other chat tests count on CHAT's prompt not being cached before them
+    body = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 4}
+    whole = chat_ids(live, COLOR, **body)["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert len(content) == len(whole["token_ids"]) == 6
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 4
+        tops = [top["logprob"] for top in entry["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True) and entry["logprob"] == tops[0]  # greedy
+    chunks = list(
+        client(live).chat.completions.create(
+            model=live.model, messages=COLOR, stream=True, extra_body={"ignore_eos": True}, **body
+        )
+    )
+    streamed = [entry.to_dict() for c in chunks for ch in c.choices if ch.logprobs for entry in ch.logprobs.content]
+    assert streamed == content
+    plain = chat_ids(live, COLOR, max_tokens=2, temperature=0)["choices"][0]
+    assert plain["logprobs"] is None
 
 
 @pytest.mark.parametrize("bias", [5, 0])
@@ -263,7 +338,7 @@ def error_of(response: httpx.Response) -> dict:
         ({"messages": [{"content": "no role"}]}, "messages.0.role"),
         ({"messages": []}, "messages"),
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"model": "gpt-4"}, "model"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -75,6 +76,8 @@ BODIES = (
     {"prompt": [7, 7, 8], "max_tokens": 10, "temperature": 1.0, "seed": 11, "ignore_eos": True, "stream": True},
     {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0.7, "seed": 3},
     {"prompt": "some text", "max_tokens": 9, "temperature": 0, "stop": ["e"], "stream": True},
+    {"prompt": [3, 1, 4], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3, "stream": True},
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "seed": 9, "logprobs": True, "top_logprobs": 2},
 )
 OVERFLOWS = (  # every draw fails on the request's own temperature: a 400, streamed an error event, naming it
     {"prompt": [5, 9, 14, 3], "max_tokens": 4, "temperature": 1e-40},
@@ -84,7 +87,8 @@ REFUSED = [("400", "invalid_request_error: temperature"), ("error event", "inval
 
 
 def answer(url: str, body: dict) -> tuple[str, str]:
-    """(token_sha, text) of one request, streamed or not; for an error, (its status or "error event", "type: param")."""
+    """(token_sha, text and logprobs) of one request, streamed or not; for an error, (its status or "error event",
+    "type: param")."""
     path = "chat/completions" if "messages" in body else "completions"
     if not body.get("stream"):
         response = httpx.post(f"{url}/v1/{path}", json=body, timeout=120)
@@ -92,7 +96,7 @@ def answer(url: str, body: dict) -> tuple[str, str]:
         if "error" in reply:
             return str(response.status_code), f"{reply['error']['type']}: {reply['error']['param']}"
         choice = reply["choices"][0]
-        return reply["token_sha"], choice.get("text") or choice["message"]["content"]
+        return reply["token_sha"], (choice.get("text") or choice["message"]["content"]) + json.dumps(choice["logprobs"])
     sha, text = "", ""
     with httpx.stream("POST", f"{url}/v1/{path}", json=body, timeout=120) as response:
         for line in response.iter_lines():
@@ -101,7 +105,7 @@ def answer(url: str, body: dict) -> tuple[str, str]:
                 if "error" in event:
                     return "error event", f"{event['error']['type']}: {event['error']['param']}"
                 sha = event.get("token_sha", sha)
-                text += "".join(c.get("text", "") for c in event["choices"])
+                text += "".join(c.get("text", "") + json.dumps(c.get("logprobs")) for c in event["choices"])
     return sha, text
 
 
@@ -124,6 +128,8 @@ def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_s
             assert proc.wait(timeout=60) == 0
             assert wait_until(lambda: not any(running(f) for f in fronts), 10)  # noqa: B023
     assert all(sha for sha, _ in got["process"]) and got["process"][len(BODIES) :] == REFUSED
+    asked = [i for i, body in enumerate(BODIES) if "logprobs" in body]
+    assert all('"logprob":' in got["process"][i][1] or '"token_logprobs":' in got["process"][i][1] for i in asked)
     assert got["process"] == got["thread"]
 
 

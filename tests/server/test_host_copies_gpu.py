@@ -95,11 +95,12 @@ BIAS = ((5, 2.5), (40, -100.0), (91, 4.0))
         GREEDY,
         DrawSpec(0.9, 20, 0.95, 0.0, 7),
         DrawSpec(0.0, 0, 1.0, 0.0, 1, BIAS),
-        DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS),
+        DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS, logprobs=5),
     ],
-    ids=["greedy", "sampled", "greedy-biased", "sampled-biased"],
+    ids=["greedy", "sampled", "greedy-biased", "sampled-biased-logprobs"],
 )
 def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_tokens(tmp_path, draw) -> None:
+    """...and takes the same logprobs: a round's are computed before the next round's forward rewrites the logits."""
     path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
     model = load_model(path, "cuda", "bfloat16", kernels="on")
     kernel_path.lane_pool(model, slots=4, context=64)
@@ -107,13 +108,14 @@ def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_to
     prompts = [(7, 19, 40, 33, 2), (91, 12, 44)]
     first = RoundPlan(allocate=(0, 1), rows=tuple(LaneRows(i, p, 0, draw) for i, p in enumerate(prompts)))
     in_turn, ahead = ModelRunner(model, 2), ModelRunner(model, 2)
-    expected = [list(r.tokens) for r in in_turn.execute(first)]
+    expected = [[(r.tokens, r.logprobs)] for r in in_turn.execute(first)]
     for step in range(5):
         rows = [
-            LaneRows(i, (t[-1],), len(p) + step, draw) for i, (p, t) in enumerate(zip(prompts, expected, strict=True))
+            LaneRows(i, e[-1][0][-1:], len(p) + step, draw)
+            for i, (p, e) in enumerate(zip(prompts, expected, strict=True))
         ]
-        for tokens, result in zip(expected, in_turn.execute(RoundPlan(rows=tuple(rows))), strict=True):
-            tokens += result.tokens
+        for each, result in zip(expected, in_turn.execute(RoundPlan(rows=tuple(rows))), strict=True):
+            each.append((result.tokens, result.logprobs))
     got, pending = [[], []], ahead.launch(first)
     for step in range(5):
         rows = tuple(LaneRows(i, (0,), len(p) + step, draw, prior_draw=True) for i, p in enumerate(prompts))
@@ -122,12 +124,13 @@ def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_to
                 launched = ahead.launch(RoundPlan(rows=rows))
         else:
             launched = ahead.launch(RoundPlan(rows=rows))
-        for tokens, result in zip(got, ahead.finish(pending), strict=True):
-            tokens += result.tokens
+        for each, result in zip(got, ahead.finish(pending), strict=True):
+            each.append((result.tokens, result.logprobs))
         pending = launched
-    for tokens, result in zip(got, ahead.finish(pending), strict=True):
-        tokens += result.tokens
+    for each, result in zip(got, ahead.finish(pending), strict=True):
+        each.append((result.tokens, result.logprobs))
     assert got == expected
+    assert all(len(lps) == (len(tokens) if draw.logprobs is not None else 0) for e in got for tokens, lps in e)
 
 
 def test_finishing_a_round_waits_for_its_own_draws_not_for_the_round_launched_after_it(tmp_path) -> None:

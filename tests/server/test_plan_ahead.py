@@ -9,6 +9,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses
 import json
 import threading
 
@@ -49,6 +50,31 @@ def test_each_request_planned_ahead_equals_itself_alone(model) -> None:
     for prompt, draw, tokens in zip(PROMPTS, DRAWS, together, strict=True):
         (alone,), _ = run(model, [prompt], 10, [draw], draft=False)
         assert tokens == alone
+
+
+def test_logprobs_planned_ahead_or_drafted_equal_those_of_rounds_in_turn(model) -> None:
+    """A round planned ahead takes its logprobs before the next round is launched, and a verify window's kept rows
+    give theirs: each request's logprobs equal those of rounds run in turn, undrafted."""
+    draws = [dataclasses.replace(draw, logprobs=k) for draw, k in zip(DRAWS, (0, 3, None), strict=True)]
+    apart, in_turn = run(model, PROMPTS, 12, draws, draft=False, budget=8)
+    ahead, planned = run(model, PROMPTS, 12, draws, draft=False, budget=8, plan_ahead=True)
+
+    def right_drafts(history, wanted: int) -> tuple[int, ...]:
+        """The tokens the request will draw: every draft is kept, so kept rows of verify windows give logprobs."""
+        for prompt, tokens in zip(PROMPTS, apart, strict=True):
+            if history[: len(prompt)] == prompt:
+                done = len(history) - len(prompt)
+                return tuple(tokens[done : done + wanted])
+        raise AssertionError("not a prompt of this test")
+
+    drafted, verified = run(model, PROMPTS, 12, draws, budget=8, drafter=ScriptedDrafter(right_drafts))
+    assert ahead == apart == drafted and planned.ahead > 0
+    assert any(r.accepted for results in verified.rounds for r in results)
+    logprobs = [[outcome.logprobs for outcome in r.outcomes] for r in (in_turn, planned, verified)]
+    assert logprobs[1] == logprobs[0] == logprobs[2]
+    assert [len(each) for each in logprobs[0]] == [12, 12, 0]
+    assert [len(lp.top) for lp in logprobs[0][0] + logprobs[0][1]] == [0] * 12 + [3] * 12
+    assert all(lp.top[0][1] >= lp.logprob for lp in logprobs[0][1])  # the likeliest first, the drawn among them
 
 
 def test_a_drafting_round_is_finished_before_the_next_is_planned(model) -> None:

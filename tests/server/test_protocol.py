@@ -131,8 +131,6 @@ def test_missing_messages() -> None:
     ("fields", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1.0}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -182,7 +180,30 @@ def test_a_top_logprobs_of_zero_changes_nothing_and_is_taken() -> None:
     nothing, and was refused as unsupported."""
     for fields in ({"top_logprobs": 0}, {"logprobs": False, "top_logprobs": 0}):
         assert parse_request(ChatCompletionRequest, {"messages": USER, **fields}).sampling_params() == SamplingParams()
-    assert_names(chat_error(logprobs=True, top_logprobs=0), "logprobs", "not supported yet")
+
+
+def test_logprobs_reach_sampling_params_as_how_many_of_the_most_likely_to_give() -> None:
+    """Chat's logprobs (with top_logprobs, 0 to 20) and a text completion's logprobs count (OpenAI's legacy field)
+    become the draw's logprobs count; without them there is none."""
+    chat = [({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 20}, 20), ({"logprobs": False}, None)]
+    for fields, count in chat:
+        assert parse_request(ChatCompletionRequest, {"messages": USER, **fields}).sampling_params().logprobs == count
+    for count in (None, 0, 5):
+        body = {"prompt": "hi", "logprobs": count}
+        assert parse_request(CompletionRequest, body).sampling_params().logprobs == count
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs", ("needs logprobs: true",)),
+        ({"logprobs": False, "top_logprobs": 1}, "top_logprobs", ("needs logprobs: true",)),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", ("less than or equal to 20",)),
+        ({"logprobs": 1}, "logprobs", ("boolean",)),
+    ],
+)
+def test_bad_chat_logprobs_are_refused_naming_the_field(fields: dict[str, Any], param: str, words: tuple[str, ...]):
+    assert_names(chat_error(**fields), param, *words)
 
 
 def test_a_message_without_tool_calls_may_say_so() -> None:
@@ -302,7 +323,9 @@ def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
         ({"prompt": "hi", "echo": True}, "echo", ("not supported yet",)),
         ({"prompt": "hi", "suffix": "end"}, "suffix", ("not supported yet",)),
         ({"prompt": "hi", "best_of": 2}, "best_of", ("not supported yet",)),
-        ({"prompt": "hi", "logprobs": 1}, "logprobs", ("not supported yet",)),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", ("less than or equal to 20",)),
+        ({"prompt": "hi", "logprobs": -1}, "logprobs", ("greater than or equal to 0",)),
+        ({"prompt": "hi", "logprobs": True}, "logprobs", ("integer",)),
         ({"prompt": "hi", "n": 3}, "n", ("not supported yet",)),
         ({"prompt": "hi", "top_p": 0}, "top_p", ()),
     ],

@@ -137,6 +137,12 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
         bias = {plain[0]: -100.0, plain[2]: -3.0, 11: 2.25}  # rank 1 draws with the bias its round header carries
         biased = greedy_ids(url, logit_bias={str(token): value for token, value in bias.items()})
         assert biased == expected_greedy(ckpt, bias=bias) != plain
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+        logprobs = [
+            httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120).json()["choices"][0]["logprobs"]
+            for extra in ({}, {"draft": False})
+        ]
+        assert logprobs[0] == logprobs[1] and len(logprobs[0]["token_logprobs"]) == 8
         sampled = {"temperature": 1.0, "seed": 5}
         assert greedy_ids(url, 24, **sampled) == greedy_ids(url, 24, draft=False, **sampled)
         assert httpx.get(f"{url}/health").json()["draft_tokens"] > 0
