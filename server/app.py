@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.engine import ContextLengthError, EngineStopped, check_context
-from server.generation import Generation, Outcome
+from server.generation import Generation, Outcome, interleaved
 from server.handle import EngineHandle
 from server.logprobs import chat_logprobs, completion_logprobs, token_text
 from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
@@ -76,6 +76,11 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def choices_usage(prompt_ids: list[int], completions: list[list[int]], cached: list[int]) -> dict[str, Any]:
+    """Usage of a request's choices: its prompt once, every choice's tokens, the most prompt tokens one resumed."""
+    return usage(len(prompt_ids), sum(map(len, completions)), max(cached))
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -171,8 +176,10 @@ def build_app(state: ServerState) -> FastAPI:
                 code="context_length_exceeded",
             )
 
-    def start(prompt_ids: list[int], body, thinking_open: bool | None, keep_at: tuple[int, ...] = ()) -> Generation:
-        """Submit a checked prompt with the body's sampling parameters."""
+    def start(
+        prompt_ids: list[int], body, thinking_open: bool | None, keep_at: tuple[int, ...] = ()
+    ) -> list[Generation]:
+        """Submit a checked prompt with the body's sampling parameters, once for each of its `n` choices."""
         params = body.sampling_params()
         if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
             raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
@@ -183,25 +190,32 @@ def build_app(state: ServerState) -> FastAPI:
                 param="logit_bias",
             )
         room = state.context - len(prompt_ids)
-        generation = Generation(
-            state.engine,
-            state.tokenizer,
-            prompt_ids,
-            params,
-            params.max_tokens or room,
-            state.eos_ids,
-            thinking_open,
-            keep_at,
-        )
+        generations = [
+            Generation(
+                state.engine,
+                state.tokenizer,
+                prompt_ids,
+                params,
+                params.max_tokens or room,
+                state.eos_ids,
+                thinking_open,
+                keep_at,
+                choice,
+            )
+            for choice in range(body.n)
+        ]
         asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         try:
-            check_context(generation.request, state.context, asked_by)
-            generation.submit()
+            check_context(generations[0].request, state.context, asked_by)
+            for generation in generations:
+                generation.submit()
         except ContextLengthError as exc:
             raise ApiError(str(exc), param=asked_by, code="context_length_exceeded") from exc
         except EngineStopped as exc:
+            for generation in generations:
+                generation.abort()
             raise ApiError(str(exc), status=503, type="server_error") from exc
-        return generation
+        return generations
 
     def chat_prompt(body: ChatCompletionRequest) -> tuple[str, list[int], tuple[int, ...]]:
         """The rendered chat, its checked token ids and where each message ends (prompt cache boundaries)."""
@@ -216,25 +230,29 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         # rendering and tokenizing run on a worker thread: a long chat would hold the event loop and every stream on it
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
-        generation = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
+        generations = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(chat_chunks(generation, body.return_token_ids, include_usage))
-        outcome = await wait(request, generation)
-        message = {
-            "role": "assistant",
-            "content": outcome.content,
-            "reasoning_content": outcome.reasoning or None,
-            "reasoning": outcome.reasoning or None,
-        }
-        choice = {
-            "index": 0,
-            "message": message,
-            "finish_reason": outcome.finish_reason,
-            "stop_reason": outcome.stop_reason,
-            "logprobs": chat_logprobs(outcome.token_ids, outcome.logprobs, spell) if body.logprobs else None,
-        }
-        return respond("chatcmpl", "chat.completion", choice, outcome, prompt_ids, body.return_token_ids)
+            return sse(chat_chunks(generations, body.return_token_ids, include_usage))
+        outcomes = await wait(request, generations)
+
+        def choice(index: int, outcome: Outcome) -> dict[str, Any]:
+            message = {
+                "role": "assistant",
+                "content": outcome.content,
+                "reasoning_content": outcome.reasoning or None,
+                "reasoning": outcome.reasoning or None,
+            }
+            return {
+                "index": index,
+                "message": message,
+                "finish_reason": outcome.finish_reason,
+                "stop_reason": outcome.stop_reason,
+                "logprobs": chat_logprobs(outcome.token_ids, outcome.logprobs, spell) if body.logprobs else None,
+            }
+
+        choices = [choice(index, outcome) for index, outcome in enumerate(outcomes)]
+        return respond("chatcmpl", "chat.completion", choices, outcomes, prompt_ids, body.return_token_ids)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -246,86 +264,101 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             prompt_ids = list(body.prompt)
         check_prompt(prompt_ids, "prompt")
-        generation = start(prompt_ids, body, None)
+        generations = start(prompt_ids, body, None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(completion_chunks(generation, body.return_token_ids, include_usage))
-        outcome = await wait(request, generation)
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
-        choice = {
-            "index": 0,
-            "text": outcome.content,
-            "finish_reason": outcome.finish_reason,
-            "stop_reason": outcome.stop_reason,
-            "logprobs": logprobs,
-        }
-        return respond("cmpl", "text_completion", choice, outcome, prompt_ids, body.return_token_ids)
+            return sse(completion_chunks(generations, body.return_token_ids, include_usage))
+        outcomes = await wait(request, generations)
 
-    def respond(prefix, kind, choice, outcome: Outcome, prompt_ids, with_ids: bool) -> dict[str, Any]:
+        def choice(index: int, outcome: Outcome) -> dict[str, Any]:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
+            return {
+                "index": index,
+                "text": outcome.content,
+                "finish_reason": outcome.finish_reason,
+                "stop_reason": outcome.stop_reason,
+                "logprobs": logprobs,
+            }
+
+        choices = [choice(index, outcome) for index, outcome in enumerate(outcomes)]
+        return respond("cmpl", "text_completion", choices, outcomes, prompt_ids, body.return_token_ids)
+
+    def respond(prefix, kind, choices, outcomes: list[Outcome], prompt_ids, with_ids: bool) -> dict[str, Any]:
+        """The response object; with several choices each carries its own token_sha (the top level's is choice 0's)."""
         response = {
             "id": f"{prefix}-{time.time_ns():x}",
             "object": kind,
             "created": int(time.time()),
             "model": state.model_name,
-            "choices": [choice],
-            "usage": usage(len(prompt_ids), len(outcome.token_ids), outcome.cached_tokens),
-            "token_sha": token_sha(outcome.token_ids),
+            "choices": choices,
+            "usage": choices_usage(prompt_ids, [o.token_ids for o in outcomes], [o.cached_tokens for o in outcomes]),
+            "token_sha": token_sha(outcomes[0].token_ids),
         }
-        if with_ids:  # where vLLM puts the prompt's ids: a chat response's top level, a text completion's choice
-            choice["token_ids"] = outcome.token_ids
-            (response if kind == "chat.completion" else choice)["prompt_token_ids"] = prompt_ids
+        for choice, outcome in zip(choices, outcomes, strict=True):
+            if len(outcomes) > 1:
+                choice["token_sha"] = token_sha(outcome.token_ids)
+            if with_ids:  # where vLLM puts the prompt's ids: a chat response's top level, a text completion's choice
+                choice["token_ids"] = outcome.token_ids
+                (response if kind == "chat.completion" else choice)["prompt_token_ids"] = prompt_ids
         return response
 
-    async def wait(request: Request, generation: Generation) -> Outcome:
-        """Collect a non-streamed result, aborting if the client goes away first."""
-        task = asyncio.ensure_future(generation.collect())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
+    async def wait(request: Request, generations: list[Generation]) -> list[Outcome]:
+        """Collect every choice's non-streamed result, aborting them all if the client goes away first or one fails."""
+        task = asyncio.ensure_future(asyncio.gather(*(generation.collect() for generation in generations)))
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await task
+                    raise ApiError("the client disconnected", status=499)
+            return task.result()
+        finally:
+            for generation in generations:
                 generation.abort()
-                task.cancel()
-                with suppress(asyncio.CancelledError):
-                    await task
-                raise ApiError("the client disconnected", status=499)
-        return task.result()
 
     async def stream(
-        generation: Generation, frame, include_usage: bool, opening: dict[str, Any] | None = None
+        generations: list[Generation], frame, include_usage: bool, opening: dict[str, Any] | None = None
     ) -> AsyncIterator[str]:
-        """SSE events: `frame(piece)` chunks (with `"usage": null` when usage comes last, as OpenAI sends them; the
-        first with the `opening` fields too), then usage and [DONE]; the engine is told when the client leaves."""
-        tokens: list[int] = []
+        """SSE events: each choice's first `frame(index, None)` chunk (the first with the `opening` fields), then
+        `frame(index, piece)` chunks as pieces come, with `"usage": null` when usage comes last, as OpenAI sends them;
+        then usage and [DONE]; the engine is told when the client leaves."""
+        tokens: list[list[int]] = [[] for _ in generations]
         no_usage = {"usage": None} if include_usage else {}
         try:
-            yield {**frame(None), **(opening or {}), **no_usage}
-            async for piece in generation.pieces():
-                tokens += piece.token_ids
-                chunk = {**frame(piece), **no_usage}
+            for index in range(len(generations)):
+                yield {**frame(index, None), **(opening if opening and index == 0 else {}), **no_usage}
+            async for index, piece in interleaved(generations):
+                tokens[index] += piece.token_ids
+                chunk = {**frame(index, piece), **no_usage}
                 if piece.finish_reason is not None:
-                    chunk["token_sha"] = token_sha(tokens)
+                    chunk["token_sha"] = token_sha(tokens[index])
                 yield chunk
             if include_usage:
+                cached = [generation.request.cached for generation in generations]
                 yield {
-                    **frame(None),
+                    **frame(0, None),
                     "choices": [],
-                    "usage": usage(len(generation.prompt_ids), len(tokens), generation.request.cached),
-                    "token_sha": token_sha(tokens),
+                    "usage": choices_usage(generations[0].prompt_ids, tokens, cached),
+                    "token_sha": token_sha(tokens[0]),
                 }
         except ApiError as exc:
             yield exc.body()
         finally:
-            generation.abort()
+            for generation in generations:
+                generation.abort()
 
-    def chat_chunks(generation: Generation, with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
+    def chat_chunks(generations: list[Generation], with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
-        with_logprobs = generation.request.draw.logprobs is not None
+        with_logprobs = generations[0].request.draw.logprobs is not None
 
-        def frame(piece) -> dict[str, Any]:
+        def frame(index: int, piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "finish_reason": None,
                 "stop_reason": None,
@@ -349,29 +382,30 @@ def build_app(state: ServerState) -> FastAPI:
                 "choices": [choice],
             }
 
-        opening = {"prompt_token_ids": generation.prompt_ids} if with_ids else None  # vLLM's place: the top level
-        return stream(generation, frame, include_usage, opening)
+        opening = {"prompt_token_ids": generations[0].prompt_ids} if with_ids else None  # vLLM puts them on top
+        return stream(generations, frame, include_usage, opening)
 
-    def completion_chunks(generation: Generation, with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
+    def completion_chunks(generations: list[Generation], with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
-        with_logprobs = generation.request.draw.logprobs is not None
-        spelled = [0]  # characters of the tokens' texts sent so far: the next token's text_offset
+        with_logprobs = generations[0].request.draw.logprobs is not None
+        spelled = [0] * len(generations)  # each choice's characters of token text sent: its next text_offset
 
-        def frame(piece) -> dict[str, Any]:
+        def frame(index: int, piece) -> dict[str, Any]:
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "text": "",
                 "finish_reason": None,
                 "stop_reason": None,
                 "logprobs": None,
             }
-            if piece is None and with_ids:  # the first chunk (the usage chunk's choices are replaced)
-                choice["prompt_token_ids"] = generation.prompt_ids
+            if piece is None and with_ids:  # a choice's first chunk (the usage chunk's choices are replaced)
+                choice["prompt_token_ids"] = generations[index].prompt_ids
             if piece is not None:
                 choice.update(text=piece.content, finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:
-                    choice["logprobs"] = completion_logprobs(piece.token_ids, piece.logprobs, spell, spelled[0])
-                    spelled[0] += sum(map(len, choice["logprobs"]["tokens"]))
+                    logprobs = completion_logprobs(piece.token_ids, piece.logprobs, spell, spelled[index])
+                    spelled[index] += sum(map(len, logprobs["tokens"]))
+                    choice["logprobs"] = logprobs
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {
@@ -382,7 +416,7 @@ def build_app(state: ServerState) -> FastAPI:
                 "choices": [choice],
             }
 
-        return stream(generation, frame, include_usage)
+        return stream(generations, frame, include_usage)
 
     @app.get("/v1/models")
     async def models():

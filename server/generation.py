@@ -55,10 +55,13 @@ class Generation:
         eos_ids: tuple[int, ...],
         thinking_open: bool | None,
         keep_at: tuple[int, ...] = (),
+        choice: int = 0,
     ) -> None:
+        """`choice`: which of a request's choices this is; choice i draws with the request's seed + i (wrapped to
+        the signed 64-bit range), or a fresh seed where the request has none."""
         self.engine, self.prompt_ids = engine, prompt_ids
         self.request_id = uuid.uuid4().hex
-        self.seed = params.seed if params.seed is not None else fresh_seed()
+        self.seed = fresh_seed() if params.seed is None else (params.seed + choice + 2**63) % 2**64 - 2**63
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
         draw = DrawSpec(
@@ -156,3 +159,35 @@ class Generation:
             piece.reasoning += reasoning
             piece.content += content
         return piece
+
+
+async def interleaved(generations: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+    """Each generation's pieces as they come, with its index among `generations`; the first error ends them all."""
+    if len(generations) == 1:
+        async for piece in generations[0].pieces():
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Piece | ApiError | None]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for piece in generation.pieces():
+                queue.put_nowait((index, piece))
+        except ApiError as exc:
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, None))  # this generation is done
+
+    pumps = [asyncio.ensure_future(pump(index, generation)) for index, generation in enumerate(generations)]
+    try:
+        running = len(generations)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, ApiError):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()

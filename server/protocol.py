@@ -21,6 +21,8 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_IDS = 1024
 # OpenAI's largest top_logprobs (vLLM's default max_logprobs too)
 MAX_LOGPROBS = 20
+# The most choices one request may ask for (each is a request of its own to the engine)
+MAX_CHOICES = 128
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
@@ -238,7 +240,7 @@ class _SamplingRequest(_StrictModel):
     return_token_ids: bool = False
     draft: bool = True
     cache_salt: str | None = Field(None, min_length=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -291,13 +293,6 @@ class _SamplingRequest(_StrictModel):
     def _only_when_streaming(cls, value: StreamOptions, info: ValidationInfo) -> StreamOptions:
         if info.data.get("stream") is not True:
             raise PydanticCustomError("conflict", "only allowed when stream is true")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value > 1:
-            raise _not_supported("more than one choice per request is not supported yet")
         return value
 
     @field_validator("logit_bias")

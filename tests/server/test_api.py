@@ -174,6 +174,56 @@ def test_chat_logprobs_give_each_tokens_text_bytes_and_top_logprobs(live):
     assert plain["logprobs"] is None
 
 
+def sse_chunks(live: Live, route: str, body: dict) -> list[dict]:
+    """Every data chunk of a streamed request."""
+    with httpx.stream("POST", f"{live.v1}/{route}", json={**body, "stream": True}, timeout=120) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_n_choices_are_each_the_request_alone_with_its_seed_plus_the_choice_index(live, route):
+    """OpenAI's n: choice i draws as the same request with n 1 and seed + i would, streamed or not; usage counts
+    the prompt once and every choice's tokens; each choice carries its token_sha (the top level's is choice 0's)."""
+    body = {"max_tokens": 10, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": COLOR}
+
+    def alone(seed: int) -> list[int]:
+        reply = httpx.post(f"{live.v1}/{route}", json={**body, "seed": seed}, timeout=120).json()
+        return reply["choices"][0]["token_ids"]
+
+    expected = [alone(seed) for seed in (2**63 - 2, 2**63 - 1, -(2**63))]  # seed + i wraps past the largest
+    reply = httpx.post(f"{live.v1}/{route}", json={**body, "seed": 2**63 - 2, "n": 3}, timeout=120).json()
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in reply["choices"]] == expected and len({tuple(e) for e in expected}) == 3
+    assert [c["token_sha"] for c in reply["choices"]] == [sha(e) for e in expected]
+    assert reply["token_sha"] == sha(expected[0]) and reply["usage"]["completion_tokens"] == 30
+    prompt_tokens = reply["usage"]["prompt_tokens"]
+    assert prompt_tokens == alone_usage(live, route, body)["prompt_tokens"]
+    chunks = sse_chunks(live, route, {**body, "seed": 2**63 - 2, "n": 3, "stream_options": {"include_usage": True}})
+    streamed = [[t for c in chunks for ch in c["choices"] if ch["index"] == i for t in ch.get("token_ids", [])]
+                for i in range(3)]  # fmt: skip
+    assert streamed == expected
+    shas = {ch["index"]: c["token_sha"] for c in chunks if "token_sha" in c for ch in c["choices"]}
+    assert shas == {i: sha(e) for i, e in enumerate(expected)}
+    assert chunks[-1]["usage"]["completion_tokens"] == 30 and chunks[-1]["usage"]["prompt_tokens"] == prompt_tokens
+
+
+def alone_usage(live: Live, route: str, body: dict) -> dict:
+    return httpx.post(f"{live.v1}/{route}", json={**body, "max_tokens": 1}, timeout=120).json()["usage"]
+
+
+def test_a_choice_whose_draw_fails_fails_the_request_and_loses_nothing_in_flight(live):
+    """n 2 at a temperature that overflows the logits: a 400 naming it (an error event streamed), as with n 1."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 1e-40, "n": 2}
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(seeded, live, 99, PROMPT, 48)
+        response = httpx.post(f"{live.v1}/completions", json=body, timeout=60)
+        assert response.status_code == 400 and error_of(response)["param"] == "temperature"
+        assert sse_chunks(live, "completions", body)[-1]["error"]["param"] == "temperature"
+        assert len(long.result()) == 64
+    assert wait_for_running(live, lambda n: n == 0) == 0
+
+
 @pytest.mark.parametrize("bias", [5, 0])
 def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(live, bias):
     """As vLLM checks every key: a bias of 0, which changes nothing, still names a token id."""
@@ -337,7 +387,7 @@ def error_of(response: httpx.Response) -> dict:
         ({"temperature": "hot"}, "temperature"),
         ({"messages": [{"content": "no role"}]}, "messages.0.role"),
         ({"messages": []}, "messages"),
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"model": "gpt-4"}, "model"),
@@ -670,13 +720,13 @@ def test_a_client_that_disconnects_frees_its_lane(ckpt):
         assert httpx.get(f"{one_lane.url}/health").json()["requests_running"] == 0
 
 
-@pytest.mark.parametrize("key", [None, "sesame"])
-def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, key):
+@pytest.mark.parametrize(("key", "n"), [(None, 1), ("sesame", 1), (None, 3)])
+def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, key, n):
     """The route sees the client leave (with or without the API key's middleware) and the engine drops the request
-    instead of drawing all its tokens."""
+    (each of its n choices, those still waiting for a lane too) instead of drawing all its tokens."""
     flags = ("--max-lanes", "1") + (("--api-key", key) if key else ())
     with serve(ckpt, *flags) as one_lane:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}).encode()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "n": n}).encode()
         auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
         host, port = one_lane.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
@@ -690,7 +740,8 @@ def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, ke
             assert running == 1
         assert wait_for_running(one_lane, lambda n: n == 0) == 0  # within seconds, long before 3000 tokens
         metrics = httpx.get(f"{one_lane.url}/metrics").text
-        assert 'flashnext:request_success_total{finished_reason="abort"} 1.0' in metrics
+        assert f'flashnext:request_success_total{{finished_reason="abort"}} {n}.0' in metrics
+        assert httpx.get(f"{one_lane.url}/health").json()["requests_waiting"] == 0
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])

@@ -130,7 +130,6 @@ def test_missing_messages() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1.0}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -326,7 +325,8 @@ def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
         ({"prompt": "hi", "logprobs": 21}, "logprobs", ("less than or equal to 20",)),
         ({"prompt": "hi", "logprobs": -1}, "logprobs", ("greater than or equal to 0",)),
         ({"prompt": "hi", "logprobs": True}, "logprobs", ("integer",)),
-        ({"prompt": "hi", "n": 3}, "n", ("not supported yet",)),
+        ({"prompt": "hi", "n": 129}, "n", ("less than or equal to 128",)),
+        ({"prompt": "hi", "n": 0}, "n", ("greater than or equal to 1",)),
         ({"prompt": "hi", "top_p": 0}, "top_p", ()),
     ],
 )
