@@ -12,7 +12,7 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 6  # 5: seeds may be negative; 6: draws carry a logit bias and a logprobs count
+VERSION = 7  # 5: seeds may be negative; 6: draws carry a logit bias; 7: and a logprobs count
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}

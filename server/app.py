@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import Generation, Outcome, interleaved
 from server.handle import EngineHandle
-from server.logprobs import chat_logprobs, completion_logprobs, token_text
+from server.logprobs import chat_logprobs, completion_logprobs, token_bytes, token_text
 from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
 from server.textout import prompt_opens_thinking
 
@@ -94,6 +94,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="flashnext", lifespan=lifespan)
     spell = token_text(state.tokenizer)  # a token's text in logprobs
+    spell_bytes = token_bytes(state.tokenizer, spell)  # and its bytes
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -248,10 +249,12 @@ def build_app(state: ServerState) -> FastAPI:
                 "message": message,
                 "finish_reason": outcome.finish_reason,
                 "stop_reason": outcome.stop_reason,
-                "logprobs": chat_logprobs(outcome.token_ids, outcome.logprobs, spell) if body.logprobs else None,
+                "logprobs": (
+                    chat_logprobs(outcome.token_ids, outcome.logprobs, spell, spell_bytes) if body.logprobs else None
+                ),
             }
 
-        choices = [choice(index, outcome) for index, outcome in enumerate(outcomes)]
+        choices = await shaped(choice, outcomes, body.logprobs)
         return respond("chatcmpl", "chat.completion", choices, outcomes, prompt_ids, body.return_token_ids)
 
     @app.post("/v1/completions")
@@ -282,8 +285,13 @@ def build_app(state: ServerState) -> FastAPI:
                 "logprobs": logprobs,
             }
 
-        choices = [choice(index, outcome) for index, outcome in enumerate(outcomes)]
+        choices = await shaped(choice, outcomes, body.logprobs is not None)
         return respond("cmpl", "text_completion", choices, outcomes, prompt_ids, body.return_token_ids)
+
+    async def shaped(choice, outcomes: list[Outcome], with_logprobs: bool) -> list[dict[str, Any]]:
+        """Each outcome's choice; with logprobs on a worker thread (a long answer's take a while to spell out)."""
+        choices = lambda: [choice(index, outcome) for index, outcome in enumerate(outcomes)]  # noqa: E731
+        return await asyncio.to_thread(choices) if with_logprobs else choices()
 
     def respond(prefix, kind, choices, outcomes: list[Outcome], prompt_ids, with_ids: bool) -> dict[str, Any]:
         """The response object; with several choices each carries its own token_sha (the top level's is choice 0's)."""
@@ -371,7 +379,7 @@ def build_app(state: ServerState) -> FastAPI:
                     delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
                 choice.update(finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:
-                    choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, spell)
+                    choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, spell, spell_bytes)
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,25 +13,53 @@ LOWEST_LOGPROB = -9999.0
 
 
 def token_text(tokenizer: Any | None) -> Callable[[int], str]:
-    """A token id's text alone (vLLM's "token_id:ID" where there is no tokenizer to decode it)."""
+    """A token id's text alone (vLLM's "token_id:ID" where there is no tokenizer to decode it), remembered."""
     if tokenizer is None:
         return lambda token: f"token_id:{token}"
-    return lambda token: tokenizer.decode([token])
+    return functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes as characters, inverted: printable Latin-1 bytes stand for themselves, and
+    the others, in byte order, for the characters from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [byte for byte in range(256) if byte not in kept]
+    return {chr(byte): byte for byte in kept} | {chr(256 + i): byte for i, byte in enumerate(moved)}
+
+
+def token_bytes(tokenizer: Any | None, text: Callable[[int], str]) -> Callable[[int], list[int]]:
+    """A token id's own bytes: from a byte-level BPE token's spelling (a token that ends mid-character has the bytes
+    it holds, where its decoded text has U+FFFD), else the UTF-8 of its text."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if type(decoder).__name__ != "ByteLevel":
+        return lambda token: list(text(token).encode())
+    chars = _byte_level_chars()
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def raw(token: int) -> tuple[int, ...]:
+        spelled = tokenizer.convert_ids_to_tokens(token)
+        if all(char in chars for char in spelled):
+            return tuple(chars[char] for char in spelled)
+        return tuple(text(token).encode())  # an added token spelled outside the byte alphabet
+
+    return lambda token: list(raw(token))
 
 
 def _value(logprob: float) -> float:
-    """A logprob JSON can carry."""
-    return max(logprob, LOWEST_LOGPROB)
+    """A logprob JSON can carry (-inf, or a NaN no draw lets through, as LOWEST_LOGPROB)."""
+    return logprob if logprob > LOWEST_LOGPROB else LOWEST_LOGPROB
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], text: Callable[[int], str]
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprob],
+    text: Callable[[int], str],
+    raw: Callable[[int], list[int]],
 ) -> dict[str, list[dict[str, Any]]]:
-    """Chat's `choices[i].logprobs`: each token's text, logprob and UTF-8 bytes, with its `top_logprobs`."""
+    """Chat's `choices[i].logprobs`: each token's text, logprob and bytes, with its `top_logprobs`."""
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
-        spelled = text(token)
-        return {"token": spelled, "logprob": _value(logprob), "bytes": list(spelled.encode("utf-8"))}
+        return {"token": text(token), "logprob": _value(logprob), "bytes": raw(token)}
 
     return {
         "content": [

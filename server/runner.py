@@ -70,6 +70,16 @@ def ahead_safe(plan: RoundPlan) -> bool:
     return not any(rows.drafts or rows.draft_depth for rows in plan.rows) and not any(op.after for op in plan.ops)
 
 
+def most_likely(logprobs: torch.Tensor, most: int) -> torch.Tensor:
+    """The ids [N, most] of each row's `most` largest fp32 values, largest first and equal values by ascending id,
+    as a stable descending sort orders them: one top-k over keys that are unique per row, so no tie is left to the
+    top-k's own rule."""
+    bits = logprobs.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # ints in the floats' order
+    ids = torch.arange(logprobs.shape[-1], device=logprobs.device, dtype=torch.int64)
+    return torch.topk(ordered * 2**32 + (2**32 - 1 - ids), most, dim=-1).indices  # a lower id, a larger key
+
+
 class _Logprobs:
     """Raw log-probabilities of the logit rows whose draws asked for them, on their way to the host: each row's drawn
     token's, and the `most` most likely ids with theirs."""
@@ -80,9 +90,9 @@ class _Logprobs:
         self.place = {row: place for place, row in enumerate(asked)}
         self.chosen = HostCopy(logprobs.gather(1, drawn.index_select(0, at).clamp(min=0)[:, None])[:, 0])
         self.top: tuple[HostCopy, HostCopy] | None = None
-        if most:  # a stable sort: equal log-probabilities keep ascending ids
-            values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-            self.top = (HostCopy(ids[:, :most].contiguous()), HostCopy(values[:, :most].contiguous()))
+        if most:
+            ids = most_likely(logprobs, most)
+            self.top = (HostCopy(ids), HostCopy(logprobs.gather(1, ids)))
         self.read: tuple[list, list, list] | None = None
 
     def tokens(self, first_row: int, count: int, most: int) -> tuple[TokenLogprob, ...]:
@@ -125,6 +135,7 @@ class ModelRunner:
         # the last launched round's draws on the device, and the lanes that drew one token: their places among them
         self.prior_draws: tuple[torch.Tensor, dict[int, int]] = (torch.empty(0, dtype=torch.long), {})
         self.rounds = 0
+        self.takes_logprobs = True  # off on a rank that delivers no tokens (rank 1): it would never read them
 
     def kept_bytes(self, handle: int) -> int:
         """Bytes a kept state takes on this rank."""
@@ -389,7 +400,9 @@ class ModelRunner:
         self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: torch.Tensor
     ) -> _Logprobs | None:
         """The raw log-probabilities of the logit rows whose draws asked for them, launched before the next round
-        can overwrite the logits; None where none asked."""
+        can overwrite the logits; None where none asked (or this rank delivers no tokens)."""
+        if not self.takes_logprobs or all(r.draw is None or r.draw.logprobs is None for r in plan_rows):
+            return None
         specs = [spec for spec, _ in self._draw_keys(plan_rows)]
         asked = [row for row, spec in enumerate(specs) if spec.logprobs is not None]
         if not asked:

@@ -82,6 +82,7 @@ def follow(link: ControlLink, runner: ModelRunner, timeout_s: float) -> int:
     its host between such rounds."""
     trace = runner.trace
     runner.agreement = lambda problem: link.exchange_verdicts(problem, timeout_s)
+    runner.takes_logprobs = False  # rank 0 delivers the tokens, with their logprobs
     unfinished: LaunchedRound | None = None
     while True:
         trace.start()

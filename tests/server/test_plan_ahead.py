@@ -59,17 +59,26 @@ def test_logprobs_planned_ahead_or_drafted_equal_those_of_rounds_in_turn(model) 
     apart, in_turn = run(model, PROMPTS, 12, draws, draft=False, budget=8)
     ahead, planned = run(model, PROMPTS, 12, draws, draft=False, budget=8, plan_ahead=True)
 
-    def right_drafts(history, wanted: int) -> tuple[int, ...]:
-        """The tokens the request will draw: every draft is kept, so kept rows of verify windows give logprobs."""
+    calls = []
+
+    def drafts(history, wanted: int) -> tuple[int, ...]:
+        """The tokens the request will draw, every other time with the second one wrong: verify windows kept whole
+        and cut short both give the logprobs of their kept rows."""
+        calls.append(wanted)
         for prompt, tokens in zip(PROMPTS, apart, strict=True):
             if history[: len(prompt)] == prompt:
                 done = len(history) - len(prompt)
-                return tuple(tokens[done : done + wanted])
+                proposal = list(tokens[done : done + wanted])
+                if len(calls) % 2 and len(proposal) > 1:
+                    proposal[1] = (proposal[1] + 1) % model.cfg.vocab_size
+                return tuple(proposal)
         raise AssertionError("not a prompt of this test")
 
-    drafted, verified = run(model, PROMPTS, 12, draws, budget=8, drafter=ScriptedDrafter(right_drafts))
+    drafted, verified = run(model, PROMPTS, 12, draws, budget=8, drafter=ScriptedDrafter(drafts))
     assert ahead == apart == drafted and planned.ahead > 0
-    assert any(r.accepted for results in verified.rounds for r in results)
+    windows = [(len(rows.drafts), r.accepted) for plan, results in zip(verified.plans, verified.rounds, strict=True)
+               for rows, r in zip(plan.rows, results, strict=True) if rows.drafts and r.tokens]  # fmt: skip
+    assert any(a == n for n, a in windows) and any(a == 1 < n for n, a in windows)  # kept whole, and cut short
     logprobs = [[outcome.logprobs for outcome in r.outcomes] for r in (in_turn, planned, verified)]
     assert logprobs[1] == logprobs[0] == logprobs[2]
     assert [len(each) for each in logprobs[0]] == [12, 12, 0]
