@@ -7,7 +7,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,32 +313,37 @@ def build_app(state: ServerState) -> FastAPI:
         return response
 
     async def wait(request: Request, generations: list[Generation]) -> list[Outcome]:
-        """Collect every choice's non-streamed result, aborting them all if the client goes away first or one fails."""
-        task = asyncio.ensure_future(asyncio.gather(*(generation.collect() for generation in generations)))
+        """Collect every choice's non-streamed result; if the client goes away first or one choice fails, every
+        choice is aborted and every collection still waiting is cancelled (an abort's last update may never come)."""
+        tasks = [asyncio.ensure_future(generation.collect()) for generation in generations]
         try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    task.cancel()
-                    with suppress(asyncio.CancelledError):
-                        await task
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # raises the first failure
+                if not pending:
+                    return [task.result() for task in tasks]
+                if await request.is_disconnected():
                     raise ApiError("the client disconnected", status=499)
-            return task.result()
         finally:
             for generation in generations:
                 generation.abort()
+            waiting = [task for task in tasks if not task.done()]
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
 
     async def stream(
         generations: list[Generation], frame, include_usage: bool, opening: dict[str, Any] | None = None
     ) -> AsyncIterator[str]:
-        """SSE events: each choice's first `frame(index, None)` chunk (the first with the `opening` fields), then
+        """SSE events: each choice's first `frame(index, None)` chunk (with the `opening` fields), then
         `frame(index, piece)` chunks as pieces come, with `"usage": null` when usage comes last, as OpenAI sends them;
         then usage and [DONE]; the engine is told when the client leaves."""
         tokens: list[list[int]] = [[] for _ in generations]
         no_usage = {"usage": None} if include_usage else {}
         try:
             for index in range(len(generations)):
-                yield {**frame(index, None), **(opening if opening and index == 0 else {}), **no_usage}
+                yield {**frame(index, None), **(opening or {}), **no_usage}
             async for index, piece in interleaved(generations):
                 tokens[index] += piece.token_ids
                 chunk = {**frame(index, piece), **no_usage}

@@ -162,27 +162,29 @@ class Generation:
 
 
 async def interleaved(generations: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
-    """Each generation's pieces as they come, with its index among `generations`; the first error ends them all."""
+    """Each generation's pieces as they come, with its index among `generations`; the first error (of any kind) is
+    raised here and ends them all."""
     if len(generations) == 1:
         async for piece in generations[0].pieces():
             yield 0, piece
         return
-    queue: asyncio.Queue[tuple[int, Piece | ApiError | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:
         try:
             async for piece in generation.pieces():
                 queue.put_nowait((index, piece))
-        except ApiError as exc:
+        except Exception as exc:  # the consumer raises it, so a stream never waits on a choice that has failed
             queue.put_nowait((index, exc))
-        queue.put_nowait((index, None))  # this generation is done
+        else:
+            queue.put_nowait((index, None))  # this generation is done
 
     pumps = [asyncio.ensure_future(pump(index, generation)) for index, generation in enumerate(generations)]
     try:
         running = len(generations)
         while running:
             index, item = await queue.get()
-            if isinstance(item, ApiError):
+            if isinstance(item, Exception):
                 raise item
             if item is None:
                 running -= 1

@@ -38,9 +38,9 @@ def token_bytes(tokenizer: Any | None, text: Callable[[int], str]) -> Callable[[
     @functools.lru_cache(maxsize=1 << 16)
     def raw(token: int) -> tuple[int, ...]:
         spelled = tokenizer.convert_ids_to_tokens(token)
-        if all(char in chars for char in spelled):
+        if spelled is not None and all(char in chars for char in spelled):
             return tuple(chars[char] for char in spelled)
-        return tuple(text(token).encode())  # an added token spelled outside the byte alphabet
+        return tuple(text(token).encode())  # an added token outside the byte alphabet, or an id past the tokenizer's
 
     return lambda token: list(raw(token))
 

@@ -208,6 +208,7 @@ def test_n_choices_are_each_the_request_alone_with_its_seed_plus_the_choice_inde
     shas = {ch["index"]: c["token_sha"] for c in chunks if "token_sha" in c for ch in c["choices"]}
     assert shas == {i: sha(e) for i, e in enumerate(expected)}
     assert chunks[-1]["usage"]["completion_tokens"] == 30 and chunks[-1]["usage"]["prompt_tokens"] == prompt_tokens
+    assert len(prompt_ids_sent(route, chunks)) == 3  # as vLLM: in each choice's first chunk
 
 
 def alone_usage(live: Live, route: str, body: dict) -> dict:
@@ -744,6 +745,37 @@ def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, ke
         metrics = httpx.get(f"{one_lane.url}/metrics").text
         assert f'flashnext:request_success_total{{finished_reason="abort"}} {n}.0' in metrics
         assert httpx.get(f"{one_lane.url}/health").json()["requests_waiting"] == 0
+
+
+def test_when_one_choice_fails_the_others_are_aborted_and_nothing_is_left_waiting_on_them():
+    """n 3, the first choice's draw failing at once (a 400), the others never answered: as the front-end process's
+    handle drops the last update of a request it has aborted, their collections must be cancelled, not left
+    waiting for ever."""
+    import asyncio
+
+    from server.app import ServerState, build_app
+    from server.engine import Update
+    from tests.server.test_generation import RecordingEngine
+
+    class FirstFails(RecordingEngine):
+        def submit(self, request) -> None:
+            super().submit(request)
+            if len(self.submitted) == 1:
+                request.sink(Update((), "error", "the token draw failed", error_param="temperature"))
+
+    async def main():
+        engine = FirstFails()
+        app = build_app(ServerState(engine, None, "m", 256, 512, (0,)))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://flashnext") as http:
+            response = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "n": 3})
+        await asyncio.sleep(0)
+        waiting = [task for task in asyncio.all_tasks() if "collect" in repr(task.get_coro())]
+        return response, engine, waiting
+
+    response, engine, waiting = asyncio.run(main())
+    assert response.status_code == 400 and error_of(response)["param"] == "temperature"
+    assert {request_id for request_id, _ in engine.aborts} == {r.request_id for r in engine.submitted[1:]}
+    assert waiting == []
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from server.engine import Request, Update
-from server.generation import Generation, Outcome
+from server.generation import Generation, Outcome, Piece, interleaved
 from server.protocol import ApiError, SamplingParams
 from tests.server.test_textout import TEXTS, load_script
 
@@ -183,3 +183,33 @@ def test_an_error_the_requests_own_field_caused_is_a_400_naming_it(tok: Any) -> 
     with pytest.raises(ApiError) as caught:
         run(tok, SamplingParams(temperature=1e-40), [update])
     assert (caught.value.status, caught.value.type, caught.value.param) == (400, "invalid_request_error", "temperature")
+
+
+class FailingGeneration:
+    """A generation whose pieces end in `error` after `pieces` one-token pieces, or never end when `error` is None."""
+
+    def __init__(self, pieces: int, error: Exception | None) -> None:
+        self.count, self.error = pieces, error
+
+    async def pieces(self):
+        for token in range(self.count):
+            yield Piece([token])
+        if self.error is not None:
+            raise self.error
+        await asyncio.Event().wait()  # a choice still drawing
+
+
+@pytest.mark.parametrize("error", [RuntimeError("detokenizing failed"), ApiError("bad", param="temperature")])
+def test_any_failure_of_one_choice_ends_interleaved_choices(error: Exception) -> None:
+    """A stream of several choices ends with the first failure of any one, whatever its kind, rather than waiting
+    for a choice that will never end."""
+
+    async def main() -> list[tuple[int, list[int]]]:
+        got = []
+        with pytest.raises(type(error)):
+            async for index, piece in interleaved([FailingGeneration(2, None), FailingGeneration(1, error)]):
+                got.append((index, piece.token_ids))
+        return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 5))
+    assert sorted(got) == [(0, [0]), (0, [1]), (1, [0])]

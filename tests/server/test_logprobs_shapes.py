@@ -44,3 +44,13 @@ def test_values_json_cannot_carry_become_the_lowest_logprob() -> None:
     assert legacy["token_logprobs"] == [LOWEST_LOGPROB, -0.5]
     assert legacy["text_offset"] == [7, 7 + len("token_id:3")]
     assert legacy["top_logprobs"][1] == {"token_id:5": -0.5}  # the drawn token, among the most likely
+
+
+def test_an_id_past_the_tokenizers_vocabulary_has_its_texts_bytes(tokenizer) -> None:
+    """A model's vocabulary may be wider than its tokenizer's (padding rows): such an id has no spelling; its bytes
+    are its text's, as for any token the byte alphabet does not spell, not a failure."""
+    spell = token_text(tokenizer)
+    past = len(tokenizer) + 5
+    assert token_bytes(tokenizer, spell)(past) == list(spell(past).encode())
+    entry = chat_logprobs([past], [TokenLogprob(-1.0)], spell, token_bytes(tokenizer, spell))["content"][0]
+    assert entry["bytes"] == list(spell(past).encode())
