@@ -1,0 +1,80 @@
+"""Exactness of the API's sampling extensions on a served model: n choices, logprobs and logit_bias, each drafted and
+undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
+
+Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import httpx
+
+PROMPT = "def merge_sorted(left, right):\n    "
+
+
+def complete(base: str, **fields) -> dict:
+    """A text completion's response (streamed chunks merged per choice into one response's shape)."""
+    body = {"prompt": PROMPT, "max_tokens": 32, "ignore_eos": True, "return_token_ids": True, **fields}
+    if not body.get("stream"):
+        return httpx.post(f"{base}/v1/completions", json=body, timeout=300).json()
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                merged = choices.setdefault(choice["index"], {"token_ids": [], "logprobs": {}})
+                merged["token_ids"] += choice.get("token_ids", [])
+                for key, values in (choice.get("logprobs") or {}).items():
+                    merged["logprobs"][key] = merged["logprobs"].get(key, []) + values
+    return {"choices": [choices[i] for i in sorted(choices)]}
+
+
+def shown(response: dict) -> list:
+    """Each choice's tokens and logprobs (token_logprobs and top ones), what the checks compare."""
+    return [
+        (c["token_ids"], (c.get("logprobs") or {}).get("token_logprobs"), (c.get("logprobs") or {}).get("top_logprobs"))
+        for c in response["choices"]
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", required=True)
+    base = parser.parse_args().base_url
+    failures = 0
+
+    def check(name: str, ok: bool, detail: object = "") -> None:
+        nonlocal failures
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'} {name}" + ("" if ok else f": {detail}"), flush=True)
+
+    sampled = {"temperature": 0.8, "seed": 11}
+    together = shown(complete(base, n=4, **sampled))
+    alone = [shown(complete(base, temperature=0.8, seed=11 + i))[0] for i in range(4)]
+    check("n=4: choice i = the request alone with seed + i", together == alone)
+    check("n=4: choices differ", len({tuple(c[0]) for c in together}) == 4)
+    check("n=4 streamed = not streamed", shown(complete(base, n=4, stream=True, **sampled)) == together)
+    for name, fields in (("greedy", {"temperature": 0}), ("sampled", sampled)):
+        drafted = shown(complete(base, logprobs=5, **fields))
+        undrafted = shown(complete(base, logprobs=5, draft=False, **fields))
+        streamed = shown(complete(base, logprobs=5, stream=True, **fields))
+        check(f"logprobs {name}: drafted = undrafted = streamed", drafted == undrafted == streamed)
+        check(f"logprobs {name}: one per token", len(drafted[0][1]) == len(drafted[0][0]) == 32)
+    plain = shown(complete(base, temperature=0))[0][0]
+    bias = {str(plain[0]): -100, str(plain[4]): -4.5, "17": 3.25}
+    drafted = shown(complete(base, temperature=0, logit_bias=bias))
+    check(
+        "logit_bias: drafted = undrafted", drafted == shown(complete(base, temperature=0, draft=False, logit_bias=bias))
+    )
+    check("logit_bias: output moved", drafted[0][0] != plain and drafted[0][0][0] != plain[0])
+    forced = shown(complete(base, **sampled, logit_bias={str(plain[7]): 100}))[0][0]
+    check("logit_bias +100: every token the biased one", forced == [plain[7]] * 32, forced[:8])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
