@@ -12,7 +12,7 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 7  # 5: seeds may be negative; 6: draws carry a logit bias; 7: and a logprobs count
+VERSION = 8  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -63,6 +63,9 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("i", [token for draw in draws for token, _ in draw.logit_bias], "logit bias ids"),
             _pack("d", [bias for draw in draws for _, bias in draw.logit_bias], "logit biases"),
             _pack("B", [0 if draw.logprobs is None else draw.logprobs + 1 for draw in draws], "logprobs counts"),
+            _pack("q", [draw.suppress_before for draw in draws], "suppression ends"),
+            _pack("I", [len(draw.suppress_ids) for draw in draws], "suppressed id counts"),
+            _pack("i", [token for draw in draws for token in draw.suppress_ids], "suppressed ids"),
             _pack("B", [op.code for op in plan.ops], "lane op codes"),
             _pack("H", [op.slot for op in plan.ops], "lane op slots"),
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
@@ -163,7 +166,11 @@ class _Reader:
         biases = [tuple(pairs[a:b]) for a, b in pairwise(accumulate(bias_counts, initial=0))]
         _check_biases(biases)
         logprobs = [None if count == 0 else count - 1 for count in self.take("B", count, "logprobs counts")]
-        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs))
+        ends = self.take("q", count, "suppression ends")
+        suppressed_counts = self.take("I", count, "suppressed id counts")
+        suppressed = self.take("i", sum(suppressed_counts), "suppressed ids")
+        ids = [suppressed[a:b] for a, b in pairwise(accumulate(suppressed_counts, initial=0))]
+        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs, ids, ends))
 
     def _ops(self, count: int) -> tuple[LaneOp, ...]:
         """Read the lane operations."""

@@ -33,6 +33,8 @@ class DrawSpec:
     seed: int
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, each id once
     logprobs: int | None = None  # with each drawn token, its raw log-probability and that many of the most likely
+    suppress_ids: tuple[int, ...] = ()  # ids a draw at an absolute position before `suppress_before` cannot take
+    suppress_before: int = 0  # (a request's min_tokens: its stop tokens wait until it has that many)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,15 @@ class Generation:
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
         draw = DrawSpec(
-            params.temperature, params.top_k, params.top_p, params.min_p, self.seed, params.logit_bias, params.logprobs
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            self.seed,
+            params.logit_bias,
+            params.logprobs,
+            tuple(sorted(stop_ids)) if params.min_tokens else (),
+            len(prompt_ids) + params.min_tokens,  # the position of the first token that may stop it
         )
         self.request = Request(
             self.request_id,
@@ -85,6 +93,7 @@ class Generation:
         # the request's own stop tokens, reported as its stop_reason; an EOS it also lists stays EOS (null), as vLLM's
         self.stop_token_ids = frozenset(params.stop_token_ids) - (frozenset() if params.ignore_eos else set(eos_ids))
         self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
+        self.unwatched = params.min_tokens  # tokens still to come before stop strings are looked for
         self.done = False
 
     def submit(self) -> None:
@@ -137,6 +146,9 @@ class Generation:
             texts = [*texts[:-1], texts[-1] + flushed] if texts else [flushed]
         emit, stop_reason = "", None
         for at, text in enumerate(texts):
+            if at < self.unwatched:  # min_tokens: this token's text is output as it is
+                emit += text
+                continue
             delta, stopped = self.stops.feed(text)
             emit += delta
             if stopped:
@@ -149,6 +161,7 @@ class Generation:
                 emit += self.stops.flush()
             if finish == "stop" and tokens and tokens[-1] in self.stop_token_ids:
                 stop_reason = tokens[-1]
+        self.unwatched = max(self.unwatched - len(update.token_ids), 0)
         piece = Piece(tokens, finish_reason=finish, stop_reason=stop_reason, logprobs=update.logprobs[: len(tokens)])
         if self.splitter is None:
             piece.content = emit

@@ -33,7 +33,6 @@ _HARMLESS: dict[str, Any] = {
     "response_format": {"type": "text"},
     # vLLM's sampling and output extensions
     "repetition_penalty": 1.0,
-    "min_tokens": 0,
     "bad_words": [],
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
@@ -86,6 +85,7 @@ class SamplingParams:
     cache_salt: str | None = None  # prompt states are resumed only from requests with the same salt
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs in id order, none of them 0
     logprobs: int | None = None  # each token's logprob and that many of the most likely; None: no logprobs
+    min_tokens: int = 0  # no stop token is drawn, and no stop string looked for, before this many tokens
 
 
 class ApiError(Exception):
@@ -248,7 +248,7 @@ class _SamplingRequest(_StrictModel):
     include_stop_str_in_output: bool = False
     response_format: Any = None
     repetition_penalty: Any = None
-    min_tokens: Any = None
+    min_tokens: int = Field(0, ge=0)
     bad_words: Any = None
     allowed_token_ids: Any = None
     skip_special_tokens: Any = None
@@ -265,7 +265,7 @@ class _SamplingRequest(_StrictModel):
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "response_format", "repetition_penalty", "min_tokens", "bad_words", "allowed_token_ids",
+        "response_format", "repetition_penalty", "bad_words", "allowed_token_ids",
         "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search", "prompt_logprobs",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "structural_tag", "logits_processors",
@@ -281,6 +281,14 @@ class _SamplingRequest(_StrictModel):
             raise PydanticCustomError(
                 "conflict", f"must equal max_tokens ({max_tokens}) when both are given; send only one"
             )
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _at_most_max_tokens(cls, value: int, info: ValidationInfo) -> int:
+        most = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
+        if most is not None and value > most:
+            raise PydanticCustomError("conflict", f"must be at most max_tokens ({most})")
         return value
 
     @field_validator("stop", mode="before")
@@ -333,6 +341,7 @@ class _SamplingRequest(_StrictModel):
             cache_salt=self.cache_salt,
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
             logprobs=self.logprobs_count(),
+            min_tokens=self.min_tokens,
         )
 
     def logprobs_count(self) -> int | None:

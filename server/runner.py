@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -379,7 +380,7 @@ class ModelRunner:
         device: on the kernel path one batched draw launched for the round (`sample_rows`, which gives each row
         `sample_token`'s token, or -1 where that raises), else drawn row by row on the host, -1 likewise."""
         keys = self._draw_keys(plan_rows)
-        logits = _biased(logits, [spec for spec, _ in keys])
+        logits = _biased(logits, keys)
         if not self.model.kernels:
             tokens = [_draw_row(logits[i], spec, position)[0] for i, (spec, position) in enumerate(keys)]
             return torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -421,7 +422,7 @@ class ModelRunner:
             return tokens, {}
         refusals = {}
         keys = self._draw_keys(plan_rows)
-        logits = _biased(logits, [spec for spec, _ in keys])  # the bits `_launch_draws` drew from
+        logits = _biased(logits, keys)  # the bits `_launch_draws` drew from
         for i, (spec, position) in enumerate(keys):
             if tokens[i] == -1:
                 token, refusal = _draw_row(logits[i], spec, position)
@@ -487,7 +488,8 @@ class ModelRunner:
             return {}
         lanes = [slot for slot, _, _ in drafting]  # the lanes of the last step's rows, in order
         position = {slot: at for slot, _, at in drafting}  # each lane's position of its last step's row
-        drawn = _argmaxes(_biased(logits, [draws[slot] for slot in lanes]), self.model.kernels)
+        # a step's row at position q pairs q's wide state with the token at q + 1: it drafts the token at q + 2
+        drawn = _argmaxes(_biased(logits, [(draws[s], position[s] + 2) for s in lanes]), self.model.kernels)
         wide = wide.index_select(0, lasts)
         steps = [(lanes, drawn)]
         for step in range(1, max(depth.values())):
@@ -501,7 +503,7 @@ class ModelRunner:
                 drawn, [Segment(self.slots[s], i, 1) for i, s in enumerate(lanes)], [position[s] + step for s in lanes]
             )
             logits, wide = self.model.mtp_forward(batch, wide)
-            drawn = _argmaxes(_biased(logits, [draws[slot] for slot in lanes]), self.model.kernels)
+            drawn = _argmaxes(_biased(logits, [(draws[s], position[s] + step + 2) for s in lanes]), self.model.kernels)
             steps.append((lanes, drawn))
         drafts: dict[int, list[int]] = {}
         if before_wait is not None:
@@ -512,9 +514,15 @@ class ModelRunner:
         return {s: tuple(d) for s, d in drafts.items()}
 
 
-def _biased(logits: torch.Tensor, specs: list[DrawSpec]) -> torch.Tensor:
-    """The logit rows with each row's logit bias added in fp32 (the same tensor where no row has a bias)."""
-    entries = [(row, token, bias) for row, spec in enumerate(specs) for token, bias in spec.logit_bias]
+def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Tensor:
+    """The logit rows with each row's logit bias added in fp32, and -inf added for the ids its draw (at the key's
+    position) may not take yet (the same tensor where no row has either)."""
+    entries = []
+    for row, (spec, position) in enumerate(keys):
+        biases = dict(spec.logit_bias)
+        if position < spec.suppress_before:
+            biases |= dict.fromkeys(spec.suppress_ids, -math.inf)
+        entries += [(row, token, bias) for token, bias in biases.items()]
     if not entries:
         return logits
     rows, tokens, biases = zip(*entries, strict=True)

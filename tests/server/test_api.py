@@ -227,6 +227,24 @@ def test_a_choice_whose_draw_fails_fails_the_request_and_loses_nothing_in_flight
     assert wait_for_running(live, lambda n: n == 0) == 0
 
 
+def test_min_tokens_keeps_stop_tokens_out_as_transformers_min_new_tokens_does(live, ckpt):
+    """vLLM's min_tokens: a stop token cannot be drawn before that many tokens (its logit is -inf), and ends the
+    output after: greedy output equals transformers' generate with min_new_tokens and that token as its EOS,
+    drafted or not."""
+    hf = oracle(ckpt)
+    with torch.no_grad(), ties_to_lower_index():
+        plain = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        stop = plain[0, len(PROMPT) + 1].item()  # the second token: one min_tokens has to keep out
+        expected = hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=6, do_sample=False, eos_token_id=[stop]
+        )[0, len(PROMPT) :].tolist()
+    assert stop not in expected[:6] and expected != plain[0, len(PROMPT) :].tolist()
+    body = {"temperature": 0, "max_tokens": 12, "stop_token_ids": [stop], "min_tokens": 6}
+    drafted, undrafted = (completion(live, **body, **extra) for extra in ({}, {"draft": False}))
+    assert drafted["token_ids"] == undrafted["token_ids"] == expected
+    assert drafted["finish_reason"] == ("stop" if expected[-1] == stop else "length")
+
+
 @pytest.mark.parametrize("bias", [5, 0])
 def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(live, bias):
     """As vLLM checks every key: a bias of 0, which changes nothing, still names a token id."""

@@ -160,6 +160,20 @@ def test_an_eos_that_ends_the_request_is_among_the_ids_and_not_in_the_text(tok: 
     assert outcome.stop_reason is None  # vLLM's: EOS is no stop string or stop token of the request's
 
 
+def test_a_stop_string_is_looked_for_only_after_min_tokens_tokens(tok: Any) -> None:
+    """As vLLM: the text of the first min_tokens tokens is output as it is; the stop string ends the output where it
+    is found after them, however the tokens are grouped."""
+    ids = tok.encode("abc def abc xyz", add_special_tokens=False)
+    first = len(tok.encode("abc def", add_special_tokens=False))
+    params = SamplingParams(temperature=0.0, stop=("abc",), min_tokens=first)
+    serial, _ = run(tok, params, one_by_one(ids, "length"))
+    batched, _ = run(tok, params, grouped(ids, "length", random.Random(2)))
+    assert serial.content == batched.content == "abc def " and serial.token_ids == batched.token_ids
+    assert (serial.finish_reason, serial.stop_reason) == ("stop", "abc")
+    unwatched, _ = run(tok, SamplingParams(temperature=0.0, stop=("abc",)), one_by_one(ids, "length"))
+    assert unwatched.content == ""
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_an_eos_the_request_also_lists_as_a_stop_token_is_reported_as_eos_unless_eos_is_ignored(tok, ignore_eos):
     """vLLM checks EOS first: its stop_reason stays null; with ignore_eos the id stops the request as a stop token."""

@@ -181,6 +181,14 @@ def test_a_top_logprobs_of_zero_changes_nothing_and_is_taken() -> None:
         assert parse_request(ChatCompletionRequest, {"messages": USER, **fields}).sampling_params() == SamplingParams()
 
 
+def test_min_tokens_reach_sampling_params_and_may_not_pass_max_tokens() -> None:
+    body = {"messages": USER, "min_tokens": 5, "max_tokens": 5}
+    assert parse_request(ChatCompletionRequest, body).sampling_params().min_tokens == 5
+    assert_names(chat_error(min_tokens=6, max_tokens=5), "min_tokens", "at most max_tokens (5)")
+    assert_names(chat_error(min_tokens=6, max_completion_tokens=5), "min_tokens", "at most max_tokens (5)")
+    assert_names(chat_error(min_tokens=-1), "min_tokens", "greater than or equal to 0")
+
+
 def test_logprobs_reach_sampling_params_as_how_many_of_the_most_likely_to_give() -> None:
     """Chat's logprobs (with top_logprobs, 0 to 20) and a text completion's logprobs count (OpenAI's legacy field)
     become the draw's logprobs count; without them there is none."""
@@ -232,7 +240,6 @@ def test_two_reasonings_that_differ_are_refused() -> None:
     ("field", "value"),
     [
         ("repetition_penalty", 1.2),
-        ("min_tokens", 10),
         ("bad_words", ["no"]),
         ("allowed_token_ids", [1, 2]),
         ("skip_special_tokens", False),
@@ -268,7 +275,7 @@ def test_chat_rendering_fields_are_refused_unless_they_change_nothing(field: str
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("repetition_penalty", True), ("min_tokens", False), ("use_beam_search", 0), ("skip_special_tokens", 1),
+    [("repetition_penalty", True), ("use_beam_search", 0), ("skip_special_tokens", 1),
      ("echo", 0), ("add_generation_prompt", 1)],
 )  # fmt: skip
 def test_a_harmless_value_must_also_have_the_harmless_json_type(field: str, value: Any) -> None:
