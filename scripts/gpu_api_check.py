@@ -1,5 +1,5 @@
-"""Exactness of the API's sampling extensions on a served model: n choices, logprobs and logit_bias, each drafted and
-undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
+"""Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias and min_tokens, each
+drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -73,6 +73,11 @@ def main() -> int:
     check("logit_bias: output moved", drafted[0][0] != plain and drafted[0][0][0] != plain[0])
     forced = shown(complete(base, **sampled, logit_bias={str(plain[7]): 100}))[0][0]
     check("logit_bias +100: every token the biased one", forced == [plain[7]] * 32, forced[:8])
+    stop = plain[1]  # min_tokens 8 keeps this stop token out of the first 8 tokens, and lets it end the output after
+    held = [shown(complete(base, temperature=0, stop_token_ids=[stop], min_tokens=8, **extra))[0][0]
+            for extra in ({}, {"draft": False})]  # fmt: skip
+    check("min_tokens: drafted = undrafted", held[0] == held[1])
+    check("min_tokens: no stop token before 8 tokens", stop not in held[0][:8] and len(held[0]) >= 8, held[0])
     return 1 if failures else 0
 
 
