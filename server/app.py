@@ -184,13 +184,22 @@ def build_app(state: ServerState) -> FastAPI:
         params = body.sampling_params()
         if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
             raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
-        outside = [int(key) for key in body.logit_bias or {} if int(key) >= state.vocab_size]  # zeros included
-        if outside:
-            raise ApiError(
-                f"logit_bias: token id {outside[0]} is outside the vocabulary (size {state.vocab_size})",
-                param="logit_bias",
-            )
+        for field, ids in (
+            ("logit_bias", [int(key) for key in body.logit_bias or {}]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            outside = [token for token in ids if token >= state.vocab_size]  # a logit bias of 0 included
+            if outside:
+                raise ApiError(
+                    f"{field}: token id {outside[0]} is outside the vocabulary (size {state.vocab_size})", param=field
+                )
         room = state.context - len(prompt_ids)
+        if params.min_tokens > (params.max_tokens or room):
+            raise ApiError(
+                f"min_tokens: {params.min_tokens} is more than the {params.max_tokens or room} tokens this request may "
+                "have (its max_tokens, or the context's room after the prompt)",
+                param="min_tokens",
+            )
         generations = [
             Generation(
                 state.engine,

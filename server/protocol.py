@@ -85,7 +85,7 @@ class SamplingParams:
     cache_salt: str | None = None  # prompt states are resumed only from requests with the same salt
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs in id order, none of them 0
     logprobs: int | None = None  # each token's logprob and that many of the most likely; None: no logprobs
-    min_tokens: int = 0  # no stop token is drawn, and no stop string looked for, before this many tokens
+    min_tokens: int = 0  # no stop token is drawn before this many tokens, nor a stop string found in their text
 
 
 class ApiError(Exception):

@@ -245,6 +245,23 @@ def test_min_tokens_keeps_stop_tokens_out_as_transformers_min_new_tokens_does(li
     assert drafted["finish_reason"] == ("stop" if expected[-1] == stop else "length")
 
 
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"stop_token_ids": [7, 1000000], "min_tokens": 2}, "stop_token_ids", "token id 1000000 is outside"),
+        ({"stop_token_ids": [1000000]}, "stop_token_ids", "token id 1000000 is outside"),
+        ({"min_tokens": 17}, "min_tokens", "more than the 16 tokens"),  # a text completion's default max_tokens
+    ],
+)
+def test_stop_tokens_outside_the_vocabulary_and_min_tokens_past_the_limit_are_400s(live, fields, param, words):
+    """Refused before they reach a round, where a suppressed id outside the logits failed every request in it."""
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(seeded, live, 99, PROMPT, 48)
+        response = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, **fields})
+        assert response.status_code == 400 and error_of(response)["param"] == param
+        assert words in error_of(response)["message"] and len(long.result()) == 64
+
+
 @pytest.mark.parametrize("bias", [5, 0])
 def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(live, bias):
     """As vLLM checks every key: a bias of 0, which changes nothing, still names a token id."""

@@ -160,16 +160,18 @@ def test_an_eos_that_ends_the_request_is_among_the_ids_and_not_in_the_text(tok: 
     assert outcome.stop_reason is None  # vLLM's: EOS is no stop string or stop token of the request's
 
 
-def test_a_stop_string_is_looked_for_only_after_min_tokens_tokens(tok: Any) -> None:
-    """As vLLM: the text of the first min_tokens tokens is output as it is; the stop string ends the output where it
-    is found after them, however the tokens are grouped."""
+@pytest.mark.parametrize("grouping", ["one by one", "grouped"])
+def test_a_stop_string_is_looked_for_only_in_the_text_after_the_first_min_tokens_tokens(tok: Any, grouping) -> None:
+    """The first min_tokens tokens' text is output as it is; the stop string ends the output where it is found in
+    the text of the tokens after them (one whose text starts at the boundary counts), however they are grouped."""
     ids = tok.encode("abc def abc xyz", add_special_tokens=False)
     first = len(tok.encode("abc def", add_special_tokens=False))
-    params = SamplingParams(temperature=0.0, stop=("abc",), min_tokens=first)
-    serial, _ = run(tok, params, one_by_one(ids, "length"))
-    batched, _ = run(tok, params, grouped(ids, "length", random.Random(2)))
-    assert serial.content == batched.content == "abc def " and serial.token_ids == batched.token_ids
-    assert (serial.finish_reason, serial.stop_reason) == ("stop", "abc")
+    for min_tokens, content in ((first, "abc def"), (first + 1, "abc def abc xyz")):
+        params = SamplingParams(temperature=0.0, stop=(" abc",), min_tokens=min_tokens)
+        updates = one_by_one(ids, "length") if grouping == "one by one" else grouped(ids, "length", random.Random(2))
+        outcome, _ = run(tok, params, updates)
+        assert outcome.content == content
+        assert outcome.finish_reason == ("stop" if min_tokens == first else "length")
     unwatched, _ = run(tok, SamplingParams(temperature=0.0, stop=("abc",)), one_by_one(ids, "length"))
     assert unwatched.content == ""
 

@@ -1,0 +1,25 @@
+"""The runner's logit adjustments before a draw: a request's logit bias, and -inf for its stop tokens while its draws
+are among its first min_tokens (up to the position where they may stop it, not at it)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rankwire.header import DrawSpec
+from server.runner import _biased
+
+
+def test_stop_tokens_are_ruled_out_before_the_first_position_that_may_stop_and_beat_a_bias_on_the_same_id() -> None:
+    held = DrawSpec(0.0, 0, 1.0, 0.0, 1, logit_bias=((3, 100.0), (5, 2.0)), suppress_ids=(3, 7), suppress_before=20)
+    plain = DrawSpec(0.0, 0, 1.0, 0.0, 2)
+    logits = torch.zeros(4, 10, dtype=torch.bfloat16)
+    out = _biased(logits, [(held, 18), (held, 19), (held, 20), (plain, 19)])
+    expected = torch.zeros(4, 10)
+    expected[:2, [3, 7]] = -math.inf
+    expected[:3, 5] = 2.0
+    expected[2, 3] = 100.0
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert not logits.any()  # the round's logits themselves are left as they were
+    assert _biased(logits, [(plain, 19)]) is logits  # nothing to add: no copy
