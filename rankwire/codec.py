@@ -137,17 +137,16 @@ class _Reader:
         priors = self.take("B", n_rows, "prior-draw flags")
         if max(priors, default=0) > 1:
             raise HeaderError(f"prior-draw flag {max(priors)} is neither 0 nor 1")
-        token_bounds = list(pairwise(accumulate(token_counts, initial=0)))
+        row_tokens = _cut(token_ids, token_counts)
         for index, prior in enumerate(priors):
-            a, b = token_bounds[index]
-            _check_prior_draw(index, bool(prior), token_ids[a:b], range(draft_counts[index]), depths[index])
+            _check_prior_draw(index, bool(prior), row_tokens[index], range(draft_counts[index]), depths[index])
         if self.pos != len(self.data):
             raise HeaderError(f"{len(self.data) - self.pos} trailing bytes inside the header's body")
         return RoundPlan(
             kind=RoundKind(kind),
             allocate=allocate,
             free=free,
-            rows=_rows(slots, starts, token_counts, draft_counts, flags, depths, token_ids, draft_ids, draws, priors),
+            rows=_rows(slots, starts, flags, depths, row_tokens, _cut(draft_ids, draft_counts), draws, priors),
             ops=ops,
         )
 
@@ -162,15 +161,13 @@ class _Reader:
         bias_counts = self.take("I", count, "logit bias counts")
         ids = self.take("i", sum(bias_counts), "logit bias ids")
         values = self.take("d", sum(bias_counts), "logit biases")
-        pairs = list(zip(ids, values, strict=True))
-        biases = [tuple(pairs[a:b]) for a, b in pairwise(accumulate(bias_counts, initial=0))]
+        biases = _cut(tuple(zip(ids, values, strict=True)), bias_counts)
         _check_biases(biases)
-        logprobs = [None if count == 0 else count - 1 for count in self.take("B", count, "logprobs counts")]
+        logprobs = [None if stored == 0 else stored - 1 for stored in self.take("B", count, "logprobs counts")]
         ends = self.take("q", count, "suppression ends")
         suppressed_counts = self.take("I", count, "suppressed id counts")
-        suppressed = self.take("i", sum(suppressed_counts), "suppressed ids")
-        ids = [suppressed[a:b] for a, b in pairwise(accumulate(suppressed_counts, initial=0))]
-        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs, ids, ends))
+        suppressed = _cut(self.take("i", sum(suppressed_counts), "suppressed ids"), suppressed_counts)
+        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs, suppressed, ends))
 
     def _ops(self, count: int) -> tuple[LaneOp, ...]:
         """Read the lane operations."""
@@ -187,31 +184,32 @@ class _Reader:
 def _rows(
     slots: tuple[int, ...],
     starts: tuple[int, ...],
-    token_counts: tuple[int, ...],
-    draft_counts: tuple[int, ...],
     flags: tuple[int, ...],
     depths: tuple[int, ...],
-    token_ids: tuple[int, ...],
-    draft_ids: tuple[int, ...],
+    row_tokens: list[tuple[int, ...]],
+    row_drafts: list[tuple[int, ...]],
     draws: list[DrawSpec],
     priors: tuple[int, ...],
 ) -> tuple[LaneRows, ...]:
-    """Cut the flat token, draft and draw columns back into per-lane rows."""
-    token_bounds = pairwise(accumulate(token_counts, initial=0))
-    draft_bounds = pairwise(accumulate(draft_counts, initial=0))
+    """Put the per-lane token and draft pieces and the draw columns back together as rows."""
     next_draw = iter(draws)
     return tuple(
         map(
             LaneRows,
             slots,
-            [token_ids[a:b] for a, b in token_bounds],
+            row_tokens,
             starts,
             [next(next_draw) if flag else None for flag in flags],
-            [draft_ids[a:b] for a, b in draft_bounds],
+            row_drafts,
             depths,
             map(bool, priors),
         )
     )
+
+
+def _cut(flat: tuple[Any, ...], counts: Sequence[int]) -> list[tuple[Any, ...]]:
+    """A flat column cut into consecutive pieces of the given lengths."""
+    return [flat[a:b] for a, b in pairwise(accumulate(counts, initial=0))]
 
 
 def _pack_counts(plan: RoundPlan, n_rows: int) -> bytes:

@@ -299,7 +299,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def shaped(choice, outcomes: list[Outcome], with_logprobs: bool) -> list[dict[str, Any]]:
         """Each outcome's choice; with logprobs on a worker thread (a long answer's take a while to spell out)."""
-        choices = lambda: [choice(index, outcome) for index, outcome in enumerate(outcomes)]  # noqa: E731
+
+        def choices() -> list[dict[str, Any]]:
+            return [choice(index, outcome) for index, outcome in enumerate(outcomes)]
+
         return await asyncio.to_thread(choices) if with_logprobs else choices()
 
     def respond(prefix, kind, choices, outcomes: list[Outcome], prompt_ids, with_ids: bool) -> dict[str, Any]:

@@ -519,9 +519,10 @@ def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Ten
     position) may not take yet (the same tensor where no row has either)."""
     entries = []
     for row, (spec, position) in enumerate(keys):
-        biases = dict(spec.logit_bias)
-        if position < spec.suppress_before:
-            biases |= dict.fromkeys(spec.suppress_ids, -math.inf)
+        suppressed = spec.suppress_ids if position < spec.suppress_before else ()
+        if not spec.logit_bias and not suppressed:
+            continue  # most rows of a round: nothing to add
+        biases = dict(spec.logit_bias) | dict.fromkeys(suppressed, -math.inf)  # -inf wins over a bias on its id
         entries += [(row, token, bias) for token, bias in biases.items()]
     if not entries:
         return logits
