@@ -12,7 +12,8 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 8  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids
+VERSION = 9  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids;
+# 9: penalties
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -33,6 +34,7 @@ def encode_header(plan: RoundPlan) -> bytes:
     draws = [row.draw for row in rows if row.draw is not None]
     _check_draws([d.temperature for d in draws], [d.top_p for d in draws], [d.min_p for d in draws])
     _check_biases([draw.logit_bias for draw in draws])
+    _check_penalties([draw.penalties for draw in draws])
     bad = next((d.logprobs for d in draws if d.logprobs is not None and not 0 <= d.logprobs < 255), None)
     if bad is not None:
         raise HeaderError(f"cannot encode logprobs counts: {bad} is not in [0, 254]")
@@ -66,6 +68,8 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("q", [draw.suppress_before for draw in draws], "suppression ends"),
             _pack("I", [len(draw.suppress_ids) for draw in draws], "suppressed id counts"),
             _pack("i", [token for draw in draws for token in draw.suppress_ids], "suppressed ids"),
+            _pack("d", chain.from_iterable(draw.penalties for draw in draws), "penalties"),
+            _pack("q", [draw.output_from for draw in draws], "output starts"),
             _pack("B", [op.code for op in plan.ops], "lane op codes"),
             _pack("H", [op.slot for op in plan.ops], "lane op slots"),
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
@@ -167,7 +171,14 @@ class _Reader:
         ends = self.take("q", count, "suppression ends")
         suppressed_counts = self.take("I", count, "suppressed id counts")
         suppressed = _cut(self.take("i", sum(suppressed_counts), "suppressed ids"), suppressed_counts)
-        return list(map(DrawSpec, temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs, suppressed, ends))
+        penalties = _cut(self.take("d", 3 * count, "penalties"), [3] * count)
+        _check_penalties(penalties)
+        output_starts = self.take("q", count, "output starts")
+        sampling = zip(temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs, suppressed, ends, strict=True)
+        return [
+            DrawSpec(*values, *penalty, output_from=start)
+            for values, penalty, start in zip(sampling, penalties, output_starts, strict=True)
+        ]
 
     def _ops(self, count: int) -> tuple[LaneOp, ...]:
         """Read the lane operations."""
@@ -254,6 +265,17 @@ def _check_biases(biases: Sequence[tuple[tuple[int, float], ...]]) -> None:
         bad = next((bias for _, bias in pairs if not math.isfinite(bias)), None)
         if bad is not None:
             raise HeaderError(f"draw {index}: logit bias {bad} is not a finite number")
+
+
+def _check_penalties(penalties: Sequence[tuple[float, float, float]]) -> None:
+    """Refuse penalties no draw can have: a repetition penalty that is not a finite number > 0, or a frequency or
+    presence penalty that is not finite."""
+    for index, (repetition, frequency, presence) in enumerate(penalties):
+        if not 0.0 < repetition <= _MAX_FINITE:
+            raise HeaderError(f"draw {index}: repetition penalty {repetition} is not a finite number > 0")
+        bad = next((value for value in (frequency, presence) if not math.isfinite(value)), None)
+        if bad is not None:
+            raise HeaderError(f"draw {index}: penalty {bad} is not a finite number")
 
 
 def _check_draws(temperatures: Sequence[float], top_ps: Sequence[float], min_ps: Sequence[float]) -> None:

@@ -35,6 +35,20 @@ class DrawSpec:
     logprobs: int | None = None  # with each drawn token, its raw log-probability and that many of the most likely
     suppress_ids: tuple[int, ...] = ()  # ids a draw at an absolute position before `suppress_before` cannot take
     suppress_before: int = 0  # (a request's min_tokens: its stop tokens wait until it has that many)
+    repetition_penalty: float = 1.0  # divides a positive logit, multiplies a negative one, of every id folded before
+    frequency_penalty: float = 0.0  # times how often an id occurs from `output_from` on, taken from its logit
+    presence_penalty: float = 0.0  # taken from the logit of each id that occurs from `output_from` on
+    output_from: int = 0  # the absolute position of the request's first output token
+
+    @property
+    def penalties(self) -> tuple[float, float, float]:
+        """(repetition, frequency, presence) penalties."""
+        return self.repetition_penalty, self.frequency_penalty, self.presence_penalty
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its draws depend on the ids the lane folded before them (the penalties)."""
+        return self.penalties != (1.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
-"""Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias and min_tokens, each
-drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
+"""Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens and
+penalties, each drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -78,6 +78,16 @@ def main() -> int:
             for extra in ({}, {"draft": False})]  # fmt: skip
     check("min_tokens: drafted = undrafted", held[0] == held[1])
     check("min_tokens: no stop token before 8 tokens", stop not in held[0][:8] and len(held[0]) >= 8, held[0])
+    penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.6, "presence_penalty": 0.4}
+    for name, fields in (("greedy", {"temperature": 0}), ("sampled", sampled)):
+        runs = [shown(complete(base, max_tokens=64, **penalties, **fields, **extra))[0][0]
+                for extra in ({}, {"draft": False}, {"stream": True})]  # fmt: skip
+        check(f"penalties {name}: drafted = undrafted = streamed", runs[0] == runs[1] == runs[2])
+        unpenalized = shown(complete(base, max_tokens=64, **fields))[0][0]
+        check(f"penalties {name}: output moved", runs[0] != unpenalized)
+    beside = shown(complete(base, n=3, max_tokens=64, **penalties, **sampled))
+    alone = [shown(complete(base, max_tokens=64, **penalties, temperature=0.8, seed=11 + i))[0] for i in range(3)]
+    check("penalties: n=3 choices = each alone", beside == alone)
     return 1 if failures else 0
 
 

@@ -74,6 +74,10 @@ class Generation:
             params.logprobs,
             tuple(sorted(stop_ids)) if params.min_tokens else (),
             len(prompt_ids) + params.min_tokens,  # the position of the first token that may stop it
+            params.repetition_penalty,
+            params.frequency_penalty,
+            params.presence_penalty,
+            len(prompt_ids),
         )
         self.request = Request(
             self.request_id,

@@ -32,7 +32,6 @@ _HARMLESS: dict[str, Any] = {
     "tool_choice": "none",
     "response_format": {"type": "text"},
     # vLLM's sampling and output extensions
-    "repetition_penalty": 1.0,
     "bad_words": [],
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
@@ -86,6 +85,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs in id order, none of them 0
     logprobs: int | None = None  # each token's logprob and that many of the most likely; None: no logprobs
     min_tokens: int = 0  # no stop token is drawn before this many tokens, nor a stop string found in their text
+    repetition_penalty: float = 1.0  # vLLM's: on every id of the prompt and the output so far
+    frequency_penalty: float = 0.0  # OpenAI's: on the output's ids, times how often each occurs
+    presence_penalty: float = 0.0  # OpenAI's: on each id the output holds
 
 
 class ApiError(Exception):
@@ -242,12 +244,12 @@ class _SamplingRequest(_StrictModel):
     cache_salt: str | None = Field(None, min_length=1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_IDS)
     include_stop_str_in_output: bool = False
     response_format: Any = None
-    repetition_penalty: Any = None
+    repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     bad_words: Any = None
     allowed_token_ids: Any = None
@@ -265,7 +267,7 @@ class _SamplingRequest(_StrictModel):
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "response_format", "repetition_penalty", "bad_words", "allowed_token_ids",
+        "response_format", "bad_words", "allowed_token_ids",
         "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search", "prompt_logprobs",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "structural_tag", "logits_processors",
@@ -317,13 +319,6 @@ class _SamplingRequest(_StrictModel):
             raise PydanticCustomError("logit_bias", f"bias {outside[0]} is outside [-100, 100]")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise _not_supported("penalties other than 0 are not supported yet")
-        return value
-
     def sampling_params(self) -> SamplingParams:
         """The engine's view of this request."""
         return SamplingParams(
@@ -342,6 +337,9 @@ class _SamplingRequest(_StrictModel):
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
             logprobs=self.logprobs_count(),
             min_tokens=self.min_tokens,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
         )
 
     def logprobs_count(self) -> int | None:

@@ -18,6 +18,7 @@ from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.engine import TokenLogprob
+from server.penalties import LaneHistories, Penalties
 from server.round_trace import RoundTrace
 from server.sampling import SamplingParamError, sample_token
 
@@ -56,6 +57,7 @@ class LaunchedRound:
     segments: list[Segment] = field(default_factory=list)  # its lanes' rows, unless it is `ahead_safe`
     out: ForwardOutput | None = None
     drawn: HostCopy | None = None  # every logit row's draw, on its way to the host
+    penalties: Penalties | None = None  # the penalties its draws were made with
     logprobs: _Logprobs | None = None  # the log-probabilities of the rows whose draws asked for them
     replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts after its forward (traces)
 
@@ -128,6 +130,7 @@ class ModelRunner:
         self.model = model
         self.slots: list[LaneState | None] = [None] * max_lanes
         self.kept: dict[int, LaneState] = {}
+        self.histories = LaneHistories(max_lanes)  # the ids each lane and kept state holds, for penalized draws
         self.digests = digests  # a file that gets a line per round: a digest of its logits and tokens
         self.trace = trace or RoundTrace(None)  # its round begins and ends with the caller (engine or follower)
         # with several ranks: sends this rank's verdict on a round (None: it runs it) and returns the other rank's
@@ -170,6 +173,7 @@ class ModelRunner:
         """Keep, restore or drop a prompt state; a reason when this rank cannot."""
         if op.code is LaneOpCode.DROP:
             self.kept.pop(op.arg, None)
+            self.histories.drop(op.arg)
             return None
         if not 0 <= op.slot < len(self.slots):
             return f"lane op on slot {op.slot}, outside the {len(self.slots)} lanes"
@@ -177,10 +181,12 @@ class ModelRunner:
             if self.slots[op.slot] is None:
                 return f"keep asked of lane slot {op.slot}, which is not allocated"
             self.kept[op.arg] = copy_lane(self.slots[op.slot], share_caches=True)
+            self.histories.keep(op.slot, op.arg)
         elif op.code is LaneOpCode.RESTORE:
             if op.arg not in self.kept:
                 return f"restore of kept state {op.arg}, which this rank does not hold"
             self.slots[op.slot] = copy_lane(self.kept[op.arg])
+            self.histories.restore(op.slot, op.arg)
         return None
 
     def _prepare(self, plan: RoundPlan) -> str | None:
@@ -204,6 +210,9 @@ class ModelRunner:
                 return "the plan asks for MTP drafts but this checkpoint has no MTP layer"
             if rows.prior_draw and rows.slot not in self.prior_draws[1]:
                 return f"lane slot {rows.slot} takes the round before's draw, but that round drew no one token for it"
+            problem = self.histories.problem(rows)
+            if problem:
+                return problem
         return None
 
     def _agree(self, problem: str | None) -> None:
@@ -233,8 +242,10 @@ class ModelRunner:
             raise RuntimeError("a round was launched before the one before it, which keeps or drafts, was finished")
         for slot in plan.free:
             self.slots[slot] = None
+            self.histories.free(slot)
         for slot in plan.allocate:
             self.slots[slot] = self.model.new_lane()
+            self.histories.allocate(slot)
         problem = self._prepare(plan)
         trace = self.trace
         trace.mark("prepare")
@@ -251,6 +262,7 @@ class ModelRunner:
         keeps_after = {(op.slot, op.after) for op in plan.ops if op.after}
         for index, rows in enumerate(plan.rows):
             window = (*rows.token_ids, *rows.drafts)
+            self.histories.fold(rows)
             if rows.prior_draw:
                 follows.append((len(tokens), self.prior_draws[1][rows.slot]))
             segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
@@ -283,7 +295,8 @@ class ModelRunner:
             trace.note(lanes=len(plan.rows), rows=len(tokens), replays=_ran(before, replays))
         if launched is not None:
             launched()
-        drawn = self._launch_draws(plan.rows, out.logits)
+        penalties = self.histories.penalties(self._penalty_keys(plan.rows), device)
+        drawn = self._launch_draws(plan.rows, out.logits, penalties)
         logprobs = self._launch_logprobs(plan.rows, out.logits, drawn)
         at, singles = 0, {}  # each lane that drew one token: its place among the draws
         for rows in plan.rows:
@@ -294,7 +307,7 @@ class ModelRunner:
         self.prior_draws = (drawn, singles)
         # a round finished later holds no lane: a freed lane's pool slot is free at once for the next request
         held = [] if ahead_safe(plan) else segments
-        self.unfinished = LaunchedRound(plan, held, out, HostCopy(drawn), logprobs, replays)
+        self.unfinished = LaunchedRound(plan, held, out, HostCopy(drawn), penalties, logprobs, replays)
         return self.unfinished
 
     def finish(
@@ -310,7 +323,7 @@ class ModelRunner:
         if out is None:
             return []
         results, mtp_rows, restores, next_logit = [], [], [], 0
-        draws, refusals = self._draw(plan.rows, out.logits, launched.drawn)
+        draws, refusals = self._draw(plan.rows, out.logits, launched.drawn, launched.penalties)
         trace.mark("draw")
         for index, rows in enumerate(plan.rows):
             kept, failed = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
@@ -325,6 +338,8 @@ class ModelRunner:
             if error is None and rows.drafts and len(kept) - 1 < len(rows.drafts):
                 restores.append((segments[index].lane, out.snapshots[index][len(rows.token_ids) + len(kept) - 2]))
             folded = len(rows.token_ids) + max(len(kept) - 1, 0)
+            if rows.drafts:  # only a verify round folds ids it may take back (and it is never planned ahead of)
+                self.histories.cut(rows.slot, rows.start + folded)
             if rows.draft_depth:
                 seg = segments[index]
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
@@ -344,6 +359,7 @@ class ModelRunner:
             if op.after:
                 index = by_slot[op.slot]
                 self.kept[op.arg] = self._kept_after(plan.rows[index], segments[index], out, index, op.after)
+                self.histories.keep(op.slot, op.arg, plan.rows[index].start + op.after)
         return results
 
     def _write_digest(self, logits: torch.Tensor, results: list[LaneResult]) -> None:
@@ -375,12 +391,20 @@ class ModelRunner:
             for i in range(len(rows.drafts) + 1)
         ]
 
-    def _launch_draws(self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor) -> torch.Tensor:
+    def _penalty_keys(self, plan_rows: tuple[LaneRows, ...]) -> list[tuple[int, DrawSpec, int]]:
+        """Each logit row's lane slot, draw parameters and absolute position, for its penalties."""
+        slots = [rows.slot for rows in plan_rows if rows.draw is not None for _ in range(len(rows.drafts) + 1)]
+        keys = self._draw_keys(plan_rows)
+        return [(slot, spec, position) for slot, (spec, position) in zip(slots, keys, strict=True)]
+
+    def _launch_draws(
+        self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, penalties: Penalties | None
+    ) -> torch.Tensor:
         """The target's draw at every logit row, keyed by (seed, absolute position), as a tensor on the logits'
         device: on the kernel path one batched draw launched for the round (`sample_rows`, which gives each row
         `sample_token`'s token, or -1 where that raises), else drawn row by row on the host, -1 likewise."""
         keys = self._draw_keys(plan_rows)
-        logits = _biased(logits, keys)
+        logits = _adjusted(logits, keys, penalties)
         if not self.model.kernels:
             tokens = [_draw_row(logits[i], spec, position)[0] for i, (spec, position) in enumerate(keys)]
             return torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -411,7 +435,7 @@ class ModelRunner:
         return _Logprobs(logits, drawn, asked, max(specs[row].logprobs or 0 for row in asked))
 
     def _draw(
-        self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy
+        self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, drawn: HostCopy, penalties: Penalties | None
     ) -> tuple[list[int], dict[int, tuple[str, str | None]]]:
         """The launched draws on the host (waiting only for their own copy, not for a round launched since), and why
         each failed draw (-1) failed, as `sample_token` names it, with the request field at fault where one is. A
@@ -422,7 +446,7 @@ class ModelRunner:
             return tokens, {}
         refusals = {}
         keys = self._draw_keys(plan_rows)
-        logits = _biased(logits, keys)  # the bits `_launch_draws` drew from
+        logits = _adjusted(logits, keys, penalties)  # the bits `_launch_draws` drew from
         for i, (spec, position) in enumerate(keys):
             if tokens[i] == -1:
                 token, refusal = _draw_row(logits[i], spec, position)
@@ -531,6 +555,13 @@ def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Ten
     out = logits.to(torch.float32, copy=True)
     out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
     return out
+
+
+def _adjusted(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]], penalties: Penalties | None) -> torch.Tensor:
+    """The logits a round's target draws are made from: each row's logit bias and suppressed ids, then its
+    penalties (vLLM's order)."""
+    logits = _biased(logits, keys)
+    return logits if penalties is None else penalties.apply(logits)
 
 
 def _draw_row(logits: torch.Tensor, spec: DrawSpec, position: int) -> tuple[int, tuple[str, str | None] | None]:

@@ -38,6 +38,32 @@ def tiny_chat_checkpoint(path: Path, name: str = "base", seed: int = 0) -> Path:
     return make_checkpoint(text_config(name), path, fmt="fp32", seed=seed, tokenizer=True)
 
 
+def oracle_greedy(path: Path, prompt: list[int], tokens: int, **penalties: float) -> list[int]:
+    """transformers' greedy tokens after the prompt, with vLLM's penalties: its own repetition penalty (over the
+    prompt and the output), then frequency and presence penalties over the output, as vLLM takes them away."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from tests.tiny import ties_to_lower_index
+
+    frequency, presence = penalties.get("frequency_penalty", 0.0), penalties.get("presence_penalty", 0.0)
+
+    class OutputPenalties(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            output = input_ids[:, len(prompt) :]
+            counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+            scores = scores - frequency * counts
+            return scores - presence * (counts > 0).to(scores.dtype)
+
+    with torch.no_grad(), ties_to_lower_index():
+        out = oracle(path).generate(
+            torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+            repetition_penalty=penalties.get("repetition_penalty", 1.0),
+            logits_processor=LogitsProcessorList([OutputPenalties()]),
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 def oracle(path: Path, seed: int = 0):
     """transformers' model with the trunk of a checkpoint written by tiny_chat_checkpoint."""
     return hf_model(json.loads((path / "config.json").read_text()), seed)

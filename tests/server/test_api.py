@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.server.live import Live, oracle, serve, tiny_chat_checkpoint
+from tests.server.live import Live, oracle, oracle_greedy, serve, tiny_chat_checkpoint
 from tests.tiny import ties_to_lower_index
 
 PROMPT = [7, 19, 40, 33, 2, 91, 12, 44, 8, 13, 21, 60]
@@ -98,6 +98,22 @@ def test_logit_bias_is_added_to_the_logits_as_transformers_sequence_bias_adds_it
     assert ids(0, bias) == ids(0, bias, draft=False) == expected
     assert ids(1.0, {plain[5]: 100.0}) == [plain[5]] * 12
     assert ids(0, {plain[0]: 0.0}) == plain  # a bias of 0 changes nothing
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [{"repetition_penalty": 1.6}, {"frequency_penalty": 0.7, "presence_penalty": -0.4},
+     {"repetition_penalty": 0.8, "frequency_penalty": -0.3, "presence_penalty": 1.5}],
+    ids=["repetition", "output", "all"],
+)  # fmt: skip
+def test_penalties_equal_transformers_repetition_penalty_and_vllms_output_penalties(live, ckpt, penalties):
+    """Greedy output with penalties equals transformers' generate with its repetition_penalty and the frequency and
+    presence penalties taken away as vLLM does, drafted or not, streamed or not; and differs from output without."""
+    expected = oracle_greedy(ckpt, PROMPT, 24, **penalties)
+    assert expected != oracle_greedy(ckpt, PROMPT, 24)
+    for extra in ({}, {"draft": False}, {"stream": True}):
+        choice = completion(live, max_tokens=24, temperature=0, **penalties, **extra)
+        assert choice["token_ids"] == expected, extra
 
 
 def completion(live: Live, **fields) -> dict:

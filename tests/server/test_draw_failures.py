@@ -117,7 +117,7 @@ def test_a_row_the_device_refused_stays_refused_though_the_host_would_draw_it(mo
     rows = (LaneRows(0, (5,), 3, GREEDY), LaneRows(1, (6,), 7, GREEDY))
     logits = torch.zeros(2, model.cfg.vocab_size)
     drawn = SimpleNamespace(tolist=lambda: [-1, 4])  # the device refused row 0, which greedy draws as token 0
-    tokens, refusals = runner._draw(rows, logits, drawn)
+    tokens, refusals = runner._draw(rows, logits, drawn, None)
     assert tokens == [-1, 4]
     assert set(refusals) == {0} and "the batched draw and sample_token disagree" in refusals[0][0]
     assert refusals[0][1] is None  # the server's fault, not a parameter's
@@ -137,5 +137,5 @@ def test_the_host_redraws_a_refused_row_with_its_logit_bias(model) -> None:
     t = 1e-37  # 5 / t is finite, 105 / t is not
     rows = (LaneRows(0, (5,), 3, DrawSpec(t, 0, 1.0, 0.0, 1, logit_bias=((9, 100.0),))),)
     drawn = SimpleNamespace(tolist=lambda: [-1])
-    tokens, refusals = runner._draw(rows, logits, drawn)
+    tokens, refusals = runner._draw(rows, logits, drawn, None)
     assert tokens == [-1] and refusals[0][1] == "temperature" and "overflows" in refusals[0][0]

@@ -54,7 +54,15 @@ def test_the_cache_keeps_its_byte_total_through_adds_replacements_and_evictions(
     assert cache.add(b"d", Kept(5, 9, 101)) == [3, 4, 5] and cache.nbytes == 0 and not cache.entries
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 77}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"temperature": 1.0, "seed": 77},
+        {"repetition_penalty": 1.7, "frequency_penalty": 0.4, "presence_penalty": 0.2},
+    ],
+    ids=["greedy", "seeded", "penalized"],  # a repetition penalty counts the resumed prefix's ids too
+)
 @pytest.mark.parametrize("draft", [True, False], ids=["drafted", "serial"])
 def test_a_prompt_resumed_at_a_grid_boundary_equals_it_fresh(servers, sampling, draft):
     on, off = servers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -130,8 +131,6 @@ def test_missing_messages() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1.0}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -239,7 +238,6 @@ def test_two_reasonings_that_differ_are_refused() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("repetition_penalty", 1.2),
         ("bad_words", ["no"]),
         ("allowed_token_ids", [1, 2]),
         ("skip_special_tokens", False),
@@ -275,7 +273,7 @@ def test_chat_rendering_fields_are_refused_unless_they_change_nothing(field: str
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("repetition_penalty", True), ("use_beam_search", 0), ("skip_special_tokens", 1),
+    [("use_beam_search", 0), ("skip_special_tokens", 1),
      ("echo", 0), ("add_generation_prompt", 1)],
 )  # fmt: skip
 def test_a_harmless_value_must_also_have_the_harmless_json_type(field: str, value: Any) -> None:
@@ -381,6 +379,27 @@ def test_chat_fields_reach_sampling_params() -> None:
     assert params == SamplingParams(0.0, 0.9, 40, 0.05, 2**63 - 1, 32, ("\n\n",), (7, 0), True, False)
     with pytest.raises(AttributeError):
         params.temperature = 1.0  # type: ignore[misc]
+
+
+def test_penalties_reach_the_sampling_params_on_both_routes() -> None:
+    fields = {"repetition_penalty": 1.15, "frequency_penalty": -0.5, "presence_penalty": 2}
+    chat = parse_request(ChatCompletionRequest, {"messages": USER, **fields}).sampling_params()
+    text = parse_request(CompletionRequest, {"prompt": "hi", **fields}).sampling_params()
+    assert dataclasses.replace(chat, max_tokens=None) == dataclasses.replace(text, max_tokens=None)
+    assert (chat.repetition_penalty, chat.frequency_penalty, chat.presence_penalty) == (1.15, -0.5, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [("presence_penalty", 2.5, ("less than or equal to 2",)), ("frequency_penalty", -2.01, ("greater than",)),
+     ("repetition_penalty", 0, ("greater than 0",)), ("repetition_penalty", -1.2, ("greater than 0",)),
+     ("repetition_penalty", float("inf"), ("finite",)), ("repetition_penalty", True, ("number",)),
+     ("presence_penalty", float("nan"), ("finite",))],
+)  # fmt: skip
+def test_penalties_out_of_range_are_refused_naming_the_field(field: str, value: Any, words: tuple[str, ...]) -> None:
+    """OpenAI's range for frequency and presence ([-2, 2]); vLLM's for the repetition penalty (any finite value > 0)."""
+    for error in (chat_error(**{field: value}), completion_error(prompt="hi", **{field: value})):
+        assert_names(error, field, *words)
 
 
 def test_top_k_minus_one_means_off() -> None:

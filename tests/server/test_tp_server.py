@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model.config import load_config
 from server.ranks import free_port, free_ports
-from tests.server.live import oracle, tiny_chat_checkpoint
+from tests.server.live import oracle, oracle_greedy, tiny_chat_checkpoint
 from tests.tiny import ties_to_lower_index
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def expected_greedy(ckpt: Path, tokens: int = 16, prompt: list[int] = PROMPT, bi
     return out[0, len(prompt) :].tolist()
 
 
-def test_serve_tp2_reproduces_transformers_greedy(ckpt):
+def test_serve_tp2_reproduces_transformers_greedy(ckpt, tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -124,7 +124,7 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
             str(port),
         ],
         cwd=ROOT,
-        env={**os.environ, **QUIET},
+        env={**os.environ, **QUIET, "FLASHNEXT_ROUND_DIGESTS": str(tmp_path)},  # each rank's rounds, digested
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -137,6 +137,10 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
         bias = {plain[0]: -100.0, plain[2]: -3.0, 11: 2.25}  # rank 1 draws with the bias its round header carries
         biased = greedy_ids(url, logit_bias={str(token): value for token, value in bias.items()})
         assert biased == expected_greedy(ckpt, bias=bias) != plain
+        penalties = {"repetition_penalty": 1.6, "frequency_penalty": 0.5, "presence_penalty": 0.25}
+        penalized = greedy_ids(url, 24, **penalties)  # rank 1 keeps the ids its lanes fold, and counts them alike
+        assert penalized == greedy_ids(url, 24, draft=False, **penalties)
+        assert penalized == oracle_greedy(ckpt, PROMPT, 24, **penalties)
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}
         logprobs = [
             httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120).json()["choices"][0]["logprobs"]
@@ -159,6 +163,9 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt):
     finally:
         stop([proc])
     assert proc.returncode == 0  # SIGTERM shuts both ranks down cleanly
+    # every round's logits, tokens kept and drafts, bit for bit the same on both ranks (penalties and biases included)
+    digests = [(tmp_path / f"rank{rank}.digests").read_text().splitlines() for rank in (0, 1)]
+    assert len(digests[0]) > 20 and digests[0] == digests[1]
 
 
 def test_torchrun_launch_serves_the_same_tokens(ckpt):
