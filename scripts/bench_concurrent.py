@@ -2,6 +2,7 @@
 
     python scripts/bench_concurrent.py --levels 1,4,8 --alone
     python scripts/bench_concurrent.py --random-prompt 128 --vocab 200000 --tokens 128 --drafts both --json
+    python scripts/bench_concurrent.py --levels 1,64 --extra '{"frequency_penalty": 0.5}'
 
 With --random-prompt N each stream sends its own N random token ids to /v1/completions, so a server without a
 tokenizer can be measured; otherwise every stream sends --prompt as a chat message. Every timed request carries a
@@ -57,6 +58,17 @@ class Stream:
         return f"{where} seed {self.body.get('seed')}"
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -104,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--extra",
+        type=json_object,
+        default={},
+        help='a JSON object merged into every request body, e.g. \'{"logprobs": 5}\' (default: none)',
     )
     parser.add_argument("--json", action="store_true", help="print a JSON summary on the last line (default: off)")
     args = parser.parse_args(argv)
@@ -232,6 +250,7 @@ def stream_body(args: argparse.Namespace, model: str, temperature: float, drafts
         body = chat_body(
             model, args.prompt, args.tokens, temperature, args.seed + index, args.top_k, args.top_p, args.thinking
         )
+    body = {**body, **args.extra}
     return body if drafts == "on" else {**body, "draft": False}
 
 

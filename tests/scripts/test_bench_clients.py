@@ -293,6 +293,16 @@ def test_bench_concurrent_serial_sampled(fake: FakeServer) -> None:
     assert sum(body.get("draft") is False for _, body, _ in fake.requests) == 2
 
 
+def test_bench_concurrent_extra_fields_reach_every_request_and_a_non_object_is_refused(fake: FakeServer) -> None:
+    flags = ("--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--drafts", "both")
+    done = run_script("bench_concurrent", fake.url, *flags, "--extra", '{"logprobs": 5, "presence_penalty": 0.5}')
+    assert done.returncode == 0, done.stdout + done.stderr
+    timed = [body for _, body, _ in fake.requests if "cache_salt" in body]
+    assert len(timed) == 4 and all(b["logprobs"] == 5 and b["presence_penalty"] == 0.5 for b in timed)
+    refused = run_script("bench_concurrent", fake.url, *flags, "--extra", "[1]")
+    assert refused.returncode == 2 and "--extra: must be a JSON object" in refused.stderr
+
+
 def test_bench_concurrent_flags_streams_that_stop_short_and_exits_1(stopping: FakeServer) -> None:
     """A stream that ends before --tokens ran a lighter load than the level says: it is named, and the run fails."""
     flags = ("--levels", "2", "--tokens", "4", "--reps", "1", "--temperatures", "0", "--json")
