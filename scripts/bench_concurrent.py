@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--extra",
         type=json_object,
         default={},
-        help='a JSON object merged into every request body, e.g. \'{"logprobs": 5}\' (default: none)',
+        help="a JSON object merged into every request body, e.g. '{\"logprobs\": 5}' (default: none)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON summary on the last line (default: off)")
     args = parser.parse_args(argv)
