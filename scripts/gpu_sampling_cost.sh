@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # What the sampling extensions cost a served round: one server, then bench_concurrent at LEVELS (default "1 64")
-# streams, greedy, "draft": false, for each variant in turn, PASSES times (default 2): plain; logprobs (5 most likely
-# with each token); logit_bias (64 ids); penalties (repetition, frequency and presence: such a request is never
-# planned ahead). MODEL=real (default) serves rank 0's half of the real shapes alone (scripts/serve_alone.py
+# streams, greedy, "draft": false, for each of VARIANTS in turn, PASSES times (default 2): plain; logprobs (5 most
+# likely with each token); bias (a logit bias on 64 ids); penalties (repetition, frequency and presence). MODEL=real (default) serves rank 0's half of the real shapes alone (scripts/serve_alone.py
 # --alone-as 2, dummy weights, collectives skipped: time only); MODEL=small the shipped model with CUDA graphs.
 # Usage, from the repo root there (carry .whl):  bash scripts/gpu_sampling_cost.sh
 set -u
@@ -26,7 +25,7 @@ if [ $up = 1 ]; then
          --vocab "$model_vocab" --temperatures 0 --drafts off)
   timeout 60 "${bench[@]}" --levels 1 --tokens 8 --reps 1 > /dev/null 2>&1  # warm
   for pass in $(seq 1 "${PASSES:-2}"); do
-    for variant in plain logprobs bias penalties; do
+    for variant in ${VARIANTS:-plain logprobs bias penalties}; do
       for n in ${LEVELS:-1 64}; do
         timeout 150 "${bench[@]}" --levels "$n" --tokens "${TOKENS:-128}" --reps "${REPS:-2}" \
           --extra "${extra[$variant]}" --json > "$OUT/${variant}_${pass}_$n.out" 2>&1

@@ -402,12 +402,9 @@ class Engine:
 
     def _ahead(self, flight: Flight) -> bool:
         """Whether the next round may be planned before this launched one is finished: its finish changes no lane
-        (`LaunchedRound.ahead_safe`), none of its requests wants drafts that can be proposed (from its tokens), and
-        none draws with penalties."""
+        (`LaunchedRound.ahead_safe`), and none of its requests wants drafts that can be proposed (from its tokens)."""
         wants_drafts = self.proposes and any(request.draft for request in flight.requests)
-        # a penalized draw counts the ids before it, so it waits for the host to know its lane's last token
-        penalized = any(request.draw is not None and request.draw.penalized for request in flight.requests)
-        return flight.launched.ahead_safe and not wants_drafts and not penalized
+        return flight.launched.ahead_safe and not wants_drafts
 
     def _complete(self, flight: Flight) -> None:
         """Finish a launched round and hand each lane's kept tokens to its request: while the MTP chain runs, if the

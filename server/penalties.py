@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -12,45 +11,80 @@ from kernels.host import to_device
 from rankwire.header import DrawSpec, LaneRows
 
 
-@dataclass(slots=True)
-class _Seen:
-    """A lane's ids before position `counted`: how often each occurs from `output_from` on, and those before it."""
-
-    history: array
-    output_from: int
-    counted: int = 0
-    output: Counter[int] = field(default_factory=Counter)
-    prompt: set[int] = field(default_factory=set)
-
-    def advance(self, position: int) -> None:
-        """Count the ids up to `position` (a prefix no round cuts back: it ends before the round's first draw)."""
-        cut = max(self.counted, min(self.output_from, position))
-        self.prompt.update(self.history[self.counted : cut])
-        self.output.update(self.history[cut:position])
-        self.counted = position
-
-
 @dataclass(frozen=True, slots=True)
 class Penalties:
-    """A round's penalty entries on the device: logit row, token id, how often the id occurs in the row's output so
-    far; each row's (repetition, frequency, presence) penalties."""
+    """A round's penalized logit rows on the device: their indices, each id's mark as `PenaltyMarks` keeps it (the
+    row's own drafts before it included), and each row's (repetition, frequency, presence) penalties."""
 
     rows: torch.Tensor
-    ids: torch.Tensor
-    counts: torch.Tensor
-    factors: torch.Tensor  # [logit rows, 3], fp32
+    marks: torch.Tensor  # [rows, vocab], int32
+    factors: torch.Tensor  # [rows, 3], fp32
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The fp32 logits with each entry penalized as vLLM does: a positive logit divided by the repetition
-        penalty and a negative one multiplied by it, then the frequency penalty times the count taken away, then the
-        presence penalty where the count is not 0 (a copy)."""
-        at, logits = (self.rows, self.ids), logits.to(torch.float32)
-        values = logits[at]
-        repetition, frequency, presence = self.factors.index_select(0, self.rows).unbind(1)
-        values = torch.where(values > 0, values / repetition, values * repetition)
-        values = values - frequency * self.counts
-        values = values - presence * (self.counts > 0).to(torch.float32)
-        return logits.index_put(at, values)
+        """The fp32 logits with the rows penalized as vLLM does (a copy): a positive logit divided by the repetition
+        penalty and any other multiplied by it, for each id seen before; then the frequency penalty times the id's
+        count in the output taken away, then the presence penalty where that count is not 0."""
+        out = logits.to(torch.float32, copy=True)
+        values = out.index_select(0, self.rows)
+        repetition, frequency, presence = self.factors[:, :, None].unbind(1)
+        counts = (self.marks >> 1).to(torch.float32)
+        values = torch.where(self.marks > 0, torch.where(values > 0, values / repetition, values * repetition), values)
+        values = values - frequency * counts
+        values = values - presence * (counts > 0).to(torch.float32)
+        return out.index_copy_(0, self.rows, values)
+
+
+class PenaltyMarks:
+    """Each penalized lane's marks on the device, one int32 per vocabulary id: twice how often the id occurs from the
+    request's first output position on, plus 1 if it occurs before it (in the prompt). Built from the host's ids at
+    the lane's first penalized draw, then kept up with the ids its rounds fold, a draw taken on the device included,
+    so a penalized lane may be planned ahead."""
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        self.marks: torch.Tensor | None = None  # [lanes, vocab], made at the first penalized draw
+        self.live: dict[int, int] = {}  # slot -> the output start of the request whose marks it holds
+
+    def drop(self, slot: int) -> None:
+        """Forget a slot's marks (its lane was freed, allocated again or restored)."""
+        self.live.pop(slot, None)
+
+    def holds(self, slot: int, spec: DrawSpec) -> bool:
+        return self.live.get(slot) == spec.output_from
+
+    def start(self, slot: int, ids: array, output_from: int, vocab: int, device: torch.device) -> None:
+        """Mark the ids a lane folded before its first penalized draw (all known on the host)."""
+        if self.marks is None:
+            self.marks = torch.zeros(self.lanes, vocab, dtype=torch.int32, device=device)
+        lane = self.marks[slot]
+        lane.zero_()
+        prompt, output = ids[:output_from], ids[output_from:]
+        if prompt:
+            lane.index_fill_(0, to_device(device, sorted(set(prompt)), torch.long), 1)
+        if output:
+            lane.index_put_((to_device(device, output, torch.long),), torch.tensor(2, dtype=torch.int32), True)
+        self.live[slot] = output_from
+
+    def fold(self, slots: list[int], ids: torch.Tensor) -> None:
+        """Count output ids into their lanes' marks (`ids` on the device, one per slot given)."""
+        if slots:
+            at = (to_device(ids.device, slots, torch.long), ids)
+            self.marks.index_put_(at, torch.tensor(2, dtype=torch.int32, device=ids.device), accumulate=True)
+
+    def penalties(self, keys: list[tuple[int, DrawSpec, tuple[int, ...]]], device: torch.device) -> Penalties | None:
+        """The penalized rows of a round whose logit rows have these keys: (slot, draw, the drafts before the row in
+        its window, counted for that row alone)."""
+        chosen = [(row, slot, spec, drafts) for row, (slot, spec, drafts) in enumerate(keys) if spec.penalized]
+        if not chosen:
+            return None
+        rows, slots, specs, drafts = zip(*chosen, strict=True)
+        marks = self.marks.index_select(0, to_device(device, slots, torch.long))
+        window = [(place, token) for place, before in enumerate(drafts) for token in before]
+        if window:
+            at = tuple(to_device(device, list(column), torch.long) for column in zip(*window, strict=True))
+            marks.index_put_(at, torch.tensor(2, dtype=torch.int32, device=device), accumulate=True)
+        factors = to_device(device, [spec.penalties for spec in specs], torch.float32)
+        return Penalties(to_device(device, rows, torch.long), marks, factors)
 
 
 class LaneHistories:
@@ -60,7 +94,6 @@ class LaneHistories:
     def __init__(self, lanes: int) -> None:
         self.slots: list[array | None] = [None] * lanes
         self.kept: dict[int, array | None] = {}
-        self.seen: dict[int, _Seen] = {}  # by slot: the counts the last penalized draw left
 
     def allocate(self, slot: int) -> None:
         self.slots[slot] = array("i")
@@ -105,42 +138,3 @@ class LaneHistories:
         if len(history) != rows.start:
             return f"lane slot {rows.slot} has {len(history)} ids on the host, the plan writes at {rows.start}"
         return None
-
-    def penalties(self, keys: list[tuple[int, DrawSpec, int]], device: torch.device) -> Penalties | None:
-        """The entries of every logit row whose draw is penalized: `keys` holds each logit row's (slot, draw,
-        absolute position); a row at position p counts the ids folded before p (its window's drafts included)."""
-        rows, ids, counts, factors = [], [], [], []
-        counted: set[int] = set()  # slots whose counts reach their first draw this round (a prefix no cut undoes)
-        for row, (slot, spec, position) in enumerate(keys):
-            factors.append(spec.penalties)
-            if not spec.penalized:
-                continue
-            if slot not in counted:
-                counted.add(slot)
-                seen = self._seen(slot, spec, position)
-            window = Counter(seen.history[seen.counted : position])  # the drafts this row follows
-            output = seen.output + window if window else seen.output
-            chosen = set(output)
-            if spec.repetition_penalty != 1.0:
-                chosen |= seen.prompt
-            rows += [row] * len(chosen)
-            ids += chosen
-            counts += [output.get(token, 0) for token in chosen]
-        if not rows:
-            return None
-        return Penalties(
-            to_device(device, rows, torch.long),
-            to_device(device, ids, torch.long),
-            to_device(device, counts, torch.float32),
-            to_device(device, factors, torch.float32),
-        )
-
-    def _seen(self, slot: int, spec: DrawSpec, position: int) -> _Seen:
-        """The slot's counts brought up to `position` (begun again for a new history or request)."""
-        history = self.slots[slot]
-        seen = self.seen.get(slot)
-        stale = seen is None or seen.history is not history or seen.output_from != spec.output_from
-        if stale or position < seen.counted:
-            seen = self.seen[slot] = _Seen(history, spec.output_from)
-        seen.advance(position)
-        return seen

@@ -19,6 +19,9 @@ MAX_TOP_K = 2**31 - 1
 # OpenAI's logit_bias range; and the most token ids one request may bias (each crosses the control link every round).
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_IDS = 1024
+# The repetition penalty's range: a logit divided or multiplied by it stays finite in fp32 (vLLM takes any value > 0,
+# and a tiny one there overflows the logits)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # OpenAI's largest top_logprobs (vLLM's default max_logprobs too)
 MAX_LOGPROBS = 20
 # The most choices one request may ask for (each is a request of its own to the engine)
@@ -249,7 +252,7 @@ class _SamplingRequest(_StrictModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_IDS)
     include_stop_str_in_output: bool = False
     response_format: Any = None
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0)
     bad_words: Any = None
     allowed_token_ids: Any = None

@@ -18,7 +18,7 @@ from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.engine import TokenLogprob
-from server.penalties import LaneHistories, Penalties
+from server.penalties import LaneHistories, Penalties, PenaltyMarks
 from server.round_trace import RoundTrace
 from server.sampling import SamplingParamError, sample_token
 
@@ -131,6 +131,7 @@ class ModelRunner:
         self.slots: list[LaneState | None] = [None] * max_lanes
         self.kept: dict[int, LaneState] = {}
         self.histories = LaneHistories(max_lanes)  # the ids each lane and kept state holds, for penalized draws
+        self.marks = PenaltyMarks(max_lanes)  # the penalized lanes' ids on the device
         self.digests = digests  # a file that gets a line per round: a digest of its logits and tokens
         self.trace = trace or RoundTrace(None)  # its round begins and ends with the caller (engine or follower)
         # with several ranks: sends this rank's verdict on a round (None: it runs it) and returns the other rank's
@@ -187,6 +188,7 @@ class ModelRunner:
                 return f"restore of kept state {op.arg}, which this rank does not hold"
             self.slots[op.slot] = copy_lane(self.kept[op.arg])
             self.histories.restore(op.slot, op.arg)
+            self.marks.drop(op.slot)
         return None
 
     def _prepare(self, plan: RoundPlan) -> str | None:
@@ -210,7 +212,7 @@ class ModelRunner:
                 return "the plan asks for MTP drafts but this checkpoint has no MTP layer"
             if rows.prior_draw and rows.slot not in self.prior_draws[1]:
                 return f"lane slot {rows.slot} takes the round before's draw, but that round drew no one token for it"
-            problem = self.histories.problem(rows)
+            problem = None if self._marked(rows) else self.histories.problem(rows)
             if problem:
                 return problem
         return None
@@ -243,9 +245,11 @@ class ModelRunner:
         for slot in plan.free:
             self.slots[slot] = None
             self.histories.free(slot)
+            self.marks.drop(slot)
         for slot in plan.allocate:
             self.slots[slot] = self.model.new_lane()
             self.histories.allocate(slot)
+            self.marks.drop(slot)
         problem = self._prepare(plan)
         trace = self.trace
         trace.mark("prepare")
@@ -295,7 +299,7 @@ class ModelRunner:
             trace.note(lanes=len(plan.rows), rows=len(tokens), replays=_ran(before, replays))
         if launched is not None:
             launched()
-        penalties = self.histories.penalties(self._penalty_keys(plan.rows), device)
+        penalties = self._launch_penalties(plan.rows, segments, token_ids, out.logits.shape[-1])
         drawn = self._launch_draws(plan.rows, out.logits, penalties)
         logprobs = self._launch_logprobs(plan.rows, out.logits, drawn)
         at, singles = 0, {}  # each lane that drew one token: its place among the draws
@@ -322,7 +326,7 @@ class ModelRunner:
         plan, segments, out, trace = launched.plan, launched.segments, launched.out, self.trace
         if out is None:
             return []
-        results, mtp_rows, restores, next_logit = [], [], [], 0
+        results, mtp_rows, restores, next_logit, accepted = [], [], [], 0, []
         draws, refusals = self._draw(plan.rows, out.logits, launched.drawn, launched.penalties)
         trace.mark("draw")
         for index, rows in enumerate(plan.rows):
@@ -340,11 +344,16 @@ class ModelRunner:
             folded = len(rows.token_ids) + max(len(kept) - 1, 0)
             if rows.drafts:  # only a verify round folds ids it may take back (and it is never planned ahead of)
                 self.histories.cut(rows.slot, rows.start + folded)
+                if self._marked(rows):
+                    accepted += [(rows.slot, token) for token in rows.drafts[: max(len(kept) - 1, 0)]]
             if rows.draft_depth:
                 seg = segments[index]
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
             results.append(LaneResult(tuple(kept), error=error, error_param=error_param, logprobs=logprobs))
         self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)
+        if accepted:  # a penalized lane's kept drafts, which no later window holds
+            slots, tokens = zip(*accepted, strict=True)
+            self.marks.fold(list(slots), to_device(self.model.device, list(tokens), torch.long))
         trace.mark("verify")
         if mtp_rows:
             drafts = self._draft(plan.rows, mtp_rows, None if tokens_known is None else partial(tokens_known, results))
@@ -391,11 +400,36 @@ class ModelRunner:
             for i in range(len(rows.drafts) + 1)
         ]
 
-    def _penalty_keys(self, plan_rows: tuple[LaneRows, ...]) -> list[tuple[int, DrawSpec, int]]:
-        """Each logit row's lane slot, draw parameters and absolute position, for its penalties."""
-        slots = [rows.slot for rows in plan_rows if rows.draw is not None for _ in range(len(rows.drafts) + 1)]
-        keys = self._draw_keys(plan_rows)
-        return [(slot, spec, position) for slot, (spec, position) in zip(slots, keys, strict=True)]
+    def _marked(self, rows: LaneRows) -> bool:
+        """Whether the lane's penalized draw continues from marks the device already holds for its request."""
+        return rows.draw is not None and self.marks.holds(rows.slot, rows.draw)
+
+    def _launch_penalties(
+        self, plan_rows: tuple[LaneRows, ...], segments: list[Segment], token_ids: torch.Tensor, vocab: int
+    ) -> Penalties | None:
+        """Bring each penalized lane's marks up to its first draw of the round (from the host's ids at its first
+        penalized draw, else from its window's ids on the device, a prior draw's included), then the round's
+        penalized rows; None where no row is penalized."""
+        if not any(rows.draw is not None and rows.draw.penalized for rows in plan_rows):
+            return None
+        device, slots, places = token_ids.device, [], []
+        for rows, seg in zip(plan_rows, segments, strict=True):
+            if rows.draw is None or not rows.draw.penalized:
+                continue
+            if self._marked(rows):
+                slots += [rows.slot] * len(rows.token_ids)
+                places += range(seg.start, seg.start + len(rows.token_ids))
+            else:
+                ids = self.histories.slots[rows.slot][: rows.start + len(rows.token_ids)]
+                self.marks.start(rows.slot, ids, rows.draw.output_from, vocab, device)
+        self.marks.fold(slots, token_ids.index_select(0, to_device(device, places, torch.long)))
+        keys = [
+            (rows.slot, rows.draw, rows.drafts[:i])
+            for rows in plan_rows
+            if rows.draw is not None
+            for i in range(len(rows.drafts) + 1)
+        ]
+        return self.marks.penalties(keys, device)
 
     def _launch_draws(
         self, plan_rows: tuple[LaneRows, ...], logits: torch.Tensor, penalties: Penalties | None

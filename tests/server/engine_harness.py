@@ -65,10 +65,11 @@ def run(
     budget: int = 64,
     cache_grid: int | None = None,
     plan_ahead: bool = False,
+    lanes: int | None = None,
 ) -> tuple[list[list[int]], RecordingRunner]:
     """Serve the prompts together (ignoring EOS) and return each one's tokens; with `cache_grid` a prompt cache keeps
-    lane states on that grid and before each prompt's last token."""
-    runner = RecordingRunner(model, max(len(prompts), 1))
+    lane states on that grid and before each prompt's last token; `lanes` (default: one per prompt) lane slots."""
+    runner = RecordingRunner(model, lanes or max(len(prompts), 1))
     cache = None if cache_grid is None else PromptCache(1 << 30)
     engine = Engine(
         runner, context=4096, prompt_budget=budget, draft_depth=depth, drafter=drafter, prompt_cache=cache,

@@ -116,6 +116,15 @@ def test_penalties_equal_transformers_repetition_penalty_and_vllms_output_penalt
         assert choice["token_ids"] == expected, extra
 
 
+def test_logprobs_with_penalties_are_the_raw_logits_log_softmax(live):
+    """As vLLM's default: the first token's logprobs, from the same raw logits, are the same with penalties or without
+    (penalized logits would shift every one of them: the repetition penalty changes the prompt's ids' logits)."""
+    plain = completion(live, max_tokens=1, temperature=0, logprobs=3)["logprobs"]
+    penalized = completion(live, max_tokens=1, temperature=0, logprobs=3, repetition_penalty=1.6)["logprobs"]
+    assert penalized["top_logprobs"] == plain["top_logprobs"] and plain["top_logprobs"][0]
+    assert penalized["token_logprobs"] == plain["token_logprobs"]
+
+
 def completion(live: Live, **fields) -> dict:
     """The one choice of a text completion of PROMPT with `fields`, streamed chunks' choices merged into one."""
     body = {"prompt": PROMPT, "ignore_eos": True, "return_token_ids": True, **fields}

@@ -139,3 +139,25 @@ def test_the_host_redraws_a_refused_row_with_its_logit_bias(model) -> None:
     drawn = SimpleNamespace(tolist=lambda: [-1])
     tokens, refusals = runner._draw(rows, logits, drawn, None)
     assert tokens == [-1] and refusals[0][1] == "temperature" and "overflows" in refusals[0][0]
+
+
+def test_the_host_redraws_a_refused_row_with_its_penalties(model) -> None:
+    """As with the bias: a repetition penalty of 0.5 doubles the seen id's logit, which then overflows at this
+    temperature; the host redraws from the round's penalized logits and names the temperature."""
+    from array import array
+
+    import torch
+
+    from rankwire.header import LaneRows
+    from server.penalties import PenaltyMarks
+    from server.runner import ModelRunner
+
+    runner = ModelRunner(model, 1)
+    logits = torch.full((1, model.cfg.vocab_size), 5.0)
+    spec = DrawSpec(2e-38, 0, 1.0, 0.0, 1, repetition_penalty=0.5, output_from=1)  # 5 / t is finite, 10 / t is not
+    marks = PenaltyMarks(1)
+    marks.start(0, array("i", [9]), 1, model.cfg.vocab_size, torch.device("cpu"))
+    penalties = marks.penalties([(0, spec, ())], torch.device("cpu"))
+    drawn = SimpleNamespace(tolist=lambda: [-1])
+    tokens, refusals = runner._draw((LaneRows(0, (5,), 1, spec),), logits, drawn, penalties)
+    assert tokens == [-1] and refusals[0][1] == "temperature" and "overflows" in refusals[0][0]

@@ -4,6 +4,8 @@ contracts around it: drafted = undrafted, planned ahead = in turn, concurrent = 
 from __future__ import annotations
 
 import dataclasses
+import math
+from array import array
 
 import pytest
 import torch
@@ -11,8 +13,8 @@ import torch
 from model.weights import load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
 from server.drafters import MtpDrafter, ScriptedDrafter
-from server.penalties import LaneHistories
-from server.runner import ModelRunner, RoundRefused
+from server.penalties import LaneHistories, PenaltyMarks
+from server.runner import ModelRunner, RoundRefused, _adjusted, _biased
 from tests.server.engine_harness import run
 from tests.tiny import checkpoint
 
@@ -45,33 +47,29 @@ def by_hand(logits: torch.Tensor, before: list[int], output_from: int, spec: Dra
     return out
 
 
-def test_each_row_counts_the_ids_before_its_position_drafts_included():
-    """A verify window's row after k drafts counts those drafts as output; a rejected draft is taken back before the
-    next round; repetition reaches the prompt's ids, frequency and presence only the output's."""
+def test_each_row_counts_the_ids_before_it_its_windows_drafts_included_after_the_bias():
+    """A verify window's row after k drafts counts those drafts as output, for that row alone; repetition reaches the
+    prompt's ids, frequency and presence only the output's; the penalties follow the logit bias and leave a
+    suppressed id at -inf."""
     spec = penalized(GREEDY, [3, 4, 4, 5, 6], repetition_penalty=1.5, frequency_penalty=0.75, presence_penalty=0.5)
     output_only = dataclasses.replace(spec, repetition_penalty=1.0)
-    histories = LaneHistories(2)
-    histories.allocate(0)
-    histories.fold(LaneRows(0, (3, 4, 4, 5, 6), 0, spec))
-    window = LaneRows(0, (7,), 5, spec, drafts=(7, 4))
-    assert histories.problem(window) is None
-    histories.fold(window)
-    logits = torch.randn(4, 10) * 3
-    keys = [(0, spec, 6), (0, spec, 7), (0, spec, 8), (0, output_only, 8)]
-    out = histories.penalties(keys, torch.device("cpu")).apply(logits)
-    history = [3, 4, 4, 5, 6, 7, 7, 4]
-    for row, (_, draw, position) in enumerate(keys):
-        assert torch.equal(out[row], by_hand(logits[row], history[:position], 5, draw)), row
+    biased = dataclasses.replace(spec, logit_bias=((4, 2.5), (8, -1.0)), suppress_ids=(9,), suppress_before=99)
+    marks = PenaltyMarks(2)
+    marks.start(1, array("i", [3, 4, 4, 5, 6]), 5, 10, torch.device("cpu"))
+    marks.fold([1], torch.tensor([7]))  # the round's window: the token at position 5
+    keys = [(1, spec, ()), (1, spec, (7,)), (1, spec, (7, 4)), (1, output_only, (7, 4)), (1, biased, (7,))]
+    logits = torch.randn(5, 10) * 3
+    draws = [(draw, 6 + len(drafts)) for _, draw, drafts in keys]
+    out = _adjusted(logits, draws, marks.penalties(keys, torch.device("cpu")))
+    for row, (_, draw, drafts) in enumerate(keys):
+        expected = _biased(logits[row : row + 1], [draws[row]])[0]
+        assert torch.equal(out[row], by_hand(expected, [3, 4, 4, 5, 6, 7, *drafts], 5, draw)), row
     assert torch.equal(out[3, :4], logits[3, :4])  # prompt-only ids: no repetition penalty asked for
-    histories.cut(0, 7)  # the draft 4 was rejected: the next round writes the kept token at 7
-    nxt = LaneRows(0, (9,), 7, spec)
-    assert histories.problem(nxt) is None
-    histories.fold(nxt)
-    again = histories.penalties([(0, spec, 8)], torch.device("cpu")).apply(logits[:1])
-    assert torch.equal(again[0], by_hand(logits[0], [3, 4, 4, 5, 6, 7, 7, 9], 5, spec))
+    assert out[4, 9] == -math.inf and out[4, 4] != logits[4, 4] + 2.5
+    assert marks.penalties([(1, GREEDY, ())], torch.device("cpu")) is None
 
 
-def test_kept_states_carry_their_ids_and_a_lane_after_an_unseen_draw_refuses_penalties():
+def test_kept_states_carry_their_ids_and_a_lane_after_an_unseen_draw_refuses_a_first_penalized_draw():
     histories = LaneHistories(2)
     histories.allocate(0)
     histories.fold(LaneRows(0, (5, 6, 7, 8), 0, None))
@@ -87,12 +85,12 @@ def test_kept_states_carry_their_ids_and_a_lane_after_an_unseen_draw_refuses_pen
     assert histories.problem(LaneRows(0, (1,), 5, GREEDY)) is None  # an unpenalized draw needs no ids
 
 
-def test_a_penalized_row_after_a_prior_draw_is_refused_before_the_forward(model):
+def test_a_first_penalized_draw_after_a_prior_draw_is_refused_before_the_forward(model):
     runner = ModelRunner(model, 1)
-    spec = penalized(GREEDY)
-    runner.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT), 0, spec),)))
+    runner.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT), 0, GREEDY),)))
+    plan = RoundPlan(rows=(LaneRows(0, (0,), len(PROMPT), penalized(GREEDY), prior_draw=True),))
     with pytest.raises(RoundRefused, match="penalties"):
-        runner.execute(RoundPlan(rows=(LaneRows(0, (0,), len(PROMPT), spec, prior_draw=True),)))
+        runner.execute(plan)
 
 
 @pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -121,14 +119,24 @@ def test_penalties_change_the_draws_and_drafted_equals_undrafted(model, draw):
     assert mtp == reference
 
 
-def test_a_penalized_request_is_not_planned_ahead_and_equals_its_run_in_turn_beside_others(model):
-    """Rounds planned ahead take a lane's token on the device, where its penalties cannot count it: a round with a
-    penalized lane is finished before the next is planned, and its tokens are those it gets alone and in turn."""
-    spec = penalized(SAMPLED)
+def test_penalized_rounds_planned_ahead_count_the_draw_taken_on_the_device_and_equal_rounds_in_turn(model):
+    """A round planned ahead takes a lane's last token from the device: its marks count it there, so the tokens
+    are those of rounds in turn, beside other requests too."""
+    spec = penalized(SAMPLED, frequency_penalty=1.5)
     others = [PROMPT[:6], PROMPT[2:]]
     (alone,), _ = run(model, [PROMPT], 24, [spec], draft=False)
-    (plain_ahead,), ahead_runner = run(model, [others[0]], 24, [GREEDY], draft=False, plan_ahead=True)
-    assert ahead_runner.ahead > 0  # without a penalized lane, rounds are planned ahead
+    (ahead,), runner = run(model, [PROMPT], 24, [spec], draft=False, plan_ahead=True)
+    assert ahead == alone and runner.ahead > 10
     together, runner = run(model, [PROMPT, *others], 24, [spec, GREEDY, SAMPLED], draft=False, plan_ahead=True)
-    assert together[0] == alone and together[1] == plain_ahead
-    assert runner.ahead == 0
+    assert together[0] == alone and runner.ahead > 10
+    (plain,), _ = run(model, [PROMPT], 24, [SAMPLED], draft=False)
+    assert plain != alone
+
+
+def test_a_lane_slot_taken_again_by_a_request_of_the_same_prompt_length_starts_its_marks_afresh(model):
+    """Two penalized requests through one lane slot, one after the other: the second's tokens are its own alone."""
+    first, second = PROMPT, [(p * 7) % 300 + 5 for p in PROMPT]
+    draws = [penalized(GREEDY), penalized(GREEDY)]
+    (expected,), _ = run(model, [second], 20, draws[1:], draft=False)
+    (_, after), _ = run(model, [first, second], 20, draws, draft=False, lanes=1)
+    assert after == expected

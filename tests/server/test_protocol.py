@@ -392,12 +392,14 @@ def test_penalties_reach_the_sampling_params_on_both_routes() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "words"),
     [("presence_penalty", 2.5, ("less than or equal to 2",)), ("frequency_penalty", -2.01, ("greater than",)),
-     ("repetition_penalty", 0, ("greater than 0",)), ("repetition_penalty", -1.2, ("greater than 0",)),
+     ("repetition_penalty", 0, ("greater than or equal to 0.01",)), ("repetition_penalty", 1e-39, ("0.01",)),
+     ("repetition_penalty", 100.5, ("less than or equal to 100",)), ("repetition_penalty", -1.2, ("0.01",)),
      ("repetition_penalty", float("inf"), ("finite",)), ("repetition_penalty", True, ("number",)),
      ("presence_penalty", float("nan"), ("finite",))],
 )  # fmt: skip
 def test_penalties_out_of_range_are_refused_naming_the_field(field: str, value: Any, words: tuple[str, ...]) -> None:
-    """OpenAI's range for frequency and presence ([-2, 2]); vLLM's for the repetition penalty (any finite value > 0)."""
+    """OpenAI's range for frequency and presence ([-2, 2]); [0.01, 100] for the repetition penalty (vLLM takes any
+    value > 0, and 1e-39 overflows the logits into a failed draw)."""
     for error in (chat_error(**{field: value}), completion_error(prompt="hi", **{field: value})):
         assert_names(error, field, *words)
 
