@@ -62,7 +62,8 @@ class PenaltyMarks:
         if prompt:
             lane.index_fill_(0, to_device(device, sorted(set(prompt)), torch.long), 1)
         if output:
-            lane.index_put_((to_device(device, output, torch.long),), torch.tensor(2, dtype=torch.int32), True)
+            twice = torch.tensor(2, dtype=torch.int32, device=device)
+            lane.index_put_((to_device(device, output.tolist(), torch.long),), twice, accumulate=True)
         self.live[slot] = output_from
 
     def fold(self, slots: list[int], ids: torch.Tensor) -> None:

@@ -96,11 +96,13 @@ BIAS = ((5, 2.5), (40, -100.0), (91, 4.0))
         DrawSpec(0.9, 20, 0.95, 0.0, 7),
         DrawSpec(0.0, 0, 1.0, 0.0, 1, BIAS),
         DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS, logprobs=5),
+        DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25),
     ],
-    ids=["greedy", "sampled", "greedy-biased", "sampled-biased-logprobs"],
+    ids=["greedy", "sampled", "greedy-biased", "sampled-biased-logprobs", "sampled-penalized"],
 )
 def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_tokens(tmp_path, draw) -> None:
-    """...and takes the same logprobs: a round's are computed before the next round's forward rewrites the logits."""
+    """...and takes the same logprobs: a round's are computed before the next round's forward rewrites the logits;
+    penalties count a prior draw's token on the device."""
     path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
     model = load_model(path, "cuda", "bfloat16", kernels="on")
     kernel_path.lane_pool(model, slots=4, context=64)
