@@ -12,8 +12,8 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 9  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids;
-# 9: penalties
+VERSION = 10  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids;
+# 9: penalties; 10: allowed ids
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -35,6 +35,7 @@ def encode_header(plan: RoundPlan) -> bytes:
     _check_draws([d.temperature for d in draws], [d.top_p for d in draws], [d.min_p for d in draws])
     _check_biases([draw.logit_bias for draw in draws])
     _check_penalties([draw.penalties for draw in draws])
+    _check_allowed([draw.allowed_ids for draw in draws])
     bad = next((d.logprobs for d in draws if d.logprobs is not None and not 0 <= d.logprobs < 255), None)
     if bad is not None:
         raise HeaderError(f"cannot encode logprobs counts: {bad} is not in [0, 254]")
@@ -70,6 +71,8 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("i", [token for draw in draws for token in draw.suppress_ids], "suppressed ids"),
             _pack("d", chain.from_iterable(draw.penalties for draw in draws), "penalties"),
             _pack("q", [draw.output_from for draw in draws], "output starts"),
+            _pack("I", [len(draw.allowed_ids) for draw in draws], "allowed id counts"),
+            _pack("i", [token for draw in draws for token in draw.allowed_ids], "allowed ids"),
             _pack("B", [op.code for op in plan.ops], "lane op codes"),
             _pack("H", [op.slot for op in plan.ops], "lane op slots"),
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
@@ -174,10 +177,13 @@ class _Reader:
         penalties = _cut(self.take("d", 3 * count, "penalties"), [3] * count)
         _check_penalties(penalties)
         output_starts = self.take("q", count, "output starts")
+        allowed_counts = self.take("I", count, "allowed id counts")
+        allowed = _cut(self.take("i", sum(allowed_counts), "allowed ids"), allowed_counts)
+        _check_allowed(allowed)
         sampling = zip(temperatures, top_ks, top_ps, min_ps, seeds, biases, logprobs, suppressed, ends, strict=True)
         return [
-            DrawSpec(*values, *penalty, output_from=start)
-            for values, penalty, start in zip(sampling, penalties, output_starts, strict=True)
+            DrawSpec(*values, *penalty, output_from=start, allowed_ids=ids)
+            for values, penalty, start, ids in zip(sampling, penalties, output_starts, allowed, strict=True)
         ]
 
     def _ops(self, count: int) -> tuple[LaneOp, ...]:
@@ -265,6 +271,13 @@ def _check_biases(biases: Sequence[tuple[tuple[int, float], ...]]) -> None:
         bad = next((bias for _, bias in pairs if not math.isfinite(bias)), None)
         if bad is not None:
             raise HeaderError(f"draw {index}: logit bias {bad} is not a finite number")
+
+
+def _check_allowed(allowed: Sequence[tuple[int, ...]]) -> None:
+    """Refuse allowed ids that give one id twice."""
+    for index, ids in enumerate(allowed):
+        if len(set(ids)) != len(ids):
+            raise HeaderError(f"draw {index}: its allowed ids give one token id twice")
 
 
 def _check_penalties(penalties: Sequence[tuple[float, float, float]]) -> None:

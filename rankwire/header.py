@@ -39,6 +39,7 @@ class DrawSpec:
     frequency_penalty: float = 0.0  # times how often an id occurs from `output_from` on, taken from its logit
     presence_penalty: float = 0.0  # taken from the logit of each id that occurs from `output_from` on
     output_from: int = 0  # the absolute position of the request's first output token
+    allowed_ids: tuple[int, ...] = ()  # the only ids it may draw, each once (none: any)
 
     @property
     def penalties(self) -> tuple[float, float, float]:

@@ -187,12 +187,20 @@ def build_app(state: ServerState) -> FastAPI:
         for field, ids in (
             ("logit_bias", [int(key) for key in body.logit_bias or {}]),
             ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids),
         ):
             outside = [token for token in ids if token >= state.vocab_size]  # a logit bias of 0 included
             if outside:
                 raise ApiError(
                     f"{field}: token id {outside[0]} is outside the vocabulary (size {state.vocab_size})", param=field
                 )
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(state.eos_ids))
+        if params.min_tokens and params.allowed_token_ids and stops.issuperset(params.allowed_token_ids):
+            raise ApiError(
+                "allowed_token_ids: every allowed id is a stop token, which min_tokens rules out: nothing is left to "
+                "draw",
+                param="allowed_token_ids",
+            )
         room = state.context - len(prompt_ids)
         if params.min_tokens > (params.max_tokens or room):
             raise ApiError(

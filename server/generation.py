@@ -78,6 +78,7 @@ class Generation:
             params.frequency_penalty,
             params.presence_penalty,
             len(prompt_ids),
+            params.allowed_token_ids,
         )
         self.request = Request(
             self.request_id,

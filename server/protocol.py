@@ -22,6 +22,8 @@ MAX_LOGIT_BIAS_IDS = 1024
 # The repetition penalty's range: a logit divided or multiplied by it stays finite in fp32 (vLLM takes any value > 0,
 # and a tiny one there overflows the logits)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# The most ids vLLM's allowed_token_ids may list here (they travel in every round's header)
+MAX_ALLOWED_IDS = 1024
 # OpenAI's largest top_logprobs (vLLM's default max_logprobs too)
 MAX_LOGPROBS = 20
 # The most choices one request may ask for (each is a request of its own to the engine)
@@ -91,6 +93,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: on every id of the prompt and the output so far
     frequency_penalty: float = 0.0  # OpenAI's: on the output's ids, times how often each occurs
     presence_penalty: float = 0.0  # OpenAI's: on each id the output holds
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only ids it may draw, in id order (none: any)
 
 
 class ApiError(Exception):
@@ -255,7 +258,7 @@ class _SamplingRequest(_StrictModel):
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0)
     bad_words: Any = None
-    allowed_token_ids: Any = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_IDS)
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
@@ -270,7 +273,7 @@ class _SamplingRequest(_StrictModel):
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "response_format", "bad_words", "allowed_token_ids",
+        "response_format", "bad_words",
         "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search", "prompt_logprobs",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "structural_tag", "logits_processors",
@@ -343,6 +346,7 @@ class _SamplingRequest(_StrictModel):
             repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
+            allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
         )
 
     def logprobs_count(self) -> int | None:

@@ -573,21 +573,30 @@ class ModelRunner:
 
 
 def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Tensor:
-    """The logit rows with each row's logit bias added in fp32, and -inf added for the ids its draw (at the key's
-    position) may not take yet (the same tensor where no row has either)."""
-    entries = []
+    """The logit rows in fp32 with each row's logit bias added, -inf added for the ids its draw (at the key's
+    position) may not take yet, and -inf for every id outside its allowed ids where it has some (the same tensor
+    where no row has any of these)."""
+    entries, allowed = [], []
     for row, (spec, position) in enumerate(keys):
+        if spec.allowed_ids:
+            allowed += [(row, token) for token in spec.allowed_ids]
         suppressed = spec.suppress_ids if position < spec.suppress_before else ()
         if not spec.logit_bias and not suppressed:
             continue  # most rows of a round: nothing to add
         biases = dict(spec.logit_bias) | dict.fromkeys(suppressed, -math.inf)  # -inf wins over a bias on its id
         entries += [(row, token, bias) for token, bias in biases.items()]
-    if not entries:
+    if not entries and not allowed:
         return logits
-    rows, tokens, biases = zip(*entries, strict=True)
-    at = (to_device(logits.device, rows, torch.long), to_device(logits.device, tokens, torch.long))
     out = logits.to(torch.float32, copy=True)
-    out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
+    if entries:
+        rows, tokens, biases = zip(*entries, strict=True)
+        at = (to_device(logits.device, rows, torch.long), to_device(logits.device, tokens, torch.long))
+        out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
+    if allowed:  # the allowed ids' values kept, every other id of those rows -inf
+        at = tuple(to_device(logits.device, list(column), torch.long) for column in zip(*allowed, strict=True))
+        kept = out[at]
+        out.index_fill_(0, at[0].unique(), -math.inf)
+        out.index_put_(at, kept)
     return out
 
 

@@ -17,7 +17,7 @@ PREFIX = struct.Struct("<4sHII")
 COUNTS = struct.Struct("<BIIII")
 
 
-def seal(body: bytes, magic: bytes = b"FNRH", version: int = 9) -> bytes:
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 10) -> bytes:
     """A header around `body` with a correct length and checksum, written from the documented layout."""
     return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
 
@@ -40,6 +40,7 @@ def random_draw(rng: random.Random) -> DrawSpec:
         frequency_penalty=rng.choice([0.0, 0.0, -2.0, 2.0, rng.uniform(-1e300, 1e300)]),
         presence_penalty=rng.choice([0.0, 0.0, -0.0, rng.uniform(-2, 2)]),
         output_from=rng.choice([0, 2**63 - 1, rng.randrange(1 << 20)]),
+        allowed_ids=tuple(rng.sample([0, 2**31 - 1, *range(1, 300)], rng.choice([0, 0, 1, rng.randrange(5)]))),
     )
 
 
@@ -121,6 +122,7 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<B", 0),  # its logprobs count: 0 for none, else 1 + how many of the most likely
             struct.pack("<qI", 0, 0),  # where its suppression ends, and how many ids it suppresses (their ids: none)
             struct.pack("<3dq", 1.0, 0.0, 0.0, 0),  # its repetition, frequency and presence penalties; output start
+            struct.pack("<I", 0),  # how many ids it allows (their ids: none, so any)
             struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
             struct.pack("<2B", 0, 0),  # prior-draw flags
         )
@@ -128,7 +130,8 @@ def test_the_byte_layout_is_pinned() -> None:
     assert encode_header(SAMPLE) == seal(body)
     assert decode_header(seal(body)) == SAMPLE
     prior = RoundPlan(rows=(LaneRows(5, (0,), 41, SAMPLE.rows[1].draw, prior_draw=True),))
-    tail = struct.pack("<dIddqIBqI3dq", 0.7, 20, 0.95, 0.05, 1234, 0, 0, 0, 0, 1.0, 0.0, 0.0, 0) + struct.pack("<B", 1)
+    draw = struct.pack("<dIddqIBqI3dqI", 0.7, 20, 0.95, 0.05, 1234, 0, 0, 0, 0, 1.0, 0.0, 0.0, 0, 0)
+    tail = draw + struct.pack("<B", 1)  # the draw, then the prior-draw flag
     assert encode_header(prior).endswith(tail) and decode_header(encode_header(prior)) == prior
     draws = (
         DrawSpec(0.0, 0, 1.0, 0.0, 5, ((9, -100.0), (4, 2.5)), logprobs=0, suppress_ids=(2, 3), suppress_before=40),
@@ -144,6 +147,7 @@ def test_the_byte_layout_is_pinned() -> None:
             presence_penalty=-0.5,
             frequency_penalty=2.0,
             output_from=17,
+            allowed_ids=(3, 11),
         ),
     )
     biased = RoundPlan(rows=tuple(LaneRows(slot, (1,), 0, draw) for slot, draw in enumerate(draws)))
@@ -151,6 +155,7 @@ def test_the_byte_layout_is_pinned() -> None:
     columns += struct.pack("<2B", 1, 21)  # the logprobs counts
     columns += struct.pack("<2q2I2i", 40, 0, 2, 0, 2, 3)  # suppression ends, suppressed id counts, suppressed ids
     columns += struct.pack("<6d2q", 1.0, 0.0, 0.0, 1.25, 2.0, -0.5, 0, 17)  # penalties draw by draw, output starts
+    columns += struct.pack("<2I2i", 0, 2, 3, 11)  # allowed id counts, allowed ids
     assert columns + struct.pack("<2B", 0, 0) in encode_header(biased)  # counts, then ids, then biases, draw by draw
     assert decode_header(encode_header(biased)) == biased
 
@@ -245,7 +250,7 @@ def test_faults_are_named() -> None:
         (sample[:5], "truncated header: 5 bytes"),
         (sample + b"xy", "2 trailing bytes"),
         (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
-        (PREFIX.pack(b"FNRH", 9, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (PREFIX.pack(b"FNRH", 10, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
         (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
         (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
         (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
@@ -280,8 +285,8 @@ def test_faults_are_named() -> None:
     corrupt[temperature + 12 : temperature + 20] = struct.pack("<d", 1.5)
     cases.append((seal(bytes(corrupt)), "top_p 1.5 is not in"))
     biased = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((3, 1.0), (4, 2.0)))),)))
-    ids, biases = len(biased) - 46 - 16 - 8, len(biased) - 46 - 16  # before the logprobs, suppression and penalties
-    penalties = len(biased) - 1 - 8 - 24  # before the output start and the prior-draw flag
+    ids, biases = len(biased) - 50 - 16 - 8, len(biased) - 50 - 16  # before the logprobs, suppression and penalties
+    penalties = len(biased) - 1 - 4 - 8 - 24  # before the output start, the allowed id count and the prior-draw flag
     for at, value, message in [
         (ids + 4, struct.pack("<i", 3), "a logit bias gives one token id twice"),
         (ids, struct.pack("<i", -3), "logit bias ids: -3 is negative"),
@@ -297,6 +302,9 @@ def test_faults_are_named() -> None:
         corrupt = biased.copy()
         corrupt[at : at + len(value)] = value
         cases.append((seal(bytes(corrupt)), message))
+    allowed = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, allowed_ids=(3, 5))),)))
+    allowed[-5:-1] = struct.pack("<i", 3)  # the second allowed id, before the prior-draw flag
+    cases.append((seal(bytes(allowed)), "draw 0: its allowed ids give one token id twice"))
     for data, message in cases:
         with pytest.raises(HeaderError) as caught:
             decode_header(data)
@@ -321,6 +329,8 @@ def test_faults_are_named() -> None:
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, repetition_penalty=0.0)),)), "> 0"),
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, presence_penalty=math.inf)),)), "inf"),
         (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, output_from=-1)),)), "output starts"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, allowed_ids=(4, 4))),)), "id twice"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, allowed_ids=(-4,))),)), "allowed ids"),
         (RoundPlan(ops=(LaneOp(7, 0, 0),)), "unknown lane op code 7"),  # type: ignore[arg-type]
         (RoundPlan(kind=5), "cannot encode the round kind"),  # type: ignore[arg-type]
         (RoundPlan(rows=(LaneRows(0, (7,), 0, None, prior_draw=True),)), "row 0: a prior-draw row is one token 0"),

@@ -38,22 +38,29 @@ def tiny_chat_checkpoint(path: Path, name: str = "base", seed: int = 0) -> Path:
     return make_checkpoint(text_config(name), path, fmt="fp32", seed=seed, tokenizer=True)
 
 
-def oracle_greedy(path: Path, prompt: list[int], tokens: int, **penalties: float) -> list[int]:
+def oracle_greedy(path: Path, prompt: list[int], tokens: int, **penalties) -> list[int]:
     """transformers' greedy tokens after the prompt, with vLLM's penalties: its own repetition penalty (over the
-    prompt and the output), then frequency and presence penalties over the output, as vLLM takes them away."""
+    prompt and the output), then frequency and presence penalties over the output, as vLLM takes them away; and
+    vLLM's allowed_token_ids where given."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from tests.tiny import ties_to_lower_index
 
     frequency, presence = penalties.get("frequency_penalty", 0.0), penalties.get("presence_penalty", 0.0)
+    allowed = penalties.get("allowed_token_ids")
 
     class OutputPenalties(LogitsProcessor):
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             output = input_ids[:, len(prompt) :]
             counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
             scores = scores - frequency * counts
-            return scores - presence * (counts > 0).to(scores.dtype)
+            scores = scores - presence * (counts > 0).to(scores.dtype)
+            if allowed is not None:  # vLLM's allowed_token_ids: every other id is ruled out
+                ruled_out = torch.ones_like(scores, dtype=torch.bool)
+                ruled_out[:, allowed] = False
+                scores = scores.masked_fill(ruled_out, -torch.inf)
+            return scores
 
     with torch.no_grad(), ties_to_lower_index():
         out = oracle(path).generate(

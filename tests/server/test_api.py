@@ -116,6 +116,34 @@ def test_penalties_equal_transformers_repetition_penalty_and_vllms_output_penalt
         assert choice["token_ids"] == expected, extra
 
 
+def test_allowed_token_ids_restrict_the_draws_as_a_mask_on_transformers_logits(live, ckpt):
+    """vLLM's allowed_token_ids: greedy output equals transformers' with every other id masked, drafted or not,
+    streamed or not; sampled output holds only allowed ids."""
+    plain = oracle_greedy(ckpt, PROMPT, 16)
+    allowed = sorted({plain[1], plain[5], 30, 77, 150})
+    expected = oracle_greedy(ckpt, PROMPT, 16, allowed_token_ids=allowed)
+    assert expected != plain and set(expected) <= set(allowed)
+    for extra in ({}, {"draft": False}, {"stream": True}):
+        assert (
+            completion(live, max_tokens=16, temperature=0, allowed_token_ids=allowed, **extra)["token_ids"] == expected
+        )
+    sampled = completion(live, max_tokens=16, temperature=1.0, seed=4, allowed_token_ids=allowed)["token_ids"]
+    assert set(sampled) <= set(allowed) and len(sampled) == 16
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [({"allowed_token_ids": [3, 400000]}, "outside the vocabulary"), ({"allowed_token_ids": []}, "at least 1"),
+     ({"allowed_token_ids": [-1]}, "greater than or equal to 0"),
+     ({"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2}, "nothing is left to draw")],
+)  # fmt: skip
+def test_bad_allowed_token_ids_are_a_400_naming_the_field(live, fields, words):
+    body = {"prompt": PROMPT, "max_tokens": 4, **fields}
+    response = httpx.post(f"{live.v1}/completions", json=body, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"].startswith("allowed_token_ids") and words in error["message"]
+
+
 def test_logprobs_with_penalties_are_the_raw_logits_log_softmax(live):
     """As vLLM's default: the first token's logprobs, from the same raw logits, are the same with penalties or without
     (penalized logits would shift every one of them: the repetition penalty changes the prompt's ids' logits)."""

@@ -23,3 +23,18 @@ def test_stop_tokens_are_ruled_out_before_the_first_position_that_may_stop_and_b
     assert out.dtype == torch.float32 and torch.equal(out, expected)
     assert not logits.any()  # the round's logits themselves are left as they were
     assert _biased(logits, [(plain, 19)]) is logits  # nothing to add: no copy
+
+
+def test_allowed_ids_keep_their_biased_values_and_every_other_id_of_their_row_is_ruled_out() -> None:
+    """vLLM's allowed_token_ids: only the listed ids may be drawn; a bias still reaches them, and a suppressed stop
+    token stays out even where it is allowed."""
+    held = DrawSpec(
+        0.0, 0, 1.0, 0.0, 1, ((4, 1.5), (6, 9.0)), suppress_ids=(2,), suppress_before=5, allowed_ids=(2, 4, 8)
+    )
+    plain = DrawSpec(0.0, 0, 1.0, 0.0, 2)
+    logits = torch.arange(20, dtype=torch.float32).reshape(2, 10)
+    out = _biased(logits, [(held, 4), (plain, 4)])
+    expected = torch.full((10,), -math.inf)
+    expected[4], expected[8] = 4 + 1.5, 8
+    assert torch.equal(out[0], expected) and torch.equal(out[1], logits[1])
+    assert _biased(logits, [(held, 5), (plain, 4)])[0, 2] == 2  # past min_tokens: the allowed stop token is back

@@ -239,7 +239,6 @@ def test_two_reasonings_that_differ_are_refused() -> None:
     ("field", "value"),
     [
         ("bad_words", ["no"]),
-        ("allowed_token_ids", [1, 2]),
         ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False),
         ("use_beam_search", True),

@@ -141,6 +141,8 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt, tmp_path):
         penalized = greedy_ids(url, 24, **penalties)  # rank 1 keeps the ids its lanes fold, and counts them alike
         assert penalized == greedy_ids(url, 24, draft=False, **penalties)
         assert penalized == oracle_greedy(ckpt, PROMPT, 24, **penalties)
+        allowed = sorted({plain[1], plain[4], 30, 77})  # rank 1 rules out every other id too
+        assert greedy_ids(url, allowed_token_ids=allowed) == oracle_greedy(ckpt, PROMPT, 16, allowed_token_ids=allowed)
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}
         logprobs = [
             httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120).json()["choices"][0]["logprobs"]
