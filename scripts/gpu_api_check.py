@@ -1,5 +1,5 @@
-"""Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens and
-penalties, each drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
+"""Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
+penalties and allowed_token_ids, each drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -88,6 +88,11 @@ def main() -> int:
     beside = shown(complete(base, n=3, max_tokens=64, **penalties, **sampled))
     alone = [shown(complete(base, max_tokens=64, **penalties, temperature=0.8, seed=11 + i))[0] for i in range(3)]
     check("penalties: n=3 choices = each alone", beside == alone)
+    allowed = sorted({*plain[:6], 17, 99})
+    runs = [shown(complete(base, temperature=0, allowed_token_ids=allowed, **extra))[0][0]
+            for extra in ({}, {"draft": False}, {"stream": True})]  # fmt: skip
+    check("allowed_token_ids: drafted = undrafted = streamed", runs[0] == runs[1] == runs[2])
+    check("allowed_token_ids: only allowed ids", set(runs[0]) <= set(allowed), runs[0][:8])
     return 1 if failures else 0
 
 
