@@ -1,5 +1,6 @@
 """Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
-penalties and allowed_token_ids, each drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
+penalties and allowed_token_ids, each drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1
+on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
