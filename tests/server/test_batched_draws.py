@@ -30,8 +30,8 @@ def test_a_round_draws_once_and_every_row_equals_its_draw_alone(tmp_path, monkey
         batched.append(logits.shape[0])
         return sample_rows(logits, *columns)
 
-    def checked(self: ModelRunner, plan_rows, logits: torch.Tensor, drawn: torch.Tensor):
-        tokens, refusals = draw(self, plan_rows, logits, drawn)
+    def checked(self: ModelRunner, plan_rows, logits: torch.Tensor, drawn: torch.Tensor, penalties):
+        tokens, refusals = draw(self, plan_rows, logits, drawn, penalties)
         keys = [(r.draw, r.start + len(r.token_ids) + i) for r in plan_rows if r.draw for i in range(len(r.drafts) + 1)]
         for i, ((s, position), token) in enumerate(zip(keys, tokens, strict=True)):
             row = logits[i].float().clone()
