@@ -22,7 +22,14 @@ from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import Generation, Outcome, interleaved
 from server.handle import EngineHandle
 from server.logprobs import chat_logprobs, completion_logprobs, token_bytes, token_text
-from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request, token_sha
+from server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+    parse_request,
+    token_sha,
+)
 from server.textout import prompt_opens_thinking
 
 PUBLIC_PATHS = ("/health", "/metrics")
@@ -250,8 +257,7 @@ def build_app(state: ServerState) -> FastAPI:
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
         generations = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(chat_chunks(generations, body.return_token_ids, include_usage))
+            return sse(chat_chunks(generations, body.return_token_ids, body.stream_options))
         outcomes = await wait(request, generations)
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
@@ -286,8 +292,7 @@ def build_app(state: ServerState) -> FastAPI:
         check_prompt(prompt_ids, "prompt")
         generations = start(prompt_ids, body, None)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(completion_chunks(generations, body.return_token_ids, include_usage))
+            return sse(completion_chunks(generations, body.return_token_ids, body.stream_options))
         outcomes = await wait(request, generations)
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
@@ -354,19 +359,28 @@ def build_app(state: ServerState) -> FastAPI:
             await asyncio.gather(*waiting, return_exceptions=True)
 
     async def stream(
-        generations: list[Generation], frame, include_usage: bool, opening: dict[str, Any] | None = None
+        generations: list[Generation], frame, options: StreamOptions | None, opening: dict[str, Any] | None = None
     ) -> AsyncIterator[str]:
         """SSE events: each choice's first `frame(index, None)` chunk (with the `opening` fields), then
-        `frame(index, piece)` chunks as pieces come, with `"usage": null` when usage comes last, as OpenAI sends them;
-        then usage and [DONE]; the engine is told when the client leaves."""
+        `frame(index, piece)` chunks as pieces come, with `"usage": null` when usage comes last, as OpenAI sends them
+        (or, with vLLM's continuous_usage_stats, the usage of the chunk's choice so far); then usage and [DONE]; the
+        engine is told when the client leaves."""
         tokens: list[list[int]] = [[] for _ in generations]
-        no_usage = {"usage": None} if include_usage else {}
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+
+        def usage_so_far(index: int) -> dict[str, Any]:
+            if not continuous:
+                return {"usage": None} if include_usage else {}
+            prompt, cached = len(generations[index].prompt_ids), generations[index].request.cached
+            return {"usage": usage(prompt, len(tokens[index]), cached)}
+
         try:
             for index in range(len(generations)):
-                yield {**frame(index, None), **(opening or {}), **no_usage}
+                yield {**frame(index, None), **(opening or {}), **usage_so_far(index)}
             async for index, piece in interleaved(generations):
                 tokens[index] += piece.token_ids
-                chunk = {**frame(index, piece), **no_usage}
+                chunk = {**frame(index, piece), **usage_so_far(index)}
                 if piece.finish_reason is not None:
                     chunk["token_sha"] = token_sha(tokens[index])
                 yield chunk
@@ -384,7 +398,7 @@ def build_app(state: ServerState) -> FastAPI:
             for generation in generations:
                 generation.abort()
 
-    def chat_chunks(generations: list[Generation], with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
+    def chat_chunks(generations: list[Generation], with_ids: bool, options: StreamOptions | None) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
         with_logprobs = generations[0].request.draw.logprobs is not None
 
@@ -416,9 +430,11 @@ def build_app(state: ServerState) -> FastAPI:
             }
 
         opening = {"prompt_token_ids": generations[0].prompt_ids} if with_ids else None  # vLLM puts them on top
-        return stream(generations, frame, include_usage, opening)
+        return stream(generations, frame, options, opening)
 
-    def completion_chunks(generations: list[Generation], with_ids: bool, include_usage: bool) -> AsyncIterator[str]:
+    def completion_chunks(
+        generations: list[Generation], with_ids: bool, options: StreamOptions | None
+    ) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
         with_logprobs = generations[0].request.draw.logprobs is not None
         spelled = [0] * len(generations)  # each choice's characters of token text sent: its next text_offset
@@ -449,7 +465,7 @@ def build_app(state: ServerState) -> FastAPI:
                 "choices": [choice],
             }
 
-        return stream(generations, frame, include_usage)
+        return stream(generations, frame, options)
 
     @app.get("/v1/models")
     async def models():

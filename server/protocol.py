@@ -42,7 +42,6 @@ _HARMLESS: dict[str, Any] = {
     "spaces_between_special_tokens": True,
     "use_beam_search": False,
     "logits_processors": [],
-    "continuous_usage_stats": False,  # in stream_options
     # chat only: how the template renders the conversation
     "echo": False,
     "add_generation_prompt": True,
@@ -149,12 +148,11 @@ def _without_nulls(data: Any) -> Any:
 
 
 class StreamOptions(_StrictModel):
-    """`stream_options`: whether the last streamed chunk carries usage."""
+    """`stream_options`: whether the last streamed chunk carries usage, and (vLLM's) every chunk, usage so far."""
 
     include_usage: bool = False
-    continuous_usage_stats: Any = None
+    continuous_usage_stats: bool = False
 
-    _check_unhonoured = field_validator("continuous_usage_stats")(_refuse_unless_harmless)
     _drop_nulls = model_validator(mode="before")(_without_nulls)
 
 

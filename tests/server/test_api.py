@@ -729,6 +729,30 @@ def test_with_include_usage_every_chunk_but_the_last_has_null_usage(live, includ
         assert not any("usage" in c for c in chunks)
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(live, route):
+    """vLLM's continuous_usage_stats (with include_usage): every chunk carries the prompt's tokens and its own choice's
+    tokens so far; the last, usage-only chunk counts every choice; without include_usage there is no usage at all."""
+    body = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True, "n": 2, "temperature": 1.0, "seed": 3}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": COLOR}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = sse_chunks(live, route, {**body, "stream_options": options})
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    counted = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        counted[choice["index"]] += len(choice.get("token_ids", []))
+        expected = {"prompt_tokens": prompt, "completion_tokens": counted[choice["index"]]}
+        assert (
+            chunk["usage"]["prompt_tokens"] == prompt
+            and chunk["usage"]["completion_tokens"] == counted[choice["index"]]
+        )
+        assert chunk["usage"]["total_tokens"] == sum(expected.values())
+    assert counted == {0: 6, 1: 6} and chunks[-1]["usage"]["completion_tokens"] == 12 and chunks[-1]["choices"] == []
+    alone = sse_chunks(live, route, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in c for c in alone)
+
+
 def prompt_ids_sent(route: str, responses: list[dict]) -> list[list[int]]:
     """Every `prompt_token_ids` in the responses, looked for only where vLLM puts it: a chat response's (or chunk's)
     top level, a text completion's choice."""

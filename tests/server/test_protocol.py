@@ -137,7 +137,6 @@ def test_missing_messages() -> None:
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
         ({"include_reasoning": False}, "include_reasoning"),
-        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
         ({"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [CALL]}]}, "messages.1.tool_calls"),
     ],
 )
