@@ -290,9 +290,14 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             prompt_ids = list(body.prompt)
         check_prompt(prompt_ids, "prompt")
+        echoed = ""  # vLLM's echo: the prompt's text before each choice's (a prompt of ids decoded, where it can be)
+        if body.echo and isinstance(body.prompt, str):
+            echoed = body.prompt
+        elif body.echo and state.tokenizer is not None:  # decoded on a worker thread, as a text prompt is tokenized
+            echoed = await asyncio.to_thread(state.tokenizer.decode, prompt_ids)
         generations = start(prompt_ids, body, None)
         if body.stream:
-            return sse(completion_chunks(generations, body.return_token_ids, body.stream_options))
+            return sse(completion_chunks(generations, body.return_token_ids, body.stream_options, echoed))
         outcomes = await wait(request, generations)
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
@@ -301,7 +306,7 @@ def build_app(state: ServerState) -> FastAPI:
                 logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
             return {
                 "index": index,
-                "text": outcome.content,
+                "text": echoed + outcome.content,
                 "finish_reason": outcome.finish_reason,
                 "stop_reason": outcome.stop_reason,
                 "logprobs": logprobs,
@@ -433,7 +438,7 @@ def build_app(state: ServerState) -> FastAPI:
         return stream(generations, frame, options, opening)
 
     def completion_chunks(
-        generations: list[Generation], with_ids: bool, options: StreamOptions | None
+        generations: list[Generation], with_ids: bool, options: StreamOptions | None, echoed: str = ""
     ) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
         with_logprobs = generations[0].request.draw.logprobs is not None
@@ -442,7 +447,7 @@ def build_app(state: ServerState) -> FastAPI:
         def frame(index: int, piece) -> dict[str, Any]:
             choice: dict[str, Any] = {
                 "index": index,
-                "text": "",
+                "text": echoed if piece is None else "",  # a choice's first chunk echoes the prompt
                 "finish_reason": None,
                 "stop_reason": None,
                 "logprobs": None,

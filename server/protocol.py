@@ -428,11 +428,11 @@ class CompletionRequest(_SamplingRequest):
                     )
         return value
 
-    @field_validator("echo")
+    @field_validator("logprobs")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value is not False:
-            raise _not_supported("not supported yet")
+    def _not_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("echo"):
+            raise _not_supported("logprobs with echo (the prompt's logprobs) are not supported yet")
         return value
 
     def logprobs_count(self) -> int | None:

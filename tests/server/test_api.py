@@ -753,6 +753,28 @@ def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(live, 
     assert not any("usage" in c for c in alone)
 
 
+def test_echo_puts_the_prompts_text_before_each_choices_streamed_or_not(live):
+    """vLLM's echo for text completions: the text prompt itself, or a prompt of ids decoded, before the completion's
+    text; streamed, in each choice's first chunk; the tokens, ids and usage stay the completion's own."""
+    text = "def add(a, b):"
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "n": 2}
+    plain = httpx.post(f"{live.v1}/completions", json={**body, "prompt": text}, timeout=60).json()
+    echoed = httpx.post(f"{live.v1}/completions", json={**body, "prompt": text, "echo": True}, timeout=60).json()
+    assert [c["text"] for c in echoed["choices"]] == [text + c["text"] for c in plain["choices"]]
+    assert [c["token_ids"] for c in echoed["choices"]] == [c["token_ids"] for c in plain["choices"]]
+    assert echoed["usage"]["total_tokens"] == plain["usage"]["total_tokens"]
+    assert echoed["token_sha"] == plain["token_sha"]
+    chunks = sse_chunks(live, "completions", {**body, "prompt": text, "echo": True})
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert list(streamed.values()) == [c["text"] for c in echoed["choices"]]
+    ids = plain["choices"][0]["prompt_token_ids"]
+    by_ids = httpx.post(f"{live.v1}/completions", json={**body, "prompt": ids, "echo": True}, timeout=60).json()
+    assert by_ids["choices"][0]["text"] == echoed["choices"][0]["text"]
+
+
 def prompt_ids_sent(route: str, responses: list[dict]) -> list[list[int]]:
     """Every `prompt_token_ids` in the responses, looked for only where vLLM puts it: a chat response's (or chunk's)
     top level, a text completion's choice."""
