@@ -592,10 +592,10 @@ def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Ten
         rows, tokens, biases = zip(*entries, strict=True)
         at = (to_device(logits.device, rows, torch.long), to_device(logits.device, tokens, torch.long))
         out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
-    if allowed:  # the allowed ids' values kept, every other id of those rows -inf
+    if allowed:  # the allowed ids' values kept, every other id of their rows -inf (rows listed on the host: no sync)
         at = tuple(to_device(logits.device, list(column), torch.long) for column in zip(*allowed, strict=True))
         kept = out[at]
-        out.index_fill_(0, at[0].unique(), -math.inf)
+        out.index_fill_(0, to_device(logits.device, sorted({row for row, _ in allowed}), torch.long), -math.inf)
         out.index_put_(at, kept)
     return out
 

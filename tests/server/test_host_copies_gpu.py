@@ -87,6 +87,7 @@ def test_the_verify_forward_never_waits_and_the_mtp_chain_waits_once(tmp_path, m
 
 
 BIAS = ((5, 2.5), (40, -100.0), (91, 4.0))
+ALLOWED = tuple(range(0, 200, 3))
 
 
 @pytest.mark.parametrize(
@@ -96,9 +97,9 @@ BIAS = ((5, 2.5), (40, -100.0), (91, 4.0))
         DrawSpec(0.9, 20, 0.95, 0.0, 7),
         DrawSpec(0.0, 0, 1.0, 0.0, 1, BIAS),
         DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS, logprobs=5),
-        DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25),
+        DrawSpec(0.9, 20, 0.95, 0.0, 7, BIAS, repetition_penalty=1.3, presence_penalty=0.25, allowed_ids=ALLOWED),
     ],
-    ids=["greedy", "sampled", "greedy-biased", "sampled-biased-logprobs", "sampled-penalized"],
+    ids=["greedy", "sampled", "greedy-biased", "sampled-biased-logprobs", "sampled-penalized-allowed"],
 )
 def test_a_round_planned_ahead_is_launched_without_waiting_and_draws_the_same_tokens(tmp_path, draw) -> None:
     """...and takes the same logprobs: a round's are computed before the next round's forward rewrites the logits;
