@@ -62,7 +62,7 @@ class PenaltyMarks:
         if prompt:
             lane.index_fill_(0, to_device(device, sorted(set(prompt)), torch.long), 1)
         if output:
-            twice = torch.tensor(2, dtype=torch.int32, device=device)
+            twice = lane.new_full((), 2)
             lane.index_put_((to_device(device, output.tolist(), torch.long),), twice, accumulate=True)
         self.live[slot] = output_from
 
@@ -70,7 +70,7 @@ class PenaltyMarks:
         """Count output ids into their lanes' marks (`ids` on the device, one per slot given)."""
         if slots:
             at = (to_device(ids.device, slots, torch.long), ids)
-            self.marks.index_put_(at, torch.tensor(2, dtype=torch.int32, device=ids.device), accumulate=True)
+            self.marks.index_put_(at, self.marks.new_full((), 2), accumulate=True)  # a fill, not a copy from the host
 
     def penalties(self, keys: list[tuple[int, DrawSpec, tuple[int, ...]]], device: torch.device) -> Penalties | None:
         """The penalized rows of a round whose logit rows have these keys: (slot, draw, the drafts before the row in
@@ -83,7 +83,7 @@ class PenaltyMarks:
         window = [(place, token) for place, before in enumerate(drafts) for token in before]
         if window:
             at = tuple(to_device(device, list(column), torch.long) for column in zip(*window, strict=True))
-            marks.index_put_(at, torch.tensor(2, dtype=torch.int32, device=device), accumulate=True)
+            marks.index_put_(at, marks.new_full((), 2), accumulate=True)
         factors = to_device(device, [spec.penalties for spec in specs], torch.float32)
         return Penalties(to_device(device, rows, torch.long), marks, factors)
 
