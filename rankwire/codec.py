@@ -12,8 +12,8 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 10  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids;
-# 9: penalties; 10: allowed ids
+VERSION = 11  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids;
+# 9: penalties; 10: allowed ids; 11: prompt-logprob flags
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -44,6 +44,7 @@ def encode_header(plan: RoundPlan) -> bytes:
         raise HeaderError(f"cannot encode unknown lane op code {min(unknown)}")
     for index, row in enumerate(rows):
         _check_prior_draw(index, row.prior_draw, row.token_ids, row.drafts, row.draft_depth)
+        _check_prompt_logprobs(index, row.prompt_logprobs, row.prior_draw, len(row.drafts))
     body = b"".join(
         (
             _pack_counts(plan, len(rows)),
@@ -78,6 +79,7 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
             _pack("I", [op.after for op in plan.ops], "lane op row offsets"),
             _pack("B", [row.prior_draw for row in rows], "prior-draw flags"),
+            _pack("B", [row.prompt_logprobs for row in rows], "prompt-logprob flags"),
         )
     )
     return _PREFIX.pack(MAGIC, VERSION, _PREFIX.size + len(body), zlib.crc32(body)) + body
@@ -144,16 +146,22 @@ class _Reader:
         priors = self.take("B", n_rows, "prior-draw flags")
         if max(priors, default=0) > 1:
             raise HeaderError(f"prior-draw flag {max(priors)} is neither 0 nor 1")
+        prompt_logprobs = self.take("B", n_rows, "prompt-logprob flags")
+        if max(prompt_logprobs, default=0) > 1:
+            raise HeaderError(f"prompt-logprob flag {max(prompt_logprobs)} is neither 0 nor 1")
         row_tokens = _cut(token_ids, token_counts)
         for index, prior in enumerate(priors):
             _check_prior_draw(index, bool(prior), row_tokens[index], range(draft_counts[index]), depths[index])
+            _check_prompt_logprobs(index, bool(prompt_logprobs[index]), bool(prior), draft_counts[index])
         if self.pos != len(self.data):
             raise HeaderError(f"{len(self.data) - self.pos} trailing bytes inside the header's body")
         return RoundPlan(
             kind=RoundKind(kind),
             allocate=allocate,
             free=free,
-            rows=_rows(slots, starts, flags, depths, row_tokens, _cut(draft_ids, draft_counts), draws, priors),
+            rows=_rows(
+                slots, starts, flags, depths, row_tokens, _cut(draft_ids, draft_counts), draws, priors, prompt_logprobs
+            ),
             ops=ops,
         )
 
@@ -207,6 +215,7 @@ def _rows(
     row_drafts: list[tuple[int, ...]],
     draws: list[DrawSpec],
     priors: tuple[int, ...],
+    prompt_logprobs: tuple[int, ...],
 ) -> tuple[LaneRows, ...]:
     """Put the per-lane token and draft pieces and the draw columns back together as rows."""
     next_draw = iter(draws)
@@ -220,6 +229,7 @@ def _rows(
             row_drafts,
             depths,
             map(bool, priors),
+            map(bool, prompt_logprobs),
         )
     )
 
@@ -271,6 +281,12 @@ def _check_biases(biases: Sequence[tuple[tuple[int, float], ...]]) -> None:
         bad = next((bias for _, bias in pairs if not math.isfinite(bias)), None)
         if bad is not None:
             raise HeaderError(f"draw {index}: logit bias {bad} is not a finite number")
+
+
+def _check_prompt_logprobs(index: int, asked: bool, prior: bool, drafts: int) -> None:
+    """Refuse a row asking for its prompt's logprobs that is not a prompt pass (a prior draw, or drafts to verify)."""
+    if asked and (prior or drafts):
+        raise HeaderError(f"row {index}: a row with the prompt's logprobs takes no prior draw and no drafts")
 
 
 def _check_allowed(allowed: Sequence[tuple[int, ...]]) -> None:

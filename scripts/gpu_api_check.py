@@ -1,6 +1,6 @@
 """Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
-penalties and allowed_token_ids, each drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1
-on any failure.
+penalties, allowed_token_ids and prompt_logprobs, each drafted and undrafted, streamed and not. Prints PASS or FAIL
+per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -94,6 +94,12 @@ def main() -> int:
             for extra in ({}, {"draft": False}, {"stream": True})]  # fmt: skip
     check("allowed_token_ids: drafted = undrafted = streamed", runs[0] == runs[1] == runs[2])
     check("allowed_token_ids: only allowed ids", set(runs[0]) <= set(allowed), runs[0][:8])
+    ids = complete(base, max_tokens=1, return_token_ids=True)["choices"][0]["prompt_token_ids"]
+    prompt = (ids * 40)[:300]  # three passes of at most 128 rows
+    entries = [complete(base, prompt=p, max_tokens=1, prompt_logprobs=3)["choices"][0]["prompt_logprobs"]
+               for p in (prompt, prompt[:100])]  # fmt: skip
+    check("prompt_logprobs: one per prompt token", len(entries[0]) == 300 and entries[0][0] is None)
+    check("prompt_logprobs: the first 100 the same alone and inside 300", entries[0][:100] == entries[1])
     return 1 if failures else 0
 
 

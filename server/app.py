@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import Generation, Outcome, interleaved
 from server.handle import EngineHandle
-from server.logprobs import chat_logprobs, completion_logprobs, token_bytes, token_text
+from server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_bytes, token_text
 from server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -277,8 +277,11 @@ def build_app(state: ServerState) -> FastAPI:
                 ),
             }
 
-        choices = await shaped(choice, outcomes, body.logprobs)
-        return respond("chatcmpl", "chat.completion", choices, outcomes, prompt_ids, body.return_token_ids)
+        choices = await shaped(choice, outcomes, body.logprobs or body.prompt_logprobs is not None)
+        response = respond("chatcmpl", "chat.completion", choices, outcomes, prompt_ids, body.return_token_ids)
+        if body.prompt_logprobs is not None:  # where vLLM puts them for a chat: the top level
+            response["prompt_logprobs"] = prompt_logprobs(outcomes[0].prompt_logprobs, body.prompt_logprobs, spell)
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -310,9 +313,14 @@ def build_app(state: ServerState) -> FastAPI:
                 "finish_reason": outcome.finish_reason,
                 "stop_reason": outcome.stop_reason,
                 "logprobs": logprobs,
-            }
+            } | prompt_part(outcome)
 
-        choices = await shaped(choice, outcomes, body.logprobs is not None)
+        def prompt_part(outcome: Outcome) -> dict[str, Any]:
+            if body.prompt_logprobs is None:
+                return {}
+            return {"prompt_logprobs": prompt_logprobs(outcome.prompt_logprobs, body.prompt_logprobs, spell)}
+
+        choices = await shaped(choice, outcomes, body.logprobs is not None or body.prompt_logprobs is not None)
         return respond("cmpl", "text_completion", choices, outcomes, prompt_ids, body.return_token_ids)
 
     async def shaped(choice, outcomes: list[Outcome], with_logprobs: bool) -> list[dict[str, Any]]:
@@ -377,8 +385,9 @@ def build_app(state: ServerState) -> FastAPI:
         def usage_so_far(index: int) -> dict[str, Any]:
             if not continuous:
                 return {"usage": None} if include_usage else {}
-            prompt, cached = len(generations[index].prompt_ids), generations[index].request.cached
-            return {"usage": usage(prompt, len(tokens[index]), cached)}
+            counts = usage(len(generations[index].prompt_ids), len(tokens[index]), 0)
+            del counts["prompt_tokens_details"]  # vLLM's per-chunk usage has none (the final chunk's has)
+            return {"usage": counts}
 
         try:
             for index in range(len(generations)):

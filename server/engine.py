@@ -19,6 +19,9 @@ if TYPE_CHECKING:  # the front-end process imports this module for Request and U
     from server.runner import LaneResult, LaunchedRound, ModelRunner
 
 log = logging.getLogger(__name__)
+# the most prompt rows one pass of a request asking for the prompt's logprobs takes: each row's log-softmax over the
+# vocabulary is held on the device at once (a multiple of the GDN chunk)
+PROMPT_LOGPROB_ROWS = 128
 FRONT_END_FINISHES = ("abort", "stop")  # the reasons a request may be ended from outside the engine
 
 
@@ -40,6 +43,17 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's raw log-probability given the tokens before it, its rank among all ids (1: the likeliest;
+    vLLM's), and the most likely ids with theirs (ties to the lower id)."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Update:
     """New tokens for a request, and why it ended (stop, length, abort, error) when it did; `refused`: the engine
     took no work for it (it was shutting down); `error_param`: the request field whose value caused the error, where
@@ -51,6 +65,7 @@ class Update:
     refused: bool = False
     error_param: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()  # with its first tokens: each prompt token's after the first
 
 
 @dataclass(eq=False, slots=True)
@@ -66,6 +81,7 @@ class Request:
     draft: bool = True
     keep_at: tuple[int, ...] = ()
     cache_salt: str | None = None  # its prompt states are kept and resumed apart from other salts' (vLLM's field)
+    prompt_logprobs: bool = False  # its prompt passes take the prompt's logprobs (and it resumes no kept state)
     arrival: float = field(default_factory=time.monotonic)
     cached: int = 0
     keeps: list[int] = field(default_factory=list)
@@ -80,6 +96,7 @@ class Request:
     # next row is planned past them
     drawing: int = 0
     admitted: bool = False  # counted in the metrics and the cache's figures (once, if a failed launch puts it back)
+    prompt_taken: list[PromptLogprob] = field(default_factory=list)  # the prompt logprobs until its first update
 
 
 Outbox = list[tuple[Request, Update]]
@@ -331,7 +348,9 @@ class Engine:
                 rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
                 request.drawing += 1
             elif budget > 0:
-                take = self._pass_length(request, budget)
+                take = self._pass_length(
+                    request, min(budget, PROMPT_LOGPROB_ROWS) if request.prompt_logprobs else budget
+                )
                 if take == 0:
                     continue
                 while request.keeps and request.keeps[0] <= request.prefilled + take:  # kept inside this round
@@ -341,7 +360,10 @@ class Engine:
                 draw = request.draw if done else None
                 # every prompt pass feeds the MTP layer, drafting or not: its kept states may resume a drafting lane
                 depth = self._chain_depth(self.mtp_depth, request.prefilled + take - 1)
-                rows.append(LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth))
+                rows.append(
+                    LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth,
+                             prompt_logprobs=request.prompt_logprobs)
+                )  # fmt: skip
                 request.prefilled += take  # the next plan goes on from there, whether or not this round finished
                 request.drawing += done
                 budget -= take
@@ -369,7 +391,9 @@ class Engine:
         positions, the given message boundaries, and one token before the end, each rounded down to the alignment."""
         prompt = request.prompt_ids
         request.depth = self.draft_depth if request.draft else 0
-        hit = self.cache.lookup(prompt, counted=not request.admitted, salt=request.cache_salt)
+        hit = None
+        if not request.prompt_logprobs:  # a resumed prefix would have no logits for its prompt logprobs
+            hit = self.cache.lookup(prompt, counted=not request.admitted, salt=request.cache_salt)
         if hit is not None:
             ops.append(LaneOp(LaneOpCode.RESTORE, request.slot, hit.handle))
             request.prefilled = request.cached = hit.length
@@ -448,6 +472,7 @@ class Engine:
                 if request not in self.running:
                     continue  # it ended after this round was planned (a stop token the round before, an abort)
                 request.drawing -= rows.draw is not None
+                request.prompt_taken += result.prompt
                 if result.tokens:
                     self._count_drafts(len(rows.drafts), result.accepted)
                     self._adapt_depth(request, len(rows.drafts), result.accepted)
@@ -490,17 +515,18 @@ class Engine:
         """Append a round's tokens (with their logprobs, if any), stopping at a stop token or max_tokens; whether the
         request goes on."""
         taken: list[int] = []
+        prompt, request.prompt_taken = tuple(request.prompt_taken), []  # with the first tokens, once
         for token in tokens:
             self._record_token(request, now)
             request.output.append(token)
             taken.append(token)
-            if token in request.stop_ids:
-                self._finish(request, Update(tuple(taken), "stop", logprobs=logprobs[: len(taken)]))
+            if token in request.stop_ids or len(request.output) >= request.max_tokens:
+                finish = "stop" if token in request.stop_ids else "length"
+                self._finish(
+                    request, Update(tuple(taken), finish, logprobs=logprobs[: len(taken)], prompt_logprobs=prompt)
+                )
                 return False
-            if len(request.output) >= request.max_tokens:
-                self._finish(request, Update(tuple(taken), "length", logprobs=logprobs[: len(taken)]))
-                return False
-        self.outbox.append((request, Update(tuple(taken), logprobs=logprobs)))
+        self.outbox.append((request, Update(tuple(taken), logprobs=logprobs, prompt_logprobs=prompt)))
         return True
 
     def _propose(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...]) -> None:

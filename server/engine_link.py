@@ -65,8 +65,7 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Delivered:
-    """One round's updates: (request id, cached prompt tokens, token ids, finish reason, error, the request field
-    that caused the error, the tokens' logprobs) each."""
+    """One round's updates: (request id, cached prompt tokens, its Update) each."""
 
     updates: list[tuple[str, int, tuple[int, ...], str | None, str | None, str | None, tuple[TokenLogprob, ...]]]
 
@@ -128,10 +127,7 @@ class EngineHost:
             self.sock.sendall(frame)
 
     def _deliver(self, batch: Outbox) -> None:
-        updates = [
-            (r.request_id, r.cached, u.token_ids, u.finish_reason, u.error, u.error_param, u.logprobs) for r, u in batch
-        ]
-        self._send(Delivered(updates))
+        self._send(Delivered([(request.request_id, request.cached, update) for request, update in batch]))
 
     def _serve(self) -> None:
         """Run messages until the front end's end closes. One that fails is logged (a question that fails is answered
@@ -235,11 +231,12 @@ class EngineClient:
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Delivered):
-            for request_id, cached, token_ids, finish, error, error_param, logprobs in message.updates:
-                request = self.requests.get(request_id) if finish is None else self.requests.pop(request_id, None)
+            for request_id, cached, update in message.updates:
+                finished = update.finish_reason is not None
+                request = self.requests.pop(request_id, None) if finished else self.requests.get(request_id)
                 if request is not None:  # an aborted request's last updates are dropped
                     request.cached = cached
-                    request.sink(Update(token_ids, finish, error, error_param=error_param, logprobs=logprobs))
+                    request.sink(update)
         elif isinstance(message, Refused):
             request = self.requests.pop(message.request_id, None)
             if request is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankwire.header import DrawSpec
-from server.engine import Request, TokenLogprob, Update
+from server.engine import PromptLogprob, Request, TokenLogprob, Update
 from server.handle import EngineHandle
 from server.protocol import ApiError, SamplingParams, fresh_seed
 from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
@@ -27,6 +27,7 @@ class Piece:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it; None for EOS
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where the request asked for them
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()  # with the first piece, where the request asked for them
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class Outcome:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # each prompt token's after the first
     cached_tokens: int = 0
 
 
@@ -90,6 +92,7 @@ class Generation:
             draft=params.draft,
             keep_at=keep_at,
             cache_salt=params.cache_salt,
+            prompt_logprobs=params.prompt_logprobs is not None,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None
@@ -129,6 +132,7 @@ class Generation:
         async for piece in self.pieces():
             outcome.token_ids += piece.token_ids
             outcome.logprobs += piece.logprobs
+            outcome.prompt_logprobs += piece.prompt_logprobs
             outcome.content += piece.content
             outcome.reasoning += piece.reasoning
             outcome.finish_reason, outcome.stop_reason = piece.finish_reason, piece.stop_reason
@@ -168,6 +172,7 @@ class Generation:
                 stop_reason = tokens[-1]
         self.unwatched = max(self.unwatched - len(update.token_ids), 0)
         piece = Piece(tokens, finish_reason=finish, stop_reason=stop_reason, logprobs=update.logprobs[: len(tokens)])
+        piece.prompt_logprobs = update.prompt_logprobs
         if self.splitter is None:
             piece.content = emit
             return piece

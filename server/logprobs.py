@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from server.engine import TokenLogprob
+from server.engine import PromptLogprob, TokenLogprob
 
 # JSON has no -inf: a token the model rules out entirely is given this instead, as vLLM gives it
 LOWEST_LOGPROB = -9999.0
@@ -88,3 +88,21 @@ def completion_logprobs(
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(
+    entries: Sequence[PromptLogprob], most: int, text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then each token's entry by id (its logprob, rank and
+    text), and the `most` most likely ids' (their ranks 1, 2, ...), one entry for an id that is both."""
+
+    def entry(logprob: float, rank: int, token: int) -> dict[str, Any]:
+        return {"logprob": _value(logprob), "rank": rank, "decoded_token": text(token)}
+
+    return [None] + [
+        {
+            str(lp.token): entry(lp.logprob, lp.rank, lp.token),
+            **{str(top): entry(value, rank, top) for rank, (top, value) in enumerate(lp.top[:most], 1)},
+        }
+        for lp in entries
+    ]

@@ -43,14 +43,16 @@ class PenaltyMarks:
     def __init__(self, lanes: int) -> None:
         self.lanes = lanes
         self.marks: torch.Tensor | None = None  # [lanes, vocab], made at the first penalized draw
-        self.live: dict[int, int] = {}  # slot -> the output start of the request whose marks it holds
+        # slot -> the output start of the request whose marks it holds, and the position its marks have counted up to
+        self.live: dict[int, tuple[int, int]] = {}
 
     def drop(self, slot: int) -> None:
         """Forget a slot's marks (its lane was freed, allocated again or restored)."""
         self.live.pop(slot, None)
 
-    def holds(self, slot: int, spec: DrawSpec) -> bool:
-        return self.live.get(slot) == spec.output_from
+    def holds(self, slot: int, spec: DrawSpec, position: int) -> bool:
+        """Whether the slot's marks are its request's and have counted every id before `position`."""
+        return self.live.get(slot) == (spec.output_from, position)
 
     def start(self, slot: int, ids: array, output_from: int, vocab: int, device: torch.device) -> None:
         """Mark the ids a lane folded before its first penalized draw (all known on the host)."""
@@ -64,13 +66,16 @@ class PenaltyMarks:
         if output:
             twice = lane.new_full((), 2)
             lane.index_put_((to_device(device, output.tolist(), torch.long),), twice, accumulate=True)
-        self.live[slot] = output_from
+        self.live[slot] = (output_from, len(ids))
 
     def fold(self, slots: list[int], ids: torch.Tensor) -> None:
-        """Count output ids into their lanes' marks (`ids` on the device, one per slot given)."""
+        """Count output ids, the next ones of their lanes, into their marks (`ids` on the device, one per slot)."""
         if slots:
             at = (to_device(ids.device, slots, torch.long), ids)
             self.marks.index_put_(at, self.marks.new_full((), 2), accumulate=True)  # a fill, not a copy from the host
+        for slot in slots:
+            output_from, counted = self.live[slot]
+            self.live[slot] = (output_from, counted + 1)
 
     def penalties(self, keys: list[tuple[int, DrawSpec, tuple[int, ...]]], device: torch.device) -> Penalties | None:
         """The penalized rows of a round whose logit rows have these keys: (slot, draw, the drafts before the row in

@@ -93,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: on the output's ids, times how often each occurs
     presence_penalty: float = 0.0  # OpenAI's: on each id the output holds
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only ids it may draw, in id order (none: any)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and that many of the most likely
 
 
 class ApiError(Exception):
@@ -260,7 +261,7 @@ class _SamplingRequest(_StrictModel):
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -272,7 +273,7 @@ class _SamplingRequest(_StrictModel):
 
     _check_unhonoured = field_validator(
         "response_format", "bad_words",
-        "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search", "prompt_logprobs",
+        "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search",
         "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "structural_tag", "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
@@ -301,6 +302,13 @@ class _SamplingRequest(_StrictModel):
     @classmethod
     def _one_stop_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise _not_supported("prompt_logprobs in a stream are not supported yet")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -345,11 +353,16 @@ class _SamplingRequest(_StrictModel):
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+            prompt_logprobs=self.prompt_logprobs_count(),
         )
 
     def logprobs_count(self) -> int | None:
         """How many of the most likely tokens to give with each token's logprob; None: no logprobs."""
         return None
+
+    def prompt_logprobs_count(self) -> int | None:
+        """How many of the most likely tokens to give with each prompt token's logprob; None: none."""
+        return self.prompt_logprobs
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable
@@ -17,8 +18,9 @@ from model.flashnext import FlashNextModel, ForwardOutput
 from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
-from server.engine import TokenLogprob
+from server.engine import PromptLogprob, TokenLogprob
 from server.penalties import LaneHistories, Penalties, PenaltyMarks
+from server.prompt_logprobs import PromptLogprobs, PromptRound
 from server.round_trace import RoundTrace
 from server.sampling import SamplingParamError, sample_token
 
@@ -42,6 +44,7 @@ class LaneResult:
     error: str | None = None
     error_param: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt: tuple[PromptLogprob, ...] = ()  # the prompt logprobs its pass took, where its request asked
 
     @property
     def accepted(self) -> int:
@@ -59,6 +62,8 @@ class LaunchedRound:
     drawn: HostCopy | None = None  # every logit row's draw, on its way to the host
     penalties: Penalties | None = None  # the penalties its draws were made with
     logprobs: _Logprobs | None = None  # the log-probabilities of the rows whose draws asked for them
+    draw_rows: torch.Tensor | None = None  # the draw rows among the logit rows, where other rows have logits too
+    prompt: PromptRound | None = None  # the prompt logprobs its passes asked for
     replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts after its forward (traces)
 
     @property
@@ -132,6 +137,7 @@ class ModelRunner:
         self.kept: dict[int, LaneState] = {}
         self.histories = LaneHistories(max_lanes)  # the ids each lane and kept state holds, for penalized draws
         self.marks = PenaltyMarks(max_lanes)  # the penalized lanes' ids on the device
+        self.prompt_logprobs = PromptLogprobs()  # a prompt pass's last row, until the next pass of its lane
         self.digests = digests  # a file that gets a line per round: a digest of its logits and tokens
         self.trace = trace or RoundTrace(None)  # its round begins and ends with the caller (engine or follower)
         # with several ranks: sends this rank's verdict on a round (None: it runs it) and returns the other rank's
@@ -212,7 +218,7 @@ class ModelRunner:
                 return "the plan asks for MTP drafts but this checkpoint has no MTP layer"
             if rows.prior_draw and rows.slot not in self.prior_draws[1]:
                 return f"lane slot {rows.slot} takes the round before's draw, but that round drew no one token for it"
-            problem = None if self._marked(rows) else self.histories.problem(rows)
+            problem = None if self._marked(rows, rows.start) else self.histories.problem(rows)
             if problem:
                 return problem
         return None
@@ -246,10 +252,12 @@ class ModelRunner:
             self.slots[slot] = None
             self.histories.free(slot)
             self.marks.drop(slot)
+            self.prompt_logprobs.drop(slot)
         for slot in plan.allocate:
             self.slots[slot] = self.model.new_lane()
             self.histories.allocate(slot)
             self.marks.drop(slot)
+            self.prompt_logprobs.drop(slot)
         problem = self._prepare(plan)
         trace = self.trace
         trace.mark("prepare")
@@ -262,6 +270,9 @@ class ModelRunner:
             return LaunchedRound(plan)
         device = self.model.device
         tokens, segments, logit_rows, follows = [], [], [], []
+        # the draw rows' places among the logit rows; (row index, first logit row) of each lane whose every token row
+        # gives logits (the prompt's logprobs)
+        draw_at, asked = [], []
         snapshot_rows: dict[int, set[int]] = {}
         keeps_after = {(op.slot, op.after) for op in plan.ops if op.after}
         for index, rows in enumerate(plan.rows):
@@ -271,7 +282,12 @@ class ModelRunner:
                 follows.append((len(tokens), self.prior_draws[1][rows.slot]))
             segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
             tokens.extend(window)
-            if rows.draw is not None:
+            if rows.prompt_logprobs:
+                asked.append((index, len(logit_rows)))
+                logit_rows.extend(range(len(tokens) - len(window), len(tokens)))
+                draw_at += [len(logit_rows) - 1] if rows.draw is not None else []
+            elif rows.draw is not None:
+                draw_at.extend(range(len(logit_rows), len(logit_rows) + len(rows.drafts) + 1))
                 logit_rows.extend(range(len(tokens) - len(rows.drafts) - 1, len(tokens)))
             wanted = {after - 1 for slot, after in keeps_after if slot == rows.slot}
             if rows.drafts:  # what a rejection restores: the state after the last token row or after a kept draft
@@ -299,9 +315,12 @@ class ModelRunner:
             trace.note(lanes=len(plan.rows), rows=len(tokens), replays=_ran(before, replays))
         if launched is not None:
             launched()
+        draw_rows = None if not asked else to_device(device, draw_at, torch.long)
+        draw_logits = out.logits if draw_rows is None else out.logits.index_select(0, draw_rows)
         penalties = self._launch_penalties(plan.rows, segments, token_ids, out.logits.shape[-1])
-        drawn = self._launch_draws(plan.rows, out.logits, penalties)
-        logprobs = self._launch_logprobs(plan.rows, out.logits, drawn)
+        drawn = self._launch_draws(plan.rows, draw_logits, penalties)
+        logprobs = self._launch_logprobs(plan.rows, draw_logits, drawn)
+        prompt = self.prompt_logprobs.launch(plan.rows, asked, out.logits) if asked and self.takes_logprobs else None
         at, singles = 0, {}  # each lane that drew one token: its place among the draws
         for rows in plan.rows:
             if rows.draw is not None:
@@ -311,7 +330,9 @@ class ModelRunner:
         self.prior_draws = (drawn, singles)
         # a round finished later holds no lane: a freed lane's pool slot is free at once for the next request
         held = [] if ahead_safe(plan) else segments
-        self.unfinished = LaunchedRound(plan, held, out, HostCopy(drawn), penalties, logprobs, replays)
+        self.unfinished = LaunchedRound(
+            plan, held, out, HostCopy(drawn), penalties, logprobs, draw_rows, prompt, replays
+        )
         return self.unfinished
 
     def finish(
@@ -327,7 +348,9 @@ class ModelRunner:
         if out is None:
             return []
         results, mtp_rows, restores, next_logit, accepted = [], [], [], 0, []
-        draws, refusals = self._draw(plan.rows, out.logits, launched.drawn, launched.penalties)
+        draw_logits = out.logits if launched.draw_rows is None else out.logits.index_select(0, launched.draw_rows)
+        draws, refusals = self._draw(plan.rows, draw_logits, launched.drawn, launched.penalties)
+        prompt = {} if launched.prompt is None else launched.prompt.by_row()
         trace.mark("draw")
         for index, rows in enumerate(plan.rows):
             kept, failed = self._verify(rows, draws[next_logit : next_logit + len(rows.drafts) + 1])
@@ -344,12 +367,13 @@ class ModelRunner:
             folded = len(rows.token_ids) + max(len(kept) - 1, 0)
             if rows.drafts:  # only a verify round folds ids it may take back (and it is never planned ahead of)
                 self.histories.cut(rows.slot, rows.start + folded)
-                if self._marked(rows):
+                if self._marked(rows, rows.start + len(rows.token_ids)):  # counted up to its first draw at launch
                     accepted += [(rows.slot, token) for token in rows.drafts[: max(len(kept) - 1, 0)]]
             if rows.draft_depth:
                 seg = segments[index]
                 mtp_rows.append(self._mtp_rows(rows, seg.lane, out.hidden[seg.start : seg.start + folded], kept))
-            results.append(LaneResult(tuple(kept), error=error, error_param=error_param, logprobs=logprobs))
+            taken = prompt.get(index, ())
+            results.append(LaneResult(tuple(kept), (), error, error_param, logprobs, taken))
         self.model.restore_lanes(restores)  # every lane with a rejected draft, together (one launch on the kernel path)
         if accepted:  # a penalized lane's kept drafts, which no later window holds
             slots, tokens = zip(*accepted, strict=True)
@@ -400,9 +424,9 @@ class ModelRunner:
             for i in range(len(rows.drafts) + 1)
         ]
 
-    def _marked(self, rows: LaneRows) -> bool:
-        """Whether the lane's penalized draw continues from marks the device already holds for its request."""
-        return rows.draw is not None and self.marks.holds(rows.slot, rows.draw)
+    def _marked(self, rows: LaneRows, position: int) -> bool:
+        """Whether the device holds marks of the lane's request that have counted every id before `position`."""
+        return rows.draw is not None and self.marks.holds(rows.slot, rows.draw, position)
 
     def _launch_penalties(
         self, plan_rows: tuple[LaneRows, ...], segments: list[Segment], token_ids: torch.Tensor, vocab: int
@@ -416,7 +440,7 @@ class ModelRunner:
         for rows, seg in zip(plan_rows, segments, strict=True):
             if rows.draw is None or not rows.draw.penalized:
                 continue
-            if self._marked(rows):
+            if self._marked(rows, rows.start):
                 slots += [rows.slot] * len(rows.token_ids)
                 places += range(seg.start, seg.start + len(rows.token_ids))
             else:
@@ -579,7 +603,7 @@ def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Ten
     entries, allowed = [], []
     for row, (spec, position) in enumerate(keys):
         if spec.allowed_ids:
-            allowed += [(row, token) for token in spec.allowed_ids]
+            allowed.append((row, spec.allowed_ids))
         suppressed = spec.suppress_ids if position < spec.suppress_before else ()
         if not spec.logit_bias and not suppressed:
             continue  # most rows of a round: nothing to add
@@ -592,12 +616,17 @@ def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Ten
         rows, tokens, biases = zip(*entries, strict=True)
         at = (to_device(logits.device, rows, torch.long), to_device(logits.device, tokens, torch.long))
         out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
-    if allowed:  # the allowed ids' values kept, every other id of their rows -inf (rows listed on the host: no sync)
-        at = tuple(to_device(logits.device, list(column), torch.long) for column in zip(*allowed, strict=True))
-        kept = out[at]
-        out.index_fill_(0, to_device(logits.device, sorted({row for row, _ in allowed}), torch.long), -math.inf)
-        out.index_put_(at, kept)
+    if allowed:  # every id outside a row's allowed ones -inf, from each allowed set's mask, made once
+        rows = to_device(logits.device, [row for row, _ in allowed], torch.long)
+        masks = torch.stack([_allowed_mask(ids, out.shape[-1], out.device) for _, ids in allowed])
+        out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(masks, -math.inf))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _allowed_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """True for every id outside `allowed` (a request's allowed ids: its rows share one mask, kept for later rounds)."""
+    return torch.ones(vocab, dtype=torch.bool, device=device).index_fill_(0, to_device(device, allowed, torch.long), 0)
 
 
 def _adjusted(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]], penalties: Penalties | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ PREFIX = struct.Struct("<4sHII")
 COUNTS = struct.Struct("<BIIII")
 
 
-def seal(body: bytes, magic: bytes = b"FNRH", version: int = 10) -> bytes:
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 11) -> bytes:
     """A header around `body` with a correct length and checksum, written from the documented layout."""
     return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
 
@@ -53,6 +53,8 @@ def random_row(rng: random.Random) -> LaneRows:
     draw = random_draw(rng) if rng.random() < 0.7 else None
     if rng.random() < 0.2:  # its token is the lane's draw of the round before
         return LaneRows(slot, (0,), start, draw, prior_draw=True)
+    if rng.random() < 0.2:  # a prompt pass whose every row gives logits
+        return LaneRows(slot, random_ids(rng, 12), start, draw, (), rng.randrange(16), prompt_logprobs=True)
     return LaneRows(slot, random_ids(rng, 12), start, draw, random_ids(rng, 4), rng.randrange(16))
 
 
@@ -125,13 +127,14 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<I", 0),  # how many ids it allows (their ids: none, so any)
             struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
             struct.pack("<2B", 0, 0),  # prior-draw flags
+            struct.pack("<2B", 0, 0),  # prompt-logprob flags
         )
     )
     assert encode_header(SAMPLE) == seal(body)
     assert decode_header(seal(body)) == SAMPLE
     prior = RoundPlan(rows=(LaneRows(5, (0,), 41, SAMPLE.rows[1].draw, prior_draw=True),))
     draw = struct.pack("<dIddqIBqI3dqI", 0.7, 20, 0.95, 0.05, 1234, 0, 0, 0, 0, 1.0, 0.0, 0.0, 0, 0)
-    tail = draw + struct.pack("<B", 1)  # the draw, then the prior-draw flag
+    tail = draw + struct.pack("<2B", 1, 0)  # the draw, then the prior-draw and prompt-logprob flags
     assert encode_header(prior).endswith(tail) and decode_header(encode_header(prior)) == prior
     draws = (
         DrawSpec(0.0, 0, 1.0, 0.0, 5, ((9, -100.0), (4, 2.5)), logprobs=0, suppress_ids=(2, 3), suppress_before=40),
@@ -250,7 +253,7 @@ def test_faults_are_named() -> None:
         (sample[:5], "truncated header: 5 bytes"),
         (sample + b"xy", "2 trailing bytes"),
         (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
-        (PREFIX.pack(b"FNRH", 10, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (PREFIX.pack(b"FNRH", 11, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
         (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
         (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
         (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
@@ -264,13 +267,19 @@ def test_faults_are_named() -> None:
     corrupt[tokens : tokens + 4] = struct.pack("<i", -5)
     cases.append((seal(bytes(corrupt)), "token ids: -5 is negative"))
     corrupt = body.copy()
-    corrupt[-17] = 7  # before the lane op's slot, argument and row offset, and the two rows' prior-draw flags
+    corrupt[-19] = 7  # before the lane op's slot, argument and row offset, and the two rows' two flags
     cases.append((seal(bytes(corrupt)), "unknown lane op code 7"))
     corrupt = body.copy()
-    corrupt[-1] = 2
+    corrupt[-3] = 2
     cases.append((seal(bytes(corrupt)), "prior-draw flag 2 is neither 0 nor 1"))
     corrupt = body.copy()
-    corrupt[-2] = 1  # row 0 holds three tokens
+    corrupt[-1] = 2
+    cases.append((seal(bytes(corrupt)), "prompt-logprob flag 2 is neither 0 nor 1"))
+    corrupt = body.copy()
+    corrupt[-1] = 1  # row 1 verifies drafts
+    cases.append((seal(bytes(corrupt)), "row 1: a row with the prompt's logprobs takes no prior draw and no drafts"))
+    corrupt = body.copy()
+    corrupt[-4] = 1  # row 0 holds three tokens
     cases.append((seal(bytes(corrupt)), "row 0: a prior-draw row is one token 0 with no drafts and no draft depth"))
     temperature = tokens + 4 * 4 + 4 * 2
     for value, message in [
@@ -285,8 +294,8 @@ def test_faults_are_named() -> None:
     corrupt[temperature + 12 : temperature + 20] = struct.pack("<d", 1.5)
     cases.append((seal(bytes(corrupt)), "top_p 1.5 is not in"))
     biased = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((3, 1.0), (4, 2.0)))),)))
-    ids, biases = len(biased) - 50 - 16 - 8, len(biased) - 50 - 16  # before the logprobs, suppression and penalties
-    penalties = len(biased) - 1 - 4 - 8 - 24  # before the output start, the allowed id count and the prior-draw flag
+    ids, biases = len(biased) - 51 - 16 - 8, len(biased) - 51 - 16  # before the logprobs, suppression and penalties
+    penalties = len(biased) - 2 - 4 - 8 - 24  # before the output start, the allowed id count and the row's two flags
     for at, value, message in [
         (ids + 4, struct.pack("<i", 3), "a logit bias gives one token id twice"),
         (ids, struct.pack("<i", -3), "logit bias ids: -3 is negative"),
@@ -303,7 +312,7 @@ def test_faults_are_named() -> None:
         corrupt[at : at + len(value)] = value
         cases.append((seal(bytes(corrupt)), message))
     allowed = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, allowed_ids=(3, 5))),)))
-    allowed[-5:-1] = struct.pack("<i", 3)  # the second allowed id, before the prior-draw flag
+    allowed[-6:-2] = struct.pack("<i", 3)  # the second allowed id, before the row's two flags
     cases.append((seal(bytes(allowed)), "draw 0: its allowed ids give one token id twice"))
     for data, message in cases:
         with pytest.raises(HeaderError) as caught:
@@ -336,6 +345,8 @@ def test_faults_are_named() -> None:
         (RoundPlan(rows=(LaneRows(0, (7,), 0, None, prior_draw=True),)), "row 0: a prior-draw row is one token 0"),
         (RoundPlan(rows=(LaneRows(0, (0,), 0, None, (3,), prior_draw=True),)), "a prior-draw row is one token 0"),
         (RoundPlan(rows=(LaneRows(0, (0,), 0, None, (), 2, prior_draw=True),)), "a prior-draw row is one token 0"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, None, (3,), prompt_logprobs=True),)), "no prior draw and no drafts"),
+        (RoundPlan(rows=(LaneRows(0, (0,), 0, None, prior_draw=True, prompt_logprobs=True),)), "no prior draw"),
     ],
 )
 def test_the_encoder_refuses_what_the_format_cannot_carry(plan: RoundPlan, message: str) -> None:

@@ -144,6 +144,36 @@ def test_bad_allowed_token_ids_are_a_400_naming_the_field(live, fields, words):
     assert response.status_code == 400 and error["param"].startswith("allowed_token_ids") and words in error["message"]
 
 
+def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_tokens_row(live, ckpt):
+    """vLLM's prompt_logprobs: None for the first token, then each prompt token's logprob given the tokens before it,
+    its rank and the most likely ids', within float error of transformers' logits; a prompt longer than one pass's
+    rows (128) gives the same as it would in one; a repeat resumes no kept state (it would have no logits)."""
+    prompt = [(7 * i * i + 3 * i) % 300 + 5 for i in range(300)]
+    with torch.no_grad(), ties_to_lower_index():
+        logits = oracle(ckpt)(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    for _ in range(2):
+        out = httpx.post(f"{live.v1}/completions", json=body, timeout=120).json()
+        entries = out["choices"][0]["prompt_logprobs"]
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert len(entries) == len(prompt) and entries[0] is None
+        for at, entry in enumerate(entries[1:], 1):
+            row, token = expected[at - 1], prompt[at]
+            likeliest = row.topk(2).indices.tolist()
+            assert abs(entry[str(token)]["logprob"] - row[token].item()) < 1e-4, at
+            assert entry[str(token)]["rank"] == 1 + int((row > row[token]).sum()), at
+            assert set(map(int, entry)) == {token, *likeliest}, at
+            assert [entry[str(top)]["rank"] for top in likeliest] == [1, 2], at
+            assert all(isinstance(value["decoded_token"], str) for value in entry.values())
+    chat = httpx.post(
+        f"{live.v1}/chat/completions", json={"messages": COLOR, "max_tokens": 2, "prompt_logprobs": 0}, timeout=60
+    ).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    streamed = httpx.post(f"{live.v1}/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_logprobs_with_penalties_are_the_raw_logits_log_softmax(live):
     """As vLLM's default: the first token's logprobs, from the same raw logits, are the same with penalties or without
     (penalized logits would shift every one of them: the repetition penalty changes the prompt's ids' logits)."""
@@ -747,7 +777,7 @@ def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(live, 
             chunk["usage"]["prompt_tokens"] == prompt
             and chunk["usage"]["completion_tokens"] == counted[choice["index"]]
         )
-        assert chunk["usage"]["total_tokens"] == sum(expected.values())
+        assert chunk["usage"] == {**expected, "total_tokens": sum(expected.values())}  # no cached count: vLLM's shape
     assert counted == {0: 6, 1: 6} and chunks[-1]["usage"]["completion_tokens"] == 12 and chunks[-1]["choices"] == []
     alone = sse_chunks(live, route, {**body, "stream_options": {"continuous_usage_stats": True}})
     assert not any("usage" in c for c in alone)

@@ -140,3 +140,19 @@ def test_a_lane_slot_taken_again_by_a_request_of_the_same_prompt_length_starts_i
     (expected,), _ = run(model, [second], 20, draws[1:], draft=False)
     (_, after), _ = run(model, [first, second], 20, draws, draft=False, lanes=1)
     assert after == expected
+
+
+def test_marks_that_missed_ids_the_lane_folded_are_built_again_from_the_host(model):
+    """A window without a draw between two penalized draws (no engine plans one, but a plan may hold it): the marks
+    have not counted its ids, so the next penalized draw builds them again from the host's ids instead of drawing
+    from marks that miss them; it equals the same ids folded in one pass."""
+    spec = penalized(GREEDY, frequency_penalty=2.0, presence_penalty=2.0)
+    split = ModelRunner(model, 1)
+    first = split.execute(RoundPlan(allocate=(0,), rows=(LaneRows(0, tuple(PROMPT), 0, spec),)))[0].tokens[0]
+    middle = (first, 50, 51, 52)
+    split.execute(RoundPlan(rows=(LaneRows(0, middle, len(PROMPT), None),)))
+    after = split.execute(RoundPlan(rows=(LaneRows(0, (53,), len(PROMPT) + 4, spec),)))[0].tokens
+    whole = ModelRunner(model, 1)
+    plan = RoundPlan(allocate=(0,), rows=(LaneRows(0, (*PROMPT, *middle, 53), 0, spec),))
+    assert whole.execute(plan)[0].tokens == after
+    assert torch.equal(split.marks.marks[0], whole.marks.marks[0]) and split.marks.marks[0, 50] >= 2

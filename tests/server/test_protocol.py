@@ -241,7 +241,6 @@ def test_two_reasonings_that_differ_are_refused() -> None:
         ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False),
         ("use_beam_search", True),
-        ("prompt_logprobs", 0),
         ("truncate_prompt_tokens", 100),
         ("guided_json", {"type": "object"}),
         ("guided_regex", "a+"),
@@ -401,6 +400,19 @@ def test_penalties_out_of_range_are_refused_naming_the_field(field: str, value: 
     value > 0, and 1e-39 overflows the logits into a failed draw)."""
     for error in (chat_error(**{field: value}), completion_error(prompt="hi", **{field: value})):
         assert_names(error, field, *words)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [({"prompt_logprobs": 21}, ("less than or equal to 20",)), ({"prompt_logprobs": -1}, ("greater than",)),
+     ({"prompt_logprobs": 2, "stream": True}, ("in a stream", "not supported yet"))],
+)  # fmt: skip
+def test_bad_prompt_logprobs_are_refused_on_both_routes(fields: dict[str, Any], words: tuple[str, ...]) -> None:
+    for error in (chat_error(**fields), completion_error(prompt="hi", **fields)):
+        assert_names(error, "prompt_logprobs", *words)
+    assert (
+        parse_request(CompletionRequest, {"prompt": "hi", "prompt_logprobs": 3}).sampling_params().prompt_logprobs == 3
+    )
 
 
 def test_top_k_minus_one_means_off() -> None:

@@ -141,6 +141,13 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt, tmp_path):
         penalized = greedy_ids(url, 24, **penalties)  # rank 1 keeps the ids its lanes fold, and counts them alike
         assert penalized == greedy_ids(url, 24, draft=False, **penalties)
         assert penalized == oracle_greedy(ckpt, PROMPT, 24, **penalties)
+        long = [(5 * i * i + i) % 290 + 7 for i in range(200)]  # two passes, every row's logits on both ranks
+        body = {"prompt": long, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+        entries = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["prompt_logprobs"]
+        with torch.no_grad(), ties_to_lower_index():
+            expected = torch.log_softmax(oracle(ckpt)(torch.tensor([long])).logits[0].float(), dim=-1)
+        got = torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries[1:], long[1:], strict=True)])
+        assert torch.allclose(got, expected[torch.arange(199), long[1:]], atol=1e-4, rtol=0)
         allowed = sorted({plain[1], plain[4], 30, 77})  # rank 1 rules out every other id too
         assert greedy_ids(url, allowed_token_ids=allowed) == oracle_greedy(ckpt, PROMPT, 16, allowed_token_ids=allowed)
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}
