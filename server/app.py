@@ -21,7 +21,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import Generation, Outcome, interleaved
 from server.handle import EngineHandle
-from server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_bytes, token_text
+from server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    joined,
+    prompt_logprobs,
+    token_bytes,
+    token_text,
+)
 from server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -305,7 +313,10 @@ def build_app(state: ServerState) -> FastAPI:
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
             logprobs = None
-            if body.logprobs is not None:
+            if body.logprobs is not None and body.echo:  # the prompt's tokens first, the first of them without one
+                own = completion_logprobs(outcome.token_ids, outcome.logprobs, spell, len(echoed))
+                logprobs = joined(echoed_logprobs(prompt_ids, outcome.prompt_logprobs, body.logprobs, spell), own)
+            elif body.logprobs is not None:
                 logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
             return {
                 "index": index,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 from server.engine import PromptLogprob, TokenLogprob
@@ -106,3 +107,26 @@ def prompt_logprobs(
         }
         for lp in entries
     ]
+
+
+def echoed_logprobs(
+    prompt_ids: Sequence[int], entries: Sequence[PromptLogprob], most: int, text: Callable[[int], str]
+) -> dict[str, list[Any]]:
+    """An echoed prompt's part of a text completion's legacy `logprobs`: its tokens, their logprobs and most likely
+    tokens (null for the first token, which has none), and their offsets from 0."""
+    spelled = [text(token) for token in prompt_ids]
+    return {
+        "tokens": spelled,
+        "token_logprobs": [None] + [_value(entry.logprob) for entry in entries],
+        "top_logprobs": [None]
+        + [
+            {**{text(top): _value(value) for top, value in entry.top[:most]}, piece: _value(entry.logprob)}
+            for piece, entry in zip(spelled[1:], entries, strict=True)
+        ],
+        "text_offset": list(accumulate(map(len, spelled[:-1]), initial=0)),
+    }
+
+
+def joined(first: dict[str, list[Any]], then: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Two legacy `logprobs` objects, one after the other."""
+    return {key: first[key] + then[key] for key in first}

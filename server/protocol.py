@@ -444,12 +444,16 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("logprobs")
     @classmethod
     def _not_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.data.get("echo"):
-            raise _not_supported("logprobs with echo (the prompt's logprobs) are not supported yet")
+        if value is not None and info.data.get("echo") and info.data.get("stream"):
+            raise _not_supported("logprobs with echo in a stream (the prompt's logprobs) are not supported yet")
         return value
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        """vLLM's prompt_logprobs, else with echo the legacy logprobs count: the echoed prompt has logprobs too."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
 
     @field_validator("suffix")
     @classmethod

@@ -174,6 +174,33 @@ def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_tokens_row(
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_echo_with_logprobs_gives_the_prompts_tokens_logprobs_first_as_openais_legacy_shape(live):
+    """OpenAI's legacy echo with logprobs (what lm-eval's loglikelihood asks for): the prompt's tokens come first in
+    `logprobs`, the first with null, the others with their prompt logprobs, then the completion's own; offsets run
+    through the echoed text."""
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{live.v1}/completions", json={**body, "logprobs": 2}, timeout=60).json()["choices"][0]
+    asked = httpx.post(f"{live.v1}/completions", json={**body, "prompt_logprobs": 2}, timeout=60).json()["choices"][0]
+    echoed = httpx.post(f"{live.v1}/completions", json={**body, "logprobs": 2, "echo": True}, timeout=60).json()
+    choice, prompt_entries = echoed["choices"][0], asked["prompt_logprobs"]
+    logprobs = choice["logprobs"]
+    assert (
+        len(logprobs["tokens"]) == len(PROMPT) + 3 and logprobs["tokens"][len(PROMPT) :] == plain["logprobs"]["tokens"]
+    )
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1 : len(PROMPT)] == [
+        entry[str(token)]["logprob"] for entry, token in zip(prompt_entries[1:], PROMPT[1:], strict=True)
+    ]
+    assert logprobs["token_logprobs"][len(PROMPT) :] == plain["logprobs"]["token_logprobs"]
+    assert logprobs["top_logprobs"][len(PROMPT) :] == plain["logprobs"]["top_logprobs"]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[len(PROMPT)] == len(choice["text"]) - len(plain["text"])  # the completion's text follows the echo
+    assert "prompt_logprobs" not in choice  # asked for as echo's logprobs, not as vLLM's field
+    streamed = httpx.post(f"{live.v1}/completions", json={**body, "logprobs": 2, "echo": True, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "logprobs"
+
+
 def test_logprobs_with_penalties_are_the_raw_logits_log_softmax(live):
     """As vLLM's default: the first token's logprobs, from the same raw logits, are the same with penalties or without
     (penalized logits would shift every one of them: the repetition penalty changes the prompt's ids' logits)."""
