@@ -79,7 +79,11 @@ def encode_header(plan: RoundPlan) -> bytes:
             _pack("q", [op.arg for op in plan.ops], "lane op arguments"),
             _pack("I", [op.after for op in plan.ops], "lane op row offsets"),
             _pack("B", [row.prior_draw for row in rows], "prior-draw flags"),
-            _pack("B", [row.prompt_logprobs for row in rows], "prompt-logprob flags"),
+            _pack(
+                "B",
+                [0 if row.prompt_logprobs is None else row.prompt_logprobs + 1 for row in rows],
+                "prompt-logprob counts",
+            ),
         )
     )
     return _PREFIX.pack(MAGIC, VERSION, _PREFIX.size + len(body), zlib.crc32(body)) + body
@@ -146,13 +150,12 @@ class _Reader:
         priors = self.take("B", n_rows, "prior-draw flags")
         if max(priors, default=0) > 1:
             raise HeaderError(f"prior-draw flag {max(priors)} is neither 0 nor 1")
-        prompt_logprobs = self.take("B", n_rows, "prompt-logprob flags")
-        if max(prompt_logprobs, default=0) > 1:
-            raise HeaderError(f"prompt-logprob flag {max(prompt_logprobs)} is neither 0 nor 1")
+        stored = self.take("B", n_rows, "prompt-logprob counts")
+        prompt_logprobs = tuple(None if count == 0 else count - 1 for count in stored)
         row_tokens = _cut(token_ids, token_counts)
         for index, prior in enumerate(priors):
             _check_prior_draw(index, bool(prior), row_tokens[index], range(draft_counts[index]), depths[index])
-            _check_prompt_logprobs(index, bool(prompt_logprobs[index]), bool(prior), draft_counts[index])
+            _check_prompt_logprobs(index, prompt_logprobs[index], bool(prior), draft_counts[index])
         if self.pos != len(self.data):
             raise HeaderError(f"{len(self.data) - self.pos} trailing bytes inside the header's body")
         return RoundPlan(
@@ -215,7 +218,7 @@ def _rows(
     row_drafts: list[tuple[int, ...]],
     draws: list[DrawSpec],
     priors: tuple[int, ...],
-    prompt_logprobs: tuple[int, ...],
+    prompt_logprobs: tuple[int | None, ...],
 ) -> tuple[LaneRows, ...]:
     """Put the per-lane token and draft pieces and the draw columns back together as rows."""
     next_draw = iter(draws)
@@ -229,7 +232,7 @@ def _rows(
             row_drafts,
             depths,
             map(bool, priors),
-            map(bool, prompt_logprobs),
+            prompt_logprobs,
         )
     )
 
@@ -283,9 +286,12 @@ def _check_biases(biases: Sequence[tuple[tuple[int, float], ...]]) -> None:
             raise HeaderError(f"draw {index}: logit bias {bad} is not a finite number")
 
 
-def _check_prompt_logprobs(index: int, asked: bool, prior: bool, drafts: int) -> None:
-    """Refuse a row asking for its prompt's logprobs that is not a prompt pass (a prior draw, or drafts to verify)."""
-    if asked and (prior or drafts):
+def _check_prompt_logprobs(index: int, most: int | None, prior: bool, drafts: int) -> None:
+    """Refuse a row asking for its prompt's logprobs that is not a prompt pass (a prior draw, or drafts to verify), or
+    with a count the format cannot carry."""
+    if most is not None and not 0 <= most < 255:
+        raise HeaderError(f"row {index}: cannot encode prompt-logprob count {most}: not in [0, 254]")
+    if most is not None and (prior or drafts):
         raise HeaderError(f"row {index}: a row with the prompt's logprobs takes no prior draw and no drafts")
 
 

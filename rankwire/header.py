@@ -57,7 +57,8 @@ class LaneRows:
     """A lane's rows this round: tokens from absolute position `start`, then the drafts to verify; draw after them
     if `draw` is set, and chain `draft_depth` new MTP drafts for the next round. With `prior_draw` the one row's
     token is the lane's draw of the round before, which this plan was made without: each rank takes it from its own
-    draws (`token_ids` holds a 0 in its place). With `prompt_logprobs` every token row gives its logits (a prompt
+    draws (`token_ids` holds a 0 in its place). With `prompt_logprobs` (how many most likely ids to take with each
+    prompt token's logprob) every token row gives its logits (a prompt
     pass whose request asked for the prompt's logprobs)."""
 
     slot: int
@@ -67,7 +68,7 @@ class LaneRows:
     drafts: tuple[int, ...] = ()
     draft_depth: int = 0
     prior_draw: bool = False
-    prompt_logprobs: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

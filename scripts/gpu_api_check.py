@@ -96,8 +96,10 @@ def main() -> int:
     check("allowed_token_ids: only allowed ids", set(runs[0]) <= set(allowed), runs[0][:8])
     ids = complete(base, max_tokens=1, return_token_ids=True)["choices"][0]["prompt_token_ids"]
     prompt = (ids * 40)[:300]  # three passes of at most 128 rows
-    entries = [complete(base, prompt=p, max_tokens=1, prompt_logprobs=3)["choices"][0]["prompt_logprobs"]
-               for p in (prompt, prompt[:128])]  # fmt: skip  (128: whole GDN chunks, cut alike in both)
+    entries = [
+        complete(base, prompt=p, max_tokens=1, prompt_logprobs=3)["choices"][0]["prompt_logprobs"]
+        for p in (prompt, prompt[:128])
+    ]  # fmt: skip  (128: whole GDN chunks, cut alike in both)
     check("prompt_logprobs: one per prompt token", len(entries[0]) == 300 and entries[0][0] is None)
     check("prompt_logprobs: the first 128 the same alone and inside 300", entries[0][:128] == entries[1])
     return 1 if failures else 0

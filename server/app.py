@@ -314,8 +314,9 @@ def build_app(state: ServerState) -> FastAPI:
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
             logprobs = None
             if body.logprobs is not None and body.echo:  # the prompt's tokens first, the first of them without one
-                own = completion_logprobs(outcome.token_ids, outcome.logprobs, spell, len(echoed))
-                logprobs = joined(echoed_logprobs(prompt_ids, outcome.prompt_logprobs, body.logprobs, spell), own)
+                echoed_part = echoed_logprobs(prompt_ids, outcome.prompt_logprobs, body.logprobs, spell)
+                offset = sum(map(len, echoed_part["tokens"]))  # offsets run on through the tokens' own texts
+                logprobs = joined(echoed_part, completion_logprobs(outcome.token_ids, outcome.logprobs, spell, offset))
             elif body.logprobs is not None:
                 logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
             return {

@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # the front-end process imports this module for Request and U
     from server.runner import LaneResult, LaunchedRound, ModelRunner
 
 log = logging.getLogger(__name__)
-# the most prompt rows one pass of a request asking for the prompt's logprobs takes: each row's log-softmax over the
-# vocabulary is held on the device at once (a multiple of the GDN chunk)
+# the most prompt rows of requests asking for the prompt's logprobs that one round takes: each row's log-softmax over
+# the vocabulary is held on the device at once (a multiple of the GDN chunk)
 PROMPT_LOGPROB_ROWS = 128
 FRONT_END_FINISHES = ("abort", "stop")  # the reasons a request may be ended from outside the engine
 
@@ -81,7 +81,8 @@ class Request:
     draft: bool = True
     keep_at: tuple[int, ...] = ()
     cache_salt: str | None = None  # its prompt states are kept and resumed apart from other salts' (vLLM's field)
-    prompt_logprobs: bool = False  # its prompt passes take the prompt's logprobs (and it resumes no kept state)
+    # its prompt passes take the prompt's logprobs with that many most likely ids (it resumes no kept state then)
+    prompt_logprobs: int | None = None
     arrival: float = field(default_factory=time.monotonic)
     cached: int = 0
     keeps: list[int] = field(default_factory=list)
@@ -332,6 +333,7 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
             request.admitted = True
         rows, budget = [], self.prompt_budget
+        logprob_rows = PROMPT_LOGPROB_ROWS  # rows whose every logit row's log-softmax this round holds at once
         for request in self.running:
             prompt = request.prompt_ids
             depth = min(request.depth, self.mtp_depth)
@@ -348,11 +350,11 @@ class Engine:
                 rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
                 request.drawing += 1
             elif budget > 0:
-                take = self._pass_length(
-                    request, min(budget, PROMPT_LOGPROB_ROWS) if request.prompt_logprobs else budget
-                )
+                asked = request.prompt_logprobs is not None
+                take = self._pass_length(request, min(budget, logprob_rows) if asked else budget)
                 if take == 0:
                     continue
+                logprob_rows -= take if asked else 0
                 while request.keeps and request.keeps[0] <= request.prefilled + take:  # kept inside this round
                     self._keep_state(request, ops, request.keeps[0] - request.prefilled)
                 chunk = tuple(prompt[request.prefilled : request.prefilled + take])
@@ -392,7 +394,7 @@ class Engine:
         prompt = request.prompt_ids
         request.depth = self.draft_depth if request.draft else 0
         hit = None
-        if not request.prompt_logprobs:  # a resumed prefix would have no logits for its prompt logprobs
+        if request.prompt_logprobs is None:  # a resumed prefix would have no logits for its prompt logprobs
             hit = self.cache.lookup(prompt, counted=not request.admitted, salt=request.cache_salt)
         if hit is not None:
             ops.append(LaneOp(LaneOpCode.RESTORE, request.slot, hit.handle))

@@ -26,7 +26,6 @@ from server.engine import (
     EngineStopped,
     Outbox,
     Request,
-    TokenLogprob,
     Update,
     check_context,
 )
@@ -67,7 +66,7 @@ class Answer:
 class Delivered:
     """One round's updates: (request id, cached prompt tokens, its Update) each."""
 
-    updates: list[tuple[str, int, tuple[int, ...], str | None, str | None, str | None, tuple[TokenLogprob, ...]]]
+    updates: list[tuple[str, int, Update]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,7 @@ class Generation:
             draft=params.draft,
             keep_at=keep_at,
             cache_salt=params.cache_salt,
-            prompt_logprobs=params.prompt_logprobs is not None,
+            prompt_logprobs=params.prompt_logprobs,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None

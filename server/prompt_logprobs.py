@@ -9,34 +9,39 @@ from kernels.host import HostCopy, to_device
 from rankwire.header import LaneRows
 from server.engine import PromptLogprob
 
-MOST_LIKELY = 20  # the most likely ids taken with each prompt token (the API's largest prompt_logprobs)
-
 
 class PromptRound:
-    """One round's prompt logprobs on their way to the host: by plan row index, the (position, token) of each."""
+    """One round's prompt logprobs on their way to the host, lane by lane: (plan row index, how many most likely ids,
+    the (position, token) of each entry) and their host copies."""
 
-    def __init__(self, logprobs: torch.Tensor, targets: list[tuple[int, int, int]]) -> None:
+    def __init__(self) -> None:
+        self.lanes: list[tuple[int, int, list[tuple[int, int]], list[HostCopy]]] = []
+
+    def add(self, index: int, most: int, logprobs: torch.Tensor, targets: list[tuple[int, int]]) -> None:
+        """A lane's rows (log-softmax, fp32) and the token each gives the logprob of, reduced to what the host reads
+        at once, so no lane's rows outlive the call."""
         from server.runner import most_likely  # the runner imports this module
 
-        self.targets = targets  # (plan row index, position, token), in the rows' order
-        at = to_device(logprobs.device, [token for _, _, token in targets], torch.long)
+        at = to_device(logprobs.device, [token for _, token in targets], torch.long)
         chosen = logprobs.gather(1, at[:, None])
-        top = most_likely(logprobs, min(MOST_LIKELY, logprobs.shape[-1]))
-        self.copies = [
-            HostCopy(chosen[:, 0]),
-            HostCopy((logprobs > chosen).sum(dim=1) + 1),  # vLLM's rank: 1 + how many ids are likelier
-            HostCopy(top),
-            HostCopy(logprobs.gather(1, top)),
-        ]
+        rank = (logprobs >= chosen).sum(dim=1)  # vLLM's rank: how many ids are at least as likely
+        copies = [HostCopy(chosen[:, 0]), HostCopy(rank)]
+        if most:
+            top = most_likely(logprobs, most)
+            copies += [HostCopy(top), HostCopy(logprobs.gather(1, top))]
+        self.lanes.append((index, most, targets, copies))
 
     def by_row(self) -> dict[int, tuple[PromptLogprob, ...]]:
         """Each plan row's prompt logprobs, in position order."""
-        chosen, ranks, ids, values = (copy.tolist() for copy in self.copies)
-        out: dict[int, list[PromptLogprob]] = {}
-        for at, (index, _, token) in enumerate(self.targets):
-            top = tuple(zip(ids[at], values[at], strict=True))
-            out.setdefault(index, []).append(PromptLogprob(token, chosen[at], ranks[at], top))
-        return {index: tuple(entries) for index, entries in out.items()}
+        out = {}
+        for index, most, targets, copies in self.lanes:
+            chosen, ranks, *top = (copy.tolist() for copy in copies)
+            ids, values = top if most else ([[]] * len(targets), [[]] * len(targets))
+            out[index] = tuple(
+                PromptLogprob(token, chosen[at], ranks[at], tuple(zip(ids[at], values[at], strict=True)))
+                for at, (_, token) in enumerate(targets)
+            )
+        return out
 
 
 class PromptLogprobs:
@@ -54,17 +59,17 @@ class PromptLogprobs:
     ) -> PromptRound | None:
         """The round's prompt logprobs from its logits (None: no token's is known yet): `places` holds (plan row
         index, its first logit row) of each row that asked, whose every token row has logits."""
-        rows, targets = [], []
+        taken = PromptRound()
         for index, first in places:
             lane = plan_rows[index]
             tokens, start = lane.token_ids, lane.start
             logprobs = torch.log_softmax(logits[first : first + len(tokens)].float(), dim=-1)
+            rows, targets = logprobs[:-1], [(start + i, token) for i, token in enumerate(tokens[1:], 1)]
             waiting = self.pending.pop(lane.slot, None)
             if waiting is not None:  # the last pass's last row: its token is this pass's first
-                rows.append(waiting[None])
-                targets.append((index, start, tokens[0]))
-            rows.append(logprobs[:-1])
-            targets += [(index, start + i, token) for i, token in enumerate(tokens[1:], 1)]
+                rows, targets = torch.cat((waiting[None], rows)), [(start, tokens[0]), *targets]
             if lane.draw is None:  # the prompt goes on in a later pass; a pass with a draw ends it
                 self.pending[lane.slot] = logprobs[-1].clone()  # not a view holding the whole pass's rows
-        return PromptRound(torch.cat(rows), targets) if targets else None
+            if targets:
+                taken.add(index, min(lane.prompt_logprobs, logprobs.shape[-1]), rows, targets)
+        return taken if taken.lanes else None

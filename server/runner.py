@@ -195,6 +195,7 @@ class ModelRunner:
             self.slots[op.slot] = copy_lane(self.kept[op.arg])
             self.histories.restore(op.slot, op.arg)
             self.marks.drop(op.slot)
+            self.prompt_logprobs.drop(op.slot)
         return None
 
     def _prepare(self, plan: RoundPlan) -> str | None:
@@ -282,7 +283,7 @@ class ModelRunner:
                 follows.append((len(tokens), self.prior_draws[1][rows.slot]))
             segments.append(Segment(self.slots[rows.slot], len(tokens), len(window)))
             tokens.extend(window)
-            if rows.prompt_logprobs:
+            if rows.prompt_logprobs is not None:
                 asked.append((index, len(logit_rows)))
                 logit_rows.extend(range(len(tokens) - len(window), len(tokens)))
                 draw_at += [len(logit_rows) - 1] if rows.draw is not None else []

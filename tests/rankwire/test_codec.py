@@ -54,7 +54,8 @@ def random_row(rng: random.Random) -> LaneRows:
     if rng.random() < 0.2:  # its token is the lane's draw of the round before
         return LaneRows(slot, (0,), start, draw, prior_draw=True)
     if rng.random() < 0.2:  # a prompt pass whose every row gives logits
-        return LaneRows(slot, random_ids(rng, 12), start, draw, (), rng.randrange(16), prompt_logprobs=True)
+        most = rng.choice([0, 1, 20, 254])
+        return LaneRows(slot, random_ids(rng, 12), start, draw, (), rng.randrange(16), prompt_logprobs=most)
     return LaneRows(slot, random_ids(rng, 12), start, draw, random_ids(rng, 4), rng.randrange(16))
 
 
@@ -127,7 +128,7 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<I", 0),  # how many ids it allows (their ids: none, so any)
             struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
             struct.pack("<2B", 0, 0),  # prior-draw flags
-            struct.pack("<2B", 0, 0),  # prompt-logprob flags
+            struct.pack("<2B", 0, 0),  # prompt-logprob counts: 0 for none, else 1 + how many of the most likely
         )
     )
     assert encode_header(SAMPLE) == seal(body)
@@ -273,9 +274,6 @@ def test_faults_are_named() -> None:
     corrupt[-3] = 2
     cases.append((seal(bytes(corrupt)), "prior-draw flag 2 is neither 0 nor 1"))
     corrupt = body.copy()
-    corrupt[-1] = 2
-    cases.append((seal(bytes(corrupt)), "prompt-logprob flag 2 is neither 0 nor 1"))
-    corrupt = body.copy()
     corrupt[-1] = 1  # row 1 verifies drafts
     cases.append((seal(bytes(corrupt)), "row 1: a row with the prompt's logprobs takes no prior draw and no drafts"))
     corrupt = body.copy()
@@ -345,8 +343,9 @@ def test_faults_are_named() -> None:
         (RoundPlan(rows=(LaneRows(0, (7,), 0, None, prior_draw=True),)), "row 0: a prior-draw row is one token 0"),
         (RoundPlan(rows=(LaneRows(0, (0,), 0, None, (3,), prior_draw=True),)), "a prior-draw row is one token 0"),
         (RoundPlan(rows=(LaneRows(0, (0,), 0, None, (), 2, prior_draw=True),)), "a prior-draw row is one token 0"),
-        (RoundPlan(rows=(LaneRows(0, (1,), 0, None, (3,), prompt_logprobs=True),)), "no prior draw and no drafts"),
-        (RoundPlan(rows=(LaneRows(0, (0,), 0, None, prior_draw=True, prompt_logprobs=True),)), "no prior draw"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, None, (3,), prompt_logprobs=0),)), "no prior draw and no drafts"),
+        (RoundPlan(rows=(LaneRows(0, (0,), 0, None, prior_draw=True, prompt_logprobs=2),)), "no prior draw"),
+        (RoundPlan(rows=(LaneRows(0, (1,), 0, None, prompt_logprobs=255),)), "prompt-logprob count 255"),
     ],
 )
 def test_the_encoder_refuses_what_the_format_cannot_carry(plan: RoundPlan, message: str) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from model.flashnext import FlashNextModel
 from rankwire.header import DrawSpec
 from server.drafters import Drafter
-from server.engine import Engine, Request, TokenLogprob, Update
+from server.engine import Engine, PromptLogprob, Request, TokenLogprob, Update
 from server.prompt_cache import PromptCache
 from server.runner import LaneResult, ModelRunner
 
@@ -19,6 +19,7 @@ class Outcome:
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     finish: str | None = None
     error: str | None = None
     error_param: str | None = None
@@ -27,6 +28,7 @@ class Outcome:
     def sink(self, update: Update) -> None:
         self.tokens.extend(update.token_ids)
         self.logprobs.extend(update.logprobs)
+        self.prompt_logprobs.extend(update.prompt_logprobs)
         if update.finish_reason is not None:
             self.finish, self.error, self.error_param = update.finish_reason, update.error, update.error_param
             self.done.set()
@@ -66,6 +68,7 @@ def run(
     cache_grid: int | None = None,
     plan_ahead: bool = False,
     lanes: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> tuple[list[list[int]], RecordingRunner]:
     """Serve the prompts together (ignoring EOS) and return each one's tokens; with `cache_grid` a prompt cache keeps
     lane states on that grid and before each prompt's last token; `lanes` (default: one per prompt) lane slots."""
@@ -80,7 +83,9 @@ def run(
     engine.start()
     try:
         for i, (prompt, draw, outcome) in enumerate(zip(prompts, draws, outcomes, strict=True)):
-            engine.submit(Request(f"r{i}", prompt, tokens, draw, frozenset(), outcome.sink, draft=draft))
+            request = Request(f"r{i}", prompt, tokens, draw, frozenset(), outcome.sink, draft=draft)
+            request.prompt_logprobs = prompt_logprobs
+            engine.submit(request)
         for outcome in outcomes:
             assert outcome.done.wait(300), "a request did not finish"
     finally:
