@@ -25,12 +25,14 @@ class Penalties:
         penalty and any other multiplied by it, for each id seen before; then the frequency penalty times the id's
         count in the output taken away, then the presence penalty where that count is not 0."""
         out = logits.to(torch.float32, copy=True)
-        values = out.index_select(0, self.rows)
+        values = out.index_select(0, self.rows)  # rows x vocabulary: each step below reuses its buffers where it can
         repetition, frequency, presence = self.factors[:, :, None].unbind(1)
+        seen = self.marks > 0
+        scaled = torch.where(values > 0, values / repetition, values.mul(repetition))
+        values = torch.where(seen, scaled, values, out=scaled)
         counts = (self.marks >> 1).to(torch.float32)
-        values = torch.where(self.marks > 0, torch.where(values > 0, values / repetition, values * repetition), values)
-        values = values - frequency * counts
-        values = values - presence * (counts > 0).to(torch.float32)
+        values.sub_(counts.mul(frequency))
+        values.sub_(counts.gt_(0).mul_(presence))  # the count's buffer, now 1 where it was above 0
         return out.index_copy_(0, self.rows, values)
 
 
