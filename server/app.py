@@ -84,13 +84,13 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; the cached prompt tokens' details where `cached` is given."""
+    counts: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
+    counts["total_tokens"] = prompt + completion
+    if cached is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+    return counts
 
 
 def choices_usage(prompt_ids: list[int], completions: list[list[int]], cached: list[int]) -> dict[str, Any]:
@@ -397,9 +397,8 @@ def build_app(state: ServerState) -> FastAPI:
         def usage_so_far(index: int) -> dict[str, Any]:
             if not continuous:
                 return {"usage": None} if include_usage else {}
-            counts = usage(len(generations[index].prompt_ids), len(tokens[index]), 0)
-            del counts["prompt_tokens_details"]  # vLLM's per-chunk usage has none (the final chunk's has)
-            return {"usage": counts}
+            # vLLM's per-chunk usage has no cached count (the final chunk's has)
+            return {"usage": usage(len(generations[index].prompt_ids), len(tokens[index]))}
 
         try:
             for index in range(len(generations)):

@@ -171,8 +171,10 @@ class Generation:
             if finish == "stop" and tokens and tokens[-1] in self.stop_token_ids:
                 stop_reason = tokens[-1]
         self.unwatched = max(self.unwatched - len(update.token_ids), 0)
-        piece = Piece(tokens, finish_reason=finish, stop_reason=stop_reason, logprobs=update.logprobs[: len(tokens)])
-        piece.prompt_logprobs = update.prompt_logprobs
+        piece = Piece(
+            tokens, finish_reason=finish, stop_reason=stop_reason, logprobs=update.logprobs[: len(tokens)],
+            prompt_logprobs=update.prompt_logprobs,
+        )  # fmt: skip
         if self.splitter is None:
             piece.content = emit
             return piece

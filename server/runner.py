@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +61,7 @@ class LaunchedRound:
     drawn: HostCopy | None = None  # every logit row's draw, on its way to the host
     penalties: Penalties | None = None  # the penalties its draws were made with
     logprobs: _Logprobs | None = None  # the log-probabilities of the rows whose draws asked for them
-    draw_rows: torch.Tensor | None = None  # the draw rows among the logit rows, where other rows have logits too
+    draw_logits: torch.Tensor | None = None  # the draw rows' logits, where other rows have logits too
     prompt: PromptRound | None = None  # the prompt logprobs its passes asked for
     replays: dict[str, int] = field(default_factory=dict)  # the graphs' replay counts after its forward (traces)
 
@@ -316,8 +315,7 @@ class ModelRunner:
             trace.note(lanes=len(plan.rows), rows=len(tokens), replays=_ran(before, replays))
         if launched is not None:
             launched()
-        draw_rows = None if not asked else to_device(device, draw_at, torch.long)
-        draw_logits = out.logits if draw_rows is None else out.logits.index_select(0, draw_rows)
+        draw_logits = out.logits.index_select(0, to_device(device, draw_at, torch.long)) if asked else out.logits
         penalties = self._launch_penalties(plan.rows, segments, token_ids, out.logits.shape[-1])
         drawn = self._launch_draws(plan.rows, draw_logits, penalties)
         logprobs = self._launch_logprobs(plan.rows, draw_logits, drawn)
@@ -332,7 +330,7 @@ class ModelRunner:
         # a round finished later holds no lane: a freed lane's pool slot is free at once for the next request
         held = [] if ahead_safe(plan) else segments
         self.unfinished = LaunchedRound(
-            plan, held, out, HostCopy(drawn), penalties, logprobs, draw_rows, prompt, replays
+            plan, held, out, HostCopy(drawn), penalties, logprobs, draw_logits if asked else None, prompt, replays
         )
         return self.unfinished
 
@@ -349,7 +347,7 @@ class ModelRunner:
         if out is None:
             return []
         results, mtp_rows, restores, next_logit, accepted = [], [], [], 0, []
-        draw_logits = out.logits if launched.draw_rows is None else out.logits.index_select(0, launched.draw_rows)
+        draw_logits = out.logits if launched.draw_logits is None else launched.draw_logits
         draws, refusals = self._draw(plan.rows, draw_logits, launched.drawn, launched.penalties)
         prompt = {} if launched.prompt is None else launched.prompt.by_row()
         trace.mark("draw")
@@ -624,7 +622,7 @@ def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Ten
     return out
 
 
-@functools.lru_cache(maxsize=256)
+@lru_cache(maxsize=256)
 def _allowed_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
     """True for every id outside `allowed` (a request's allowed ids: its rows share one mask, kept for later rounds)."""
     return torch.ones(vocab, dtype=torch.bool, device=device).index_fill_(0, to_device(device, allowed, torch.long), 0)
