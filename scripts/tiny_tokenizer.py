@@ -38,21 +38,47 @@ CHAT_TEMPLATE = """\
 {%- if effort is not none and effort not in ['low', 'medium', 'high', 'xhigh'] -%}
 {{- raise_exception('reasoning_effort must be one of low, medium, high, xhigh') -}}
 {%- endif -%}
-{%- set ns = namespace(last_user=-1) -%}
+{%- set ns = namespace(last_user=-1, tools='') -%}
 {%- for m in messages -%}
 {%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
 {%- endfor -%}
-{%- if effort is not none and (messages | length == 0 or messages[0].role != 'system') -%}
-{{- '<|im_start|>system\\nReasoning effort: ' ~ effort ~ '.<|im_end|>\\n' -}}
+{%- for tool in tools or [] -%}
+{%- set ns.tools = ns.tools ~ '\\n' ~ (tool | tojson) -%}
+{%- endfor -%}
+{%- if ns.tools -%}
+{%- set ns.tools = '# Tools\\n\\nThese functions may be called, one JSON signature a line:\\n<tools>' ~ ns.tools
+    ~ '\\n</tools>\\n\\nTo call one, write its name and arguments as one JSON object between <tool_call> and '
+    ~ '</tool_call>:\\n'
+    ~ '<tool_call>\\n{"name": <function name>, "arguments": <arguments object>}\\n</tool_call>' -%}
+{%- endif -%}
+{%- if (effort is not none or ns.tools) and (messages | length == 0 or messages[0].role != 'system') -%}
+{{- '<|im_start|>system\\n' -}}
+{%- if effort is not none -%}{{- 'Reasoning effort: ' ~ effort ~ '.' ~ ('\\n\\n' if ns.tools else '') -}}{%- endif -%}
+{{- ns.tools ~ '<|im_end|>\\n' -}}
 {%- endif -%}
 {%- for m in messages -%}
 {%- set text = m.content or '' -%}
-{%- if loop.first and m.role == 'system' and effort is not none -%}
-{%- set text = text ~ '\\nReasoning effort: ' ~ effort ~ '.' -%}
+{%- if loop.first and m.role == 'system' -%}
+{%- if effort is not none -%}{%- set text = text ~ '\\nReasoning effort: ' ~ effort ~ '.' -%}{%- endif -%}
+{%- if ns.tools -%}{%- set text = text ~ '\\n\\n' ~ ns.tools -%}{%- endif -%}
 {%- elif m.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in text -%}
 {%- set text = (text.split('</think>') | last).lstrip('\\n') -%}
 {%- endif -%}
+{%- set turn = namespace(text=text) -%}
+{%- if m.role == 'assistant' -%}
+{%- for call in m.tool_calls or [] -%}
+{%- set turn.text = turn.text ~ ('\\n' if turn.text else '') ~ '<tool_call>\\n'
+    ~ ({'name': call.function.name, 'arguments': call.function.arguments} | tojson) ~ '\\n</tool_call>' -%}
+{%- endfor -%}
+{%- endif -%}
+{%- set text = turn.text -%}
+{%- if m.role == 'tool' -%}
+{%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\\n<tool_response>\\n' ~ text ~ '\\n</tool_response>' -}}
+{%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
+{%- else -%}
 {{- '<|im_start|>' ~ m.role ~ '\\n' ~ text ~ '<|im_end|>\\n' -}}
+{%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 {{- '<|im_start|>assistant\\n' -}}

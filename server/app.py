@@ -39,6 +39,8 @@ from server.protocol import (
     token_sha,
 )
 from server.textout import prompt_opens_thinking
+from server.tokenizer import renders_tools
+from server.tool_calls import ToolCallStream, parse_tool_calls
 
 PUBLIC_PATHS = ("/health", "/metrics")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
@@ -142,6 +144,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     def render_chat(body: ChatCompletionRequest) -> str:
         tokenizer = need_tokenizer("messages")
+        if body.tools and not renders_tools(tokenizer):
+            raise ApiError("tools: this model's chat template does not render tools, so it would never see them",
+                           param="tools")  # fmt: skip
         messages = [m.for_template() for m in body.messages]
         try:
             return tokenizer.apply_chat_template(
@@ -265,20 +270,27 @@ def build_app(state: ServerState) -> FastAPI:
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
         generations = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
         if body.stream:
-            return sse(chat_chunks(generations, body.return_token_ids, body.stream_options))
+            return sse(chat_chunks(generations, body))
         outcomes = await wait(request, generations)
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
-            message = {
+            message: dict[str, Any] = {
                 "role": "assistant",
                 "content": outcome.content,
                 "reasoning_content": outcome.reasoning or None,
                 "reasoning": outcome.reasoning or None,
             }
+            finish_reason = outcome.finish_reason
+            if body.parses_tool_calls():  # as vLLM answers a call: content null when only calls came
+                content, calls = parse_tool_calls(outcome.content)
+                calls = calls if body.parallel_tool_calls else calls[:1]
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                if calls:
+                    message["content"], finish_reason = content or None, "tool_calls"
             return {
                 "index": index,
                 "message": message,
-                "finish_reason": outcome.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": outcome.stop_reason,
                 "logprobs": (
                     chat_logprobs(outcome.token_ids, outcome.logprobs, spell, spell_bytes) if body.logprobs else None
@@ -423,9 +435,26 @@ def build_app(state: ServerState) -> FastAPI:
             for generation in generations:
                 generation.abort()
 
-    def chat_chunks(generations: list[Generation], with_ids: bool, options: StreamOptions | None) -> AsyncIterator[str]:
+    def chat_chunks(generations: list[Generation], body: ChatCompletionRequest) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
-        with_logprobs = generations[0].request.draw.logprobs is not None
+        with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
+        # each choice's tool-call blocks, cut from its content as they close; and how many calls each has sent
+        tool_streams = [ToolCallStream() for _ in generations] if body.parses_tool_calls() else None
+        calls_sent = [0] * len(generations)
+
+        def tool_deltas(index: int, piece) -> tuple[str, list[dict[str, Any]]]:
+            """The piece's content less its tool-call blocks, and the calls they closed, as delta entries."""
+            if tool_streams is None:
+                return piece.content, []
+            content, calls = tool_streams[index].feed(piece.content)
+            if piece.finish_reason is not None:
+                tail, last = tool_streams[index].flush()
+                content, calls = content + tail, calls + last
+            if not body.parallel_tool_calls:
+                calls = calls[: max(0, 1 - calls_sent[index])]
+            entries = [call.to_openai(calls_sent[index] + k) for k, call in enumerate(calls)]
+            calls_sent[index] += len(calls)
+            return content, entries
 
         def frame(index: int, piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
@@ -437,11 +466,17 @@ def build_app(state: ServerState) -> FastAPI:
                 "logprobs": None,
             }
             if piece is not None:
-                if piece.content or not piece.reasoning:
-                    delta["content"] = piece.content
+                content, calls = tool_deltas(index, piece)
+                if content or not (piece.reasoning or calls):
+                    delta["content"] = content
                 if piece.reasoning:
                     delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
-                choice.update(finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
+                if calls:
+                    delta["tool_calls"] = calls
+                finish_reason = piece.finish_reason
+                if finish_reason is not None and calls_sent[index]:
+                    finish_reason = "tool_calls"
+                choice.update(finish_reason=finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:
                     choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, spell, spell_bytes)
                 if with_ids:
@@ -455,7 +490,7 @@ def build_app(state: ServerState) -> FastAPI:
             }
 
         opening = {"prompt_token_ids": generations[0].prompt_ids} if with_ids else None  # vLLM puts them on top
-        return stream(generations, frame, options, opening)
+        return stream(generations, frame, body.stream_options, opening)
 
     def completion_chunks(
         generations: list[Generation], with_ids: bool, options: StreamOptions | None, echoed: str = ""

@@ -28,13 +28,14 @@ MAX_ALLOWED_IDS = 1024
 MAX_LOGPROBS = 20
 # The most choices one request may ask for (each is a request of its own to the engine)
 MAX_CHOICES = 128
+# OpenAI's rule for a function's name; and the most tools one request may offer
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_TOOLS = 128
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
 # value of an unhonoured field not named here is refused.
 _HARMLESS: dict[str, Any] = {
-    "tools": [],
-    "tool_choice": "none",
     "response_format": {"type": "text"},
     # vLLM's sampling and output extensions
     "bad_words": [],
@@ -46,8 +47,6 @@ _HARMLESS: dict[str, Any] = {
     "echo": False,
     "add_generation_prompt": True,
     "continue_final_message": False,
-    # chat only: an assistant turn's calls of tools (which `tools` would have offered)
-    "tool_calls": [],
     # chat only: OpenAI's tools before `tools`, and vLLM's switch for the reasoning text
     "functions": [],
     "function_call": "none",
@@ -176,6 +175,53 @@ class ChatTemplateKwargs(_StrictModel):
         return data
 
 
+class FunctionSpec(_StrictModel):
+    """A function a tool offers: its name, what it does, and its parameters' JSON schema."""
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_StrictModel):
+    """One entry of `tools`: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class CalledFunction(_StrictModel):
+    """A function an earlier assistant turn called, with its arguments as a JSON object's text."""
+
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise PydanticCustomError("arguments", f"must be a JSON object's text: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise PydanticCustomError("arguments", "must be a JSON object's text")
+        return value
+
+
+class AssistantToolCall(_StrictModel):
+    """One call of a tool in an earlier assistant turn, as the responses give it."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as chat templates take it: the arguments as an object, as vLLM passes them."""
+        function = {"name": self.function.name, "arguments": json.loads(self.function.arguments)}
+        return {"type": self.type, "function": function} | ({} if self.id is None else {"id": self.id})
+
+
 class ChatMessage(_StrictModel):
     """One chat turn; a list of text parts is joined into one string with newlines."""
 
@@ -185,25 +231,31 @@ class ChatMessage(_StrictModel):
     # an earlier answer's reasoning, as the responses give it (either spelling), for templates that render it
     reasoning_content: str | None = None
     reasoning: str | None = None
-    tool_calls: Any = None
-
-    _check_unhonoured = field_validator("tool_calls")(_refuse_unless_harmless)
+    # an assistant turn's calls of tools, and a tool turn's answer to one of them
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _one_reasoning(self) -> ChatMessage:
+    def _consistent(self) -> ChatMessage:
         if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
             raise PydanticCustomError("conflict", "reasoning and reasoning_content differ; send one of them")
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("conflict", f"tool_calls belong to an assistant message, not a {self.role!r} one")
         return self
 
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template takes it: role, content, and the name and reasoning (as
-        `reasoning_content`, the name Qwen's templates read) where given."""
-        message = {"role": self.role, "content": self.content}
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template takes it: role, content, and the name, reasoning (as
+        `reasoning_content`, the name Qwen's templates read), tool calls and tool call id where given."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
         reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         if reasoning is not None:
             message["reasoning_content"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     @field_validator("content", mode="before")
@@ -372,8 +424,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: ChatTemplateKwargs = Field(default_factory=ChatTemplateKwargs)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Any = None
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     echo: Any = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
@@ -385,7 +438,7 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Literal["none", "low", "medium", "high", "xhigh"] | None = None
 
     _check_chat_unhonoured = field_validator(
-        "tools", "tool_choice", "echo", "add_generation_prompt", "continue_final_message", "chat_template", "documents",
+        "echo", "add_generation_prompt", "continue_final_message", "chat_template", "documents",
         "functions", "function_call", "include_reasoning",
     )(_refuse_unless_harmless)  # fmt: skip
 
@@ -397,13 +450,44 @@ class ChatCompletionRequest(_SamplingRequest):
             raise PydanticCustomError("conflict", "needs logprobs: true")
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[ToolSpec]) -> list[ToolSpec]:
+        names = [tool.function.name for tool in value]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise PydanticCustomError("tools", f"two tools are named {twice!r}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_given_tools(cls, value: Any, info: ValidationInfo) -> str:
+        """'none' and 'auto' are honoured; forcing a call ('required' or a named function) needs guided decoding,
+        which this server lacks."""
+        named = isinstance(value, dict) and value.get("type") == "function"
+        if value not in ("none", "auto", "required") and not named:
+            raise PydanticCustomError("tool_choice", "must be 'none', 'auto', 'required' or a named function")
+        if value != "none" and not info.data.get("tools"):
+            raise PydanticCustomError("conflict", "needs tools")
+        if value == "required" or named:
+            raise _not_supported("forcing a call needs guided decoding, which is not supported yet; use 'auto'")
+        return value
+
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def parses_tool_calls(self) -> bool:
+        """Whether the answer's tool-call blocks become `tool_calls`: tools offered and tool_choice 'auto' (the
+        default with tools); with 'none' the tools are still shown to the template, as vLLM does, and not parsed."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
     def template_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the chat template: the given switches and pass-through keys, and OpenAI's top-level
-        reasoning_effort, thinking at that effort ("none": no thinking; chat_template_kwargs' own keys win)."""
+        """Keyword arguments for the chat template: the offered tools, the given switches and pass-through keys, and
+        OpenAI's top-level reasoning_effort, thinking at that effort ("none": no thinking; chat_template_kwargs' own
+        keys win)."""
         kwargs = self.chat_template_kwargs.model_dump(exclude_none=True)
+        if self.tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         if self.reasoning_effort is not None:
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
             if self.reasoning_effort != "none":

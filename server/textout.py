@@ -12,7 +12,7 @@ PROMPT_CONTEXT = 4
 REPLACEMENT = "\ufffd"
 
 
-def _partial_len(text: str, patterns: tuple[str, ...]) -> int:
+def partial_len(text: str, patterns: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `patterns`."""
     for n in range(min(len(text), max((len(p) for p in patterns), default=1) - 1), 0, -1):
         tail = text[-n:]
@@ -101,7 +101,7 @@ class StopMatcher:
             start, end, self.matched = min(hits, key=lambda hit: hit[1] if self._include else hit[0])
             self._held, self.stopped = "", True
             return text[: end if self._include else start], True
-        cut = len(text) - _partial_len(text, self._stops)
+        cut = len(text) - partial_len(text, self._stops)
         self._held = text[cut:]
         return text[:cut], False
 
@@ -158,7 +158,7 @@ class ReasoningSplitter:
                     reasoning.append(text[:at])
                     text, self._phase, self._strip = text[at + len(self._end) :], _Phase.CONTENT, 2
                 else:
-                    cut = len(text) - _partial_len(text, (self._end,))
+                    cut = len(text) - partial_len(text, (self._end,))
                     reasoning.append(text[:cut])
                     self._held = text[cut:]
                     break

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,26 @@ def check_chat_template(tokenizer, model_dir: Path) -> None:
         raise TokenizerError(f"{model_dir}: its chat template cannot be rendered here ({exc})") from exc
     except Exception:  # a template that refuses this conversation, or no template at all
         pass
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template (any of its named ones) reads a `tools` variable: one that does not
+    would drop offered tools without a word."""
+    template = getattr(tokenizer, "chat_template", None)
+    sources = template.values() if isinstance(template, dict) else [template]
+    return any(_reads_tools(source) for source in sources if isinstance(source, str))
+
+
+@functools.lru_cache(maxsize=8)
+def _reads_tools(source: str) -> bool:
+    """Whether a template's source reads `tools` as a variable (by name, where jinja2 cannot parse it alone)."""
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        parsed = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except TemplateSyntaxError:  # a tag only transformers' environment knows
+        return re.search(r"\btools\b", source) is not None
+    return "tools" in meta.find_undeclared_variables(parsed)
 
 
 def generation_eos_ids(model_dir: Path) -> list[int]:

@@ -117,6 +117,62 @@ def test_chat_template_history_and_effort_without_system(built: tuple[Path, dict
         hf.apply_chat_template(chat, tokenize=False, reasoning_effort="max")
 
 
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+TOOLS_SECTION = (
+    "# Tools\n\nThese functions may be called, one JSON signature a line:\n<tools>\n" + json.dumps(TOOL) + "\n</tools>"
+    "\n\nTo call one, write its name and arguments as one JSON object between <tool_call> and </tool_call>:\n"
+    '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    ("system", "effort", "opening"),
+    [
+        (None, None, f"<|im_start|>system\n{TOOLS_SECTION}<|im_end|>\n"),
+        (None, "low", f"<|im_start|>system\nReasoning effort: low.\n\n{TOOLS_SECTION}<|im_end|>\n"),
+        ("Be brief.", "low", f"<|im_start|>system\nBe brief.\nReasoning effort: low.\n\n{TOOLS_SECTION}<|im_end|>\n"),
+    ],
+)
+def test_chat_template_offers_tools_in_the_system_turn(built, system, effort, opening) -> None:
+    """Offered tools are listed, one JSON signature a line, after the system text and the effort."""
+    hf = AutoTokenizer.from_pretrained(built[0])
+    chat = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "1+2?"}]
+    kwargs = {} if effort is None else {"reasoning_effort": effort}
+    rendered = hf.apply_chat_template(chat, tools=[TOOL], tokenize=False, **kwargs)
+    assert rendered == opening + "<|im_start|>user\n1+2?<|im_end|>\n"
+    assert hf.apply_chat_template(chat, tokenize=False, **kwargs) == hf.apply_chat_template(
+        chat, tools=[], tokenize=False, **kwargs
+    )
+
+
+def test_chat_template_renders_calls_and_groups_tool_responses_in_one_user_turn(built) -> None:
+    hf = AutoTokenizer.from_pretrained(built[0])
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+             {"type": "function", "function": {"name": "add", "arguments": {}}}]  # fmt: skip
+    chat = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Adding.", "tool_calls": calls},
+        {"role": "tool", "content": "3"},
+        {"role": "tool", "content": "0"},
+        {"role": "user", "content": "thanks"},
+    ]
+    assert hf.apply_chat_template(chat, tokenize=False) == (
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nAdding.\n"
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n0\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\nthanks<|im_end|>\n"
+    )
+
+
+def test_the_shipped_checkpoint_carries_this_scripts_template() -> None:
+    """The shipped model's template is NO_THINKING_TEMPLATE, in both files transformers reads it from."""
+    shipped = SCRIPT.parents[1] / "model" / "checkpoints" / "flashnext-small"
+    assert (shipped / "chat_template.jinja").read_text(encoding="utf-8") == tiny_tokenizer.NO_THINKING_TEMPLATE
+    config = json.loads((shipped / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config["chat_template"] == tiny_tokenizer.NO_THINKING_TEMPLATE
+
+
 def test_deterministic_across_builds_and_cli(tmp_path: Path) -> None:
     """Building in-process and again through the CLI in a new process gives identical tokenizer.json bytes."""
     assert tiny_tokenizer.build_tokenizer(tmp_path / "a", 512) == SPECIAL_IDS

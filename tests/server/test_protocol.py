@@ -19,6 +19,7 @@ from server.protocol import (
 
 USER = [{"role": "user", "content": "hi"}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "f", "description": "Does f.", "parameters": {"type": "object"}}}
 
 
 def chat_error(**fields: Any) -> dict[str, Any]:
@@ -131,13 +132,12 @@ def test_missing_messages() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
         ({"include_reasoning": False}, "include_reasoning"),
-        ({"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [CALL]}]}, "messages.1.tool_calls"),
     ],
 )
 def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) -> None:
@@ -212,11 +212,64 @@ def test_bad_chat_logprobs_are_refused_naming_the_field(fields: dict[str, Any], 
 
 
 def test_a_message_without_tool_calls_may_say_so() -> None:
-    """An assistant turn's tool calls would be dropped before rendering, so they are refused; none (null or an empty
-    list, as clients send them) changes nothing."""
+    """None (null or an empty list, as clients send them) gives the template no tool_calls key."""
     for calls in (None, []):
         body = {"messages": [*USER, {"role": "assistant", "content": "ok", "tool_calls": calls}]}
-        assert parse_request(ChatCompletionRequest, body).messages[1].content == "ok"
+        assert parse_request(ChatCompletionRequest, body).messages[1].for_template() == {
+            "role": "assistant",
+            "content": "ok",
+        }
+
+
+def test_tool_calls_and_tool_call_ids_reach_the_template_with_arguments_as_objects() -> None:
+    """An earlier turn's calls reach the template as vLLM passes them: the arguments' JSON text parsed to an object
+    (keys in their order), the id kept; a tool turn keeps its tool_call_id."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": [2]}'}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]  # fmt: skip
+    rendered = [m.for_template() for m in parse_request(ChatCompletionRequest, {"messages": messages}).messages]
+    assert rendered[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"b": 1, "a": [2]}}, "id": "c1"}],
+    }
+    assert list(rendered[1]["tool_calls"][0]["function"]["arguments"]) == ["b", "a"]
+    assert rendered[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+
+
+def test_offered_tools_reach_the_template_and_turn_parsing_on_unless_tool_choice_is_none() -> None:
+    body = {"messages": USER, "tools": [TOOL]}
+    request = parse_request(ChatCompletionRequest, body)
+    assert request.template_kwargs()["tools"] == [TOOL] and request.parses_tool_calls()
+    assert parse_request(ChatCompletionRequest, {**body, "tool_choice": "auto"}).parses_tool_calls()
+    shown_only = parse_request(ChatCompletionRequest, {**body, "tool_choice": "none"})
+    assert shown_only.template_kwargs()["tools"] == [TOOL] and not shown_only.parses_tool_calls()
+    assert "tools" not in parse_request(ChatCompletionRequest, {"messages": USER, "tools": []}).template_kwargs()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"tool_choice": "auto"}, "tool_choice", ("needs tools",)),
+        ({"tools": [TOOL, TOOL]}, "tools", ("two tools are named 'f'",)),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", ("pattern",)),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type", ("function",)),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+         "tools.0.function.parameters", ()),
+        ({"tools": [TOOL] * 129}, "tools", ("at most 128",)),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", ()),
+        ({"tools": [TOOL], "parallel_tool_calls": 1}, "parallel_tool_calls", ("boolean",)),
+        ({"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+         "messages.1.tool_calls.0.function.arguments", ("JSON object",)),
+        ({"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+         "messages.1.tool_calls.0.function.arguments", ("JSON object",)),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages.0", ("assistant",)),
+    ],
+)  # fmt: skip
+def test_bad_tools_and_tool_calls_are_refused_naming_the_field(fields: dict[str, Any], param: str, words) -> None:
+    assert_names(chat_error(**fields), param, *words)
 
 
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])

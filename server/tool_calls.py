@@ -1,0 +1,134 @@
+"""Tool calls in generated content: Hermes/Qwen-style <tool_call> JSON blocks, parsed whole or as the text streams.
+
+Rules, the same for both paths (streamed pieces joined = the whole text parsed):
+- A block runs from `<tool_call>` to the first `</tool_call>` after it. It parses when its inner text, stripped, is a
+  JSON object with a non-empty string "name" and "arguments" that is a JSON object, a string holding a JSON object,
+  or absent ({}); it then becomes a ToolCall and leaves the content.
+- A block that fails to parse is kept verbatim (tags included) as content, in place; so is an unclosed block at the end.
+- Content is the text outside parsed blocks, kept verbatim, except that once any block has parsed, the runs of text
+  between parsed blocks (or between one and either end of the text) that hold only whitespace are dropped: a reply
+  with only calls has content "", and text before the first block keeps its trailing newline.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from server.textout import partial_len
+
+START = "<tool_call>"
+END = "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One parsed call: `arguments` is the arguments object as a JSON string (OpenAI's wire format)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        """The call as an OpenAI `tool_calls` entry; `index` (first key) for streamed deltas."""
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    """A fresh call id, as vLLM makes them."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _parse_block(inner: str, make_id: Callable[[], str]) -> ToolCall | None:
+    """The call a block's inner text holds, or None when it is not one."""
+    try:
+        obj = json.loads(inner.strip())
+        if not isinstance(obj, dict) or not isinstance(name := obj.get("name"), str) or not name:
+            return None
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            args = json.loads(args)
+        if not isinstance(args, dict):
+            return None
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):  # bad JSON, NaN or Infinity, nesting too deep
+        return None
+    return ToolCall(make_id(), name, arguments)
+
+
+def parse_tool_calls(text: str, make_id: Callable[[], str] = new_call_id) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole reply, by the module's rules; without a parsed block the content is `text`."""
+    runs, calls, pos = [""], [], 0
+    while (start := text.find(START, pos)) >= 0 and (end := text.find(END, start + len(START))) >= 0:
+        call = _parse_block(text[start + len(START) : end], make_id)
+        if call is None:
+            runs[-1] += text[pos : end + len(END)]
+        else:
+            runs[-1] += text[pos:start]
+            calls.append(call)
+            runs.append("")
+        pos = end + len(END)
+    if not calls:
+        return text, []
+    runs[-1] += text[pos:]
+    return "".join(run for run in runs if run.strip()), calls
+
+
+class ToolCallStream:
+    """Split streamed content into text and tool calls, by the module's rules, as parse_tool_calls would."""
+
+    __slots__ = ("_block", "_called", "_held", "_live", "_make_id", "_scan")
+
+    def __init__(self, make_id: Callable[[], str] = new_call_id) -> None:
+        """`make_id` gives each parsed call its id, in order."""
+        self._make_id = make_id
+        self._held = ""  # unsent text of the current run: its whitespace while it has nothing else, a tag's start
+        self._block: str | None = None  # inner text of the open block; None outside one
+        self._scan = 0  # where in the block the end tag may start
+        self._live = False  # the current run has non-whitespace text (sent at once)
+        self._called = False  # a block has parsed
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content delta, calls completed); text that may be a tag's start or a dropped run is held back."""
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while text:
+            if self._block is None:
+                text, self._held = self._held + text, ""
+                at = text.find(START)
+                cut = at if at >= 0 else len(text) - partial_len(text, (START,))
+                if self._live or text[:cut].strip():
+                    content.append(text[:cut])
+                    self._live = True
+                else:
+                    self._held = text[:cut]
+                if at < 0:
+                    self._held += text[cut:]
+                    break
+                text, self._block = text[at + len(START) :], ""
+            else:
+                block = self._block + text
+                at = block.find(END, self._scan)
+                if at < 0:
+                    self._block, self._scan = block, max(0, len(block) - len(END) + 1)
+                    break
+                text = block[at + len(END) :]
+                call = _parse_block(block[:at], self._make_id)
+                if call is None:
+                    content.append(self._held + START + block[: at + len(END)])
+                    self._live = True
+                else:
+                    calls.append(call)
+                    self._live, self._called = False, True
+                self._held, self._block, self._scan = "", None, 0
+        return "".join(content), calls
+
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        """(held-back content, calls) for when the reply ends; an unclosed block is content, so calls is empty."""
+        held = self._held if self._block is None else self._held + START + self._block
+        self._held, self._block, self._scan = "", None, 0
+        return (held if self._live or held.strip() or not self._called else ""), []

@@ -1,0 +1,185 @@
+"""Tools on the chat route: offered to the template, and the answer's tool-call blocks given as OpenAI tool_calls,
+streamed or not, through the shipped model's tokenizer and a scripted engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+
+from server.app import ServerState, build_app
+from server.engine import Update
+from tests.server.test_generation import RecordingEngine
+
+SHIPPED = Path(__file__).resolve().parents[2] / "model" / "checkpoints" / "flashnext-small"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
+ONE_CALL = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TWO_CALLS = ONE_CALL + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(SHIPPED)
+
+
+class Answering(RecordingEngine):
+    """An engine that answers every request with the tokens of one text, a few tokens an update, then stops."""
+
+    def __init__(self, tokenizer: Any, answer: str, per_update: int = 2) -> None:
+        super().__init__()
+        self.ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        self.per_update = per_update
+
+    def submit(self, request) -> None:
+        super().submit(request)
+        cuts = list(range(0, len(self.ids), self.per_update))
+        for k, at in enumerate(cuts):
+            request.sink(Update(tuple(self.ids[at : at + self.per_update]), "stop" if k == len(cuts) - 1 else None))
+
+
+def http(tokenizer: Any, answer: str, per_update: int = 2) -> tuple[TestClient, Answering]:
+    engine = Answering(tokenizer, answer, per_update)
+    return TestClient(build_app(ServerState(engine, tokenizer, "m", 4096, len(tokenizer), (0,)))), engine
+
+
+def chat(client: TestClient, **fields: Any) -> dict:
+    response = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed(client: TestClient, **fields: Any) -> list[dict]:
+    """The choice of every chunk of a streamed chat (one choice)."""
+    body = {"messages": ASK, "tools": [WEATHER], "stream": True, **fields}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event)["choices"][0] for event in events[:-1]]
+
+
+def calls_of(entries: list[dict]) -> list[tuple[str, dict]]:
+    return [(entry["function"]["name"], json.loads(entry["function"]["arguments"])) for entry in entries]
+
+
+def test_a_tool_call_block_becomes_tool_calls_with_finish_reason_tool_calls(tokenizer):
+    client, _ = http(tokenizer, TWO_CALLS)
+    choice = chat(client)["choices"][0]
+    message = choice["message"]
+    assert message["content"] == "Let me look.\n"
+    assert calls_of(message["tool_calls"]) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    ids = [call["id"] for call in message["tool_calls"]]
+    assert all(i.startswith("chatcmpl-tool-") for i in ids) and len(set(ids)) == 2
+    assert {call["type"] for call in message["tool_calls"]} == {"function"}
+    assert choice["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("per_update", [1, 2, 5])
+def test_streamed_tool_calls_equal_the_non_streamed_answer(tokenizer, per_update):
+    """The streamed deltas' content joined, and their tool_calls in index order, are the non-streamed message's."""
+    client, _ = http(tokenizer, TWO_CALLS, per_update)
+    whole = chat(client)["choices"][0]
+    chunks = streamed(client)
+    content = "".join(chunk["delta"].get("content") or "" for chunk in chunks)
+    entries = [entry for chunk in chunks for entry in chunk["delta"].get("tool_calls", [])]
+    assert content == whole["message"]["content"]
+    assert [entry["index"] for entry in entries] == [0, 1]
+    assert calls_of(entries) == calls_of(whole["message"]["tool_calls"])
+    assert [chunk["finish_reason"] for chunk in chunks if chunk["finish_reason"]] == ["tool_calls"]
+
+
+@pytest.mark.parametrize(
+    "answer", ["Compare a <tool", 'Sure.\n<tool_call>\n{"name": "get_weather", "argum', ONE_CALL + "\n\nDone <"]
+)
+def test_a_streams_held_back_tail_comes_with_its_last_chunk(tokenizer, answer):
+    """Text that might have begun a tag when the answer ended (a tag's start, an unclosed block, an answer cut
+    short) is sent with the last chunk, so the stream's content equals the non-streamed content."""
+    client, _ = http(tokenizer, answer, 3)
+    whole = chat(client)["choices"][0]["message"]["content"]
+    assert whole.endswith(answer[-4:])
+    assert "".join(chunk["delta"].get("content") or "" for chunk in streamed(client)) == whole
+
+
+def test_only_calls_give_null_content(tokenizer):
+    client, _ = http(tokenizer, ONE_CALL.removeprefix("Let me look.\n"))
+    message = chat(client)["choices"][0]["message"]
+    assert message["content"] is None and calls_of(message["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_streamed_or_not(tokenizer):
+    client, _ = http(tokenizer, TWO_CALLS)
+    message = chat(client, parallel_tool_calls=False)["choices"][0]["message"]
+    assert calls_of(message["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    entries = [e for chunk in streamed(client, parallel_tool_calls=False) for e in chunk["delta"].get("tool_calls", [])]
+    assert calls_of(entries) == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tools": None}])
+def test_without_parsing_the_blocks_stay_in_the_content(tokenizer, fields):
+    """tool_choice 'none' (tools still shown to the template, as vLLM does) and no tools leave the text as it is."""
+    client, _ = http(tokenizer, ONE_CALL)
+    choice = chat(client, **fields)["choices"][0]
+    assert choice["message"]["content"] == ONE_CALL and not choice["message"].get("tool_calls")
+    assert choice["finish_reason"] == "stop"
+    assert "".join(chunk["delta"].get("content") or "" for chunk in streamed(client, **fields)) == ONE_CALL
+
+
+def test_a_block_that_is_not_a_call_stays_in_the_content(tokenizer):
+    broken = 'Hm.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    client, _ = http(tokenizer, broken)
+    choice = chat(client)["choices"][0]
+    assert choice["message"]["content"] == broken and choice["message"]["tool_calls"] == []
+    assert choice["finish_reason"] == "stop"
+
+
+def test_offered_tools_and_earlier_calls_are_rendered_into_the_prompt(tokenizer):
+    """The prompt the engine gets is the template's render with the tools, the earlier call as a block and the
+    tool's answer as a tool response."""
+    client, engine = http(tokenizer, "Sunny.")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "c1"}]  # fmt: skip
+    chat(client, messages=messages)
+    prompt = tokenizer.decode(engine.submitted[-1].prompt_ids)
+    expected = tokenizer.apply_chat_template(
+        [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "c1"}],
+        tools=[WEATHER], add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    assert prompt == expected
+    assert json.dumps(WEATHER) in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+
+
+def test_tools_for_a_template_that_does_not_render_them_are_a_400(tokenizer):
+    """A template without `tools` would drop them and the model would answer as if none were offered."""
+    plain = AutoTokenizer.from_pretrained(SHIPPED)
+    plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    engine = Answering(tokenizer, "x")
+    client = TestClient(build_app(ServerState(engine, plain, "m", 4096, len(tokenizer), (0,))))
+    response = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    assert engine.submitted == []
+    assert client.post("/v1/chat/completions", json={"messages": ASK}).status_code == 200
+
+
+def test_tokenize_renders_offered_tools_as_the_chat_route_does(tokenizer):
+    client, engine = http(tokenizer, "ok")
+    chat(client)
+    tokens = client.post("/tokenize", json={"messages": ASK, "tools": [WEATHER]}).json()["tokens"]
+    assert tokens == engine.submitted[-1].prompt_ids
+    assert len(tokens) > len(client.post("/tokenize", json={"messages": ASK}).json()["tokens"])
