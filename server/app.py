@@ -150,7 +150,11 @@ def build_app(state: ServerState) -> FastAPI:
         messages = [m.for_template() for m in body.messages]
         try:
             return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **body.template_kwargs()
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tokenize=False,
+                **body.template_kwargs(),
             )
         except Exception as exc:
             # the switches are to blame only if the messages render without them
@@ -276,7 +280,7 @@ def build_app(state: ServerState) -> FastAPI:
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
             message: dict[str, Any] = {
                 "role": "assistant",
-                "content": outcome.content,
+                "content": body.echoed() + outcome.content,
                 "reasoning_content": outcome.reasoning or None,
                 "reasoning": outcome.reasoning or None,
             }
@@ -286,7 +290,7 @@ def build_app(state: ServerState) -> FastAPI:
                 calls = calls if body.parallel_tool_calls else calls[:1]
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 if calls:
-                    message["content"], finish_reason = content or None, "tool_calls"
+                    message["content"], finish_reason = (body.echoed() + content) or None, "tool_calls"
             return {
                 "index": index,
                 "message": message,
@@ -457,7 +461,7 @@ def build_app(state: ServerState) -> FastAPI:
             return content, entries
 
         def frame(index: int, piece) -> dict[str, Any]:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": body.echoed()} if piece is None else {}
             choice: dict[str, Any] = {
                 "index": index,
                 "delta": delta,

@@ -43,10 +43,6 @@ _HARMLESS: dict[str, Any] = {
     "spaces_between_special_tokens": True,
     "use_beam_search": False,
     "logits_processors": [],
-    # chat only: how the template renders the conversation
-    "echo": False,
-    "add_generation_prompt": True,
-    "continue_final_message": False,
     # chat only: OpenAI's tools before `tools`, and vLLM's switch for the reasoning text
     "functions": [],
     "function_call": "none",
@@ -427,9 +423,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
     parallel_tool_calls: bool = True
-    echo: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
+    # vLLM's: the answer opens with the last message's text where that is the assistant's (the turn it continues)
+    echo: bool = False
+    # vLLM's: open an assistant turn after the messages, or leave the last message open for the answer to continue
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: Any = None
     documents: Any = None
     functions: Any = None
@@ -438,8 +436,7 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Literal["none", "low", "medium", "high", "xhigh"] | None = None
 
     _check_chat_unhonoured = field_validator(
-        "echo", "add_generation_prompt", "continue_final_message", "chat_template", "documents",
-        "functions", "function_call", "include_reasoning",
+        "chat_template", "documents", "functions", "function_call", "include_reasoning",
     )(_refuse_unless_harmless)  # fmt: skip
 
     @field_validator("top_logprobs")
@@ -449,6 +446,19 @@ class ChatCompletionRequest(_SamplingRequest):
         if value and info.data.get("logprobs") is not True:
             raise PydanticCustomError("conflict", "needs logprobs: true")
         return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_with_a_new_turn(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise PydanticCustomError("conflict", "needs add_generation_prompt false: the answer cannot both continue "
+                                      "the last message and open a new turn")  # fmt: skip
+        return value
+
+    def echoed(self) -> str:
+        """What vLLM's echo puts before the answer: the last message's text where it is the assistant's."""
+        last = self.messages[-1]
+        return last.content if self.echo and last.role == "assistant" else ""
 
     @field_validator("tools")
     @classmethod

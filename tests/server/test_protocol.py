@@ -314,17 +314,36 @@ def test_vllms_sampling_fields_are_refused_by_both_routes_unless_they_change_not
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("echo", True), ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
-     ("documents", [{"text": "d"}])],
-)  # fmt: skip
+    [("chat_template", "{{ x }}"), ("documents", [{"text": "d"}])],
+)
 def test_chat_rendering_fields_are_refused_unless_they_change_nothing(field: str, value: Any) -> None:
     assert_names(chat_error(**{field: value}), field, "not supported yet")
 
 
 @pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"continue_final_message": True}, "continue_final_message", ("needs add_generation_prompt false",)),
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message", ("new turn",)),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt", ("boolean",)),
+        ({"echo": 1}, "echo", ("boolean",)),
+    ],
+)
+def test_bad_turn_switches_are_refused_naming_them(fields: dict[str, Any], param: str, words: tuple[str, ...]) -> None:
+    assert_names(chat_error(**fields), param, *words)
+
+
+def test_chat_echo_repeats_the_last_message_only_where_it_is_the_assistants() -> None:
+    """vLLM's chat echo: the answer continues the last message when that is the assistant's, and opens with it."""
+    opened = [*USER, {"role": "assistant", "content": "The answer is"}]
+    assert parse_request(ChatCompletionRequest, {"messages": opened, "echo": True}).echoed() == "The answer is"
+    assert parse_request(ChatCompletionRequest, {"messages": opened}).echoed() == ""
+    assert parse_request(ChatCompletionRequest, {"messages": USER, "echo": True}).echoed() == ""
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
-    [("use_beam_search", 0), ("skip_special_tokens", 1),
-     ("echo", 0), ("add_generation_prompt", 1)],
+    [("use_beam_search", 0), ("skip_special_tokens", 1), ("include_reasoning", 1)],
 )  # fmt: skip
 def test_a_harmless_value_must_also_have_the_harmless_json_type(field: str, value: Any) -> None:
     """Strict as every other field: true is not 1 and 0 is not false, though 1 is 1.0."""

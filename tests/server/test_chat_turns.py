@@ -1,0 +1,64 @@
+"""vLLM's chat turn switches: add_generation_prompt, continue_final_message and echo, through the shipped model's
+tokenizer and a scripted engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.server.test_tool_calls_api import SHIPPED, http
+
+OPENED = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(SHIPPED)
+
+
+def prompt_of(tokenizer: Any, **fields: Any) -> tuple[str, dict]:
+    """The prompt text the engine got for a chat of OPENED with `fields`, and the response."""
+    client, engine = http(tokenizer, " blue.")
+    response = client.post("/v1/chat/completions", json={"messages": OPENED, **fields})
+    assert response.status_code == 200, response.text
+    return tokenizer.decode(engine.submitted[-1].prompt_ids), response.json()
+
+
+def test_continue_final_message_leaves_the_last_message_open(tokenizer):
+    prompt, _ = prompt_of(tokenizer, add_generation_prompt=False, continue_final_message=True)
+    assert prompt == tokenizer.apply_chat_template(
+        OPENED, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    assert prompt.endswith("<|im_start|>assistant\nThe color is")
+
+
+def test_add_generation_prompt_false_opens_no_turn(tokenizer):
+    prompt, _ = prompt_of(tokenizer, add_generation_prompt=False)
+    assert prompt.endswith("<|im_start|>assistant\nThe color is<|im_end|>\n")
+    default, _ = prompt_of(tokenizer)
+    assert default == prompt + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_echo_opens_the_answer_with_the_message_it_continues_streamed_or_not(tokenizer):
+    fields = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    _, response = prompt_of(tokenizer, **fields)
+    assert response["choices"][0]["message"]["content"] == "The color is blue."
+    _, plain = prompt_of(tokenizer, add_generation_prompt=False, continue_final_message=True)
+    assert plain["choices"][0]["message"]["content"] == " blue."
+    client, _ = http(tokenizer, " blue.")
+    text = client.post("/v1/chat/completions", json={"messages": OPENED, "stream": True, **fields}).text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "The color is blue."
+
+
+def test_tokenize_takes_the_turn_switches_as_the_chat_route_does(tokenizer):
+    client, engine = http(tokenizer, "x")
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    client.post("/v1/chat/completions", json={"messages": OPENED, **fields})
+    assert (
+        client.post("/tokenize", json={"messages": OPENED, **fields}).json()["tokens"]
+        == engine.submitted[-1].prompt_ids
+    )
