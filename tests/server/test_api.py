@@ -884,8 +884,11 @@ def test_models_metrics_tokenize_detokenize(live):
     assert refused.status_code == 400 and error_of(refused)["param"] == "tokens"
     other = httpx.post(f"{live.url}/tokenize", json={"prompt": "x", "model": "another-model"})
     assert other.status_code == 404 and error_of(other)["param"] == "model"
-    unrendered = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT, "add_generation_prompt": False})
-    assert unrendered.status_code == 400 and error_of(unrendered)["param"] == "add_generation_prompt"
+    opened = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    unopened = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()
+    assert unopened["tokens"] == opened[: len(unopened["tokens"])] and len(unopened["tokens"]) < len(opened)
+    bad_switch = httpx.post(f"{live.url}/tokenize", json={"messages": CHAT, "continue_final_message": True})
+    assert bad_switch.status_code == 400 and error_of(bad_switch)["param"] == "continue_final_message"
     stringly = httpx.post(f"{live.url}/tokenize", json={"prompt": "x", "add_special_tokens": "false"})
     assert stringly.status_code == 400 and error_of(stringly)["param"] == "add_special_tokens"
     metrics = httpx.get(f"{live.url}/metrics").text
