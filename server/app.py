@@ -326,6 +326,11 @@ def build_app(state: ServerState) -> FastAPI:
         if body.stream:
             return sse(completion_chunks(generations, body.return_token_ids, body.stream_options, echoed))
         outcomes = await wait(request, generations)
+        if body.echoes_only():  # the token drawn after the prompt pass is no part of an answer of the prompt alone
+            outcomes = [
+                Outcome(finish_reason="length", prompt_logprobs=o.prompt_logprobs, cached_tokens=o.cached_tokens)
+                for o in outcomes
+            ]
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
             logprobs = None

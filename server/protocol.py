@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -342,6 +342,8 @@ class _SamplingRequest(_StrictModel):
     @classmethod
     def _at_most_max_tokens(cls, value: int, info: ValidationInfo) -> int:
         most = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
+        if most is None and info.data.get("max_tokens") == 0:  # a text completion's echo of the prompt alone
+            most = 0
         if most is not None and value > most:
             raise PydanticCustomError("conflict", f"must be at most max_tokens ({most})")
         return value
@@ -512,6 +514,7 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[int]
     echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt alone (with its logprobs where asked)
     suffix: str | None = None
     best_of: int = Field(1, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -542,6 +545,24 @@ class CompletionRequest(_SamplingRequest):
             raise _not_supported("logprobs with echo in a stream (the prompt's logprobs) are not supported yet")
         return value
 
+    @model_validator(mode="after")
+    def _no_tokens_only_to_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise PydanticCustomError(
+                "conflict", "0 is taken only with echo, not streamed (the prompt alone comes back)",
+                {"param": "max_tokens"},
+            )  # fmt: skip
+        return self
+
+    def echoes_only(self) -> bool:
+        """vLLM's echo with max_tokens 0: the prompt alone comes back, its logprobs where asked."""
+        return self.max_tokens == 0
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's view; the prompt alone still takes one draw (its logprobs come from the prompt pass)."""
+        params = super().sampling_params()
+        return replace(params, max_tokens=1, min_tokens=0) if self.echoes_only() else params
+
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
@@ -567,9 +588,10 @@ class CompletionRequest(_SamplingRequest):
 def validation_error_to_api_error(exc: ValidationError) -> ApiError:
     """A 400 naming the first bad field by its dotted path, saying what was wrong and quoting a short bad value."""
     error = exc.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in error["loc"]) or None
+    # a whole-body check names its field in its context
+    param = ".".join(str(part) for part in error["loc"]) or error.get("ctx", {}).get("param")
     message = f"{param or 'request body'}: {error['msg']}"
-    if param is not None and error["type"] != "missing":
+    if error["loc"] and error["type"] != "missing":
         quoted = json.dumps(error["input"], default=repr, skipkeys=True)
         if len(quoted) <= _MAX_QUOTED_CHARS:
             message += f" (got {quoted})"

@@ -201,6 +201,27 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_logprobs_first_as_openais_l
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "logprobs"
 
 
+def test_echo_with_max_tokens_0_gives_the_prompt_alone_with_its_logprobs(live):
+    """vLLM's echo of the prompt alone (max_tokens 0, what a loglikelihood of a whole text asks for): the prompt's
+    text, its tokens' logprobs as echo gives them with an answer, no completion tokens; refused without echo or
+    streamed."""
+    body = {"prompt": "def add(a, b):", "temperature": 0, "echo": True, "logprobs": 2}
+    with_answer = httpx.post(f"{live.v1}/completions", json={**body, "max_tokens": 2}, timeout=60).json()
+    alone = httpx.post(f"{live.v1}/completions", json={**body, "max_tokens": 0, "n": 2}, timeout=60).json()
+    prompt_tokens = alone["usage"]["prompt_tokens"]
+    assert alone["usage"]["completion_tokens"] == 0 and alone["token_sha"] == sha([])
+    for choice in alone["choices"]:
+        assert choice["text"] == "def add(a, b):" and choice["finish_reason"] == "length"
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert choice["logprobs"][key] == with_answer["choices"][0]["logprobs"][key][:prompt_tokens]
+    assert len(alone["choices"][0]["logprobs"]["tokens"]) == prompt_tokens
+    text_only = httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 0}).json()
+    assert text_only["choices"][0]["text"] and text_only["choices"][0]["logprobs"] is None
+    for extra in ({"echo": False}, {"stream": True, "logprobs": None}):
+        refused = httpx.post(f"{live.v1}/completions", json={**body, "max_tokens": 0, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_logprobs_with_penalties_are_the_raw_logits_log_softmax(live):
     """As vLLM's default: the first token's logprobs, from the same raw logits, are the same with penalties or without
     (penalized logits would shift every one of them: the repetition penalty changes the prompt's ids' logits)."""

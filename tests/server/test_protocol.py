@@ -627,3 +627,23 @@ def test_a_negative_seed_is_taken_as_openai_and_vllm_take_it_and_crosses_the_con
     draw = DrawSpec(params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
     plan = RoundPlan(rows=(LaneRows(0, (1,), 0, draw),))
     assert decode_header(encode_header(plan)) == plan
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"max_tokens": 0}, "max_tokens", ("only with echo",)),
+        ({"max_tokens": 0, "echo": True, "stream": True}, "max_tokens", ("not streamed",)),
+        ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens", ("at most max_tokens (0)",)),
+        ({"max_tokens": -1, "echo": True}, "max_tokens", ("greater than or equal to 0",)),
+    ],
+)
+def test_max_tokens_0_is_an_echo_of_the_prompt_alone(fields: dict[str, Any], param: str, words) -> None:
+    assert_names(completion_error(prompt="x", **fields), param, *words)
+    assert "got" not in completion_error(prompt="x", max_tokens=0)["message"]  # a whole-body check quotes no body back
+
+
+def test_an_echo_of_the_prompt_alone_draws_one_token_for_its_prompt_pass() -> None:
+    request = parse_request(CompletionRequest, {"prompt": [1, 2], "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert request.echoes_only() and request.sampling_params().max_tokens == 1
+    assert request.sampling_params().prompt_logprobs == 1
