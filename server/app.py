@@ -324,7 +324,7 @@ def build_app(state: ServerState) -> FastAPI:
             echoed = await asyncio.to_thread(state.tokenizer.decode, prompt_ids)
         generations = start(prompt_ids, body, None)
         if body.stream:
-            return sse(completion_chunks(generations, body.return_token_ids, body.stream_options, echoed))
+            return sse(completion_chunks(generations, body, echoed))
         outcomes = await wait(request, generations)
         if body.echoes_only():  # the token drawn after the prompt pass is no part of an answer of the prompt alone
             outcomes = [
@@ -501,17 +501,17 @@ def build_app(state: ServerState) -> FastAPI:
         opening = {"prompt_token_ids": generations[0].prompt_ids} if with_ids else None  # vLLM puts them on top
         return stream(generations, frame, body.stream_options, opening)
 
-    def completion_chunks(
-        generations: list[Generation], with_ids: bool, options: StreamOptions | None, echoed: str = ""
-    ) -> AsyncIterator[str]:
+    def completion_chunks(generations: list[Generation], body: CompletionRequest, echoed: str) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
-        with_logprobs = generations[0].request.draw.logprobs is not None
+        with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         spelled = [0] * len(generations)  # each choice's characters of token text sent: its next text_offset
+        # with logprobs the echoed prompt waits for its logprobs, which come with each choice's first piece
+        echo_later = [body.echo and with_logprobs] * len(generations)
 
         def frame(index: int, piece) -> dict[str, Any]:
             choice: dict[str, Any] = {
                 "index": index,
-                "text": echoed if piece is None else "",  # a choice's first chunk echoes the prompt
+                "text": echoed if piece is None and not echo_later[index] else "",  # a choice's first chunk echoes
                 "finish_reason": None,
                 "stop_reason": None,
                 "logprobs": None,
@@ -521,9 +521,16 @@ def build_app(state: ServerState) -> FastAPI:
             if piece is not None:
                 choice.update(text=piece.content, finish_reason=piece.finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:
+                    echo_part = None
+                    if echo_later[index]:  # the prompt's tokens first, as the non-streamed echo gives them
+                        choice["text"], echo_later[index] = echoed + piece.content, False
+                        prompt = generations[index].prompt_ids
+                        if len(piece.prompt_logprobs) == len(prompt) - 1:  # none if it ended before its first token
+                            echo_part = echoed_logprobs(prompt, piece.prompt_logprobs, body.logprobs, spell)
+                            spelled[index] = sum(map(len, echo_part["tokens"]))
                     logprobs = completion_logprobs(piece.token_ids, piece.logprobs, spell, spelled[index])
                     spelled[index] += sum(map(len, logprobs["tokens"]))
-                    choice["logprobs"] = logprobs
+                    choice["logprobs"] = logprobs if echo_part is None else joined(echo_part, logprobs)
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {
@@ -534,7 +541,7 @@ def build_app(state: ServerState) -> FastAPI:
                 "choices": [choice],
             }
 
-        return stream(generations, frame, options)
+        return stream(generations, frame, body.stream_options)
 
     @app.get("/v1/models")
     async def models():

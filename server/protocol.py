@@ -538,13 +538,6 @@ class CompletionRequest(_SamplingRequest):
                     )
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _not_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.data.get("echo") and info.data.get("stream"):
-            raise _not_supported("logprobs with echo in a stream (the prompt's logprobs) are not supported yet")
-        return value
-
     @model_validator(mode="after")
     def _no_tokens_only_to_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and (not self.echo or self.stream):

@@ -197,8 +197,23 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_logprobs_first_as_openais_l
     assert offsets[0] == 0 and offsets == sorted(offsets)
     assert offsets[len(PROMPT)] == sum(map(len, logprobs["tokens"][: len(PROMPT)]))  # on through the tokens' texts
     assert "prompt_logprobs" not in choice  # asked for as echo's logprobs, not as vLLM's field
-    streamed = httpx.post(f"{live.v1}/completions", json={**body, "logprobs": 2, "echo": True, "stream": True})
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "logprobs"
+
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_echo_with_logprobs_equals_the_non_streamed_one(live, n):
+    """The echoed prompt waits for its logprobs and comes with each choice's first tokens, as vLLM streams it: the
+    chunks' texts and logprobs joined are the non-streamed choice's, offsets included."""
+    body = {"prompt": "def add(a, b):", "max_tokens": 5, "temperature": 0.7, "seed": 3, "ignore_eos": True,
+            "logprobs": 2, "echo": True, "n": n}  # fmt: skip
+    whole = httpx.post(f"{live.v1}/completions", json=body, timeout=60).json()["choices"]
+    chunks = sse_chunks(live, "completions", body)
+    for index in range(n):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == whole[index]["text"]
+        pieces = [c["logprobs"] for c in mine if c["logprobs"]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for p in pieces for v in p[key]] == whole[index]["logprobs"][key]
 
 
 def test_echo_with_max_tokens_0_gives_the_prompt_alone_with_its_logprobs(live):

@@ -393,7 +393,6 @@ def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
         ({"prompt": [5, "x"]}, "prompt", ('item 1 is "x"',)),
         ({"prompt": [5, True]}, "prompt", ("item 1 is true",)),
         ({"prompt": 5}, "prompt", ()),
-        ({"prompt": "hi", "echo": True, "logprobs": 2, "stream": True}, "logprobs", ("with echo in a stream",)),
         ({"prompt": "hi", "echo": 1}, "echo", ("boolean",)),
         ({"prompt": "hi", "suffix": "end"}, "suffix", ("not supported yet",)),
         ({"prompt": "hi", "best_of": 2}, "best_of", ("not supported yet",)),
