@@ -199,7 +199,6 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_logprobs_first_as_openais_l
     assert "prompt_logprobs" not in choice  # asked for as echo's logprobs, not as vLLM's field
 
 
-
 @pytest.mark.parametrize("n", [1, 2])
 def test_streamed_echo_with_logprobs_equals_the_non_streamed_one(live, n):
     """The echoed prompt waits for its logprobs and comes with each choice's first tokens, as vLLM streams it: the
