@@ -95,9 +95,12 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     return counts
 
 
-def choices_usage(prompt_ids: list[int], completions: list[list[int]], cached: list[int]) -> dict[str, Any]:
-    """Usage of a request's choices: its prompt once, every choice's tokens, the most prompt tokens one resumed."""
-    return usage(len(prompt_ids), sum(map(len, completions)), max(cached))
+def choices_usage(prompts: list[list[int]], completions: list[list[int]], cached: list[int]) -> dict[str, Any]:
+    """Usage of a request's choices, as many a prompt in prompt order: each prompt once, every choice's tokens, and
+    for each prompt the most of its tokens one of its choices resumed."""
+    per_prompt = len(completions) // len(prompts)
+    resumed = sum(max(cached[at : at + per_prompt]) for at in range(0, len(cached), per_prompt))
+    return usage(sum(map(len, prompts)), sum(map(len, completions)), resumed)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -202,9 +205,10 @@ def build_app(state: ServerState) -> FastAPI:
             )
 
     def start(
-        prompt_ids: list[int], body, thinking_open: bool | None, keep_at: tuple[int, ...] = ()
+        prompts: list[list[int]], body, thinking_open: bool | None, keep_at: tuple[int, ...] = ()
     ) -> list[Generation]:
-        """Submit a checked prompt with the body's sampling parameters, once for each of its `n` choices."""
+        """Submit checked prompts with the body's sampling parameters, each once for each of its `n` choices (in
+        prompt order); nothing is submitted unless every prompt passes."""
         params = body.sampling_params()
         if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
             raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
@@ -225,34 +229,38 @@ def build_app(state: ServerState) -> FastAPI:
                 "draw",
                 param="allowed_token_ids",
             )
-        room = state.context - len(prompt_ids)
-        if params.min_tokens > (params.max_tokens or room):
-            raise ApiError(
-                f"min_tokens: {params.min_tokens} is more than the {params.max_tokens or room} tokens this request may "
-                "have (its max_tokens, or the context's room after the prompt)",
-                param="min_tokens",
-            )
-        generations = [
-            Generation(
-                state.engine,
-                state.tokenizer,
-                prompt_ids,
-                params,
-                params.max_tokens or room,
-                state.eos_ids,
-                thinking_open,
-                keep_at,
-                choice,
-            )
-            for choice in range(body.n)
-        ]
         asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
+        generations: list[Generation] = []
+        for prompt_ids in prompts:
+            room = state.context - len(prompt_ids)
+            if params.min_tokens > (params.max_tokens or room):
+                raise ApiError(
+                    f"min_tokens: {params.min_tokens} is more than the {params.max_tokens or room} tokens this request "
+                    "may have (its max_tokens, or the context's room after the prompt)",
+                    param="min_tokens",
+                )
+            group = [
+                Generation(
+                    state.engine,
+                    state.tokenizer,
+                    prompt_ids,
+                    params,
+                    params.max_tokens or room,
+                    state.eos_ids,
+                    thinking_open,
+                    keep_at,
+                    choice,
+                )
+                for choice in range(body.n)
+            ]
+            try:
+                check_context(group[0].request, state.context, asked_by)
+            except ContextLengthError as exc:
+                raise ApiError(str(exc), param=asked_by, code="context_length_exceeded") from exc
+            generations += group
         try:
-            check_context(generations[0].request, state.context, asked_by)
             for generation in generations:
                 generation.submit()
-        except ContextLengthError as exc:
-            raise ApiError(str(exc), param=asked_by, code="context_length_exceeded") from exc
         except EngineStopped as exc:
             for generation in generations:
                 generation.abort()
@@ -272,7 +280,7 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         # rendering and tokenizing run on a worker thread: a long chat would hold the event loop and every stream on it
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
-        generations = start(prompt_ids, body, prompt_opens_thinking(text), keep_at)
+        generations = start([prompt_ids], body, prompt_opens_thinking(text), keep_at)
         if body.stream:
             return sse(chat_chunks(generations, body))
         outcomes = await wait(request, generations)
@@ -302,7 +310,7 @@ def build_app(state: ServerState) -> FastAPI:
             }
 
         choices = await shaped(choice, outcomes, body.logprobs or body.prompt_logprobs is not None)
-        response = respond("chatcmpl", "chat.completion", choices, outcomes, prompt_ids, body.return_token_ids)
+        response = respond("chatcmpl", "chat.completion", choices, outcomes, [prompt_ids], body.return_token_ids)
         if body.prompt_logprobs is not None:  # where vLLM puts them for a chat: the top level
             response["prompt_logprobs"] = prompt_logprobs(outcomes[0].prompt_logprobs, body.prompt_logprobs, spell)
         return response
@@ -311,18 +319,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         body = parse_request(CompletionRequest, await request.body())
         check_model(body.model)
-        if isinstance(body.prompt, str):  # tokenized on a worker thread, as a chat is rendered
-            tokenizer = need_tokenizer("prompt")
-            prompt_ids = (await asyncio.to_thread(tokenizer, body.prompt, add_special_tokens=False))["input_ids"]
-        else:
-            prompt_ids = list(body.prompt)
-        check_prompt(prompt_ids, "prompt")
-        echoed = ""  # vLLM's echo: the prompt's text before each choice's (a prompt of ids decoded, where it can be)
-        if body.echo and isinstance(body.prompt, str):
-            echoed = body.prompt
-        elif body.echo and state.tokenizer is not None:  # decoded on a worker thread, as a text prompt is tokenized
-            echoed = await asyncio.to_thread(state.tokenizer.decode, prompt_ids)
-        generations = start(prompt_ids, body, None)
+        # tokenized (and decoded for echo) on a worker thread, as a chat is rendered
+        prompts, echoed = await asyncio.to_thread(completion_prompts, body)
+        generations = start(prompts, body, None)
         if body.stream:
             return sse(completion_chunks(generations, body, echoed))
         outcomes = await wait(request, generations)
@@ -333,7 +332,7 @@ def build_app(state: ServerState) -> FastAPI:
             ]
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
-            logprobs = None
+            logprobs, prompt_ids = None, prompts[index // body.n]  # choices in prompt order, n a prompt
             if body.logprobs is not None and body.echo:  # the prompt's tokens first, the first of them without one
                 echoed_part = echoed_logprobs(prompt_ids, outcome.prompt_logprobs, body.logprobs, spell)
                 offset = sum(map(len, echoed_part["tokens"]))  # offsets run on through the tokens' own texts
@@ -342,7 +341,7 @@ def build_app(state: ServerState) -> FastAPI:
                 logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
             return {
                 "index": index,
-                "text": echoed + outcome.content,
+                "text": echoed[index // body.n] + outcome.content,
                 "finish_reason": outcome.finish_reason,
                 "stop_reason": outcome.stop_reason,
                 "logprobs": logprobs,
@@ -354,7 +353,27 @@ def build_app(state: ServerState) -> FastAPI:
             return {"prompt_logprobs": prompt_logprobs(outcome.prompt_logprobs, body.prompt_logprobs, spell)}
 
         choices = await shaped(choice, outcomes, body.logprobs is not None or body.prompt_logprobs is not None)
-        return respond("cmpl", "text_completion", choices, outcomes, prompt_ids, body.return_token_ids)
+        return respond("cmpl", "text_completion", choices, outcomes, prompts, body.return_token_ids)
+
+    def completion_prompts(body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's checked token ids, and the text echo puts before its choices (the prompt's text; a prompt of
+        ids decoded, where a tokenizer can)."""
+        prompts, echoed = [], []
+        for number, prompt in enumerate(body.prompt):
+            param = "prompt" if len(body.prompt) == 1 else f"prompt.{number}"
+            if isinstance(prompt, str):
+                prompt_ids = need_tokenizer(param)(prompt, add_special_tokens=False)["input_ids"]
+            else:
+                prompt_ids = list(prompt)
+            check_prompt(prompt_ids, param)
+            prompts.append(prompt_ids)
+            if not body.echo:
+                echoed.append("")
+            elif isinstance(prompt, str):
+                echoed.append(prompt)
+            else:
+                echoed.append(state.tokenizer.decode(prompt_ids) if state.tokenizer is not None else "")
+        return prompts, echoed
 
     async def shaped(choice, outcomes: list[Outcome], with_logprobs: bool) -> list[dict[str, Any]]:
         """Each outcome's choice; with logprobs on a worker thread (a long answer's take a while to spell out)."""
@@ -364,23 +383,27 @@ def build_app(state: ServerState) -> FastAPI:
 
         return await asyncio.to_thread(choices) if with_logprobs else choices()
 
-    def respond(prefix, kind, choices, outcomes: list[Outcome], prompt_ids, with_ids: bool) -> dict[str, Any]:
-        """The response object; with several choices each carries its own token_sha (the top level's is choice 0's)."""
+    def respond(
+        prefix, kind, choices, outcomes: list[Outcome], prompts: list[list[int]], with_ids: bool
+    ) -> dict[str, Any]:
+        """The response object of the prompts' choices (as many a prompt, in prompt order); with several choices each
+        carries its own token_sha (the top level's is choice 0's)."""
         response = {
             "id": f"{prefix}-{time.time_ns():x}",
             "object": kind,
             "created": int(time.time()),
             "model": state.model_name,
             "choices": choices,
-            "usage": choices_usage(prompt_ids, [o.token_ids for o in outcomes], [o.cached_tokens for o in outcomes]),
+            "usage": choices_usage(prompts, [o.token_ids for o in outcomes], [o.cached_tokens for o in outcomes]),
             "token_sha": token_sha(outcomes[0].token_ids),
         }
-        for choice, outcome in zip(choices, outcomes, strict=True):
+        per_prompt = len(outcomes) // len(prompts)
+        for index, (choice, outcome) in enumerate(zip(choices, outcomes, strict=True)):
             if len(outcomes) > 1:
                 choice["token_sha"] = token_sha(outcome.token_ids)
             if with_ids:  # where vLLM puts the prompt's ids: a chat response's top level, a text completion's choice
                 choice["token_ids"] = outcome.token_ids
-                (response if kind == "chat.completion" else choice)["prompt_token_ids"] = prompt_ids
+                (response if kind == "chat.completion" else choice)["prompt_token_ids"] = prompts[index // per_prompt]
         return response
 
     async def wait(request: Request, generations: list[Generation]) -> list[Outcome]:
@@ -405,9 +428,14 @@ def build_app(state: ServerState) -> FastAPI:
             await asyncio.gather(*waiting, return_exceptions=True)
 
     async def stream(
-        generations: list[Generation], frame, options: StreamOptions | None, opening: dict[str, Any] | None = None
+        generations: list[Generation],
+        per_prompt: int,
+        frame,
+        options: StreamOptions | None,
+        opening: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
-        """SSE events: each choice's first `frame(index, None)` chunk (with the `opening` fields), then
+        """SSE events of the choices (`per_prompt` a prompt, in prompt order): each choice's first
+        `frame(index, None)` chunk (with the `opening` fields), then
         `frame(index, piece)` chunks as pieces come, with `"usage": null` when usage comes last, as OpenAI sends them
         (or, with vLLM's continuous_usage_stats, the usage of the chunk's choice so far); then usage and [DONE]; the
         engine is told when the client leaves."""
@@ -435,7 +463,7 @@ def build_app(state: ServerState) -> FastAPI:
                 yield {
                     **frame(0, None),
                     "choices": [],
-                    "usage": choices_usage(generations[0].prompt_ids, tokens, cached),
+                    "usage": choices_usage([g.prompt_ids for g in generations[::per_prompt]], tokens, cached),
                     "token_sha": token_sha(tokens[0]),
                 }
         except ApiError as exc:
@@ -499,9 +527,11 @@ def build_app(state: ServerState) -> FastAPI:
             }
 
         opening = {"prompt_token_ids": generations[0].prompt_ids} if with_ids else None  # vLLM puts them on top
-        return stream(generations, frame, body.stream_options, opening)
+        return stream(generations, body.n, frame, body.stream_options, opening)
 
-    def completion_chunks(generations: list[Generation], body: CompletionRequest, echoed: str) -> AsyncIterator[str]:
+    def completion_chunks(
+        generations: list[Generation], body: CompletionRequest, echoed: list[str]
+    ) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         spelled = [0] * len(generations)  # each choice's characters of token text sent: its next text_offset
@@ -511,7 +541,8 @@ def build_app(state: ServerState) -> FastAPI:
         def frame(index: int, piece) -> dict[str, Any]:
             choice: dict[str, Any] = {
                 "index": index,
-                "text": echoed if piece is None and not echo_later[index] else "",  # a choice's first chunk echoes
+                # a choice's first chunk echoes its prompt
+                "text": echoed[index // body.n] if piece is None and not echo_later[index] else "",
                 "finish_reason": None,
                 "stop_reason": None,
                 "logprobs": None,
@@ -523,7 +554,7 @@ def build_app(state: ServerState) -> FastAPI:
                 if with_logprobs:
                     echo_part = None
                     if echo_later[index]:  # the prompt's tokens first, as the non-streamed echo gives them
-                        choice["text"], echo_later[index] = echoed + piece.content, False
+                        choice["text"], echo_later[index] = echoed[index // body.n] + piece.content, False
                         prompt = generations[index].prompt_ids
                         if len(piece.prompt_logprobs) == len(prompt) - 1:  # none if it ended before its first token
                             echo_part = echoed_logprobs(prompt, piece.prompt_logprobs, body.logprobs, spell)
@@ -541,7 +572,7 @@ def build_app(state: ServerState) -> FastAPI:
                 "choices": [choice],
             }
 
-        return stream(generations, frame, body.stream_options)
+        return stream(generations, body.n, frame, body.stream_options)
 
     @app.get("/v1/models")
     async def models():

@@ -28,6 +28,8 @@ MAX_ALLOWED_IDS = 1024
 MAX_LOGPROBS = 20
 # The most choices one request may ask for (each is a request of its own to the engine)
 MAX_CHOICES = 128
+# The most prompts one text completion request may batch
+MAX_BATCH_PROMPTS = 256
 # OpenAI's rule for a function's name; and the most tools one request may offer
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_TOOLS = 128
@@ -508,11 +510,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    """Body of POST /v1/completions; `prompt` ends as one text or one list of token ids."""
+    """Body of POST /v1/completions; `prompt` ends as a batch of prompts (one where one was sent), each a text or a
+    list of token ids."""
 
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's default for text completions
 
-    prompt: str | list[int]
+    prompt: list[str | list[int]]
     echo: bool = False
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt alone (with its logprobs where asked)
     suffix: str | None = None
@@ -521,22 +524,26 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and all(isinstance(item, str | list) for item in value):
-            if len(value) > 1:
-                raise _not_supported(f"a batch of {len(value)} prompts is not supported yet; send one per request")
-            value = value[0]
-        if not isinstance(value, str | list):
-            raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
-        if not value:
-            raise PydanticCustomError("empty_prompt", "must not be empty")
-        if isinstance(value, list):
-            for index, token in enumerate(value):
+    def _batch_of_prompts(cls, value: Any) -> Any:
+        """One prompt (a text or token ids) or a batch of them, as OpenAI takes them: all texts or all id lists."""
+        batch = isinstance(value, list) and bool(value) and all(isinstance(item, str | list) for item in value)
+        prompts = value if batch else [value]
+        if len(prompts) > MAX_BATCH_PROMPTS:
+            raise PydanticCustomError("batch", f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}")
+        if len({type(item) for item in prompts}) > 1:
+            raise PydanticCustomError("batch", "a batch's prompts must all be texts or all be lists of token ids")
+        for number, prompt in enumerate(prompts):
+            where = f"prompt {number} " if batch else ""
+            if not isinstance(prompt, str | list):
+                raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
+            if not prompt:
+                raise PydanticCustomError("empty_prompt", f"{where}must not be empty")
+            for index, token in enumerate(prompt if isinstance(prompt, list) else ()):
                 if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                     raise PydanticCustomError(
-                        "token_id", f"token ids must be integers >= 0; item {index} is {json.dumps(token)}"
+                        "token_id", f"{where}token ids must be integers >= 0; item {index} is {json.dumps(token)}"
                     )
-        return value
+        return prompts
 
     @model_validator(mode="after")
     def _no_tokens_only_to_echo(self) -> CompletionRequest:

@@ -356,6 +356,49 @@ def test_n_choices_are_each_the_request_alone_with_its_seed_plus_the_choice_inde
     assert len(prompt_ids_sent(route, chunks)) == 3  # as vLLM: in each choice's first chunk
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_batch_of_prompts_gives_each_prompts_n_choices_in_order_each_as_alone(live, streamed):
+    """OpenAI's batch of prompts: choice i * n + j is prompt i's choice j, the same tokens as prompt i sent alone
+    with n and the seed; each carries its prompt's ids and echo; usage counts each prompt once."""
+    prompts = [PROMPT, PROMPT[:5], [3, 1, 4, 1, 5, 9, 2, 6]]
+    body = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 2, "ignore_eos": True, "return_token_ids": True}
+
+    def alone(prompt: list[int]) -> list[dict]:
+        return httpx.post(f"{live.v1}/completions", json={**body, "prompt": prompt}, timeout=120).json()["choices"]
+
+    expected = [choice for prompt in prompts for choice in alone(prompt)]
+    batch = {**body, "prompt": prompts, "echo": True}
+    if streamed:
+        chunks = sse_chunks(live, "completions", {**batch, "stream_options": {"include_usage": True}})
+        choices = [{"token_ids": [t for c in chunks for ch in c["choices"] if ch["index"] == i
+                                  for t in ch.get("token_ids", [])],
+                    "prompt_token_ids": next(ch["prompt_token_ids"] for c in chunks for ch in c["choices"]
+                                             if ch["index"] == i and "prompt_token_ids" in ch),
+                    "text": "".join(ch["text"] for c in chunks for ch in c["choices"] if ch["index"] == i)}
+                   for i in range(6)]  # fmt: skip
+        usage = chunks[-1]["usage"]
+    else:
+        reply = httpx.post(f"{live.v1}/completions", json=batch, timeout=120).json()
+        assert [c["index"] for c in reply["choices"]] == list(range(6))
+        choices, usage = reply["choices"], reply["usage"]
+    assert [c["token_ids"] for c in choices] == [c["token_ids"] for c in expected]
+    assert [c["prompt_token_ids"] for c in choices] == [p for p in prompts for _ in range(2)]
+    for choice, plain, prompt in zip(choices, expected, [p for p in prompts for _ in range(2)], strict=True):
+        echoed = httpx.post(f"{live.url}/detokenize", json={"tokens": prompt}).json()["prompt"]
+        assert choice["text"] == echoed + plain["text"]
+    assert usage["prompt_tokens"] == sum(map(len, prompts)) and usage["completion_tokens"] == 36
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"), [([PROMPT, [5, 10**9]], "prompt.1"), (["ok", ""], "prompt"), ([[1], []], "prompt")]
+)
+def test_a_batch_with_one_bad_prompt_is_a_400_naming_it_and_runs_nothing(live, prompt, param):
+    before = httpx.get(f"{live.url}/metrics").text.count("\n")
+    response = httpx.post(f"{live.v1}/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+    assert response.status_code == 400 and error_of(response)["param"] == param
+    assert before == httpx.get(f"{live.url}/metrics").text.count("\n")
+
+
 def alone_usage(live: Live, route: str, body: dict) -> dict:
     return httpx.post(f"{live.v1}/{route}", json={**body, "max_tokens": 1}, timeout=120).json()["usage"]
 

@@ -387,8 +387,10 @@ def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
         ({"prompt": []}, "prompt", ("empty",)),
         ({"prompt": [""]}, "prompt", ("empty",)),
         ({"prompt": [[]]}, "prompt", ("empty",)),
-        ({"prompt": ["a", "b"]}, "prompt", ("not supported yet",)),
-        ({"prompt": [[1, 2], [3]]}, "prompt", ("not supported yet",)),
+        ({"prompt": ["a", [3]]}, "prompt", ("all be texts or all be lists of token ids",)),
+        ({"prompt": ["a", ""]}, "prompt", ("prompt 1 must not be empty",)),
+        ({"prompt": [[1, 2], [3, -4]]}, "prompt", ("prompt 1 token ids", "item 1 is -4")),
+        ({"prompt": ["a"] * 257}, "prompt", ("at most 256 prompts, got 257",)),
         ({"prompt": [5, -1]}, "prompt", ("item 1 is -1",)),
         ({"prompt": [5, "x"]}, "prompt", ('item 1 is "x"',)),
         ({"prompt": [5, True]}, "prompt", ("item 1 is true",)),
@@ -568,9 +570,10 @@ def test_openais_reasoning_effort_turns_thinking_on_at_that_effort() -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
-    [("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[0, 9]], [0, 9])],
-)
-def test_completion_prompts(prompt: Any, expected: str | list[int]) -> None:
+    [("hello", ["hello"]), (["hello"], ["hello"]), ([1, 2, 3], [[1, 2, 3]]), ([[0, 9]], [[0, 9]]),
+     (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])],
+)  # fmt: skip
+def test_completion_prompts_are_read_as_a_batch_of_one_or_more(prompt: Any, expected: list) -> None:
     request = parse_request(CompletionRequest, {"prompt": prompt})
     assert request.prompt == expected
     assert request.sampling_params().max_tokens == 16
@@ -587,7 +590,7 @@ def test_completion_sampling_fields() -> None:
 
 def test_parse_raw_json_bytes() -> None:
     request = parse_request(CompletionRequest, b'{"prompt": [4, 5], "stream": true, "unknown": 1}')
-    assert request.prompt == [4, 5] and request.stream
+    assert request.prompt == [[4, 5]] and request.stream
 
 
 def test_api_error_body() -> None:
