@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.engine import ContextLengthError, EngineStopped, check_context
-from server.generation import Generation, Outcome, interleaved
+from server.generation import Generation, Outcome, Piece, interleaved
 from server.handle import EngineHandle
 from server.logprobs import (
     chat_logprobs,
@@ -49,7 +49,7 @@ MESSAGE_KEEPS = 4
 # the fields of a chat request that shape its rendered prompt: /tokenize checks them as the chat route does
 CHAT_RENDERING_FIELDS = (
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template", "documents", "tools",
-    "reasoning_effort",
+    "tool_choice", "reasoning_effort",
 )  # fmt: skip
 
 
@@ -160,17 +160,25 @@ def build_app(state: ServerState) -> FastAPI:
                 **body.template_kwargs(),
             )
         except Exception as exc:
-            # the switches are to blame only if the messages render without them
-            param = "chat_template_kwargs" if renders(tokenizer, messages) else "messages"
+            param = blamed(tokenizer, body, messages)
             raise ApiError(f"{param}: the chat template refused this request: {exc}", param=param) from exc
 
-    def renders(tokenizer: Any, messages: list[dict[str, str]]) -> bool:
-        """Whether the chat template takes these messages with none of the request's switches."""
-        try:
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception:
-            return False
-        return True
+    def blamed(tokenizer: Any, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+        """The request field a template's refusal comes from: the first of the messages, the tools, the turn
+        switches and chat_template_kwargs whose addition makes the render fail."""
+        kwargs = body.template_kwargs()
+        tools = {"tools": kwargs.pop("tools")} if "tools" in kwargs else {}
+        turn = {"add_generation_prompt": body.add_generation_prompt,
+                "continue_final_message": body.continue_final_message}  # fmt: skip
+        switch = "continue_final_message" if body.continue_final_message else "add_generation_prompt"
+        given: dict[str, Any] = {}
+        for param, added in (("messages", {}), ("tools", tools), (switch, turn), ("chat_template_kwargs", kwargs)):
+            given |= added
+            try:
+                tokenizer.apply_chat_template(messages, tokenize=False, **({"add_generation_prompt": True} | given))
+            except Exception:
+                return param
+        return "chat_template_kwargs"  # a refusal the renders here do not repeat: the switches together
 
     def message_ends(body: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[int, ...]:
         """Token positions where each of the last MESSAGE_KEEPS messages before the final one ends (prompt cache
@@ -267,6 +275,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return generations
 
+    def thinking_open(body: ChatCompletionRequest, text: str) -> bool:
+        """Whether the answer starts inside a think block: as the rendered prompt ends where the template opens the
+        answer's turn; as the message it continues ends where it continues one (no earlier message counts)."""
+        if body.add_generation_prompt:
+            return prompt_opens_thinking(text)
+        last = body.messages[-1]
+        return body.continue_final_message and last.role == "assistant" and prompt_opens_thinking(last.content)
+
     def chat_prompt(body: ChatCompletionRequest) -> tuple[str, list[int], tuple[int, ...]]:
         """The rendered chat, its checked token ids and where each message ends (prompt cache boundaries)."""
         text = render_chat(body)
@@ -280,7 +296,7 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         # rendering and tokenizing run on a worker thread: a long chat would hold the event loop and every stream on it
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
-        generations = start([prompt_ids], body, prompt_opens_thinking(text), keep_at)
+        generations = start([prompt_ids], body, thinking_open(body, text), keep_at)
         if body.stream:
             return sse(chat_chunks(generations, body))
         outcomes = await wait(request, generations)
@@ -479,7 +495,7 @@ def build_app(state: ServerState) -> FastAPI:
         tool_streams = [ToolCallStream() for _ in generations] if body.parses_tool_calls() else None
         calls_sent = [0] * len(generations)
 
-        def tool_deltas(index: int, piece) -> tuple[str, list[dict[str, Any]]]:
+        def tool_deltas(index: int, piece: Piece) -> tuple[str, list[dict[str, Any]]]:
             """The piece's content less its tool-call blocks, and the calls they closed, as delta entries."""
             if tool_streams is None:
                 return piece.content, []

@@ -183,9 +183,9 @@ class FunctionSpec(_StrictModel):
 
 
 class ToolSpec(_StrictModel):
-    """One entry of `tools`: a function the model may call."""
+    """One entry of `tools`: a function the model may call (type "function" where none is given, as vLLM takes it)."""
 
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     function: FunctionSpec
 
 
@@ -200,8 +200,11 @@ class CalledFunction(_StrictModel):
     def _json_object(cls, value: str) -> str:
         try:
             parsed = json.loads(value)
+            json.dumps(parsed, ensure_ascii=False).encode()  # no lone surrogate escape, which no tokenizer encodes
+        except RecursionError:
+            raise PydanticCustomError("arguments", "must be a JSON object's text nested less deeply") from None
         except ValueError as exc:
-            raise PydanticCustomError("arguments", f"must be a JSON object's text: {exc}") from None
+            raise PydanticCustomError("arguments", f"must be a JSON object's text in UTF-8: {exc}") from None
         if not isinstance(parsed, dict):
             raise PydanticCustomError("arguments", "must be a JSON object's text")
         return value
@@ -343,9 +346,8 @@ class _SamplingRequest(_StrictModel):
     @field_validator("min_tokens")
     @classmethod
     def _at_most_max_tokens(cls, value: int, info: ValidationInfo) -> int:
-        most = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
-        if most is None and info.data.get("max_tokens") == 0:  # a text completion's echo of the prompt alone
-            most = 0
+        most = info.data.get("max_completion_tokens")
+        most = info.data.get("max_tokens") if most is None else most  # 0: a text completion's echo of the prompt alone
         if most is not None and value > most:
             raise PydanticCustomError("conflict", f"must be at most max_tokens ({most})")
         return value

@@ -4,7 +4,9 @@ Rules, the same for both paths (streamed pieces joined = the whole text parsed):
 - A block runs from `<tool_call>` to the first `</tool_call>` after it. It parses when its inner text, stripped, is a
   JSON object with a non-empty string "name" and "arguments" that is a JSON object, a string holding a JSON object,
   or absent ({}); it then becomes a ToolCall and leaves the content.
-- A block that fails to parse is kept verbatim (tags included) as content, in place; so is an unclosed block at the end.
+- A block that fails to parse is kept verbatim (tags included) as content, in place. An unclosed block at the end (its
+  end tag cut by a stop string, or never written) is a call when its text parses, as vLLM's Hermes parser takes it,
+  else content.
 - Content is the text outside parsed blocks, kept verbatim, except that once any block has parsed, the runs of text
   between parsed blocks (or between one and either end of the text) that hold only whitespace are dropped: a reply
   with only calls has content "", and text before the first block keeps its trailing newline.
@@ -55,7 +57,8 @@ def _parse_block(inner: str, make_id: Callable[[], str]) -> ToolCall | None:
         if not isinstance(args, dict):
             return None
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
-    except (ValueError, RecursionError):  # bad JSON, NaN or Infinity, nesting too deep
+        (name + arguments).encode()  # a lone surrogate escape ("\ud83d") would fail the response's UTF-8
+    except (ValueError, RecursionError):  # bad JSON, NaN or Infinity, not UTF-8, nesting too deep
         return None
     return ToolCall(make_id(), name, arguments)
 
@@ -72,6 +75,11 @@ def parse_tool_calls(text: str, make_id: Callable[[], str] = new_call_id) -> tup
             calls.append(call)
             runs.append("")
         pos = end + len(END)
+    if (start := text.find(START, pos)) >= 0 and (call := _parse_block(text[start + len(START) :], make_id)):
+        runs[-1] += text[pos:start]  # an unclosed last block that parses
+        calls.append(call)
+        runs.append("")
+        pos = len(text)
     if not calls:
         return text, []
     runs[-1] += text[pos:]
@@ -128,7 +136,11 @@ class ToolCallStream:
         return "".join(content), calls
 
     def flush(self) -> tuple[str, list[ToolCall]]:
-        """(held-back content, calls) for when the reply ends; an unclosed block is content, so calls is empty."""
+        """(held-back content, calls) for when the reply ends: an unclosed block's call where its text parses."""
+        call = None if self._block is None else _parse_block(self._block, self._make_id)
+        if call is not None:
+            self._held, self._block, self._scan = "", None, 0
+            return "", [call]
         held = self._held if self._block is None else self._held + START + self._block
         self._held, self._block, self._scan = "", None, 0
         return (held if self._live or held.strip() or not self._called else ""), []

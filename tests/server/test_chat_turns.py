@@ -62,3 +62,48 @@ def test_tokenize_takes_the_turn_switches_as_the_chat_route_does(tokenizer):
         client.post("/tokenize", json={"messages": OPENED, **fields}).json()["tokens"]
         == engine.submitted[-1].prompt_ids
     )
+
+
+@pytest.mark.parametrize(
+    ("last", "opened"), [("Hello", False), ("<think>\nHmm", True), ("<think>a</think>\n\nOk", False)]
+)
+def test_a_continued_message_alone_says_whether_the_answer_is_inside_a_think_block(tokenizer, last, opened):
+    """An earlier message that mentions <think> opens no think block for the answer; the continued message's own open
+    block does (the answer is then reasoning; echo puts the message's text before the content)."""
+    messages = [{"role": "user", "content": "What does the <think> tag do?"}, {"role": "assistant", "content": last}]
+    client, _ = http(tokenizer, " world")
+    fields = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    message = client.post("/v1/chat/completions", json={"messages": messages, **fields}).json()["choices"][0]["message"]
+    assert message["reasoning_content"] == (" world" if opened else None)
+    assert message["content"] == (last if opened else last + " world")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"add_generation_prompt": False, "continue_final_message": True}, "continue_final_message"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"chat_template_kwargs": {"loud": True}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "system", "content": "s"}]}, "messages"),
+    ],
+)
+def test_a_template_refusal_names_the_field_whose_addition_makes_it_refuse(tokenizer, fields, param):
+    """A template that shouts every message (so a continued message is not found in its render), refuses a system
+    turn, a loud switch and a tool named f: each refusal's 400 names the field that brought it."""
+    from fastapi.testclient import TestClient
+
+    from server.app import ServerState, build_app
+    from tests.server.test_tool_calls_api import Answering
+
+    strict = AutoTokenizer.from_pretrained(SHIPPED)
+    strict.chat_template = (
+        "{% if loud %}{{ raise_exception('too loud') }}{% endif %}"
+        "{% for t in tools or [] %}{% if t.function.name == 'f' %}{{ raise_exception('no f') }}{% endif %}{% endfor %}"
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+        "{{ m.role }}: {{ m.content | upper }}\n{% endfor %}"
+    )
+    engine = Answering(tokenizer, "x")
+    client = TestClient(build_app(ServerState(engine, strict, "m", 4096, len(tokenizer), (0,))))
+    response = client.post("/v1/chat/completions", json={"messages": OPENED, **fields})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert engine.submitted == []

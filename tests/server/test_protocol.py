@@ -254,6 +254,7 @@ def test_offered_tools_reach_the_template_and_turn_parsing_on_unless_tool_choice
         ({"tools": [TOOL, TOOL]}, "tools", ("two tools are named 'f'",)),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name", ("pattern",)),
         ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type", ("function",)),
+        ({"tools": [{"function": {"name": "f"}}, {"function": {"name": "f"}}]}, "tools", ("two tools",)),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
          "tools.0.function.parameters", ()),
         ({"tools": [TOOL] * 129}, "tools", ("at most 128",)),
@@ -266,6 +267,12 @@ def test_offered_tools_reach_the_template_and_turn_parsing_on_unless_tool_choice
             {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
          "messages.1.tool_calls.0.function.arguments", ("JSON object",)),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages.0", ("assistant",)),
+        ({"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}]},
+         "messages.1.tool_calls.0.function.arguments", ("less deeply",)),
+        ({"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": '{"c": "\\ud83d"}'}}]}]},
+         "messages.1.tool_calls.0.function.arguments", ("UTF-8",)),
     ],
 )  # fmt: skip
 def test_bad_tools_and_tool_calls_are_refused_naming_the_field(fields: dict[str, Any], param: str, words) -> None:

@@ -115,11 +115,23 @@ def test_bad_json_block_kept_verbatim_in_place() -> None:
     assert calls == [ToolCall("call-0", "f", "{}")]
 
 
-def test_unclosed_block_kept_as_content() -> None:
-    text = EMPTY + '\n<tool_call>\n{"name": "g", "arguments": {"x": 1}}\n'
-    content, calls = parse_tool_calls(text, make_id=counter_ids())
-    assert content == '\n<tool_call>\n{"name": "g", "arguments": {"x": 1}}\n'
-    assert [c.name for c in calls] == ["f"]
+def test_an_unclosed_last_block_is_content_unless_its_text_parses() -> None:
+    """As vLLM's Hermes parser takes a block whose end tag a stop string cut: a call where its text parses."""
+    cut = EMPTY + '\n<tool_call>\n{"name": "g", "arguments": {"x": 1'
+    content, calls = parse_tool_calls(cut, make_id=counter_ids())
+    assert content == '\n<tool_call>\n{"name": "g", "arguments": {"x": 1' and [c.name for c in calls] == ["f"]
+    content, calls = parse_tool_calls(cut + "}}\n", make_id=counter_ids())
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("f", "{}"), ("g", '{"x": 1}')]
+    assert stream([cut + "}}", "\n"]) == (content, calls)
+
+
+@pytest.mark.parametrize("escape", ['"\\ud83d"', '"\\udc00 x"'])
+def test_a_lone_surrogate_escape_is_no_call(escape: str) -> None:
+    """A call whose name or arguments hold half a surrogate pair could not be written as UTF-8: it stays content."""
+    for block in (f'<tool_call>{{"name": "f", "arguments": {{"c": {escape}}}}}</tool_call>',
+                  f'<tool_call>{{"name": {escape}}}</tool_call>'):  # fmt: skip
+        assert parse_tool_calls(block) == (block, [])
+        assert stream([block]) == (block, [])
 
 
 def test_non_ascii_arguments_kept() -> None:
@@ -201,6 +213,9 @@ def test_stream_unclosed_block_released_at_flush() -> None:
     parser = ToolCallStream(make_id=counter_ids())
     assert parser.feed('ok <tool_call>{"name": "f"') == ("ok ", [])
     assert parser.flush() == ('<tool_call>{"name": "f"', [])
+    parser = ToolCallStream(make_id=counter_ids())
+    assert parser.feed('ok <tool_call>{"name": "f"}') == ("ok ", [])
+    assert parser.flush() == ("", [ToolCall("call-0", "f", "{}")])
 
 
 # ToolCall and ids
