@@ -72,6 +72,16 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself where the value is no file (and looks like one)."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if not any(mark in value for mark in ("{%", "{{")):
+        raise argparse.ArgumentTypeError(f"no file {value!r}, nor a Jinja template's text")
+    return value
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """Flags every command that loads a model shares."""
     parser.add_argument(
@@ -104,6 +114,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
     parser.add_argument(
         "--context",
+        "--max-model-len",
         type=_positive_int,
         default=None,
         help="tokens per request, prompt and output (default: the model's max_position_embeddings, "
@@ -111,6 +122,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-lanes",
+        "--max-num-seqs",
         type=_lanes,
         default=64,
         help="requests served at once, one lane each; more wait (default 64)",
@@ -186,6 +198,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tp",
+        "--tensor-parallel-size",
         type=int,
         choices=(1, 2),
         default=None,
@@ -200,6 +213,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the model id in the API (default: the checkpoint folder's name)"
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        default=None,
+        help="a Jinja chat template (a file, or the template's text) in place of the checkpoint's (default: the "
+        "checkpoint's)",
     )
 
 
@@ -315,6 +335,8 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     eos_token_ids(args.model, load_tokenizer(args.model), cfg.eos_token_id)  # read again once the weights are in
     if args.command != "serve":
         return None
+    if args.chat_template is not None:
+        load_tokenizer(args.model, args.chat_template)  # a TokenizerError names the flag
     if args.context is not None and args.context > cfg.max_position_embeddings:
         return f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions"
     for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):

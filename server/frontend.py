@@ -34,6 +34,7 @@ class FrontSettings:
     vocab_size: int
     eos_ids: tuple[int, ...]
     api_key: str | None
+    chat_template: str | None  # --chat-template's text, in place of the checkpoint's
     cache_enabled: bool
     host: str
     port: int
@@ -115,7 +116,7 @@ def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.
     client = EngineClient(sock, settings.context, settings.cache_enabled, engine_lost)
     state = ServerState(
         client,
-        load_tokenizer(settings.model_path),
+        load_tokenizer(settings.model_path, settings.chat_template),
         settings.model_name,
         settings.context,
         settings.vocab_size,

@@ -201,7 +201,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     cfg = model.cfg
     context = plan_lanes(args, model)
     free = free_memory(model.device)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, args.chat_template)
     name = args.served_model_name or args.model.name
     metrics = EngineMetrics(name)
     runner = runner or ModelRunner(model, args.max_lanes)
@@ -246,6 +246,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         vocab_size=cfg.vocab_size,
         eos_ids=eos_token_ids(args.model, tokenizer, cfg.eos_token_id),
         api_key=args.api_key,
+        chat_template=args.chat_template,
         cache_enabled=cache.enabled,
         host=args.host,
         port=args.port,

@@ -77,6 +77,32 @@ def test_serve_help_explains_every_flag_and_its_default():
             assert action.help and ("default" in action.help or action.choices), action.dest
 
 
+def test_vllms_names_of_the_context_lanes_and_tp_flags_are_taken_too():
+    parse = build_parser().parse_args
+    ours = parse(["serve", "--context", "512", "--max-lanes", "3", "--tp", "2"])
+    theirs = parse(["serve", "--max-model-len", "512", "--max-num-seqs", "3", "--tensor-parallel-size", "2"])
+    assert (theirs.context, theirs.max_lanes, theirs.tp) == (ours.context, ours.max_lanes, ours.tp) == (512, 3, 2)
+
+
+def test_chat_template_replaces_the_checkpoints_for_every_render(tmp_path):
+    """--chat-template (a file or the text) is the template the routes render with, in the engine's process and in
+    the front end's (it travels in the front's settings)."""
+    from server.serve import create_serving
+    from server.tokenizer import load_tokenizer
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    for value in (str(tmp_path / "t.jinja"), template):
+        args = build_parser().parse_args(["serve", "--chat-template", value])
+        assert args.chat_template == template
+    serving = create_serving(args)
+    assert serving.front.chat_template == template and serving.tokenizer.chat_template == template
+    front_tokenizer = load_tokenizer(serving.front.model_path, serving.front.chat_template)
+    chat = [{"role": "user", "content": "hi"}]
+    assert front_tokenizer.apply_chat_template(chat, tokenize=False) == "[user] hi\n"
+    assert load_tokenizer(SHIPPED_MODEL).apply_chat_template(chat, tokenize=False) != "[user] hi\n"
+
+
 def test_rounds_are_planned_ahead_unless_asked_not_to():
     """--plan-ahead is on by default: at the real shapes it won at one and eight streams (docs/performance.md,
     forty-fourth session); the flag turns it off, which the shipped model's single stream prefers."""
@@ -309,8 +335,9 @@ def broken_checkpoint(folder: Path, config: str) -> Path:
         (["--port", "-1"], "--port"),
         (["--prompt-cache-gib", "nan"], "--prompt-cache-gib"),
         (["--prompt-cache-gib", "-1"], "--prompt-cache-gib"),
-        (["--max-lanes", "1.5"], "--max-lanes: expected a whole number"),
-        (["--max-lanes", "1000000000"], "--max-lanes: at most 65535"),
+        (["--max-lanes", "1.5"], "--max-lanes/--max-num-seqs: expected a whole number"),
+        (["--max-lanes", "1000000000"], "--max-lanes/--max-num-seqs: at most 65535"),
+        (["--chat-template", "no/such/file.jinja"], "--chat-template: no file 'no/such/file.jinja'"),
     ],
 )
 def test_malformed_flag_values_are_refused_by_the_parser_naming_the_flag(capsys, flags, named):
@@ -327,6 +354,8 @@ def test_malformed_flag_values_are_refused_by_the_parser_naming_the_flag(capsys,
         (["--api-key", ""], "--api-key: must not be empty"),
         (["--served-model-name", " "], "--served-model-name: must not be empty"),
         (["--cuda-graphs", "on"], "--cuda-graphs on: needs --kernels on and --device cuda"),
+        (["--chat-template", "{% if %}"], "--chat-template: the chat template does not compile"),
+        (["configs/qwen3.8-flash-next", "--chat-template", "{{ 1 }}"], "has no tokenizer to render it with"),
     ],
 )
 def test_flags_that_cannot_serve_are_refused_before_the_model_loads(capsys, monkeypatch, flags, message):
