@@ -39,7 +39,7 @@ from server.protocol import (
     token_sha,
 )
 from server.textout import prompt_opens_thinking
-from server.tokenizer import renders_tools
+from server.tokenizer import template_reads
 from server.tool_calls import ToolCallStream, parse_tool_calls
 
 PUBLIC_PATHS = ("/health", "/metrics")
@@ -147,9 +147,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     def render_chat(body: ChatCompletionRequest) -> str:
         tokenizer = need_tokenizer("messages")
-        if body.tools and not renders_tools(tokenizer):
-            raise ApiError("tools: this model's chat template does not render tools, so it would never see them",
-                           param="tools")  # fmt: skip
+        for field in ("tools", "documents"):
+            if getattr(body, field) and not template_reads(tokenizer, field):
+                raise ApiError(f"{field}: this model's chat template does not render {field}, so it would never see "
+                               "them", param=field)  # fmt: skip
         messages = [m.for_template() for m in body.messages]
         try:
             return tokenizer.apply_chat_template(
@@ -164,15 +165,17 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(f"{param}: the chat template refused this request: {exc}", param=param) from exc
 
     def blamed(tokenizer: Any, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
-        """The request field a template's refusal comes from: the first of the messages, the tools, the turn
-        switches and chat_template_kwargs whose addition makes the render fail."""
+        """The request field a template's refusal comes from: the first of the messages, the tools, the documents,
+        the turn switches and chat_template_kwargs whose addition makes the render fail."""
         kwargs = body.template_kwargs()
-        tools = {"tools": kwargs.pop("tools")} if "tools" in kwargs else {}
+        offered = {name: kwargs.pop(name) for name in ("tools", "documents") if name in kwargs}
         turn = {"add_generation_prompt": body.add_generation_prompt,
                 "continue_final_message": body.continue_final_message}  # fmt: skip
         switch = "continue_final_message" if body.continue_final_message else "add_generation_prompt"
         given: dict[str, Any] = {}
-        for param, added in (("messages", {}), ("tools", tools), (switch, turn), ("chat_template_kwargs", kwargs)):
+        steps = [("messages", {}), *((name, {name: value}) for name, value in offered.items()), (switch, turn),
+                 ("chat_template_kwargs", kwargs)]  # fmt: skip
+        for param, added in steps:
             given |= added
             try:
                 tokenizer.apply_chat_template(messages, tokenize=False, **({"add_generation_prompt": True} | given))

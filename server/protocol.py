@@ -33,6 +33,8 @@ MAX_BATCH_PROMPTS = 256
 # OpenAI's rule for a function's name; and the most tools one request may offer
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_TOOLS = 128
+# The most documents (retrieved texts, for templates that render them) one chat may give
+MAX_DOCUMENTS = 128
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
@@ -435,14 +437,14 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Any = None
-    documents: Any = None
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)  # for templates that render them
     functions: Any = None
     function_call: Any = None
     include_reasoning: Any = None
     reasoning_effort: Literal["none", "low", "medium", "high", "xhigh"] | None = None
 
     _check_chat_unhonoured = field_validator(
-        "chat_template", "documents", "functions", "function_call", "include_reasoning",
+        "chat_template", "functions", "function_call", "include_reasoning",
     )(_refuse_unless_harmless)  # fmt: skip
 
     @field_validator("top_logprobs")
@@ -504,6 +506,8 @@ class ChatCompletionRequest(_SamplingRequest):
         kwargs = self.chat_template_kwargs.model_dump(exclude_none=True)
         if self.tools:
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if self.documents:
+            kwargs["documents"] = self.documents
         if self.reasoning_effort is not None:
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
             if self.reasoning_effort != "none":

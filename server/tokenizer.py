@@ -15,10 +15,12 @@ class TokenizerError(ValueError):
     """A tokenizer, chat template or generation_config.json that does not load; the message names it."""
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path, chat_template: str | None = None):
     """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work); one that does not load
-    is refused as a TokenizerError."""
+    is refused as a TokenizerError. `chat_template` (--chat-template's text) replaces the checkpoint's template."""
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        if chat_template is not None:
+            raise TokenizerError(f"--chat-template: {model_dir} has no tokenizer to render it with")
         log.warning("%s has no tokenizer: only token-id prompts can be served", model_dir)
         return None
     from transformers import AutoTokenizer
@@ -27,7 +29,9 @@ def load_tokenizer(model_dir: Path):
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # a broken file fails in json, tokenizers or transformers, each with its own errors
         raise TokenizerError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
-    check_chat_template(tokenizer, model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    check_chat_template(tokenizer, "--chat-template: the" if chat_template is not None else f"{model_dir}: its")
     clear_presets(tokenizer)
     return tokenizer
 
@@ -44,39 +48,40 @@ def clear_presets(tokenizer) -> None:
         backend.no_padding()
 
 
-def check_chat_template(tokenizer, model_dir: Path) -> None:
-    """Refuse a chat template with a syntax error, which every chat request would meet; one that refuses some
-    conversations, or none at all, is the requests' business (text completions need none)."""
+def check_chat_template(tokenizer, whose: str) -> None:
+    """Refuse a chat template with a syntax error, which every chat request would meet (`whose` names it: "MODEL:
+    its" or a flag); one that refuses some conversations, or none at all, is the requests' business (text
+    completions need none)."""
     from jinja2 import TemplateSyntaxError
 
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     except TemplateSyntaxError as exc:
-        raise TokenizerError(f"{model_dir}: its chat template does not compile ({exc})") from exc
+        raise TokenizerError(f"{whose} chat template does not compile ({exc})") from exc
     except ImportError as exc:  # transformers' own check of the jinja2 it renders with
-        raise TokenizerError(f"{model_dir}: its chat template cannot be rendered here ({exc})") from exc
+        raise TokenizerError(f"{whose} chat template cannot be rendered here ({exc})") from exc
     except Exception:  # a template that refuses this conversation, or no template at all
         pass
 
 
-def renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template (any of its named ones) reads a `tools` variable: one that does not
-    would drop offered tools without a word."""
+def template_reads(tokenizer, name: str) -> bool:
+    """Whether the tokenizer's chat template (any of its named ones) reads the variable `name` (`tools`,
+    `documents`): one that does not would drop what the request gives there without a word."""
     template = getattr(tokenizer, "chat_template", None)
     sources = template.values() if isinstance(template, dict) else [template]
-    return any(_reads_tools(source) for source in sources if isinstance(source, str))
+    return any(name in _variables(source) for source in sources if isinstance(source, str))
 
 
 @functools.lru_cache(maxsize=8)
-def _reads_tools(source: str) -> bool:
-    """Whether a template's source reads `tools` as a variable (by name, where jinja2 cannot parse it alone)."""
+def _variables(source: str) -> frozenset[str]:
+    """The variables a template's source reads (every word in it, where jinja2 cannot parse it alone)."""
     from jinja2 import Environment, TemplateSyntaxError, meta
 
     try:
         parsed = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
     except TemplateSyntaxError:  # a tag only transformers' environment knows
-        return re.search(r"\btools\b", source) is not None
-    return "tools" in meta.find_undeclared_variables(parsed)
+        return frozenset(re.findall(r"\w+", source))
+    return frozenset(meta.find_undeclared_variables(parsed))
 
 
 def generation_eos_ids(model_dir: Path) -> list[int]:

@@ -107,3 +107,26 @@ def test_a_template_refusal_names_the_field_whose_addition_makes_it_refuse(token
     response = client.post("/v1/chat/completions", json={"messages": OPENED, **fields})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert engine.submitted == []
+
+
+def test_documents_reach_a_template_that_renders_them_and_are_a_400_for_one_that_does_not(tokenizer):
+    from fastapi.testclient import TestClient
+
+    from server.app import ServerState, build_app
+    from tests.server.test_tool_calls_api import Answering
+
+    documents = [{"title": "A", "text": "alpha"}, {"text": "beta"}]
+    reader = AutoTokenizer.from_pretrained(SHIPPED)
+    reader.chat_template = (
+        "{% for d in documents or [] %}<doc>{{ d.text }}</doc>{% endfor %}{% for m in messages %}{{ m.content }}"
+        "{% endfor %}"
+    )
+    for template_tokenizer, status in ((reader, 200), (tokenizer, 400)):
+        engine = Answering(tokenizer, "x")
+        client = TestClient(build_app(ServerState(engine, template_tokenizer, "m", 4096, len(tokenizer), (0,))))
+        response = client.post("/v1/chat/completions", json={"messages": OPENED, "documents": documents})
+        assert response.status_code == status, response.text
+        if status == 400:
+            assert response.json()["error"]["param"] == "documents" and engine.submitted == []
+        else:
+            assert tokenizer.decode(engine.submitted[-1].prompt_ids).startswith("<doc>alpha</doc><doc>beta</doc>")

@@ -237,6 +237,16 @@ def test_tool_calls_and_tool_call_ids_reach_the_template_with_arguments_as_objec
     assert rendered[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
 
 
+def test_documents_reach_the_template_as_given() -> None:
+    documents = [{"title": "A", "text": "alpha"}, {"text": "beta"}]
+    kwargs = parse_request(ChatCompletionRequest, {"messages": USER, "documents": documents}).template_kwargs()
+    assert kwargs["documents"] == documents
+    empty = parse_request(ChatCompletionRequest, {"messages": USER, "documents": []})
+    assert "documents" not in empty.template_kwargs()
+    assert_names(chat_error(documents=[{"text": 1}]), "documents.0.text", "string")
+    assert_names(chat_error(documents=[{"text": "x"}] * 129), "documents", "at most 128")
+
+
 def test_offered_tools_reach_the_template_and_turn_parsing_on_unless_tool_choice_is_none() -> None:
     body = {"messages": USER, "tools": [TOOL]}
     request = parse_request(ChatCompletionRequest, body)
@@ -321,7 +331,7 @@ def test_vllms_sampling_fields_are_refused_by_both_routes_unless_they_change_not
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("chat_template", "{{ x }}"), ("documents", [{"text": "d"}])],
+    [("chat_template", "{{ x }}")],
 )
 def test_chat_rendering_fields_are_refused_unless_they_change_nothing(field: str, value: Any) -> None:
     assert_names(chat_error(**{field: value}), field, "not supported yet")
