@@ -1,6 +1,6 @@
 """Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
-penalties, allowed_token_ids and prompt_logprobs, each drafted and undrafted, streamed and not. Prints PASS or FAIL
-per check; exits 1 on any failure.
+penalties, allowed_token_ids, prompt_logprobs, batches of prompts and echo, each drafted and undrafted, streamed and
+not. Prints PASS or FAIL per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -102,6 +102,20 @@ def main() -> int:
     ]  # fmt: skip  (128: whole GDN chunks, cut alike in both)
     check("prompt_logprobs: one per prompt token", len(entries[0]) == 300 and entries[0][0] is None)
     check("prompt_logprobs: the first 128 the same alone and inside 300", entries[0][:128] == entries[1])
+    batch = [PROMPT, "class Stack:\n    ", "import os\n"]
+    together = shown(complete(base, prompt=batch, n=2, **sampled))
+    alone = [c for p in batch for c in shown(complete(base, prompt=p, n=2, **sampled))]
+    check("batch of 3 prompts, n=2: choice i * 2 + j = prompt i alone", together == alone)
+    check("batch streamed = not streamed", shown(complete(base, prompt=batch, n=2, stream=True, **sampled)) == together)
+    echoed = complete(base, echo=True, logprobs=2, max_tokens=4, temperature=0)["choices"][0]["logprobs"]
+    prompt_only = complete(base, echo=True, logprobs=2, max_tokens=0)["choices"][0]["logprobs"]
+    width = len(prompt_only["tokens"])
+    check("echo, max_tokens 0: the prompt's logprobs as echo gives them before an answer",
+          all(prompt_only[key] == echoed[key][:width] for key in ("tokens", "token_logprobs", "top_logprobs"))
+          and len(echoed["tokens"]) == width + 4)  # fmt: skip
+    streamed_echo = complete(base, echo=True, logprobs=2, max_tokens=4, temperature=0, stream=True)
+    check("echo with logprobs: streamed = not streamed",
+          streamed_echo["choices"][0]["logprobs"]["token_logprobs"] == echoed["token_logprobs"])  # fmt: skip
     return 1 if failures else 0
 
 
