@@ -95,6 +95,11 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     return counts
 
 
+def truncated(prompt_ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (the same list where it is no longer)."""
+    return prompt_ids[-keep:] if keep is not None and len(prompt_ids) > keep else prompt_ids
+
+
 def choices_usage(prompts: list[list[int]], completions: list[list[int]], cached: list[int]) -> dict[str, Any]:
     """Usage of a request's choices, as many a prompt in prompt order: each prompt once, every choice's tokens, and
     for each prompt the most of its tokens one of its choices resumed."""
@@ -290,8 +295,10 @@ def build_app(state: ServerState) -> FastAPI:
         """The rendered chat, its checked token ids and where each message ends (prompt cache boundaries)."""
         text = render_chat(body)
         prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
-        check_prompt(prompt_ids, "messages")  # first: message_ends renders every prefix of the messages
-        return text, prompt_ids, message_ends(body, prompt_ids) if state.engine.cache_enabled else ()
+        kept = truncated(prompt_ids, body.truncate_prompt_tokens)
+        check_prompt(kept, "messages")  # first: message_ends renders every prefix of the messages
+        # a truncated prompt's message ends are not where the full render's are
+        return text, kept, message_ends(body, kept) if state.engine.cache_enabled and kept is prompt_ids else ()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -308,8 +315,8 @@ def build_app(state: ServerState) -> FastAPI:
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": body.echoed() + outcome.content,
-                "reasoning_content": outcome.reasoning or None,
-                "reasoning": outcome.reasoning or None,
+                "reasoning_content": (body.include_reasoning and outcome.reasoning) or None,
+                "reasoning": (body.include_reasoning and outcome.reasoning) or None,
             }
             finish_reason = outcome.finish_reason
             if body.parses_tool_calls():  # as vLLM answers a call: content null when only calls came
@@ -384,14 +391,15 @@ def build_app(state: ServerState) -> FastAPI:
                 prompt_ids = need_tokenizer(param)(prompt, add_special_tokens=False)["input_ids"]
             else:
                 prompt_ids = list(prompt)
-            check_prompt(prompt_ids, param)
-            prompts.append(prompt_ids)
+            kept = truncated(prompt_ids, body.truncate_prompt_tokens)
+            check_prompt(kept, param)
+            prompts.append(kept)
             if not body.echo:
                 echoed.append("")
-            elif isinstance(prompt, str):
+            elif isinstance(prompt, str) and kept is prompt_ids:
                 echoed.append(prompt)
             else:
-                echoed.append(state.tokenizer.decode(prompt_ids) if state.tokenizer is not None else "")
+                echoed.append(state.tokenizer.decode(kept) if state.tokenizer is not None else "")
         return prompts, echoed
 
     async def shaped(choice, outcomes: list[Outcome], with_logprobs: bool) -> list[dict[str, Any]]:
@@ -523,10 +531,11 @@ def build_app(state: ServerState) -> FastAPI:
             }
             if piece is not None:
                 content, calls = tool_deltas(index, piece)
-                if content or not (piece.reasoning or calls):
+                reasoning = piece.reasoning if body.include_reasoning else ""
+                if content or not (reasoning or calls):
                     delta["content"] = content
-                if piece.reasoning:
-                    delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
+                if reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = reasoning
                 if calls:
                     delta["tool_calls"] = calls
                 finish_reason = piece.finish_reason

@@ -95,7 +95,9 @@ class Generation:
             prompt_logprobs=params.prompt_logprobs,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_tokens=keep) if tokenizer else None
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, keep, params.skip_special_tokens) if tokenizer else None
+        )
         self.stops = StopMatcher(params.stop, include=params.include_stop_str_in_output)
         self.speak_stop_token = params.include_stop_str_in_output
         # the request's own stop tokens, reported as its stop_reason; an EOS it also lists stays EOS (null), as vLLM's

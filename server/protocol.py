@@ -43,14 +43,12 @@ _HARMLESS: dict[str, Any] = {
     "response_format": {"type": "text"},
     # vLLM's sampling and output extensions
     "bad_words": [],
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "use_beam_search": False,
     "logits_processors": [],
-    # chat only: OpenAI's tools before `tools`, and vLLM's switch for the reasoning text
+    # chat only: OpenAI's tools before `tools`
     "functions": [],
     "function_call": "none",
-    "include_reasoning": True,
 }
 _NO_VALUE = object()  # the harmless value of a field that has none
 # Arguments of the template call itself, which the server sets: not template variables.
@@ -93,6 +91,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: on each id the output holds
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only ids it may draw, in id order (none: any)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and that many of the most likely
+    skip_special_tokens: bool = True  # vLLM's: special tokens (other than a stop token) give no text
 
 
 class ApiError(Exception):
@@ -313,11 +312,11 @@ class _SamplingRequest(_StrictModel):
     min_tokens: int = Field(0, ge=0)
     bad_words: Any = None
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_IDS)
-    skip_special_tokens: Any = None
+    skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    truncate_prompt_tokens: Any = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the prompt's last that many tokens
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -327,10 +326,9 @@ class _SamplingRequest(_StrictModel):
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "response_format", "bad_words",
-        "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search",
-        "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "structured_outputs", "structural_tag", "logits_processors",
+        "response_format", "bad_words", "spaces_between_special_tokens", "use_beam_search",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "structural_tag",
+        "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
 
     _drop_nulls = model_validator(mode="before")(_without_nulls)
@@ -410,6 +408,7 @@ class _SamplingRequest(_StrictModel):
             presence_penalty=self.presence_penalty,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
             prompt_logprobs=self.prompt_logprobs_count(),
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     def logprobs_count(self) -> int | None:
@@ -440,11 +439,11 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)  # for templates that render them
     functions: Any = None
     function_call: Any = None
-    include_reasoning: Any = None
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking text out of the answer
     reasoning_effort: Literal["none", "low", "medium", "high", "xhigh"] | None = None
 
     _check_chat_unhonoured = field_validator(
-        "chat_template", "functions", "function_call", "include_reasoning",
+        "chat_template", "functions", "function_call",
     )(_refuse_unless_harmless)  # fmt: skip
 
     @field_validator("top_logprobs")

@@ -27,9 +27,14 @@ class IncrementalDetokenizer:
     __slots__ = ("_ids", "_pieces", "_read", "_skip", "_tokenizer")
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: Iterable[int] | None = None, keep_tokens: tuple[str, ...] = ()
+        self,
+        tokenizer: Any,
+        prompt_ids: Iterable[int] | None = None,
+        keep_tokens: tuple[str, ...] = (),
+        skip_special: bool = True,
     ) -> None:
-        """Skip special tokens except `keep_tokens` (rendered as their text); `prompt_ids` give left context."""
+        """Skip special tokens (where `skip_special`) except `keep_tokens` (rendered as their text); `prompt_ids` give
+        left context."""
         keep = {
             tid
             for token in keep_tokens
@@ -38,7 +43,7 @@ class IncrementalDetokenizer:
         }
         special = {tid for tid, added in tokenizer.added_tokens_decoder.items() if added.special}
         self._tokenizer = tokenizer
-        self._skip = (special | set(tokenizer.all_special_ids)) - keep
+        self._skip = (special | set(tokenizer.all_special_ids)) - keep if skip_special else set()
         # The window: ids[:read] were already turned into text and only give context; ids[read:] are pending.
         self._ids = [i for i in prompt_ids or () if i not in self._skip][-PROMPT_CONTEXT:]
         self._read = len(self._ids)

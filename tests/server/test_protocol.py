@@ -137,7 +137,6 @@ def test_missing_messages() -> None:
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"include_reasoning": False}, "include_reasoning"),
     ],
 )
 def test_unsupported_features_are_refused(fields: dict[str, Any], param: str) -> None:
@@ -308,10 +307,8 @@ def test_two_reasonings_that_differ_are_refused() -> None:
     ("field", "value"),
     [
         ("bad_words", ["no"]),
-        ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False),
         ("use_beam_search", True),
-        ("truncate_prompt_tokens", 100),
         ("guided_json", {"type": "object"}),
         ("guided_regex", "a+"),
         ("guided_choice", ["yes", "no"]),
@@ -360,7 +357,7 @@ def test_chat_echo_repeats_the_last_message_only_where_it_is_the_assistants() ->
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("use_beam_search", 0), ("skip_special_tokens", 1), ("include_reasoning", 1)],
+    [("use_beam_search", 0), ("spaces_between_special_tokens", 1)],
 )  # fmt: skip
 def test_a_harmless_value_must_also_have_the_harmless_json_type(field: str, value: Any) -> None:
     """Strict as every other field: true is not 1 and 0 is not false, though 1 is 1.0."""
@@ -666,3 +663,22 @@ def test_an_echo_of_the_prompt_alone_draws_one_token_for_its_prompt_pass() -> No
     request = parse_request(CompletionRequest, {"prompt": [1, 2], "max_tokens": 0, "echo": True, "logprobs": 1})
     assert request.echoes_only() and request.sampling_params().max_tokens == 1
     assert request.sampling_params().prompt_logprobs == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"skip_special_tokens": 0}, "skip_special_tokens", ("boolean",)),
+        ({"include_reasoning": "no"}, "include_reasoning", ("boolean",)),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ("greater than or equal to 1",)),
+        ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens", ("greater than or equal to 1",)),
+    ],
+)
+def test_vllms_output_switches_take_only_their_own_types(fields: dict[str, Any], param: str, words) -> None:
+    assert_names(chat_error(**fields), param, *words)
+
+
+def test_skip_special_tokens_reaches_the_sampling_params() -> None:
+    assert parse_request(ChatCompletionRequest, {"messages": USER}).sampling_params().skip_special_tokens
+    kept = parse_request(CompletionRequest, {"prompt": "x", "skip_special_tokens": False}).sampling_params()
+    assert not kept.skip_special_tokens
