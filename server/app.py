@@ -6,9 +6,13 @@ import asyncio
 import hmac
 import json
 import time
+import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,7 +46,7 @@ from server.textout import prompt_opens_thinking
 from server.tokenizer import template_reads
 from server.tool_calls import ToolCallStream, parse_tool_calls
 
-PUBLIC_PATHS = ("/health", "/metrics")
+PUBLIC_PATHS = ("/health", "/metrics", "/version")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
 # would cost the square of a long conversation's length
 MESSAGE_KEEPS = 4
@@ -93,6 +97,15 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     if cached is not None:
         counts["prompt_tokens_details"] = {"cached_tokens": cached}
     return counts
+
+
+def server_version() -> str:
+    """flashnext's version, as installed or, run from a checkout not installed, as its pyproject.toml gives it."""
+    try:
+        return package_version("flashnext")
+    except PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
 
 
 def truncated(prompt_ids: list[int], keep: int | None) -> list[int]:
@@ -602,16 +615,29 @@ def build_app(state: ServerState) -> FastAPI:
 
         return stream(generations, body.n, frame, body.stream_options)
 
-    @app.get("/v1/models")
-    async def models():
-        card = {
+    def model_card() -> dict[str, Any]:
+        """The served model as /v1/models lists it, with vLLM's max_model_len."""
+        return {
             "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "flashnext",
             "max_model_len": state.context,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        """OpenAI's retrieve of one model (a name may hold slashes, as a Hugging Face repo's does)."""
+        check_model(name)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": server_version()}
 
     @app.get("/health")
     async def health():

@@ -956,6 +956,9 @@ def test_thirty_two_streams_all_complete(live):
 
 def test_models_metrics_tokenize_detokenize(live):
     assert [m.id for m in client(live).models.list()] == [live.model]
+    assert client(live).models.retrieve(live.model).id == live.model
+    with pytest.raises(openai.NotFoundError):
+        client(live).models.retrieve("org/another-model")
     ids = httpx.post(f"{live.url}/tokenize", json={"prompt": "def add(a, b):"}).json()["tokens"]
     assert httpx.post(f"{live.url}/detokenize", json={"tokens": ids}).json()["prompt"] == "def add(a, b):"
     refused = httpx.post(f"{live.url}/detokenize", json={"tokens": [True]})  # a JSON bool is not a token id
@@ -1106,6 +1109,29 @@ def test_tokenize_and_detokenize_check_the_model_as_the_completion_routes_do(liv
     number = httpx.post(f"{live.url}{route}", json={**body, "model": 5})
     assert number.status_code == 400 and error_of(number)["param"] == "model"
     assert httpx.post(f"{live.url}{route}", json={**body, "model": live.model}).status_code == 200
+
+
+def test_version_is_the_packages_and_needs_no_key(monkeypatch):
+    """vLLM's /version, public as /health is; from pyproject.toml where the package is run from a checkout."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError
+
+    from fastapi.testclient import TestClient
+
+    import server.app
+    from server.app import ServerState, build_app
+    from tests.server.test_generation import RecordingEngine
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    http = TestClient(build_app(ServerState(RecordingEngine(), None, "m", 256, 512, (0,), api_key="k")))
+    assert http.get("/version").json() == {"version": pyproject["project"]["version"]}
+
+    def not_installed(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(server.app, "package_version", not_installed)
+    assert http.get("/version").json() == {"version": pyproject["project"]["version"]}
+    assert http.get("/v1/models").status_code == 401
 
 
 def test_api_key_is_required_when_set(ckpt):
