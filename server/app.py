@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.engine import ContextLengthError, EngineStopped, check_context
-from server.generation import Generation, Outcome, Piece, interleaved
+from server.generation import Generation, Outcome, interleaved
 from server.handle import EngineHandle
 from server.logprobs import (
     chat_logprobs,
@@ -44,7 +44,7 @@ from server.protocol import (
 )
 from server.textout import prompt_opens_thinking
 from server.tokenizer import template_reads
-from server.tool_calls import ToolCallStream, parse_tool_calls
+from server.tool_calls import ToolCallCut, parse_tool_calls
 
 PUBLIC_PATHS = ("/health", "/metrics", "/version")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
@@ -515,23 +515,8 @@ def build_app(state: ServerState) -> FastAPI:
     def chat_chunks(generations: list[Generation], body: ChatCompletionRequest) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
-        # each choice's tool-call blocks, cut from its content as they close; and how many calls each has sent
-        tool_streams = [ToolCallStream() for _ in generations] if body.parses_tool_calls() else None
-        calls_sent = [0] * len(generations)
-
-        def tool_deltas(index: int, piece: Piece) -> tuple[str, list[dict[str, Any]]]:
-            """The piece's content less its tool-call blocks, and the calls they closed, as delta entries."""
-            if tool_streams is None:
-                return piece.content, []
-            content, calls = tool_streams[index].feed(piece.content)
-            if piece.finish_reason is not None:
-                tail, last = tool_streams[index].flush()
-                content, calls = content + tail, calls + last
-            if not body.parallel_tool_calls:
-                calls = calls[: max(0, 1 - calls_sent[index])]
-            entries = [call.to_openai(calls_sent[index] + k) for k, call in enumerate(calls)]
-            calls_sent[index] += len(calls)
-            return content, entries
+        # each choice's tool-call blocks, cut from its content as they close
+        cuts = [ToolCallCut(body.parallel_tool_calls) for _ in generations] if body.parses_tool_calls() else None
 
         def frame(index: int, piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": body.echoed()} if piece is None else {}
@@ -543,16 +528,19 @@ def build_app(state: ServerState) -> FastAPI:
                 "logprobs": None,
             }
             if piece is not None:
-                content, calls = tool_deltas(index, piece)
+                content, calls = piece.content, []
+                if cuts is not None:
+                    content, calls = cuts[index].take(piece.content, piece.finish_reason is not None)
                 reasoning = piece.reasoning if body.include_reasoning else ""
                 if content or not (reasoning or calls):
                     delta["content"] = content
                 if reasoning:
                     delta["reasoning_content"] = delta["reasoning"] = reasoning
                 if calls:
-                    delta["tool_calls"] = calls
+                    sent = cuts[index].sent - len(calls)  # each call's index among the choice's calls
+                    delta["tool_calls"] = [call.to_openai(sent + k) for k, call in enumerate(calls)]
                 finish_reason = piece.finish_reason
-                if finish_reason is not None and calls_sent[index]:
+                if finish_reason is not None and cuts is not None and cuts[index].sent:
                     finish_reason = "tool_calls"
                 choice.update(finish_reason=finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:

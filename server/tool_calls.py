@@ -144,3 +144,26 @@ class ToolCallStream:
         held = self._held if self._block is None else self._held + START + self._block
         self._held, self._block, self._scan = "", None, 0
         return (held if self._live or held.strip() or not self._called else ""), []
+
+
+class ToolCallCut:
+    """One choice's streamed content cut into text and calls as its pieces come, only the first call kept unless
+    parallel calls are allowed (OpenAI's parallel_tool_calls)."""
+
+    __slots__ = ("_parallel", "_stream", "sent")
+
+    def __init__(self, parallel: bool, make_id: Callable[[], str] = new_call_id) -> None:
+        self._stream = ToolCallStream(make_id)
+        self._parallel = parallel
+        self.sent = 0  # calls handed out so far
+
+    def take(self, text: str, last: bool) -> tuple[str, list[ToolCall]]:
+        """(content delta, calls) of the next piece's text; `last`: the reply ends with it."""
+        content, calls = self._stream.feed(text)
+        if last:
+            tail, closed = self._stream.flush()
+            content, calls = content + tail, calls + closed
+        if not self._parallel:
+            calls = calls[: max(0, 1 - self.sent)]
+        self.sent += len(calls)
+        return content, calls

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from server.tool_calls import ToolCall, ToolCallStream, new_call_id, parse_tool_calls
+from server.tool_calls import ToolCall, ToolCallCut, ToolCallStream, new_call_id, parse_tool_calls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 EMPTY = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
@@ -243,3 +243,14 @@ def test_new_call_id_format() -> None:
 def test_default_ids_are_new_call_ids() -> None:
     _, (a, b) = parse_tool_calls(EMPTY + EMPTY)
     assert a.id != b.id and a.id.startswith("chatcmpl-tool-") and len(a.id) == len("chatcmpl-tool-") + 32
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_cut_hands_out_each_call_once_and_only_the_first_without_parallel_calls(parallel: bool) -> None:
+    text = "Hi." + EMPTY + EMPTY + '<tool_call>{"name": "g"}'  # the last block's end tag cut off
+    cut = ToolCallCut(parallel, make_id=counter_ids())
+    pieces = [cut.take(text[at : at + 7], at + 7 >= len(text)) for at in range(0, len(text), 7)]
+    content = "".join(piece for piece, _ in pieces)
+    calls = [call for _, made in pieces for call in made]
+    assert content == "Hi."
+    assert [call.name for call in calls] == (["f", "f", "g"] if parallel else ["f"]) and cut.sent == len(calls)
