@@ -42,6 +42,7 @@ from server.protocol import (
     parse_request,
     token_sha,
 )
+from server.responses import ResponsesRequest, ResponseStream, new_response_id, response_object
 from server.textout import prompt_opens_thinking
 from server.tokenizer import template_reads
 from server.tool_calls import ToolCallCut, parse_tool_calls
@@ -512,6 +513,62 @@ def build_app(state: ServerState) -> FastAPI:
             for generation in generations:
                 generation.abort()
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API, a text subset, answered as the equivalent chat (tools and reasoning included)."""
+        body = parse_request(ResponsesRequest, await request.body())
+        check_model(body.model)
+        chat = parse_request(ChatCompletionRequest, body.chat_body())
+        text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
+        (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
+        response_id, created = new_response_id(), int(time.time())
+        if body.stream:
+            events = ResponseStream(response_id, created, state.model_name, body)
+            return typed_sse(response_events(generation, chat, events))
+        (outcome,) = await wait(request, [generation])
+        content, calls = outcome.content, []
+        if chat.parses_tool_calls():
+            content, calls = parse_tool_calls(outcome.content)
+            calls = calls if chat.parallel_tool_calls else calls[:1]
+        return response_object(
+            response_id=response_id,
+            created=created,
+            model=state.model_name,
+            request=body,
+            reasoning=outcome.reasoning,
+            content=content,
+            calls=calls,
+            finish_reason=outcome.finish_reason,
+            input_tokens=len(prompt_ids),
+            output_tokens=len(outcome.token_ids),
+            cached_tokens=outcome.cached_tokens,
+        )
+
+    async def response_events(
+        generation: Generation, chat: ChatCompletionRequest, events: ResponseStream
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A response's stream events as its generation's pieces come; an error event where it fails; the engine is
+        told when the client leaves."""
+        cut = ToolCallCut(chat.parallel_tool_calls) if chat.parses_tool_calls() else None
+        tokens, finish_reason = 0, "stop"
+        try:
+            for event in events.opening():
+                yield event
+            async for piece in generation.pieces():
+                tokens += len(piece.token_ids)
+                content, calls = piece.content, []
+                if cut is not None:
+                    content, calls = cut.take(piece.content, piece.finish_reason is not None)
+                for event in events.feed(piece.reasoning, content, calls):
+                    yield event
+                finish_reason = piece.finish_reason or finish_reason
+            for event in events.closing(finish_reason, len(generation.prompt_ids), tokens, generation.request.cached):
+                yield event
+        except ApiError as exc:
+            yield events.error(exc.message, exc.code, exc.param)
+        finally:
+            generation.abort()
+
     def chat_chunks(generations: list[Generation], body: ChatCompletionRequest) -> AsyncIterator[str]:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
@@ -690,6 +747,17 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object")
     return body
+
+
+def typed_sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events as OpenAI's Responses API sends them: each event's type on an `event:` line, then its JSON
+    (no [DONE]: the last event says the response ended)."""
+
+    async def lines() -> AsyncIterator[str]:
+        async for event in events:
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
 
 
 def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:

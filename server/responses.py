@@ -1,0 +1,525 @@
+"""OpenAI's Responses API (POST /v1/responses), a text subset: a request becomes an equivalent chat completions body,
+and a chat's reasoning, content and tool calls become a Response object or its stream of events.
+
+Output items come in this order: a reasoning item where there is reasoning, a message where there is content or no
+call, then one function_call item per call. A stream adds each item when its first text (or the call) comes, keeps the
+message open until the end (text may follow a call) and ends with the same items, ids and texts its events carried.
+Nothing is stored: a response cannot be fetched or continued later (`store` is echoed as false, as vLLM does without
+its store).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, PlainValidator, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from server.protocol import (
+    MAX_TOOLS,
+    TOOL_NAME_PATTERN,
+    CalledFunction,
+    _not_supported,
+    _StrictModel,
+    _without_nulls,
+)
+from server.tool_calls import ToolCall
+
+# Values of fields we cannot honour that mean the same as leaving the field out (JSON null always does); any other
+# value of such a field is refused.
+_HARMLESS: dict[str, Any] = {"background": False, "include": [], "top_logprobs": 0}
+_NO_VALUE = object()  # the harmless value of a field that has none
+# Output items' id prefixes, by item type
+_ID_PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+
+def new_response_id() -> str:
+    """A fresh response id, as OpenAI writes them."""
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def _new_item_id(kind: str) -> str:
+    """A fresh id for an output item of this type."""
+    return f"{_ID_PREFIXES[kind]}_{uuid.uuid4().hex}"
+
+
+def _refuse_other_types(*supported: str, noun: str) -> Callable[[Any], Any]:
+    """A before-validator of a `type` field that refuses any other type's name as not supported yet."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value not in supported:
+            only = " and ".join(map(repr, supported))
+            raise _not_supported(f"{noun} of type {value!r} are not supported yet; only {only}")
+        return value
+
+    return check
+
+
+def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
+    """Refuse a field we cannot honour unless its value (of the same JSON type) means the same as leaving it out."""
+    harmless = _HARMLESS.get(info.field_name, _NO_VALUE)
+    if type(value) is not type(harmless) or value != harmless:
+        raise _not_supported("not supported yet")
+    return value
+
+
+class _Model(_StrictModel):
+    """JSON types taken as they are, unknown fields ignored, JSON null read as 'not given'."""
+
+    _drop_nulls = model_validator(mode="before")(_without_nulls)
+
+
+class ContentPart(_Model):
+    """A text part of an input message's content."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+    _supported_type = field_validator("type", mode="before")(
+        _refuse_other_types("input_text", "output_text", noun="content parts")
+    )
+
+
+class InputMessage(_Model):
+    """A message of the input: its content a text or a list of text parts (joined with newlines)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[ContentPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_as_one_part(cls, value: Any) -> Any:
+        return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
+
+    def add_to(self, messages: list[dict[str, Any]]) -> None:
+        """Append the message as a chat message."""
+        messages.append({"role": self.role, "content": "\n".join(part.text for part in self.content)})
+
+
+class FunctionCallItem(CalledFunction):
+    """A call an earlier answer made, its arguments a JSON object's text."""
+
+    type: Literal["function_call"]
+    call_id: str
+
+    _drop_nulls = model_validator(mode="before")(_without_nulls)
+
+    def add_to(self, messages: list[dict[str, Any]]) -> None:
+        """Add the call to the last chat message where that is the assistant's, else to a new assistant message."""
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": ""})
+        function = {"name": self.name, "arguments": self.arguments}
+        messages[-1].setdefault("tool_calls", []).append({"id": self.call_id, "type": "function", "function": function})
+
+
+class FunctionCallOutputItem(_Model):
+    """What a called function returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+    def add_to(self, messages: list[dict[str, Any]]) -> None:
+        """Append the output as a chat tool message."""
+        messages.append({"role": "tool", "content": self.output, "tool_call_id": self.call_id})
+
+
+class ReasoningItem(_Model):
+    """An earlier answer's reasoning, taken and dropped, as the chat template drops earlier turns' reasoning."""
+
+    type: Literal["reasoning"]
+
+    def add_to(self, messages: list[dict[str, Any]]) -> None:
+        """Add nothing."""
+
+
+_INPUT_ITEMS: dict[str, type[_StrictModel]] = {
+    "message": InputMessage,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+
+def _input_item(value: Any) -> Any:
+    """One input item, validated as the item its type names (a message where it names none); errors name the item's
+    own fields, as a union's would not."""
+    if not isinstance(value, dict):
+        raise PydanticCustomError("input_item", "must be an object (a message or another input item)")
+    kind = value.get("type")
+    kind = "message" if kind is None else kind
+    if not isinstance(kind, str) or kind not in _INPUT_ITEMS:
+        raise _not_supported(f"input items of type {kind!r} are not supported yet")
+    return _INPUT_ITEMS[kind].model_validate(value)
+
+
+InputItem = Annotated[
+    InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, PlainValidator(_input_item)
+]
+
+
+class FunctionTool(_Model):
+    """A function the model may call, given flat as the Responses API gives it."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    _supported_type = field_validator("type", mode="before")(_refuse_other_types("function", noun="tools"))
+
+    def for_chat(self) -> dict[str, Any]:
+        """The tool as a chat request offers it."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": {key: value for key, value in function.items() if value is not None}}
+
+
+class ReasoningConfig(_Model):
+    """`reasoning`: how hard to think; a summary may be asked for and is not written."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class TextFormat(_Model):
+    """`text.format`: plain text only (structured output needs guided decoding)."""
+
+    type: Literal["text"]
+
+    _supported_type = field_validator("type", mode="before")(_refuse_other_types("text", noun="text formats"))
+
+
+class TextConfig(_Model):
+    """`text`: the output's format (a verbosity is taken and ignored)."""
+
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Model):
+    """Body of POST /v1/responses; a text `input` is read as one user message."""
+
+    model: str | None = None
+    input: list[InputItem] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stream: bool = False
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto"] = "auto"
+    parallel_tool_calls: bool = True
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    store: bool = True  # taken; nothing is stored
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] = "disabled"
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    include: Any = None
+    prompt: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+
+    _check_unhonoured = field_validator(
+        "previous_response_id", "conversation", "background", "include", "prompt", "top_logprobs", "max_tool_calls"
+    )(_refuse_unless_harmless)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_as_user_message(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if not value:
+                raise PydanticCustomError("empty_input", "must not be empty")
+            return [{"role": "user", "content": value}]
+        if not isinstance(value, list):
+            raise PydanticCustomError("input_type", "must be a string or a list of input items")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[FunctionTool]) -> list[FunctionTool]:
+        names = [tool.name for tool in value]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise PydanticCustomError("tools", f"two tools are named {twice!r}")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _no_forced_call(cls, value: Any) -> Any:
+        if value == "required" or isinstance(value, dict):
+            raise _not_supported("not supported yet (forcing a call needs guided decoding); use 'auto' or 'none'")
+        return value
+
+    @field_validator("truncation", mode="before")
+    @classmethod
+    def _no_truncation(cls, value: Any) -> Any:
+        if value == "auto":
+            raise _not_supported("'auto' is not supported yet; an input longer than the context is refused")
+        return value
+
+    def chat_body(self) -> dict[str, Any]:
+        """The body of the equivalent chat completions request (instructions first, as a system message)."""
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        for item in self.input:
+            item.add_to(messages)
+        effort = self.reasoning and self.reasoning.effort
+        body = {
+            "messages": messages,
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "tools": [tool.for_chat() for tool in self.tools] if self.tools else None,
+            "tool_choice": self.tool_choice if self.tools else None,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "reasoning_effort": "low" if effort == "minimal" else effort,  # chat has no "minimal"
+            "user": self.user,
+        }
+        return {key: value for key, value in body.items() if value is not None}
+
+
+def _reasoning_text(text: str) -> dict[str, Any]:
+    """A reasoning item's text part."""
+    return {"type": "reasoning_text", "text": text}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    """A message's text part."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_item(parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """A reasoning item, less its id."""
+    return {"type": "reasoning", "summary": [], "content": parts, "status": status}
+
+
+def _message_item(parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """An assistant message item, less its id."""
+    return {"type": "message", "role": "assistant", "status": status, "content": parts}
+
+
+def _call_item(call: ToolCall, arguments: str, status: str) -> dict[str, Any]:
+    """A function_call item, less its id."""
+    return {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": arguments, "status": status}
+
+
+def _response(response_id: str, created: int, model: str, request: ResponsesRequest, status: str) -> dict[str, Any]:
+    """A Response object without output or usage, with the request's settings echoed."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "reasoning": request.reasoning and request.reasoning.model_dump(),
+        "store": False,
+        "temperature": request.temperature,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": request.tool_choice,
+        "tools": [tool.model_dump() for tool in request.tools or ()],
+        "top_p": request.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": request.user,
+        "metadata": request.metadata or {},
+    }
+
+
+def response_object(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    request: ResponsesRequest,
+    reasoning: str,
+    content: str,
+    calls: list[ToolCall],
+    finish_reason: str,
+    input_tokens: int,
+    output_tokens: int,
+    cached_tokens: int,
+    item_ids: list[str] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's Response object of a finished generation; `item_ids` are the output items' ids, in order."""
+    items = [_reasoning_item([_reasoning_text(reasoning)], "completed")] if reasoning else []
+    if content or not calls:
+        items.append(_message_item([_output_text(content)], "completed"))
+    items += [_call_item(call, call.arguments, "completed") for call in calls]
+    ids = item_ids if item_ids is not None else [_new_item_id(item["type"]) for item in items]
+    cut = finish_reason == "length"
+    response = _response(response_id, created, model, request, "incomplete" if cut else "completed")
+    response["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
+    response["output"] = [{"id": item_id, **item} for item, item_id in zip(items, ids, strict=True)]
+    response["usage"] = {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+    return response
+
+
+class ResponseStream:
+    """A generation's pieces as OpenAI's stream events, numbered from 0; reasoning comes before any text or call."""
+
+    __slots__ = (
+        "_calls",
+        "_content",
+        "_created",
+        "_message_id",
+        "_model",
+        "_order",
+        "_reasoning",
+        "_reasoning_id",
+        "_reasoning_open",
+        "_request",
+        "_response_id",
+        "_sequence",
+    )
+
+    def __init__(self, response_id: str, created: int, model: str, request: ResponsesRequest) -> None:
+        """A stream of the response with this id, created then, of this model, answering this request."""
+        self._response_id, self._created, self._model, self._request = response_id, created, model, request
+        self._sequence = 0
+        self._order: list[str] = []  # the output items' ids, as added: an item's output_index is its place here
+        self._reasoning, self._reasoning_id, self._reasoning_open = "", None, False
+        self._content, self._message_id = "", None
+        self._calls: list[tuple[str, ToolCall]] = []  # each call's item id and call
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """The next event, of this type, with these fields."""
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def _added(self, kind: str, item: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(the new item's id, its output_item.added event) for an item of this type, placed after those before."""
+        item_id = _new_item_id(kind)
+        self._order.append(item_id)
+        return item_id, self._event(
+            "response.output_item.added", output_index=len(self._order) - 1, item={"id": item_id, **item}
+        )
+
+    def _part_event(self, kind: str, item_id: str, **fields: Any) -> dict[str, Any]:
+        """An event of an item's only content part."""
+        return self._event(kind, item_id=item_id, output_index=self._order.index(item_id), content_index=0, **fields)
+
+    def opening(self) -> list[dict[str, Any]]:
+        """response.created and response.in_progress, each with the response so far (no output yet)."""
+        response = _response(self._response_id, self._created, self._model, self._request, "in_progress")
+        return [
+            self._event("response.created", response=response),
+            self._event("response.in_progress", response=response),
+        ]
+
+    def feed(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """The events of a piece's new reasoning text, then its new content text, then its calls (each whole)."""
+        events = []
+        if reasoning:
+            if self._reasoning_id is None:
+                self._reasoning_id, added = self._added("reasoning", _reasoning_item([], "in_progress"))
+                self._reasoning_open = True
+                part = _reasoning_text("")
+                events += [added, self._part_event("response.content_part.added", self._reasoning_id, part=part)]
+            self._reasoning += reasoning
+            events.append(self._part_event("response.reasoning_text.delta", self._reasoning_id, delta=reasoning))
+        if content:
+            events += self._close_reasoning()
+            if self._message_id is None:
+                events += self._open_message()
+            self._content += content
+            events.append(self._part_event("response.output_text.delta", self._message_id, delta=content, logprobs=[]))
+        for call in calls:
+            events += self._close_reasoning()
+            item_id, added = self._added("function_call", _call_item(call, "", "in_progress"))
+            self._calls.append((item_id, call))
+            where = {"item_id": item_id, "output_index": len(self._order) - 1}
+            events += [
+                added,
+                self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
+                self._event("response.function_call_arguments.done", **where, arguments=call.arguments),
+                self._event(
+                    "response.output_item.done",
+                    output_index=where["output_index"],
+                    item={"id": item_id, **_call_item(call, call.arguments, "completed")},
+                ),
+            ]
+        return events
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        """The message item's added events."""
+        self._message_id, added = self._added("message", _message_item([], "in_progress"))
+        return [added, self._part_event("response.content_part.added", self._message_id, part=_output_text(""))]
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        """The reasoning item's done events, where it is open."""
+        if not self._reasoning_open:
+            return []
+        self._reasoning_open = False
+        part, item_id = _reasoning_text(self._reasoning), self._reasoning_id
+        return [
+            self._part_event("response.reasoning_text.done", item_id, text=self._reasoning),
+            self._part_event("response.content_part.done", item_id, part=part),
+            self._event(
+                "response.output_item.done",
+                output_index=self._order.index(item_id),
+                item={"id": item_id, **_reasoning_item([part], "completed")},
+            ),
+        ]
+
+    def error(self, message: str, code: str | None, param: str | None) -> dict[str, Any]:
+        """The error event that ends a stream whose generation failed."""
+        return self._event("error", code=code, message=message, param=param)
+
+    def closing(
+        self, finish_reason: str, input_tokens: int, output_tokens: int, cached_tokens: int
+    ) -> list[dict[str, Any]]:
+        """The open items' done events (an empty message's added ones first where nothing came), then
+        response.completed, or response.incomplete where the tokens ran out, with the whole response."""
+        events = self._close_reasoning()
+        if self._message_id is None and not self._calls:
+            events += self._open_message()
+        if self._message_id is not None:
+            part = _output_text(self._content)
+            events += [
+                self._part_event("response.output_text.done", self._message_id, text=self._content, logprobs=[]),
+                self._part_event("response.content_part.done", self._message_id, part=part),
+                self._event(
+                    "response.output_item.done",
+                    output_index=self._order.index(self._message_id),
+                    item={"id": self._message_id, **_message_item([part], "completed")},
+                ),
+            ]
+        ids = [item_id for item_id in (self._reasoning_id, self._message_id) if item_id is not None]
+        response = response_object(
+            response_id=self._response_id,
+            created=self._created,
+            model=self._model,
+            request=self._request,
+            reasoning=self._reasoning,
+            content=self._content,
+            calls=[call for _, call in self._calls],
+            finish_reason=finish_reason,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cached_tokens=cached_tokens,
+            item_ids=ids + [item_id for item_id, _ in self._calls],
+        )
+        # in the order the events added them: text that follows a call puts the message after it
+        by_id = {item["id"]: item for item in response["output"]}
+        response["output"] = [by_id[item_id] for item_id in self._order]
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [*events, self._event(kind, response=response)]
