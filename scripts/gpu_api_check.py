@@ -1,6 +1,6 @@
 """Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
-penalties, allowed_token_ids, prompt_logprobs, batches of prompts and echo, each drafted and undrafted, streamed and
-not. Prints PASS or FAIL per check; exits 1 on any failure.
+penalties, allowed_token_ids, prompt_logprobs, batches of prompts, echo and the Responses API, each drafted and
+undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -116,6 +116,18 @@ def main() -> int:
     streamed_echo = complete(base, echo=True, logprobs=2, max_tokens=4, temperature=0, stream=True)
     check("echo with logprobs: streamed = not streamed",
           streamed_echo["choices"][0]["logprobs"]["token_logprobs"] == echoed["token_logprobs"])  # fmt: skip
+    ask = {"instructions": "Answer in Python.", "input": "Reverse a list.", "max_output_tokens": 48, **sampled}
+    response = httpx.post(f"{base}/v1/responses", json=ask, timeout=300).json()
+    text = "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
+    messages = [{"role": "system", "content": ask["instructions"]}, {"role": "user", "content": ask["input"]}]
+    chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, "max_tokens": 48, **sampled},
+                      timeout=300).json()  # fmt: skip
+    check("responses: the text of the equivalent chat", text == chat["choices"][0]["message"]["content"], text[:60])
+    with httpx.stream("POST", f"{base}/v1/responses", json={**ask, "stream": True}, timeout=300) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    last = events[-1]["type"]
+    check("responses: streamed = not streamed", deltas == text and last == f"response.{response['status']}", last)
     return 1 if failures else 0
 
 
