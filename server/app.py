@@ -7,7 +7,7 @@ import hmac
 import json
 import time
 import tomllib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
@@ -42,7 +42,13 @@ from server.protocol import (
     parse_request,
     token_sha,
 )
-from server.responses import ResponsesRequest, ResponseStream, new_response_id, response_object
+from server.responses import (
+    ResponsesRequest,
+    ResponseStream,
+    as_responses_error,
+    new_response_id,
+    response_object,
+)
 from server.textout import prompt_opens_thinking
 from server.tokenizer import template_reads
 from server.tool_calls import ToolCallCut, parse_tool_calls
@@ -322,7 +328,7 @@ def build_app(state: ServerState) -> FastAPI:
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
         generations = start([prompt_ids], body, thinking_open(body, text), keep_at)
         if body.stream:
-            return sse(chat_chunks(generations, body))
+            return sse(await started(chat_chunks(generations, body)))
         outcomes = await wait(request, generations)
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
@@ -363,7 +369,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompts, echoed = await asyncio.to_thread(completion_prompts, body)
         generations = start(prompts, body, None)
         if body.stream:
-            return sse(completion_chunks(generations, body, echoed))
+            return sse(await started(completion_chunks(generations, body, echoed)))
         outcomes = await wait(request, generations)
         if body.echoes_only():  # the token drawn after the prompt pass is no part of an answer of the prompt alone
             outcomes = [
@@ -474,7 +480,7 @@ def build_app(state: ServerState) -> FastAPI:
         frame,
         options: StreamOptions | None,
         opening: dict[str, Any] | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """SSE events of the choices (`per_prompt` a prompt, in prompt order): each choice's first
         `frame(index, None)` chunk (with the `opening` fields), then
         `frame(index, piece)` chunks as pieces come, with `"usage": null` when usage comes last, as OpenAI sends them
@@ -518,13 +524,16 @@ def build_app(state: ServerState) -> FastAPI:
         """OpenAI's Responses API, a text subset, answered as the equivalent chat (tools and reasoning included)."""
         body = parse_request(ResponsesRequest, await request.body())
         check_model(body.model)
-        chat = parse_request(ChatCompletionRequest, body.chat_body())
-        text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
-        (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
+        try:  # the chat's checks, each error naming the Responses field it comes from
+            chat = parse_request(ChatCompletionRequest, body.chat_body())
+            text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
+            (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
+        except ApiError as exc:
+            raise as_responses_error(exc) from exc
         response_id, created = new_response_id(), int(time.time())
         if body.stream:
-            events = ResponseStream(response_id, created, state.model_name, body)
-            return typed_sse(response_events(generation, chat, events))
+            writer = ResponseStream(response_id, created, state.model_name, body)
+            return typed_sse(await started(response_events(generation, chat, writer)))
         (outcome,) = await wait(request, [generation])
         content, calls = outcome.content, []
         if chat.parses_tool_calls():
@@ -545,31 +554,32 @@ def build_app(state: ServerState) -> FastAPI:
         )
 
     async def response_events(
-        generation: Generation, chat: ChatCompletionRequest, events: ResponseStream
-    ) -> AsyncIterator[dict[str, Any]]:
+        generation: Generation, chat: ChatCompletionRequest, writer: ResponseStream
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """A response's stream events as its generation's pieces come; an error event where it fails; the engine is
         told when the client leaves."""
         cut = ToolCallCut(chat.parallel_tool_calls) if chat.parses_tool_calls() else None
         tokens, finish_reason = 0, "stop"
         try:
-            for event in events.opening():
+            for event in writer.opening():
                 yield event
             async for piece in generation.pieces():
                 tokens += len(piece.token_ids)
                 content, calls = piece.content, []
                 if cut is not None:
                     content, calls = cut.take(piece.content, piece.finish_reason is not None)
-                for event in events.feed(piece.reasoning, content, calls):
+                for event in writer.feed(piece.reasoning, content, calls):
                     yield event
                 finish_reason = piece.finish_reason or finish_reason
-            for event in events.closing(finish_reason, len(generation.prompt_ids), tokens, generation.request.cached):
+            for event in writer.closing(finish_reason, len(generation.prompt_ids), tokens, generation.request.cached):
                 yield event
         except ApiError as exc:
-            yield events.error(exc.message, exc.code, exc.param)
+            for event in writer.failure(exc):
+                yield event
         finally:
             generation.abort()
 
-    def chat_chunks(generations: list[Generation], body: ChatCompletionRequest) -> AsyncIterator[str]:
+    def chat_chunks(generations: list[Generation], body: ChatCompletionRequest) -> AsyncGenerator[dict[str, Any], None]:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         # each choice's tool-call blocks, cut from its content as they close
@@ -617,7 +627,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     def completion_chunks(
         generations: list[Generation], body: CompletionRequest, echoed: list[str]
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         spelled = [0] * len(generations)  # each choice's characters of token text sent: its next text_offset
@@ -747,6 +757,19 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object")
     return body
+
+
+async def started(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[dict[str, Any]]:
+    """The events with the first already taken: their generator has begun, so its `finally` (which tells the engine
+    to stop) runs even where the client leaves before the response's first byte and the rest is never asked for."""
+    first = await anext(events)
+
+    async def chained() -> AsyncIterator[dict[str, Any]]:
+        yield first
+        async for event in events:
+            yield event
+
+    return chained()
 
 
 def typed_sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:

@@ -73,13 +73,20 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _chat_template(value: str) -> str:
-    """--chat-template: a file's text, or the template itself where the value is no file (and looks like one)."""
+    """--chat-template: a file's text, or the template itself where the value names no file; either must look like
+    a Jinja template (a tag or an expression)."""
     path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is a folder, not a template file")
+    text, what = value, f"no file {value!r}, nor a Jinja template's text"
     if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if not any(mark in value for mark in ("{%", "{{")):
-        raise argparse.ArgumentTypeError(f"no file {value!r}, nor a Jinja template's text")
-    return value
+        try:
+            text, what = path.read_text(encoding="utf-8"), f"{value!r} holds no Jinja template"
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"{value!r} cannot be read as UTF-8 text ({exc})") from exc
+    if not any(mark in text for mark in ("{%", "{{")):
+        raise argparse.ArgumentTypeError(what)
+    return text
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -332,11 +339,11 @@ def start_refusal(args: argparse.Namespace) -> str | None:
                 return f"--tp {world}: {exc}" if world > 1 else str(exc)
     from server.tokenizer import eos_token_ids, load_tokenizer
 
-    eos_token_ids(args.model, load_tokenizer(args.model), cfg.eos_token_id)  # read again once the weights are in
+    # read again once the weights are in; a --chat-template that does not compile is a TokenizerError naming it
+    tokenizer = load_tokenizer(args.model, getattr(args, "chat_template", None))
+    eos_token_ids(args.model, tokenizer, cfg.eos_token_id)
     if args.command != "serve":
         return None
-    if args.chat_template is not None:
-        load_tokenizer(args.model, args.chat_template)  # a TokenizerError names the flag
     if args.context is not None and args.context > cfg.max_position_embeddings:
         return f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions"
     for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -28,8 +29,9 @@ MAX_ALLOWED_IDS = 1024
 MAX_LOGPROBS = 20
 # The most choices one request may ask for (each is a request of its own to the engine)
 MAX_CHOICES = 128
-# The most prompts one text completion request may batch
+# The most prompts one text completion request may batch, and the most sequences (prompts times n) it may ask for
 MAX_BATCH_PROMPTS = 256
+MAX_SEQUENCES = 1024
 # OpenAI's rule for a function's name; and the most tools one request may offer
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_TOOLS = 128
@@ -118,44 +120,51 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _not_supported(message: str) -> PydanticCustomError:
+def not_supported(message: str) -> PydanticCustomError:
     """A validation error for a feature the server refuses rather than silently ignores."""
     return PydanticCustomError("not_supported", message)
 
 
-def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
-    """Refuse a field we cannot honour unless its value means the same as leaving it out (of the same JSON type: no
-    1 for true, though 1 for 1.0)."""
-    if value is None:  # JSON null, where no model validator dropped it
+def refusing_unless_harmless(harmless_values: dict[str, Any]) -> Callable[[Any, ValidationInfo], Any]:
+    """A field validator that refuses a field we cannot honour unless its value means the same as leaving it out
+    (`harmless_values` by field name, of the same JSON type: no 1 for true, though 1 for 1.0)."""
+
+    def refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
+        if value is None:  # JSON null, where no model validator dropped it
+            return value
+        harmless = harmless_values.get(info.field_name, _NO_VALUE)
+        same_type = type(value) is type(harmless) or (type(harmless) is float and type(value) is int)
+        if not same_type or value != harmless:
+            raise not_supported("not supported yet")
         return value
-    harmless = _HARMLESS.get(info.field_name, _NO_VALUE)
-    same_type = type(value) is type(harmless) or (type(harmless) is float and type(value) is int)
-    if not same_type or value != harmless:
-        raise _not_supported("not supported yet")
-    return value
+
+    return refuse_unless_harmless
 
 
-class _StrictModel(BaseModel):
+_refuse_unless_harmless = refusing_unless_harmless(_HARMLESS)
+
+
+class StrictModel(BaseModel):
     """JSON types taken as they are (no "0.5" for a number, no 1 for a bool); unknown fields ignored."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-def _without_nulls(data: Any) -> Any:
+def without_nulls(data: Any) -> Any:
     """A JSON object's fields less those given as null, which means the same as leaving them out."""
     return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(_StrictModel):
+class StreamOptions(StrictModel):
     """`stream_options`: whether the last streamed chunk carries usage, and (vLLM's) every chunk, usage so far."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
-    _drop_nulls = model_validator(mode="before")(_without_nulls)
+    _drop_nulls = model_validator(mode="before")(without_nulls)
 
 
-class ChatTemplateKwargs(_StrictModel):
+class ChatTemplateKwargs(StrictModel):
     """`chat_template_kwargs`: the known switches are checked, any other key goes to the template as given."""
 
     model_config = ConfigDict(extra="allow")
@@ -174,7 +183,7 @@ class ChatTemplateKwargs(_StrictModel):
         return data
 
 
-class FunctionSpec(_StrictModel):
+class FunctionSpec(StrictModel):
     """A function a tool offers: its name, what it does, and its parameters' JSON schema."""
 
     name: str = Field(pattern=TOOL_NAME_PATTERN)
@@ -183,14 +192,14 @@ class FunctionSpec(_StrictModel):
     strict: bool | None = None
 
 
-class ToolSpec(_StrictModel):
+class ToolSpec(StrictModel):
     """One entry of `tools`: a function the model may call (type "function" where none is given, as vLLM takes it)."""
 
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class CalledFunction(_StrictModel):
+class CalledFunction(StrictModel):
     """A function an earlier assistant turn called, with its arguments as a JSON object's text."""
 
     name: str
@@ -211,7 +220,7 @@ class CalledFunction(_StrictModel):
         return value
 
 
-class AssistantToolCall(_StrictModel):
+class AssistantToolCall(StrictModel):
     """One call of a tool in an earlier assistant turn, as the responses give it."""
 
     id: str | None = None
@@ -224,7 +233,7 @@ class AssistantToolCall(_StrictModel):
         return {"type": self.type, "function": function} | ({} if self.id is None else {"id": self.id})
 
 
-class ChatMessage(_StrictModel):
+class ChatMessage(StrictModel):
     """One chat turn; a list of text parts is joined into one string with newlines."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -280,7 +289,7 @@ class ChatMessage(_StrictModel):
         return "\n".join(texts)
 
 
-class _SamplingRequest(_StrictModel):
+class _SamplingRequest(StrictModel):
     """Fields shared by chat and text completions; JSON null reads as 'not given'."""
 
     default_max_tokens: ClassVar[int | None] = None
@@ -331,7 +340,7 @@ class _SamplingRequest(_StrictModel):
         "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
 
-    _drop_nulls = model_validator(mode="before")(_without_nulls)
+    _drop_nulls = model_validator(mode="before")(without_nulls)
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -361,7 +370,7 @@ class _SamplingRequest(_StrictModel):
     @classmethod
     def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and info.data.get("stream"):
-            raise _not_supported("prompt_logprobs in a stream are not supported yet")
+            raise not_supported("prompt_logprobs in a stream are not supported yet")
         return value
 
     @field_validator("stream_options")
@@ -487,7 +496,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if value != "none" and not info.data.get("tools"):
             raise PydanticCustomError("conflict", "needs tools")
         if value == "required" or named:
-            raise _not_supported("forcing a call needs guided decoding, which is not supported yet; use 'auto'")
+            raise not_supported("forcing a call needs guided decoding, which is not supported yet; use 'auto'")
         return value
 
     def logprobs_count(self) -> int | None:
@@ -551,6 +560,18 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
     @model_validator(mode="after")
+    def _sequences_within_bounds(self) -> CompletionRequest:
+        """Each of n choices of each prompt is a request of its own to the engine."""
+        if len(self.prompt) * self.n > MAX_SEQUENCES:
+            raise PydanticCustomError(
+                "conflict",
+                f"{self.n} choices for each of {len(self.prompt)} prompts are {len(self.prompt) * self.n} sequences; "
+                f"a request may ask for at most {MAX_SEQUENCES}",
+                {"param": "n"},
+            )
+        return self
+
+    @model_validator(mode="after")
     def _no_tokens_only_to_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and (not self.echo or self.stream):
             raise PydanticCustomError(
@@ -579,14 +600,14 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _no_suffix(cls, value: str) -> str:
         if value:
-            raise _not_supported("not supported yet")
+            raise not_supported("not supported yet")
         return value
 
     @field_validator("best_of")
     @classmethod
     def _one_candidate(cls, value: int) -> int:
         if value > 1:
-            raise _not_supported("best_of above 1 is not supported yet")
+            raise not_supported("best_of above 1 is not supported yet")
         return value
 
 

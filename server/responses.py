@@ -2,37 +2,59 @@
 and a chat's reasoning, content and tool calls become a Response object or its stream of events.
 
 Output items come in this order: a reasoning item where there is reasoning, a message where there is content or no
-call, then one function_call item per call. A stream adds each item when its first text (or the call) comes, keeps the
-message open until the end (text may follow a call) and ends with the same items, ids and texts its events carried.
+call, then one function_call item per call. A stream adds the reasoning and the message as their first text comes,
+keeps the message open until the end (text may follow a call) and sends the calls' items last, so it ends with the
+same items, ids and texts, in the same order, as the whole response.
 Nothing is stored: a response cannot be fetched or continued later (`store` is echoed as false, as vLLM does without
 its store).
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PlainValidator, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PlainValidator, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.protocol import (
     MAX_TOOLS,
     TOOL_NAME_PATTERN,
+    ApiError,
     CalledFunction,
-    _not_supported,
-    _StrictModel,
-    _without_nulls,
+    StrictModel,
+    not_supported,
+    refusing_unless_harmless,
+    without_nulls,
 )
 from server.tool_calls import ToolCall
 
 # Values of fields we cannot honour that mean the same as leaving the field out (JSON null always does); any other
 # value of such a field is refused.
 _HARMLESS: dict[str, Any] = {"background": False, "include": [], "top_logprobs": 0}
-_NO_VALUE = object()  # the harmless value of a field that has none
 # Output items' id prefixes, by item type
 _ID_PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+
+# The chat fields a Responses request's errors may name, by the Responses field each comes from (a message's place
+# among the chat's messages is not its place in `input`: the error names `input` whole)
+CHAT_FIELDS_AS_RESPONSES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
+}
+
+
+def as_responses_error(exc: ApiError) -> ApiError:
+    """A chat-side error of a Responses request, naming the Responses field it comes from."""
+    head = (exc.param or "").split(".", 1)[0]
+    name = CHAT_FIELDS_AS_RESPONSES.get(head)
+    if name is None:
+        return exc
+    message = re.sub(rf"(^{re.escape(exc.param)}|\b{head}\b)", name, exc.message)
+    return ApiError(message, status=exc.status, type=exc.type, param=name, code=exc.code)
 
 
 def new_response_id() -> str:
@@ -51,24 +73,16 @@ def _refuse_other_types(*supported: str, noun: str) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
         if isinstance(value, str) and value not in supported:
             only = " and ".join(map(repr, supported))
-            raise _not_supported(f"{noun} of type {value!r} are not supported yet; only {only}")
+            raise not_supported(f"{noun} of type {value!r} are not supported yet; only {only}")
         return value
 
     return check
 
 
-def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
-    """Refuse a field we cannot honour unless its value (of the same JSON type) means the same as leaving it out."""
-    harmless = _HARMLESS.get(info.field_name, _NO_VALUE)
-    if type(value) is not type(harmless) or value != harmless:
-        raise _not_supported("not supported yet")
-    return value
-
-
-class _Model(_StrictModel):
+class _Model(StrictModel):
     """JSON types taken as they are, unknown fields ignored, JSON null read as 'not given'."""
 
-    _drop_nulls = model_validator(mode="before")(_without_nulls)
+    _drop_nulls = model_validator(mode="before")(without_nulls)
 
 
 class ContentPart(_Model):
@@ -95,8 +109,12 @@ class InputMessage(_Model):
         return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
 
     def add_to(self, messages: list[dict[str, Any]]) -> None:
-        """Append the message as a chat message."""
-        messages.append({"role": self.role, "content": "\n".join(part.text for part in self.content)})
+        """Append the message as a chat message; an assistant's joins the turn its reasoning item opened."""
+        text = "\n".join(part.text for part in self.content)
+        if self.role == "assistant" and messages and _opened_by_reasoning(messages[-1]):
+            messages[-1]["content"] = text
+        else:
+            messages.append({"role": self.role, "content": text})
 
 
 class FunctionCallItem(CalledFunction):
@@ -105,7 +123,7 @@ class FunctionCallItem(CalledFunction):
     type: Literal["function_call"]
     call_id: str
 
-    _drop_nulls = model_validator(mode="before")(_without_nulls)
+    _drop_nulls = model_validator(mode="before")(without_nulls)
 
     def add_to(self, messages: list[dict[str, Any]]) -> None:
         """Add the call to the last chat message where that is the assistant's, else to a new assistant message."""
@@ -127,16 +145,45 @@ class FunctionCallOutputItem(_Model):
         messages.append({"role": "tool", "content": self.output, "tool_call_id": self.call_id})
 
 
+class ReasoningPart(_Model):
+    """A text part of a reasoning item: of its content, or of its summary."""
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
 class ReasoningItem(_Model):
-    """An earlier answer's reasoning, taken and dropped, as the chat template drops earlier turns' reasoning."""
+    """An earlier answer's reasoning: its text (its content's, else its summary's) opens the assistant turn that the
+    calls or the message after it join, as the chat's `reasoning_content` (which templates render as they choose);
+    dropped where nothing joins it."""
 
     type: Literal["reasoning"]
+    content: list[ReasoningPart] = Field(default_factory=list)
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    encrypted_content: str | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _nothing_encrypted(cls, value: str) -> str:
+        raise not_supported("encrypted reasoning is not supported yet: nothing here encrypts it")
 
     def add_to(self, messages: list[dict[str, Any]]) -> None:
-        """Add nothing."""
+        """Open an assistant turn with the reasoning's text."""
+        text = "\n".join(part.text for part in self.content or self.summary)
+        messages.append({"role": "assistant", "content": "", "reasoning_content": text})
 
 
-_INPUT_ITEMS: dict[str, type[_StrictModel]] = {
+def _opened_by_reasoning(message: dict[str, Any]) -> bool:
+    """Whether a chat message is an assistant turn a reasoning item opened that nothing has joined yet."""
+    return (
+        message["role"] == "assistant"
+        and "reasoning_content" in message
+        and not message["content"]
+        and ("tool_calls" not in message)
+    )
+
+
+_INPUT_ITEMS: dict[str, type[StrictModel]] = {
     "message": InputMessage,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
@@ -152,7 +199,7 @@ def _input_item(value: Any) -> Any:
     kind = value.get("type")
     kind = "message" if kind is None else kind
     if not isinstance(kind, str) or kind not in _INPUT_ITEMS:
-        raise _not_supported(f"input items of type {kind!r} are not supported yet")
+        raise not_supported(f"input items of type {kind!r} are not supported yet")
     return _INPUT_ITEMS[kind].model_validate(value)
 
 
@@ -208,6 +255,10 @@ class ResponsesRequest(_Model):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    # sampling extensions the chat takes too (vLLM's and OpenAI chat's), checked there
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     stream: bool = False
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto"] = "auto"
@@ -215,7 +266,9 @@ class ResponsesRequest(_Model):
     reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
     store: bool = True  # taken; nothing is stored
-    metadata: dict[str, str] | None = None
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16
+    )  # OpenAI's limits: 16 pairs, keys of up to 64 characters, values of up to 512
     user: str | None = None
     truncation: Literal["disabled"] = "disabled"
     previous_response_id: Any = None
@@ -228,7 +281,7 @@ class ResponsesRequest(_Model):
 
     _check_unhonoured = field_validator(
         "previous_response_id", "conversation", "background", "include", "prompt", "top_logprobs", "max_tool_calls"
-    )(_refuse_unless_harmless)
+    )(refusing_unless_harmless(_HARMLESS))
 
     @field_validator("input", mode="before")
     @classmethod
@@ -254,14 +307,14 @@ class ResponsesRequest(_Model):
     @classmethod
     def _no_forced_call(cls, value: Any) -> Any:
         if value == "required" or isinstance(value, dict):
-            raise _not_supported("not supported yet (forcing a call needs guided decoding); use 'auto' or 'none'")
+            raise not_supported("not supported yet (forcing a call needs guided decoding); use 'auto' or 'none'")
         return value
 
     @field_validator("truncation", mode="before")
     @classmethod
     def _no_truncation(cls, value: Any) -> Any:
         if value == "auto":
-            raise _not_supported("'auto' is not supported yet; an input longer than the context is refused")
+            raise not_supported("'auto' is not supported yet; an input longer than the context is refused")
         return value
 
     def chat_body(self) -> dict[str, Any]:
@@ -269,12 +322,16 @@ class ResponsesRequest(_Model):
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         for item in self.input:
             item.add_to(messages)
+        messages = [m for m in messages if not _opened_by_reasoning(m)]  # reasoning that nothing joined
         effort = self.reasoning and self.reasoning.effort
         body = {
             "messages": messages,
             "max_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "seed": self.seed,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
             "tools": [tool.for_chat() for tool in self.tools] if self.tools else None,
             "tool_choice": self.tool_choice if self.tools else None,
             "parallel_tool_calls": self.parallel_tool_calls,
@@ -373,7 +430,9 @@ def response_object(
 
 
 class ResponseStream:
-    """A generation's pieces as OpenAI's stream events, numbered from 0; reasoning comes before any text or call."""
+    """A generation's pieces as OpenAI's stream events, numbered from 0: the reasoning item, then the message item,
+    then the function calls' items (each call's events at the end, so the order never depends on how the tokens
+    came in pieces)."""
 
     __slots__ = (
         "_calls",
@@ -397,7 +456,7 @@ class ResponseStream:
         self._order: list[str] = []  # the output items' ids, as added: an item's output_index is its place here
         self._reasoning, self._reasoning_id, self._reasoning_open = "", None, False
         self._content, self._message_id = "", None
-        self._calls: list[tuple[str, ToolCall]] = []  # each call's item id and call
+        self._calls: list[ToolCall] = []  # the calls so far, whose items come after the message's
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """The next event, of this type, with these fields."""
@@ -442,21 +501,7 @@ class ResponseStream:
                 events += self._open_message()
             self._content += content
             events.append(self._part_event("response.output_text.delta", self._message_id, delta=content, logprobs=[]))
-        for call in calls:
-            events += self._close_reasoning()
-            item_id, added = self._added("function_call", _call_item(call, "", "in_progress"))
-            self._calls.append((item_id, call))
-            where = {"item_id": item_id, "output_index": len(self._order) - 1}
-            events += [
-                added,
-                self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
-                self._event("response.function_call_arguments.done", **where, arguments=call.arguments),
-                self._event(
-                    "response.output_item.done",
-                    output_index=where["output_index"],
-                    item={"id": item_id, **_call_item(call, call.arguments, "completed")},
-                ),
-            ]
+        self._calls += calls  # their items follow the message's, as in response_object: sent at the end
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
@@ -480,9 +525,16 @@ class ResponseStream:
             ),
         ]
 
-    def error(self, message: str, code: str | None, param: str | None) -> dict[str, Any]:
-        """The error event that ends a stream whose generation failed."""
-        return self._event("error", code=code, message=message, param=param)
+    def failure(self, error: ApiError) -> list[dict[str, Any]]:
+        """The events that end a stream whose generation failed: the error, then response.failed (whose error code
+        is OpenAI's server_error, or invalid_prompt where the request was at fault)."""
+        response = _response(self._response_id, self._created, self._model, self._request, "failed")
+        code = "server_error" if error.status >= 500 else "invalid_prompt"
+        response["error"] = {"code": code, "message": error.message}
+        return [
+            self._event("error", code=error.code, message=error.message, param=error.param),
+            self._event("response.failed", response=response),
+        ]
 
     def closing(
         self, finish_reason: str, input_tokens: int, output_tokens: int, cached_tokens: int
@@ -503,7 +555,19 @@ class ResponseStream:
                     item={"id": self._message_id, **_message_item([part], "completed")},
                 ),
             ]
-        ids = [item_id for item_id in (self._reasoning_id, self._message_id) if item_id is not None]
+        for call in self._calls:
+            item_id, added = self._added("function_call", _call_item(call, "", "in_progress"))
+            where = {"item_id": item_id, "output_index": len(self._order) - 1}
+            events += [
+                added,
+                self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
+                self._event("response.function_call_arguments.done", **where, arguments=call.arguments),
+                self._event(
+                    "response.output_item.done",
+                    output_index=where["output_index"],
+                    item={"id": item_id, **_call_item(call, call.arguments, "completed")},
+                ),
+            ]
         response = response_object(
             response_id=self._response_id,
             created=self._created,
@@ -511,15 +575,12 @@ class ResponseStream:
             request=self._request,
             reasoning=self._reasoning,
             content=self._content,
-            calls=[call for _, call in self._calls],
+            calls=self._calls,
             finish_reason=finish_reason,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             cached_tokens=cached_tokens,
-            item_ids=ids + [item_id for item_id, _ in self._calls],
+            item_ids=self._order,
         )
-        # in the order the events added them: text that follows a call puts the message after it
-        by_id = {item["id"]: item for item in response["output"]}
-        response["output"] = [by_id[item_id] for item_id in self._order]
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=response)]

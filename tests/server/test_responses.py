@@ -11,7 +11,7 @@ from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
-from server.protocol import ApiError, ChatCompletionRequest, parse_request
+from server.protocol import ApiError, ChatCompletionRequest, ChatMessage, parse_request
 from server.responses import ResponsesRequest, ResponseStream, new_response_id, response_object
 from server.tool_calls import ToolCall
 
@@ -114,8 +114,8 @@ def test_instructions_come_first_as_a_system_message_and_messages_join_their_tex
 
 
 def test_function_calls_and_their_outputs_round_trip_as_assistant_tool_calls_and_tool_messages() -> None:
-    """An answer's output items sent back: its reasoning dropped, its message and the calls after it one assistant
-    turn; a call with no message before it opens its own turn."""
+    """An answer's output items sent back: its reasoning, its message and the calls after it one assistant turn (the
+    reasoning as its reasoning_content); a call with no message before it opens its own turn."""
     items = [
         {"role": "user", "content": "Weather in Paris and Rome?"},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
@@ -131,7 +131,7 @@ def test_function_calls_and_their_outputs_round_trip_as_assistant_tool_calls_and
     body = chat(input=items, tools=[TOOL])
     hand_written = {"tools": [CHAT_TOOL], "messages": [
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": "Checking.",
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "hm",
          "tool_calls": [chat_call("c1", '{"city": "Paris"}'), chat_call("c2", '{"city": "Rome"}')]},
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
         {"role": "tool", "content": "rainy", "tool_call_id": "c2"},
@@ -475,11 +475,20 @@ def test_openais_stream_reader_takes_the_events(name: str) -> None:
     assert "".join(text for item_id, text in texts.items() if item_id.startswith("msg_")) == content
 
 
-def test_text_after_a_call_puts_the_message_after_it_in_events_and_response() -> None:
-    events = streamed(PIECES["text only after a call"])
-    assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "function_call", "message"]
-    events = streamed(PIECES["text around a call"])
-    assert [item["type"] for item in events[-1]["response"]["output"]] == ["message", "function_call"]
+@pytest.mark.parametrize("name", ["text only after a call", "text around a call"])
+def test_the_message_comes_before_the_calls_however_the_pieces_fall(name: str) -> None:
+    """The calls' items are sent at the end, so the stream's order is response_object's: the message first, whether
+    its text came before a call, after it, or both, and whatever piece a call closed in."""
+    pieces = PIECES[name]
+    merged = [("".join(p[0] for p in pieces), "".join(p[1] for p in pieces), [c for p in pieces for c in p[2]])]
+    for given in (pieces, merged):
+        events = streamed(given)
+        types = [item["type"] for item in events[-1]["response"]["output"]]
+        assert types == [t for t in ("reasoning", "message") if t in types] + ["function_call"] * types.count(
+            "function_call"
+        )
+        added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == types
 
 
 def test_a_stream_cut_by_the_token_limit_ends_incomplete() -> None:
@@ -521,12 +530,12 @@ def test_a_stream_of_reasoning_then_text_sends_the_events_in_openais_order() -> 
         "response.output_item.added",
         "response.content_part.added",
         "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
         "response.output_item.added",
         "response.function_call_arguments.delta",
         "response.function_call_arguments.done",
-        "response.output_item.done",
-        "response.output_text.done",
-        "response.content_part.done",
         "response.output_item.done",
         "response.completed",
     ]
@@ -539,3 +548,45 @@ def test_a_stream_echoes_the_requests_settings_from_its_first_event() -> None:
         response = as_response(event["response"])
         assert (response.instructions, response.metadata, response.id) == ("Be brief.", {"k": "v"}, "resp_stream")
         assert [tool.name for tool in response.tools] == ["get_weather"]
+
+
+@pytest.mark.parametrize(("status", "code"), [(500, "server_error"), (400, "invalid_prompt")])
+def test_a_failed_stream_ends_with_the_error_then_response_failed(status: int, code: str) -> None:
+    stream = ResponseStream("resp_f", 1, "m", request())
+    events = [*stream.opening(), *stream.feed("", "Hel", [])]
+    events += stream.failure(ApiError("the token draw failed", status=status, param="temperature"))
+    for event in events:
+        EVENT.validate_python(event)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": code, "message": "the token draw failed"}
+    assert events[-2]["param"] == "temperature"
+
+
+@pytest.mark.parametrize(
+    ("items", "expected"),
+    [
+        ([{"type": "reasoning", "summary": [{"type": "summary_text", "text": "plan"}]},
+          {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"}],
+         [{"role": "assistant", "content": "", "reasoning_content": "plan", "tool_calls": [chat_call("c", "{}")]}]),
+        ([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "a"}]},
+          {"role": "assistant", "content": "b"}],
+         [{"role": "assistant", "content": "b", "reasoning_content": "a"}]),
+        ([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "a"}]}], []),
+    ],
+)  # fmt: skip
+def test_reasoning_items_go_with_the_assistant_turn_that_follows_them(items: list, expected: list) -> None:
+    """As the chat takes an assistant message's reasoning_content (Qwen's templates render the reasoning of turns
+    after the last user message, the tool-call loop); reasoning that nothing follows is dropped."""
+    body = chat(input=[{"role": "user", "content": "q"}, *items], tools=[TOOL])
+    assert [m.for_template() for m in body.messages[1:]] == [
+        ChatMessage.model_validate(m).for_template() for m in expected
+    ]
+
+
+def test_encrypted_reasoning_is_refused_by_name() -> None:
+    item = {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}
+    with pytest.raises(ApiError) as caught:
+        parse_request(ResponsesRequest, {"input": [{"role": "user", "content": "q"}, item]})
+    assert caught.value.param == "input.1.encrypted_content" and caught.value.code == "unsupported_parameter"

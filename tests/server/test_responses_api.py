@@ -38,10 +38,11 @@ def test_a_response_is_the_equivalent_chats_answer(live, max_output_tokens):
     """instructions are the system turn and input the user's: greedy text and usage equal the chat's; a response
     cut by max_output_tokens is incomplete, saying why."""
     response = client(live).responses.create(
-        model=live.model, instructions="Be brief.", input=ASK, max_output_tokens=max_output_tokens, temperature=0
-    )
-    chat = chat_answer(live, max_tokens=max_output_tokens, temperature=0)
-    assert response.output_text == chat["choices"][0]["message"]["content"]
+        model=live.model, instructions="Be brief.", input=ASK, max_output_tokens=max_output_tokens, temperature=0,
+        reasoning={"effort": "none"},
+    )  # fmt: skip
+    chat = chat_answer(live, max_tokens=max_output_tokens, temperature=0, reasoning_effort="none")
+    assert response.output_text == chat["choices"][0]["message"]["content"] and response.output_text
     assert response.usage.input_tokens == chat["usage"]["prompt_tokens"]
     assert response.usage.output_tokens == chat["usage"]["completion_tokens"]
     if chat["choices"][0]["finish_reason"] == "length":
@@ -50,15 +51,29 @@ def test_a_response_is_the_equivalent_chats_answer(live, max_output_tokens):
         assert response.status == "completed"
 
 
-def test_a_streamed_response_equals_the_whole_one(live):
-    fields = {"model": live.model, "instructions": "Be brief.", "input": ASK, "temperature": 0.9, "top_p": 0.95}
+@pytest.mark.parametrize("effort", ["none", "high"])
+def test_a_streamed_response_equals_the_whole_one(live, effort):
+    """Text (thinking off) or reasoning (on): the deltas joined, the final event's response and the whole response
+    agree; another seed gives another answer."""
+    fields = {"model": live.model, "instructions": "Be brief.", "input": ASK, "temperature": 0.9, "top_p": 0.95,
+              "reasoning": {"effort": effort}}  # fmt: skip
     whole = client(live).responses.create(max_output_tokens=16, **fields, extra_body={"seed": 4})
     events = list(client(live).responses.create(max_output_tokens=16, stream=True, **fields, extra_body={"seed": 4}))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == whole.output_text == events[-1].response.output_text
-    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == whole.output_text == final.output_text
+    assert thought == reasoning_of(whole) == reasoning_of(final) and (thought if effort == "high" else deltas)
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    other_seed = client(live).responses.create(max_output_tokens=16, **fields, extra_body={"seed": 5})
+    assert (other_seed.output_text, reasoning_of(other_seed)) != (whole.output_text, reasoning_of(whole))
+
+
+def reasoning_of(response) -> str:
+    """The reasoning items' text."""
+    return "".join(part.text for item in response.output if item.type == "reasoning" for part in item.content or [])
 
 
 @pytest.mark.parametrize(
@@ -125,3 +140,65 @@ def test_a_function_call_and_its_output_are_rendered_as_the_chat_renders_them(to
     expected = tokenizer.apply_chat_template(chat, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(engine.submitted[-1].prompt_ids) == expected
     assert reply.json()["output"][-1]["content"][0]["text"] == "Sunny."
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"max_output_tokens": 5000}, "max_output_tokens", ("max_output_tokens asks for 5000",)),
+        ({"input": "word " * 300}, "input", ("input: the prompt has",)),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", ("input:",)),
+    ],
+)
+def test_errors_of_the_equivalent_chat_name_the_responses_field(tokenizer, fields, param, words):
+    engine = Answering(tokenizer, "x")
+    http = TestClient(build_app(ServerState(engine, tokenizer, "m", 256, len(tokenizer), (0,))))
+    response = http.post("/v1/responses", json={"input": "hi", **fields})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param, error
+    assert all(word in error["message"] for word in words) and "max_tokens" not in error["message"], error
+    assert "messages" not in error["message"] and engine.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+        ("/v1/responses", {"input": "hi", "stream": True}),
+    ],
+)
+def test_a_stream_whose_client_leaves_before_its_first_byte_stops_the_engines_work(tokenizer, path, body):
+    """The stream's generator has begun before the response is returned, so its end tells the engine to stop even
+    when nothing of it was ever sent (before, such a request ran on to its last token)."""
+    import asyncio
+    import gc
+
+    from tests.server.test_generation import RecordingEngine
+
+    engine = RecordingEngine()  # takes the request and never answers, as a long prompt pass would not yet
+    app = build_app(ServerState(engine, tokenizer, "m", 4096, len(tokenizer), (0,)))
+    raw, received = json.dumps(body).encode(), []
+
+    async def receive() -> dict:
+        received.append(1)
+        if len(received) == 1:
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return {"type": "http.disconnect"}  # the client is gone before any byte of the response
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(0)
+
+    async def main() -> None:
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")],
+                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
+                 "http_version": "1.1", "asgi": {"version": "3.0"}}  # fmt: skip
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        for _ in range(5):  # the abandoned generator is closed by the loop once collected
+            gc.collect()
+            await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    assert len(engine.submitted) == 1 and [request_id for request_id, _ in engine.aborts] == [
+        engine.submitted[0].request_id
+    ]

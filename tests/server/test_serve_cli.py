@@ -338,6 +338,12 @@ def broken_checkpoint(folder: Path, config: str) -> Path:
         (["--max-lanes", "1.5"], "--max-lanes/--max-num-seqs: expected a whole number"),
         (["--max-lanes", "1000000000"], "--max-lanes/--max-num-seqs: at most 65535"),
         (["--chat-template", "no/such/file.jinja"], "--chat-template: no file 'no/such/file.jinja'"),
+        (["--chat-template", "configs"], "--chat-template: 'configs' is a folder"),
+        (["--chat-template", "pyproject.toml"], "--chat-template: 'pyproject.toml' holds no Jinja template"),
+        (
+            ["--chat-template", "model/checkpoints/flashnext-small/model-00001-of-00001.safetensors"],
+            "cannot be read as UTF-8",
+        ),
     ],
 )
 def test_malformed_flag_values_are_refused_by_the_parser_naming_the_flag(capsys, flags, named):
