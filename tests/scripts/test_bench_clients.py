@@ -478,3 +478,18 @@ def test_bench_cache_starts_each_clock_after_its_client_is_made(fake: FakeServer
     assert bench.main(argv) == 0
     ttfts = [float(t) for t in re.findall(r"TTFT ([0-9.]+) ms", capsys.readouterr().out)]
     assert len(ttfts) == 4 and max(ttfts) < 1000.0 * 1000
+
+
+def test_bench_scoring_sends_each_prompt_whole_and_checks_its_entries(tmp_path: Path) -> None:
+    """Each mode takes every prompt once (plus one to warm), for one token; the scored mode's answers carry one
+    prompt logprob entry per token, which the script checks."""
+    with serve_checkpoint(checkpoint(tmp_path / "no-tokenizer")) as live:
+        flags = ("--prompts", "3", "--length", "20", "--vocab", "320", "--concurrency", "2", "--json")
+        done = run_script("bench_scoring", live.url, *flags)
+        assert done.returncode == 0, done.stdout + done.stderr
+        results = json.loads(done.stdout.splitlines()[-1])
+        assert [r["mode"] for r in results] == ["plain", "scored", "plain", "scored"]
+        assert all(r["prompts"] == 3 and r["length"] == 20 and r["prompt_tok_s"] > 0 for r in results)
+        requests = 2 + 4 * 3  # warm-ups, then each mode's prompts twice
+        assert metric(live.url, "flashnext:prompt_tokens_total") == 20 * requests
+        assert metric(live.url, "flashnext:generation_tokens_total") == requests
