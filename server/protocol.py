@@ -192,6 +192,13 @@ class FunctionSpec(StrictModel):
     strict: bool | None = None
 
 
+def distinct_tool_names(names: list[str]) -> None:
+    """Refuse two offered tools of one name: a call of it could mean either."""
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise PydanticCustomError("tools", f"two tools are named {twice!r}")
+
+
 class ToolSpec(StrictModel):
     """One entry of `tools`: a function the model may call (type "function" where none is given, as vLLM takes it)."""
 
@@ -479,10 +486,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, value: list[ToolSpec]) -> list[ToolSpec]:
-        names = [tool.function.name for tool in value]
-        twice = next((name for name in names if names.count(name) > 1), None)
-        if twice is not None:
-            raise PydanticCustomError("tools", f"two tools are named {twice!r}")
+        distinct_tool_names([tool.function.name for tool in value])
         return value
 
     @field_validator("tool_choice")

@@ -25,6 +25,7 @@ from server.protocol import (
     ApiError,
     CalledFunction,
     StrictModel,
+    distinct_tool_names,
     not_supported,
     refusing_unless_harmless,
     without_nulls,
@@ -209,7 +210,7 @@ InputItem = Annotated[
 
 
 class FunctionTool(_Model):
-    """A function the model may call, given flat as the Responses API gives it."""
+    """A function the model may call, given flat as the Responses API gives it (its type checked before the rest)."""
 
     type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME_PATTERN)
@@ -221,8 +222,8 @@ class FunctionTool(_Model):
 
     def for_chat(self) -> dict[str, Any]:
         """The tool as a chat request offers it."""
-        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
-        return {"type": "function", "function": {key: value for key, value in function.items() if value is not None}}
+        function = self.model_dump(include={"name", "description", "parameters"}, exclude_none=True)
+        return {"type": "function", "function": function}
 
 
 class ReasoningConfig(_Model):
@@ -297,10 +298,7 @@ class ResponsesRequest(_Model):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, value: list[FunctionTool]) -> list[FunctionTool]:
-        names = [tool.name for tool in value]
-        twice = next((name for name in names if names.count(name) > 1), None)
-        if twice is not None:
-            raise PydanticCustomError("tools", f"two tools are named {twice!r}")
+        distinct_tool_names([tool.name for tool in value])
         return value
 
     @field_validator("tool_choice", mode="before")
