@@ -18,7 +18,7 @@ from model.layers import Segment, batch_from_starts
 from model.state import LaneState, copy_lane, lane_bytes
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.engine import PromptLogprob, TokenLogprob
-from server.penalties import LaneHistories, Penalties, PenaltyMarks
+from server.penalties import DraftPenalties, LaneHistories, Penalties, PenaltyMarks
 from server.prompt_logprobs import PromptLogprobs, PromptRound
 from server.round_trace import RoundTrace
 from server.sampling import SamplingParamError, sample_token
@@ -570,7 +570,11 @@ class ModelRunner:
         lanes = [slot for slot, _, _ in drafting]  # the lanes of the last step's rows, in order
         position = {slot: at for slot, _, at in drafting}  # each lane's position of its last step's row
         # a step's row at position q pairs q's wide state with the token at q + 1: it drafts the token at q + 2
-        drawn = _argmaxes(_biased(logits, [(draws[s], position[s] + 2) for s in lanes]), self.model.kernels)
+        last = {m.slot: (m.tokens[-1], position[m.slot] + 1) for m in live if m.slot in position}  # the last draw
+        chain = DraftPenalties(self.marks, lanes, [draws[s] for s in lanes], [last[s] for s in lanes])
+        keys = [(draws[s], position[s] + 2) for s in lanes]
+        drawn = _argmaxes(_adjusted(logits, keys, chain.penalties()), self.model.kernels)
+        chain.count(drawn)
         wide = wide.index_select(0, lasts)
         steps = [(lanes, drawn)]
         for step in range(1, max(depth.values())):
@@ -580,11 +584,14 @@ class ModelRunner:
             if len(kept) < len(lanes):
                 pick = to_device(device, kept, torch.long)
                 drawn, wide, lanes = drawn.index_select(0, pick), wide.index_select(0, pick), [lanes[i] for i in kept]
+                chain.keep(kept)
             batch = batch_from_starts(
                 drawn, [Segment(self.slots[s], i, 1) for i, s in enumerate(lanes)], [position[s] + step for s in lanes]
             )
             logits, wide = self.model.mtp_forward(batch, wide)
-            drawn = _argmaxes(_biased(logits, [(draws[s], position[s] + step + 2) for s in lanes]), self.model.kernels)
+            keys = [(draws[s], position[s] + step + 2) for s in lanes]
+            drawn = _argmaxes(_adjusted(logits, keys, chain.penalties()), self.model.kernels)
+            chain.count(drawn)
             steps.append((lanes, drawn))
         drafts: dict[int, list[int]] = {}
         if before_wait is not None:

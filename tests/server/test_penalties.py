@@ -156,3 +156,35 @@ def test_marks_that_missed_ids_the_lane_folded_are_built_again_from_the_host(mod
     plan = RoundPlan(allocate=(0,), rows=(LaneRows(0, (*PROMPT, *middle, 53), 0, spec),))
     assert whole.execute(plan)[0].tokens == after
     assert torch.equal(split.marks.marks[0], whole.marks.marks[0]) and split.marks.marks[0, 50] >= 2
+
+
+def test_the_draft_chains_penalties_count_as_the_verify_rows_do():
+    """A draft's penalties are those the target's row at its place takes: the lane's marks, the round's last draw
+    and the drafts before it counted in; a lane whose marks have not counted up to its last draw takes none, and a
+    lane that leaves the chain is followed."""
+    from server.penalties import DraftPenalties
+
+    vocab, ids, spec = 128, array("i", [*PROMPT[:6], 5, 9, 9]), penalized(GREEDY, PROMPT[:6])
+    marks = PenaltyMarks(4)
+    marks.start(1, ids, 6, vocab, torch.device("cpu"))  # counted up to position 9
+    marks.start(3, ids, 6, vocab, torch.device("cpu"))
+    lanes, specs = [0, 1, 3], [GREEDY, spec, spec]
+    chain = DraftPenalties(marks, lanes, specs, [(2, 9), (11, 9), (12, 8)])  # lane 3's marks run past position 8
+    logits = torch.randn(3, vocab)
+
+    def expected(before: tuple[int, ...], row: int) -> torch.Tensor:
+        keys = [(slot, s, before if i == row else ()) for i, (slot, s) in enumerate(zip(lanes, specs, strict=True))]
+        keys = [key if i == row else (key[0], GREEDY, ()) for i, key in enumerate(keys)]
+        return marks.penalties(keys, torch.device("cpu")).apply(logits)
+
+    assert chain.places == [1]
+    assert torch.equal(chain.penalties().apply(logits), expected((11,), 1))
+    chain.count(torch.tensor([4, 20, 6]))
+    assert torch.equal(chain.penalties().apply(logits), expected((11, 20), 1))
+    chain.keep([1])  # only lane 1 drafts on: its row is now the chain's first
+    chain.count(torch.tensor([30]))
+    lanes, specs, logits = [1], [spec], logits[1:2]
+    assert torch.equal(chain.penalties().apply(logits), expected((11, 20, 30), 0))
+    chain.keep([])
+    assert chain.penalties() is None
+    assert DraftPenalties(marks, [0], [GREEDY], [(2, 9)]).penalties() is None
