@@ -153,40 +153,45 @@ class DraftPenalties:
     each draft so far counted in, so a draft follows the penalties the target's draw at its place takes (drafts
     that match it more often are accepted more often; the target's draws never read them)."""
 
-    def __init__(self, marks: PenaltyMarks, lanes: list[int], specs: list[DrawSpec], lasts: list[tuple[int, int]]):
-        """`lanes` the chain's first rows, each drawn with `specs[i]` after the token and position `lasts[i]`: a lane
-        whose marks have counted every id before that position takes part."""
-        self.places = [i for i, (slot, spec, (_, at)) in enumerate(zip(lanes, specs, lasts, strict=True))
+    def __init__(
+        self, marks: PenaltyMarks, lanes: list[int], specs: list[DrawSpec], last_draws: list[tuple[int, int]]
+    ) -> None:
+        """`lanes` the chain's first rows, each drawn with `specs[i]` after the token and position `last_draws[i]`: a
+        lane whose marks have counted every id before that position takes part (all but a lane whose draw failed)."""
+        self.places = [i for i, (slot, spec, (_, at)) in enumerate(zip(lanes, specs, last_draws, strict=True))
                        if spec.penalized and marks.holds(slot, spec, at)]  # fmt: skip
         self.marks: torch.Tensor | None = None
+        self.factors: torch.Tensor | None = None
         if not self.places:
             return
         device = marks.marks.device
         chosen = [lanes[i] for i in self.places]
+        self.rows = to_device(device, self.places, torch.long)
         self.marks = marks.marks.index_select(0, to_device(device, chosen, torch.long))
-        self._count(to_device(device, [lasts[i][0] for i in self.places], torch.long))
+        self._count(to_device(device, [last_draws[i][0] for i in self.places], torch.long))
         self.factors = to_device(device, [specs[i].penalties for i in self.places], torch.float32)
 
     def penalties(self) -> Penalties | None:
         """The chain's next step's penalized rows, or None where no lane takes part."""
-        if self.marks is None:
-            return None
-        return Penalties(to_device(self.marks.device, self.places, torch.long), self.marks, self.factors)
+        return None if self.marks is None else Penalties(self.rows, self.marks, self.factors)
 
     def count(self, drawn: torch.Tensor) -> None:
         """Count a step's drafts (one per row, on the device) into the penalized rows' marks."""
         if self.marks is not None:
-            self._count(drawn.index_select(0, to_device(drawn.device, self.places, torch.long)))
+            self._count(drawn.index_select(0, self.rows))
 
     def keep(self, rows: list[int]) -> None:
         """Follow the chain as it keeps only these of its rows (a lane whose depth is reached leaves it)."""
         if self.marks is None:
             return
-        kept = [(new, self.places.index(old)) for new, old in enumerate(rows) if old in self.places]
+        place_of = {row: at for at, row in enumerate(self.places)}
+        kept = [(new, place_of[old]) for new, old in enumerate(rows) if old in place_of]
         if not kept:
-            self.marks, self.places = None, []
+            self.marks = self.factors = None
+            self.places = []
             return
         self.places = [new for new, _ in kept]
+        self.rows = to_device(self.marks.device, self.places, torch.long)
         pick = to_device(self.marks.device, [at for _, at in kept], torch.long)
         self.marks, self.factors = self.marks.index_select(0, pick), self.factors.index_select(0, pick)
 

@@ -570,17 +570,17 @@ class ModelRunner:
         lanes = [slot for slot, _, _ in drafting]  # the lanes of the last step's rows, in order
         position = {slot: at for slot, _, at in drafting}  # each lane's position of its last step's row
         # a step's row at position q pairs q's wide state with the token at q + 1: it drafts the token at q + 2
-        last = {m.slot: (m.tokens[-1], position[m.slot] + 1) for m in live if m.slot in position}  # the last draw
-        chain = DraftPenalties(self.marks, lanes, [draws[s] for s in lanes], [last[s] for s in lanes])
+        last_draws = {m.slot: (m.tokens[-1], position[m.slot] + 1) for m in live if m.slot in position}
+        chain = DraftPenalties(self.marks, lanes, [draws[s] for s in lanes], [last_draws[s] for s in lanes])
         keys = [(draws[s], position[s] + 2) for s in lanes]
         drawn = _argmaxes(_adjusted(logits, keys, chain.penalties()), self.model.kernels)
-        chain.count(drawn)
         wide = wide.index_select(0, lasts)
         steps = [(lanes, drawn)]
         for step in range(1, max(depth.values())):
             kept = [i for i, slot in enumerate(lanes) if depth[slot] > step]
             if not kept:
                 break
+            chain.count(drawn)  # the step before's drafts, which the next one follows
             if len(kept) < len(lanes):
                 pick = to_device(device, kept, torch.long)
                 drawn, wide, lanes = drawn.index_select(0, pick), wide.index_select(0, pick), [lanes[i] for i in kept]
@@ -591,7 +591,6 @@ class ModelRunner:
             logits, wide = self.model.mtp_forward(batch, wide)
             keys = [(draws[s], position[s] + step + 2) for s in lanes]
             drawn = _argmaxes(_adjusted(logits, keys, chain.penalties()), self.model.kernels)
-            chain.count(drawn)
             steps.append((lanes, drawn))
         drafts: dict[int, list[int]] = {}
         if before_wait is not None:

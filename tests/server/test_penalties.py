@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from array import array
+from typing import ClassVar
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from model.weights import load_model
 from rankwire.header import DrawSpec, LaneRows, RoundPlan
 from server.drafters import MtpDrafter, ScriptedDrafter
-from server.penalties import LaneHistories, PenaltyMarks
+from server.penalties import DraftPenalties, LaneHistories, PenaltyMarks
 from server.runner import ModelRunner, RoundRefused, _adjusted, _biased
 from tests.server.engine_harness import run
 from tests.tiny import checkpoint
@@ -162,8 +163,6 @@ def test_the_draft_chains_penalties_count_as_the_verify_rows_do():
     """A draft's penalties are those the target's row at its place takes: the lane's marks, the round's last draw
     and the drafts before it counted in; a lane whose marks have not counted up to its last draw takes none, and a
     lane that leaves the chain is followed."""
-    from server.penalties import DraftPenalties
-
     vocab, ids, spec = 128, array("i", [*PROMPT[:6], 5, 9, 9]), penalized(GREEDY, PROMPT[:6])
     marks = PenaltyMarks(4)
     marks.start(1, ids, 6, vocab, torch.device("cpu"))  # counted up to position 9
@@ -188,3 +187,70 @@ def test_the_draft_chains_penalties_count_as_the_verify_rows_do():
     chain.keep([])
     assert chain.penalties() is None
     assert DraftPenalties(marks, [0], [GREEDY], [(2, 9)]).penalties() is None
+
+
+class CheckedChain(DraftPenalties):
+    """The runner's chain, checked at every step against the verify rows' count: PenaltyMarks.penalties with each
+    row's last draw and the drafts before it as host ids (a sync a step), for a lane whose marks have counted up to
+    its last draw."""
+
+    checked: ClassVar[list[int]] = []  # the penalized rows of each step checked
+    handed: ClassVar[list] = [None, 0]  # the Penalties the last step handed out (held), and the chain's rows then
+
+    def __init__(self, marks: PenaltyMarks, lanes: list[int], specs: list[DrawSpec], last_draws: list) -> None:
+        super().__init__(marks, lanes, specs, last_draws)
+        self.all_marks, self.lanes, self.specs = marks, list(lanes), list(specs)
+        self.taking = [
+            s.penalized and marks.holds(lane, s, at) for lane, s, (_, at) in zip(lanes, specs, last_draws, strict=True)
+        ]
+        self.before = [(token,) for token, _ in last_draws]
+        self.steps = 0
+
+    def penalties(self):
+        ours = super().penalties()
+        assert all(len(before) == self.steps + 1 for before in self.before)  # every step before it was counted
+        self.steps += 1
+        rows = zip(self.lanes, self.specs, self.taking, self.before, strict=True)
+        keys = [(lane, spec if taking else GREEDY, before) for lane, spec, taking, before in rows]
+        reference = self.all_marks.penalties(keys, torch.device("cpu"))
+        assert (ours is None) == (reference is None)
+        if ours is not None:
+            assert torch.equal(ours.rows, reference.rows) and torch.equal(ours.marks, reference.marks)
+            assert torch.equal(ours.factors, reference.factors)
+            CheckedChain.checked.append(len(ours.rows))
+            CheckedChain.handed[:] = [ours, len(self.lanes)]
+        return ours
+
+    def count(self, drawn: torch.Tensor) -> None:
+        super().count(drawn)
+        self.before = [(*before, token) for before, token in zip(self.before, drawn.tolist(), strict=True)]
+
+    def keep(self, rows: list[int]) -> None:
+        super().keep(rows)
+        for name in ("lanes", "specs", "taking", "before"):
+            setattr(self, name, [getattr(self, name)[i] for i in rows])
+
+
+def test_the_runners_draft_chain_is_penalized_as_the_verify_rows_count(model, monkeypatch):
+    """Penalized and plain lanes draft together at every depth, lanes leaving the chain at different steps: at every
+    step of every chain the penalties are those the verify rows would take after the same ids, and the penalized
+    lanes take part (their marks have counted up to the round's last draw)."""
+    import server.runner
+
+    adjusted = server.runner._adjusted
+
+    def rows_followed(logits, keys, penalties):
+        """A chain's penalties meet logits of as many rows as the chain holds (it followed the lanes that left)."""
+        assert penalties is None or penalties is not CheckedChain.handed[0] or CheckedChain.handed[1] == len(keys)
+        return adjusted(logits, keys, penalties)
+
+    monkeypatch.setattr(server.runner, "DraftPenalties", CheckedChain)
+    monkeypatch.setattr(server.runner, "_adjusted", rows_followed)
+    CheckedChain.checked, CheckedChain.handed = [], [None, 0]
+    prompts = [PROMPT, PROMPT[:6], PROMPT[3:], [5, 5, 5, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    only_repetition = {"repetition_penalty": 2.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    specs = [penalized(GREEDY, PROMPT, frequency_penalty=1.5), GREEDY, penalized(SAMPLED, PROMPT[3:]),
+             penalized(GREEDY, prompts[3], **only_repetition)]  # fmt: skip
+    out, _ = run(model, prompts, 40, specs, drafter=MtpDrafter(), budget=8)
+    assert len(CheckedChain.checked) >= 40 and max(CheckedChain.checked) == 3  # all three penalized lanes at once
+    assert out == run(model, prompts, 40, specs, draft=False)[0]
