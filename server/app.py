@@ -553,6 +553,18 @@ def build_app(state: ServerState) -> FastAPI:
             cached_tokens=outcome.cached_tokens,
         )
 
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(response_id: str):
+        """OpenAI's retrieve, delete and cancel of a stored response: nothing is stored here, so none is found."""
+        raise ApiError(
+            f"response_id: {response_id!r} is not stored; this server keeps no responses (store is false)",
+            status=404,
+            param="response_id",
+            code="not_found",
+        )
+
     async def response_events(
         generation: Generation, chat: ChatCompletionRequest, writer: ResponseStream
     ) -> AsyncGenerator[dict[str, Any], None]:
