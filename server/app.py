@@ -340,8 +340,7 @@ def build_app(state: ServerState) -> FastAPI:
             }
             finish_reason = outcome.finish_reason
             if body.parses_tool_calls():  # as vLLM answers a call: content null when only calls came
-                content, calls = parse_tool_calls(outcome.content)
-                calls = calls if body.parallel_tool_calls else calls[:1]
+                content, calls = parse_tool_calls(outcome.content, parallel=body.parallel_tool_calls)
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 if calls:
                     message["content"], finish_reason = (body.echoed() + content) or None, "tool_calls"
@@ -537,8 +536,7 @@ def build_app(state: ServerState) -> FastAPI:
         (outcome,) = await wait(request, [generation])
         content, calls = outcome.content, []
         if chat.parses_tool_calls():
-            content, calls = parse_tool_calls(outcome.content)
-            calls = calls if chat.parallel_tool_calls else calls[:1]
+            content, calls = parse_tool_calls(outcome.content, parallel=chat.parallel_tool_calls)
         return response_object(
             response_id=response_id,
             created=created,

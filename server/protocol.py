@@ -155,13 +155,17 @@ def without_nulls(data: Any) -> Any:
     return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(StrictModel):
+class NullAsAbsentModel(StrictModel):
+    """A StrictModel whose fields given as JSON null read as not given."""
+
+    _drop_nulls = model_validator(mode="before")(without_nulls)
+
+
+class StreamOptions(NullAsAbsentModel):
     """`stream_options`: whether the last streamed chunk carries usage, and (vLLM's) every chunk, usage so far."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
-
-    _drop_nulls = model_validator(mode="before")(without_nulls)
 
 
 class ChatTemplateKwargs(StrictModel):
@@ -296,7 +300,7 @@ class ChatMessage(StrictModel):
         return "\n".join(texts)
 
 
-class _SamplingRequest(StrictModel):
+class _SamplingRequest(NullAsAbsentModel):
     """Fields shared by chat and text completions; JSON null reads as 'not given'."""
 
     default_max_tokens: ClassVar[int | None] = None
@@ -346,8 +350,6 @@ class _SamplingRequest(StrictModel):
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "structural_tag",
         "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
-
-    _drop_nulls = model_validator(mode="before")(without_nulls)
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -24,6 +24,7 @@ from server.protocol import (
     TOOL_NAME_PATTERN,
     ApiError,
     CalledFunction,
+    NullAsAbsentModel,
     StrictModel,
     distinct_tool_names,
     not_supported,
@@ -80,13 +81,7 @@ def _refuse_other_types(*supported: str, noun: str) -> Callable[[Any], Any]:
     return check
 
 
-class _Model(StrictModel):
-    """JSON types taken as they are, unknown fields ignored, JSON null read as 'not given'."""
-
-    _drop_nulls = model_validator(mode="before")(without_nulls)
-
-
-class ContentPart(_Model):
+class ContentPart(NullAsAbsentModel):
     """A text part of an input message's content."""
 
     type: Literal["input_text", "output_text"]
@@ -97,7 +92,7 @@ class ContentPart(_Model):
     )
 
 
-class InputMessage(_Model):
+class InputMessage(NullAsAbsentModel):
     """A message of the input: its content a text or a list of text parts (joined with newlines)."""
 
     type: Literal["message"] = "message"
@@ -134,7 +129,7 @@ class FunctionCallItem(CalledFunction):
         messages[-1].setdefault("tool_calls", []).append({"id": self.call_id, "type": "function", "function": function})
 
 
-class FunctionCallOutputItem(_Model):
+class FunctionCallOutputItem(NullAsAbsentModel):
     """What a called function returned."""
 
     type: Literal["function_call_output"]
@@ -146,14 +141,14 @@ class FunctionCallOutputItem(_Model):
         messages.append({"role": "tool", "content": self.output, "tool_call_id": self.call_id})
 
 
-class ReasoningPart(_Model):
+class ReasoningPart(NullAsAbsentModel):
     """A text part of a reasoning item: of its content, or of its summary."""
 
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
 
-class ReasoningItem(_Model):
+class ReasoningItem(NullAsAbsentModel):
     """An earlier answer's reasoning: its text (its content's, else its summary's) opens the assistant turn that the
     calls or the message after it join, as the chat's `reasoning_content` (which templates render as they choose);
     dropped where nothing joins it."""
@@ -209,7 +204,7 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Model):
+class FunctionTool(NullAsAbsentModel):
     """A function the model may call, given flat as the Responses API gives it (its type checked before the rest)."""
 
     type: Literal["function"]
@@ -226,14 +221,14 @@ class FunctionTool(_Model):
         return {"type": "function", "function": function}
 
 
-class ReasoningConfig(_Model):
+class ReasoningConfig(NullAsAbsentModel):
     """`reasoning`: how hard to think; a summary may be asked for and is not written."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class TextFormat(_Model):
+class TextFormat(NullAsAbsentModel):
     """`text.format`: plain text only (structured output needs guided decoding)."""
 
     type: Literal["text"]
@@ -241,13 +236,13 @@ class TextFormat(_Model):
     _supported_type = field_validator("type", mode="before")(_refuse_other_types("text", noun="text formats"))
 
 
-class TextConfig(_Model):
+class TextConfig(NullAsAbsentModel):
     """`text`: the output's format (a verbosity is taken and ignored)."""
 
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(NullAsAbsentModel):
     """Body of POST /v1/responses; a text `input` is read as one user message."""
 
     model: str | None = None

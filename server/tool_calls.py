@@ -63,8 +63,11 @@ def _parse_block(inner: str, make_id: Callable[[], str]) -> ToolCall | None:
     return ToolCall(make_id(), name, arguments)
 
 
-def parse_tool_calls(text: str, make_id: Callable[[], str] = new_call_id) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole reply, by the module's rules; without a parsed block the content is `text`."""
+def parse_tool_calls(
+    text: str, make_id: Callable[[], str] = new_call_id, parallel: bool = True
+) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole reply, by the module's rules (only the first call unless `parallel`, OpenAI's
+    parallel_tool_calls); without a parsed block the content is `text`."""
     runs, calls, pos = [""], [], 0
     while (start := text.find(START, pos)) >= 0 and (end := text.find(END, start + len(START))) >= 0:
         call = _parse_block(text[start + len(START) : end], make_id)
@@ -83,7 +86,7 @@ def parse_tool_calls(text: str, make_id: Callable[[], str] = new_call_id) -> tup
     if not calls:
         return text, []
     runs[-1] += text[pos:]
-    return "".join(run for run in runs if run.strip()), calls
+    return "".join(run for run in runs if run.strip()), calls if parallel else calls[:1]
 
 
 class ToolCallStream:
