@@ -12,8 +12,8 @@ from typing import Any
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 
 MAGIC = b"FNRH"
-VERSION = 11  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids;
-# 9: penalties; 10: allowed ids; 11: prompt-logprob flags
+VERSION = 12  # 5: seeds may be negative; 6: draws carry a logit bias; 7: a logprobs count; 8: suppressed ids;
+# 9: penalties; 10: allowed ids; 11: prompt-logprob flags; 12: guide masks
 _PREFIX = struct.Struct("<4sHII")  # magic, version, total length, CRC-32 of the body
 _COUNTS = struct.Struct("<BIIII")  # kind, then how many allocate slots, free slots, rows and lane ops
 _SIZES = {code: struct.calcsize("<" + code) for code in "BHIiqd"}
@@ -45,6 +45,7 @@ def encode_header(plan: RoundPlan) -> bytes:
     for index, row in enumerate(rows):
         _check_prior_draw(index, row.prior_draw, row.token_ids, row.drafts, row.draft_depth)
         _check_prompt_logprobs(index, row.prompt_logprobs, row.prior_draw, len(row.drafts))
+    mask_bytes = _check_guide_masks(rows)
     body = b"".join(
         (
             _pack_counts(plan, len(rows)),
@@ -84,6 +85,9 @@ def encode_header(plan: RoundPlan) -> bytes:
                 [0 if row.prompt_logprobs is None else row.prompt_logprobs + 1 for row in rows],
                 "prompt-logprob counts",
             ),
+            _pack("B", [len(row.guide_masks) for row in rows], "guide mask counts"),
+            _pack("I", [mask_bytes], "guide mask length"),
+            b"".join(mask for row in rows for mask in row.guide_masks),
         )
     )
     return _PREFIX.pack(MAGIC, VERSION, _PREFIX.size + len(body), zlib.crc32(body)) + body
@@ -156,17 +160,29 @@ class _Reader:
         for index, prior in enumerate(priors):
             _check_prior_draw(index, bool(prior), row_tokens[index], range(draft_counts[index]), depths[index])
             _check_prompt_logprobs(index, prompt_logprobs[index], bool(prior), draft_counts[index])
+        guide_masks = self._guide_masks(n_rows)
         if self.pos != len(self.data):
             raise HeaderError(f"{len(self.data) - self.pos} trailing bytes inside the header's body")
-        return RoundPlan(
-            kind=RoundKind(kind),
-            allocate=allocate,
-            free=free,
-            rows=_rows(
-                slots, starts, flags, depths, row_tokens, _cut(draft_ids, draft_counts), draws, priors, prompt_logprobs
-            ),
-            ops=ops,
-        )
+        rows = _rows(
+            slots, starts, flags, depths, row_tokens, _cut(draft_ids, draft_counts), draws, priors, prompt_logprobs,
+            guide_masks,
+        )  # fmt: skip
+        _check_guide_masks(rows)
+        return RoundPlan(kind=RoundKind(kind), allocate=allocate, free=free, rows=rows, ops=ops)
+
+    def _guide_masks(self, n_rows: int) -> list[tuple[bytes, ...]]:
+        """Read each row's guide masks: their counts, the one length they share, then the masks."""
+        counts = self.take("B", n_rows, "guide mask counts")
+        (length,) = self.take("I", 1, "guide mask length")
+        if length and not sum(counts):
+            raise HeaderError(f"a guide mask length of {length} in a round without guide masks")
+        size = length * sum(counts)
+        if size > len(self.data) - self.pos:
+            raise HeaderError(f"guide masks: {sum(counts)} of {length} bytes need {size} bytes but fewer remain")
+        blob = self.data[self.pos : self.pos + size]
+        self.pos += size
+        masks = [blob[i : i + length] for i in range(0, size, length)] if length else [b""] * sum(counts)
+        return _cut(tuple(masks), counts)
 
     def _draws(self, count: int) -> list[DrawSpec]:
         """Read the draw columns of the rows that draw."""
@@ -219,6 +235,7 @@ def _rows(
     draws: list[DrawSpec],
     priors: tuple[int, ...],
     prompt_logprobs: tuple[int | None, ...],
+    guide_masks: list[tuple[bytes, ...]],
 ) -> tuple[LaneRows, ...]:
     """Put the per-lane token and draft pieces and the draw columns back together as rows."""
     next_draw = iter(draws)
@@ -233,6 +250,7 @@ def _rows(
             depths,
             map(bool, priors),
             prompt_logprobs,
+            guide_masks,
         )
     )
 
@@ -293,6 +311,24 @@ def _check_prompt_logprobs(index: int, most: int | None, prior: bool, drafts: in
         raise HeaderError(f"row {index}: cannot encode prompt-logprob count {most}: not in [0, 254]")
     if most is not None and (prior or drafts):
         raise HeaderError(f"row {index}: a row with the prompt's logprobs takes no prior draw and no drafts")
+
+
+def _check_guide_masks(rows: Sequence[LaneRows]) -> int:
+    """Refuse guide masks no round can have: masks on a row that does not draw, a count other than its draw rows'
+    (its drafts and one), an empty mask, or masks of different lengths in one round; the length they share (0: none)."""
+    lengths = {len(mask) for row in rows for mask in row.guide_masks}
+    if len(lengths) > 1 or 0 in lengths:
+        raise HeaderError(f"guide masks of one round must share one length above 0, got lengths {sorted(lengths)}")
+    for index, row in enumerate(rows):
+        if row.guide_masks and (row.draw is None or len(row.guide_masks) != len(row.drafts) + 1):
+            drawing = _draw_rows(row)
+            raise HeaderError(f"row {index}: {len(row.guide_masks)} guide masks, but it draws at {drawing} rows")
+    return lengths.pop() if lengths else 0
+
+
+def _draw_rows(row: LaneRows) -> int:
+    """How many rows of a lane's window draw: each draft's and one after them, none without a draw."""
+    return 0 if row.draw is None else len(row.drafts) + 1
 
 
 def _check_allowed(allowed: Sequence[tuple[int, ...]]) -> None:

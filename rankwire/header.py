@@ -59,7 +59,9 @@ class LaneRows:
     token is the lane's draw of the round before, which this plan was made without: each rank takes it from its own
     draws (`token_ids` holds a 0 in its place). With `prompt_logprobs` (how many most likely ids to take with each
     prompt token's logprob) every token row gives its logits (a prompt
-    pass whose request asked for the prompt's logprobs)."""
+    pass whose request asked for the prompt's logprobs). With `guide_masks` (a guided request's rows) each draw row
+    may take only the ids its mask allows: one bitmask a draw row, bit i of byte i // 8 (lowest bit first) set for
+    an allowed id i."""
 
     slot: int
     token_ids: tuple[int, ...]
@@ -69,6 +71,7 @@ class LaneRows:
     draft_depth: int = 0
     prior_draw: bool = False
     prompt_logprobs: int | None = None
+    guide_masks: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -423,6 +423,15 @@ class ModelRunner:
             for i in range(len(rows.drafts) + 1)
         ]
 
+    def _guide_masks(self, plan_rows: tuple[LaneRows, ...]) -> list[bytes]:
+        """Each logit row's guide mask, in `_draw_keys`'s order (b"": the row is not guided)."""
+        return [
+            rows.guide_masks[i] if rows.guide_masks else b""
+            for rows in plan_rows
+            if rows.draw is not None
+            for i in range(len(rows.drafts) + 1)
+        ]
+
     def _marked(self, rows: LaneRows, position: int) -> bool:
         """Whether the device holds marks of the lane's request that have counted every id before `position`."""
         return rows.draw is not None and self.marks.holds(rows.slot, rows.draw, position)
@@ -461,7 +470,7 @@ class ModelRunner:
         device: on the kernel path one batched draw launched for the round (`sample_rows`, which gives each row
         `sample_token`'s token, or -1 where that raises), else drawn row by row on the host, -1 likewise."""
         keys = self._draw_keys(plan_rows)
-        logits = _adjusted(logits, keys, penalties)
+        logits = _adjusted(logits, keys, penalties, self._guide_masks(plan_rows))
         if not self.model.kernels:
             tokens = [_draw_row(logits[i], spec, position)[0] for i, (spec, position) in enumerate(keys)]
             return torch.tensor(tokens, dtype=torch.long, device=logits.device)
@@ -503,7 +512,7 @@ class ModelRunner:
             return tokens, {}
         refusals = {}
         keys = self._draw_keys(plan_rows)
-        logits = _adjusted(logits, keys, penalties)  # the bits `_launch_draws` drew from
+        logits = _adjusted(logits, keys, penalties, self._guide_masks(plan_rows))  # the bits `_launch_draws` drew
         for i, (spec, position) in enumerate(keys):
             if tokens[i] == -1:
                 token, refusal = _draw_row(logits[i], spec, position)
@@ -601,14 +610,19 @@ class ModelRunner:
         return {s: tuple(d) for s, d in drafts.items()}
 
 
-def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Tensor:
+def _biased(
+    logits: torch.Tensor, keys: list[tuple[DrawSpec, int]], guide_masks: list[bytes] | None = None
+) -> torch.Tensor:
     """The logit rows in fp32 with each row's logit bias added, -inf added for the ids its draw (at the key's
-    position) may not take yet, and -inf for every id outside its allowed ids where it has some (the same tensor
-    where no row has any of these)."""
+    position) may not take yet, -inf for every id outside its allowed ids where it has some, and -inf for every id
+    its guide mask (b"": none) does not allow (the same tensor where no row has any of these)."""
     entries, allowed = [], []
+    vocab, device = logits.shape[-1], logits.device
     for row, (spec, position) in enumerate(keys):
         if spec.allowed_ids:
-            allowed.append((row, spec.allowed_ids))
+            allowed.append((row, _allowed_mask(spec.allowed_ids, vocab, device)))
+        if guide_masks and guide_masks[row]:
+            allowed.append((row, _guide_mask(guide_masks[row], vocab, device)))
         suppressed = spec.suppress_ids if position < spec.suppress_before else ()
         if not spec.logit_bias and not suppressed:
             continue  # most rows of a round: nothing to add
@@ -621,10 +635,8 @@ def _biased(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]]) -> torch.Ten
         rows, tokens, biases = zip(*entries, strict=True)
         at = (to_device(logits.device, rows, torch.long), to_device(logits.device, tokens, torch.long))
         out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
-    if allowed:  # every id outside a row's allowed ones -inf, from each allowed set's mask, made once
-        rows = to_device(logits.device, [row for row, _ in allowed], torch.long)
-        masks = torch.stack([_allowed_mask(ids, out.shape[-1], out.device) for _, ids in allowed])
-        out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(masks, -math.inf))
+    for row, masked in allowed:  # every id outside a row's allowed ones -inf, from each set's mask, made once
+        out[row].masked_fill_(masked, -math.inf)
     return out
 
 
@@ -634,10 +646,26 @@ def _allowed_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) ->
     return torch.ones(vocab, dtype=torch.bool, device=device).index_fill_(0, to_device(device, allowed, torch.long), 0)
 
 
-def _adjusted(logits: torch.Tensor, keys: list[tuple[DrawSpec, int]], penalties: Penalties | None) -> torch.Tensor:
-    """The logits a round's target draws are made from: each row's logit bias and suppressed ids, then its
-    penalties (vLLM's order)."""
-    logits = _biased(logits, keys)
+@lru_cache(maxsize=1024)
+def _guide_mask(bits: bytes, vocab: int, device: torch.device) -> torch.Tensor:
+    """True for every id a guide mask does not allow (bit i of byte i // 8, lowest bit first: a guided state's mask
+    comes again and again, so each is unpacked once)."""
+    if len(bits) != (vocab + 7) // 8:
+        raise ValueError(f"a guide mask of {len(bits)} bytes for a vocabulary of {vocab} ids")
+    packed = torch.frombuffer(bytearray(bits), dtype=torch.uint8)
+    unpacked = packed[:, None].bitwise_right_shift(torch.arange(8, dtype=torch.uint8)).bitwise_and_(1)
+    return unpacked.flatten()[:vocab].eq(0).to(device)
+
+
+def _adjusted(
+    logits: torch.Tensor,
+    keys: list[tuple[DrawSpec, int]],
+    penalties: Penalties | None,
+    guide_masks: list[bytes] | None = None,
+) -> torch.Tensor:
+    """The logits a round's target draws are made from: each row's logit bias, suppressed ids, allowed ids and guide
+    mask, then its penalties (vLLM's order); the MTP chain's drafts follow no guide masks (`guide_masks` None)."""
+    logits = _biased(logits, keys, guide_masks)
     return logits if penalties is None else penalties.apply(logits)
 
 

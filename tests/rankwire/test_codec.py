@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import struct
 import zlib
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +19,7 @@ PREFIX = struct.Struct("<4sHII")
 COUNTS = struct.Struct("<BIIII")
 
 
-def seal(body: bytes, magic: bytes = b"FNRH", version: int = 11) -> bytes:
+def seal(body: bytes, magic: bytes = b"FNRH", version: int = 12) -> bytes:
     """A header around `body` with a correct length and checksum, written from the documented layout."""
     return PREFIX.pack(magic, version, PREFIX.size + len(body), zlib.crc32(body)) + body
 
@@ -59,8 +61,17 @@ def random_row(rng: random.Random) -> LaneRows:
     return LaneRows(slot, random_ids(rng, 12), start, draw, random_ids(rng, 4), rng.randrange(16))
 
 
+def random_masks(rng: random.Random, row: LaneRows, length: int) -> LaneRows:
+    """The row with a guide mask of `length` bytes at each draw row, where it draws and a coin says so."""
+    if row.draw is None or row.prior_draw or rng.random() < 0.5:
+        return row
+    masks = tuple(rng.randbytes(length) for _ in range(len(row.drafts) + 1))
+    return replace(row, guide_masks=masks)
+
+
 def random_plan(rng: random.Random) -> RoundPlan:
-    rows = tuple(random_row(rng) for _ in range(rng.randrange(9)))
+    mask_length = rng.choice([1, 3, 512])
+    rows = tuple(random_masks(rng, random_row(rng), mask_length) for _ in range(rng.randrange(9)))
     ops = tuple(
         LaneOp(
             rng.choice(list(LaneOpCode)),
@@ -129,13 +140,14 @@ def test_the_byte_layout_is_pinned() -> None:
             struct.pack("<BHqI", 1, 0, 99, 3),  # lane op: KEEP slot 0 handle 99, after 3 of its rows
             struct.pack("<2B", 0, 0),  # prior-draw flags
             struct.pack("<2B", 0, 0),  # prompt-logprob counts: 0 for none, else 1 + how many of the most likely
+            struct.pack("<2BI", 0, 0, 0),  # guide mask counts, the length they share (0: none), then the masks
         )
     )
     assert encode_header(SAMPLE) == seal(body)
     assert decode_header(seal(body)) == SAMPLE
     prior = RoundPlan(rows=(LaneRows(5, (0,), 41, SAMPLE.rows[1].draw, prior_draw=True),))
     draw = struct.pack("<dIddqIBqI3dqI", 0.7, 20, 0.95, 0.05, 1234, 0, 0, 0, 0, 1.0, 0.0, 0.0, 0, 0)
-    tail = draw + struct.pack("<2B", 1, 0)  # the draw, then the prior-draw and prompt-logprob flags
+    tail = draw + struct.pack("<2B", 1, 0) + struct.pack("<BI", 0, 0)  # the draw, prior-draw, prompt-logprob, masks
     assert encode_header(prior).endswith(tail) and decode_header(encode_header(prior)) == prior
     draws = (
         DrawSpec(0.0, 0, 1.0, 0.0, 5, ((9, -100.0), (4, 2.5)), logprobs=0, suppress_ids=(2, 3), suppress_before=40),
@@ -162,6 +174,38 @@ def test_the_byte_layout_is_pinned() -> None:
     columns += struct.pack("<2I2i", 0, 2, 3, 11)  # allowed id counts, allowed ids
     assert columns + struct.pack("<2B", 0, 0) in encode_header(biased)  # counts, then ids, then biases, draw by draw
     assert decode_header(encode_header(biased)) == biased
+    guided = RoundPlan(rows=(LaneRows(0, (1,), 0, draws[0], (5,), guide_masks=(b"\x01\x80", b"\xff\x00")),))
+    assert encode_header(guided).endswith(struct.pack("<BI", 2, 2) + b"\x01\x80\xff\x00")
+    assert decode_header(encode_header(guided)) == guided
+
+
+@pytest.mark.parametrize(
+    ("masks", "drafts", "draws", "fault"),
+    [
+        ((b"\x01",), (5,), True, "1 guide masks, but it draws at 2 rows"),
+        ((b"\x01", b"\x01"), (), True, "2 guide masks, but it draws at 1 rows"),
+        ((b"\x01",), (), False, "1 guide masks, but it draws at 0 rows"),
+        ((b"\x01", b"\x01\x02"), (5,), True, "share one length above 0, got lengths [1, 2]"),
+        ((b"",), (), True, "share one length above 0, got lengths [0]"),
+    ],
+)
+def test_guide_masks_that_do_not_fit_their_draw_rows_are_refused(
+    masks: tuple[bytes, ...], drafts: tuple[int, ...], draws: bool, fault: str
+) -> None:
+    draw = SAMPLE.rows[1].draw if draws else None
+    plan = RoundPlan(rows=(LaneRows(0, (1,), 0, draw, drafts, guide_masks=masks),))
+    with pytest.raises(HeaderError, match=re.escape(fault)):
+        encode_header(plan)
+
+
+def test_a_decoded_header_whose_masks_do_not_fit_its_rows_is_refused() -> None:
+    plan = RoundPlan(rows=(LaneRows(0, (1,), 0, SAMPLE.rows[1].draw, (5,), guide_masks=(b"\x01", b"\x02")),))
+    data = bytearray(encode_header(plan))
+    body = bytes(data[PREFIX.size :])
+    at = body.rindex(struct.pack("<BI", 2, 1))
+    forged = body[:at] + struct.pack("<BI", 1, 2) + body[at + 5 :]  # one mask of two bytes: the same blob
+    with pytest.raises(HeaderError, match=re.escape("1 guide masks, but it draws at 2 rows")):
+        decode_header(seal(forged))
 
 
 @pytest.mark.parametrize("plan", EXAMPLES, ids=range(len(EXAMPLES)))
@@ -197,11 +241,13 @@ def test_random_bytes_are_refused() -> None:
 
 
 def structural_offsets(plan: RoundPlan) -> set[int]:
-    """Offsets of the bytes that give the layout: section counts, per-row token and draft counts, draw flags."""
+    """Offsets of the bytes that give the layout: section counts, per-row token and draft counts, draw flags, guide mask
+    counts and length."""
     n = len(plan.rows)
     counts = PREFIX.size + 1
     rows = counts + 16 + 2 * (len(plan.allocate) + len(plan.free)) + 10 * n  # past the slots and starts columns
-    return set(range(counts, counts + 16)) | set(range(rows, rows + 9 * n))
+    masks = len(encode_header(plan)) - sum(map(len, (mask for row in plan.rows for mask in row.guide_masks))) - 4 - n
+    return set(range(counts, counts + 16)) | set(range(rows, rows + 9 * n)) | set(range(masks, masks + n + 4))
 
 
 @pytest.mark.parametrize("plan", EXAMPLES, ids=range(len(EXAMPLES)))
@@ -229,8 +275,8 @@ def test_resealed_random_bodies_are_refused_or_exact() -> None:
     for _ in range(5000):
         counts = [rng.randrange(3) for _ in range(4)]
         body = COUNTS.pack(rng.choice([0, 1, 2, 3]), *counts)
-        size = 2 * counts[0] + 2 * counts[1] + 20 * counts[2] + 15 * counts[3] + rng.randrange(-2, 3)
-        body += rng.randbytes(max(0, size))
+        size = 2 * counts[0] + 2 * counts[1] + 21 * counts[2] + 15 * counts[3] + rng.randrange(-2, 3)
+        body += rng.randbytes(max(0, size)) + bytes(4)  # the guide masks' length: 0, as a header without masks has
         try:
             plan = decode_header(seal(body))
         except HeaderError:
@@ -254,11 +300,12 @@ def test_faults_are_named() -> None:
         (sample[:5], "truncated header: 5 bytes"),
         (sample + b"xy", "2 trailing bytes"),
         (sample[:10] + b"\0\0\0\0" + sample[14:], "checksum mismatch"),
-        (PREFIX.pack(b"FNRH", 11, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
+        (PREFIX.pack(b"FNRH", 12, 20, 0) + bytes(20), "declared length 20 is shorter than the fixed part"),
         (seal(bytes([9]) + bytes(body[1:])), "unknown round kind 9"),
         (seal(COUNTS.pack(1, 1000, 0, 0, 0)), "allocate slots: 1000 values need 2000 bytes but 0 remain"),
-        (seal(COUNTS.pack(1, 0, 0, 0, 0) + b"\0"), "1 trailing bytes inside the header's body"),
+        (seal(COUNTS.pack(1, 0, 0, 0, 0) + bytes(5)), "1 trailing bytes inside the header's body"),
     ]
+    tail = 2 + 4  # the two rows' guide mask counts and the masks' length, after every column below
     flags = 17 + 2 * 3 + 2 * 2 + 8 * 2 + 4 * 2 + 4 * 2  # offset of the draw flags in the body
     corrupt = body.copy()
     corrupt[flags + 1] = 2
@@ -268,16 +315,16 @@ def test_faults_are_named() -> None:
     corrupt[tokens : tokens + 4] = struct.pack("<i", -5)
     cases.append((seal(bytes(corrupt)), "token ids: -5 is negative"))
     corrupt = body.copy()
-    corrupt[-19] = 7  # before the lane op's slot, argument and row offset, and the two rows' two flags
+    corrupt[-19 - tail] = 7  # before the lane op's slot, argument and row offset, and the two rows' two flags
     cases.append((seal(bytes(corrupt)), "unknown lane op code 7"))
     corrupt = body.copy()
-    corrupt[-3] = 2
+    corrupt[-3 - tail] = 2
     cases.append((seal(bytes(corrupt)), "prior-draw flag 2 is neither 0 nor 1"))
     corrupt = body.copy()
-    corrupt[-1] = 1  # row 1 verifies drafts
+    corrupt[-1 - tail] = 1  # row 1 verifies drafts
     cases.append((seal(bytes(corrupt)), "row 1: a row with the prompt's logprobs takes no prior draw and no drafts"))
     corrupt = body.copy()
-    corrupt[-4] = 1  # row 0 holds three tokens
+    corrupt[-4 - tail] = 1  # row 0 holds three tokens
     cases.append((seal(bytes(corrupt)), "row 0: a prior-draw row is one token 0 with no drafts and no draft depth"))
     temperature = tokens + 4 * 4 + 4 * 2
     for value, message in [
@@ -292,8 +339,13 @@ def test_faults_are_named() -> None:
     corrupt[temperature + 12 : temperature + 20] = struct.pack("<d", 1.5)
     cases.append((seal(bytes(corrupt)), "top_p 1.5 is not in"))
     biased = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, ((3, 1.0), (4, 2.0)))),)))
-    ids, biases = len(biased) - 51 - 16 - 8, len(biased) - 51 - 16  # before the logprobs, suppression and penalties
-    penalties = len(biased) - 2 - 4 - 8 - 24  # before the output start, the allowed id count and the row's two flags
+    ids, biases = (
+        len(biased) - 5 - 51 - 16 - 8,
+        len(biased) - 5 - 51 - 16,
+    )  # before the logprobs, suppression and penalties
+    penalties = (
+        len(biased) - 5 - 2 - 4 - 8 - 24
+    )  # (5: its mask count and length) before the output start, the allowed id count and the row's two flags
     for at, value, message in [
         (ids + 4, struct.pack("<i", 3), "a logit bias gives one token id twice"),
         (ids, struct.pack("<i", -3), "logit bias ids: -3 is negative"),
@@ -310,8 +362,13 @@ def test_faults_are_named() -> None:
         corrupt[at : at + len(value)] = value
         cases.append((seal(bytes(corrupt)), message))
     allowed = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1, allowed_ids=(3, 5))),)))
-    allowed[-6:-2] = struct.pack("<i", 3)  # the second allowed id, before the row's two flags
+    allowed[-11:-7] = struct.pack(
+        "<i", 3
+    )  # the second allowed id, before the row's two flags and its masks' count and length
     cases.append((seal(bytes(allowed)), "draw 0: its allowed ids give one token id twice"))
+    masked = body_of(RoundPlan(rows=(LaneRows(0, (1,), 0, DrawSpec(1.0, 0, 1.0, 0.0, 1), guide_masks=(b"\x01",)),)))
+    masked[-5:] = struct.pack("<I", 0)  # the masks' length 0, and the one mask's byte gone with it
+    cases.append((seal(bytes(masked)), "share one length above 0, got lengths [0]"))
     for data, message in cases:
         with pytest.raises(HeaderError) as caught:
             decode_header(data)

@@ -239,10 +239,10 @@ def test_the_runners_draft_chain_is_penalized_as_the_verify_rows_count(model, mo
 
     adjusted = server.runner._adjusted
 
-    def rows_followed(logits, keys, penalties):
+    def rows_followed(logits, keys, penalties, guide_masks=None):
         """A chain's penalties meet logits of as many rows as the chain holds (it followed the lanes that left)."""
         assert penalties is None or penalties is not CheckedChain.handed[0] or CheckedChain.handed[1] == len(keys)
-        return adjusted(logits, keys, penalties)
+        return adjusted(logits, keys, penalties, guide_masks)
 
     monkeypatch.setattr(server.runner, "DraftPenalties", CheckedChain)
     monkeypatch.setattr(server.runner, "_adjusted", rows_followed)
