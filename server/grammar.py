@@ -1,0 +1,1024 @@
+"""Grammars for guided decoding (JSON, a JSON Schema subset, regular expressions, fixed choices), matched a byte at a
+time: outputs are UTF-8 and a byte-level token may end inside a character."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+State = frozenset[tuple[int, ...]]
+"""Where a match stands: stacks, each the return nodes of the calls in progress followed by the current node."""
+
+Emit = Callable[[int], int]
+"""Adds one part of a grammar to a network from a start node and answers the node where the part ends."""
+
+MAX_DEPTH = 64  # calls in progress at once: nested JSON containers, items of counted arrays, $ref recursion
+MAX_STACKS = 10_000  # stacks one state may hold; only wildly ambiguous grammars come near it
+MAX_NODES = 200_000
+MAX_REPEAT = 1000  # the largest repeat count, string length or item count
+MAX_WHITESPACE = 20  # bytes in one run of JSON whitespace, so that a model cannot loop on it
+STEP_CACHE_STATES = 65_536
+
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "object": dict, "array": list, "string": str, "number": (int, float), "null": type(None)
+}  # fmt: skip
+ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"}
+)
+DEFINITIONS = ("$defs", "definitions")
+COMPOSITIONS = ("$ref", "anyOf", "oneOf", "allOf")
+TYPE_KEYWORDS = {
+    "object": ("properties", "required", "additionalProperties"),
+    "array": ("items", "minItems", "maxItems"),
+    "string": ("minLength", "maxLength", "pattern"),
+}
+SUPPORTED = frozenset({"type", "enum", "const"}).union(ANNOTATIONS, DEFINITIONS, COMPOSITIONS, *TYPE_KEYWORDS.values())
+REFERENCE = re.compile(r"#/(\$defs|definitions)/([^/]+)")
+REPEAT_COUNT = re.compile(r"\{([0-9]*)(,?)([0-9]*)\}")
+
+
+class GrammarError(ValueError):
+    """A schema, pattern or choice list that cannot be compiled; `where` names the part at fault (a JSON pointer
+    into the schema like '/properties/age/minimum', or 'pattern', or 'choice[2]')."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def bits(values: Iterable[int]) -> int:
+    """A byte or ASCII set as a bit mask: bit b set for each value b."""
+    mask = 0
+    for value in values:
+        mask |= 1 << value
+    return mask
+
+
+def members(mask: int) -> list[int]:
+    """The values whose bits a mask sets, in order."""
+    return [value for value in range(mask.bit_length()) if mask >> value & 1]
+
+
+ASCII = (1 << 128) - 1
+DIGITS = bits(b"0123456789")
+NONZERO_DIGITS = bits(b"123456789")
+HEX_DIGITS = bits(b"0123456789abcdefABCDEF")
+WHITESPACE = bits(b" \t\n\r")
+CONTINUATION = bits(range(0x80, 0xC0))
+LEADS = ((bits(range(0xC2, 0xE0)), 1), (bits(range(0xE0, 0xF0)), 2), (bits(range(0xF0, 0xF5)), 3))
+STRING_ASCII = bits(byte for byte in range(0x20, 0x80) if byte not in b'"\\')  # unescaped in a JSON string
+SIMPLE_ESCAPES = bits(b'"\\/bfnrt')
+
+
+def pointer_to(pointer: str, *keys: str | int) -> str:
+    """A JSON pointer extended by keys, each escaped (~ as ~0, / as ~1)."""
+    return pointer + "".join("/" + str(key).replace("~", "~0").replace("/", "~1") for key in keys)
+
+
+class Network:
+    """A recursive transition network under construction: nodes joined by byte-class, epsilon and call edges. Each
+    routine (a sub-network that calls enter) has one exit node, where it returns to its caller."""
+
+    def __init__(self, blame: str) -> None:
+        self.blame = blame  # the `where` of the error a grammar too large to build gets
+        self.size = 0
+        self.moves: dict[int, list[tuple[int, int]]] = {}
+        self.epsilons: dict[int, list[int]] = {}
+        self.calls: dict[int, list[tuple[int, int]]] = {}
+        self.exits: set[int] = set()
+
+    def node(self) -> int:
+        """A new node."""
+        if self.size >= MAX_NODES:
+            raise GrammarError("the grammar is too large for guided decoding", self.blame)
+        self.size += 1
+        return self.size - 1
+
+    def routine(self) -> tuple[int, int]:
+        """A new routine's entry and exit nodes."""
+        entry, exit_node = self.node(), self.node()
+        self.exits.add(exit_node)
+        return entry, exit_node
+
+    def move(self, source: int, mask: int, target: int | None = None) -> int:
+        """An edge taken on any byte of the mask, to `target` (a new node where None); answers the target."""
+        target = self.node() if target is None else target
+        self.moves.setdefault(source, []).append((mask, target))
+        return target
+
+    def epsilon(self, source: int, target: int) -> None:
+        """An edge taken without a byte."""
+        self.epsilons.setdefault(source, []).append(target)
+
+    def call(self, source: int, entry: int) -> int:
+        """A call of the routine entered at `entry`; answers the node it returns to."""
+        target = self.node()
+        self.calls.setdefault(source, []).append((entry, target))
+        return target
+
+    def literal(self, start: int, data: bytes) -> int:
+        """The bytes in order."""
+        for byte in data:
+            start = self.move(start, 1 << byte)
+        return start
+
+    def literals(self, start: int, texts: Iterable[bytes]) -> int:
+        """Any one of the byte strings, laid out as a trie so that a prefix they share has one node."""
+        end = self.node()
+        branches: dict[tuple[int, int], int] = {}
+        for text in dict.fromkeys(texts):
+            node = start
+            for byte in text:
+                if (node, byte) not in branches:
+                    branches[node, byte] = self.move(node, 1 << byte)
+                node = branches[node, byte]
+            self.epsilon(node, end)
+        return end
+
+    def either(self, start: int, parts: list[Emit]) -> int:
+        """Any one of the parts."""
+        if len(parts) == 1:
+            return parts[0](start)
+        end = self.node()
+        for part in parts:
+            self.epsilon(part(start), end)
+        return end
+
+    def repeat(self, start: int, part: Emit, least: int, most: int | None) -> int:
+        """The part `least` times, then more up to `most` times in all (any number where None)."""
+        for _ in range(least):
+            start = part(start)
+        if most is None:
+            loop = self.node()
+            self.epsilon(start, loop)
+            self.epsilon(part(loop), loop)
+            return loop
+        end = self.node()
+        for _ in range(most - least):  # nested, (x(x)?)? rather than x?x?, so that each count has one path
+            self.epsilon(start, end)
+            start = part(start)
+        self.epsilon(start, end)
+        return end
+
+    def optional(self, start: int, part: Emit) -> int:
+        """The part or nothing."""
+        return self.repeat(start, part, 0, 1)
+
+
+def utf8_char(network: Network, start: int, end: int) -> None:
+    """Edges from `start` to `end` over any one non-ASCII UTF-8 character. Only the structure is checked (a lead byte
+    and its count of continuation bytes): overlong three- and four-byte forms and encoded surrogates pass."""
+    after = end
+    needing = []  # needing[n]: the node where n + 1 continuation bytes are still to come
+    for _ in range(3):
+        before = network.node()
+        network.move(before, CONTINUATION, after)
+        needing.append(before)
+        after = before
+    for mask, continuations in LEADS:
+        network.move(start, mask, needing[continuations - 1])
+
+
+def live_nodes(network: Network) -> set[int]:
+    """The nodes from which the exit of their routine can be reached: through byte and epsilon edges, and calls of
+    routines whose entry is live (that can return)."""
+    sources: dict[int, list[int]] = {}  # node -> the nodes with a byte or epsilon edge to it
+    for source, moves in network.moves.items():
+        for _, target in moves:
+            sources.setdefault(target, []).append(source)
+    for source, targets in network.epsilons.items():
+        for target in targets:
+            sources.setdefault(target, []).append(source)
+    calls: dict[int, list[tuple[int, int, int]]] = {}  # entry or return node -> (source, entry, return) of its calls
+    for source, edges in network.calls.items():
+        for entry, back in edges:
+            calls.setdefault(entry, []).append((source, entry, back))
+            calls.setdefault(back, []).append((source, entry, back))
+    live: set[int] = set()
+    pending = list(network.exits)
+    while pending:
+        node = pending.pop()
+        if node in live:
+            continue
+        live.add(node)
+        pending.extend(sources.get(node, ()))
+        pending.extend(source for source, entry, back in calls.get(node, ()) if entry in live and back in live)
+    return live
+
+
+_UNKNOWN: Any = object()  # a step not cached yet
+
+
+class Grammar:
+    """A compiled grammar; immutable and hashable states; safe to share between threads for reading."""
+
+    def __init__(self, network: Network, entry: int) -> None:
+        live = live_nodes(network)
+        if entry not in live:
+            raise GrammarError("the grammar admits no complete output", network.blame)
+        nodes = range(network.size)
+        # edges into nodes that cannot finish are dropped, so that no state is a dead end (the depth limit aside)
+        self._moves = tuple(tuple(edge for edge in network.moves.get(node, ()) if edge[1] in live) for node in nodes)
+        self._epsilons = tuple(tuple(t for t in network.epsilons.get(node, ()) if t in live) for node in nodes)
+        self._calls = tuple(
+            tuple(call for call in network.calls.get(node, ()) if call[0] in live and call[1] in live) for node in nodes
+        )
+        self._exits = frozenset(network.exits)
+        self._steps: dict[State, tuple[State, dict[int, State | None]]] = {}  # state -> (its interned copy, steps)
+        self._lock = threading.Lock()
+        initial = self._close([(entry,)])
+        if initial is None:
+            raise GrammarError("the grammar is too ambiguous to match", network.blame)
+        self.initial: State = self._interned(initial)[0]
+
+    def step(self, state: State, byte: int) -> State | None:
+        """The state after one more byte; None where the byte cannot come next."""
+        entry = self._steps.get(state)
+        if entry is not None:
+            after = entry[1].get(byte, _UNKNOWN)
+            if after is not _UNKNOWN:
+                return after
+        return self._remember(state, byte, self._advance(state, byte))
+
+    def feed(self, state: State, data: bytes) -> State | None:
+        """The state after the bytes in order; None as soon as one cannot come next."""
+        for byte in data:
+            state = self.step(state, byte)
+            if state is None:
+                return None
+        return state
+
+    def accepts(self, state: State) -> bool:
+        """Whether the bytes so far are a complete match."""
+        return any(len(stack) == 1 and stack[0] in self._exits for stack in state)
+
+    def can_continue(self, state: State) -> bool:
+        """Whether some byte may still come next."""
+        candidates = 0
+        for stack in state:
+            for mask, _ in self._moves[stack[-1]]:
+                candidates |= mask
+        return any(self.step(state, byte) is not None for byte in members(candidates))
+
+    def _advance(self, state: State, byte: int) -> State | None:
+        """The state after a byte, worked out from the network."""
+        moved = []
+        for stack in state:
+            for mask, target in self._moves[stack[-1]]:
+                if mask >> byte & 1:
+                    moved.append((*stack[:-1], target))
+        return self._close(moved) if moved else None
+
+    def _close(self, stacks: list[tuple[int, ...]]) -> State | None:
+        """The stacks reachable without a byte (epsilon edges, calls, returns), keeping those that can take a byte
+        or have matched everything; None where there are none, or too many to follow."""
+        seen: set[tuple[int, ...]] = set()
+        kept = []
+        while stacks:
+            stack = stacks.pop()
+            if stack in seen:
+                continue
+            seen.add(stack)
+            if len(seen) > MAX_STACKS:
+                return None
+            node, below = stack[-1], stack[:-1]
+            if self._moves[node] or (not below and node in self._exits):
+                kept.append(stack)
+            stacks.extend((*below, target) for target in self._epsilons[node])
+            if len(stack) <= MAX_DEPTH:
+                stacks.extend((*below, back, entry) for entry, back in self._calls[node])
+            if below and node in self._exits:
+                stacks.append(below)
+        return frozenset(kept) or None
+
+    def _remember(self, state: State, byte: int, after: State | None) -> State | None:
+        """Cache a step, answering the interned copy of the state it leads to."""
+        with self._lock:
+            if after is not None:
+                after = self._interned(after)[0]
+            self._interned(state)[1][byte] = after
+        return after
+
+    def _interned(self, state: State) -> tuple[State, dict[int, State | None]]:
+        """The cache entry of a state, made where missing (the oldest entry goes when the cache is full)."""
+        entry = self._steps.get(state)
+        if entry is None:
+            if len(self._steps) >= STEP_CACHE_STATES:
+                del self._steps[next(iter(self._steps))]
+            entry = self._steps[state] = (state, {})
+        return entry
+
+
+class JsonBuilder:
+    """Adds JSON text to a network: whitespace, strings, numbers, literals, and any value, object or array (nested
+    values through calls, so that the nesting is bounded by MAX_DEPTH)."""
+
+    def __init__(self, network: Network) -> None:
+        self.network = network
+        self._object_body: int | None = None  # entry of the routine for any object after its '{'
+        self._array_body: int | None = None
+
+    def whitespace(self, start: int) -> int:
+        """A run of 0 to MAX_WHITESPACE JSON whitespace bytes."""
+        return self.network.repeat(start, partial(self.network.move, mask=WHITESPACE), 0, MAX_WHITESPACE)
+
+    def string_char(self, start: int) -> int:
+        """One character of a JSON string's content: unescaped, a short escape, or \\u escapes."""
+        network = self.network
+        end = network.move(start, STRING_ASCII)
+        utf8_char(network, start, end)
+        escape = network.move(start, 1 << ord("\\"))
+        network.move(escape, SIMPLE_ESCAPES, end)
+        self._code_unit(network.move(escape, 1 << ord("u")), end)
+        return end
+
+    def _code_unit(self, start: int, end: int) -> None:
+        """Edges from just after a \\u to `end` over the hex digits of one character: not a surrogate, or a high
+        surrogate then \\u and a low one (one character, as json.dumps writes one outside the BMP); a lone
+        surrogate is refused."""
+        network = self.network
+        self._hex(network.move(start, HEX_DIGITS & ~bits(b"dD")), 3, end)
+        first_d = network.move(start, bits(b"dD"))
+        self._hex(network.move(first_d, bits(b"01234567")), 2, end)
+        high = self._hex(network.move(first_d, bits(b"89abAB")), 2)
+        low = network.move(network.literal(high, b"\\u"), bits(b"dD"))
+        self._hex(network.move(low, bits(b"cdefCDEF")), 2, end)
+
+    def _hex(self, start: int, count: int, end: int | None = None) -> int:
+        """`count` hex digits, the last one to `end` (a new node where None)."""
+        for _ in range(count - 1):
+            start = self.network.move(start, HEX_DIGITS)
+        return self.network.move(start, HEX_DIGITS, end)
+
+    def string(self, start: int, least: int = 0, most: int | None = None) -> int:
+        """A JSON string of `least` to `most` characters (any number where None)."""
+        content = self.network.repeat(self.network.literal(start, b'"'), self.string_char, least, most)
+        return self.network.literal(content, b'"')
+
+    def number(self, start: int, integer: bool = False) -> int:
+        """A JSON number; an integer (no fraction or exponent) where `integer`."""
+        network = self.network
+        signed = network.optional(start, partial(network.literal, data=b"-"))
+        whole = network.move(signed, 1 << ord("0"))
+        network.epsilon(network.repeat(network.move(signed, NONZERO_DIGITS), self._digit, 0, None), whole)
+        if integer:
+            return whole
+        return network.optional(network.optional(whole, self._fraction), self._exponent)
+
+    def any_value(self, start: int) -> int:
+        """Any JSON value."""
+        words = [partial(self.network.literal, data=word) for word in (b"true", b"false", b"null")]
+        return self.network.either(start, [self.string, self.number, self.any_object, self.any_array, *words])
+
+    def any_object(self, start: int) -> int:
+        """Any JSON object."""
+        if self._object_body is None:
+            entry, exit_node = self.network.routine()
+            self._object_body = entry
+            self.network.epsilon(self.listing(entry, self.any_member, b"}"), exit_node)
+        return self.network.call(self.network.literal(start, b"{"), self._object_body)
+
+    def any_array(self, start: int) -> int:
+        """Any JSON array."""
+        if self._array_body is None:
+            entry, exit_node = self.network.routine()
+            self._array_body = entry
+            self.network.epsilon(self.listing(entry, self.any_value, b"]"), exit_node)
+        return self.network.call(self.network.literal(start, b"["), self._array_body)
+
+    def any_member(self, start: int) -> int:
+        """An object member of any key and value."""
+        return self.member(self.string(start), self.any_value)
+
+    def member(self, key_end: int, value: Emit) -> int:
+        """The rest of an object member after its key: the colon and the value."""
+        return value(self.whitespace(self.network.literal(self.whitespace(key_end), b":")))
+
+    def listing(self, start: int, item: Emit, closing: bytes) -> int:
+        """Any number of items joined by commas, then the closing bracket; `start` is just after the opening one."""
+        network = self.network
+        inside = self.whitespace(start)
+        item_start, end = network.node(), network.node()
+        network.epsilon(inside, item_start)
+        network.move(inside, 1 << closing[0], end)
+        after = self.whitespace(item(item_start))
+        network.epsilon(self.whitespace(network.literal(after, b",")), item_start)
+        network.move(after, 1 << closing[0], end)
+        return end
+
+    def separator(self, start: int) -> int:
+        """A comma between two items, with whitespace around it."""
+        return self.whitespace(self.network.literal(self.whitespace(start), b","))
+
+    def _digit(self, start: int) -> int:
+        """One decimal digit."""
+        return self.network.move(start, DIGITS)
+
+    def _digits(self, start: int) -> int:
+        """One or more decimal digits."""
+        return self.network.repeat(start, self._digit, 1, None)
+
+    def _fraction(self, start: int) -> int:
+        """A number's fraction: a point, digits."""
+        return self._digits(self.network.literal(start, b"."))
+
+    def _exponent(self, start: int) -> int:
+        """A number's exponent: e or E, a sign or none, digits."""
+        marked = self.network.move(start, bits(b"eE"))
+        return self._digits(self.network.optional(marked, partial(self.network.move, mask=bits(b"+-"))))
+
+
+class SchemaCompiler(JsonBuilder):
+    """Adds the JSON text a schema admits to a network; a keyword it cannot honour is refused with its pointer.
+
+    Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
+    or any schema where there are no properties), items, minItems, maxItems, minLength, maxLength, pattern (alone,
+    over the string's decoded characters, fully), enum and const (beside type only, as json.dumps writes them),
+    anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the
+    annotations, which are ignored. A composition beside another constraint is refused."""
+
+    def __init__(self, network: Network, root: Any) -> None:
+        super().__init__(network)
+        self.root = root
+        self._routines: dict[str, int] = {}  # a schema's pointer -> the entry of its routine
+
+    def root_value(self, start: int) -> int:
+        """A value of the root schema (through its routine, which '#' may call again)."""
+        return self.network.call(start, self.routine(self.root, ""))
+
+    def routine(self, schema: Any, pointer: str) -> int:
+        """The entry of the routine for a schema, compiled once (a recursive $ref calls it while it is compiled)."""
+        entry = self._routines.get(pointer)
+        if entry is None:
+            entry, exit_node = self.network.routine()
+            self._routines[pointer] = entry
+            self.network.epsilon(self.value(entry, schema, pointer), exit_node)
+        return entry
+
+    def value(self, start: int, schema: Any, pointer: str) -> int:
+        """A value the schema at `pointer` admits."""
+        if schema is True:
+            return self.any_value(start)
+        if schema is False:
+            raise GrammarError("a false schema admits no value", pointer)
+        if not isinstance(schema, dict):
+            raise GrammarError("a schema must be a JSON object or a boolean", pointer)
+        for key in schema:
+            if key not in SUPPORTED:
+                raise GrammarError(f"'{key}' is not supported in guided decoding", pointer_to(pointer, key))
+        composition = next((key for key in COMPOSITIONS if key in schema), None)
+        if composition is not None:
+            self._alone(schema, composition, (), pointer)
+            return self._composed(start, schema, composition, pointer)
+        if "enum" in schema or "const" in schema:
+            self._alone(schema, "enum" if "enum" in schema else "const", ("type", "enum", "const"), pointer)
+            return self._constants(start, schema, pointer)
+        types = self._types(schema, pointer)
+        if not types:
+            return self.any_value(start)
+        return self.network.either(
+            start, [partial(self._typed, name=name, schema=schema, pointer=pointer) for name in types]
+        )
+
+    def _alone(self, schema: dict[str, Any], keyword: str, companions: tuple[str, ...], pointer: str) -> None:
+        """Refuse a constraint beside `keyword` other than its companions (annotations and definitions aside)."""
+        for key in schema:
+            if key != keyword and key not in companions and key not in ANNOTATIONS and key not in DEFINITIONS:
+                raise GrammarError(
+                    f"'{key}' cannot be combined with '{keyword}' in guided decoding", pointer_to(pointer, key)
+                )
+
+    def _composed(self, start: int, schema: dict[str, Any], keyword: str, pointer: str) -> int:
+        """A value of a $ref, anyOf, oneOf (taken as anyOf) or allOf of one schema."""
+        where = pointer_to(pointer, keyword)
+        if keyword == "$ref":
+            return self.network.call(start, self._referenced(schema["$ref"], where))
+        options = schema[keyword]
+        if not isinstance(options, list) or not options:
+            raise GrammarError(f"'{keyword}' must be a non-empty list of schemas", where)
+        if keyword == "allOf" and len(options) != 1:
+            raise GrammarError("'allOf' of more than one schema is not supported in guided decoding", where)
+        parts = [partial(self.value, schema=option, pointer=pointer_to(where, i)) for i, option in enumerate(options)]
+        return self.network.either(start, parts)
+
+    def _referenced(self, reference: Any, where: str) -> int:
+        """The entry of the routine a $ref names: '#' (the root) or '#/$defs/NAME' ('#/definitions/NAME')."""
+        if reference == "#":
+            return self.routine(self.root, "")
+        match = REFERENCE.fullmatch(reference) if isinstance(reference, str) else None
+        if match is None:
+            raise GrammarError("only '#', '#/$defs/NAME' and '#/definitions/NAME' references are supported", where)
+        section, name = match.group(1), match.group(2).replace("~1", "/").replace("~0", "~")
+        definitions = self.root.get(section)
+        if not isinstance(definitions, dict) or name not in definitions:
+            raise GrammarError(f"{reference!r} names no definition", where)
+        return self.routine(definitions[name], pointer_to("", section, name))
+
+    def _constants(self, start: int, schema: dict[str, Any], pointer: str) -> int:
+        """One of the values of `enum` or `const` (those of the declared type), written as json.dumps writes it."""
+        where = pointer_to(pointer, "enum" if "enum" in schema else "const")
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        if not isinstance(values, list) or not values:
+            raise GrammarError("'enum' must be a non-empty list", where)
+        if "enum" in schema and "const" in schema:
+            values = [value for value in values if same_json(value, schema["const"])]
+        types = self._types(schema, pointer)
+        values = [value for value in values if not types or any(is_json_type(value, name) for name in types)]
+        if not values:
+            raise GrammarError("no value of 'enum' or 'const' fits the schema's other keywords", where)
+        try:
+            texts = [json.dumps(value, allow_nan=False).encode() for value in values]
+        except (TypeError, ValueError) as exc:
+            raise GrammarError(f"not a JSON value ({exc})", where) from exc
+        return self.network.literals(start, texts)
+
+    def _types(self, schema: dict[str, Any], pointer: str) -> list[str]:
+        """The types a schema admits: its `type`, else those its type keywords imply (none: any value)."""
+        if "type" not in schema:
+            return [name for name, keywords in TYPE_KEYWORDS.items() if any(key in schema for key in keywords)]
+        declared = schema["type"]
+        names = [declared] if isinstance(declared, str) else declared
+        where = pointer_to(pointer, "type")
+        if not isinstance(names, list) or not names:
+            raise GrammarError("'type' must be a type name or a non-empty list of them", where)
+        for index, name in enumerate(names):
+            if name not in JSON_TYPES:
+                raise GrammarError(
+                    f"unknown type {name!r}", pointer_to(where, index) if isinstance(declared, list) else where
+                )
+        return list(dict.fromkeys(names))
+
+    def _typed(self, start: int, name: str, schema: dict[str, Any], pointer: str) -> int:
+        """A value of one JSON type under the schema's keywords for that type."""
+        if name == "object":
+            return self._object(start, schema, pointer)
+        if name == "array":
+            return self._array(start, schema, pointer)
+        if name == "string":
+            return self._string(start, schema, pointer)
+        if name in ("number", "integer"):
+            return self.number(start, integer=name == "integer")
+        return self.network.literals(start, [b"true", b"false"] if name == "boolean" else [b"null"])
+
+    def _object(self, start: int, schema: dict[str, Any], pointer: str) -> int:
+        """An object: its `properties` in order, those not `required` optional; with no `properties`, any object
+        whose values follow `additionalProperties`."""
+        required = self._required(schema, pointer)
+        properties = schema.get("properties")
+        if properties is None:
+            return self._open_object(start, schema, required, pointer)
+        if not isinstance(properties, dict):
+            raise GrammarError("'properties' must be an object", pointer_to(pointer, "properties"))
+        if schema.get("additionalProperties", False) is not False:
+            raise GrammarError(
+                "'additionalProperties' other than false cannot be combined with 'properties' in guided decoding",
+                pointer_to(pointer, "additionalProperties"),
+            )
+        for index, name in enumerate(required):
+            if name not in properties:
+                raise GrammarError(
+                    f"required property {name!r} is not in 'properties'", pointer_to(pointer, "required", index)
+                )
+        return self._record(start, properties, frozenset(required), pointer)
+
+    def _required(self, schema: dict[str, Any], pointer: str) -> list[str]:
+        """The names `required` lists."""
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+            raise GrammarError("'required' must be a list of property names", pointer_to(pointer, "required"))
+        return required
+
+    def _open_object(self, start: int, schema: dict[str, Any], required: list[str], pointer: str) -> int:
+        """An object of any keys: its values any (`additionalProperties` absent or true), none (false), or of a
+        schema."""
+        if required:
+            raise GrammarError("'required' needs 'properties' in guided decoding", pointer_to(pointer, "required"))
+        values = schema.get("additionalProperties", True)
+        if values is True:
+            return self.any_object(start)
+        opened = self.network.literal(start, b"{")
+        if values is False:
+            return self.network.literal(self.whitespace(opened), b"}")
+        value = partial(self.value, schema=values, pointer=pointer_to(pointer, "additionalProperties"))
+        return self.listing(opened, lambda node: self.member(self.string(node), value), b"}")
+
+    def _record(self, start: int, properties: dict[str, Any], required: frozenset[str], pointer: str) -> int:
+        """An object of the properties in their order, each required one present."""
+        network = self.network
+        none_yet: int | None = self.whitespace(network.literal(start, b"{"))  # no member written, none required passed
+        written: int | None = None  # just after the last member written
+        for name, subschema in properties.items():
+            key_start = network.node()
+            if none_yet is not None:
+                network.epsilon(none_yet, key_start)
+            if written is not None:
+                network.epsilon(self.separator(written), key_start)
+            value = partial(self.value, schema=subschema, pointer=pointer_to(pointer, "properties", name))
+            member_end = self.member(network.literal(key_start, json.dumps(name).encode()), value)
+            if name in required:
+                none_yet, written = None, member_end
+                continue
+            merged = network.node()
+            for node in (member_end, written):
+                if node is not None:
+                    network.epsilon(node, merged)
+            written = merged
+        end = network.node()
+        if none_yet is not None:
+            network.move(none_yet, 1 << ord("}"), end)
+        if written is not None:
+            network.move(self.whitespace(written), 1 << ord("}"), end)
+        return end
+
+    def _array(self, start: int, schema: dict[str, Any], pointer: str) -> int:
+        """An array of `minItems` to `maxItems` values, each following `items`."""
+        items = schema.get("items", True)
+        if isinstance(items, list):
+            raise GrammarError("'items' as a list is not supported in guided decoding", pointer_to(pointer, "items"))
+        least = self._count(schema, "minItems", pointer) or 0
+        most = self._count(schema, "maxItems", pointer)
+        if most is not None and least > most:
+            raise GrammarError("'minItems' is above 'maxItems'", pointer_to(pointer, "minItems"))
+        if (items is True or items == {}) and least == 0 and most is None:
+            return self.any_array(start)
+        entry = self.routine(items, pointer_to(pointer, "items"))
+        network = self.network
+        inside = self.whitespace(network.literal(start, b"["))
+        end = network.node()
+        if least == 0:
+            network.move(inside, 1 << ord("]"), end)
+        if most != 0:
+            following = partial(self._next_item, entry=entry)
+            rest = network.repeat(
+                network.call(inside, entry), following, max(least - 1, 0), None if most is None else most - 1
+            )
+            network.move(self.whitespace(rest), 1 << ord("]"), end)
+        return end
+
+    def _next_item(self, start: int, entry: int) -> int:
+        """A comma, then one more item (a call of its routine)."""
+        return self.network.call(self.separator(start), entry)
+
+    def _string(self, start: int, schema: dict[str, Any], pointer: str) -> int:
+        """A string of `minLength` to `maxLength` characters, or one whose content fully matches `pattern`."""
+        least = self._count(schema, "minLength", pointer)
+        most = self._count(schema, "maxLength", pointer)
+        if "pattern" not in schema:
+            if most is not None and (least or 0) > most:
+                raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
+            return self.string(start, least or 0, most)
+        for key in ("minLength", "maxLength"):
+            if key in schema:
+                raise GrammarError(
+                    f"'{key}' cannot be combined with 'pattern' in guided decoding", pointer_to(pointer, key)
+                )
+        where = pointer_to(pointer, "pattern")
+        if not isinstance(schema["pattern"], str):
+            raise GrammarError("'pattern' must be a string", where)
+        tree = RegexParser(schema["pattern"], where).parse()
+        content = RegexEmitter(self.network, in_json_string=True).emit(self.network.literal(start, b'"'), tree)
+        return self.network.literal(content, b'"')
+
+    def _count(self, schema: dict[str, Any], key: str, pointer: str) -> int | None:
+        """A count keyword's value (None where absent), 0 to MAX_REPEAT."""
+        count = schema.get(key)
+        if count is None:
+            return None
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_REPEAT:
+            raise GrammarError(f"'{key}' must be a whole number from 0 to {MAX_REPEAT}", pointer_to(pointer, key))
+        return count
+
+
+def same_json(first: Any, second: Any) -> bool:
+    """Whether two JSON values are equal (true is not 1, key order does not matter)."""
+    return json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def is_json_type(value: Any, name: str) -> bool:
+    """Whether a Python value from JSON is of a JSON Schema type (1.0 is an integer, true is not)."""
+    if isinstance(value, bool):
+        return name == "boolean"
+    if name == "integer":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return name in PYTHON_TYPES and isinstance(value, PYTHON_TYPES[name])
+
+
+@dataclass(frozen=True, slots=True)
+class Chars:
+    """A set of characters: the ASCII ones as a bit mask, and whether every non-ASCII character belongs too."""
+
+    ascii: int
+    non_ascii: bool = False
+
+    def __or__(self, other: Chars) -> Chars:
+        """The characters of either set."""
+        return Chars(self.ascii | other.ascii, self.non_ascii or other.non_ascii)
+
+    def negated(self) -> Chars:
+        """Every character not in the set."""
+        return Chars(ASCII & ~self.ascii, not self.non_ascii)
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """A literal non-ASCII character."""
+
+    char: str
+
+
+@dataclass(frozen=True, slots=True)
+class Concat:
+    """Parts one after another."""
+
+    parts: tuple[RegexNode, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Alternation:
+    """Any one of the options."""
+
+    options: tuple[RegexNode, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """A part `least` to `most` times (any number where None)."""
+
+    part: RegexNode
+    least: int
+    most: int | None
+
+
+RegexNode = Chars | Text | Concat | Alternation | Repeat
+ANY_BUT_NEWLINE = Chars(ASCII & ~(1 << ord("\n")), non_ascii=True)
+CLASS_ESCAPES = {
+    "d": Chars(DIGITS),
+    "w": Chars(bits(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")),
+    "s": Chars(bits(b" \t\n\r\f\v")),
+}
+CLASS_ESCAPES |= {name.upper(): chars.negated() for name, chars in CLASS_ESCAPES.items()}
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r"}
+
+
+class RegexParser:
+    """Parses the regex subset guided decoding supports into a tree (\\d, \\w and \\s are ASCII only, as under
+    re.ASCII); anything else is refused with a GrammarError naming `where`."""
+
+    def __init__(self, pattern: str, where: str) -> None:
+        self.pattern = pattern
+        self.where = where
+        self.position = 0
+
+    def parse(self) -> RegexNode:
+        """The whole pattern's tree; a leading '^' and a trailing '$' are dropped, as the match is always whole."""
+        if self.pattern.startswith("^"):
+            self.position = 1
+        tree = self._alternation()
+        if self.position < len(self.pattern):
+            raise self._error("unbalanced ')'")
+        return tree
+
+    def _error(self, message: str) -> GrammarError:
+        """A GrammarError at the current position."""
+        return GrammarError(f"{message} at position {self.position} of the pattern", self.where)
+
+    def _peek(self) -> str | None:
+        """The next character, not taken."""
+        return self.pattern[self.position] if self.position < len(self.pattern) else None
+
+    def _take(self) -> str:
+        """The next character, taken; the end of the pattern is an error."""
+        char = self._peek()
+        if char is None:
+            raise self._error("unexpected end")
+        self.position += 1
+        return char
+
+    def _accept(self, text: str) -> bool:
+        """Take `text` if it comes next."""
+        if self.pattern.startswith(text, self.position):
+            self.position += len(text)
+            return True
+        return False
+
+    def _alternation(self) -> RegexNode:
+        """Sequences joined by '|'."""
+        options = [self._sequence()]
+        while self._accept("|"):
+            options.append(self._sequence())
+        return options[0] if len(options) == 1 else Alternation(tuple(options))
+
+    def _sequence(self) -> RegexNode:
+        """Repeated atoms up to a '|', a ')' or the end."""
+        parts = []
+        while (char := self._peek()) is not None and char not in "|)":
+            if char == "$" and self.position == len(self.pattern) - 1:
+                self.position += 1
+                continue
+            parts.append(self._repeated())
+        return parts[0] if len(parts) == 1 else Concat(tuple(parts))
+
+    def _repeated(self) -> RegexNode:
+        """An atom and its quantifier, if any (a lazy one matches the same whole strings)."""
+        atom = self._atom()
+        bounds = self._quantifier()
+        if bounds is None:
+            return atom
+        self._accept("?")
+        if (char := self._peek()) is not None and char in "*+?{":
+            raise self._error("a repeat of a repeat (possessive or nested quantifiers) is not supported")
+        return Repeat(atom, *bounds)
+
+    def _quantifier(self) -> tuple[int, int | None] | None:
+        """The bounds of a quantifier taken here, or None."""
+        for symbol, bounds in (("*", (0, None)), ("+", (1, None)), ("?", (0, 1))):
+            if self._accept(symbol):
+                return bounds
+        if self._peek() != "{":
+            return None
+        match = REPEAT_COUNT.match(self.pattern, self.position)
+        if match is None or not (match.group(1) or match.group(3)):
+            raise self._error("a '{' that does not start a repeat count must be escaped")
+        self.position = match.end()
+        least = int(match.group(1) or 0)
+        most = least if not match.group(2) else (int(match.group(3)) if match.group(3) else None)
+        if max(least, most or 0) > MAX_REPEAT:
+            raise self._error(f"repeat counts above {MAX_REPEAT} are not supported")
+        if most is not None and least > most:
+            raise self._error("a repeat's minimum is above its maximum")
+        return least, most
+
+    def _atom(self) -> RegexNode:
+        """A group, class, '.', escape or literal character."""
+        char = self._take()
+        if char in "*+?{":
+            raise self._error(f"nothing to repeat before '{char}'")
+        if char == "(":
+            return self._group()
+        if char == "[":
+            return self._char_class()
+        if char == ".":
+            return ANY_BUT_NEWLINE
+        if char in "^$":
+            raise self._error("'^' and '$' are only accepted at the very start and end")
+        if char == "\\":
+            return self._char(self._escape())
+        return self._char(char)
+
+    def _group(self) -> RegexNode:
+        """A group's content, after its '(': plain, non-capturing or named."""
+        if self._accept("?") and not self._accept(":"):
+            self._group_name()
+        tree = self._alternation()
+        if not self._accept(")"):
+            raise self._error("missing ')'")
+        return tree
+
+    def _group_name(self) -> None:
+        """Take a group's name after its '(?': 'P<name>' or '<name>'; lookarounds, flags and the rest are refused."""
+        if not (self._accept("P<") or self._accept("<")) or (self._peek() or "=") in "=!":
+            raise self._error("only (?:...) and named groups are supported (no lookarounds, flags or references)")
+        name, closed, _ = self.pattern[self.position :].partition(">")
+        if not closed or not name.isidentifier():
+            raise self._error("a group name must be an identifier followed by '>'")
+        self.position += len(name) + 1
+
+    def _char_class(self) -> Chars:
+        """A class's characters, after its '[' (a ']' first is a member, as in Python)."""
+        negate = self._accept("^")
+        chars = Chars(0)
+        first = True
+        while (char := self._take()) != "]" or first:
+            first = False
+            low = self._class_member(char)
+            if isinstance(low, Chars):
+                chars |= low
+            elif self._peek() == "-" and self.pattern[self.position + 1 : self.position + 2] not in ("", "]"):
+                self.position += 1
+                high = self._class_member(self._take())
+                if isinstance(high, Chars) or ord(high) < ord(low):
+                    raise self._error("bad class range")
+                chars |= Chars(bits(range(ord(low), ord(high) + 1)))
+            else:
+                chars |= Chars(1 << ord(low))
+        return chars.negated() if negate else chars
+
+    def _class_member(self, char: str) -> Chars | str:
+        """A class member: a shorthand class or one ASCII character."""
+        member = self._escape() if char == "\\" else char
+        if isinstance(member, str) and not member.isascii():
+            raise self._error("non-ASCII characters in a class are not supported")
+        return member
+
+    def _escape(self) -> Chars | str:
+        """What an escape after its backslash stands for: a shorthand class or one character."""
+        char = self._take()
+        if char in CLASS_ESCAPES:
+            return CLASS_ESCAPES[char]
+        if char in CHAR_ESCAPES:
+            return CHAR_ESCAPES[char]
+        if char in "ux":
+            digits = self.pattern[self.position : self.position + (4 if char == "u" else 2)]
+            if len(digits) != (4 if char == "u" else 2) or not all(d in "0123456789abcdefABCDEF" for d in digits):
+                raise self._error(f"'\\{char}' needs {4 if char == 'u' else 2} hex digits")
+            self.position += len(digits)
+            code = int(digits, 16)
+            if 0xD800 <= code < 0xE000:
+                raise self._error("a surrogate is not a character")
+            return chr(code)
+        if char.isascii() and not char.isalnum():
+            return char
+        raise self._error(f"'\\{char}' is not supported")
+
+    def _char(self, member: Chars | str) -> RegexNode:
+        """The tree of one matched character or shorthand class."""
+        if isinstance(member, Chars):
+            return member
+        return Chars(1 << ord(member)) if member.isascii() else Text(member)
+
+
+class RegexEmitter:
+    """Adds a regex tree to a network, matching raw UTF-8, or inside a JSON string the characters as json.dumps
+    writes them with ensure_ascii=False (", \\ and control characters escaped, the rest as they are)."""
+
+    def __init__(self, network: Network, in_json_string: bool) -> None:
+        self.network = network
+        self.in_json_string = in_json_string
+
+    def emit(self, start: int, tree: RegexNode) -> int:
+        """The tree's strings from `start`."""
+        network = self.network
+        if isinstance(tree, Chars):
+            return self._chars(start, tree)
+        if isinstance(tree, Text):
+            return network.literal(start, tree.char.encode())
+        if isinstance(tree, Concat):
+            for part in tree.parts:
+                start = self.emit(start, part)
+            return start
+        if isinstance(tree, Alternation):
+            return network.either(start, [partial(self.emit, tree=option) for option in tree.options])
+        return network.repeat(start, partial(self.emit, tree=tree.part), tree.least, tree.most)
+
+    def _chars(self, start: int, chars: Chars) -> int:
+        """One character of the set."""
+        network = self.network
+        plain = chars.ascii & STRING_ASCII if self.in_json_string else chars.ascii
+        end = network.node()
+        if plain:
+            network.move(start, plain, end)
+        if self.in_json_string:
+            escaped = [json.dumps(chr(code))[1:-1].encode() for code in members(chars.ascii & ~STRING_ASCII)]
+            if escaped:
+                network.epsilon(network.literals(start, escaped), end)
+        if chars.non_ascii:
+            utf8_char(network, start, end)
+        return end
+
+
+def json_grammar(schema: dict | bool | None = None) -> Grammar:
+    """None: any JSON object (response_format json_object); a dict: a JSON Schema (subset below); True: any JSON value.
+
+    The document starts and ends with its value (no whitespace around it, which a model could spend its tokens on);
+    whitespace runs inside it are at most MAX_WHITESPACE bytes and values nest at most MAX_DEPTH deep; SchemaCompiler
+    tells the keywords honoured. Errors in a schema name its JSON pointer ('' for the root)."""
+    network = Network("")
+    entry, exit_node = network.routine()
+    if schema is None or schema is True:
+        builder = JsonBuilder(network)
+        value: Emit = builder.any_object if schema is None else builder.any_value
+    else:
+        builder = SchemaCompiler(network, schema)
+        value = builder.root_value
+    network.epsilon(value(entry), exit_node)
+    return Grammar(network, entry)
+
+
+def regex_grammar(pattern: str) -> Grammar:
+    """Outputs that fully match the pattern (as re.fullmatch under re.ASCII, over the output's text)."""
+    if not isinstance(pattern, str):
+        raise GrammarError("a pattern must be a string", "pattern")
+    network = Network("pattern")
+    entry, exit_node = network.routine()
+    end = RegexEmitter(network, in_json_string=False).emit(entry, RegexParser(pattern, "pattern").parse())
+    network.epsilon(end, exit_node)
+    return Grammar(network, entry)
+
+
+def choice_grammar(choices: list[str]) -> Grammar:
+    """Outputs equal to one of the strings."""
+    if not isinstance(choices, list) or not choices:
+        raise GrammarError("a choice needs a non-empty list of strings", "choice")
+    for index, choice in enumerate(choices):
+        if not isinstance(choice, str):
+            raise GrammarError("each choice must be a string", f"choice[{index}]")
+    network = Network("choice")
+    entry, exit_node = network.routine()
+    network.epsilon(network.literals(entry, [choice.encode() for choice in choices]), exit_node)
+    return Grammar(network, entry)

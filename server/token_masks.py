@@ -1,0 +1,210 @@
+"""Which token ids a grammar allows next: each token's bytes, and the masks a grammar's states give over them."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+from server.grammar import Grammar, State
+
+ENDED: State = frozenset()  # the state after an end id; no grammar state is empty (Grammar.step answers None instead)
+MASK_CACHE_BYTES = 1 << 25  # bytes of cached masks per grammar, at most MASK_CACHE_STATES of them
+MASK_CACHE_STATES = 4096
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the other 68 for
+    chr(256 + n), numbered in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet = {}
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+BYTE_LEVEL_ALPHABET = byte_level_alphabet()
+
+
+def byte_level_bytes(token: str) -> bytes:
+    """A byte-level BPE token's bytes (a token outside the alphabet, which no merge makes, as its UTF-8)."""
+    if all(char in BYTE_LEVEL_ALPHABET for char in token):
+        return bytes(BYTE_LEVEL_ALPHABET[char] for char in token)
+    return token.encode()
+
+
+def names_byte_level(component: Any) -> bool:
+    """Whether a tokenizer.json decoder or pre-tokenizer is ByteLevel, or a sequence holding one."""
+    if not isinstance(component, dict):
+        return False
+    if component.get("type") == "ByteLevel":
+        return True
+    parts = component.get("decoders") or component.get("pretokenizers") or []
+    return any(names_byte_level(part) for part in parts)
+
+
+def is_byte_level(tokenizer: Any) -> bool:
+    """Whether a transformers tokenizer is a byte-level BPE one (its fast backend says so)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    config = json.loads(backend.to_str())
+    return names_byte_level(config.get("decoder")) or names_byte_level(config.get("pre_tokenizer"))
+
+
+def sentencepiece_bytes(token: str) -> bytes:
+    """A sentencepiece-style token's bytes: '▁' is a space and '<0xHH>' the byte HH."""
+    fallback = BYTE_FALLBACK.fullmatch(token)
+    return bytes([int(fallback.group(1), 16)]) if fallback else token.replace("▁", " ").encode()
+
+
+class ByteTrie:
+    """A vocabulary's distinct non-empty byte strings in sorted order, a trie laid flat: each key with its token ids
+    and the length of the prefix it shares with the key before it."""
+
+    def __init__(self, pieces: Sequence[bytes | None]) -> None:
+        ids: dict[bytes, list[int]] = {}
+        for token_id, piece in enumerate(pieces):
+            if piece:
+                ids.setdefault(piece, []).append(token_id)
+        self.keys = sorted(ids)
+        self.ids = [tuple(ids[key]) for key in self.keys]
+        self.shared = [0] + [shared_prefix(before, key) for before, key in pairwise(self.keys)]
+
+    def skip(self, index: int, length: int) -> int:
+        """The first key after `index` that does not start with the first `length` bytes of key `index`."""
+        prefix = self.keys[index][:length].rstrip(b"\xff")
+        if not prefix:
+            return len(self.keys)
+        above = prefix[:-1] + bytes([prefix[-1] + 1])
+        return bisect_left(self.keys, above, index + 1)
+
+
+def shared_prefix(first: bytes, second: bytes) -> int:
+    """The length of the prefix two byte strings share."""
+    length = min(len(first), len(second))
+    for index in range(length):
+        if first[index] != second[index]:
+            return index
+    return length
+
+
+class TokenVocabulary:
+    """Each token id's bytes as it adds them to the output (None for special tokens, which a grammar never allows),
+    the model's vocabulary width, and a trie over the bytes for walking them under a grammar."""
+
+    def __init__(self, pieces: Sequence[bytes | None], size: int) -> None:
+        self.size = size
+        self._pieces = list(pieces[:size])
+        self.trie = ByteTrie(self._pieces)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int) -> TokenVocabulary:
+        """The bytes of a transformers tokenizer's tokens (byte-level BPE, or sentencepiece-style with '▁' and
+        '<0xHH>' tokens) over a vocabulary `vocab_size` wide; ids past the tokenizer's own have none."""
+        count = min(len(tokenizer), vocab_size)
+        special = set(tokenizer.all_special_ids)
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        decode = byte_level_bytes if is_byte_level(tokenizer) else sentencepiece_bytes
+        pieces: list[bytes | None] = []
+        for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(count)))):
+            added_token = added.get(token_id)
+            if token_id in special or token is None or (added_token is not None and added_token.special):
+                pieces.append(None)
+            elif added_token is not None:
+                pieces.append(added_token.content.encode())
+            else:
+                pieces.append(decode(token))
+        return cls(pieces, vocab_size)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token adds to the output; None for special tokens and ids the tokenizer lacks."""
+        return self._pieces[token_id] if 0 <= token_id < len(self._pieces) else None
+
+
+class GuideMasks:
+    """A grammar over a vocabulary: each state's allowed ids (cached per state) and the state after a token."""
+
+    def __init__(self, grammar: Grammar, vocabulary: TokenVocabulary, end_ids: tuple[int, ...]) -> None:
+        self.grammar = grammar
+        self.vocabulary = vocabulary
+        self.end_ids = tuple(end_id for end_id in end_ids if 0 <= end_id < vocabulary.size)  # others are never drawn
+        self._end_index = torch.tensor(self.end_ids, dtype=torch.long)
+        self._ended = torch.zeros(vocabulary.size, dtype=torch.bool).index_fill_(0, self._end_index, True)
+        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()
+        self._capacity = max(1, min(MASK_CACHE_STATES, MASK_CACHE_BYTES // max(vocabulary.size, 1)))
+        self._lock = threading.Lock()
+
+    def allowed(self, state: State) -> torch.Tensor:
+        """A bool mask [vocabulary.size], True where the id may come next (cached: read it, never write it). A
+        token is allowed where the grammar takes all its bytes; the end ids where the grammar accepts the output so
+        far, and also at a dead end, where no token is allowed, so that the output can still end."""
+        if state == ENDED:
+            return self._ended
+        with self._lock:
+            mask = self._cache.get(state)
+            if mask is not None:
+                self._cache.move_to_end(state)
+                return mask
+        mask = self._build(state)
+        with self._lock:
+            self._cache[state] = mask
+            while len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        return mask
+
+    def advance(self, state: State, token_id: int) -> State | None:
+        """The state after a token; None where the token is not allowed. An allowed end id leads to ENDED, after
+        which only end ids are allowed (each leading to ENDED again)."""
+        if token_id in self.end_ids:
+            return ENDED if bool(self.allowed(state)[token_id]) else None
+        piece = self.vocabulary.token_bytes(token_id)
+        if state == ENDED or not piece:
+            return None
+        return self.grammar.feed(state, piece)
+
+    def _build(self, state: State) -> torch.Tensor:
+        """A state's mask, worked out by walking the vocabulary's trie."""
+        mask = torch.zeros(self.vocabulary.size, dtype=torch.bool)
+        mask[torch.tensor(self._walk(state), dtype=torch.long)] = True
+        mask[self._end_index] = False
+        ends = self.grammar.accepts(state) or not mask.any()
+        return mask.index_fill_(0, self._end_index, ends)
+
+    def _walk(self, state: State) -> list[int]:
+        """The ids whose bytes the grammar takes from `state`. The trie's keys are walked in order, each from the
+        state after the prefix it shares with the key before; a refused byte skips every key that starts with the
+        bytes up to it."""
+        trie, step = self.vocabulary.trie, self.grammar.step
+        keys, shared, ids = trie.keys, trie.shared, trie.ids
+        allowed: list[int] = []
+        path = [state]  # path[d]: the state after the first d bytes of the key walked
+        index = 0
+        while index < len(keys):
+            key = keys[index]
+            del path[min(shared[index], len(path) - 1) + 1 :]
+            current: State | None = path[-1]
+            for byte in key[len(path) - 1 :]:
+                current = step(current, byte)
+                if current is None:
+                    break
+                path.append(current)
+            if current is None:
+                index = trie.skip(index, len(path))
+            else:
+                allowed.extend(ids[index])
+                index += 1
+        return allowed

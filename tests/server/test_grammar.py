@@ -1,0 +1,655 @@
+"""The byte-level grammars of guided decoding, held to what json.dumps writes, what a schema admits and what
+re.fullmatch says."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+from typing import Any
+
+import pytest
+
+import server.grammar
+from server.grammar import (
+    MAX_DEPTH,
+    MAX_WHITESPACE,
+    Grammar,
+    GrammarError,
+    choice_grammar,
+    json_grammar,
+    regex_grammar,
+)
+
+
+def matches(grammar: Grammar, text: str | bytes) -> bool:
+    """Whether the whole text is a complete match."""
+    state = grammar.feed(grammar.initial, text.encode() if isinstance(text, str) else text)
+    return state is not None and grammar.accepts(state)
+
+
+def refused_at(grammar: Grammar, data: bytes) -> int | None:
+    """The offset of the first byte the grammar refuses; None where it takes them all."""
+    state = grammar.initial
+    for offset, byte in enumerate(data):
+        state = grammar.step(state, byte)
+        if state is None:
+            return offset
+    return None
+
+
+DOCUMENTS: list[dict[str, Any]] = [
+    {},
+    {"a": 1},
+    {"name": "Zoë", "emoji": "🙂", "cjk": "日本語", "quote": 'say "hi" \\ / ', "controls": "\n\t\r\b\f\x00\x1f\x7f"},
+    {"numbers": [0, -0, 7, -12, 3.25, -0.5, 1e-07, 6.02e23, 1.5e300, 10**30], "flags": [True, False, None]},
+    {"nested": {"list": [[], {}, [{"deep": [1, [2, [3, {"x": []}]]]}]], "empty": ""}},
+    {"/slash": "a/b", "": "the empty key", "a\u2028b": "line separator"},
+]
+STYLES: list[dict[str, Any]] = [
+    {},
+    {"ensure_ascii": False},
+    {"separators": (",", ":")},
+    {"indent": 2},
+    {"indent": "\t", "sort_keys": True, "ensure_ascii": False},
+]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_any_object_takes_what_json_dumps_writes(style):
+    """Objects as json.dumps writes them in each style (escapes, non-ASCII, every number form, nesting, indents)."""
+    grammar = json_grammar(None)
+    for document in DOCUMENTS:
+        assert matches(grammar, json.dumps(document, **style)), (document, style)
+
+
+def test_any_object_takes_every_number_form_and_whitespace_inside_the_document():
+    """Number forms json.dumps never writes, whitespace in every place inside a document JSON allows it, and every
+    escape; none before or after the document, which a model could spend its tokens on."""
+    grammar = json_grammar(None)
+    assert matches(grammar, '{"e": [1E+3, 0.0e0, -0, 2E5, 1e-0, 10.25E-12, -7]}')
+    assert matches(grammar, '{ \t\r\n"a" : [ 1 , 2 ] , "b" :{ } }')
+    assert refused_at(grammar, b" {}") == 0 and refused_at(grammar, b"{}\n") == 2
+    assert matches(grammar, '{"u": "\\u00E9\\u00e9\\/\\b\\f\\n\\r\\t\\"\\\\"}')
+
+
+@pytest.mark.parametrize("text", ["[1]", '"object"', "3", "null", "true"])
+def test_any_object_refuses_other_values_which_any_value_takes(text):
+    """json_object mode wants an object at the top; any-value mode takes the same text."""
+    assert refused_at(json_grammar(None), text.encode()) == 0
+    assert matches(json_grammar(True), text)
+
+
+MALFORMED = [
+    (b'{"a": 0', b"1}"),  # a leading zero
+    (b'{"a": 1, ', b"}"),  # a trailing comma in an object
+    (b"[1, 2, ", b"]"),  # a trailing comma in an array
+    (b"{", b"'a': 1}"),  # single quotes
+    (b'{"a', b'\x01": 1}'),  # an unescaped control character
+    (b'{"a', b'\n": 1}'),
+    (b'{"a', b'\x1f": 1}'),
+    (b'{"', b'\xff": 1}'),  # not a UTF-8 lead byte
+    (b'{"', b'\xc0\xaf": 1}'),  # an overlong two-byte lead
+    (b'{"', b'\x80": 1}'),  # a continuation byte with no lead
+    (b'{"\xc3', b'": 1}'),  # a lead byte without its continuation
+    (b'{"\xe2\x82', b'x": 1}'),
+    (b'{"a": tru', b"x}"),
+    (b'{"a": 1.', b"}"),
+    (b'{"a": 1e', b"}"),
+    (b'{"a": -', b"}"),
+    (b'{"a": ', b"+1}"),
+    (b'{"a": ', b".5}"),
+    (b'{"a": "\\', b'x"}'),  # an unknown escape
+    (b'{"a": "\\u12', b'g4"}'),
+    (b'{"a" ', b"1}"),  # no colon
+    (b'{"a": 1 ', b'"b": 2}'),  # no comma
+    (b'{"a": [1', b"}"),  # brackets that do not pair
+    (b'{"a": null', b"1}"),
+    (b'{"a": 1}', b"}"),  # past the end
+    (b'{"a": 1}', b" "),  # whitespace after the document
+    (b"{", b"1: 2}"),  # a key that is not a string
+]
+
+
+@pytest.mark.parametrize(("good", "bad"), MALFORMED)
+def test_malformed_json_is_refused_at_its_first_wrong_byte(good, bad):
+    """The grammar takes the good prefix and refuses the first byte after it, not later."""
+    grammar = json_grammar(True)
+    assert refused_at(grammar, good + bad) == len(good)
+
+
+def test_only_a_complete_document_is_accepted():
+    """Every proper prefix is alive but incomplete, so an end id is not allowed mid-way."""
+    grammar = json_grammar(None)
+    text = b'{"a": [1, {"b": null}], "c": "d\xc3\xa9", "e": 12.5e3}'
+    states = [grammar.feed(grammar.initial, text[:end]) for end in range(len(text) + 1)]
+    assert all(state is not None for state in states)
+    assert [grammar.accepts(state) for state in states] == [False] * len(text) + [True]
+
+
+def test_a_top_level_number_is_complete_after_each_digit_under_any_value():
+    """A number may end after any digit, but not after a sign or a point."""
+    grammar = json_grammar(True)
+    assert matches(grammar, "1") and matches(grammar, "12") and not matches(grammar, "-")
+    assert not matches(grammar, "1.") and matches(grammar, "1.5")
+
+
+def test_whitespace_runs_are_bounded():
+    """Each whitespace run inside a document stops at MAX_WHITESPACE bytes, so a model cannot loop on it; a complete
+    document can only end."""
+    grammar = json_grammar(None)
+    run = b" \t\r\n" * (MAX_WHITESPACE // 4)
+    assert len(run) == MAX_WHITESPACE
+    assert matches(grammar, b"{" + run + b'"a"' + run + b":" + run + b"1" + run + b"}")
+    assert refused_at(grammar, b"{" + run + b" }") == 1 + MAX_WHITESPACE
+    assert refused_at(grammar, b'{"a": 1,' + run + b' "b": 2}') == len(b'{"a": 1,') + MAX_WHITESPACE
+    complete = grammar.feed(grammar.initial, b"{}")
+    assert grammar.accepts(complete) and not grammar.can_continue(complete)
+
+
+def test_values_nest_at_most_max_depth_deep():
+    """MAX_DEPTH nested containers are taken and the next opening bracket is refused."""
+    any_value = json_grammar(True)
+    assert matches(any_value, "[" * MAX_DEPTH + "]" * MAX_DEPTH)
+    assert refused_at(any_value, b"[" * (MAX_DEPTH + 1)) == MAX_DEPTH
+    any_object = json_grammar(None)
+    opened = '{"a": ' * MAX_DEPTH
+    assert matches(any_object, opened + "1" + "}" * MAX_DEPTH)
+    assert refused_at(any_object, (opened + "{").encode()) == len(opened)
+
+
+def test_a_state_repeats_where_the_match_does_and_steps_are_cached():
+    """Inside a string the state after each whole character is the same object, which the mask cache relies on."""
+    grammar = json_grammar(True)
+    inside = grammar.feed(grammar.initial, b'"a')
+    assert grammar.feed(inside, b"bc\xc3\xa9") is inside  # the same interned state after each character
+    assert grammar.step(inside, ord("x")) is grammar.step(inside, ord("x"))
+    assert grammar.feed(inside, b"\xc3") is not inside  # inside a character: not the same place
+
+
+def test_a_full_step_cache_forgets_old_steps_without_changing_a_match(monkeypatch):
+    """A step cache far smaller than a document's states evicts entries but matches the same."""
+    monkeypatch.setattr(server.grammar, "STEP_CACHE_STATES", 3)
+    grammar = json_grammar(None)
+    for document in DOCUMENTS:
+        assert matches(grammar, json.dumps(document, indent=2))
+    assert not matches(grammar, b'{"a": 01}')
+    assert len(grammar._steps) <= 3
+
+
+# A realistic schema: strings bounded and patterned, an integer, an enum of mixed values, an array of objects with
+# an optional number, a nullable string, a recursive tree through $ref, and optional properties.
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "Person",
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "label": {"type": "string", "maxLength": 8},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3},
+            },
+            "required": ["label"],
+        }
+    },
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12, "description": "a display name"},
+        "age": {"type": "integer"},
+        "role": {"enum": ["admin", "user", None, 3, {"custom": [1, "x"]}]},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+        "tags": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"key": {"type": "string"}, "weight": {"type": "number"}},
+                "required": ["key"],
+            },
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "nickname": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+        "tree": {"$ref": "#/$defs/node"},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "code", "tags"],
+}
+TEXT_ALPHABET = 'abXZ09 "\\/\n\té日🙂\x01'
+
+
+def random_text(rng: random.Random, least: int, most: int) -> str:
+    """A string of least to most characters, escapes and non-ASCII ones among them."""
+    return "".join(rng.choice(TEXT_ALPHABET) for _ in range(rng.randint(least, most)))
+
+
+def random_node(rng: random.Random, depth: int) -> dict[str, Any]:
+    """A random tree node of the schema's $defs."""
+    node: dict[str, Any] = {"label": random_text(rng, 0, 8)}
+    if depth < 3 and rng.random() < 0.6:
+        node["children"] = [random_node(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return node
+
+
+def random_person(rng: random.Random) -> dict[str, Any]:
+    """A random instance of SCHEMA, its optional properties each left out at random, in the schema's order."""
+    number = rng.choice([rng.randint(-100, 100), rng.uniform(-1e6, 1e6), rng.random() * 1e-9, 1e300])
+    values = {
+        "name": random_text(rng, 1, 12),
+        "age": rng.choice([0, -7, rng.randint(-(10**20), 10**20)]),
+        "role": rng.choice(SCHEMA["properties"]["role"]["enum"]),
+        "code": "".join(rng.choice("ABCZ") for _ in range(2)) + "-" + str(rng.randint(100, 999)),
+        "tags": [
+            {"key": random_text(rng, 0, 5), **({"weight": number} if rng.random() < 0.5 else {})}
+            for _ in range(rng.randint(1, 3))
+        ],
+        "nickname": rng.choice([None, random_text(rng, 0, 20)]),
+        "tree": random_node(rng, 0),
+        "active": rng.random() < 0.5,
+    }
+    required = SCHEMA["required"]
+    return {name: value for name, value in values.items() if name in required or rng.random() < 0.5}
+
+
+def test_random_instances_of_a_realistic_schema_are_accepted():
+    """Random instances of SCHEMA, optional properties left out at random, escapes and non-ASCII in strings."""
+    grammar = json_grammar(SCHEMA)
+    rng = random.Random(7)
+    for _ in range(150):
+        person = random_person(rng)
+        assert matches(grammar, json.dumps(person, ensure_ascii=rng.random() < 0.5)), person
+
+
+BASE_PERSON: dict[str, Any] = {
+    "name": "Ada",
+    "age": 36,
+    "role": {"custom": [1, "x"]},
+    "code": "AB-123",
+    "tags": [{"key": "math", "weight": 1.5}],
+    "tree": {"label": "root", "children": [{"label": "leaf"}]},
+}
+
+
+def changed(**changes: Any) -> dict[str, Any]:
+    """BASE_PERSON with some properties replaced (None as a value: left out)."""
+    person = dict(BASE_PERSON)
+    for name, value in changes.items():
+        if value is None:
+            del person[name]
+        else:
+            person[name] = value
+    return person
+
+
+VIOLATIONS = {
+    "missing required key": changed(age=None),
+    "extra key": {**BASE_PERSON, "extra": 1},
+    "integer as a string": changed(age="36"),
+    "integer with a fraction": changed(age=36.5),
+    "integer with an exponent": changed(age=3e8),
+    "boolean as a string": {**BASE_PERSON, "active": "yes"},
+    "wrong order": {"age": 36, **changed(age=None)},
+    "too many items": changed(tags=[{"key": "k"}] * 4),
+    "too few items": changed(tags=[]),
+    "item missing its required key": changed(tags=[{"weight": 1}]),
+    "string too long": changed(name="abcdefghijklm"),
+    "string too short": changed(name=""),
+    "pattern with lowercase": changed(code="ab-123"),
+    "pattern too short": changed(code="AB-12"),
+    "pattern too long": changed(code="AB-1234"),
+    "not in the enum": changed(role="root"),
+    "enum object written otherwise": changed(role={"custom": [1, "y"]}),
+    "nullable string as a number": {**BASE_PERSON, "nickname": 5},
+    "tree node without a label": changed(tree={"label": "r", "children": [{"children": []}]}),
+    "tree label too long": changed(tree={"label": "r", "children": [{"label": "123456789"}]}),
+    "tree with too many children": changed(tree={"label": "r", "children": [{"label": "c"}] * 4}),
+}
+
+
+def test_the_base_instance_of_the_violations_is_accepted():
+    """BASE_PERSON is valid, so each violation fails for its change alone."""
+    assert matches(json_grammar(SCHEMA), json.dumps(BASE_PERSON))
+
+
+@pytest.mark.parametrize("name", VIOLATIONS)
+def test_a_document_violating_the_realistic_schema_is_refused(name):
+    """One change that breaks the schema makes the whole document fail."""
+    assert not matches(json_grammar(SCHEMA), json.dumps(VIOLATIONS[name]))
+
+
+def test_enum_and_const_values_are_written_as_json_dumps_writes_them():
+    """Constants take json.dumps's own spacing and escapes, no other spelling."""
+    grammar = json_grammar({"enum": [{"a": [1, 2]}, "é", 1.5]})
+    assert matches(grammar, '{"a": [1, 2]}') and matches(grammar, '"\\u00e9"') and matches(grammar, "1.5")
+    assert not matches(grammar, '{"a":[1,2]}') and not matches(grammar, '"é"') and not matches(grammar, "1.50")
+    const = json_grammar({"const": None})
+    assert matches(const, "null") and not matches(const, "nul")
+
+
+def test_enum_values_are_those_of_the_declared_type():
+    """An enum value of another type than `type` names is left out."""
+    grammar = json_grammar({"type": "string", "enum": ["a", 1, None, "b"]})
+    assert matches(grammar, '"a"') and matches(grammar, '"b"')
+    assert not matches(grammar, "1") and not matches(grammar, "null")
+
+
+def test_keys_are_written_as_json_dumps_writes_the_property_names():
+    """A property name needing escapes is written as json.dumps escapes it."""
+    grammar = json_grammar({"properties": {'say "hi"': {}, "é": {}}, "required": ['say "hi"', "é"]})
+    assert matches(grammar, json.dumps({'say "hi"': 1, "é": 2}))
+    assert not matches(grammar, json.dumps({'say "hi"': 1, "é": 2}, ensure_ascii=False))
+
+
+def test_optional_properties_may_be_left_out_but_keep_their_order():
+    """Optional properties may go missing; the required one may not; none may move or repeat."""
+    grammar = json_grammar({"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["b"]})
+    for present in (["b"], ["a", "b"], ["b", "c"], ["a", "b", "c"]):
+        assert matches(grammar, json.dumps(dict.fromkeys(present, 1)))
+    for present in ([], ["a"], ["c", "b"], ["b", "a"], ["a", "b", "b"]):
+        text = "{" + ", ".join(f'"{name}": 1' for name in present) + "}"
+        assert not matches(grammar, text), text
+    all_optional = json_grammar({"properties": {"a": {}, "b": {}}})
+    assert matches(all_optional, "{ }") and matches(all_optional, '{"b": 2}') and not matches(all_optional, '{"b": 2,}')
+
+
+def test_additional_properties_without_properties():
+    """Without properties: values of a schema, no keys at all, or any object."""
+    values = json_grammar({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert matches(values, '{"x": 1, "y": -2}') and matches(values, "{}")
+    assert not matches(values, '{"x": "1"}')
+    none = json_grammar({"type": "object", "additionalProperties": False})
+    assert matches(none, "{ }") and not matches(none, '{"x": 1}')
+    any_object = json_grammar({"type": "object"})
+    assert matches(any_object, '{"x": [1, {"y": null}]}') and not matches(any_object, "[]")
+
+
+@pytest.mark.parametrize("schema", [True, {}, {"description": "anything"}])
+def test_a_schema_that_constrains_nothing_takes_any_value(schema):
+    """True, {} and a schema of annotations alone take any JSON value."""
+    grammar = json_grammar(schema)
+    for text in ["1", '"x"', "[]", '{"a": [null, true]}', "-0.5e-3"]:
+        assert matches(grammar, text)
+
+
+def test_types_and_their_keywords():
+    """A list of types, integer against number, and a type implied by its keywords."""
+    nullable = json_grammar({"type": ["string", "null"], "maxLength": 1})
+    assert matches(nullable, '"a"') and matches(nullable, "null")
+    assert not matches(nullable, '"ab"') and not matches(nullable, "1")
+    integer = json_grammar({"type": "integer"})
+    assert matches(integer, "-12") and not matches(integer, "1.0") and not matches(integer, "1e3")
+    number = json_grammar({"type": "number"})
+    assert matches(number, "1.0") and matches(number, "1e3") and not matches(number, '"1"')
+    inferred = json_grammar({"items": {"type": "boolean"}, "maxItems": 2})  # array keywords: an array
+    assert matches(inferred, "[true, false]") and not matches(inferred, "[true, true, true]")
+    assert not matches(inferred, "{}")
+
+
+def test_string_lengths_count_characters_whatever_their_encoding():
+    """An escape, a \\u escape, a surrogate pair and a multi-byte character each count as one character."""
+    grammar = json_grammar({"type": "string", "minLength": 2, "maxLength": 2})
+    for text in ["é\n", "🙂a", '"\\']:
+        assert matches(grammar, json.dumps(text)) and matches(grammar, json.dumps(text, ensure_ascii=False))
+    assert matches(grammar, '"\\u00e9\\u00E9"')
+    for text in ["a", "abc", "🙂🙂🙂"]:
+        assert not matches(grammar, json.dumps(text)) and not matches(grammar, json.dumps(text, ensure_ascii=False))
+
+
+def test_a_surrogate_escape_must_be_half_of_a_pair():
+    """A high surrogate escape needs a low one after it; a lone one of either is refused."""
+    grammar = json_grammar({"type": "string"})
+    assert matches(grammar, '"\\ud83d\\ude42"') and matches(grammar, '"\\uD7FF\\uE000"')
+    assert not matches(grammar, '"\\ud83d"') and not matches(grammar, '"\\ude42"')
+    assert not matches(grammar, '"\\ud83d\\u0041"')
+
+
+def test_compositions_and_references():
+    """allOf of one schema, oneOf as anyOf, recursion to the root and to a definition named with ~1."""
+    assert matches(json_grammar({"allOf": [{"type": "integer"}]}), "3")
+    assert not matches(json_grammar({"allOf": [{"type": "integer"}]}), '"3"')
+    one_of = json_grammar({"oneOf": [{"type": "integer"}, {"const": "x"}]})
+    assert matches(one_of, "3") and matches(one_of, '"x"') and not matches(one_of, '"y"')
+    chain = {
+        "type": "object",
+        "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["next"],
+    }
+    assert matches(json_grammar(chain), '{"next": ' * 5 + "null" + "}" * 5)
+    assert not matches(json_grammar(chain), '{"next": {}}')
+    old_style = {"definitions": {"a/b": {"type": "boolean"}}, "$ref": "#/definitions/a~1b"}
+    assert matches(json_grammar(old_style), "true") and not matches(json_grammar(old_style), "1")
+
+
+def test_a_grammar_that_admits_no_complete_output_is_refused():
+    """A schema or pattern with no finite match is refused when compiled rather than leading a model nowhere."""
+    endless = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+    for schema in (endless, {"$ref": "#"}, {"type": "string", "pattern": "[^\\s\\S]"}):
+        with pytest.raises(GrammarError, match="admits no complete output") as caught:
+            json_grammar(schema)
+        assert caught.value.where == ""
+    with pytest.raises(GrammarError) as caught:
+        regex_grammar(r"[^\s\S]")
+    assert caught.value.where == "pattern"
+
+
+def test_a_branch_that_cannot_finish_is_never_entered():
+    """An alternative that could never complete is pruned, so its first byte is refused."""
+    endless = {"type": "object", "properties": {"child": {"$ref": "#/$defs/endless"}}, "required": ["child"]}
+    grammar = json_grammar({"$defs": {"endless": endless}, "anyOf": [{"$ref": "#/$defs/endless"}, {"type": "null"}]})
+    assert matches(grammar, "null") and refused_at(grammar, b'{"child": ') == 0
+    assert refused_at(regex_grammar(r"a|[^\s\S]b"), b"b") == 0
+
+
+def test_left_recursion_with_a_way_out_matches():
+    """A schema that refers to itself before any byte still matches through its other branch."""
+    grammar = json_grammar({"anyOf": [{"$ref": "#"}, {"type": "null"}]})
+    assert matches(grammar, "null") and not matches(grammar, "1")
+
+
+def test_a_string_pattern_matches_the_content_as_re_fullmatch_does():
+    """A pattern holds against the decoded content, whose quote, backslash and control characters are escaped."""
+    rng = random.Random(3)
+    alphabet = 'a"\\\nz9 é\x01'
+    for pattern in [r'[a"\\]+', r".{0,3}", r"[^a-z]*", r"\w+\s?\d*", r"é+|z\n?", r'(a|")\\?']:
+        grammar = json_grammar({"type": "string", "pattern": pattern})
+        outcomes = set()
+        for _ in range(300):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4)))
+            expected = re.fullmatch(pattern, text, re.ASCII) is not None
+            assert matches(grammar, json.dumps(text, ensure_ascii=False)) == expected, (pattern, text)
+            outcomes.add(expected)
+        assert outcomes == {True, False}, pattern
+
+
+def test_a_string_pattern_takes_non_ascii_characters_as_they_are_only():
+    """In a patterned string a non-ASCII character is written as itself, never as a \\u escape."""
+    grammar = json_grammar({"type": "string", "pattern": "é"})
+    assert matches(grammar, '"é"') and not matches(grammar, '"\\u00e9"')
+
+
+UNSUPPORTED = [
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "format",
+    "patternProperties",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "uniqueItems",
+    "contains",
+    "prefixItems",
+    "dependentRequired",
+    "minProperties",
+    "maxProperties",
+    "unevaluatedProperties",
+    "x-unknown",
+]
+
+
+@pytest.mark.parametrize("keyword", UNSUPPORTED)
+def test_an_unsupported_keyword_is_refused_with_its_pointer(keyword):
+    """Each keyword outside the subset is refused, naming its JSON pointer."""
+    schema = {"type": "object", "properties": {"age": {"type": "integer", keyword: 1}}}
+    with pytest.raises(GrammarError, match=f"'{keyword}' is not supported in guided decoding") as caught:
+        json_grammar(schema)
+    assert caught.value.where == f"/properties/age/{keyword}"
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"properties": {"a/b~c": {"format": "date"}}}, "/properties/a~1b~0c/format"),
+        (
+            {"$defs": {"n": {"items": {"anyOf": [{}, {"minimum": 0}]}}}, "$ref": "#/$defs/n"},
+            "/$defs/n/items/anyOf/1/minimum",
+        ),
+        ({"type": "array", "items": {"type": "string", "format": "email"}, "minItems": 2}, "/items/format"),
+    ],
+)
+def test_an_unsupported_keyword_deep_in_a_schema_is_refused_with_its_pointer(schema, where):
+    """The pointer escapes ~ and /, and reaches into definitions, lists of schemas and items."""
+    with pytest.raises(GrammarError) as caught:
+        json_grammar(schema)
+    assert caught.value.where == where
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        (False, ""),
+        ("a schema", ""),
+        ({"properties": {"a": 3}}, "/properties/a"),
+        ({"properties": {"a": False}}, "/properties/a"),
+        ({"type": "strin"}, "/type"),
+        ({"type": ["string", "float"]}, "/type/1"),
+        ({"properties": {"a": {}}, "required": ["a", "b"]}, "/required/1"),
+        ({"type": "object", "required": ["a"]}, "/required"),
+        ({"$ref": "#/$defs/missing"}, "/$ref"),
+        ({"$ref": "https://example.com/schema.json"}, "/$ref"),
+        ({"properties": {"a": {}}, "additionalProperties": True}, "/additionalProperties"),
+        ({"properties": {"a": {}}, "additionalProperties": {"type": "string"}}, "/additionalProperties"),
+        ({"allOf": [{}, {}]}, "/allOf"),
+        ({"anyOf": []}, "/anyOf"),
+        ({"anyOf": [{"type": "string"}], "minLength": 2}, "/minLength"),
+        ({"$ref": "#", "type": "string"}, "/type"),
+        ({"enum": ["a"], "maxLength": 3}, "/maxLength"),
+        ({"enum": []}, "/enum"),
+        ({"type": "string", "enum": [1, 2]}, "/enum"),
+        ({"type": "string", "pattern": "(a"}, "/pattern"),
+        ({"type": "string", "pattern": "a", "maxLength": 3}, "/maxLength"),
+        ({"type": "string", "minLength": 3, "maxLength": 2}, "/minLength"),
+        ({"type": "array", "maxItems": 1001}, "/maxItems"),
+        ({"type": "array", "minItems": -1}, "/minItems"),
+        ({"type": "array", "items": [{}]}, "/items"),
+        ({"properties": {"tree": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "nothing"}}}, "/$defs/n/type"),
+    ],
+)
+def test_a_schema_that_cannot_be_compiled_is_refused_naming_the_part_at_fault(schema, where):
+    """Schemas of the wrong shape or combining keywords the subset cannot honour together."""
+    with pytest.raises(GrammarError) as caught:
+        json_grammar(schema)
+    assert caught.value.where == where
+
+
+REGEX_CASES = [
+    (r"[a-z]{2,6}-[0-9]{2}", "az-09", ["ab-12", "abcdef-99", "abcdefg-99"]),
+    (r"(ab|a)*b?", "ab", []),
+    (r"a{2}|b{1,}|c{,2}", "abc", []),
+    (r"^\d+(\.\d+)?$", "0.1", ["3.14159", "10.0"]),
+    (r"[^abc]x", "abcxé", []),
+    (r"\w+\s\W", "a_ !é\n", []),
+    (r".+", "a\né", []),
+    (r"(?:x|y)(?P<n>z+)(?<m>q?)", "xyzq", []),
+    (r"[\d\-.]+", "1-.a", []),
+    (r"\u00e9\x41+", "éA", []),
+    (r"[]a]+", "]a[", []),
+    (r"a+?b*?", "ab", []),
+    (r"(a|)+b", "ab", []),
+    (r"🙂{2}|日本", "🙂日本", []),
+    (r"[\t\n ]*\/\\", "\t\n /\\", []),
+    (r"\S\D\s", "a1 é", []),
+    (r"(a|b)*a(a|b){3}", "ab", []),
+    (r"", "a", []),
+]
+
+
+@pytest.mark.parametrize(("pattern", "alphabet", "extra"), REGEX_CASES)
+def test_a_regex_matches_what_re_fullmatch_matches(pattern, alphabet, extra):
+    """Every short string over the alphabet, and some longer ones, match exactly where re.fullmatch (re.ASCII) does."""
+    grammar = regex_grammar(pattern)
+    pattern = pattern.replace("(?<", "(?P<")  # Python's re spells a named group (?P<name>...) only
+    texts = ["".join(chars) for length in range(6) for chars in itertools.product(alphabet, repeat=length)]
+    outcomes = set()
+    for text in [*texts[:3000], *extra]:
+        expected = re.fullmatch(pattern, text, re.ASCII) is not None
+        assert matches(grammar, text) == expected, (pattern, text)
+        outcomes.add(expected)
+    assert outcomes == {True, False} or pattern == "", pattern
+
+
+def test_a_regex_matches_bytes_of_whole_characters_only():
+    """'.' takes a whole UTF-8 character, never a bad byte or half of one."""
+    grammar = regex_grammar(".")
+    assert matches(grammar, "é") and matches(grammar, "🙂") and not matches(grammar, "\n")
+    assert refused_at(grammar, b"\xff") == 0 and not matches(grammar, b"\xc3")
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"(a)\1",
+        r"(?=a)a",
+        r"(?!a)b",
+        r"(?<=a)b",
+        r"(?<!a)b",
+        r"\bword",
+        r"(?i)a",
+        r"(?P=n)",
+        r"a{1001}",
+        r"(a{1000}){1000}",
+        r"a{2,1}",
+        r"[é]",
+        r"[\u00e9-\u00ff]",
+        r"a**",
+        r"a++",
+        r"*a",
+        r"(a",
+        r"a)",
+        r"[a",
+        r"x^y",
+        r"a$b",
+        r"a{",
+        r"\p{L}",
+        "a\\",
+        r"[z-a]",
+        r"\ud800",
+    ],
+)
+def test_a_regex_outside_the_subset_is_refused(pattern):
+    """Back-references, lookarounds, flags, huge or inverted counts, non-ASCII classes and bad syntax."""
+    with pytest.raises(GrammarError) as caught:
+        regex_grammar(pattern)
+    assert caught.value.where == "pattern"
+
+
+def test_a_choice_is_exactly_one_of_the_strings():
+    """A choice matches whole strings only, even where one is a prefix of another."""
+    grammar = choice_grammar(["yes", "no", "yesterday", "né"])
+    for choice in ["yes", "no", "yesterday", "né"]:
+        assert matches(grammar, choice)
+    assert not matches(grammar, "ye") and not matches(grammar, "yest") and not matches(grammar, "n")
+    assert refused_at(grammar, b"nope") == 2 and refused_at(grammar, b"yes!") == 3
+    assert matches(choice_grammar([""]), "") and refused_at(choice_grammar([""]), b"a") == 0
+
+
+@pytest.mark.parametrize(("choices", "where"), [([], "choice"), (["a", 3], "choice[1]"), ("ab", "choice")])
+def test_a_choice_list_that_cannot_be_compiled_is_refused(choices, where):
+    """An empty list, a non-string and a non-list each name the part at fault."""
+    with pytest.raises(GrammarError) as caught:
+        choice_grammar(choices)
+    assert caught.value.where == where
