@@ -1,6 +1,6 @@
 """Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
-penalties, allowed_token_ids, prompt_logprobs, batches of prompts, echo and the Responses API, each drafted and
-undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
+penalties, allowed_token_ids, prompt_logprobs, batches of prompts, echo, the Responses API and guided decoding, each
+drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 import httpx
@@ -128,7 +129,36 @@ def main() -> int:
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     last = events[-1]["type"]
     check("responses: streamed = not streamed", deltas == text and last == f"response.{response['status']}", last)
+    guided_checks(base, check)
     return 1 if failures else 0
+
+
+def guided_checks(base: str, check) -> None:
+    """Guided decoding: each output follows its grammar; drafted = undrafted = streamed; n choices = each alone."""
+    regex, choices = "[a-z]{2,8}_[0-9]{1,3}", ["merge", "sort", "split"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "sizes": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
+              "required": ["name", "sizes"]}  # fmt: skip
+    for name, guide, fits in (
+        ("guided_regex", {"guided_regex": regex}, lambda text: re.fullmatch(regex, text)),
+        ("guided_choice", {"guided_choice": choices}, lambda text: text in choices),
+        ("guided_json", {"guided_json": schema}, lambda text: set(json.loads(text)) == {"name", "sizes"}),
+        ("json_object", {"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+    ):
+        for draw, fields in (("greedy", {"temperature": 0}), ("sampled", {"temperature": 0.8, "seed": 5})):
+            runs = [complete(base, max_tokens=96, ignore_eos=False, **guide, **fields, **extra)
+                    for extra in ({}, {"draft": False}, {"stream": True})]  # fmt: skip
+            check(f"{name} {draw}: drafted = undrafted = streamed", shown(runs[0]) == shown(runs[1]) == shown(runs[2]))
+            text, finish = runs[0]["choices"][0]["text"], runs[0]["choices"][0]["finish_reason"]
+            try:
+                ok = finish == "length" or bool(fits(text))
+            except ValueError:
+                ok = False
+            check(f"{name} {draw}: the output follows the grammar ({finish})", ok, text[:80])
+    sampled = {"temperature": 0.8, "seed": 11, "max_tokens": 96, "ignore_eos": False, "guided_json": schema}
+    together = shown(complete(base, n=3, **sampled))
+    alone = [shown(complete(base, **{**sampled, "seed": 11 + i}))[0] for i in range(3)]
+    check("guided_json: n=3 choices = each alone", together == alone)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import time
 import tomllib
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.engine import ContextLengthError, EngineStopped, check_context
-from server.generation import Generation, Outcome, interleaved
+from server.generation import THINK_TAGS, Generation, Outcome, interleaved
 from server.handle import EngineHandle
 from server.logprobs import (
     chat_logprobs,
@@ -38,6 +38,7 @@ from server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    SamplingParams,
     StreamOptions,
     parse_request,
     token_sha,
@@ -50,7 +51,7 @@ from server.responses import (
     response_object,
 )
 from server.textout import prompt_opens_thinking
-from server.tokenizer import template_reads
+from server.tokenizer import single_token_id, template_reads
 from server.tool_calls import ToolCallCut, parse_tool_calls
 
 PUBLIC_PATHS = ("/health", "/metrics", "/version")
@@ -265,6 +266,7 @@ def build_app(state: ServerState) -> FastAPI:
                 "draw",
                 param="allowed_token_ids",
             )
+        params = guided(body, params, thinking_open)
         asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         generations: list[Generation] = []
         for prompt_ids in prompts:
@@ -302,6 +304,28 @@ def build_app(state: ServerState) -> FastAPI:
                 generation.abort()
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return generations
+
+    def guided(body, params: SamplingParams, thinking_open: bool | None) -> SamplingParams:
+        """The parameters with their guide placed after the think block the answer opens in, if any; a guide the
+        server cannot honour for this request is refused, naming the field."""
+        if params.guide is None:
+            return params
+        field = body.guides_given()[0][0]
+        if state.tokenizer is None:
+            raise ApiError(f"{field}: guided decoding needs the model's tokenizer, which is missing", param=field)
+        if params.min_tokens:
+            raise ApiError("min_tokens: not with guided decoding, whose grammar says where the output ends",
+                           param="min_tokens")  # fmt: skip
+        if params.ignore_eos and not params.stop_token_ids:
+            raise ApiError("ignore_eos: a guided output ends with a stop token when its grammar is complete; give "
+                           "stop_token_ids or leave ignore_eos out", param="ignore_eos")  # fmt: skip
+        if not thinking_open:
+            return params
+        think_end = single_token_id(state.tokenizer, THINK_TAGS[1])
+        if think_end is None:
+            raise ApiError(f"{field}: the answer opens inside a think block, and no one token of this tokenizer ends "
+                           f"it ({THINK_TAGS[1]!r}), after which the guide would start", param=field)  # fmt: skip
+        return replace(params, guide=params.guide.after(think_end))
 
     def thinking_open(body: ChatCompletionRequest, text: str) -> bool:
         """Whether the answer starts inside a think block: as the rendered prompt ends where the template opens the

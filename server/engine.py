@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
 from server.drafters import Drafter, History, MtpDrafter
+from server.guide_spec import GuideError, GuideSpec
 from server.metrics import EngineMetrics
 from server.prompt_cache import Kept, PromptCache, prefix_digests
 
 if TYPE_CHECKING:  # the front-end process imports this module for Request and Update: it needs no torch
+    from server.guides import GuideCursor, Guides
     from server.runner import LaneResult, LaunchedRound, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class Request:
     cache_salt: str | None = None  # its prompt states are kept and resumed apart from other salts' (vLLM's field)
     # its prompt passes take the prompt's logprobs with that many most likely ids (it resumes no kept state then)
     prompt_logprobs: int | None = None
+    guide: GuideSpec | None = None  # the grammar its output follows (guided decoding)
     arrival: float = field(default_factory=time.monotonic)
     cached: int = 0
     keeps: list[int] = field(default_factory=list)
@@ -98,6 +101,7 @@ class Request:
     drawing: int = 0
     admitted: bool = False  # counted in the metrics and the cache's figures (once, if a failed launch puts it back)
     prompt_taken: list[PromptLogprob] = field(default_factory=list)  # the prompt logprobs until its first update
+    guided: GuideCursor | None = None  # its place in its guide's grammar, once admitted
 
 
 Outbox = list[tuple[Request, Update]]
@@ -145,8 +149,10 @@ class Engine:
         prompt_cache: PromptCache | None = None,
         cache_grid: int = 512,
         plan_ahead: bool = False,
+        guides: Guides | None = None,
     ) -> None:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
+        self.guides = guides  # the grammars' masks over the vocabulary (None: no tokenizer, nothing is guided)
         self.plan_ahead = plan_ahead  # plan and launch the next round while the GPU runs one that drafts nothing
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once the engine has stopped on a failure (the server then exits)
@@ -325,6 +331,8 @@ class Engine:
         self.ops = []
         while self.waiting and free_slots:
             request = self.waiting.popleft()
+            if not self._guide(request):
+                continue
             request.slot = free_slots.pop(0)
             allocate.append(request.slot)
             self.running.append(request)
@@ -347,7 +355,10 @@ class Engine:
                 room = min(request.max_tokens - len(request.output), self.context - start) - 1
                 drafts = request.drafts[: max(room, 0)]
                 depth = self._chain_depth(depth, start + len(drafts))
-                rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
+                masks = request.guided.row_masks(drafts) if request.guided else ()
+                rows.append(
+                    LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth, guide_masks=masks)
+                )
                 request.drawing += 1
             elif budget > 0:
                 asked = request.prompt_logprobs is not None
@@ -362,9 +373,10 @@ class Engine:
                 draw = request.draw if done else None
                 # every prompt pass feeds the MTP layer, drafting or not: its kept states may resume a drafting lane
                 depth = self._chain_depth(self.mtp_depth, request.prefilled + take - 1)
+                masks = request.guided.row_masks(()) if done and request.guided else ()
                 rows.append(
                     LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth,
-                             prompt_logprobs=request.prompt_logprobs)
+                             prompt_logprobs=request.prompt_logprobs, guide_masks=masks)
                 )  # fmt: skip
                 request.prefilled += take  # the next plan goes on from there, whether or not this round finished
                 request.drawing += done
@@ -373,6 +385,18 @@ class Engine:
         owners = {request.slot: request for request in self.running}
         plan = RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
         return plan, [owners[row.slot] for row in rows]
+
+    def _guide(self, request: Request) -> bool:
+        """Place a guided request at the start of its grammar (lock held); False, ending it, where it cannot be."""
+        if request.guide is None:
+            return True
+        if self.guides is None:
+            self._end(
+                request, Update((), "error", "guided decoding needs the model's tokenizer, which this server lacks")
+            )
+            return False
+        request.guided = self.guides.cursor(request.guide, tuple(sorted(request.stop_ids)))
+        return True
 
     def _chain_depth(self, depth: int, last: int) -> int:
         """The MTP chain's depth after a window whose last row is at position `last`: the chain's last row lies
@@ -428,9 +452,11 @@ class Engine:
 
     def _ahead(self, flight: Flight) -> bool:
         """Whether the next round may be planned before this launched one is finished: its finish changes no lane
-        (`LaunchedRound.ahead_safe`), and none of its requests wants drafts that can be proposed (from its tokens)."""
+        (`LaunchedRound.ahead_safe`), none of its requests wants drafts that can be proposed (from its tokens), and
+        none is guided."""
         wants_drafts = self.proposes and any(request.draft for request in flight.requests)
-        return flight.launched.ahead_safe and not wants_drafts
+        guided = any(request.guided for request in flight.requests)  # its next masks follow this round's tokens
+        return flight.launched.ahead_safe and not wants_drafts and not guided
 
     def _complete(self, flight: Flight) -> None:
         """Finish a launched round and hand each lane's kept tokens to its request: while the MTP chain runs, if the
@@ -522,6 +548,13 @@ class Engine:
             self._record_token(request, now)
             request.output.append(token)
             taken.append(token)
+            if request.guided is not None:
+                try:
+                    request.guided.take(token)
+                except GuideError as exc:  # a broken contract: this request ends with it, the others go on
+                    log.error("guided request %s: %s", request.request_id, exc)
+                    self._finish(request, Update(tuple(taken), "error", str(exc)))
+                    return False
             if token in request.stop_ids or len(request.output) >= request.max_tokens:
                 finish = "stop" if token in request.stop_ids else "length"
                 self._finish(

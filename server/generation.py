@@ -93,6 +93,7 @@ class Generation:
             keep_at=keep_at,
             cache_salt=params.cache_salt,
             prompt_logprobs=params.prompt_logprobs,
+            guide=params.guide,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = (

@@ -12,6 +12,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from server.grammar import GrammarError
+from server.guide_spec import GuideSpec
+
 MAX_STOP_STRINGS = 8
 # OpenAI's and vLLM's seed range, a signed 64-bit integer; a draw takes the seed modulo 2**64
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
@@ -42,7 +45,6 @@ _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
 # value of an unhonoured field not named here is refused.
 _HARMLESS: dict[str, Any] = {
-    "response_format": {"type": "text"},
     # vLLM's sampling and output extensions
     "bad_words": [],
     "spaces_between_special_tokens": True,
@@ -94,6 +96,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only ids it may draw, in id order (none: any)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and that many of the most likely
     skip_special_tokens: bool = True  # vLLM's: special tokens (other than a stop token) give no text
+    guide: GuideSpec | None = None  # the grammar the output follows (structured outputs)
 
 
 class ApiError(Exception):
@@ -300,6 +303,91 @@ class ChatMessage(StrictModel):
         return "\n".join(texts)
 
 
+class JsonSchemaFormat(NullAsAbsentModel):
+    """`response_format.json_schema`: OpenAI's named schema the answer follows."""
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(NullAsAbsentModel):
+    """`response_format`: plain text, any JSON object, or a JSON Schema's instance (OpenAI's three types)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("conflict", "json_schema is given exactly when type is 'json_schema'")
+        return self
+
+    def guide(self) -> GuideSpec | None:
+        """The guide it asks for (None: text)."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return GuideSpec("json", "" if self.type == "json_object" else json.dumps(schema if schema else {}))
+
+
+class StructuredOutputs(NullAsAbsentModel):
+    """vLLM's `structured_outputs`: one of a JSON Schema, any JSON object, a regular expression or a choice."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: Any = None
+    structural_tag: Any = None
+
+    _check_unhonoured = field_validator("grammar", "structural_tag")(_refuse_unless_harmless)
+
+    @field_validator("json_")
+    @classmethod
+    def _schema(cls, value: dict[str, Any] | str) -> dict[str, Any] | str:
+        _json_guide(value)
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        self.guide()
+        return self
+
+    def guide(self) -> GuideSpec:
+        """The one guide it gives."""
+        given = [
+            guide
+            for guide in (
+                _json_guide(self.json_) if self.json_ is not None else None,
+                GuideSpec("json", "") if self.json_object else None,
+                GuideSpec("regex", self.regex) if self.regex is not None else None,
+                GuideSpec("choice", json.dumps(self.choice)) if self.choice is not None else None,
+            )
+            if guide is not None
+        ]
+        if len(given) != 1:
+            raise PydanticCustomError(
+                "conflict", f"give exactly one of json, json_object, regex and choice, not {len(given)}"
+            )
+        return given[0]
+
+
+def _json_guide(schema: dict[str, Any] | str) -> GuideSpec:
+    """A JSON Schema's guide, the schema given as an object or as its JSON text (vLLM takes either)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise PydanticCustomError("guide", f"a schema given as text must be JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise PydanticCustomError("guide", "a schema must be a JSON object")
+    return GuideSpec("json", json.dumps(schema))
+
+
 class _SamplingRequest(NullAsAbsentModel):
     """Fields shared by chat and text completions; JSON null reads as 'not given'."""
 
@@ -327,7 +415,7 @@ class _SamplingRequest(NullAsAbsentModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_IDS)
     include_stop_str_in_output: bool = False
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0)
     bad_words: Any = None
@@ -337,19 +425,51 @@ class _SamplingRequest(NullAsAbsentModel):
     use_beam_search: Any = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the prompt's last that many tokens
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    structured_outputs: StructuredOutputs | None = None
     structural_tag: Any = None
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "response_format", "bad_words", "spaces_between_special_tokens", "use_beam_search",
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "structural_tag",
+        "bad_words", "spaces_between_special_tokens", "use_beam_search", "guided_grammar", "structural_tag",
         "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
+
+    @field_validator("guided_json")
+    @classmethod
+    def _schema(cls, value: dict[str, Any] | str) -> dict[str, Any] | str:
+        _json_guide(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_guide_that_compiles(self) -> _SamplingRequest:
+        """At most one of the guiding fields, and its grammar compiles (a bad schema is the request's fault)."""
+        given = self.guides_given()
+        if len(given) > 1:
+            raise PydanticCustomError(
+                "conflict", f"give one way to guide the output, not {' and '.join(field for field, _ in given)}",
+                {"param": given[1][0]},
+            )  # fmt: skip
+        for field, guide in given:
+            try:
+                guide.grammar()
+            except GrammarError as exc:
+                raise PydanticCustomError("guide", f"{exc.where}: {exc}", {"param": field}) from None
+        return self
+
+    def guides_given(self) -> list[tuple[str, GuideSpec]]:
+        """Each field that guides the output, with the guide it gives."""
+        given = [
+            ("response_format", self.response_format.guide() if self.response_format is not None else None),
+            ("structured_outputs", self.structured_outputs.guide() if self.structured_outputs is not None else None),
+            ("guided_json", _json_guide(self.guided_json) if self.guided_json is not None else None),
+            ("guided_regex", GuideSpec("regex", self.guided_regex) if self.guided_regex is not None else None),
+            ("guided_choice", GuideSpec("choice", json.dumps(self.guided_choice)) if self.guided_choice else None),
+        ]
+        return [(field, guide) for field, guide in given if guide is not None]
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -427,6 +547,7 @@ class _SamplingRequest(NullAsAbsentModel):
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
             prompt_logprobs=self.prompt_logprobs_count(),
             skip_special_tokens=self.skip_special_tokens,
+            guide=next((guide for _, guide in self.guides_given()), None),
         )
 
     def logprobs_count(self) -> int | None:

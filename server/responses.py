@@ -46,6 +46,7 @@ CHAT_FIELDS_AS_RESPONSES = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
     "reasoning_effort": "reasoning.effort",
+    "response_format": "text.format",
 }
 
 
@@ -229,11 +230,28 @@ class ReasoningConfig(NullAsAbsentModel):
 
 
 class TextFormat(NullAsAbsentModel):
-    """`text.format`: plain text only (structured output needs guided decoding)."""
+    """`text.format`: plain text, any JSON object, or a named JSON Schema's instance (the chat's response_format)."""
 
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
 
-    _supported_type = field_validator("type", mode="before")(_refuse_other_types("text", noun="text formats"))
+    _supported_type = field_validator("type", mode="before")(
+        _refuse_other_types("text", "json_object", "json_schema", noun="text formats")
+    )
+
+    def echoed(self) -> dict[str, Any]:
+        """The format as a Response object gives it back."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+    def for_chat(self) -> dict[str, Any] | None:
+        """The chat's response_format (None for text); a schema's fields are checked there."""
+        if self.type != "json_schema":
+            return None if self.type == "text" else {"type": self.type}
+        named = {"name": self.name, "schema": self.schema_, "description": self.description, "strict": self.strict}
+        return {"type": "json_schema", "json_schema": named}
 
 
 class TextConfig(NullAsAbsentModel):
@@ -330,6 +348,7 @@ class ResponsesRequest(NullAsAbsentModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": "low" if effort == "minimal" else effort,  # chat has no "minimal"
             "user": self.user,
+            "response_format": self.text.format.for_chat() if self.text and self.text.format else None,
         }
         return {key: value for key, value in body.items() if value is not None}
 
@@ -376,7 +395,7 @@ def _response(response_id: str, created: int, model: str, request: ResponsesRequ
         "reasoning": request.reasoning and request.reasoning.model_dump(),
         "store": False,
         "temperature": request.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": request.text.format.echoed() if request.text and request.text.format else {"type": "text"}},
         "tool_choice": request.tool_choice,
         "tools": [tool.model_dump() for tool in request.tools or ()],
         "top_p": request.top_p,

@@ -26,6 +26,7 @@ from server.app import ServerState
 from server.drafters import DRAFTERS
 from server.engine import Engine
 from server.frontend import FrontendProcess, FrontSettings, http_server, listen_socket
+from server.guides import Guides
 from server.handle import LocalEngine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
@@ -226,6 +227,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         cache,
         args.prompt_cache_grid,
         args.plan_ahead == "on",
+        Guides(tokenizer, cfg.vocab_size) if tokenizer is not None else None,
     )
     metrics.track_cache(cache)
     metrics.track_collectives(model.tp.counts)

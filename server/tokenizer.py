@@ -110,3 +110,9 @@ def eos_token_ids(model_dir: Path, tokenizer, config_eos: int) -> tuple[int, ...
     if not ids:
         ids.append(config_eos)
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def single_token_id(tokenizer, text: str) -> int | None:
+    """The id of the one token that spells `text` (a tag like "</think>"), or None where no single token does."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None

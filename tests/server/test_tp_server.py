@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,6 +151,12 @@ def test_serve_tp2_reproduces_transformers_greedy(ckpt, tmp_path):
         assert torch.allclose(got, expected[torch.arange(199), long[1:]], atol=1e-4, rtol=0)
         allowed = sorted({plain[1], plain[4], 30, 77})  # rank 1 rules out every other id too
         assert greedy_ids(url, allowed_token_ids=allowed) == oracle_greedy(ckpt, PROMPT, 16, allowed_token_ids=allowed)
+        guided = {"prompt": "Name:", "max_tokens": 12, "guided_regex": "[a-z]{2,5}[0-9]", "temperature": 1.0, "seed": 3}
+        texts = [  # rank 1 draws under the guide masks its round headers carry
+            httpx.post(f"{url}/v1/completions", json={**guided, **extra}, timeout=120).json()["choices"][0]["text"]
+            for extra in ({}, {"draft": False})
+        ]
+        assert texts[0] == texts[1] and re.fullmatch("[a-z]{2,5}[0-9]", texts[0]), texts
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}
         logprobs = [
             httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120).json()["choices"][0]["logprobs"]

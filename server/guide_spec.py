@@ -1,0 +1,45 @@
+"""What a guided request's output must match (vLLM's structured outputs), as the HTTP side hands it to the engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Literal
+
+from server.grammar import Grammar, choice_grammar, json_grammar, regex_grammar
+
+GuideKind = Literal["json", "regex", "choice"]
+
+
+class GuideError(RuntimeError):
+    """A kept token the request's grammar does not allow: its draw broke the mask it was drawn under."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuideSpec:
+    """A request's grammar: `kind` "json" (`source`: a JSON Schema's text, or "" for any JSON object), "regex" (the
+    pattern the whole output matches) or "choice" (a JSON list of the strings it may be); with `starts_after`, only
+    the output after that token id (a think block's end) is guided."""
+
+    kind: GuideKind
+    source: str
+    starts_after: int | None = None
+
+    def grammar(self) -> Grammar:
+        """The compiled grammar (compiled once for every request that brings the same one)."""
+        return compiled(self.kind, self.source)
+
+    def after(self, token_id: int | None) -> GuideSpec:
+        """The same grammar, guiding only the output after `token_id` (None: all of it)."""
+        return replace(self, starts_after=token_id)
+
+
+@lru_cache(maxsize=64)
+def compiled(kind: GuideKind, source: str) -> Grammar:
+    """A guide's grammar; raises `GrammarError` naming the part at fault."""
+    if kind == "json":
+        return json_grammar(json.loads(source) if source else None)
+    if kind == "regex":
+        return regex_grammar(source)
+    return choice_grammar(json.loads(source))

@@ -1,0 +1,156 @@
+"""Guided decoding through the engine and the shipped model: outputs follow their grammars, and the exactness rules
+hold for guided requests (drafted = undrafted, concurrent = solo, planned ahead = in turn)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+from transformers import AutoTokenizer
+
+from model.shipped import SHIPPED_MODEL
+from model.weights import load_model
+from rankwire.header import DrawSpec
+from server.engine import Engine, Request
+from server.guide_spec import GuideSpec
+from server.guides import Guides
+from tests.server.engine_harness import Outcome, RecordingRunner
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"enum": ["S", "M", "L"]}},
+    "required": ["name", "size"],
+}
+REGEX = "[a-z]{2,6}-[0-9]{2}"
+CHOICES = ["stack", "queue", "heap"]
+GUIDES = {
+    "schema": GuideSpec("json", json.dumps(SCHEMA)),
+    "object": GuideSpec("json", ""),
+    "regex": GuideSpec("regex", REGEX),
+    "choice": GuideSpec("choice", json.dumps(CHOICES)),
+}
+GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
+SAMPLED = DrawSpec(0.9, 40, 0.95, 0.0, 4321)
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(SHIPPED_MODEL, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(SHIPPED_MODEL))
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer) -> list[int]:
+    return tokenizer.encode("# the answer, as asked:\nanswer = ")
+
+
+def serve(model, tokenizer, jobs, *, depth: int = 3, plan_ahead: bool = False) -> tuple[list[Outcome], RecordingRunner]:
+    """Serve (prompt, draw, guide) jobs together, each ending at EOS or TOKENS tokens."""
+    runner = RecordingRunner(model, len(jobs))
+    guides = Guides(tokenizer, model.cfg.vocab_size)
+    engine = Engine(runner, 4096, 64, draft_depth=depth, plan_ahead=plan_ahead, guides=guides)
+    runner.engine = engine
+    outcomes = runner.outcomes = [Outcome() for _ in jobs]
+    end = frozenset({tokenizer.eos_token_id})
+    engine.start()
+    try:
+        for i, ((prompt, draw, guide), outcome) in enumerate(zip(jobs, outcomes, strict=True)):
+            engine.submit(Request(f"r{i}", prompt, TOKENS, draw, end, outcome.sink, draft=depth > 0, guide=guide))
+        for outcome in outcomes:
+            assert outcome.done.wait(300), "a request did not finish"
+    finally:
+        engine.stop()
+    assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+    return outcomes, runner
+
+
+def output_bytes(guides: Guides, outcome: Outcome, end: int) -> bytes:
+    """The output's bytes, less the end token that stopped it."""
+    tokens = outcome.tokens[:-1] if outcome.finish == "stop" and outcome.tokens[-1] == end else outcome.tokens
+    return b"".join(guides.vocabulary.token_bytes(token) for token in tokens)
+
+
+def test_guided_outputs_follow_their_grammars(model, tokenizer, prompt):
+    jobs = [(prompt, GREEDY, guide) for guide in GUIDES.values()]
+    outcomes, runner = serve(model, tokenizer, jobs)
+    guides = runner.engine.guides
+    texts = {name: output_bytes(guides, o, tokenizer.eos_token_id) for name, o in zip(GUIDES, outcomes, strict=True)}
+    for name, outcome in zip(GUIDES, outcomes, strict=True):
+        grammar = GUIDES[name].grammar()
+        state = grammar.feed(grammar.initial, texts[name])
+        assert state is not None, (name, texts[name])  # every output is a prefix of a match, at least
+        assert outcome.finish == "length" or grammar.accepts(state), (name, texts[name])
+    for name in ("object", "regex", "choice"):  # these end well inside TOKENS tokens with this model
+        assert outcomes[list(GUIDES).index(name)].finish == "stop"
+    assert re.fullmatch(REGEX, texts["regex"].decode()) and texts["choice"].decode() in CHOICES
+    assert isinstance(json.loads(texts["object"]), dict)
+    unguided, _ = serve(model, tokenizer, [(prompt, GREEDY, None)])
+    assert unguided[0].tokens not in [o.tokens for o in outcomes]  # the masks moved the output
+
+
+@pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_guided_requests_drafted_equal_undrafted(model, tokenizer, prompt, draw):
+    jobs = [(prompt, draw, guide) for guide in GUIDES.values()]
+    drafted, runner = serve(model, tokenizer, jobs, depth=3)
+    undrafted, _ = serve(model, tokenizer, jobs, depth=0)
+    assert [o.tokens for o in drafted] == [o.tokens for o in undrafted]
+    verified = [row for plan in runner.plans for row in plan.rows if row.drafts and row.guide_masks]
+    assert verified, "no guided window verified drafts"
+    assert all(len(row.guide_masks) == len(row.drafts) + 1 for row in verified)
+
+
+def test_guided_requests_among_others_equal_each_alone(model, tokenizer, prompt):
+    jobs = [(prompt, SAMPLED, GUIDES["schema"]), (prompt, GREEDY, None), (prompt[:-1], GREEDY, GUIDES["regex"])]
+    together, _ = serve(model, tokenizer, jobs)
+    for job, outcome in zip(jobs, together, strict=True):
+        (alone,), _ = serve(model, tokenizer, [job])
+        assert outcome.tokens == alone.tokens
+
+
+def test_a_guided_lane_is_never_planned_ahead_and_gives_the_tokens_of_rounds_in_turn(model, tokenizer, prompt):
+    jobs = [(prompt, GREEDY, GUIDES["object"]), (prompt[:-1], SAMPLED, None)]
+    ahead, runner = serve(model, tokenizer, jobs, depth=0, plan_ahead=True)
+    in_turn, _ = serve(model, tokenizer, jobs, depth=0)
+    assert [o.tokens for o in ahead] == [o.tokens for o in in_turn]
+    guided_slot = runner.plans[0].rows[0].slot
+    assert not any(row.prior_draw and row.slot == guided_slot for plan in runner.plans for row in plan.rows)
+
+
+def test_the_first_draw_of_a_prompt_pass_is_guided(model, tokenizer, prompt):
+    """A prompt cut into passes: only its last pass draws, under the grammar's first mask."""
+    (outcome,), runner = serve(model, tokenizer, [(prompt * 20, GREEDY, GUIDES["choice"])], depth=0)
+    passes = [row for plan in runner.plans for row in plan.rows if len(row.token_ids) > 1]
+    assert len(passes) > 1 and not any(row.guide_masks for row in passes[:-1]) and len(passes[-1].guide_masks) == 1
+    text = output_bytes(runner.engine.guides, outcome, tokenizer.eos_token_id).decode()
+    assert text in CHOICES
+
+
+def test_an_abort_ends_a_guided_request_and_frees_its_lane(model, tokenizer, prompt):
+    runner = RecordingRunner(model, 1)
+    engine = Engine(runner, 4096, 64, guides=Guides(tokenizer, model.cfg.vocab_size))
+    first, second = Outcome(), Outcome()
+    started = threading.Event()
+
+    def sink(update):
+        first.sink(update)
+        started.set()
+
+    engine.start()
+    try:
+        end = frozenset({tokenizer.eos_token_id})
+        long = GuideSpec("regex", "[a-z]{1000}")  # hundreds of tokens: the abort comes first
+        engine.submit(Request("a", prompt, 4000, GREEDY, end, sink, guide=long))
+        assert started.wait(60)
+        engine.abort("a")
+        engine.submit(Request("b", prompt, 8, GREEDY, end, second.sink, guide=GUIDES["choice"]))
+        assert first.done.wait(60) and second.done.wait(120)
+    finally:
+        engine.stop()
+    assert first.finish == "abort" and second.finish in ("stop", "length") and second.error is None

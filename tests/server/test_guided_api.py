@@ -1,0 +1,114 @@
+"""Guided decoding's request fields (OpenAI's response_format, vLLM's guided_* and structured_outputs): what guide
+each gives the engine, where it starts, and the 400s naming the field, through the shipped tokenizer and a scripted
+engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from server.guide_spec import GuideSpec
+from tests.server.test_tool_calls_api import http
+
+THINK_END = 4095  # the shipped tokenizer's one token for "</think>"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["age"]}
+ASK = [{"role": "user", "content": "Give me a person."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from tests.server.test_tool_calls_api import SHIPPED
+
+    return AutoTokenizer.from_pretrained(SHIPPED)
+
+
+@pytest.mark.parametrize(
+    ("fields", "guide"),
+    [
+        ({"response_format": {"type": "json_object"}}, GuideSpec("json", "")),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}},
+            GuideSpec("json", json.dumps(SCHEMA)),
+        ),
+        ({"guided_json": SCHEMA}, GuideSpec("json", json.dumps(SCHEMA))),
+        ({"guided_json": json.dumps(SCHEMA)}, GuideSpec("json", json.dumps(SCHEMA))),
+        ({"guided_regex": "[a-z]+ [0-9]{2}"}, GuideSpec("regex", "[a-z]+ [0-9]{2}")),
+        ({"guided_choice": ["yes", "no"]}, GuideSpec("choice", '["yes", "no"]')),
+        ({"structured_outputs": {"json": SCHEMA}}, GuideSpec("json", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"json_object": True}}, GuideSpec("json", "")),
+        ({"structured_outputs": {"regex": "a|b"}}, GuideSpec("regex", "a|b")),
+        ({"structured_outputs": {"choice": ["x"]}}, GuideSpec("choice", '["x"]')),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)
+def test_each_guiding_field_gives_the_engine_its_guide(tokenizer, fields, guide):
+    client, engine = http(tokenizer, '{"age": 3}')
+    reply = client.post("/v1/completions", json={"prompt": "A person:", "max_tokens": 8, **fields})
+    assert reply.status_code == 200, reply.text
+    assert engine.submitted[-1].guide == guide
+
+
+@pytest.mark.parametrize(("thinking", "starts_after"), [(True, THINK_END), (False, None)])
+def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinking, starts_after):
+    client, engine = http(tokenizer, 'hmm\n</think>\n\n{"age": 3}' if thinking else '{"age": 3}')
+    body = {"messages": ASK, "response_format": {"type": "json_object"}}
+    reply = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": thinking}})
+    assert reply.status_code == 200, reply.text
+    assert engine.submitted[-1].guide == GuideSpec("json", "", starts_after)
+    assert json.loads(reply.json()["choices"][0]["message"]["content"]) == {"age": 3}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "not guided_regex and guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one way to guide"),
+        ({"guided_json": {"type": "integer", "minimum": 3}}, "guided_json", "/minimum"),
+        ({"guided_json": "{not json"}, "guided_json", "must be JSON"),
+        ({"guided_json": "[1]"}, "guided_json", "a schema must be a JSON object"),
+        ({"guided_regex": "(a"}, "guided_regex", "pattern"),
+        ({"guided_choice": []}, "guided_choice", "at least 1"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given exactly when"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "not supported"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "not permitted"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "not supported"),
+        ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "not with guided decoding"),
+        ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "give stop_token_ids"),
+    ],
+)
+def test_a_guide_that_cannot_be_honoured_is_a_400_naming_its_field(tokenizer, fields, param, says):
+    client, engine = http(tokenizer, "a")
+    reply = client.post("/v1/completions", json={"prompt": "A:", "max_tokens": 8, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    assert not engine.submitted
+
+
+def test_ignore_eos_with_stop_token_ids_is_guided_and_the_ids_end_it(tokenizer):
+    client, engine = http(tokenizer, "a")
+    body = {"prompt": "A:", "max_tokens": 8, "guided_regex": "a", "ignore_eos": True, "stop_token_ids": [5]}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert engine.submitted[-1].stop_ids == frozenset({5})
+
+
+def test_the_responses_text_format_guides_as_the_chats_response_format(tokenizer):
+    client, engine = http(tokenizer, '{"age": 3}')
+    form = {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}
+    body = {"input": "Give me a person.", "text": {"format": form}, "reasoning": {"effort": "none"}}
+    reply = client.post("/v1/responses", json=body)
+    assert reply.status_code == 200, reply.text
+    assert engine.submitted[-1].guide == GuideSpec("json", json.dumps(SCHEMA))
+    assert reply.json()["text"]["format"] == form
+    assert reply.json()["output"][-1]["content"][0]["text"] == '{"age": 3}'
+    assert client.post("/v1/responses", json={**body, "text": {"format": {"type": "json_object"}}}).status_code == 200
+    assert engine.submitted[-1].guide == GuideSpec("json", "")
+    bad = {**form, "schema": {"type": "integer", "maximum": 3}}
+    error = client.post("/v1/responses", json={**body, "text": {"format": bad}}).json()["error"]
+    assert error["param"] == "text.format" and "/maximum" in error["message"], error
