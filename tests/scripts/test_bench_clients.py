@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.server.live import serve as serve_checkpoint
+from tests.server.live import tiny_chat_checkpoint
 from tests.tiny import checkpoint
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -493,3 +494,29 @@ def test_bench_scoring_sends_each_prompt_whole_and_checks_its_entries(tmp_path: 
         requests = 2 + 4 * 3  # warm-ups, then each mode's prompts twice
         assert metric(live.url, "flashnext:prompt_tokens_total") == 20 * requests
         assert metric(live.url, "flashnext:generation_tokens_total") == requests
+
+
+def test_bench_guided_runs_each_mode_to_its_length_and_checks_the_guided_text(tmp_path: Path) -> None:
+    """Each mode at each concurrency sends every request once (plus one guided request to warm) for exactly
+    --tokens tokens; a guided text that left the pattern would fail the script."""
+    with serve_checkpoint(tiny_chat_checkpoint(tmp_path / "chat")) as live:
+        done = run_script("bench_guided", live.url, "--requests", "2", "--tokens", "6", "--concurrency", "1", "2",
+                          "--json")  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        results = json.loads(done.stdout.splitlines()[-1])
+        assert [(r["mode"], r["concurrency"]) for r in results] == [
+            ("plain", 1), ("guided", 1), ("plain", 2), ("guided", 2)]  # fmt: skip
+        assert all(r["requests"] == 2 and r["tokens"] == 6 and r["output_tok_s"] > 0 for r in results)
+        assert metric(live.url, "flashnext:generation_tokens_total") == 6 * (2 + 4 * 2)
+
+
+def test_bench_draft_penalties_reports_the_servers_draft_counts_and_each_outputs_sha(tmp_path: Path) -> None:
+    with serve_checkpoint(tiny_chat_checkpoint(tmp_path / "chat")) as live:
+        done = run_script("bench_draft_penalties", live.url, "--json")
+        assert done.returncode == 0, done.stdout + done.stderr
+        report = json.loads(done.stdout.splitlines()[-1])
+        health = httpx.get(f"{live.url}/health").json()
+        assert report["draft_tokens"] == health["draft_tokens"] > 0
+        assert report["accepted_draft_tokens"] == health["accepted_draft_tokens"]
+        assert len(report["token_sha"]) == 6 and len(report["draft_acceptance_per_position"]) == 3
+        assert metric(live.url, "flashnext:generation_tokens_total") == 6 * 64
