@@ -1,12 +1,14 @@
 """Guided decoding benchmark: what a grammar costs a served request, against the same requests unguided.
 
-    python scripts/bench_guided.py --requests 8 --tokens 128 --concurrency 1 4
+    python scripts/bench_guided.py --requests 32 --tokens 128 --concurrency 1 8 --passes 2 [--no-drafts]
 
 Each request asks for exactly `--tokens` tokens of one prompt (seeded, sampled, its own seed): `plain` without a
 guide (ignore_eos), `guided` under `guided_regex` `[a-z ,.]{1000}`, which never completes inside `--tokens` tokens,
-so both run to their length. Prints one line per mode and concurrency (output tokens a second over the run, the mean
-request latency) and, with --json, a JSON list of them last. Every answer is checked to hold `--tokens` tokens, and
-every guided answer's text to stay inside the pattern's characters.
+so both run to their length. Each mode runs once at each concurrency to warm up, then the timed passes run the
+modes in turn. Prints one line per pass, mode and concurrency (output tokens a second over the run, the mean request
+latency) and, with --json, a JSON list of them last. Every answer is checked to hold `--tokens` tokens, and every
+guided answer's text to stay inside the pattern's characters. With --no-drafts every request sends `"draft": false`
+(a guided lane's drafts are not guided, so with drafts the two modes also differ in what the drafts keep).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ModeResult:
     """One mode's run at one concurrency: output tokens a second over the run, and each request's mean latency."""
 
     mode: str
+    run: int
     requests: int
     tokens: int
     concurrency: int
@@ -44,10 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-url", default=DEFAULT_BASE_URL)
     parser.add_argument("--requests", type=int, default=8, help="requests a mode sends (default 8)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens each request asks for (default 128)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="requests in flight (default 1 4)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight (default 1 8)")
+    parser.add_argument("--passes", type=int, default=2, help="timed passes over the modes (default 2)")
+    parser.add_argument("--no-drafts", action="store_true", help='send "draft": false in every request')
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list last")
     args = parser.parse_args(argv)
-    for name in ("requests", "tokens"):
+    for name in ("requests", "tokens", "passes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: must be at least 1")
     if min(args.concurrency) < 1:
@@ -55,9 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int) -> ModeResult:
+def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int, run: int) -> ModeResult:
     """Send `args.requests` requests, `concurrency` at a time, each for `args.tokens` tokens, guided or not."""
     guide = {"guided_regex": PATTERN} if mode == "guided" else {"ignore_eos": True}
+    guide |= {"draft": False} if args.no_drafts else {}
     url = f"{args.base_url.rstrip('/')}/v1/completions"
 
     def one(index: int) -> float:
@@ -78,22 +84,23 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int) 
         latencies = list(pool.map(one, range(args.requests)))
     wall = time.perf_counter() - start
     total = args.requests * args.tokens
-    return ModeResult(
-        mode, args.requests, args.tokens, concurrency, wall, total / wall, sum(latencies) / len(latencies)
-    )
+    mean_latency = sum(latencies) / len(latencies)
+    return ModeResult(mode, run, args.requests, args.tokens, concurrency, wall, total / wall, mean_latency)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = resolve_model(args.base_url)
-    run_mode(args, model, "guided", 1)  # warm-up: the grammar's masks and the first rounds' compiles
     results = []
-    for concurrency in args.concurrency:
-        for mode in ("plain", "guided"):
-            result = run_mode(args, model, mode, concurrency)
-            results.append(result)
-            print(f"{mode:7s} concurrency {concurrency:3d}: {result.output_tok_s:8.1f} output tok/s, "
-                  f"mean latency {result.mean_latency_s:6.3f} s over {result.wall_s:.2f} s", flush=True)  # fmt: skip
+    for run in range(args.passes + 1):  # run 0 warms up: the grammar's masks, each batch size's first rounds
+        for concurrency in args.concurrency:
+            for mode in ("plain", "guided"):
+                result = run_mode(args, model, mode, concurrency, run)
+                if run == 0:
+                    continue
+                results.append(result)
+                print(f"pass {run} {mode:7s} concurrency {concurrency:3d}: {result.output_tok_s:8.1f} output tok/s, "
+                      f"mean latency {result.mean_latency_s:6.3f} s over {result.wall_s:.2f} s")  # fmt: skip
     if args.json:
         print(json.dumps([asdict(r) for r in results]))
     return 0

@@ -497,17 +497,18 @@ def test_bench_scoring_sends_each_prompt_whole_and_checks_its_entries(tmp_path: 
 
 
 def test_bench_guided_runs_each_mode_to_its_length_and_checks_the_guided_text(tmp_path: Path) -> None:
-    """Each mode at each concurrency sends every request once (plus one guided request to warm) for exactly
+    """Each mode at each concurrency sends every request once a pass (the first pass warms up, untimed) for exactly
     --tokens tokens; a guided text that left the pattern would fail the script."""
     with serve_checkpoint(tiny_chat_checkpoint(tmp_path / "chat")) as live:
         done = run_script("bench_guided", live.url, "--requests", "2", "--tokens", "6", "--concurrency", "1", "2",
-                          "--json")  # fmt: skip
+                          "--passes", "1", "--no-drafts", "--json")  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         results = json.loads(done.stdout.splitlines()[-1])
-        assert [(r["mode"], r["concurrency"]) for r in results] == [
-            ("plain", 1), ("guided", 1), ("plain", 2), ("guided", 2)]  # fmt: skip
+        assert [(r["run"], r["mode"], r["concurrency"]) for r in results] == [
+            (1, "plain", 1), (1, "guided", 1), (1, "plain", 2), (1, "guided", 2)]  # fmt: skip
         assert all(r["requests"] == 2 and r["tokens"] == 6 and r["output_tok_s"] > 0 for r in results)
-        assert metric(live.url, "flashnext:generation_tokens_total") == 6 * (2 + 4 * 2)
+        assert metric(live.url, "flashnext:generation_tokens_total") == 6 * 2 * 4 * 2
+        assert httpx.get(f"{live.url}/health").json()["draft_tokens"] == 0  # every request sent "draft": false
 
 
 def test_bench_draft_penalties_reports_the_servers_draft_counts_and_each_outputs_sha(tmp_path: Path) -> None:
