@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 # the most prompt rows of requests asking for the prompt's logprobs that one round takes: each row's log-softmax over
 # the vocabulary is held on the device at once (a multiple of the GDN chunk)
 PROMPT_LOGPROB_ROWS = 128
+# the most bytes of guide masks a round header carries (each a bit a vocabulary id, a draw row): windows past it
+# verify no drafts that round, so a header stays far inside the control link's frame limit
+GUIDE_MASK_BYTES = 16 << 20
 FRONT_END_FINISHES = ("abort", "stop")  # the reasons a request may be ended from outside the engine
 
 
@@ -297,6 +300,7 @@ class Engine:
                     self._complete(flight)
                 self._flush()
                 return
+            plan = self._with_guide_masks(plan, requests)
             launched = None
             if flight is None or plan.rows or plan.ops or plan.allocate or plan.free:
                 launched = self._launch(Flight(plan, requests, keeps))
@@ -355,10 +359,7 @@ class Engine:
                 room = min(request.max_tokens - len(request.output), self.context - start) - 1
                 drafts = request.drafts[: max(room, 0)]
                 depth = self._chain_depth(depth, start + len(drafts))
-                masks = request.guided.row_masks(drafts) if request.guided else ()
-                rows.append(
-                    LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth, guide_masks=masks)
-                )
+                rows.append(LaneRows(request.slot, (request.output[-1],), start, request.draw, drafts, depth))
                 request.drawing += 1
             elif budget > 0:
                 asked = request.prompt_logprobs is not None
@@ -373,10 +374,9 @@ class Engine:
                 draw = request.draw if done else None
                 # every prompt pass feeds the MTP layer, drafting or not: its kept states may resume a drafting lane
                 depth = self._chain_depth(self.mtp_depth, request.prefilled + take - 1)
-                masks = request.guided.row_masks(()) if done and request.guided else ()
                 rows.append(
                     LaneRows(request.slot, chunk, request.prefilled, draw, draft_depth=depth,
-                             prompt_logprobs=request.prompt_logprobs, guide_masks=masks)
+                             prompt_logprobs=request.prompt_logprobs)
                 )  # fmt: skip
                 request.prefilled += take  # the next plan goes on from there, whether or not this round finished
                 request.drawing += done
@@ -385,6 +385,23 @@ class Engine:
         owners = {request.slot: request for request in self.running}
         plan = RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
         return plan, [owners[row.slot] for row in rows]
+
+    def _with_guide_masks(self, plan: RoundPlan, requests: list[Request]) -> RoundPlan:
+        """The plan with each guided draw row's masks, made outside the lock (a grammar state's first mask walks the
+        vocabulary): each row's after the drafts before it. A window whose masks would take the round's masks past
+        GUIDE_MASK_BYTES verifies no drafts this round (drafts never change a token)."""
+        if not any(request.guided for request in requests):
+            return plan
+        rows, room = [], GUIDE_MASK_BYTES
+        for row, request in zip(plan.rows, requests, strict=True):
+            if row.draw is not None and request.guided is not None:
+                masks = request.guided.row_masks(row.drafts)
+                if row.drafts and sum(map(len, masks)) > room:
+                    row, masks = replace(row, drafts=()), request.guided.row_masks(())
+                room -= sum(map(len, masks))
+                row = replace(row, guide_masks=masks)
+            rows.append(row)
+        return replace(plan, rows=tuple(rows))
 
     def _guide(self, request: Request) -> bool:
         """Place a guided request at the start of its grammar (lock held); False, ending it, where it cannot be."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
-from server.grammar import Grammar, choice_grammar, json_grammar, regex_grammar
+from server.grammar import Grammar, GrammarError, choice_grammar, json_grammar, regex_grammar
 
 GuideKind = Literal["json", "regex", "choice"]
 
@@ -37,9 +37,14 @@ class GuideSpec:
 
 @lru_cache(maxsize=64)
 def compiled(kind: GuideKind, source: str) -> Grammar:
-    """A guide's grammar; raises `GrammarError` naming the part at fault."""
-    if kind == "json":
-        return json_grammar(json.loads(source) if source else None)
-    if kind == "regex":
-        return regex_grammar(source)
-    return choice_grammar(json.loads(source))
+    """A guide's grammar; raises `GrammarError` naming the part at fault (one nested too deeply to parse too)."""
+    try:
+        if kind == "json":
+            return json_grammar(json.loads(source) if source else None)
+        if kind == "regex":
+            return regex_grammar(source)
+        return choice_grammar(json.loads(source))
+    except RecursionError:
+        raise GrammarError(
+            "nested too deeply to compile", {"json": "", "regex": "pattern"}.get(kind, "choice")
+        ) from None

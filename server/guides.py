@@ -31,7 +31,8 @@ class Guides:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.vocabulary: TokenVocabulary | None = None  # made for the first guided request, not at start
         self.mask_sets: OrderedDict[tuple[str, str, tuple[int, ...]], GuideMasks] = OrderedDict()
-        self.packs: OrderedDict[tuple[int, Any], bytes] = OrderedDict()
+        # by (mask set, state): the key holds its mask set, so a later grammar's set never takes a dropped one's place
+        self.packs: OrderedDict[tuple[GuideMasks, Any], bytes] = OrderedDict()
 
     def cursor(self, spec: GuideSpec, end_ids: tuple[int, ...]) -> GuideCursor:
         """A request's cursor at the start of its output; `end_ids` are the ids that may end it (its stop tokens)."""
@@ -46,7 +47,7 @@ class Guides:
 
     def packed_mask(self, masks: GuideMasks, state: Any) -> bytes:
         """A state's allowed ids, packed, made once while it is kept."""
-        key = (id(masks), state)
+        key = (masks, state)
         bits = self.packs.pop(key, None) or packed(masks.allowed(state))
         self.packs[key] = bits
         while len(self.packs) > PACKED_MASKS:

@@ -46,6 +46,7 @@ _MAX_QUOTED_CHARS = 60
 # value of an unhonoured field not named here is refused.
 _HARMLESS: dict[str, Any] = {
     # vLLM's sampling and output extensions
+    "disable_any_whitespace": False,
     "bad_words": [],
     "spaces_between_special_tokens": True,
     "use_beam_search": False,
@@ -343,8 +344,14 @@ class StructuredOutputs(NullAsAbsentModel):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: Any = None
     structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_any_whitespace: Any = None
+    disable_fallback: bool = False  # there is one backend here, so nothing to fall back to
+    disable_additional_properties: bool = False  # a schema's object takes no other keys here either way
 
-    _check_unhonoured = field_validator("grammar", "structural_tag")(_refuse_unless_harmless)
+    _check_unhonoured = field_validator("grammar", "structural_tag", "whitespace_pattern", "disable_any_whitespace")(
+        _refuse_unless_harmless
+    )
 
     @field_validator("json_")
     @classmethod
@@ -382,7 +389,9 @@ def _json_guide(schema: dict[str, Any] | str) -> GuideSpec:
         try:
             schema = json.loads(schema)
         except ValueError as exc:
-            raise PydanticCustomError("guide", f"a schema given as text must be JSON: {exc}") from None
+            raise PydanticCustomError(
+                "guide", "a schema given as text must be JSON: {error}", {"error": str(exc)}
+            ) from None
     if not isinstance(schema, dict):
         raise PydanticCustomError("guide", "a schema must be a JSON object")
     return GuideSpec("json", json.dumps(schema))
@@ -429,13 +438,15 @@ class _SamplingRequest(NullAsAbsentModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: str | None = None  # vLLM's choice of backend: there is one here
     structured_outputs: StructuredOutputs | None = None
     structural_tag: Any = None
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "bad_words", "spaces_between_special_tokens", "use_beam_search", "guided_grammar", "structural_tag",
-        "logits_processors",
+        "bad_words", "spaces_between_special_tokens", "use_beam_search", "guided_grammar", "guided_whitespace_pattern",
+        "structural_tag", "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
 
     @field_validator("guided_json")
@@ -457,7 +468,9 @@ class _SamplingRequest(NullAsAbsentModel):
             try:
                 guide.grammar()
             except GrammarError as exc:
-                raise PydanticCustomError("guide", f"{exc.where}: {exc}", {"param": field}) from None
+                # the detail goes in last, as a context value: braces in a schema's keys are not filled in then
+                context = {"param": field, "detail": f"{exc.where}: {exc}"}
+                raise PydanticCustomError("guide", "{detail}", context) from None
         return self
 
     def guides_given(self) -> list[tuple[str, GuideSpec]]:

@@ -646,7 +646,7 @@ def _allowed_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) ->
     return torch.ones(vocab, dtype=torch.bool, device=device).index_fill_(0, to_device(device, allowed, torch.long), 0)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=256)
 def _guide_mask(bits: bytes, vocab: int, device: torch.device) -> torch.Tensor:
     """True for every id a guide mask does not allow (bit i of byte i // 8, lowest bit first: a guided state's mask
     comes again and again, so each is unpacked once)."""

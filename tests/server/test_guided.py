@@ -154,3 +154,59 @@ def test_an_abort_ends_a_guided_request_and_frees_its_lane(model, tokenizer, pro
     finally:
         engine.stop()
     assert first.finish == "abort" and second.finish in ("stop", "length") and second.error is None
+
+
+def test_windows_past_a_rounds_mask_budget_verify_no_drafts_and_keep_their_tokens(
+    model, tokenizer, prompt, monkeypatch
+):
+    """A round header carries at most GUIDE_MASK_BYTES of masks where drafts would take it past them: the windows
+    that would verify no drafts that round, with the same tokens."""
+    import server.engine
+
+    jobs = [(prompt, GREEDY, guide) for guide in GUIDES.values()]
+    free, free_runner = serve(model, tokenizer, jobs)
+    budget = 5 * ((model.cfg.vocab_size + 7) // 8)  # five rows' masks
+    monkeypatch.setattr(server.engine, "GUIDE_MASK_BYTES", budget)
+    held, runner = serve(model, tokenizer, jobs)
+    assert [o.tokens for o in held] == [o.tokens for o in free]
+
+    def drafted_masks(plan) -> list[int]:
+        return [sum(map(len, row.guide_masks)) for row in plan.rows if row.guide_masks and row.drafts]
+
+    assert all(sum(drafted_masks(plan)) <= budget for plan in runner.plans)
+    assert max(sum(drafted_masks(plan)) for plan in free_runner.plans) > budget  # unbounded, rounds pass it
+
+
+def test_a_slow_mask_does_not_hold_the_engines_lock(model, tokenizer, prompt, monkeypatch):
+    """A grammar state's first mask may walk a large vocabulary: meanwhile /health's stats, submits and aborts go on."""
+    import server.guides
+
+    entered, release = threading.Event(), threading.Event()
+    packed_mask = server.guides.Guides.packed_mask
+
+    def slow(self, masks, state):
+        entered.set()
+        assert release.wait(60)
+        return packed_mask(self, masks, state)
+
+    monkeypatch.setattr(server.guides.Guides, "packed_mask", slow)
+    runner = RecordingRunner(model, 2)
+    engine = Engine(runner, 4096, 64, guides=Guides(tokenizer, model.cfg.vocab_size))
+    outcome, other = Outcome(), Outcome()
+    engine.start()
+    try:
+        end = frozenset({tokenizer.eos_token_id})
+        engine.submit(Request("g", prompt, 4, GREEDY, end, outcome.sink, guide=GUIDES["choice"]))
+        assert entered.wait(60)
+        answered = threading.Thread(target=engine.stats)
+        answered.start()
+        answered.join(10)
+        assert not answered.is_alive(), "stats waited for the mask"
+        engine.submit(Request("p", prompt, 4, GREEDY, end, other.sink))
+        engine.abort("p")
+        release.set()
+        assert outcome.done.wait(120) and other.done.wait(120)
+    finally:
+        release.set()
+        engine.stop()
+    assert outcome.error is None and other.finish == "abort"

@@ -42,6 +42,19 @@ def tokenizer() -> Any:
         ({"structured_outputs": {"json_object": True}}, GuideSpec("json", "")),
         ({"structured_outputs": {"regex": "a|b"}}, GuideSpec("regex", "a|b")),
         ({"structured_outputs": {"choice": ["x"]}}, GuideSpec("choice", '["x"]')),
+        (
+            {
+                "structured_outputs": {
+                    "regex": "a|b",
+                    "disable_fallback": True,
+                    "disable_additional_properties": False,
+                    "disable_any_whitespace": False,
+                    "whitespace_pattern": None,
+                },
+                "guided_decoding_backend": "xgrammar",
+            },
+            GuideSpec("regex", "a|b"),
+        ),  # vLLM's switches that change nothing here
         ({"response_format": {"type": "text"}}, None),
     ],
 )
@@ -76,9 +89,19 @@ def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinki
         ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
         ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "not supported"),
-        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "not permitted"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "not supported"),
+        ({"structured_outputs": {"regex": "a", "backend": "x"}}, "structured_outputs.backend", "not permitted"),
         ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "not supported"),
         ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "not with guided decoding"),
+        ({"guided_regex": "a", "allowed_token_ids": [5]}, "allowed_token_ids", "not with guided decoding"),
+        ({"guided_regex": "(" * 400 + "a" + ")" * 400}, "guided_regex", "pattern: nested too deeply"),
+        ({"guided_json": {"properties": {"{param}": {"minimum": 1}}}}, "guided_json", "/properties/{param}/minimum"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+        (
+            {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+            "not supported",
+        ),
         ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos", "give stop_token_ids"),
     ],
 )

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from model.shipped import SHIPPED_MODEL
 from server.guide_spec import GuideError, GuideSpec
-from server.guides import Guides, packed
+from server.guides import MASK_SETS, Guides, packed
 
 THINK_END = 4095
 CHOICE = GuideSpec("choice", json.dumps(["yes", "no"]))
@@ -81,3 +81,14 @@ def test_a_grammars_masks_are_kept_for_the_next_request_with_the_same_end_ids(to
     assert guides.cursor(CHOICE, end).masks is guides.cursor(CHOICE, end).masks
     assert guides.cursor(CHOICE.after(THINK_END), end).masks is guides.cursor(CHOICE, end).masks
     assert guides.cursor(CHOICE, (7,)).masks is not guides.cursor(CHOICE, end).masks
+
+
+def test_a_grammar_served_after_older_ones_were_dropped_gets_its_own_masks(tokenizer):
+    """More grammars than are kept, each a choice of one word: every cursor's first mask is its own grammar's."""
+    guides, end = Guides(tokenizer, 4100), (tokenizer.eos_token_id,)
+    for index in range(3 * MASK_SETS):
+        spec = GuideSpec("choice", json.dumps([f"{index}zz"]))
+        cursor = guides.cursor(spec, end)
+        (first,) = cursor.row_masks(())
+        assert allowed_ids(first) == cursor.masks.allowed(spec.grammar().initial).nonzero().flatten().tolist()
+        assert ids(tokenizer, f"{index}zz")[0] in allowed_ids(first)
