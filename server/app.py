@@ -52,7 +52,7 @@ from server.responses import (
 )
 from server.textout import prompt_opens_thinking
 from server.tokenizer import single_token_id, template_reads
-from server.tool_calls import ToolCallCut, parse_tool_calls
+from server.tool_calls import ForcedCalls, ToolCall, ToolCallCut, parse_tool_calls
 
 PUBLIC_PATHS = ("/health", "/metrics", "/version")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
@@ -305,6 +305,21 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return generations
 
+    def split_calls(body: ChatCompletionRequest, content: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a whole answer: a forced tool choice's calls, else its tool-call blocks where they are
+        parsed, else no calls."""
+        if body.forces_calls():
+            return ForcedCalls(body.forced_tool()).take(content, last=True)
+        if body.parses_tool_calls():
+            return parse_tool_calls(content, parallel=body.parallel_tool_calls)
+        return content, []
+
+    def call_cut(body: ChatCompletionRequest) -> ToolCallCut | ForcedCalls | None:
+        """What cuts a streamed answer's calls from its content, as `split_calls` does a whole one (None: nothing)."""
+        if body.forces_calls():
+            return ForcedCalls(body.forced_tool())
+        return ToolCallCut(body.parallel_tool_calls) if body.parses_tool_calls() else None
+
     def guided(body, params: SamplingParams, thinking_open: bool | None) -> SamplingParams:
         """The parameters with their guide placed after the think block the answer opens in, if any; a guide the
         server cannot honour for this request is refused, naming the field."""
@@ -366,8 +381,8 @@ def build_app(state: ServerState) -> FastAPI:
                 "reasoning": (body.include_reasoning and outcome.reasoning) or None,
             }
             finish_reason = outcome.finish_reason
-            if body.parses_tool_calls():  # as vLLM answers a call: content null when only calls came
-                content, calls = parse_tool_calls(outcome.content, parallel=body.parallel_tool_calls)
+            if body.parses_tool_calls() or body.forces_calls():  # as vLLM answers a call: content null with calls only
+                content, calls = split_calls(body, outcome.content)
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 if calls:
                     message["content"], finish_reason = (body.echoed() + content) or None, "tool_calls"
@@ -561,9 +576,7 @@ def build_app(state: ServerState) -> FastAPI:
             writer = ResponseStream(response_id, created, state.model_name, body)
             return typed_sse(await started(response_events(generation, chat, writer)))
         (outcome,) = await wait(request, [generation])
-        content, calls = outcome.content, []
-        if chat.parses_tool_calls():
-            content, calls = parse_tool_calls(outcome.content, parallel=chat.parallel_tool_calls)
+        content, calls = split_calls(chat, outcome.content)
         return response_object(
             response_id=response_id,
             created=created,
@@ -595,7 +608,7 @@ def build_app(state: ServerState) -> FastAPI:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """A response's stream events as its generation's pieces come; an error event where it fails; the engine is
         told when the client leaves."""
-        cut = ToolCallCut(chat.parallel_tool_calls) if chat.parses_tool_calls() else None
+        cut = call_cut(chat)
         tokens, finish_reason = 0, "stop"
         try:
             for event in writer.opening():
@@ -620,7 +633,7 @@ def build_app(state: ServerState) -> FastAPI:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         # each choice's tool-call blocks, cut from its content as they close
-        cuts = [ToolCallCut(body.parallel_tool_calls) for _ in generations] if body.parses_tool_calls() else None
+        cuts = [call_cut(body) for _ in generations] if body.parses_tool_calls() or body.forces_calls() else None
 
         def frame(index: int, piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": body.echoed()} if piece is None else {}

@@ -482,7 +482,11 @@ class _SamplingRequest(NullAsAbsentModel):
             ("guided_regex", GuideSpec("regex", self.guided_regex) if self.guided_regex is not None else None),
             ("guided_choice", GuideSpec("choice", json.dumps(self.guided_choice)) if self.guided_choice else None),
         ]
-        return [(field, guide) for field, guide in given if guide is not None]
+        return [(field, guide) for field, guide in given if guide is not None] + self.more_guides()
+
+    def more_guides(self) -> list[tuple[str, GuideSpec]]:
+        """Guides of a route's own fields (a chat's forced tool choice)."""
+        return []
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -627,17 +631,46 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @field_validator("tool_choice")
     @classmethod
-    def _choice_of_given_tools(cls, value: Any, info: ValidationInfo) -> str:
-        """'none' and 'auto' are honoured; forcing a call ('required' or a named function) needs guided decoding,
-        which this server lacks."""
+    def _choice_of_given_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        """'none', 'auto', 'required' or {"type": "function", "function": {"name": ...}} naming an offered tool."""
         named = isinstance(value, dict) and value.get("type") == "function"
         if value not in ("none", "auto", "required") and not named:
             raise PydanticCustomError("tool_choice", "must be 'none', 'auto', 'required' or a named function")
         if value != "none" and not info.data.get("tools"):
             raise PydanticCustomError("conflict", "needs tools")
-        if value == "required" or named:
-            raise not_supported("forcing a call needs guided decoding, which is not supported yet; use 'auto'")
+        if named:
+            function = value.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            offered = [tool.function.name for tool in info.data["tools"]]
+            if name not in offered:
+                offered_names = ", ".join(map(repr, offered))
+                raise PydanticCustomError("tool_choice", f"names no offered tool; the tools are {offered_names}")
         return value
+
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice forces; None for any other choice."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
+
+    def forces_calls(self) -> bool:
+        """Whether tool_choice forces calls ('required' or a named function): the answer is guided to them."""
+        return self.tool_choice == "required" or self.forced_tool() is not None
+
+    def more_guides(self) -> list[tuple[str, GuideSpec]]:
+        """A forced tool choice's guide, in vLLM's forms: a named function's arguments (its parameters' schema), or
+        for 'required' a list of {"name", "parameters"} objects, one of the tools' each (at most one without
+        parallel_tool_calls)."""
+        if not self.forces_calls():
+            return []
+        schemas = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools}
+        if (name := self.forced_tool()) is not None:
+            return [("tool_choice", GuideSpec("json", json.dumps(schemas[name])))]
+        call = {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+             "required": ["name", "parameters"]}
+            for name, schema in schemas.items()
+        ]}  # fmt: skip
+        calls = {"type": "array", "items": call, "minItems": 1} | ({} if self.parallel_tool_calls else {"maxItems": 1})
+        return [("tool_choice", GuideSpec("json", json.dumps(calls)))]
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -222,6 +222,13 @@ class FunctionTool(NullAsAbsentModel):
         return {"type": "function", "function": function}
 
 
+class NamedFunction(NullAsAbsentModel):
+    """A `tool_choice` forcing a call of one offered function."""
+
+    type: Literal["function"]
+    name: str
+
+
 class ReasoningConfig(NullAsAbsentModel):
     """`reasoning`: how hard to think; a summary may be asked for and is not written."""
 
@@ -275,7 +282,7 @@ class ResponsesRequest(NullAsAbsentModel):
     min_p: float | None = None
     stream: bool = False
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto"] = "auto"
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
     parallel_tool_calls: bool = True
     reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
@@ -316,9 +323,11 @@ class ResponsesRequest(NullAsAbsentModel):
 
     @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_forced_call(cls, value: Any) -> Any:
-        if value == "required" or isinstance(value, dict):
-            raise not_supported("not supported yet (forcing a call needs guided decoding); use 'auto' or 'none'")
+    def _tool_choice_types(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise not_supported(f"tool choices of type {value.get('type')!r} are not supported yet")
+        if not isinstance(value, dict) and value not in ("none", "auto", "required"):
+            raise PydanticCustomError("tool_choice", "must be 'none', 'auto', 'required' or a function to call")
         return value
 
     @field_validator("truncation", mode="before")
@@ -327,6 +336,12 @@ class ResponsesRequest(NullAsAbsentModel):
         if value == "auto":
             raise not_supported("'auto' is not supported yet; an input longer than the context is refused")
         return value
+
+    def chat_tool_choice(self) -> Any:
+        """The chat's tool_choice: a named function as the chat names one."""
+        if isinstance(self.tool_choice, NamedFunction):
+            return {"type": "function", "function": {"name": self.tool_choice.name}}
+        return self.tool_choice
 
     def chat_body(self) -> dict[str, Any]:
         """The body of the equivalent chat completions request (instructions first, as a system message)."""
@@ -344,7 +359,7 @@ class ResponsesRequest(NullAsAbsentModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "tools": [tool.for_chat() for tool in self.tools] if self.tools else None,
-            "tool_choice": self.tool_choice if self.tools else None,
+            "tool_choice": self.chat_tool_choice() if self.tools else None,
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": "low" if effort == "minimal" else effort,  # chat has no "minimal"
             "user": self.user,
@@ -396,7 +411,9 @@ def _response(response_id: str, created: int, model: str, request: ResponsesRequ
         "store": False,
         "temperature": request.temperature,
         "text": {"format": request.text.format.echoed() if request.text and request.text.format else {"type": "text"}},
-        "tool_choice": request.tool_choice,
+        "tool_choice": (
+            request.tool_choice.model_dump() if isinstance(request.tool_choice, NamedFunction) else request.tool_choice
+        ),
         "tools": [tool.model_dump() for tool in request.tools or ()],
         "top_p": request.top_p,
         "truncation": "disabled",

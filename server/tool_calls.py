@@ -1,4 +1,5 @@
-"""Tool calls in generated content: Hermes/Qwen-style <tool_call> JSON blocks, parsed whole or as the text streams.
+"""Tool calls in generated content: Hermes/Qwen-style <tool_call> JSON blocks, parsed whole or as the text streams;
+and the calls of a forced tool choice, whose content a grammar made JSON (`ForcedCalls`).
 
 Rules, the same for both paths (streamed pieces joined = the whole text parsed):
 - A block runs from `<tool_call>` to the first `</tool_call>` after it. It parses when its inner text, stripped, is a
@@ -170,3 +171,44 @@ class ToolCallCut:
             calls = calls[: max(0, 1 - self.sent)]
         self.sent += len(calls)
         return content, calls
+
+
+class ForcedCalls:
+    """One choice's calls where tool_choice forced them (vLLM's forms, which guided decoding keeps the content to): a
+    named function's arguments object, or "required"'s JSON list of {"name", "parameters"} objects. The content is
+    held back and becomes the calls when the reply ends; content that does not parse (a reply cut by its length)
+    stays content."""
+
+    __slots__ = ("_held", "_make_id", "_named", "sent")
+
+    def __init__(self, named: str | None, make_id: Callable[[], str] = new_call_id) -> None:
+        """`named`: the forced function's name, or None for "required"."""
+        self._named, self._make_id = named, make_id
+        self._held: list[str] = []
+        self.sent = 0
+
+    def take(self, text: str, last: bool) -> tuple[str, list[ToolCall]]:
+        """(content delta, calls): nothing until the last piece, then the calls, or the content if it does not parse."""
+        self._held.append(text)
+        if not last:
+            return "", []
+        content = "".join(self._held)
+        calls = self._calls(content)
+        self.sent += len(calls)
+        return ("", calls) if calls else (content, [])
+
+    def _calls(self, content: str) -> list[ToolCall]:
+        """The calls the content holds; none where it is not the forced form."""
+        try:
+            value = json.loads(content)
+        except (ValueError, RecursionError):
+            return []
+        if self._named is not None:
+            pairs = [(self._named, value)]
+        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
+            pairs = [(item.get("name"), item.get("parameters")) for item in value]
+        else:
+            return []
+        if not all(isinstance(name, str) and isinstance(args, dict) for name, args in pairs):
+            return []
+        return [ToolCall(self._make_id(), name, json.dumps(args, ensure_ascii=False)) for name, args in pairs]

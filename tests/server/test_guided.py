@@ -210,3 +210,28 @@ def test_a_slow_mask_does_not_hold_the_engines_lock(model, tokenizer, prompt, mo
         release.set()
         engine.stop()
     assert outcome.error is None and other.finish == "abort"
+
+
+def test_a_forced_tool_call_served_by_the_shipped_model_follows_the_tools_schema():
+    """Through the HTTP API and the engine: a named tool_choice's answer is the function's arguments, drafted or not."""
+    import httpx
+
+    from tests.server.live import serve as serve_checkpoint
+
+    parameters = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 24}}, "required": ["path"]}
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": parameters}}
+    body = {"messages": [{"role": "user", "content": "Read the config."}], "tools": [tool], "max_tokens": 48,
+            "tool_choice": {"type": "function", "function": {"name": "read_file"}}, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    with serve_checkpoint(SHIPPED_MODEL) as live:
+        replies = [
+            httpx.post(f"{live.v1}/chat/completions", json={**body, **extra}, timeout=300).json()
+            for extra in ({}, {"draft": False})
+        ]
+    assert replies[0]["token_sha"] == replies[1]["token_sha"]
+    (choice,) = replies[0]["choices"]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "read_file" and list(arguments) == ["path"]
+    assert isinstance(arguments["path"], str) and len(arguments["path"]) <= 24

@@ -132,8 +132,6 @@ def test_missing_messages() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
     ],

@@ -215,8 +215,6 @@ def test_nulls_and_values_that_change_nothing_are_taken() -> None:
         ({"top_logprobs": False}, "top_logprobs"),
         ({"max_tool_calls": 3}, "max_tool_calls"),
         ({"truncation": "auto"}, "truncation"),
-        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-        ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),
         ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
         ({"tools": [TOOL, {"type": "web_search"}]}, "tools.1.type"),
         ({"text": {"format": {"type": "grammar", "syntax": "lark", "definition": "start: 'a'"}}}, "text.format.type"),

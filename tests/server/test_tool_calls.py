@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from server.tool_calls import ToolCall, ToolCallCut, ToolCallStream, new_call_id, parse_tool_calls
+from server.tool_calls import ForcedCalls, ToolCall, ToolCallCut, ToolCallStream, new_call_id, parse_tool_calls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 EMPTY = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
@@ -254,3 +254,38 @@ def test_a_cut_hands_out_each_call_once_and_only_the_first_without_parallel_call
     calls = [call for _, made in pieces for call in made]
     assert content == "Hi."
     assert [call.name for call in calls] == (["f", "f", "g"] if parallel else ["f"]) and cut.sent == len(calls)
+
+
+def numbered() -> Callable[[], str]:
+    """Call ids call_0, call_1, ... in order."""
+    count = iter(range(100))
+    return lambda: f"call_{next(count)}"
+
+
+@pytest.mark.parametrize("pieces", [['{"city": "Paris"}'], ['{"ci', 'ty": ', '"Paris"}']])
+def test_a_named_forced_call_holds_the_content_back_and_gives_it_as_the_arguments(pieces):
+    forced = ForcedCalls("get_weather", numbered())
+    taken = [forced.take(piece, index == len(pieces) - 1) for index, piece in enumerate(pieces)]
+    assert taken[:-1] == [("", [])] * (len(pieces) - 1)
+    assert taken[-1] == ("", [ToolCall("call_0", "get_weather", '{"city": "Paris"}')]) and forced.sent == 1
+
+
+def test_required_forced_calls_come_from_the_list_of_names_and_parameters():
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"é": [true]}}]'
+    content, calls = ForcedCalls(None, numbered()).take(text, last=True)
+    assert content == "" and calls == [ToolCall("call_0", "a", '{"x": 1}'), ToolCall("call_1", "b", '{"é": [true]}')]
+
+
+@pytest.mark.parametrize(
+    ("named", "text"),
+    [
+        ("f", '{"city": "Par'),  # cut by its length
+        ("f", "[1]"),  # arguments that are not an object
+        (None, '{"name": "a", "parameters": {}}'),  # not a list
+        (None, '[{"name": "a"}]'),  # no parameters
+        (None, '[{"name": 3, "parameters": {}}]'),
+    ],
+)
+def test_forced_content_that_is_not_the_forced_form_stays_content(named, text):
+    forced = ForcedCalls(named)
+    assert forced.take(text, last=True) == (text, []) and forced.sent == 0

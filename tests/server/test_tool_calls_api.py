@@ -183,3 +183,86 @@ def test_tokenize_renders_offered_tools_as_the_chat_route_does(tokenizer):
     tokens = client.post("/tokenize", json={"messages": ASK, "tools": [WEATHER]}).json()["tokens"]
     assert tokens == engine.submitted[-1].prompt_ids
     assert len(tokens) > len(client.post("/tokenize", json={"messages": ASK}).json()["tokens"])
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+CALL_LIST = {
+    "type": "array",
+    "items": {"anyOf": [{"type": "object", "properties": {"name": {"const": "get_weather"},
+                                                          "parameters": WEATHER["function"]["parameters"]},
+                         "required": ["name", "parameters"]}]},
+    "minItems": 1,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "answer", "schema"),
+    [
+        ({"tool_choice": NAMED}, '{"city": "Paris"}', WEATHER["function"]["parameters"]),
+        ({"tool_choice": "required"}, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', CALL_LIST),
+        ({"tool_choice": "required", "parallel_tool_calls": False},
+         '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', CALL_LIST | {"maxItems": 1}),
+    ],
+)  # fmt: skip
+def test_a_forced_tool_choice_guides_the_answer_and_gives_its_calls(tokenizer, fields, answer, schema):
+    from server.guide_spec import GuideSpec
+
+    client, engine = http(tokenizer, answer)
+    body = chat(client, chat_template_kwargs={"enable_thinking": False}, **fields)
+    assert engine.submitted[-1].guide == GuideSpec("json", json.dumps(schema))
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert calls_of(choice["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    chunks = streamed(client, chat_template_kwargs={"enable_thinking": False}, **fields)
+    deltas = [c["delta"] for c in chunks]
+    assert not "".join(d.get("content") or "" for d in deltas)  # the JSON is the calls, not content
+    assert calls_of([call for d in deltas for call in d.get("tool_calls", [])]) == [("get_weather", {"city": "Paris"})]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_forced_call_after_thinking_keeps_the_reasoning(tokenizer):
+    from server.guide_spec import GuideSpec
+
+    client, engine = http(tokenizer, 'Paris, then.\n</think>\n\n{"city": "Paris"}')
+    body = chat(client, tool_choice=NAMED, chat_template_kwargs={"enable_thinking": True})
+    assert engine.submitted[-1].guide == GuideSpec("json", json.dumps(WEATHER["function"]["parameters"]), 4095)
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "Paris, then.\n"
+    assert calls_of(message["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+
+
+def test_a_forced_answer_cut_by_its_length_stays_content(tokenizer):
+    client, _ = http(tokenizer, '{"city": "Pa')
+    body = chat(client, tool_choice=NAMED, chat_template_kwargs={"enable_thinking": False})
+    message = body["choices"][0]["message"]
+    assert message["content"] == '{"city": "Pa' and not message["tool_calls"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice", "'get_weather'"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "one way to guide"),
+        ({"tool_choice": NAMED, "tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}]}, "tool_choice", "/minimum"),
+    ],
+)  # fmt: skip
+def test_a_forced_tool_choice_that_cannot_be_guided_is_a_400(tokenizer, fields, param, says):
+    client, engine = http(tokenizer, "{}")
+    reply = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], **fields})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param and says in reply.json()["error"]["message"], reply.json()
+    assert not engine.submitted
+
+
+def test_the_responses_api_forces_a_named_call(tokenizer):
+    client, engine = http(tokenizer, '{"city": "Oslo"}')
+    tool = {"type": "function", **{k: WEATHER["function"][k] for k in ("name", "description", "parameters")}}
+    body = {"input": "Weather?", "tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"},
+            "reasoning": {"effort": "none"}}  # fmt: skip
+    reply = client.post("/v1/responses", json=body)
+    assert reply.status_code == 200, reply.text
+    (item,) = [item for item in reply.json()["output"] if item["type"] == "function_call"]
+    assert (item["name"], json.loads(item["arguments"])) == ("get_weather", {"city": "Oslo"})
+    assert reply.json()["tool_choice"] == {"type": "function", "name": "get_weather"}
+    assert engine.submitted[-1].guide is not None
