@@ -159,6 +159,22 @@ def guided_checks(base: str, check) -> None:
     together = shown(complete(base, n=3, **sampled))
     alone = [shown(complete(base, **{**sampled, "seed": 11 + i}))[0] for i in range(3)]
     check("guided_json: n=3 choices = each alone", together == alone)
+    tool = {"type": "function", "function": {"name": "sort_items", "parameters": {
+        "type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
+        "required": ["items"]}}}  # fmt: skip
+    for choice in ({"type": "function", "function": {"name": "sort_items"}}, "required"):
+        ask = {"messages": [{"role": "user", "content": "Sort 3, 1, 2."}], "tools": [tool], "tool_choice": choice,
+               "max_tokens": 96, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+        replies = [httpx.post(f"{base}/v1/chat/completions", json={**ask, **extra}, timeout=300).json()
+                   for extra in ({}, {"draft": False})]  # fmt: skip
+        name = "named" if isinstance(choice, dict) else choice
+        check(f"tool_choice {name}: drafted = undrafted", replies[0]["token_sha"] == replies[1]["token_sha"])
+        answer = replies[0]["choices"][0]
+        calls = answer["message"].get("tool_calls") or []
+        ok = answer["finish_reason"] == "length" or (
+            len(calls) >= 1 and all(set(json.loads(c["function"]["arguments"])) == {"items"} for c in calls)
+        )
+        check(f"tool_choice {name}: the answer is calls of the tool ({answer['finish_reason']})", ok, answer)
 
 
 if __name__ == "__main__":
