@@ -18,6 +18,10 @@ from server.grammar import Grammar, State
 ENDED: State = frozenset()  # the state after an end id; no grammar state is empty (Grammar.step answers None instead)
 MASK_CACHE_BYTES = 1 << 25  # bytes of cached masks per grammar, at most MASK_CACHE_STATES of them
 MASK_CACHE_STATES = 4096
+SPLIT_TRIES = 16  # a trie's splits kept, by the set of bytes that loop back to a state
+# a state taking at least this many bytes that lead back to it (a string's characters) takes the keys made of them
+# without walking them; fewer (a number's digits) leave too many keys to walk for the split to pay
+LOOP_BYTES = 32
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -80,9 +84,36 @@ class ByteTrie:
         for token_id, piece in enumerate(pieces):
             if piece:
                 ids.setdefault(piece, []).append(token_id)
-        self.keys = sorted(ids)
-        self.ids = [tuple(ids[key]) for key in self.keys]
-        self.shared = [0] + [shared_prefix(before, key) for before, key in pairwise(self.keys)]
+        keys = sorted(ids)
+        self._lay_out(keys, [tuple(ids[key]) for key in keys])
+
+    @classmethod
+    def of(cls, keys: list[bytes], ids: list[tuple[int, ...]]) -> ByteTrie:
+        """A trie of sorted distinct keys and their ids as given (a part of another trie's)."""
+        trie = cls.__new__(cls)
+        trie._lay_out(keys, ids)
+        return trie
+
+    def _lay_out(self, keys: list[bytes], ids: list[tuple[int, ...]]) -> None:
+        """Hold the keys, their ids, the prefix each shares with the one before, and each key's bytes as bits."""
+        self.keys, self.ids = keys, ids
+        self.shared = [0] + [shared_prefix(before, key) for before, key in pairwise(keys)]
+        self.byte_sets = [sum(1 << byte for byte in set(key)) for key in keys]
+        self._splits: OrderedDict[int, tuple[list[int], ByteTrie]] = OrderedDict()
+
+    def split(self, loop: int) -> tuple[list[int], ByteTrie]:
+        """The ids of the keys whose every byte is in `loop` (a bit per byte), and the trie of the other keys; kept
+        for the next state whose looping bytes are the same."""
+        split = self._splits.pop(loop, None)
+        if split is None:
+            inside = [not byte_set & ~loop for byte_set in self.byte_sets]
+            ids = [token for held, key_ids in zip(inside, self.ids, strict=True) if held for token in key_ids]
+            others = [index for index, held in enumerate(inside) if not held]
+            split = ids, ByteTrie.of([self.keys[i] for i in others], [self.ids[i] for i in others])
+        self._splits[loop] = split
+        while len(self._splits) > SPLIT_TRIES:
+            self._splits.popitem(last=False)
+        return split
 
     def skip(self, index: int, length: int) -> int:
         """The first key after `index` that does not start with the first `length` bytes of key `index`."""
@@ -185,12 +216,17 @@ class GuideMasks:
         return mask.index_fill_(0, self._end_index, ends)
 
     def _walk(self, state: State) -> list[int]:
-        """The ids whose bytes the grammar takes from `state`. The trie's keys are walked in order, each from the
-        state after the prefix it shares with the key before; a refused byte skips every key that starts with the
-        bytes up to it."""
+        """The ids whose bytes the grammar takes from `state`. A key whose every byte leads from `state` back to it
+        (inside a JSON string: most of the vocabulary) is taken without a walk; the others are walked in order, each
+        from the state after the prefix it shares with the key before; a refused byte skips every key that starts
+        with the bytes up to it."""
         trie, step = self.vocabulary.trie, self.grammar.step
-        keys, shared, ids = trie.keys, trie.shared, trie.ids
+        loop = sum(1 << byte for byte in range(256) if step(state, byte) == state)
         allowed: list[int] = []
+        if loop.bit_count() >= LOOP_BYTES:
+            inside, trie = trie.split(loop)
+            allowed = list(inside)
+        keys, shared, ids = trie.keys, trie.shared, trie.ids
         path = [state]  # path[d]: the state after the first d bytes of the key walked
         index = 0
         while index < len(keys):
