@@ -52,7 +52,7 @@ from server.responses import (
 )
 from server.textout import prompt_opens_thinking
 from server.tokenizer import single_token_id, template_reads
-from server.tool_calls import ForcedCalls, ToolCall, ToolCallCut, parse_tool_calls
+from server.tool_calls import ForcedCalls, ToolCallCut
 
 PUBLIC_PATHS = ("/health", "/metrics", "/version")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
@@ -305,17 +305,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return generations
 
-    def split_calls(body: ChatCompletionRequest, content: str) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of a whole answer: a forced tool choice's calls, else its tool-call blocks where they are
-        parsed, else no calls."""
-        if body.forces_calls():
-            return ForcedCalls(body.forced_tool()).take(content, last=True)
-        if body.parses_tool_calls():
-            return parse_tool_calls(content, parallel=body.parallel_tool_calls)
-        return content, []
-
     def call_cut(body: ChatCompletionRequest) -> ToolCallCut | ForcedCalls | None:
-        """What cuts a streamed answer's calls from its content, as `split_calls` does a whole one (None: nothing)."""
+        """What cuts an answer's calls from its content, streamed or whole (None: its content has none): a forced
+        tool choice's, else the tool-call blocks where tools are offered with tool_choice 'auto'."""
         if body.forces_calls():
             return ForcedCalls(body.forced_tool())
         return ToolCallCut(body.parallel_tool_calls) if body.parses_tool_calls() else None
@@ -381,11 +373,12 @@ def build_app(state: ServerState) -> FastAPI:
                 "reasoning": (body.include_reasoning and outcome.reasoning) or None,
             }
             finish_reason = outcome.finish_reason
-            if body.parses_tool_calls() or body.forces_calls():  # as vLLM answers a call: content null with calls only
-                content, calls = split_calls(body, outcome.content)
+            if (cut := call_cut(body)) is not None:  # as vLLM answers calls: content null when only calls came
+                content, calls = cut.take(outcome.content, last=True)
                 message["tool_calls"] = [call.to_openai() for call in calls]
+                finish_reason = cut.finish(finish_reason)
                 if calls:
-                    message["content"], finish_reason = (body.echoed() + content) or None, "tool_calls"
+                    message["content"] = (body.echoed() + content) or None
             return {
                 "index": index,
                 "message": message,
@@ -576,7 +569,9 @@ def build_app(state: ServerState) -> FastAPI:
             writer = ResponseStream(response_id, created, state.model_name, body)
             return typed_sse(await started(response_events(generation, chat, writer)))
         (outcome,) = await wait(request, [generation])
-        content, calls = split_calls(chat, outcome.content)
+        content, calls = outcome.content, []
+        if (cut := call_cut(chat)) is not None:
+            content, calls = cut.take(outcome.content, last=True)
         return response_object(
             response_id=response_id,
             created=created,
@@ -656,9 +651,7 @@ def build_app(state: ServerState) -> FastAPI:
                 if calls:
                     sent = cuts[index].sent - len(calls)  # each call's index among the choice's calls
                     delta["tool_calls"] = [call.to_openai(sent + k) for k, call in enumerate(calls)]
-                finish_reason = piece.finish_reason
-                if finish_reason is not None and cuts is not None and cuts[index].sent:
-                    finish_reason = "tool_calls"
+                finish_reason = piece.finish_reason if cuts is None else cuts[index].finish(piece.finish_reason)
                 choice.update(finish_reason=finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:
                     choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, spell, spell_bytes)

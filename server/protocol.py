@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from server.grammar import GrammarError
 from server.guide_spec import GuideSpec
+from server.tool_guides import named_call_guide, required_calls_guide
 
 MAX_STOP_STRINGS = 8
 # OpenAI's and vLLM's seed range, a signed 64-bit integer; a draw takes the seed modulo 2**64
@@ -464,7 +465,7 @@ class _SamplingRequest(NullAsAbsentModel):
                 "conflict", f"give one way to guide the output, not {' and '.join(field for field, _ in given)}",
                 {"param": given[1][0]},
             )  # fmt: skip
-        for field, guide in given:
+        for field, guide in [*self.guide_parts(), *given]:  # each part alone first: its error names its own field
             try:
                 guide.grammar()
             except GrammarError as exc:
@@ -472,6 +473,10 @@ class _SamplingRequest(NullAsAbsentModel):
                 context = {"param": field, "detail": f"{exc.where}: {exc}"}
                 raise PydanticCustomError("guide", "{detail}", context) from None
         return self
+
+    def guide_parts(self) -> list[tuple[str, GuideSpec]]:
+        """Parts of a guide from fields of their own, each checked alone (a forced tool choice's tools)."""
+        return []
 
     def guides_given(self) -> list[tuple[str, GuideSpec]]:
         """Each field that guides the output, with the guide it gives."""
@@ -655,22 +660,27 @@ class ChatCompletionRequest(_SamplingRequest):
         """Whether tool_choice forces calls ('required' or a named function): the answer is guided to them."""
         return self.tool_choice == "required" or self.forced_tool() is not None
 
+    def guide_parts(self) -> list[tuple[str, GuideSpec]]:
+        """The parameters of each tool a forced choice may call, by the tool's field."""
+        if not self.forces_calls():
+            return []
+        named = self.forced_tool()
+        return [
+            (f"tools.{index}.function.parameters", named_call_guide(tool.function.parameters))
+            for index, tool in enumerate(self.tools)
+            if named in (None, tool.function.name)
+        ]
+
     def more_guides(self) -> list[tuple[str, GuideSpec]]:
         """A forced tool choice's guide, in vLLM's forms: a named function's arguments (its parameters' schema), or
         for 'required' a list of {"name", "parameters"} objects, one of the tools' each (at most one without
         parallel_tool_calls)."""
         if not self.forces_calls():
             return []
-        schemas = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools}
+        schemas = {tool.function.name: tool.function.parameters for tool in self.tools}
         if (name := self.forced_tool()) is not None:
-            return [("tool_choice", GuideSpec("json", json.dumps(schemas[name])))]
-        call = {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-             "required": ["name", "parameters"]}
-            for name, schema in schemas.items()
-        ]}  # fmt: skip
-        calls = {"type": "array", "items": call, "minItems": 1} | ({} if self.parallel_tool_calls else {"maxItems": 1})
-        return [("tool_choice", GuideSpec("json", json.dumps(calls)))]
+            return [("tool_choice", named_call_guide(schemas[name]))]
+        return [("tool_choice", required_calls_guide(list(schemas.items()), self.parallel_tool_calls))]
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

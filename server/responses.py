@@ -326,6 +326,8 @@ class ResponsesRequest(NullAsAbsentModel):
     def _tool_choice_types(cls, value: Any) -> Any:
         if isinstance(value, dict) and value.get("type") != "function":
             raise not_supported(f"tool choices of type {value.get('type')!r} are not supported yet")
+        if isinstance(value, dict) and not isinstance(value.get("name"), str):
+            raise PydanticCustomError("tool_choice", "a function choice needs the function's name")
         if not isinstance(value, dict) and value not in ("none", "auto", "required"):
             raise PydanticCustomError("tool_choice", "must be 'none', 'auto', 'required' or a function to call")
         return value
@@ -359,7 +361,7 @@ class ResponsesRequest(NullAsAbsentModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "tools": [tool.for_chat() for tool in self.tools] if self.tools else None,
-            "tool_choice": self.chat_tool_choice() if self.tools else None,
+            "tool_choice": self.chat_tool_choice() if self.tools or self.tool_choice != "auto" else None,
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": "low" if effort == "minimal" else effort,  # chat has no "minimal"
             "user": self.user,

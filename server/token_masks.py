@@ -18,7 +18,7 @@ from server.grammar import Grammar, State
 ENDED: State = frozenset()  # the state after an end id; no grammar state is empty (Grammar.step answers None instead)
 MASK_CACHE_BYTES = 1 << 25  # bytes of cached masks per grammar, at most MASK_CACHE_STATES of them
 MASK_CACHE_STATES = 4096
-SPLIT_TRIES = 16  # a trie's splits kept, by the set of bytes that loop back to a state
+SPLIT_TRIES = 4  # a trie's splits kept (or loops met once), by the set of bytes that loop back to a state
 # a state taking at least this many bytes that lead back to it (a string's characters) takes the keys made of them
 # without walking them; fewer (a number's digits) leave too many keys to walk for the split to pay
 LOOP_BYTES = 32
@@ -87,33 +87,39 @@ class ByteTrie:
         keys = sorted(ids)
         self._lay_out(keys, [tuple(ids[key]) for key in keys])
 
-    @classmethod
-    def of(cls, keys: list[bytes], ids: list[tuple[int, ...]]) -> ByteTrie:
-        """A trie of sorted distinct keys and their ids as given (a part of another trie's)."""
-        trie = cls.__new__(cls)
-        trie._lay_out(keys, ids)
-        return trie
-
     def _lay_out(self, keys: list[bytes], ids: list[tuple[int, ...]]) -> None:
         """Hold the keys, their ids, the prefix each shares with the one before, and each key's bytes as bits."""
         self.keys, self.ids = keys, ids
         self.shared = [0] + [shared_prefix(before, key) for before, key in pairwise(keys)]
         self.byte_sets = [sum(1 << byte for byte in set(key)) for key in keys]
-        self._splits: OrderedDict[int, tuple[list[int], ByteTrie]] = OrderedDict()
+        self._splits: OrderedDict[int, tuple[list[int], ByteTrie] | None] = OrderedDict()
 
-    def split(self, loop: int) -> tuple[list[int], ByteTrie]:
-        """The ids of the keys whose every byte is in `loop` (a bit per byte), and the trie of the other keys; kept
-        for the next state whose looping bytes are the same."""
-        split = self._splits.pop(loop, None)
-        if split is None:
-            inside = [not byte_set & ~loop for byte_set in self.byte_sets]
-            ids = [token for held, key_ids in zip(inside, self.ids, strict=True) if held for token in key_ids]
-            others = [index for index, held in enumerate(inside) if not held]
-            split = ids, ByteTrie.of([self.keys[i] for i in others], [self.ids[i] for i in others])
-        self._splits[loop] = split
+    def split(self, loop: int) -> tuple[list[int], ByteTrie] | None:
+        """The ids of the keys whose every byte is in `loop` (a bit per byte), and the trie of the other keys; None
+        the first time a loop is asked for (a loop met once, such as one pattern's, is cheaper walked than split),
+        made the second time and kept for later states with the same loop (a JSON string's)."""
+        if loop not in self._splits:
+            self._splits[loop] = None
+            split = None
+        else:
+            split = self._splits.pop(loop) or self._split(loop)
+            self._splits[loop] = split
         while len(self._splits) > SPLIT_TRIES:
             self._splits.popitem(last=False)
         return split
+
+    def _split(self, loop: int) -> tuple[list[int], ByteTrie]:
+        """`split`'s parts. The other keys' shared prefixes come from this trie's: two sorted keys share the least
+        of the prefixes shared by the keys from one to the other."""
+        held = [not byte_set & ~loop for byte_set in self.byte_sets]
+        inside = [token for key_held, key_ids in zip(held, self.ids, strict=True) if key_held for token in key_ids]
+        kept = [index for index, key_held in enumerate(held) if not key_held]
+        part = ByteTrie.__new__(ByteTrie)
+        part.keys, part.ids = [self.keys[i] for i in kept], [self.ids[i] for i in kept]
+        part.shared = [0] + [min(self.shared[a + 1 : b + 1]) for a, b in pairwise(kept)]
+        part.byte_sets = [self.byte_sets[i] for i in kept]
+        part._splits = OrderedDict()
+        return inside, part
 
     def skip(self, index: int, length: int) -> int:
         """The first key after `index` that does not start with the first `length` bytes of key `index`."""
@@ -223,8 +229,9 @@ class GuideMasks:
         trie, step = self.vocabulary.trie, self.grammar.step
         loop = sum(1 << byte for byte in range(256) if step(state, byte) == state)
         allowed: list[int] = []
-        if loop.bit_count() >= LOOP_BYTES:
-            inside, trie = trie.split(loop)
+        split = trie.split(loop) if loop.bit_count() >= LOOP_BYTES else None
+        if split is not None:
+            inside, trie = split
             allowed = list(inside)
         keys, shared, ids = trie.keys, trie.shared, trie.ids
         path = [state]  # path[d]: the state after the first d bytes of the key walked

@@ -172,6 +172,10 @@ class ToolCallCut:
         self.sent += len(calls)
         return content, calls
 
+    def finish(self, reason: str | None) -> str | None:
+        """The choice's finish_reason: "tool_calls" once a call was handed out (vLLM's Hermes parser's)."""
+        return "tool_calls" if reason is not None and self.sent else reason
+
 
 class ForcedCalls:
     """One choice's calls where tool_choice forced them (vLLM's forms, which guided decoding keeps the content to): a
@@ -196,6 +200,11 @@ class ForcedCalls:
         calls = self._calls(content)
         self.sent += len(calls)
         return ("", calls) if calls else (content, [])
+
+    def finish(self, reason: str | None) -> str | None:
+        """The choice's finish_reason as vLLM gives it: "tool_calls" for "required"'s calls that ended well, the
+        engine's reason otherwise (a named choice's "stop", as OpenAI's; "length" stays "length")."""
+        return "tool_calls" if reason == "stop" and self.sent and self._named is None else reason
 
     def _calls(self, content: str) -> list[ToolCall]:
         """The calls the content holds; none where it is not the forced form."""

@@ -289,3 +289,18 @@ def test_required_forced_calls_come_from_the_list_of_names_and_parameters():
 def test_forced_content_that_is_not_the_forced_form_stays_content(named, text):
     forced = ForcedCalls(named)
     assert forced.take(text, last=True) == (text, []) and forced.sent == 0
+
+
+@pytest.mark.parametrize(
+    ("named", "text", "reason", "finish"),
+    [
+        (None, '[{"name": "a", "parameters": {}}]', "stop", "tool_calls"),
+        (None, '[{"name": "a", "parameters": {}}]', "length", "length"),  # it ended at its length: said so
+        ("a", "{}", "stop", "stop"),  # a named choice's, as OpenAI's
+        (None, "[", "length", "length"),
+    ],
+)
+def test_a_forced_choices_finish_reason_is_vllms(named, text, reason, finish):
+    forced = ForcedCalls(named)
+    forced.take(text, last=True)
+    assert forced.finish(reason) == finish

@@ -186,46 +186,75 @@ def test_tokenize_renders_offered_tools_as_the_chat_route_does(tokenizer):
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-CALL_LIST = {
-    "type": "array",
-    "items": {"anyOf": [{"type": "object", "properties": {"name": {"const": "get_weather"},
-                                                          "parameters": WEATHER["function"]["parameters"]},
-                         "required": ["name", "parameters"]}]},
-    "minItems": 1,
-}  # fmt: skip
+CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+def guided_to(guide, text: str) -> bool:
+    """Whether a guide's grammar takes the text whole."""
+    grammar = guide.grammar()
+    state = grammar.feed(grammar.initial, text.encode())
+    return state is not None and grammar.accepts(state)
 
 
 @pytest.mark.parametrize(
-    ("fields", "answer", "schema"),
+    ("fields", "answer", "finish", "refused"),
     [
-        ({"tool_choice": NAMED}, '{"city": "Paris"}', WEATHER["function"]["parameters"]),
-        ({"tool_choice": "required"}, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', CALL_LIST),
-        ({"tool_choice": "required", "parallel_tool_calls": False},
-         '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', CALL_LIST | {"maxItems": 1}),
+        ({"tool_choice": NAMED}, '{"city": "Paris"}', "stop", ['{"town": "Paris"}', CALL]),
+        ({"tool_choice": "required"}, f"[{CALL}]", "tool_calls", ["[]", '{"city": "Paris"}', '[{"name": "x", '
+                                                                   '"parameters": {"city": "Paris"}}]']),
+        ({"tool_choice": "required", "parallel_tool_calls": False}, f"[{CALL}]", "tool_calls", [f"[{CALL}, {CALL}]"]),
     ],
 )  # fmt: skip
-def test_a_forced_tool_choice_guides_the_answer_and_gives_its_calls(tokenizer, fields, answer, schema):
-    from server.guide_spec import GuideSpec
-
+def test_a_forced_tool_choice_guides_the_answer_and_gives_its_calls(tokenizer, fields, answer, finish, refused):
+    """vLLM's forms: a named choice's answer is the arguments (finish_reason "stop", as OpenAI's), 'required''s a
+    list of calls ("tool_calls"); the guide takes the answer and refuses other shapes."""
     client, engine = http(tokenizer, answer)
     body = chat(client, chat_template_kwargs={"enable_thinking": False}, **fields)
-    assert engine.submitted[-1].guide == GuideSpec("json", json.dumps(schema))
+    guide = engine.submitted[-1].guide
+    assert guided_to(guide, answer) and not any(guided_to(guide, text) for text in refused)
     (choice,) = body["choices"]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["finish_reason"] == finish and choice["message"]["content"] is None
     assert calls_of(choice["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
     chunks = streamed(client, chat_template_kwargs={"enable_thinking": False}, **fields)
     deltas = [c["delta"] for c in chunks]
     assert not "".join(d.get("content") or "" for d in deltas)  # the JSON is the calls, not content
     assert calls_of([call for d in deltas for call in d.get("tool_calls", [])]) == [("get_weather", {"city": "Paris"})]
-    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["finish_reason"] == finish
+
+
+def test_required_keeps_each_tools_own_references(tokenizer):
+    """A tool's '#' and its $defs still name its own schema and definitions inside the list of calls."""
+    tree = {"type": "object", "properties": {"name": {"type": "string"},
+                                             "children": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["name"]}  # fmt: skip
+    place = {
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/Place"}},
+        "required": ["where"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    }
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}},
+             {"type": "function", "function": {"name": "go", "parameters": place}}]  # fmt: skip
+    client, engine = http(tokenizer, "[]")
+    reply = client.post("/v1/chat/completions", json={"messages": ASK, "tools": tools, "tool_choice": "required"})
+    assert reply.status_code == 200, reply.text
+    guide = engine.submitted[-1].guide
+    good = ('[{"name": "tree", "parameters": {"name": "a", "children": [{"name": "b", "children": []}]}}, '
+            '{"name": "go", "parameters": {"where": {"city": "Oslo"}}}]')  # fmt: skip
+    assert guided_to(guide, good)
+    assert not guided_to(guide, '[{"name": "tree", "parameters": {"name": "a", "children": [[' + CALL + "]]}}]")
+    assert not guided_to(guide, '[{"name": "go", "parameters": {"where": {"town": "Oslo"}}}]')
 
 
 def test_a_forced_call_after_thinking_keeps_the_reasoning(tokenizer):
+    """The guide starts after the think block's end: the answer's JSON follows </think> at once."""
     from server.guide_spec import GuideSpec
 
-    client, engine = http(tokenizer, 'Paris, then.\n</think>\n\n{"city": "Paris"}')
+    client, engine = http(tokenizer, 'Paris, then.\n</think>{"city": "Paris"}')
     body = chat(client, tool_choice=NAMED, chat_template_kwargs={"enable_thinking": True})
-    assert engine.submitted[-1].guide == GuideSpec("json", json.dumps(WEATHER["function"]["parameters"]), 4095)
+    guide = engine.submitted[-1].guide
+    assert guide == GuideSpec("json", json.dumps(WEATHER["function"]["parameters"]), 4095)
+    assert guided_to(guide, '{"city": "Paris"}')
     message = body["choices"][0]["message"]
     assert message["reasoning_content"] == "Paris, then.\n"
     assert calls_of(message["tool_calls"]) == [("get_weather", {"city": "Paris"})]
@@ -244,7 +273,8 @@ def test_a_forced_answer_cut_by_its_length_stays_content(tokenizer):
         ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice", "'get_weather'"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "one way to guide"),
         ({"tool_choice": NAMED, "tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {
-            "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}]}, "tool_choice", "/minimum"),
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}]},
+         "tools.0.function.parameters", "/properties/n/minimum"),
     ],
 )  # fmt: skip
 def test_a_forced_tool_choice_that_cannot_be_guided_is_a_400(tokenizer, fields, param, says):
@@ -266,3 +296,19 @@ def test_the_responses_api_forces_a_named_call(tokenizer):
     assert (item["name"], json.loads(item["arguments"])) == ("get_weather", {"city": "Oslo"})
     assert reply.json()["tool_choice"] == {"type": "function", "name": "get_weather"}
     assert engine.submitted[-1].guide is not None
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tool_choice": {"type": "function", "name": "get_weather"}}, "needs tools"),
+        ({"tools": [{"type": "function", "name": "get_weather"}], "tool_choice": {"type": "function"}}, "name"),
+    ],
+)
+def test_the_responses_api_refuses_a_forced_choice_it_cannot_honour(tokenizer, fields, says):
+    client, engine = http(tokenizer, "{}")
+    reply = client.post("/v1/responses", json={"input": "Weather?", **fields})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "tool_choice" and says in reply.json()["error"]["message"]
+    assert not engine.submitted
