@@ -22,6 +22,7 @@ from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.bad_words import bad_word_ids
 from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import THINK_TAGS, Generation, Outcome, interleaved
 from server.handle import EngineHandle
@@ -267,6 +268,9 @@ def build_app(state: ServerState) -> FastAPI:
                 param="allowed_token_ids",
             )
         params = guided(body, params, thinking_open)
+        if params.bad_words and state.tokenizer is None:
+            raise ApiError("bad_words: this model has no tokenizer to spell them in tokens", param="bad_words")
+        bad_words = bad_word_ids(state.tokenizer, params.bad_words) if params.bad_words else ()
         asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         generations: list[Generation] = []
         for prompt_ids in prompts:
@@ -288,6 +292,7 @@ def build_app(state: ServerState) -> FastAPI:
                     thinking_open,
                     keep_at,
                     choice,
+                    bad_words,
                 )
                 for choice in range(body.n)
             ]

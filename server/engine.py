@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundPlan
+from server.bad_words import BadWords, bad_word_masks, both
 from server.drafters import Drafter, History, MtpDrafter
 from server.guide_spec import GuideError, GuideSpec
 from server.metrics import EngineMetrics
@@ -89,6 +90,7 @@ class Request:
     # its prompt passes take the prompt's logprobs with that many most likely ids (it resumes no kept state then)
     prompt_logprobs: int | None = None
     guide: GuideSpec | None = None  # the grammar its output follows (guided decoding)
+    bad_words: BadWords = ()  # token sequences its output may not hold (vLLM's bad_words)
     arrival: float = field(default_factory=time.monotonic)
     cached: int = 0
     keeps: list[int] = field(default_factory=list)
@@ -300,7 +302,7 @@ class Engine:
                     self._complete(flight)
                 self._flush()
                 return
-            plan = self._with_guide_masks(plan, requests)
+            plan = self._with_row_masks(plan, requests)
             launched = None
             if flight is None or plan.rows or plan.ops or plan.allocate or plan.free:
                 launched = self._launch(Flight(plan, requests, keeps))
@@ -386,22 +388,29 @@ class Engine:
         plan = RoundPlan(allocate=tuple(allocate), free=free, rows=tuple(rows), ops=tuple(ops))
         return plan, [owners[row.slot] for row in rows]
 
-    def _with_guide_masks(self, plan: RoundPlan, requests: list[Request]) -> RoundPlan:
-        """The plan with each guided draw row's masks, made outside the lock (a grammar state's first mask walks the
-        vocabulary): each row's after the drafts before it. A window whose masks would take the round's masks past
-        GUIDE_MASK_BYTES verifies no drafts this round (drafts never change a token)."""
-        if not any(request.guided for request in requests):
+    def _with_row_masks(self, plan: RoundPlan, requests: list[Request]) -> RoundPlan:
+        """The plan with each masked draw row's mask (a guide's and the bad words', both), made outside the lock (a
+        grammar state's first mask walks the vocabulary): each row's after the drafts before it. A window whose masks
+        would take the round's past GUIDE_MASK_BYTES verifies no drafts this round (drafts never change a token)."""
+        if not any(request.guided or request.bad_words for request in requests):
             return plan
         rows, room = [], GUIDE_MASK_BYTES
         for row, request in zip(plan.rows, requests, strict=True):
-            if row.draw is not None and request.guided is not None:
-                masks = request.guided.row_masks(row.drafts)
+            if row.draw is not None and (request.guided or request.bad_words):
+                masks = self._row_masks(request, row.drafts)
                 if row.drafts and sum(map(len, masks)) > room:
-                    row, masks = replace(row, drafts=()), request.guided.row_masks(())
+                    row, masks = replace(row, drafts=()), self._row_masks(request, ())
                 room -= sum(map(len, masks))
                 row = replace(row, guide_masks=masks)
             rows.append(row)
         return replace(plan, rows=tuple(rows))
+
+    def _row_masks(self, request: Request, drafts: tuple[int, ...]) -> tuple[bytes, ...]:
+        """A window's draw rows' masks: its guide's and its bad words', an id allowed where both allow it."""
+        guided = request.guided.row_masks(drafts) if request.guided else ()
+        if not request.bad_words:
+            return guided
+        return both(guided, bad_word_masks(request.bad_words, request.output, drafts, self.runner.vocab_size))
 
     def _guide(self, request: Request) -> bool:
         """Place a guided request at the start of its grammar (lock held); False, ending it, where it cannot be."""
@@ -470,10 +479,11 @@ class Engine:
     def _ahead(self, flight: Flight) -> bool:
         """Whether the next round may be planned before this launched one is finished: its finish changes no lane
         (`LaunchedRound.ahead_safe`), none of its requests wants drafts that can be proposed (from its tokens), and
-        none is guided."""
+        none is guided or has bad words."""
         wants_drafts = self.proposes and any(request.draft for request in flight.requests)
-        guided = any(request.guided for request in flight.requests)  # its next masks follow this round's tokens
-        return flight.launched.ahead_safe and not wants_drafts and not guided
+        # a masked lane's next masks follow this round's tokens
+        masked = any(request.guided or request.bad_words for request in flight.requests)
+        return flight.launched.ahead_safe and not wants_drafts and not masked
 
     def _complete(self, flight: Flight) -> None:
         """Finish a launched round and hand each lane's kept tokens to its request: while the MTP chain runs, if the

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankwire.header import DrawSpec
+from server.bad_words import BadWords
 from server.engine import PromptLogprob, Request, TokenLogprob, Update
 from server.handle import EngineHandle
 from server.protocol import ApiError, SamplingParams, fresh_seed
@@ -58,9 +59,11 @@ class Generation:
         thinking_open: bool | None,
         keep_at: tuple[int, ...] = (),
         choice: int = 0,
+        bad_words: BadWords = (),
     ) -> None:
         """`choice`: which of a request's choices this is; choice i draws with the request's seed + i (wrapped to
-        the signed 64-bit range), or a fresh seed where the request has none."""
+        the signed 64-bit range), or a fresh seed where the request has none. `bad_words`: the token sequences of
+        the request's bad words."""
         self.engine, self.prompt_ids = engine, prompt_ids
         self.request_id = uuid.uuid4().hex
         self.seed = fresh_seed() if params.seed is None else (params.seed + choice + 2**63) % 2**64 - 2**63
@@ -94,6 +97,7 @@ class Generation:
             cache_salt=params.cache_salt,
             prompt_logprobs=params.prompt_logprobs,
             guide=params.guide,
+            bad_words=bad_words,
         )
         keep = THINK_TAGS if thinking_open is not None else ()
         self.detok = (

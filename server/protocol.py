@@ -29,6 +29,8 @@ MAX_LOGIT_BIAS_IDS = 1024
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # The most ids vLLM's allowed_token_ids may list here (they travel in every round's header)
 MAX_ALLOWED_IDS = 1024
+# The most words vLLM's bad_words may list here (each is looked for behind every draw row of the request)
+MAX_BAD_WORDS = 128
 # OpenAI's largest top_logprobs (vLLM's default max_logprobs too)
 MAX_LOGPROBS = 20
 # The most choices one request may ask for (each is a request of its own to the engine)
@@ -48,7 +50,6 @@ _MAX_QUOTED_CHARS = 60
 _HARMLESS: dict[str, Any] = {
     # vLLM's sampling and output extensions
     "disable_any_whitespace": False,
-    "bad_words": [],
     "spaces_between_special_tokens": True,
     "use_beam_search": False,
     "logits_processors": [],
@@ -99,6 +100,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and that many of the most likely
     skip_special_tokens: bool = True  # vLLM's: special tokens (other than a stop token) give no text
     guide: GuideSpec | None = None  # the grammar the output follows (structured outputs)
+    bad_words: tuple[str, ...] = ()  # vLLM's: words the output may not hold
 
 
 class ApiError(Exception):
@@ -428,7 +430,7 @@ class _SamplingRequest(NullAsAbsentModel):
     response_format: ResponseFormat | None = None
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0)
-    bad_words: Any = None
+    bad_words: list[Annotated[str, Field(min_length=1, pattern=r"\S")]] | None = Field(None, max_length=MAX_BAD_WORDS)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_IDS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = None
@@ -446,7 +448,7 @@ class _SamplingRequest(NullAsAbsentModel):
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "bad_words", "spaces_between_special_tokens", "use_beam_search", "guided_grammar", "guided_whitespace_pattern",
+        "spaces_between_special_tokens", "use_beam_search", "guided_grammar", "guided_whitespace_pattern",
         "structural_tag", "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
 
@@ -570,6 +572,7 @@ class _SamplingRequest(NullAsAbsentModel):
             prompt_logprobs=self.prompt_logprobs_count(),
             skip_special_tokens=self.skip_special_tokens,
             guide=next((guide for _, guide in self.guides_given()), None),
+            bad_words=tuple(self.bad_words or ()),
         )
 
     def logprobs_count(self) -> int | None:

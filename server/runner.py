@@ -156,6 +156,11 @@ class ModelRunner:
         return len(self.slots)
 
     @property
+    def vocab_size(self) -> int:
+        """The logits' width: the ids a draw row's mask has a bit for."""
+        return self.model.cfg.vocab_size
+
+    @property
     def linked(self) -> bool:
         """Whether another rank runs this runner's rounds too (`LinkedRunner`): a failed round then leaves that
         rank's state unknown. One rank's half served alone has none."""

@@ -34,6 +34,10 @@ class LinkedRunner:
         return self.runner.can_draft
 
     @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
     def prompt_align(self) -> int:
         return self.runner.prompt_align
 

@@ -303,7 +303,6 @@ def test_two_reasonings_that_differ_are_refused() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("bad_words", ["no"]),
         ("spaces_between_special_tokens", False),
         ("use_beam_search", True),
         ("guided_grammar", "root ::= x"),
