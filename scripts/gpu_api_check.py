@@ -1,6 +1,6 @@
 """Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
 penalties, allowed_token_ids, prompt_logprobs, batches of prompts, echo, the Responses API and guided decoding, each
-drafted and undrafted, streamed and not. Prints PASS or FAIL per check; exits 1 on any failure.
+drafted and undrafted, streamed and not; and bad_words. Prints PASS or FAIL per check; exits 1 on any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -129,6 +129,18 @@ def main() -> int:
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     last = events[-1]["type"]
     check("responses: streamed = not streamed", deltas == text and last == f"response.{response['status']}", last)
+    for name, fields in (("greedy", {"temperature": 0}), ("sampled", sampled)):
+        answer = complete(base, max_tokens=64, **fields)
+        words = list(dict.fromkeys(re.findall("[A-Za-z]{3,}", answer["choices"][0]["text"])))[:2]  # its first words
+        spelled = [httpx.post(f"{base}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+                   for word in words for text in (word, " " + word)]  # fmt: skip
+        runs = [complete(base, max_tokens=64, bad_words=words, **fields, **extra)
+                for extra in ({}, {"draft": False}, {"stream": True})]  # fmt: skip
+        check(f"bad_words {name}: drafted = undrafted = streamed", shown(runs[0]) == shown(runs[1]) == shown(runs[2]))
+        plain, ids = shown(answer)[0][0], shown(runs[0])[0][0]
+        held = [[seq for seq in spelled if any(out[i : i + len(seq)] == seq for i in range(len(out)))]
+                for out in (plain, ids)]  # fmt: skip
+        check(f"bad_words {name}: the plain answer holds them, this one none", held[0] and not held[1], held)
     guided_checks(base, check)
     return 1 if failures else 0
 
