@@ -328,9 +328,13 @@ def build_app(state: ServerState) -> FastAPI:
         if params.min_tokens:
             raise ApiError("min_tokens: not with guided decoding, whose grammar says where the output ends",
                            param="min_tokens")  # fmt: skip
-        if params.allowed_token_ids:  # the grammar's ids and these could have none in common
-            raise ApiError("allowed_token_ids: not with guided decoding, whose grammar says which ids may come next",
-                           param="allowed_token_ids")  # fmt: skip
+        for name in (
+            "allowed_token_ids",
+            "bad_words",
+        ):  # the grammar's ids and what these leave could have none in common
+            if getattr(params, name):
+                raise ApiError(f"{name}: not with guided decoding, whose grammar says which ids may come next",
+                               param=name)  # fmt: skip
         if params.ignore_eos and not params.stop_token_ids:
             raise ApiError("ignore_eos: a guided output ends with a stop token when its grammar is complete; give "
                            "stop_token_ids or leave ignore_eos out", param="ignore_eos")  # fmt: skip

@@ -94,6 +94,7 @@ def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinki
         ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "not supported"),
         ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "not with guided decoding"),
         ({"guided_regex": "a", "allowed_token_ids": [5]}, "allowed_token_ids", "not with guided decoding"),
+        ({"guided_regex": "a", "bad_words": ["a"]}, "bad_words", "not with guided decoding"),
         ({"guided_regex": "(" * 400 + "a" + ")" * 400}, "guided_regex", "pattern: nested too deeply"),
         ({"guided_json": {"properties": {"{param}": {"minimum": 1}}}}, "guided_json", "/properties/{param}/minimum"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
