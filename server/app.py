@@ -22,7 +22,7 @@ from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.bad_words import bad_word_ids
+from server.bad_words import BadWords, bad_word_ids
 from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import THINK_TAGS, Generation, Outcome, interleaved
 from server.handle import EngineHandle
@@ -268,9 +268,7 @@ def build_app(state: ServerState) -> FastAPI:
                 param="allowed_token_ids",
             )
         params = guided(body, params, thinking_open)
-        if params.bad_words and state.tokenizer is None:
-            raise ApiError("bad_words: this model has no tokenizer to spell them in tokens", param="bad_words")
-        bad_words = bad_word_ids(state.tokenizer, params.bad_words) if params.bad_words else ()
+        bad_words = checked_bad_words(params)
         asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         generations: list[Generation] = []
         for prompt_ids in prompts:
@@ -316,6 +314,23 @@ def build_app(state: ServerState) -> FastAPI:
         if body.forces_calls():
             return ForcedCalls(body.forced_tool())
         return ToolCallCut(body.parallel_tool_calls) if body.parses_tool_calls() else None
+
+    def checked_bad_words(params: SamplingParams) -> BadWords:
+        """The request's bad words in tokens; refused where they cannot be honoured (as vLLM refuses ids past the
+        vocabulary), or where with allowed_token_ids they could leave no id to draw."""
+        if not params.bad_words:
+            return ()
+        if state.tokenizer is None:
+            raise ApiError("bad_words: this model has no tokenizer to spell them in tokens", param="bad_words")
+        if params.allowed_token_ids:
+            raise ApiError("bad_words: not with allowed_token_ids, which they could leave with no id to draw",
+                           param="bad_words")  # fmt: skip
+        words = bad_word_ids(state.tokenizer, params.bad_words)
+        outside = [token for word in words for token in word if token >= state.vocab_size]
+        if outside:
+            raise ApiError(f"bad_words: token id {outside[0]} is outside the vocabulary (size {state.vocab_size})",
+                           param="bad_words")  # fmt: skip
+        return words
 
     def guided(body, params: SamplingParams, thinking_open: bool | None) -> SamplingParams:
         """The parameters with their guide placed after the think block the answer opens in, if any; a guide the

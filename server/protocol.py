@@ -430,7 +430,7 @@ class _SamplingRequest(NullAsAbsentModel):
     response_format: ResponseFormat | None = None
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0)
-    bad_words: list[Annotated[str, Field(min_length=1, pattern=r"\S")]] | None = Field(None, max_length=MAX_BAD_WORDS)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_IDS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = None
@@ -456,6 +456,15 @@ class _SamplingRequest(NullAsAbsentModel):
     @classmethod
     def _schema(cls, value: dict[str, Any] | str) -> dict[str, Any] | str:
         _json_guide(value)
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words_with_text(cls, value: list[str]) -> list[str]:
+        """Each word holds more than the leading characters vLLM strips (str.lstrip's), or it spells no token."""
+        empty = next((index for index, word in enumerate(value) if not word.lstrip()), None)
+        if empty is not None:
+            raise PydanticCustomError("bad_words", f"word {empty} is empty once its leading spaces are stripped")
         return value
 
     @model_validator(mode="after")
