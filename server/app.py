@@ -608,6 +608,7 @@ def build_app(state: ServerState) -> FastAPI:
             input_tokens=len(prompt_ids),
             output_tokens=len(outcome.token_ids),
             cached_tokens=outcome.cached_tokens,
+            reasoning_tokens=outcome.reasoning_tokens,
         )
 
     @app.get("/v1/responses/{response_id}")
@@ -628,19 +629,21 @@ def build_app(state: ServerState) -> FastAPI:
         """A response's stream events as its generation's pieces come; an error event where it fails; the engine is
         told when the client leaves."""
         cut = call_cut(chat)
-        tokens, finish_reason = 0, "stop"
+        tokens, reasoning_tokens, finish_reason = 0, 0, "stop"
         try:
             for event in writer.opening():
                 yield event
             async for piece in generation.pieces():
                 tokens += len(piece.token_ids)
+                reasoning_tokens += piece.reasoning_tokens
                 content, calls = piece.content, []
                 if cut is not None:
                     content, calls = cut.take(piece.content, piece.finish_reason is not None)
                 for event in writer.feed(piece.reasoning, content, calls):
                     yield event
                 finish_reason = piece.finish_reason or finish_reason
-            for event in writer.closing(finish_reason, len(generation.prompt_ids), tokens, generation.request.cached):
+            usage = (len(generation.prompt_ids), tokens, generation.request.cached, reasoning_tokens)
+            for event in writer.closing(finish_reason, *usage):
                 yield event
         except ApiError as exc:
             for event in writer.failure(exc):

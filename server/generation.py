@@ -14,6 +14,7 @@ from server.engine import PromptLogprob, Request, TokenLogprob, Update
 from server.handle import EngineHandle
 from server.protocol import ApiError, SamplingParams, fresh_seed
 from server.textout import IncrementalDetokenizer, ReasoningSplitter, StopMatcher
+from server.tokenizer import single_token_id
 
 THINK_TAGS = ("<think>", "</think>")
 
@@ -29,6 +30,7 @@ class Piece:
     stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it; None for EOS
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where the request asked for them
     prompt_logprobs: tuple[PromptLogprob, ...] = ()  # with the first piece, where the request asked for them
+    reasoning_tokens: int = 0  # of its tokens, those of the think block (its end tag included)
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class Outcome:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # each prompt token's after the first
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # the think block's tokens, its end tag included
 
 
 class Generation:
@@ -108,6 +111,8 @@ class Generation:
         # the request's own stop tokens, reported as its stop_reason; an EOS it also lists stays EOS (null), as vLLM's
         self.stop_token_ids = frozenset(params.stop_token_ids) - (frozenset() if params.ignore_eos else set(eos_ids))
         self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
+        # the think block's end, while the output is inside one (counted as reasoning tokens up to it)
+        self.thinking_until = single_token_id(tokenizer, THINK_TAGS[1]) if thinking_open and tokenizer else None
         self.unwatched = params.min_tokens  # tokens still to come before stop strings are looked for
         self.done = False
 
@@ -142,9 +147,20 @@ class Generation:
             outcome.prompt_logprobs += piece.prompt_logprobs
             outcome.content += piece.content
             outcome.reasoning += piece.reasoning
+            outcome.reasoning_tokens += piece.reasoning_tokens
             outcome.finish_reason, outcome.stop_reason = piece.finish_reason, piece.stop_reason
         outcome.cached_tokens = self.request.cached
         return outcome
+
+    def _reasoning_tokens(self, tokens: list[int]) -> int:
+        """How many of a piece's tokens are the think block's (its end tag included); the block ends with them
+        where the end tag is among them."""
+        if self.thinking_until is None:
+            return 0
+        if self.thinking_until not in tokens:
+            return len(tokens)
+        count, self.thinking_until = tokens.index(self.thinking_until) + 1, None
+        return count
 
     def _piece(self, update: Update) -> Piece:
         """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the
@@ -180,7 +196,7 @@ class Generation:
         self.unwatched = max(self.unwatched - len(update.token_ids), 0)
         piece = Piece(
             tokens, finish_reason=finish, stop_reason=stop_reason, logprobs=update.logprobs[: len(tokens)],
-            prompt_logprobs=update.prompt_logprobs,
+            prompt_logprobs=update.prompt_logprobs, reasoning_tokens=self._reasoning_tokens(tokens),
         )  # fmt: skip
         if self.splitter is None:
             piece.content = emit

@@ -439,6 +439,7 @@ def response_object(
     output_tokens: int,
     cached_tokens: int,
     item_ids: list[str] | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
     """OpenAI's Response object of a finished generation; `item_ids` are the output items' ids, in order."""
     items = [_reasoning_item([_reasoning_text(reasoning)], "completed")] if reasoning else []
@@ -454,7 +455,7 @@ def response_object(
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
     return response
@@ -568,7 +569,7 @@ class ResponseStream:
         ]
 
     def closing(
-        self, finish_reason: str, input_tokens: int, output_tokens: int, cached_tokens: int
+        self, finish_reason: str, input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0
     ) -> list[dict[str, Any]]:
         """The open items' done events (an empty message's added ones first where nothing came), then
         response.completed, or response.incomplete where the tokens ran out, with the whole response."""
@@ -612,6 +613,7 @@ class ResponseStream:
             output_tokens=output_tokens,
             cached_tokens=cached_tokens,
             item_ids=self._order,
+            reasoning_tokens=reasoning_tokens,
         )
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=response)]

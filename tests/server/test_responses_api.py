@@ -213,3 +213,23 @@ def test_a_stored_response_is_never_found(tokenizer):
         response = http.request(method, f"/v1/responses/{made['id']}{path}")
         assert response.status_code == 404 and response.json()["error"]["param"] == "response_id", response.text
         assert response.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    ("effort", "answer", "thought"),
+    [
+        ("low", "hmm, blue\n</think>\n\nBlue.", "hmm, blue\n</think>"),  # the block and its end tag
+        ("low", "hmm, still thinking", "hmm, still thinking"),  # a block cut by the token limit: all of it
+        ("none", "Blue.", ""),  # no thinking
+    ],
+)
+def test_a_responses_reasoning_tokens_are_the_think_blocks_streamed_or_not(tokenizer, effort, answer, thought):
+    http, _ = scripted(tokenizer, answer)
+    body = {"input": "Name a color.", "reasoning": {"effort": effort}}
+    expected = len(tokenizer(thought, add_special_tokens=False)["input_ids"])
+    whole = http.post("/v1/responses", json=body).json()
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == expected
+    assert whole["usage"]["output_tokens"] == len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    lines = http.post("/v1/responses", json={**body, "stream": True}).text.splitlines()
+    final = [json.loads(line[6:]) for line in lines if line.startswith("data: ")][-1]["response"]
+    assert final["usage"] == whole["usage"]
