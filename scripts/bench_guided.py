@@ -6,9 +6,10 @@ Each request asks for exactly `--tokens` tokens of one prompt (seeded, sampled, 
 guide (ignore_eos), `guided` under `guided_regex` `[a-z ,.]{1000}`, which never completes inside `--tokens` tokens,
 so both run to their length. Each mode runs once at each concurrency to warm up, then the timed passes run the
 modes in turn. Prints one line per pass, mode and concurrency (output tokens a second over the run, the mean request
-latency) and, with --json, a JSON list of them last. Every answer is checked to hold `--tokens` tokens, and every
-guided answer's text to stay inside the pattern's characters. With --no-drafts every request sends `"draft": false`
-(a guided lane's drafts are not guided, so with drafts the two modes also differ in what the drafts keep).
+latency, the drafts the server verified and kept meanwhile) and, with --json, a JSON list of them last. Every answer
+is checked to hold `--tokens` tokens, and every guided answer's text to stay inside the pattern's characters. With
+--no-drafts every request sends `"draft": false` (a guided lane's drafts are not guided, so with drafts the two modes
+also differ in what the drafts keep).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ModeResult:
     wall_s: float
     output_tok_s: float
     mean_latency_s: float
+    draft_tokens: int  # drafts the server verified during the run (/health's count before and after it)
+    accepted_draft_tokens: int
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,13 +82,24 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int, 
             raise RuntimeError(f"guided text left the pattern: {choice['text'][:80]!r}")
         return time.perf_counter() - start
 
+    before = drafts(args.base_url)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         latencies = list(pool.map(one, range(args.requests)))
     wall = time.perf_counter() - start
+    after = drafts(args.base_url)
     total = args.requests * args.tokens
     mean_latency = sum(latencies) / len(latencies)
-    return ModeResult(mode, run, args.requests, args.tokens, concurrency, wall, total / wall, mean_latency)
+    drafted, accepted = (late - early for late, early in zip(after, before, strict=True))
+    return ModeResult(
+        mode, run, args.requests, args.tokens, concurrency, wall, total / wall, mean_latency, drafted, accepted
+    )
+
+
+def drafts(base_url: str) -> tuple[int, int]:
+    """The server's drafts verified and accepted so far (/health)."""
+    health = httpx.get(f"{base_url.rstrip('/')}/health", timeout=DEFAULT_TIMEOUT).json()
+    return health["draft_tokens"], health["accepted_draft_tokens"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                 if run == 0:
                     continue
                 results.append(result)
+                kept = f"{result.accepted_draft_tokens} of {result.draft_tokens} drafts kept"
                 print(f"pass {run} {mode:7s} concurrency {concurrency:3d}: {result.output_tok_s:8.1f} output tok/s, "
-                      f"mean latency {result.mean_latency_s:6.3f} s over {result.wall_s:.2f} s")  # fmt: skip
+                      f"mean latency {result.mean_latency_s:6.3f} s over {result.wall_s:.2f} s, {kept}")  # fmt: skip
     if args.json:
         print(json.dumps([asdict(r) for r in results]))
     return 0

@@ -496,6 +496,20 @@ def test_bench_scoring_sends_each_prompt_whole_and_checks_its_entries(tmp_path: 
         assert metric(live.url, "flashnext:generation_tokens_total") == requests
 
 
+def test_bench_guided_counts_each_runs_drafts_from_the_servers_health(tmp_path: Path) -> None:
+    """With drafts, each run's verified and kept drafts are /health's counts after it less before: they add up to
+    the server's totals less the warm-up pass's."""
+    with serve_checkpoint(tiny_chat_checkpoint(tmp_path / "chat")) as live:
+        done = run_script("bench_guided", live.url, "--requests", "2", "--tokens", "8", "--concurrency", "1",
+                          "--passes", "1", "--json")  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        results = json.loads(done.stdout.splitlines()[-1])
+        health = httpx.get(f"{live.url}/health").json()
+        timed = sum(r["draft_tokens"] for r in results)
+        assert 0 < timed < health["draft_tokens"]  # the untimed warm-up pass drafted too
+        assert all(0 <= r["accepted_draft_tokens"] <= r["draft_tokens"] for r in results)
+
+
 def test_bench_guided_runs_each_mode_to_its_length_and_checks_the_guided_text(tmp_path: Path) -> None:
     """Each mode at each concurrency sends every request once a pass (the first pass warms up, untimed) for exactly
     --tokens tokens; a guided text that left the pattern would fail the script."""
