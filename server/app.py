@@ -343,10 +343,7 @@ def build_app(state: ServerState) -> FastAPI:
         if params.min_tokens:
             raise ApiError("min_tokens: not with guided decoding, whose grammar says where the output ends",
                            param="min_tokens")  # fmt: skip
-        for name in (
-            "allowed_token_ids",
-            "bad_words",
-        ):  # the grammar's ids and what these leave could have none in common
+        for name in ("allowed_token_ids", "bad_words"):  # what these leave and the grammar could share no id
             if getattr(params, name):
                 raise ApiError(f"{name}: not with guided decoding, whose grammar says which ids may come next",
                                param=name)  # fmt: skip
@@ -655,7 +652,7 @@ def build_app(state: ServerState) -> FastAPI:
         created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         # each choice's tool-call blocks, cut from its content as they close
-        cuts = [call_cut(body) for _ in generations] if body.parses_tool_calls() or body.forces_calls() else None
+        cuts = [cut for _ in generations if (cut := call_cut(body)) is not None] or None  # one a choice, or none
 
         def frame(index: int, piece) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": body.echoed()} if piece is None else {}

@@ -81,6 +81,12 @@ def pointer_to(pointer: str, *keys: str | int) -> str:
     return pointer + "".join("/" + str(key).replace("~", "~0").replace("/", "~1") for key in keys)
 
 
+def local_definition(reference: Any) -> tuple[str, str] | None:
+    """The (section, name) a '#/$defs/NAME' or '#/definitions/NAME' reference names; None for any other."""
+    match = REFERENCE.fullmatch(reference) if isinstance(reference, str) else None
+    return None if match is None else (match.group(1), match.group(2).replace("~1", "/").replace("~0", "~"))
+
+
 class Network:
     """A recursive transition network under construction: nodes joined by byte-class, epsilon and call edges. Each
     routine (a sub-network that calls enter) has one exit node, where it returns to its caller."""
@@ -511,10 +517,10 @@ class SchemaCompiler(JsonBuilder):
         """The entry of the routine a $ref names: '#' (the root) or '#/$defs/NAME' ('#/definitions/NAME')."""
         if reference == "#":
             return self.routine(self.root, "")
-        match = REFERENCE.fullmatch(reference) if isinstance(reference, str) else None
-        if match is None:
+        named = local_definition(reference)
+        if named is None:
             raise GrammarError("only '#', '#/$defs/NAME' and '#/definitions/NAME' references are supported", where)
-        section, name = match.group(1), match.group(2).replace("~1", "/").replace("~0", "~")
+        section, name = named
         definitions = self.root.get(section)
         if not isinstance(definitions, dict) or name not in definitions:
             raise GrammarError(f"{reference!r} names no definition", where)

@@ -621,13 +621,14 @@ def _biased(
     """The logit rows in fp32 with each row's logit bias added, -inf added for the ids its draw (at the key's
     position) may not take yet, -inf for every id outside its allowed ids where it has some, and -inf for every id
     its guide mask (b"": none) does not allow (the same tensor where no row has any of these)."""
-    entries, allowed = [], []
+    entries, allowed = [], {}
     vocab, device = logits.shape[-1], logits.device
     for row, (spec, position) in enumerate(keys):
         if spec.allowed_ids:
-            allowed.append((row, _allowed_mask(spec.allowed_ids, vocab, device)))
-        if guide_masks and guide_masks[row]:
-            allowed.append((row, _guide_mask(guide_masks[row], vocab, device)))
+            allowed[row] = _allowed_mask(spec.allowed_ids, vocab, device)
+        if guide_masks and guide_masks[row]:  # ruled out by either: by the allowed ids or by the guide
+            ruled_out = _guide_mask(guide_masks[row], vocab, device)
+            allowed[row] = ruled_out | allowed[row] if row in allowed else ruled_out
         suppressed = spec.suppress_ids if position < spec.suppress_before else ()
         if not spec.logit_bias and not suppressed:
             continue  # most rows of a round: nothing to add
@@ -640,8 +641,10 @@ def _biased(
         rows, tokens, biases = zip(*entries, strict=True)
         at = (to_device(logits.device, rows, torch.long), to_device(logits.device, tokens, torch.long))
         out.index_put_(at, out[at] + to_device(logits.device, biases, torch.float32))
-    for row, masked in allowed:  # every id outside a row's allowed ones -inf, from each set's mask, made once
-        out[row].masked_fill_(masked, -math.inf)
+    if allowed:  # every id outside a row's allowed ones -inf, from each set's mask, made once
+        rows = to_device(device, list(allowed), torch.long)
+        masks = torch.stack(list(allowed.values()))
+        out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(masks, -math.inf))
     return out
 
 

@@ -79,20 +79,22 @@ class ByteTrie:
     """A vocabulary's distinct non-empty byte strings in sorted order, a trie laid flat: each key with its token ids
     and the length of the prefix it shares with the key before it."""
 
-    def __init__(self, pieces: Sequence[bytes | None]) -> None:
+    def __init__(self, keys: list[bytes], ids: list[tuple[int, ...]], shared: list[int], byte_sets: list[int]) -> None:
+        """Sorted distinct keys, their ids, the prefix each shares with the one before, and each key's bytes as bits."""
+        self.keys, self.ids, self.shared, self.byte_sets = keys, ids, shared, byte_sets
+        self._splits: OrderedDict[int, tuple[list[int], ByteTrie] | None] = OrderedDict()
+
+    @classmethod
+    def of(cls, pieces: Sequence[bytes | None]) -> ByteTrie:
+        """The trie of a vocabulary's token bytes (None and empty pieces left out)."""
         ids: dict[bytes, list[int]] = {}
         for token_id, piece in enumerate(pieces):
             if piece:
                 ids.setdefault(piece, []).append(token_id)
         keys = sorted(ids)
-        self._lay_out(keys, [tuple(ids[key]) for key in keys])
-
-    def _lay_out(self, keys: list[bytes], ids: list[tuple[int, ...]]) -> None:
-        """Hold the keys, their ids, the prefix each shares with the one before, and each key's bytes as bits."""
-        self.keys, self.ids = keys, ids
-        self.shared = [0] + [shared_prefix(before, key) for before, key in pairwise(keys)]
-        self.byte_sets = [sum(1 << byte for byte in set(key)) for key in keys]
-        self._splits: OrderedDict[int, tuple[list[int], ByteTrie] | None] = OrderedDict()
+        shared = [0] + [shared_prefix(before, key) for before, key in pairwise(keys)]
+        byte_sets = [sum(1 << byte for byte in set(key)) for key in keys]
+        return cls(keys, [tuple(ids[key]) for key in keys], shared, byte_sets)
 
     def split(self, loop: int) -> tuple[list[int], ByteTrie] | None:
         """The ids of the keys whose every byte is in `loop` (a bit per byte), and the trie of the other keys; None
@@ -114,11 +116,12 @@ class ByteTrie:
         held = [not byte_set & ~loop for byte_set in self.byte_sets]
         inside = [token for key_held, key_ids in zip(held, self.ids, strict=True) if key_held for token in key_ids]
         kept = [index for index, key_held in enumerate(held) if not key_held]
-        part = ByteTrie.__new__(ByteTrie)
-        part.keys, part.ids = [self.keys[i] for i in kept], [self.ids[i] for i in kept]
-        part.shared = [0] + [min(self.shared[a + 1 : b + 1]) for a, b in pairwise(kept)]
-        part.byte_sets = [self.byte_sets[i] for i in kept]
-        part._splits = OrderedDict()
+        part = ByteTrie(
+            [self.keys[i] for i in kept],
+            [self.ids[i] for i in kept],
+            [0] + [min(self.shared[a + 1 : b + 1]) for a, b in pairwise(kept)],
+            [self.byte_sets[i] for i in kept],
+        )
         return inside, part
 
     def skip(self, index: int, length: int) -> int:
@@ -146,7 +149,7 @@ class TokenVocabulary:
     def __init__(self, pieces: Sequence[bytes | None], size: int) -> None:
         self.size = size
         self._pieces = list(pieces[:size])
-        self.trie = ByteTrie(self._pieces)
+        self.trie = ByteTrie.of(self._pieces)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int) -> TokenVocabulary:

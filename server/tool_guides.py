@@ -4,13 +4,10 @@ of {"name", "parameters"} objects; each tool's parameters schema moved under one
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
+from server.grammar import DEFINITIONS, local_definition, pointer_to
 from server.guide_spec import GuideSpec
-
-DEFINITIONS = ("$defs", "definitions")
-LOCAL_REFERENCE = re.compile(r"#/(\$defs|definitions)/([^/]+)")
 
 
 def named_call_guide(parameters: dict[str, Any] | None) -> GuideSpec:
@@ -50,11 +47,9 @@ def rebased(schema: dict[str, Any], root: str) -> dict[str, Any]:
         out = {key: moved(value) for key, value in node.items() if key not in DEFINITIONS or node is not schema}
         reference = node.get("$ref")
         if reference == "#":
-            out["$ref"] = f"#/$defs/{root}"
-        elif isinstance(reference, str) and (match := LOCAL_REFERENCE.fullmatch(reference)):
-            section, name = match.group(1), match.group(2).replace("~1", "/").replace("~0", "~")
-            if (section, name) in names:
-                out["$ref"] = f"#/$defs/{_escaped(_moved_name(root, section, name))}"
+            out["$ref"] = "#" + pointer_to("", "$defs", root)
+        elif (named := local_definition(reference)) in names:
+            out["$ref"] = "#" + pointer_to("", "$defs", _moved_name(root, *named))
         return out
 
     result = {root: moved(schema)}
@@ -67,8 +62,3 @@ def rebased(schema: dict[str, Any], root: str) -> dict[str, Any]:
 def _moved_name(root: str, section: str, name: str) -> str:
     """A definition's name once moved under `root`."""
     return f"{root}.{name}" if section == "$defs" else f"{root}.definitions.{name}"
-
-
-def _escaped(name: str) -> str:
-    """A definition's name as a JSON pointer writes it."""
-    return name.replace("~", "~0").replace("/", "~1")
