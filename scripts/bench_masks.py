@@ -5,7 +5,9 @@
 Without --tokenizer the vocabulary is synthetic (seeded): the 256 single bytes, then random pieces of 2 to 12 bytes,
 mostly lowercase letters with a leading space, some digits, punctuation and JSON's structural bytes, to a total of
 --vocab ids. With --tokenizer the pieces are that checkpoint's tokens. Prints, for each grammar state below, the ms
-of its first mask (a trie walk) and of a second (the cache), and how many ids it allows.
+of its first mask (a trie walk) and of a second (the cache), and how many ids it allows; then, along each long counted
+repeat below, the masks of --steps successive states 4 bytes apart (an output that never revisits a state): their
+total and slowest ms.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.grammar import json_grammar, regex_grammar
+from server.grammar import Grammar, json_grammar, regex_grammar
 from server.token_masks import GuideMasks, TokenVocabulary
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {}}}}
@@ -31,6 +33,12 @@ CASES = (  # (name, grammar, the output so far)
     ("schema: inside tags", json_grammar(SCHEMA), b'{"name": "Al", "tags": [1, "x'),
     ("regex [a-z ,.]{1000}: after 10", regex_grammar("[a-z ,.]{1000}"), b"lighthouse"),
 )
+
+RUNS = (  # (name, grammar, the output before the run)
+    ("regex [a-z ,.]{1000}", regex_grammar("[a-z ,.]{1000}"), b""),
+    ("schema: a string of maxLength 1000", json_grammar({"type": "string", "maxLength": 1000}), b'"'),
+)
+RUN_TEXT = b"the keeper of the lighthouse, at dusk, lit the lamp. "
 
 
 def synthetic_pieces(size: int, seed: int) -> list[bytes]:
@@ -57,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=150_000, help="ids of the synthetic vocabulary (default 150000)")
     parser.add_argument("--tokenizer", type=Path, help="a checkpoint folder whose tokenizer gives the pieces")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=200, help="states timed along each run (default 200)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.tokenizer is not None:
@@ -78,8 +87,25 @@ def main(argv: list[str] | None = None) -> int:
             timings.append((time.perf_counter() - start) * 1e3)
         results.append({"case": name, "first_ms": timings[0], "cached_ms": timings[1], "allowed": int(allowed.sum())})
         print(f"{name:40s} first {timings[0]:8.1f} ms, cached {timings[1]:6.3f} ms, {int(allowed.sum()):7d} ids")
+    runs = [run_timings(name, grammar, text, vocabulary, args.steps) for name, grammar, text in RUNS]
+    print(json.dumps(runs))
     print(json.dumps(results))
     return 0
+
+
+def run_timings(name: str, grammar: Grammar, text: bytes, vocabulary: TokenVocabulary, steps: int) -> dict:
+    """The masks of `steps` successive states along a run, 4 bytes apart: total and slowest ms."""
+    masks = GuideMasks(grammar, vocabulary, ())
+    state = grammar.feed(grammar.initial, text)
+    output = (RUN_TEXT * (4 * steps // len(RUN_TEXT) + 1))[: 4 * steps]
+    timings = []
+    for step in range(steps):
+        start = time.perf_counter()
+        masks.allowed(state)
+        timings.append((time.perf_counter() - start) * 1e3)
+        state = grammar.feed(state, output[4 * step : 4 * step + 4])
+    print(f"{name:40s} {steps} states: {sum(timings):8.1f} ms in all, slowest {max(timings):6.1f} ms")
+    return {"run": name, "states": steps, "total_ms": sum(timings), "slowest_ms": max(timings)}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from server.grammar_runs import RUN_COPIES, Copy, Runs
+
 State = frozenset[tuple[int, ...]]
 """Where a match stands: stacks, each the return nodes of the calls in progress followed by the current node."""
 
@@ -98,6 +100,7 @@ class Network:
         self.epsilons: dict[int, list[int]] = {}
         self.calls: dict[int, list[tuple[int, int]]] = {}
         self.exits: set[int] = set()
+        self.runs: list[list[Copy]] = []  # each counted repeat's copies of its part, in order
 
     def node(self) -> int:
         """A new node."""
@@ -157,20 +160,36 @@ class Network:
         return end
 
     def repeat(self, start: int, part: Emit, least: int, most: int | None) -> int:
-        """The part `least` times, then more up to `most` times in all (any number where None)."""
+        """The part `least` times, then more up to `most` times in all (any number where None); the required
+        copies and the optional ones are kept as two runs (grammar_runs.py)."""
+        copies: list[Copy] = []
+
+        def copy(node: int) -> int:
+            first = self.size
+            end = part(node)
+            copies.append(Copy(node, first, self.size, end))
+            return end
+
         for _ in range(least):
-            start = part(start)
-        if most is None:
-            loop = self.node()
-            self.epsilon(start, loop)
-            self.epsilon(part(loop), loop)
-            return loop
+            start = copy(start)
+        self._keep_run(copies)
         end = self.node()
+        if most is None:  # a loop: `end` takes the part again
+            self.epsilon(start, end)
+            self.epsilon(part(end), end)
+            return end
+        copies = []
         for _ in range(most - least):  # nested, (x(x)?)? rather than x?x?, so that each count has one path
             self.epsilon(start, end)
-            start = part(start)
+            start = copy(start)
         self.epsilon(start, end)
+        self._keep_run(copies)
         return end
+
+    def _keep_run(self, copies: list[Copy]) -> None:
+        """Keep a repeat's required or optional copies as a run, where there are enough to be worth indexing."""
+        if len(copies) >= RUN_COPIES:
+            self.runs.append(copies)
 
     def optional(self, start: int, part: Emit) -> int:
         """The part or nothing."""
@@ -236,6 +255,9 @@ class Grammar:
             tuple(call for call in network.calls.get(node, ()) if call[0] in live and call[1] in live) for node in nodes
         )
         self._exits = frozenset(network.exits)
+        self._runs = Runs.of(
+            network.runs, list(zip(self._moves, self._epsilons, self._calls, strict=True)), self._exits
+        )
         self._steps: dict[State, tuple[State, dict[int, State | None]]] = {}  # state -> (its interned copy, steps)
         self._lock = threading.Lock()
         initial = self._close([(entry,)])
@@ -263,6 +285,14 @@ class Grammar:
     def accepts(self, state: State) -> bool:
         """Whether the bytes so far are a complete match."""
         return any(len(stack) == 1 and stack[0] in self._exits for stack in state)
+
+    def stand_in(self, state: State, horizon: int) -> State:
+        """A state that takes the same byte strings of up to `horizon` bytes as `state`, and accepts where it does:
+        each node inside a long counted repeat moved to the copy that stands for it (so `{1000}` or a `maxLength`
+        meets few distinct ones), else `state` itself."""
+        if not self._runs:
+            return state
+        return frozenset(tuple(self._runs.canonical(node, horizon) for node in stack) for stack in state)
 
     def can_continue(self, state: State) -> bool:
         """Whether some byte may still come next."""

@@ -18,6 +18,9 @@ from server.grammar import Grammar, State
 ENDED: State = frozenset()  # the state after an end id; no grammar state is empty (Grammar.step answers None instead)
 MASK_CACHE_BYTES = 1 << 25  # bytes of cached masks per grammar, at most MASK_CACHE_STATES of them
 MASK_CACHE_STATES = 4096
+# tokens of at most this many bytes are masked once for all the states that stand in for one another over as many
+# bytes (Grammar.stand_in: a long counted repeat's places); the few longer ones are walked from each state
+HORIZON = 16
 SPLIT_TRIES = 4  # a trie's splits kept (or loops met once), by the set of bytes that loop back to a state
 # a state taking at least this many bytes that lead back to it (a string's characters) takes the keys made of them
 # without walking them; fewer (a number's digits) leave too many keys to walk for the split to pay
@@ -144,12 +147,14 @@ def shared_prefix(first: bytes, second: bytes) -> int:
 
 class TokenVocabulary:
     """Each token id's bytes as it adds them to the output (None for special tokens, which a grammar never allows),
-    the model's vocabulary width, and a trie over the bytes for walking them under a grammar."""
+    the model's vocabulary width, and tries over the bytes for walking them under a grammar: one of the tokens of
+    at most HORIZON bytes and one of the longer ones."""
 
     def __init__(self, pieces: Sequence[bytes | None], size: int) -> None:
         self.size = size
         self._pieces = list(pieces[:size])
-        self.trie = ByteTrie.of(self._pieces)
+        self.trie = ByteTrie.of([piece if piece and len(piece) <= HORIZON else None for piece in self._pieces])
+        self.long_trie = ByteTrie.of([piece if piece and len(piece) > HORIZON else None for piece in self._pieces])
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int) -> TokenVocabulary:
@@ -176,7 +181,8 @@ class TokenVocabulary:
 
 
 class GuideMasks:
-    """A grammar over a vocabulary: each state's allowed ids (cached per state) and the state after a token."""
+    """A grammar over a vocabulary: each state's allowed ids (cached per state, and the short tokens' per state that
+    stands in for it) and the state after a token."""
 
     def __init__(self, grammar: Grammar, vocabulary: TokenVocabulary, end_ids: tuple[int, ...]) -> None:
         self.grammar = grammar
@@ -184,8 +190,9 @@ class GuideMasks:
         self.end_ids = tuple(end_id for end_id in end_ids if 0 <= end_id < vocabulary.size)  # others are never drawn
         self._end_index = torch.tensor(self.end_ids, dtype=torch.long)
         self._ended = torch.zeros(vocabulary.size, dtype=torch.bool).index_fill_(0, self._end_index, True)
-        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()
-        self._capacity = max(1, min(MASK_CACHE_STATES, MASK_CACHE_BYTES // max(vocabulary.size, 1)))
+        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()  # by state: the whole mask
+        self._short: OrderedDict[State, torch.Tensor] = OrderedDict()  # by stand-in: the short tokens' mask
+        self._capacity = max(1, min(MASK_CACHE_STATES, MASK_CACHE_BYTES // 2 // max(vocabulary.size, 1)))
         self._lock = threading.Lock()
 
     def allowed(self, state: State) -> torch.Tensor:
@@ -194,16 +201,25 @@ class GuideMasks:
         far, and also at a dead end, where no token is allowed, so that the output can still end."""
         if state == ENDED:
             return self._ended
+        mask = self._cached(self._cache, state)
+        if mask is None:
+            mask = self._keep(self._cache, state, self._build(state))
+        return mask
+
+    def _cached(self, cache: OrderedDict[State, torch.Tensor], key: State) -> torch.Tensor | None:
+        """A cached mask, marked as the latest used; None where missing."""
         with self._lock:
-            mask = self._cache.get(state)
+            mask = cache.get(key)
             if mask is not None:
-                self._cache.move_to_end(state)
-                return mask
-        mask = self._build(state)
+                cache.move_to_end(key)
+            return mask
+
+    def _keep(self, cache: OrderedDict[State, torch.Tensor], key: State, mask: torch.Tensor) -> torch.Tensor:
+        """Cache a mask, the least recently used going where the cache is full."""
         with self._lock:
-            self._cache[state] = mask
-            while len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
+            cache[key] = mask
+            while len(cache) > self._capacity:
+                cache.popitem(last=False)
         return mask
 
     def advance(self, state: State, token_id: int) -> State | None:
@@ -217,19 +233,31 @@ class GuideMasks:
         return self.grammar.feed(state, piece)
 
     def _build(self, state: State) -> torch.Tensor:
-        """A state's mask, worked out by walking the vocabulary's trie."""
-        mask = torch.zeros(self.vocabulary.size, dtype=torch.bool)
-        mask[torch.tensor(self._walk(state), dtype=torch.long)] = True
+        """A state's mask: the short tokens' from the state that stands in for it (walked once for all the states it
+        stands in for), the long ones walked from the state itself, then the end ids."""
+        stand_in = self.grammar.stand_in(state, HORIZON)
+        short = self._cached(self._short, stand_in)
+        if short is None:
+            short = self._keep(self._short, stand_in, self._mask_of(self._walk(state, self.vocabulary.trie)))
+        mask = short.clone()
+        if self.vocabulary.long_trie.keys:
+            mask[torch.tensor(self._walk(state, self.vocabulary.long_trie), dtype=torch.long)] = True
         mask[self._end_index] = False
         ends = self.grammar.accepts(state) or not mask.any()
         return mask.index_fill_(0, self._end_index, ends)
 
-    def _walk(self, state: State) -> list[int]:
-        """The ids whose bytes the grammar takes from `state`. A key whose every byte leads from `state` back to it
-        (inside a JSON string: most of the vocabulary) is taken without a walk; the others are walked in order, each
-        from the state after the prefix it shares with the key before; a refused byte skips every key that starts
-        with the bytes up to it."""
-        trie, step = self.vocabulary.trie, self.grammar.step
+    def _mask_of(self, ids: list[int]) -> torch.Tensor:
+        """A bool mask over the vocabulary, True at the ids."""
+        mask = torch.zeros(self.vocabulary.size, dtype=torch.bool)
+        mask[torch.tensor(ids, dtype=torch.long)] = True
+        return mask
+
+    def _walk(self, state: State, trie: ByteTrie) -> list[int]:
+        """The ids of a trie's keys whose bytes the grammar takes from `state`. A key whose every byte leads from
+        `state` back to it (inside a JSON string: most of the vocabulary) is taken without a walk; the others are
+        walked in order, each from the state after the prefix it shares with the key before; a refused byte skips
+        every key that starts with the bytes up to it."""
+        step = self.grammar.step
         loop = sum(1 << byte for byte in range(256) if step(state, byte) == state)
         allowed: list[int] = []
         split = trie.split(loop) if loop.bit_count() >= LOOP_BYTES else None

@@ -23,3 +23,10 @@ def test_each_case_reports_the_ids_its_grammar_allows(capsys):
         state = grammar.feed(grammar.initial, text)
         assert results[name]["allowed"] == sum(grammar.feed(state, piece) is not None for piece in pieces), name
     assert all(r["allowed"] > 0 and r["first_ms"] >= r["cached_ms"] >= 0 for r in results.values())
+
+
+def test_each_run_is_timed_over_its_steps(capsys):
+    assert bench_masks.main(["--vocab", "3000", "--steps", "30"]) == 0
+    runs = json.loads(capsys.readouterr().out.splitlines()[-2])
+    assert [r["run"] for r in runs] == [name for name, _, _ in bench_masks.RUNS]
+    assert all(r["states"] == 30 and r["total_ms"] >= r["slowest_ms"] > 0 for r in runs)
