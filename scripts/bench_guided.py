@@ -1,22 +1,23 @@
 """Guided decoding benchmark: what a grammar costs a served request, against the same requests unguided.
 
-    python scripts/bench_guided.py --requests 32 --tokens 128 --concurrency 1 8 --passes 2 [--no-drafts]
+    python scripts/bench_guided.py --requests 32 --tokens 128 --concurrency 1 8 --passes 2 [--no-drafts] \
+        [--guide {regex,json}]
 
-Each request asks for exactly `--tokens` tokens of one prompt (seeded, sampled, its own seed): `plain` without a
-guide (ignore_eos), `guided` under `guided_regex` `[a-z ,.]{1000}`, which never completes inside `--tokens` tokens,
-so both run to their length. Each mode runs once at each concurrency to warm up, then the timed passes run the
-modes in turn. Prints one line per pass, mode and concurrency (output tokens a second over the run, the mean request
-latency, the drafts the server verified and kept meanwhile) and, with --json, a JSON list of them last. Every answer
-is checked to hold `--tokens` tokens, and every guided answer's text to stay inside the pattern's characters. With
---no-drafts every request sends `"draft": false` (a guided lane's drafts are not guided, so with drafts the two modes
-also differ in what the drafts keep).
+Each request asks for exactly `--tokens` tokens of one prompt (seeded, sampled, its own seed): `plain` without a guide
+(ignore_eos), `guided` under `--guide`: `guided_regex` `[a-z ,.]{1000}` (the default), or `guided_json` of a list of at
+least 100 records of three keys; neither completes inside `--tokens` tokens, so both run to their length. Each mode runs
+once at each concurrency to warm up, then the timed passes run the modes in turn. Prints one line per pass, mode and
+concurrency (output tokens a second over the run, the mean request latency, the drafts the server verified and kept
+meanwhile) and, with --json, a JSON list of them last. Every answer is checked to hold `--tokens` tokens, and every
+guided answer's text to be a prefix its grammar takes. With --no-drafts every request sends `"draft": false` (a guided
+lane's MTP drafts are not guided: they are cut at the first one its grammar refuses and filled with the text the
+grammar forces, so with drafts the two modes also differ in what the drafts keep).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,19 @@ from dataclasses import asdict, dataclass
 import httpx
 from openai_stream import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, resolve_model
 
+from server.grammar import json_grammar, regex_grammar
+
 PATTERN = "[a-z ,.]{1000}"
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "size": {"enum": ["S", "M", "L"]},
+        "count": {"type": "integer"},
+    },
+    "required": ["name", "size", "count"],
+}
+SCHEMA = {"type": "array", "items": RECORD, "minItems": 100}
 PROMPT = "Write a short story about a lighthouse keeper.\n\n"
 
 
@@ -53,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight (default 1 8)")
     parser.add_argument("--passes", type=int, default=2, help="timed passes over the modes (default 2)")
     parser.add_argument("--no-drafts", action="store_true", help='send "draft": false in every request')
+    parser.add_argument("--guide", choices=("regex", "json"), default="regex", help="the guided mode's grammar")
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list last")
     args = parser.parse_args(argv)
     for name in ("requests", "tokens", "passes"):
@@ -65,7 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int, run: int) -> ModeResult:
     """Send `args.requests` requests, `concurrency` at a time, each for `args.tokens` tokens, guided or not."""
-    guide = {"guided_regex": PATTERN} if mode == "guided" else {"ignore_eos": True}
+    guided = {"guided_regex": PATTERN} if args.guide == "regex" else {"guided_json": SCHEMA}
+    guide = guided if mode == "guided" else {"ignore_eos": True}
+    grammar = regex_grammar("[a-z ,.]*") if args.guide == "regex" else json_grammar(SCHEMA)
     guide |= {"draft": False} if args.no_drafts else {}
     url = f"{args.base_url.rstrip('/')}/v1/completions"
 
@@ -78,8 +94,8 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int, 
         choice = reply.json()["choices"][0]
         if len(choice["token_ids"]) != args.tokens:
             raise RuntimeError(f"{mode}: {len(choice['token_ids'])} tokens, not {args.tokens}")
-        if mode == "guided" and not re.fullmatch("[a-z ,.]*", choice["text"]):
-            raise RuntimeError(f"guided text left the pattern: {choice['text'][:80]!r}")
+        if mode == "guided" and grammar.feed(grammar.initial, choice["text"].encode()) is None:
+            raise RuntimeError(f"guided text left the grammar: {choice['text'][:80]!r}")
         return time.perf_counter() - start
 
     before = drafts(args.base_url)

@@ -592,13 +592,15 @@ class Engine:
         return True
 
     def _propose(self, request: Request, tokens: tuple[int, ...], mtp: tuple[int, ...]) -> None:
-        """Plan the lane's next drafts from its text with the round's new tokens and the MTP layer's drafts (lock
-        held)."""
+        """Plan the lane's next drafts from its text with the round's new tokens and the MTP layer's drafts, a guided
+        lane's fitted to its grammar (lock held)."""
         if request.draft and self.draft_depth:
             if request.history is None:
                 request.history = History(request.prompt_ids)
             request.history.extend(tokens)
             request.drafts = self.drafter.propose(request.history, request.depth, mtp)
+            if request.guided is not None:
+                request.drafts = request.guided.drafts(request.drafts, request.depth)
 
     def _adapt_depth(self, request: Request, drafted: int, accepted: int) -> None:
         """One more draft after a window kept whole, one fewer after a window that kept none (at least one, at most

@@ -294,13 +294,17 @@ class Grammar:
             return state
         return frozenset(tuple(self._runs.canonical(node, horizon) for node in stack) for stack in state)
 
-    def can_continue(self, state: State) -> bool:
-        """Whether some byte may still come next."""
+    def candidates(self, state: State) -> int:
+        """The bytes some edge takes from `state`, as a bit mask (the grammar may still refuse some of them)."""
         candidates = 0
         for stack in state:
             for mask, _ in self._moves[stack[-1]]:
                 candidates |= mask
-        return any(self.step(state, byte) is not None for byte in members(candidates))
+        return candidates
+
+    def can_continue(self, state: State) -> bool:
+        """Whether some byte may still come next."""
+        return any(self.step(state, byte) is not None for byte in members(self.candidates(state)))
 
     def _advance(self, state: State, byte: int) -> State | None:
         """The state after a byte, worked out from the network."""

@@ -3,16 +3,19 @@ its grammar, from which each round's draw rows get their masks."""
 
 from __future__ import annotations
 
+import codecs
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from server.grammar import WHITESPACE, Grammar, State, members
 from server.guide_spec import GuideError, GuideSpec
 from server.token_masks import GuideMasks, TokenVocabulary
 
 MASK_SETS = 16  # grammars whose masks are kept for later requests (the least recently used one goes first)
 PACKED_MASKS = 1024  # states whose packed masks are kept
+FORCED_BYTES = 64  # the most bytes of forced text a lane's drafts are made from
 
 
 def packed(allowed: torch.Tensor) -> bytes:
@@ -62,12 +65,14 @@ class GuideCursor:
     def __init__(self, guides: Guides, masks: GuideMasks, starts_after: int | None) -> None:
         self.guides, self.masks, self.starts_after = guides, masks, starts_after
         self.state: Any = masks.grammar.initial if starts_after is None else None
+        self.last_byte = b""  # the output's last byte (none yet)
 
     def take(self, token: int) -> None:
         """Advance past a kept token; a token the grammar does not allow is a broken contract (`GuideError`)."""
         self.state = self._after(self.state, token)
         if self.state is _REFUSED:
             raise GuideError(f"token {token} was kept, but the request's grammar does not allow it there")
+        self.last_byte = self._last_byte(self.last_byte, token)
 
     def row_masks(self, drafts: tuple[int, ...]) -> tuple[bytes, ...]:
         """The packed masks of a window's draw rows: the row after each prefix of the drafts, in order; () where no
@@ -85,6 +90,36 @@ class GuideCursor:
         every = b"\xff" * len(next(mask for mask in masks if mask))
         return tuple(mask or every for mask in masks)
 
+    def drafts(self, proposed: tuple[int, ...], depth: int) -> tuple[int, ...]:
+        """A guided lane's drafts, at most `depth`: the proposed ones (the MTP layer's, which no grammar guides) up to
+        the first the grammar refuses, then the tokens of the text the grammar forces from there (`likely_text`: a
+        schema's keys and punctuation). Drafts never change a token; these are only likelier to be kept."""
+        kept, state, before = [], self.state, self.last_byte
+        for token in proposed[:depth]:
+            if state is not None and token in self.masks.end_ids:  # kept where the output is complete, then the last
+                if self.masks.grammar.accepts(state):
+                    return (*kept, token)
+                break
+            after = self._after(state, token)
+            if after is _REFUSED:
+                break
+            kept.append(token)
+            state, before = after, self._last_byte(before, token)
+        if state is None or len(kept) >= depth:
+            return tuple(kept)
+        likely = likely_text(self.masks.grammar, state, before, FORCED_BYTES)
+        text = codecs.getincrementaldecoder("utf-8")().decode(likely)  # whole characters only
+        for token in self.guides.tokenizer.encode(text, add_special_tokens=False)[: depth - len(kept)] if text else ():
+            state = self._after(state, token)
+            if state is _REFUSED:
+                break
+            kept.append(token)
+        return tuple(kept)
+
+    def _last_byte(self, before: bytes, token: int) -> bytes:
+        """The output's last byte after a token (`before` where the token adds none)."""
+        return (self.masks.vocabulary.token_bytes(token) or before)[-1:]
+
     def _after(self, state: Any, token: int) -> Any:
         """The state after a token (None: still before the grammar starts; `_REFUSED`: the grammar refuses it)."""
         if state is None:
@@ -94,3 +129,34 @@ class GuideCursor:
 
 
 _REFUSED = object()  # the place after a token the grammar does not allow
+
+
+def likely_text(grammar: Grammar, state: State, before: bytes, limit: int) -> bytes:
+    """The text the grammar forces from `state` (the output so far ending with `before`), at most `limit` bytes, JSON's
+    optional whitespace written as json.dumps writes it: while the output cannot end there, a space after ':' or ','
+    where one can come, else the one byte other than whitespace that can come next, or the one whitespace byte where
+    only it can."""
+    text = bytearray()
+    while len(text) < limit and not grammar.accepts(state):
+        spaces, others = {}, []
+        for byte in members(grammar.candidates(state)):  # in byte order: every whitespace byte before the others
+            after = grammar.step(state, byte)
+            if after is None:
+                continue
+            if WHITESPACE >> byte & 1:
+                spaces[byte] = after
+            else:
+                others.append((byte, after))
+                if len(others) == 2:
+                    break
+        if (before + text)[-1:] in (b":", b",") and ord(" ") in spaces:
+            taken = ord(" "), spaces[ord(" ")]
+        elif len(others) == 1:
+            taken = others[0]
+        elif not others and len(spaces) == 1:
+            taken = next(iter(spaces.items()))
+        else:
+            break
+        text.append(taken[0])
+        state = taken[1]
+    return bytes(text)

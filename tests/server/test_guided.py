@@ -106,6 +106,19 @@ def test_guided_requests_drafted_equal_undrafted(model, tokenizer, prompt, draw)
     assert all(len(row.guide_masks) == len(row.drafts) + 1 for row in verified)
 
 
+@pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_guided_window_verifies_only_drafts_its_grammar_allows(model, tokenizer, prompt, draw):
+    """The MTP layer's drafts are cut at the first one the grammar refuses (and filled with the text it forces):
+    every draft a guided window verifies is allowed by the mask of the row before it."""
+    jobs = [(prompt, draw, guide) for guide in GUIDES.values()]
+    _, runner = serve(model, tokenizer, jobs, depth=3)
+    windows = [row for plan in runner.plans for row in plan.rows if row.drafts and row.guide_masks]
+    assert windows, "no guided window verified drafts"
+    for row in windows:
+        for draft, mask in zip(row.drafts, row.guide_masks, strict=False):
+            assert mask[draft // 8] >> (draft % 8) & 1, (row.drafts, draft)
+
+
 def test_guided_requests_among_others_equal_each_alone(model, tokenizer, prompt):
     jobs = [(prompt, SAMPLED, GUIDES["schema"]), (prompt, GREEDY, None), (prompt[:-1], GREEDY, GUIDES["regex"])]
     together, _ = serve(model, tokenizer, jobs)

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from model.shipped import SHIPPED_MODEL
+from server.grammar import choice_grammar, json_grammar, regex_grammar
 from server.guide_spec import GuideError, GuideSpec
-from server.guides import MASK_SETS, Guides, packed
+from server.guides import MASK_SETS, Guides, likely_text, packed
 
 THINK_END = 4095
 CHOICE = GuideSpec("choice", json.dumps(["yes", "no"]))
@@ -92,3 +93,70 @@ def test_a_grammar_served_after_older_ones_were_dropped_gets_its_own_masks(token
         (first,) = cursor.row_masks(())
         assert allowed_ids(first) == cursor.masks.allowed(spec.grammar().initial).nonzero().flatten().tolist()
         assert ids(tokenizer, f"{index}zz")[0] in allowed_ids(first)
+
+
+PLEASE = GuideSpec("choice", json.dumps(["yes please", "no"]))
+
+
+def test_drafts_stop_at_the_first_the_grammar_refuses_then_take_the_text_it_forces(tokenizer, guides):
+    """A lane's proposed drafts are kept up to the first its grammar refuses; from there the tokens of the text the
+    grammar forces fill the window, never past its depth."""
+    cursor = guides.cursor(PLEASE, (tokenizer.eos_token_id,))
+    (y,), (x,) = ids(tokenizer, "y"), ids(tokenizer, "x")
+    assert cursor.drafts((x, y), 3) == ()  # "y" or "n": nothing is forced at the start
+    cursor.take(y)
+    rest = ids(tokenizer, "es please")
+    assert len(rest) > 2
+    assert cursor.drafts((x, y, y), 3) == tuple(rest[:3])
+    assert cursor.drafts((x,), 1) == (rest[0],)
+    assert cursor.drafts((rest[0], x), 3) == (
+        rest[0],
+        *ids(tokenizer, "es please"[len(tokenizer.decode(rest[0])) :])[:2],
+    )
+    assert cursor.drafts(tuple(rest), 8) == tuple(rest)  # the grammar is complete after them: nothing more is forced
+
+
+def test_an_end_id_is_kept_as_a_draft_only_where_the_output_is_complete(tokenizer, guides):
+    eos = tokenizer.eos_token_id
+    cursor = guides.cursor(PLEASE, (eos,))
+    (n,), (x,) = ids(tokenizer, "n"), ids(tokenizer, "x")
+    assert cursor.drafts((n, eos, x), 3) == (n, *ids(tokenizer, "o"))  # "n" is not complete: "o" is forced
+    (no,) = ids(tokenizer, "no")
+    assert cursor.drafts((no, eos, x), 3) == (no, eos)
+
+
+def test_drafts_before_the_guide_starts_are_kept_as_proposed(tokenizer, guides):
+    cursor = guides.cursor(CHOICE.after(THINK_END), (tokenizer.eos_token_id,))
+    words = tuple(ids(tokenizer, " maybe so"))
+    assert cursor.drafts(words, 3) == words[:3]
+    (x,), (y,) = ids(tokenizer, "x"), ids(tokenizer, "y")
+    assert cursor.drafts((words[0], THINK_END, x), 3) == (words[0], THINK_END)  # "yes" or "no" after: none forced
+    assert cursor.drafts((words[0], THINK_END, y), 4) == (words[0], THINK_END, y, *ids(tokenizer, "es")[:1])
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "size": {"enum": ["S", "M"]}, "tags": {"type": "array"}},
+    "required": ["name", "size", "tags"],
+}
+
+
+@pytest.mark.parametrize(
+    ("grammar", "output", "likely"),
+    [
+        (json_grammar(SCHEMA), b"", b'{"name": "'),
+        (json_grammar(SCHEMA), b'{"name": "Al', b""),  # inside a string: any character
+        (json_grammar(SCHEMA), b'{"name": "Al"', b', "size": "'),
+        (json_grammar(SCHEMA), b'{"name": "Al",', b' "size": "'),
+        (json_grammar(SCHEMA), b'{"name": "Al" , "size": "M"', b', "tags": ['),
+        (json_grammar(None), b'{"a"', b": "),
+        (regex_grammar(r"a[ \t]*b"), b"a", b"b"),
+        (regex_grammar(r"a\tb+"), b"a", b"\tb"),  # ends where "b" completes a match
+        (choice_grammar(["yes please", "no"]), b"", b""),
+        (choice_grammar(["yes please", "no"]), b"yes", b" please"),
+    ],
+)
+def test_the_likely_text_is_the_forced_text_with_json_whitespace_as_json_dumps_writes_it(grammar, output, likely):
+    state = grammar.feed(grammar.initial, output)
+    assert likely_text(grammar, state, output[-1:], 64) == likely
+    assert likely_text(grammar, state, output[-1:], 3) == likely[:3]
