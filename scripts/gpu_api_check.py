@@ -187,6 +187,23 @@ def guided_checks(base: str, check) -> None:
             len(calls) >= 1 and all(set(json.loads(c["function"]["arguments"])) == {"items"} for c in calls)
         )
         check(f"tool_choice {name}: the answer is calls of the tool ({answer['finish_reason']})", ok, answer)
+        whole = [call["function"] for call in calls]
+        check(f"tool_choice {name}: streamed calls = not streamed", streamed_calls(base, ask) == whole, whole)
+
+
+def streamed_calls(base: str, ask: dict) -> list[dict]:
+    """A streamed chat's calls, its `tool_calls` deltas joined by index as OpenAI's clients join them."""
+    calls: dict[int, dict] = {}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**ask, "stream": True}, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                for entry in choice["delta"].get("tool_calls") or []:
+                    call = calls.setdefault(entry["index"], {"name": None, "arguments": ""})
+                    call["name"] = call["name"] or entry["function"].get("name")
+                    call["arguments"] += entry["function"].get("arguments", "")
+    return [calls[index] for index in sorted(calls)]
 
 
 if __name__ == "__main__":

@@ -666,15 +666,14 @@ def build_app(state: ServerState) -> FastAPI:
             if piece is not None:
                 content, calls = piece.content, []
                 if cuts is not None:
-                    content, calls = cuts[index].take(piece.content, piece.finish_reason is not None)
+                    content, calls = cuts[index].deltas(piece.content, piece.finish_reason is not None)
                 reasoning = piece.reasoning if body.include_reasoning else ""
                 if content or not (reasoning or calls):
                     delta["content"] = content
                 if reasoning:
                     delta["reasoning_content"] = delta["reasoning"] = reasoning
                 if calls:
-                    sent = cuts[index].sent - len(calls)  # each call's index among the choice's calls
-                    delta["tool_calls"] = [call.to_openai(sent + k) for k, call in enumerate(calls)]
+                    delta["tool_calls"] = calls
                 finish_reason = piece.finish_reason if cuts is None else cuts[index].finish(piece.finish_reason)
                 choice.update(finish_reason=finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:

@@ -172,52 +172,134 @@ class ToolCallCut:
         self.sent += len(calls)
         return content, calls
 
+    def deltas(self, text: str, last: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, `tool_calls` deltas) of the next piece's text for a streamed chat: each call whole."""
+        content, calls = self.take(text, last)
+        first = self.sent - len(calls)
+        return content, [call.to_openai(first + k) for k, call in enumerate(calls)]
+
     def finish(self, reason: str | None) -> str | None:
         """The choice's finish_reason: "tool_calls" once a call was handed out (vLLM's Hermes parser's)."""
         return "tool_calls" if reason is not None and self.sent else reason
 
 
 class ForcedCalls:
-    """One choice's calls where tool_choice forced them (vLLM's forms, which guided decoding keeps the content to): a
-    named function's arguments object, or "required"'s JSON list of {"name", "parameters"} objects. The content is
-    held back and becomes the calls when the reply ends; content that does not parse (a reply cut by its length)
-    stays content."""
+    """One choice's calls where tool_choice forced them (vLLM's forms, which guided decoding keeps the content to).
+    A named function's answer is its arguments: the call carries the text as it comes (streamed as arguments deltas,
+    the first with the call's id and name; a reply cut by its length gives the arguments written so far, as vLLM's).
+    "required"'s answer is a JSON list of {"name", "parameters"} objects: each becomes a call as it closes; text that
+    is not such an item (a list cut by its length inside one) stays content."""
 
-    __slots__ = ("_held", "_make_id", "_named", "sent")
+    __slots__ = ("_arguments", "_call_id", "_items", "_make_id", "_named", "sent")
 
     def __init__(self, named: str | None, make_id: Callable[[], str] = new_call_id) -> None:
         """`named`: the forced function's name, or None for "required"."""
         self._named, self._make_id = named, make_id
-        self._held: list[str] = []
-        self.sent = 0
+        self._arguments: list[str] = []  # a named call's text so far
+        self._call_id: str | None = None  # a named call's id, once it is opened
+        self._items = ListItems()
+        self.sent = 0  # calls handed out so far
 
     def take(self, text: str, last: bool) -> tuple[str, list[ToolCall]]:
-        """(content delta, calls): nothing until the last piece, then the calls, or the content if it does not parse."""
-        self._held.append(text)
-        if not last:
-            return "", []
-        content = "".join(self._held)
-        calls = self._calls(content)
+        """(content delta, whole calls) of the next piece's text: a named call once the reply ends, each of
+        "required"'s calls as its item closes; `last`: the reply ends with this piece."""
+        if self._named is not None:
+            self._arguments.append(text)
+            if not last:
+                return "", []
+            self.sent = 1
+            return "", [ToolCall(self._named_id(), self._named, "".join(self._arguments))]
+        calls, content = [], ""
+        for item in self._items.feed(text):
+            call = self._call(item)
+            if call is None:
+                content += item
+            else:
+                calls.append(call)
+        content, self._items.outside = content + "".join(self._items.outside), []
+        if last:
+            content += self._items.rest()
         self.sent += len(calls)
-        return ("", calls) if calls else (content, [])
+        return content, calls
+
+    def deltas(self, text: str, last: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, `tool_calls` deltas) of the next piece's text for a streamed chat: a named call's
+        arguments as they come, the first delta with its index, id, type and name; "required"'s calls whole."""
+        if self._named is None:
+            content, calls = self.take(text, last)
+            first = self.sent - len(calls)
+            return content, [call.to_openai(first + k) for k, call in enumerate(calls)]
+        if not text and not (last and self._call_id is None):
+            return "", []
+        if self._call_id is not None:
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        self.sent = 1
+        return "", [ToolCall(self._named_id(), self._named, text).to_openai(0)]
 
     def finish(self, reason: str | None) -> str | None:
         """The choice's finish_reason as vLLM gives it: "tool_calls" for "required"'s calls that ended well, the
         engine's reason otherwise (a named choice's "stop", as OpenAI's; "length" stays "length")."""
         return "tool_calls" if reason == "stop" and self.sent and self._named is None else reason
 
-    def _calls(self, content: str) -> list[ToolCall]:
-        """The calls the content holds; none where it is not the forced form."""
+    def _named_id(self) -> str:
+        """The named call's id, made the first time it is asked for."""
+        if self._call_id is None:
+            self._call_id = self._make_id()
+        return self._call_id
+
+    def _call(self, item: str) -> ToolCall | None:
+        """The call one of "required"'s items holds; None where it is not one."""
         try:
-            value = json.loads(content)
+            value = json.loads(item)
         except (ValueError, RecursionError):
-            return []
-        if self._named is not None:
-            pairs = [(self._named, value)]
-        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
-            pairs = [(item.get("name"), item.get("parameters")) for item in value]
-        else:
-            return []
-        if not all(isinstance(name, str) and isinstance(args, dict) for name, args in pairs):
-            return []
-        return [ToolCall(self._make_id(), name, json.dumps(args, ensure_ascii=False)) for name, args in pairs]
+            return None
+        if not isinstance(value, dict):
+            return None
+        name, args = value.get("name"), value.get("parameters")
+        if not isinstance(name, str) or not isinstance(args, dict):
+            return None
+        return ToolCall(self._make_id(), name, json.dumps(args, ensure_ascii=False))
+
+
+class ListItems:
+    """The items of a JSON list, each as it closes (an object or a list at its closing bracket, any other value at the
+    comma or bracket after it), from the list's text in pieces; the list's brackets and the commas and whitespace
+    between items are dropped, and text outside the list (a reply that is no list) is kept apart, in `outside`."""
+
+    __slots__ = ("_depth", "_escaped", "_item", "_quoted", "outside")
+
+    def __init__(self) -> None:
+        self._depth = 0  # brackets open outside strings, the list's own included
+        self._quoted = self._escaped = False
+        self._item: list[str] = []  # the open item's text
+        self.outside: list[str] = []  # text outside the list, not yet handed out
+
+    def feed(self, text: str) -> list[str]:
+        """The items that close in this piece of text."""
+        closed = []
+        for char in text:
+            if self._quoted:
+                self._item.append(char)
+                self._quoted = self._escaped or char != '"'
+                self._escaped = not self._escaped and char == "\\"
+            elif self._depth == 0 and char == "[":
+                self._depth = 1
+            elif self._depth == 0:
+                self.outside.append(char)
+            elif self._depth == 1 and (char in ",]" or (char in " \t\n\r" and not self._item)):
+                if self._item:
+                    closed.append("".join(self._item).rstrip())
+                    self._item = []
+                self._depth -= char == "]"
+            else:
+                self._item.append(char)
+                self._quoted = char == '"'
+                self._depth += (char in "[{") - (char in "]}")
+                if self._depth == 1 and char in "]}":
+                    closed.append("".join(self._item))
+                    self._item = []
+        return closed
+
+    def rest(self) -> str:
+        """The open item's text (a list cut inside an item)."""
+        return "".join(self._item)

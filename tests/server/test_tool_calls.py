@@ -277,18 +277,65 @@ def test_required_forced_calls_come_from_the_list_of_names_and_parameters():
 
 
 @pytest.mark.parametrize(
-    ("named", "text"),
+    ("text", "content"),
     [
-        ("f", '{"city": "Par'),  # cut by its length
-        ("f", "[1]"),  # arguments that are not an object
-        (None, '{"name": "a", "parameters": {}}'),  # not a list
-        (None, '[{"name": "a"}]'),  # no parameters
-        (None, '[{"name": 3, "parameters": {}}]'),
+        ('{"name": "a", "parameters": {}}', '{"name": "a", "parameters": {}}'),  # not a list
+        ('[{"name": "a"}]', '{"name": "a"}'),  # no parameters
+        ('[{"name": 3, "parameters": {}}]', '{"name": 3, "parameters": {}}'),
+        ('[{"name": "a", "parameters": {"x": "}"', '{"name": "a", "parameters": {"x": "}"'),  # cut by its length
     ],
 )
-def test_forced_content_that_is_not_the_forced_form_stays_content(named, text):
-    forced = ForcedCalls(named)
-    assert forced.take(text, last=True) == (text, []) and forced.sent == 0
+def test_required_text_that_is_not_a_call_stays_content(text, content):
+    forced = ForcedCalls(None)
+    assert forced.take(text, last=True) == (content, []) and forced.sent == 0
+
+
+def test_a_named_call_cut_by_its_length_gives_the_arguments_written_so_far():
+    """As vLLM's: the named call carries its text whatever it holds; finish_reason "length" tells it was cut."""
+    forced = ForcedCalls("f", numbered())
+    assert forced.take('{"city": "Par', last=True) == ("", [ToolCall("call_0", "f", '{"city": "Par')])
+    assert forced.finish("length") == "length"
+
+
+TWO = '[{"name": "a", "parameters": {"x": "}, {"}}, {"name": "b", "parameters": {"y": [1, "]"]}}]'
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_required_calls_come_as_each_item_closes_whatever_the_pieces(seed):
+    """Each call is handed out in the piece that closes its item, the same calls as the whole text gives."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(TWO)), 6))
+    pieces = [TWO[a:b] for a, b in zip([0, *cuts], [*cuts, len(TWO)], strict=True)]
+    forced = ForcedCalls(None, numbered())
+    taken = [forced.take(piece, index == len(pieces) - 1) for index, piece in enumerate(pieces)]
+    whole = ForcedCalls(None, numbered()).take(TWO, last=True)
+    assert ("".join(content for content, _ in taken), [call for _, calls in taken for call in calls]) == whole
+    ends = [sum(map(len, pieces[: index + 1])) for index in range(len(pieces))]  # text so far after each piece
+    closing = next(index for index, end in enumerate(ends) if end >= TWO.index("}}") + 2)  # closes the first item
+    assert [call.name for _, calls in taken[: closing + 1] for call in calls][:1] == ["a"]
+    assert not any(calls for _, calls in taken[:closing])
+
+
+@pytest.mark.parametrize("pieces", [['{"city": "Paris"}'], ['{"ci', "", 'ty": ', '"Paris"}', ""]])
+def test_a_named_call_streams_its_arguments_as_they_come(pieces):
+    """The first delta opens the call (index 0, id, type, name) with the first text; the others carry more of
+    the arguments; joined they are the arguments the whole answer gives."""
+    forced = ForcedCalls("get_weather", numbered())
+    deltas = [forced.deltas(piece, index == len(pieces) - 1) for index, piece in enumerate(pieces)]
+    entries = [entry for content, calls in deltas for entry in calls]
+    assert all(content == "" for content, _ in deltas)
+    assert entries[0] == {"index": 0, "id": "call_0", "type": "function",
+                          "function": {"name": "get_weather", "arguments": pieces[0]}}  # fmt: skip
+    assert all(
+        entry == {"index": 0, "function": {"arguments": entry["function"]["arguments"]}} for entry in entries[1:]
+    )
+    assert "".join(entry["function"]["arguments"] for entry in entries) == '{"city": "Paris"}'
+    assert len(entries) == len([piece for piece in pieces if piece]) and forced.sent == 1
+
+
+def test_a_named_call_that_ends_before_any_text_still_opens():
+    forced = ForcedCalls("f", numbered())
+    assert forced.deltas("", last=True) == ("", [ToolCall("call_0", "f", "").to_openai(0)])
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,18 @@ def calls_of(entries: list[dict]) -> list[tuple[str, dict]]:
     return [(entry["function"]["name"], json.loads(entry["function"]["arguments"])) for entry in entries]
 
 
+def joined_calls(entries: list[dict]) -> list[dict]:
+    """Streamed `tool_calls` deltas joined by their index, as OpenAI's clients join them: the first delta of a call
+    brings its id, type and name; every delta adds to its arguments."""
+    calls: dict[int, dict] = {}
+    for entry in entries:
+        call = calls.setdefault(entry["index"], {"function": {"arguments": ""}})
+        call.update({key: value for key, value in entry.items() if key not in ("index", "function")})
+        call["function"]["name"] = call["function"].get("name") or entry["function"].get("name")
+        call["function"]["arguments"] += entry["function"].get("arguments", "")
+    return [calls[index] for index in sorted(calls)]
+
+
 def test_a_tool_call_block_becomes_tool_calls_with_finish_reason_tool_calls(tokenizer):
     client, _ = http(tokenizer, TWO_CALLS)
     choice = chat(client)["choices"][0]
@@ -218,7 +230,11 @@ def test_a_forced_tool_choice_guides_the_answer_and_gives_its_calls(tokenizer, f
     chunks = streamed(client, chat_template_kwargs={"enable_thinking": False}, **fields)
     deltas = [c["delta"] for c in chunks]
     assert not "".join(d.get("content") or "" for d in deltas)  # the JSON is the calls, not content
-    assert calls_of([call for d in deltas for call in d.get("tool_calls", [])]) == [("get_weather", {"city": "Paris"})]
+    entries = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert calls_of(joined_calls(entries)) == [("get_weather", {"city": "Paris"})]
+    assert len(entries) > 1 if "tool_choice" in fields and fields["tool_choice"] == NAMED else len(entries) == 1
+    whole = choice["message"]["tool_calls"]
+    assert [call["function"] for call in joined_calls(entries)] == [call["function"] for call in whole]
     assert chunks[-1]["finish_reason"] == finish
 
 
@@ -260,11 +276,21 @@ def test_a_forced_call_after_thinking_keeps_the_reasoning(tokenizer):
     assert calls_of(message["tool_calls"]) == [("get_weather", {"city": "Paris"})]
 
 
-def test_a_forced_answer_cut_by_its_length_stays_content(tokenizer):
+def test_a_named_forced_answer_cut_by_its_length_gives_the_arguments_written(tokenizer):
+    """As vLLM's: the call carries what was written, streamed or not (finish_reason, "length" there, tells it was cut:
+    test_tool_calls.py)."""
     client, _ = http(tokenizer, '{"city": "Pa')
     body = chat(client, tool_choice=NAMED, chat_template_kwargs={"enable_thinking": False})
-    message = body["choices"][0]["message"]
-    assert message["content"] == '{"city": "Pa' and not message["tool_calls"]
+    (choice,) = body["choices"]
+    assert choice["message"]["content"] is None
+    assert [call["function"] for call in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Pa'}
+    ]
+    chunks = streamed(client, tool_choice=NAMED, chat_template_kwargs={"enable_thinking": False})
+    entries = [call for chunk in chunks for call in chunk["delta"].get("tool_calls", [])]
+    assert [call["function"] for call in joined_calls(entries)] == [
+        {"name": "get_weather", "arguments": '{"city": "Pa'}
+    ]
 
 
 @pytest.mark.parametrize(
