@@ -258,9 +258,10 @@ class Grammar:
         self._runs = Runs.of(
             network.runs, list(zip(self._moves, self._epsilons, self._calls, strict=True)), self._exits
         )
-        self._steps: dict[State, tuple[State, dict[int, State | None]]] = {}  # state -> (its interned copy, steps)
+        # state -> (its interned copy, its steps, [the most stacks one of those steps' closures visited])
+        self._steps: dict[State, tuple[State, dict[int, State | None], list[int]]] = {}
         self._lock = threading.Lock()
-        initial = self._close([(entry,)])
+        initial, _ = self._close([(entry,)])
         if initial is None:
             raise GrammarError("the grammar is too ambiguous to match", network.blame)
         self.initial: State = self._interned(initial)[0]
@@ -272,7 +273,7 @@ class Grammar:
             after = entry[1].get(byte, _UNKNOWN)
             if after is not _UNKNOWN:
                 return after
-        return self._remember(state, byte, self._advance(state, byte))
+        return self._remember(state, byte, *self._advance(state, byte))
 
     def feed(self, state: State, data: bytes) -> State | None:
         """The state after the bytes in order; None as soon as one cannot come next."""
@@ -306,18 +307,24 @@ class Grammar:
         """Whether some byte may still come next."""
         return any(self.step(state, byte) is not None for byte in members(self.candidates(state)))
 
-    def _advance(self, state: State, byte: int) -> State | None:
-        """The state after a byte, worked out from the network."""
+    def width(self, state: State) -> int:
+        """The most stacks a closure visited in the steps from `state` worked out so far (0 where none is cached):
+        how near the state's next bytes came to MAX_STACKS."""
+        entry = self._steps.get(state)
+        return 0 if entry is None else entry[2][0]
+
+    def _advance(self, state: State, byte: int) -> tuple[State | None, int]:
+        """The state after a byte, worked out from the network, and the stacks its closure visited."""
         moved = []
         for stack in state:
             for mask, target in self._moves[stack[-1]]:
                 if mask >> byte & 1:
                     moved.append((*stack[:-1], target))
-        return self._close(moved) if moved else None
+        return self._close(moved) if moved else (None, 0)
 
-    def _close(self, stacks: list[tuple[int, ...]]) -> State | None:
+    def _close(self, stacks: list[tuple[int, ...]]) -> tuple[State | None, int]:
         """The stacks reachable without a byte (epsilon edges, calls, returns), keeping those that can take a byte
-        or have matched everything; None where there are none, or too many to follow."""
+        or have matched everything (None where there are none, or too many to follow), and how many it visited."""
         seen: set[tuple[int, ...]] = set()
         kept = []
         while stacks:
@@ -326,7 +333,7 @@ class Grammar:
                 continue
             seen.add(stack)
             if len(seen) > MAX_STACKS:
-                return None
+                return None, len(seen)
             node, below = stack[-1], stack[:-1]
             if self._moves[node] or (not below and node in self._exits):
                 kept.append(stack)
@@ -335,23 +342,25 @@ class Grammar:
                 stacks.extend((*below, back, entry) for entry, back in self._calls[node])
             if below and node in self._exits:
                 stacks.append(below)
-        return frozenset(kept) or None
+        return frozenset(kept) or None, len(seen)
 
-    def _remember(self, state: State, byte: int, after: State | None) -> State | None:
-        """Cache a step, answering the interned copy of the state it leads to."""
+    def _remember(self, state: State, byte: int, after: State | None, width: int) -> State | None:
+        """Cache a step and the stacks its closure visited, answering the interned copy of the state it leads to."""
         with self._lock:
             if after is not None:
                 after = self._interned(after)[0]
-            self._interned(state)[1][byte] = after
+            entry = self._interned(state)
+            entry[1][byte] = after
+            entry[2][0] = max(entry[2][0], width)
         return after
 
-    def _interned(self, state: State) -> tuple[State, dict[int, State | None]]:
+    def _interned(self, state: State) -> tuple[State, dict[int, State | None], list[int]]:
         """The cache entry of a state, made where missing (the oldest entry goes when the cache is full)."""
         entry = self._steps.get(state)
         if entry is None:
             if len(self._steps) >= STEP_CACHE_STATES:
                 del self._steps[next(iter(self._steps))]
-            entry = self._steps[state] = (state, {})
+            entry = self._steps[state] = (state, {}, [0])
         return entry
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from server.grammar import Grammar, State
+from server.grammar import MAX_STACKS, Grammar, State
 
 ENDED: State = frozenset()  # the state after an end id; no grammar state is empty (Grammar.step answers None instead)
 MASK_CACHE_BYTES = 1 << 25  # bytes of cached masks per grammar, at most MASK_CACHE_STATES of them
@@ -21,6 +21,10 @@ MASK_CACHE_STATES = 4096
 # tokens of at most this many bytes are masked once for all the states that stand in for one another over as many
 # bytes (Grammar.stand_in: a long counted repeat's places); the few longer ones are walked from each state
 HORIZON = 16
+# a state of at most this many stacks shares the short tokens' mask of its stand-in, where the walk that made it met
+# no closure of more than MAX_STACKS // STAND_IN_STACKS stacks: then none of the state's own closures over those
+# bytes (at most one such closure per stack) can pass MAX_STACKS, whose cut the stand-in does not keep
+STAND_IN_STACKS = 16
 SPLIT_TRIES = 4  # a trie's splits kept (or loops met once), by the set of bytes that loop back to a state
 # a state taking at least this many bytes that lead back to it (a string's characters) takes the keys made of them
 # without walking them; fewer (a number's digits) leave too many keys to walk for the split to pay
@@ -235,13 +239,16 @@ class GuideMasks:
     def _build(self, state: State) -> torch.Tensor:
         """A state's mask: the short tokens' from the state that stands in for it (walked once for all the states it
         stands in for), the long ones walked from the state itself, then the end ids."""
-        stand_in = self.grammar.stand_in(state, HORIZON)
+        stand_in = self.grammar.stand_in(state, HORIZON) if len(state) <= STAND_IN_STACKS else state
         short = self._cached(self._short, stand_in)
         if short is None:
-            short = self._keep(self._short, stand_in, self._mask_of(self._walk(state, self.vocabulary.trie)))
+            ids, widest = self._walk(state, self.vocabulary.trie)
+            short = self._mask_of(ids)
+            if widest * STAND_IN_STACKS <= MAX_STACKS:  # else the cap on stacks could tell the states apart
+                self._keep(self._short, stand_in, short)
         mask = short.clone()
         if self.vocabulary.long_trie.keys:
-            mask[torch.tensor(self._walk(state, self.vocabulary.long_trie), dtype=torch.long)] = True
+            mask[torch.tensor(self._walk(state, self.vocabulary.long_trie)[0], dtype=torch.long)] = True
         mask[self._end_index] = False
         ends = self.grammar.accepts(state) or not mask.any()
         return mask.index_fill_(0, self._end_index, ends)
@@ -252,11 +259,11 @@ class GuideMasks:
         mask[torch.tensor(ids, dtype=torch.long)] = True
         return mask
 
-    def _walk(self, state: State, trie: ByteTrie) -> list[int]:
-        """The ids of a trie's keys whose bytes the grammar takes from `state`. A key whose every byte leads from
-        `state` back to it (inside a JSON string: most of the vocabulary) is taken without a walk; the others are
-        walked in order, each from the state after the prefix it shares with the key before; a refused byte skips
-        every key that starts with the bytes up to it."""
+    def _walk(self, state: State, trie: ByteTrie) -> tuple[list[int], int]:
+        """The ids of a trie's keys whose bytes the grammar takes from `state`, and the most stacks a closure visited
+        on the way (Grammar.width). A key whose every byte leads from `state` back to it (inside a JSON string: most
+        of the vocabulary) is taken without a walk; the others are walked in order, each from the state after the
+        prefix it shares with the key before; a refused byte skips every key that starts with the bytes up to it."""
         step = self.grammar.step
         loop = sum(1 << byte for byte in range(256) if step(state, byte) == state)
         allowed: list[int] = []
@@ -266,6 +273,7 @@ class GuideMasks:
             allowed = list(inside)
         keys, shared, ids = trie.keys, trie.shared, trie.ids
         path = [state]  # path[d]: the state after the first d bytes of the key walked
+        stepped_from = {state}  # every state a byte was fed to (few distinct ones: states repeat along keys)
         index = 0
         while index < len(keys):
             key = keys[index]
@@ -276,9 +284,10 @@ class GuideMasks:
                 if current is None:
                     break
                 path.append(current)
+                stepped_from.add(current)
             if current is None:
                 index = trie.skip(index, len(path))
             else:
                 allowed.extend(ids[index])
                 index += 1
-        return allowed
+        return allowed, max(map(self.grammar.width, stepped_from))

@@ -114,3 +114,18 @@ def test_a_long_runs_masks_walk_the_short_tokens_once_and_stay_exact(monkeypatch
         state = grammar.feed(grammar.initial, b"ab z" * (length // 4) + b"a" * (length % 4))
         assert torch.equal(masks.allowed(state), fed_mask(masks, state)), length
     assert len(short_walks) <= 1 + (HORIZON + 3) // 7 + 1
+
+
+def test_states_on_either_side_of_the_stack_cap_keep_their_own_masks_in_either_order():
+    """`(?:a{1,999}){1,15}b` after 720 a's holds 9,991 stacks, and one more 'a' passes MAX_STACKS, which the grammar
+    then refuses; after 17 a's it takes one. Both share a stand-in, yet each gets its own mask, whichever comes first
+    (a review's counterexample: the first one's mask was served to the other)."""
+    grammar = regex_grammar("(?:a{1,999}){1,15}b")
+    small, big = grammar.feed(grammar.initial, b"a" * 17), grammar.feed(grammar.initial, b"a" * 720)
+    assert grammar.stand_in(small, HORIZON) == grammar.stand_in(big, HORIZON)
+    assert grammar.feed(big, b"a") is None and grammar.feed(small, b"a") is not None
+    vocabulary = TokenVocabulary([b"a", b"b"], 3)
+    for order in ((small, big), (big, small)):
+        masks = GuideMasks(grammar, vocabulary, (2,))
+        for state in order:
+            assert torch.equal(masks.allowed(state), fed_mask(masks, state))
