@@ -34,6 +34,11 @@ class Stretch:
     size: int
     count: int
 
+    @property
+    def end(self) -> int:
+        """One past the stretch's last node."""
+        return self.first + self.size * self.count
+
     def stand_in(self, node: int, horizon: int) -> int:
         """The node of the stretch's first copy that takes the same bytes as `node` for `horizon` bytes, or `node`
         where the stretch ends too soon after it: no edge leads back a copy, a path of k bytes reaches at most k + 1
@@ -48,8 +53,17 @@ class Runs:
     """The stretches of a grammar's counted repeats, found from the network's copies and the grammar's edges."""
 
     def __init__(self, stretches: list[Stretch]) -> None:
-        self._stretches = sorted(stretches, key=lambda stretch: stretch.first)
+        """Stretches nest or lie apart (an inner run's lies inside one copy of an outer one's): each is kept with the
+        innermost one holding it, an outer one before an inner one that starts at the same node."""
+        self._stretches = sorted(stretches, key=lambda stretch: (stretch.first, -stretch.end))
         self._firsts = [stretch.first for stretch in self._stretches]
+        self._parents: list[int] = []  # the index of the innermost stretch holding each, or -1
+        holding: list[int] = []
+        for index, stretch in enumerate(self._stretches):
+            while holding and self._stretches[holding[-1]].end <= stretch.first:
+                holding.pop()
+            self._parents.append(holding[-1] if holding else -1)
+            holding.append(index)
 
     @classmethod
     def of(cls, runs: Sequence[Sequence[Copy]], edges: Sequence[Edges], exits: frozenset[int]) -> Runs:
@@ -64,18 +78,16 @@ class Runs:
         return bool(self._stretches)
 
     def canonical(self, node: int, horizon: int) -> int:
-        """The node that stands for `node` over `horizon` bytes: moved to the first copy of each stretch holding it
-        (an inner run's copy inside an outer one's, then the inner one's), else itself."""
+        """The node that stands for `node` over `horizon` bytes: moved to the first copy of the innermost stretch
+        holding it that can move it, then again from there (an outer run's copy, then an inner one's), else itself."""
         while True:
+            index = bisect_right(self._firsts, node) - 1  # the last stretch to start at or before the node
+            while index >= 0 and node >= self._stretches[index].end:  # it ends before the node: try its holders
+                index = self._parents[index]
             moved = node
-            index = bisect_right(self._firsts, node)
-            while index:  # stretches starting at or before the node; nested ones start later than their outer one
-                index -= 1
-                stretch = self._stretches[index]
-                if node < stretch.first + stretch.size * stretch.count:
-                    moved = stretch.stand_in(node, horizon)
-                    if moved != node:
-                        break
+            while index >= 0 and moved == node:
+                moved = self._stretches[index].stand_in(node, horizon)
+                index = self._parents[index]
             if moved == node:
                 return node
             node = moved
