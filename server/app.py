@@ -398,8 +398,7 @@ def build_app(state: ServerState) -> FastAPI:
                 content, calls = cut.take(outcome.content, last=True)
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 finish_reason = cut.finish(finish_reason)
-                if calls:
-                    message["content"] = (body.echoed() + content) or None
+                message["content"] = (body.echoed() + content) or (None if calls else "")
             return {
                 "index": index,
                 "message": message,

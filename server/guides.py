@@ -69,10 +69,10 @@ class GuideCursor:
 
     def take(self, token: int) -> None:
         """Advance past a kept token; a token the grammar does not allow is a broken contract (`GuideError`)."""
-        self.state = self._after(self.state, token)
+        state, self.state = self.state, self._after(self.state, token)
         if self.state is _REFUSED:
             raise GuideError(f"token {token} was kept, but the request's grammar does not allow it there")
-        self.last_byte = self._last_byte(self.last_byte, token)
+        self.last_byte = self._last_byte(state, self.last_byte, token)
 
     def row_masks(self, drafts: tuple[int, ...]) -> tuple[bytes, ...]:
         """The packed masks of a window's draw rows: the row after each prefix of the drafts, in order; () where no
@@ -104,21 +104,27 @@ class GuideCursor:
             if after is _REFUSED:
                 break
             kept.append(token)
-            state, before = after, self._last_byte(before, token)
+            state, before = after, self._last_byte(state, before, token)
         if state is None or len(kept) >= depth:
             return tuple(kept)
         likely = likely_text(self.masks.grammar, state, before, FORCED_BYTES)
-        text = codecs.getincrementaldecoder("utf-8")().decode(likely)  # whole characters only
-        for token in self.guides.tokenizer.encode(text, add_special_tokens=False)[: depth - len(kept)] if text else ():
+        # whole characters only; bytes that end a character begun before, which no text can start with, are left out
+        # (the text's first token is then refused) as are malformed ones the grammar lets pass
+        text = codecs.getincrementaldecoder("utf-8")(errors="ignore").decode(likely)
+        spelled = (
+            self.guides.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+        )
+        for token in spelled[: depth - len(kept)]:
             state = self._after(state, token)
             if state is _REFUSED:
                 break
             kept.append(token)
         return tuple(kept)
 
-    def _last_byte(self, before: bytes, token: int) -> bytes:
-        """The output's last byte after a token (`before` where the token adds none)."""
-        return (self.masks.vocabulary.token_bytes(token) or before)[-1:]
+    def _last_byte(self, state: Any, before: bytes, token: int) -> bytes:
+        """The guided output's last byte after a token taken at `state` (`before` where the token adds none; none
+        while the grammar has not started)."""
+        return b"" if state is None else (self.masks.vocabulary.token_bytes(token) or before)[-1:]
 
     def _after(self, state: Any, token: int) -> Any:
         """The state after a token (None: still before the grammar starts; `_REFUSED`: the grammar refuses it)."""
@@ -132,14 +138,14 @@ _REFUSED = object()  # the place after a token the grammar does not allow
 
 
 def likely_text(grammar: Grammar, state: State, before: bytes, limit: int) -> bytes:
-    """The text the grammar forces from `state` (the output so far ending with `before`), at most `limit` bytes, JSON's
-    optional whitespace written as json.dumps writes it: while the output cannot end there, a space after ':' or ','
-    where one can come, else the one byte other than whitespace that can come next, or the one whitespace byte where
-    only it can."""
+    """The text the grammar forces from `state` (the output so far ending with `before`), at most `limit` bytes, with
+    a guess where JSON whitespace may come, as json.dumps writes it: while the output cannot end there, a space after
+    ':' or ',' where one can come (a guess inside a string too), else the one byte other than whitespace that can come
+    next, or the one whitespace byte where only it can (a grammar that allows control bytes may stop sooner)."""
     text = bytearray()
     while len(text) < limit and not grammar.accepts(state):
         spaces, others = {}, []
-        for byte in members(grammar.candidates(state)):  # in byte order: every whitespace byte before the others
+        for byte in members(grammar.candidates(state)):  # in byte order: JSON whitespace before printable bytes
             after = grammar.step(state, byte)
             if after is None:
                 continue

@@ -210,13 +210,12 @@ class ForcedCalls:
             self.sent = 1
             return "", [ToolCall(self._named_id(), self._named, "".join(self._arguments))]
         calls, content = [], ""
-        for item in self._items.feed(text):
-            call = self._call(item)
+        for part, is_item in self._items.feed(text):
+            call = self._call(part) if is_item else None
             if call is None:
-                content += item
+                content += part
             else:
                 calls.append(call)
-        content, self._items.outside = content + "".join(self._items.outside), []
         if last:
             content += self._items.rest()
         self.sent += len(calls)
@@ -263,20 +262,19 @@ class ForcedCalls:
 
 class ListItems:
     """The items of a JSON list, each as it closes (an object or a list at its closing bracket, any other value at the
-    comma or bracket after it), from the list's text in pieces; the list's brackets and the commas and whitespace
-    between items are dropped, and text outside the list (a reply that is no list) is kept apart, in `outside`."""
+    comma or bracket after it), from the list's text in pieces, in order with any text outside the list (a reply
+    that is no list); the list's brackets and the commas and whitespace between items are dropped."""
 
-    __slots__ = ("_depth", "_escaped", "_item", "_quoted", "outside")
+    __slots__ = ("_depth", "_escaped", "_item", "_quoted")
 
     def __init__(self) -> None:
         self._depth = 0  # brackets open outside strings, the list's own included
         self._quoted = self._escaped = False
         self._item: list[str] = []  # the open item's text
-        self.outside: list[str] = []  # text outside the list, not yet handed out
 
-    def feed(self, text: str) -> list[str]:
-        """The items that close in this piece of text."""
-        closed = []
+    def feed(self, text: str) -> list[tuple[str, bool]]:
+        """The items that close in this piece of text and the text outside the list, in order: (text, is an item)."""
+        parts: list[tuple[str, bool]] = []
         for char in text:
             if self._quoted:
                 self._item.append(char)
@@ -285,10 +283,11 @@ class ListItems:
             elif self._depth == 0 and char == "[":
                 self._depth = 1
             elif self._depth == 0:
-                self.outside.append(char)
+                outside = parts.pop()[0] if parts and not parts[-1][1] else ""
+                parts.append((outside + char, False))
             elif self._depth == 1 and (char in ",]" or (char in " \t\n\r" and not self._item)):
                 if self._item:
-                    closed.append("".join(self._item).rstrip())
+                    parts.append(("".join(self._item).rstrip(), True))
                     self._item = []
                 self._depth -= char == "]"
             else:
@@ -296,9 +295,9 @@ class ListItems:
                 self._quoted = char == '"'
                 self._depth += (char in "[{") - (char in "]}")
                 if self._depth == 1 and char in "]}":
-                    closed.append("".join(self._item))
+                    parts.append(("".join(self._item), True))
                     self._item = []
-        return closed
+        return parts
 
     def rest(self) -> str:
         """The open item's text (a list cut inside an item)."""

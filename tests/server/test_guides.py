@@ -160,3 +160,38 @@ def test_the_likely_text_is_the_forced_text_with_json_whitespace_as_json_dumps_w
     state = grammar.feed(grammar.initial, output)
     assert likely_text(grammar, state, output[-1:], 64) == likely
     assert likely_text(grammar, state, output[-1:], 3) == likely[:3]
+
+
+def test_drafts_inside_a_character_the_grammar_forces_are_made_without_failing(tokenizer, guides):
+    """A byte-level token may end inside a character ('中' is three bytes): the text forced from there begins with
+    the character's last bytes, which no text spells, so no forced token is drafted there (it used to raise, which
+    stopped the engine); once the character is whole the next one's tokens are."""
+    cursor = guides.cursor(GuideSpec("choice", json.dumps(["中文", "x"])), (tokenizer.eos_token_id,))
+    single = {guides.vocabulary.token_bytes(i): i for i in range(len(tokenizer))}
+    first, *rest = "中".encode()
+    cursor.take(single[bytes([first])])
+    assert cursor.drafts((), 3) == ()
+    for byte in rest:
+        cursor.take(single[bytes([byte])])
+    assert cursor.drafts((), 3) == tuple(ids(tokenizer, "文"))[:3]
+
+
+def test_forced_text_that_spells_a_special_token_is_drafted_in_plain_tokens(tokenizer, guides):
+    eos = tokenizer.eos_token_id
+    cursor = guides.cursor(GuideSpec("choice", json.dumps(["a" + tokenizer.eos_token, "b"])), (eos,))
+    (a,) = ids(tokenizer, "a")
+    cursor.take(a)
+    drafts = cursor.drafts((), 3)
+    assert drafts and eos not in drafts
+    assert (
+        b"".join(guides.vocabulary.token_bytes(token) for token in drafts)
+        == tokenizer.eos_token.encode()[: sum(len(guides.vocabulary.token_bytes(token)) for token in drafts)]
+    )
+
+
+def test_the_text_before_a_guide_starts_does_not_steer_its_whitespace(tokenizer, guides):
+    """A think block that ends with ':' does not make the guided text's likely start a space."""
+    cursor = guides.cursor(GuideSpec("regex", "[ ]?x").after(THINK_END), (tokenizer.eos_token_id,))
+    for token in (*ids(tokenizer, "so:"), THINK_END):
+        cursor.take(token)
+    assert cursor.drafts((), 2) == tuple(ids(tokenizer, "x"))

@@ -351,3 +351,18 @@ def test_a_forced_choices_finish_reason_is_vllms(named, text, reason, finish):
     forced = ForcedCalls(named)
     forced.take(text, last=True)
     assert forced.finish(reason) == finish
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['"a[1]"', 'so [{"name": "a", "parameters": {"x": "]"}}, 3] then', '[{"name": "a", "parameters": {"x": 1}}, {"na'],
+)
+def test_required_content_keeps_its_order_whatever_the_pieces(text):
+    """Text outside the list and items that are no calls come out in the order written, split or whole."""
+    whole = ForcedCalls(None, numbered()).take(text, last=True)
+    for seed in range(20):
+        cuts = sorted(random.Random(seed).sample(range(1, len(text)), 3))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        forced = ForcedCalls(None, numbered())
+        taken = [forced.take(piece, index == len(pieces) - 1) for index, piece in enumerate(pieces)]
+        assert ("".join(content for content, _ in taken), [call for _, calls in taken for call in calls]) == whole

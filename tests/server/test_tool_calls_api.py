@@ -338,3 +338,18 @@ def test_the_responses_api_refuses_a_forced_choice_it_cannot_honour(tokenizer, f
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "tool_choice" and says in reply.json()["error"]["message"]
     assert not engine.submitted
+
+
+def test_a_required_answer_cut_before_its_first_call_closes_gives_the_same_content_streamed_or_not(tokenizer):
+    """The open item is content, the list's bracket is not, in both forms (the whole answer used to keep the raw
+    text, bracket and all, when no call had closed)."""
+    client, _ = http(tokenizer, '[{"name": "get_weather", "parameters": {"city": "Pa')
+    fields = {"tool_choice": "required", "chat_template_kwargs": {"enable_thinking": False}}
+    message = chat(client, **fields)["choices"][0]["message"]
+    deltas = [chunk["delta"] for chunk in streamed(client, **fields)]
+    assert not message["tool_calls"] and not any(delta.get("tool_calls") for delta in deltas)
+    assert (
+        message["content"]
+        == "".join(d.get("content") or "" for d in deltas)
+        == ('{"name": "get_weather", "parameters": {"city": "Pa')
+    )
