@@ -3,7 +3,7 @@
 # with the regex and the JSON guide, on this tree and on BEFORE's (another tree's folder) in turn: what a guided
 # lane's drafts keep and what its requests take.
 # Usage, from the repo root there (carry .whl and BEFORE):  BEFORE=build/before OUT=$OUT timeout 590 bash scripts/gpu_guided_drafts.sh
-# (CONCURRENCY, default "1 8", and PASSES, default 2, set the benchmark's levels and timed passes)
+# (GUIDES, default "regex json", CONCURRENCY, default "1 8", and PASSES, default 2, set the guides, levels and passes)
 : "${OUT:?set OUT to the folder for logs}" "${BEFORE:?set BEFORE to the other tree folder}"
 source scripts/gpu_serve.sh
 pick_model
@@ -11,7 +11,7 @@ here=$PWD
 url=http://127.0.0.1:8601
 
 bench() {  # bench NAME: both guides, drafts on, against the server at $url
-  for guide in regex json; do
+  for guide in ${GUIDES:-regex json}; do
     timeout 100 python3 "$here/scripts/bench_guided.py" --base-url $url --requests 8 --tokens 128 \
       --concurrency ${CONCURRENCY:-1 8} --passes ${PASSES:-2} --guide $guide --json > "$OUT/bench_${1}_$guide.log" 2>&1
     echo "bench $1 $guide rc $? $(since)"
