@@ -36,6 +36,7 @@ class Guides:
         self.mask_sets: OrderedDict[tuple[str, str, tuple[int, ...]], GuideMasks] = OrderedDict()
         # by (mask set, state): the key holds its mask set, so a later grammar's set never takes a dropped one's place
         self.packs: OrderedDict[tuple[GuideMasks, Any], bytes] = OrderedDict()
+        self.forced: OrderedDict[tuple[GuideMasks, State, bool], tuple[int, ...]] = OrderedDict()  # forced_tokens
 
     def cursor(self, spec: GuideSpec, end_ids: tuple[int, ...]) -> GuideCursor:
         """A request's cursor at the start of its output; `end_ids` are the ids that may end it (its stop tokens)."""
@@ -47,6 +48,23 @@ class Guides:
         while len(self.mask_sets) > MASK_SETS:
             self.mask_sets.popitem(last=False)
         return GuideCursor(self, masks, spec.starts_after)
+
+    def forced_tokens(self, masks: GuideMasks, state: State, before: bytes) -> tuple[int, ...]:
+        """The tokenizer's tokens of the text the grammar forces from a state (`likely_text`, after `before`), made
+        once while they are kept: states repeat from record to record and request to request. Bytes that end a
+        character begun before, which no text can start with, and malformed ones the grammar lets pass are left out
+        of the text (a token of it is then refused), as is a character that the limit cuts."""
+        key = (masks, state, before in (b":", b","))
+        spelled = self.forced.pop(key, None)
+        if spelled is None:
+            likely = likely_text(masks.grammar, state, before, FORCED_BYTES)
+            text = codecs.getincrementaldecoder("utf-8")(errors="ignore").decode(likely)
+            encode = self.tokenizer.encode
+            spelled = tuple(encode(text, add_special_tokens=False, split_special_tokens=True)) if text else ()
+        self.forced[key] = spelled
+        while len(self.forced) > PACKED_MASKS:
+            self.forced.popitem(last=False)
+        return spelled
 
     def packed_mask(self, masks: GuideMasks, state: Any) -> bytes:
         """A state's allowed ids, packed, made once while it is kept."""
@@ -107,14 +125,7 @@ class GuideCursor:
             state, before = after, self._last_byte(state, before, token)
         if state is None or len(kept) >= depth:
             return tuple(kept)
-        likely = likely_text(self.masks.grammar, state, before, FORCED_BYTES)
-        # whole characters only; bytes that end a character begun before, which no text can start with, are left out
-        # (the text's first token is then refused) as are malformed ones the grammar lets pass
-        text = codecs.getincrementaldecoder("utf-8")(errors="ignore").decode(likely)
-        spelled = (
-            self.guides.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
-        )
-        for token in spelled[: depth - len(kept)]:
+        for token in self.guides.forced_tokens(self.masks, state, before)[: depth - len(kept)]:
             state = self._after(state, token)
             if state is _REFUSED:
                 break
