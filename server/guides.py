@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import codecs
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -14,8 +15,20 @@ from server.guide_spec import GuideError, GuideSpec
 from server.token_masks import GuideMasks, TokenVocabulary
 
 MASK_SETS = 16  # grammars whose masks are kept for later requests (the least recently used one goes first)
-PACKED_MASKS = 1024  # states whose packed masks are kept
+KEPT_STATES = 1024  # states whose packed masks, and whose forced tokens, are kept
 FORCED_BYTES = 64  # the most bytes of forced text a lane's drafts are made from
+
+Key = TypeVar("Key")
+Value = TypeVar("Value")
+
+
+def kept(cache: OrderedDict[Key, Value], key: Key, make: Callable[[], Value]) -> Value:
+    """A cached value, made where missing; the least recently used of KEPT_STATES goes when the cache is full."""
+    value = cache.pop(key) if key in cache else make()
+    cache[key] = value
+    while len(cache) > KEPT_STATES:
+        cache.popitem(last=False)
+    return value
 
 
 def packed(allowed: torch.Tensor) -> bytes:
@@ -54,26 +67,19 @@ class Guides:
         once while they are kept: states repeat from record to record and request to request. Bytes that end a
         character begun before, which no text can start with, and malformed ones the grammar lets pass are left out
         of the text (a token of it is then refused), as is a character that the limit cuts."""
-        key = (masks, state, before in (b":", b","))
-        spelled = self.forced.pop(key, None)
-        if spelled is None:
-            likely = likely_text(masks.grammar, state, before, FORCED_BYTES)
-            text = codecs.getincrementaldecoder("utf-8")(errors="ignore").decode(likely)
+
+        def spell() -> tuple[int, ...]:
+            text = codecs.getincrementaldecoder("utf-8")(errors="ignore").decode(
+                likely_text(masks.grammar, state, before, FORCED_BYTES)
+            )
             encode = self.tokenizer.encode
-            spelled = tuple(encode(text, add_special_tokens=False, split_special_tokens=True)) if text else ()
-        self.forced[key] = spelled
-        while len(self.forced) > PACKED_MASKS:
-            self.forced.popitem(last=False)
-        return spelled
+            return tuple(encode(text, add_special_tokens=False, split_special_tokens=True)) if text else ()
+
+        return kept(self.forced, (masks, state, before in (b":", b",")), spell)
 
     def packed_mask(self, masks: GuideMasks, state: Any) -> bytes:
         """A state's allowed ids, packed, made once while it is kept."""
-        key = (masks, state)
-        bits = self.packs.pop(key, None) or packed(masks.allowed(state))
-        self.packs[key] = bits
-        while len(self.packs) > PACKED_MASKS:
-            self.packs.popitem(last=False)
-        return bits
+        return kept(self.packs, (masks, state), lambda: packed(masks.allowed(state)))
 
 
 class GuideCursor:

@@ -241,14 +241,18 @@ class GuideMasks:
         stands in for), the long ones walked from the state itself, then the end ids."""
         stand_in = self.grammar.stand_in(state, HORIZON) if len(state) <= STAND_IN_STACKS else state
         short = self._cached(self._short, stand_in)
+        long_trie = self.vocabulary.long_trie
+        walks = short is None or bool(long_trie.keys)
+        # the bytes that lead from the state back to it, found once for both walks where there are any
+        loop = sum(1 << byte for byte in range(256) if self.grammar.step(state, byte) == state) if walks else 0
         if short is None:
-            ids, widest = self._walk(state, self.vocabulary.trie)
+            ids, widest = self._walk(state, loop, self.vocabulary.trie)
             short = self._mask_of(ids)
             if widest * STAND_IN_STACKS <= MAX_STACKS:  # else the cap on stacks could tell the states apart
                 self._keep(self._short, stand_in, short)
         mask = short.clone()
-        if self.vocabulary.long_trie.keys:
-            mask[torch.tensor(self._walk(state, self.vocabulary.long_trie)[0], dtype=torch.long)] = True
+        if long_trie.keys:
+            mask[torch.tensor(self._walk(state, loop, long_trie)[0], dtype=torch.long)] = True
         mask[self._end_index] = False
         ends = self.grammar.accepts(state) or not mask.any()
         return mask.index_fill_(0, self._end_index, ends)
@@ -259,13 +263,13 @@ class GuideMasks:
         mask[torch.tensor(ids, dtype=torch.long)] = True
         return mask
 
-    def _walk(self, state: State, trie: ByteTrie) -> tuple[list[int], int]:
+    def _walk(self, state: State, loop: int, trie: ByteTrie) -> tuple[list[int], int]:
         """The ids of a trie's keys whose bytes the grammar takes from `state`, and the most stacks a closure visited
-        on the way (Grammar.width). A key whose every byte leads from `state` back to it (inside a JSON string: most
-        of the vocabulary) is taken without a walk; the others are walked in order, each from the state after the
-        prefix it shares with the key before; a refused byte skips every key that starts with the bytes up to it."""
+        on the way (Grammar.width). A key whose every byte is in `loop`, the bytes that lead from `state` back to it
+        (inside a JSON string: most of the vocabulary), is taken without a walk; the others are walked in order, each
+        from the state after the prefix it shares with the key before; a refused byte skips every key that starts
+        with the bytes up to it."""
         step = self.grammar.step
-        loop = sum(1 << byte for byte in range(256) if step(state, byte) == state)
         allowed: list[int] = []
         split = trie.split(loop) if loop.bit_count() >= LOOP_BYTES else None
         if split is not None:

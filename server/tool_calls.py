@@ -150,6 +150,13 @@ class ToolCallStream:
         return (held if self._live or held.strip() or not self._called else ""), []
 
 
+def whole_call_deltas(calls: list[ToolCall], sent: int) -> list[dict[str, Any]]:
+    """A piece's calls as streamed `tool_calls` entries, each whole and indexed among its choice's calls (`sent`
+    handed out so far, these included)."""
+    first = sent - len(calls)
+    return [call.to_openai(first + k) for k, call in enumerate(calls)]
+
+
 class ToolCallCut:
     """One choice's streamed content cut into text and calls as its pieces come, only the first call kept unless
     parallel calls are allowed (OpenAI's parallel_tool_calls)."""
@@ -175,8 +182,7 @@ class ToolCallCut:
     def deltas(self, text: str, last: bool) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, `tool_calls` deltas) of the next piece's text for a streamed chat: each call whole."""
         content, calls = self.take(text, last)
-        first = self.sent - len(calls)
-        return content, [call.to_openai(first + k) for k, call in enumerate(calls)]
+        return content, whole_call_deltas(calls, self.sent)
 
     def finish(self, reason: str | None) -> str | None:
         """The choice's finish_reason: "tool_calls" once a call was handed out (vLLM's Hermes parser's)."""
@@ -226,8 +232,7 @@ class ForcedCalls:
         arguments as they come, the first delta with its index, id, type and name; "required"'s calls whole."""
         if self._named is None:
             content, calls = self.take(text, last)
-            first = self.sent - len(calls)
-            return content, [call.to_openai(first + k) for k, call in enumerate(calls)]
+            return content, whole_call_deltas(calls, self.sent)
         if not text and not (last and self._call_id is None):
             return "", []
         if self._call_id is not None:

@@ -108,7 +108,10 @@ def test_a_long_runs_masks_walk_the_short_tokens_once_and_stay_exact(monkeypatch
     monkeypatch.setattr(
         masks,
         "_walk",
-        lambda state, trie: (short_walks.append(state) if trie is vocabulary.trie else None, walk(state, trie))[1],
+        lambda state, loop, trie: (
+            short_walks.append(state) if trie is vocabulary.trie else None,
+            walk(state, loop, trie),
+        )[1],
     )
     for length in range(0, 301, 7):
         state = grammar.feed(grammar.initial, b"ab z" * (length // 4) + b"a" * (length % 4))
