@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import re
 import threading
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import pairwise
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +24,10 @@ HORIZON = 16
 # no closure of more than MAX_STACKS // STAND_IN_STACKS stacks: then none of the state's own closures over those
 # bytes (at most one such closure per stack) can pass MAX_STACKS, whose cut the stand-in does not keep
 STAND_IN_STACKS = 16
-SPLIT_TRIES = 4  # a trie's splits kept (or loops met once), by the set of bytes that loop back to a state
-# a state taking at least this many bytes that lead back to it (a string's characters) takes the keys made of them
-# without walking them; fewer (a number's digits) leave too many keys to walk for the split to pay
-LOOP_BYTES = 32
+# a walk looks the next depth up whole where at least 1 / DENSE_DEPTH of a depth's nodes live, else only the live
+# nodes' children (gathered by their ranges, which costs more a node)
+DENSE_DEPTH = 4
+NOT_LOOKED_UP = -2  # a StepTable's entry for a step not looked up yet (-1: the byte is refused)
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -83,70 +82,109 @@ def sentencepiece_bytes(token: str) -> bytes:
 
 
 class ByteTrie:
-    """A vocabulary's distinct non-empty byte strings in sorted order, a trie laid flat: each key with its token ids
-    and the length of the prefix it shares with the key before it."""
+    """A vocabulary's distinct non-empty byte strings (keys) as a trie laid out a depth at a time in index tensors
+    (TrieLevel), the keys numbered in the order their end nodes come, depth by depth; and each token id's key."""
 
-    def __init__(self, keys: list[bytes], ids: list[tuple[int, ...]], shared: list[int], byte_sets: list[int]) -> None:
-        """Sorted distinct keys, their ids, the prefix each shares with the one before, and each key's bytes as bits."""
-        self.keys, self.ids, self.shared, self.byte_sets = keys, ids, shared, byte_sets
-        self._splits: OrderedDict[int, tuple[list[int], ByteTrie] | None] = OrderedDict()
-
-    @classmethod
-    def of(cls, pieces: Sequence[bytes | None]) -> ByteTrie:
+    def __init__(self, pieces: Sequence[bytes | None]) -> None:
         """The trie of a vocabulary's token bytes (None and empty pieces left out)."""
         ids: dict[bytes, list[int]] = {}
         for token_id, piece in enumerate(pieces):
             if piece:
                 ids.setdefault(piece, []).append(token_id)
         keys = sorted(ids)
-        shared = [0] + [shared_prefix(before, key) for before, key in pairwise(keys)]
-        byte_sets = [sum(1 << byte for byte in set(key)) for key in keys]
-        return cls(keys, [tuple(ids[key]) for key in keys], shared, byte_sets)
+        self.size = len(keys)
+        self.token_ids = torch.tensor([token_id for key in keys for token_id in ids[key]], dtype=torch.long)
+        self.end_of_id = torch.zeros(0, dtype=torch.long)  # the number of each of token_ids' key
+        self.levels: list[TrieLevel] = []
+        if not keys:
+            return
+        lengths = torch.tensor([len(key) for key in keys])
+        depth = int(lengths.max())
+        padded = torch.frombuffer(bytearray(b"".join(key.ljust(depth, b"\0") for key in keys)), dtype=torch.uint8)
+        padded = padded.view(len(keys), depth).long()
+        # each key's prefix shared with the key before it: in sorted keys a node opens where that is shorter than it
+        differs = padded[1:] != padded[:-1]
+        first_difference = torch.where(differs.any(1), differs.int().argmax(1), depth)
+        shared = torch.cat((torch.zeros(1, dtype=torch.long), first_difference))
+        shared[1:] = torch.minimum(shared[1:], torch.minimum(lengths[1:], lengths[:-1]))
+        node_of_key = torch.zeros(len(keys), dtype=torch.long)  # each key's node one depth up
+        depths = []  # each depth's bytes, parents (non-decreasing, as the keys are sorted) and nodes where keys end
+        ended = []  # each depth's keys ending there, in their nodes' order: the order of the walk's ends
+        for at in range(depth):
+            members = (lengths > at).nonzero().squeeze(1)
+            opens = shared[members] <= at
+            firsts = members[opens]
+            parents = node_of_key[firsts]
+            node_of_key[members] = opens.cumsum(0) - 1
+            ends = (lengths == at + 1).nonzero().squeeze(1)
+            ended.append(ends)
+            depths.append((padded[firsts, at], parents, node_of_key[ends]))
+        numbers = torch.empty(len(keys), dtype=torch.long)
+        numbers[torch.cat(ended)] = torch.arange(len(keys))
+        self.end_of_id = numbers[torch.tensor([index for index, key in enumerate(keys) for _ in ids[key]])]
+        for at, (data, parents, end_nodes) in enumerate(depths):
+            below = depths[at + 1][1] if at + 1 < depth else torch.zeros(0, dtype=torch.long)
+            counts = torch.bincount(below, minlength=len(data))
+            children = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0)))
+            self.levels.append(TrieLevel(data, parents, children, end_nodes))
 
-    def split(self, loop: int) -> tuple[list[int], ByteTrie] | None:
-        """The ids of the keys whose every byte is in `loop` (a bit per byte), and the trie of the other keys; None
-        the first time a loop is asked for (a loop met once, such as one pattern's, is cheaper walked than split),
-        made the second time and kept for later states with the same loop (a JSON string's)."""
-        if loop not in self._splits:
-            self._splits[loop] = None
-            split = None
-        else:
-            split = self._splits.pop(loop) or self._split(loop)
-            self._splits[loop] = split
-        while len(self._splits) > SPLIT_TRIES:
-            self._splits.popitem(last=False)
-        return split
-
-    def _split(self, loop: int) -> tuple[list[int], ByteTrie]:
-        """`split`'s parts. The other keys' shared prefixes come from this trie's: two sorted keys share the least
-        of the prefixes shared by the keys from one to the other."""
-        held = [not byte_set & ~loop for byte_set in self.byte_sets]
-        inside = [token for key_held, key_ids in zip(held, self.ids, strict=True) if key_held for token in key_ids]
-        kept = [index for index, key_held in enumerate(held) if not key_held]
-        part = ByteTrie(
-            [self.keys[i] for i in kept],
-            [self.ids[i] for i in kept],
-            [0] + [min(self.shared[a + 1 : b + 1]) for a, b in pairwise(kept)],
-            [self.byte_sets[i] for i in kept],
-        )
-        return inside, part
-
-    def skip(self, index: int, length: int) -> int:
-        """The first key after `index` that does not start with the first `length` bytes of key `index`."""
-        prefix = self.keys[index][:length].rstrip(b"\xff")
-        if not prefix:
-            return len(self.keys)
-        above = prefix[:-1] + bytes([prefix[-1] + 1])
-        return bisect_left(self.keys, above, index + 1)
+    def __len__(self) -> int:
+        """The keys held."""
+        return self.size
 
 
-def shared_prefix(first: bytes, second: bytes) -> int:
-    """The length of the prefix two byte strings share."""
-    length = min(len(first), len(second))
-    for index in range(length):
-        if first[index] != second[index]:
-            return index
-    return length
+@dataclass(frozen=True, slots=True)
+class TrieLevel:
+    """One depth of a ByteTrie: each node's byte, its parent in the depth above, its children's range (`children[n]`
+    to `children[n + 1]`) in the depth below; and the nodes where keys end, ascending."""
+
+    data: torch.Tensor
+    parents: torch.Tensor
+    children: torch.Tensor
+    end_nodes: torch.Tensor
+
+
+class StepTable:
+    """The grammar's steps from the states one walk meets, numbered in the order met (the walk's start is 0): a flat
+    table of the number after each byte at (number * 256 + byte), -1 where the byte is refused and -2 where not
+    looked up yet, then one -1 for every step from a dead node (-1)."""
+
+    def __init__(self, grammar: Grammar, start: State) -> None:
+        self.grammar = grammar
+        self.states = [start]
+        self._numbers = {start: 0}
+        self._table = torch.cat((torch.full((256,), NOT_LOOKED_UP, dtype=torch.long), torch.tensor([-1])))
+
+    def after(self, numbers: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+        """The numbers of the states after each byte from each numbered state (-1 for a refused byte or from -1)."""
+        codes = (numbers * 256 + data).clamp_(min=-1)  # from -1: the table's last entry
+        after = self._table[codes]
+        missing = after == NOT_LOOKED_UP
+        if bool(missing.any()):
+            wanted = torch.zeros(len(self._table), dtype=torch.bool)
+            wanted[codes[missing]] = True
+            self._look_up(wanted.nonzero().squeeze(1))
+            after = self._table[codes]
+        return after
+
+    def widest(self) -> int:
+        """The most stacks a closure visited in the steps from the states met (Grammar.width)."""
+        return max(map(self.grammar.width, self.states))
+
+    def _look_up(self, codes: torch.Tensor) -> None:
+        """Fill the table at (number * 256 + byte) codes from the grammar, numbering the new states."""
+        found = []
+        for code in codes.tolist():
+            after = self.grammar.step(self.states[code >> 8], code & 255)
+            number = -1 if after is None else self._numbers.setdefault(after, len(self.states))
+            if number == len(self.states):
+                self.states.append(after)
+            found.append(number)
+        self._table[codes] = torch.tensor(found, dtype=torch.long)
+        rows = len(self.states) * 256 + 1 - len(self._table)
+        if rows > 0:
+            fresh = torch.full((rows,), NOT_LOOKED_UP, dtype=torch.long)
+            self._table = torch.cat((self._table[:-1], fresh, self._table[-1:]))
 
 
 class TokenVocabulary:
@@ -157,8 +195,8 @@ class TokenVocabulary:
     def __init__(self, pieces: Sequence[bytes | None], size: int) -> None:
         self.size = size
         self._pieces = list(pieces[:size])
-        self.trie = ByteTrie.of([piece if piece and len(piece) <= HORIZON else None for piece in self._pieces])
-        self.long_trie = ByteTrie.of([piece if piece and len(piece) > HORIZON else None for piece in self._pieces])
+        self.trie = ByteTrie([piece if piece and len(piece) <= HORIZON else None for piece in self._pieces])
+        self.long_trie = ByteTrie([piece if piece and len(piece) > HORIZON else None for piece in self._pieces])
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int) -> TokenVocabulary:
@@ -241,57 +279,52 @@ class GuideMasks:
         stands in for), the long ones walked from the state itself, then the end ids."""
         stand_in = self.grammar.stand_in(state, HORIZON) if len(state) <= STAND_IN_STACKS else state
         short = self._cached(self._short, stand_in)
-        long_trie = self.vocabulary.long_trie
-        walks = short is None or bool(long_trie.keys)
-        # the bytes that lead from the state back to it, found once for both walks where there are any
-        loop = sum(1 << byte for byte in range(256) if self.grammar.step(state, byte) == state) if walks else 0
         if short is None:
-            ids, widest = self._walk(state, loop, self.vocabulary.trie)
-            short = self._mask_of(ids)
+            ids, widest = self._walk(state, self.vocabulary.trie)
+            short = torch.zeros(self.vocabulary.size, dtype=torch.bool).index_fill_(0, ids, True)
             if widest * STAND_IN_STACKS <= MAX_STACKS:  # else the cap on stacks could tell the states apart
                 self._keep(self._short, stand_in, short)
         mask = short.clone()
-        if long_trie.keys:
-            mask[torch.tensor(self._walk(state, loop, long_trie)[0], dtype=torch.long)] = True
+        if len(self.vocabulary.long_trie):
+            mask.index_fill_(0, self._walk(state, self.vocabulary.long_trie)[0], True)
         mask[self._end_index] = False
         ends = self.grammar.accepts(state) or not mask.any()
         return mask.index_fill_(0, self._end_index, ends)
 
-    def _mask_of(self, ids: list[int]) -> torch.Tensor:
-        """A bool mask over the vocabulary, True at the ids."""
-        mask = torch.zeros(self.vocabulary.size, dtype=torch.bool)
-        mask[torch.tensor(ids, dtype=torch.long)] = True
-        return mask
-
-    def _walk(self, state: State, loop: int, trie: ByteTrie) -> tuple[list[int], int]:
+    def _walk(self, state: State, trie: ByteTrie) -> tuple[torch.Tensor, int]:
         """The ids of a trie's keys whose bytes the grammar takes from `state`, and the most stacks a closure visited
-        on the way (Grammar.width). A key whose every byte is in `loop`, the bytes that lead from `state` back to it
-        (inside a JSON string: most of the vocabulary), is taken without a walk; the others are walked in order, each
-        from the state after the prefix it shares with the key before; a refused byte skips every key that starts
-        with the bytes up to it."""
-        step = self.grammar.step
-        allowed: list[int] = []
-        split = trie.split(loop) if loop.bit_count() >= LOOP_BYTES else None
-        if split is not None:
-            inside, trie = split
-            allowed = list(inside)
-        keys, shared, ids = trie.keys, trie.shared, trie.ids
-        path = [state]  # path[d]: the state after the first d bytes of the key walked
-        stepped_from = {state}  # every state a byte was fed to (few distinct ones: states repeat along keys)
-        index = 0
-        while index < len(keys):
-            key = keys[index]
-            del path[min(shared[index], len(path) - 1) + 1 :]
-            current: State | None = path[-1]
-            for byte in key[len(path) - 1 :]:
-                current = step(current, byte)
-                if current is None:
-                    break
-                path.append(current)
-                stepped_from.add(current)
-            if current is None:
-                index = trie.skip(index, len(path))
-            else:
-                allowed.extend(ids[index])
-                index += 1
-        return allowed, max(map(self.grammar.width, stepped_from))
+        on the way (Grammar.width): a depth at a time, each node's state looked up from its parent's and its byte in
+        a table of the steps met (each worked out once by the grammar). Where most of a depth's nodes live, the next
+        depth is looked up whole; else only the live nodes' children are."""
+        steps = StepTable(self.grammar, state)
+        ended = []  # each depth's ends, whether they live
+        nodes = None  # the nodes looked up at this depth (None: all of them)
+        numbers = torch.zeros(len(trie.levels[0].data) if trie.levels else 0, dtype=torch.long)  # their parents'
+        for at, level in enumerate(trie.levels):
+            numbers = steps.after(numbers, level.data if nodes is None else level.data[nodes])
+            live = numbers >= 0
+            if nodes is None:
+                alive, live_nodes = None, live
+            else:  # only the live ones kept
+                alive, numbers = nodes[live], numbers[live]
+                live_nodes = torch.zeros(len(level.data), dtype=torch.bool).index_fill_(0, alive, True)
+            ended.append(live_nodes[level.end_nodes])
+            count = int(live.sum()) if alive is None else len(alive)
+            if not count or at + 1 == len(trie.levels):
+                break
+            if count * DENSE_DEPTH >= len(level.data):  # the next depth whole, from every node's number
+                if alive is not None:
+                    numbers = torch.full((len(level.data),), -1, dtype=torch.long).index_put_((alive,), numbers)
+                numbers, nodes = numbers[trie.levels[at + 1].parents], None
+            else:  # the live nodes' children
+                if alive is None:
+                    alive = live.nonzero().squeeze(1)
+                    numbers = numbers[alive]
+                firsts = level.children[alive]
+                counts = level.children[alive + 1] - firsts
+                numbers = numbers.repeat_interleave(counts)
+                nodes = torch.arange(len(numbers)) + (firsts - (counts.cumsum(0) - counts)).repeat_interleave(counts)
+        taken = torch.zeros(len(trie), dtype=torch.bool)
+        done = torch.cat(ended) if ended else taken[:0]
+        taken[: len(done)] = done
+        return trie.token_ids[taken[trie.end_of_id]], steps.widest()

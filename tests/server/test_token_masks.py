@@ -246,10 +246,9 @@ def test_a_sentencepiece_style_tokenizer_gives_spaces_and_fallback_bytes():
     assert pieces == [b" hello", b"\n", b"\xe6", b"wor ld", None, b"<tool>", None, None]
 
 
-def test_a_state_whose_many_bytes_loop_back_takes_the_keys_made_of_them_unwalked_and_the_rest_walked():
-    """Inside a JSON string most bytes lead back to the same state: once such a loop comes again, keys made only of
-    its bytes are allowed without a walk and the others (a quote, a backslash, a UTF-8 lead, a control byte) walked;
-    the mask is the brute force's either way, in states whose loops differ (a key, a value, a pattern's class)."""
+def test_string_states_whose_many_bytes_loop_back_get_the_brute_forces_masks():
+    """Inside a JSON string most bytes lead back to the same state, and a quote, a backslash, a UTF-8 lead or a
+    control byte leave it: the mask is the brute force's in states whose loops differ (a key, a value, a class)."""
     rng = random.Random(7)
     pieces = [bytes([b]) for b in range(256)] + [
         bytes(rng.choice(b'ab "\\:,{}[]x\xc3\xa9\n0') for _ in range(rng.randint(2, 6))) for _ in range(3000)
@@ -266,5 +265,49 @@ def test_a_state_whose_many_bytes_loop_back_takes_the_keys_made_of_them_unwalked
         state = grammar.feed(grammar.initial, text)
         mask = GuideMasks(grammar, vocabulary, ()).allowed(state)
         assert torch.equal(mask, fed_mask(grammar, vocabulary, state, ())), text
-    # a JSON string's loop, met twice (the key's and the value's alike), split the trie; the class's, met once, did not
-    assert sorted(split is not None for split in vocabulary.trie._splits.values()) == [False, True]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_tries_levels_give_back_every_tokens_bytes(seed):
+    """Rebuilt from the levels' bytes and children, the ids ending at each node are exactly the tokens of its bytes:
+    keys that are prefixes of others, repeated pieces, and bytes 0 and 255 (the padding's and the highest)."""
+    rng = random.Random(seed)
+    pieces = [bytes(rng.choice(b"\x00ab\xff") for _ in range(rng.randint(0, 7))) for _ in range(400)]
+    pieces += [None, b"\x00", b"\x00\x00", b"ab", b"ab"]
+    vocabulary = TokenVocabulary(pieces, len(pieces) + 2)
+    trie = vocabulary.trie
+    keys: dict[int, bytes] = {}
+    paths, parents = [b""], [0] * len(trie.levels[0].data)  # the root's path; the first depth's nodes hang from it
+    for level in trie.levels:
+        paths = [paths[parent] + bytes([byte]) for parent, byte in zip(parents, level.data.tolist(), strict=True)]
+        assert len(set(paths)) == len(paths)  # each node a distinct prefix
+        keys.update((len(keys), paths[node]) for node in level.end_nodes.tolist())
+        parents = torch.arange(len(paths)).repeat_interleave(torch.diff(level.children)).tolist()
+    assert not parents  # the deepest nodes have no children
+    rebuilt = {
+        token_id: keys[key] for token_id, key in zip(trie.token_ids.tolist(), trie.end_of_id.tolist(), strict=True)
+    }
+    assert rebuilt == {token_id: piece for token_id, piece in enumerate(pieces) if piece}
+    assert len(vocabulary.trie) == len({piece for piece in pieces if piece})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_masks_over_random_vocabularies_are_the_brute_forces(seed):
+    """Random pieces of JSON's bytes, some past the horizon, masked from states along random outputs of the object
+    grammar and a schema's: each mask equals feeding every token's bytes."""
+    rng = random.Random(seed)
+    alphabet = b' {}[]:,"\\ab1.e-tn\n\xc3\xa9'
+    pieces = [bytes([b]) for b in range(256)] + [
+        bytes(rng.choice(alphabet) for _ in range(rng.choice((2, 3, 5, 9, 20, 40)))) for _ in range(1200)
+    ]
+    vocabulary = TokenVocabulary(pieces, len(pieces) + 1)
+    for grammar in (json_grammar(None), json_grammar(SCHEMA)):
+        masks = GuideMasks(grammar, vocabulary, (len(pieces),))
+        state = grammar.initial
+        for _ in range(12):
+            mask = masks.allowed(state)
+            assert torch.equal(mask, fed_mask(grammar, vocabulary, state, masks.end_ids))
+            choices = [token_id for token_id in mask.nonzero().squeeze(1).tolist() if token_id < len(pieces)]
+            if not choices:
+                break
+            state = grammar.feed(state, pieces[rng.choice(choices)])
