@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ STAND_IN_STACKS = 16
 # a walk looks the next depth up whole where at least 1 / DENSE_DEPTH of a depth's nodes live, else only the live
 # nodes' children (gathered by their ranges, which costs more a node)
 DENSE_DEPTH = 4
-NOT_LOOKED_UP = -2  # a StepTable's entry for a step not looked up yet (-1: the byte is refused)
+NOT_LOOKED_UP = -2
+# a walk goes on key by key in Python once the live nodes hold at most this many keys: a depth's tensor ops cost more
+TAIL_KEYS = 256  # a StepTable's entry for a step not looked up yet (-1: the byte is refused)
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -91,10 +94,12 @@ class ByteTrie:
         for token_id, piece in enumerate(pieces):
             if piece:
                 ids.setdefault(piece, []).append(token_id)
-        keys = sorted(ids)
-        self.size = len(keys)
+        self.keys = sorted(ids)
+        keys = self.keys
         self.token_ids = torch.tensor([token_id for key in keys for token_id in ids[key]], dtype=torch.long)
         self.end_of_id = torch.zeros(0, dtype=torch.long)  # the number of each of token_ids' key
+        self.key_numbers = torch.zeros(0, dtype=torch.long)  # each sorted key's number
+        self.shared: list[int] = []  # each sorted key's prefix shared with the key before it
         self.levels: list[TrieLevel] = []
         if not keys:
             return
@@ -107,8 +112,11 @@ class ByteTrie:
         first_difference = torch.where(differs.any(1), differs.int().argmax(1), depth)
         shared = torch.cat((torch.zeros(1, dtype=torch.long), first_difference))
         shared[1:] = torch.minimum(shared[1:], torch.minimum(lengths[1:], lengths[:-1]))
+        self.shared = shared.tolist()
         node_of_key = torch.zeros(len(keys), dtype=torch.long)  # each key's node one depth up
-        depths = []  # each depth's bytes, parents (non-decreasing, as the keys are sorted) and nodes where keys end
+        # each depth's bytes, parents (non-decreasing, as the keys are sorted), nodes where keys end, and each node's
+        # keys: from its first to its last member (any key sorted between two with a prefix has it too)
+        depths = []
         ended = []  # each depth's keys ending there, in their nodes' order: the order of the walk's ends
         for at in range(depth):
             members = (lengths > at).nonzero().squeeze(1)
@@ -118,30 +126,42 @@ class ByteTrie:
             node_of_key[members] = opens.cumsum(0) - 1
             ends = (lengths == at + 1).nonzero().squeeze(1)
             ended.append(ends)
-            depths.append((padded[firsts, at], parents, node_of_key[ends]))
-        numbers = torch.empty(len(keys), dtype=torch.long)
-        numbers[torch.cat(ended)] = torch.arange(len(keys))
-        self.end_of_id = numbers[torch.tensor([index for index, key in enumerate(keys) for _ in ids[key]])]
-        for at, (data, parents, end_nodes) in enumerate(depths):
+            lasts = members[torch.cat((opens.nonzero().squeeze(1)[1:], torch.tensor([len(members)]))) - 1] + 1
+            depths.append((padded[firsts, at], parents, node_of_key[ends], firsts, lasts))
+        self.key_numbers = torch.empty(len(keys), dtype=torch.long)
+        self.key_numbers[torch.cat(ended)] = torch.arange(len(keys))
+        self.end_of_id = self.key_numbers[torch.tensor([index for index, key in enumerate(keys) for _ in ids[key]])]
+        for at, (data, parents, end_nodes, firsts, lasts) in enumerate(depths):
             below = depths[at + 1][1] if at + 1 < depth else torch.zeros(0, dtype=torch.long)
             counts = torch.bincount(below, minlength=len(data))
             children = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0)))
-            self.levels.append(TrieLevel(data, parents, children, end_nodes))
+            self.levels.append(TrieLevel(data, parents, children, end_nodes, firsts, lasts))
 
     def __len__(self) -> int:
         """The keys held."""
-        return self.size
+        return len(self.keys)
+
+    def skip(self, index: int, length: int, end: int) -> int:
+        """The first sorted key after `index` (and before `end`) that does not start with key `index`'s first
+        `length` bytes."""
+        prefix = self.keys[index][:length].rstrip(b"\xff")
+        if not prefix:
+            return end
+        return bisect_left(self.keys, prefix[:-1] + bytes([prefix[-1] + 1]), index + 1, end)
 
 
 @dataclass(frozen=True, slots=True)
 class TrieLevel:
     """One depth of a ByteTrie: each node's byte, its parent in the depth above, its children's range (`children[n]`
-    to `children[n + 1]`) in the depth below; and the nodes where keys end, ascending."""
+    to `children[n + 1]`) in the depth below; the nodes where keys end, ascending; and each node's keys, the sorted
+    keys from `first_keys[n]` to before `last_keys[n]`."""
 
     data: torch.Tensor
     parents: torch.Tensor
     children: torch.Tensor
     end_nodes: torch.Tensor
+    first_keys: torch.Tensor
+    last_keys: torch.Tensor
 
 
 class StepTable:
@@ -293,14 +313,16 @@ class GuideMasks:
 
     def _walk(self, state: State, trie: ByteTrie) -> tuple[torch.Tensor, int]:
         """The ids of a trie's keys whose bytes the grammar takes from `state`, and the most stacks a closure visited
-        on the way (Grammar.width): a depth at a time, each node's state looked up from its parent's and its byte in
-        a table of the steps met (each worked out once by the grammar). Where most of a depth's nodes live, the next
-        depth is looked up whole; else only the live nodes' children are."""
+        on the way (Grammar.width). A depth at a time, each node's state looked up from its parent's and its byte in
+        a table of the steps met (each worked out once by the grammar): where most of a depth's nodes live, the next
+        depth whole, else only the live nodes' children; once the live nodes hold few keys, those key by key."""
         steps = StepTable(self.grammar, state)
-        ended = []  # each depth's ends, whether they live
+        taken = torch.zeros(len(trie), dtype=torch.bool)  # by key number
+        numbered = 0  # keys numbered so far: those ending above this depth
+        tails = [(0, len(trie), 0, state)] if len(trie) <= TAIL_KEYS else []  # (first, last key, depth, state)
         nodes = None  # the nodes looked up at this depth (None: all of them)
-        numbers = torch.zeros(len(trie.levels[0].data) if trie.levels else 0, dtype=torch.long)  # their parents'
-        for at, level in enumerate(trie.levels):
+        numbers = torch.zeros(len(trie.levels[0].data) if trie.levels and not tails else 0, dtype=torch.long)
+        for at, level in enumerate(trie.levels if not tails else ()):
             numbers = steps.after(numbers, level.data if nodes is None else level.data[nodes])
             live = numbers >= 0
             if nodes is None:
@@ -308,7 +330,8 @@ class GuideMasks:
             else:  # only the live ones kept
                 alive, numbers = nodes[live], numbers[live]
                 live_nodes = torch.zeros(len(level.data), dtype=torch.bool).index_fill_(0, alive, True)
-            ended.append(live_nodes[level.end_nodes])
+            taken[numbered : numbered + len(level.end_nodes)] = live_nodes[level.end_nodes]
+            numbered += len(level.end_nodes)
             count = int(live.sum()) if alive is None else len(alive)
             if not count or at + 1 == len(trie.levels):
                 break
@@ -316,15 +339,49 @@ class GuideMasks:
                 if alive is not None:
                     numbers = torch.full((len(level.data),), -1, dtype=torch.long).index_put_((alive,), numbers)
                 numbers, nodes = numbers[trie.levels[at + 1].parents], None
-            else:  # the live nodes' children
-                if alive is None:
-                    alive = live.nonzero().squeeze(1)
-                    numbers = numbers[alive]
-                firsts = level.children[alive]
-                counts = level.children[alive + 1] - firsts
-                numbers = numbers.repeat_interleave(counts)
-                nodes = torch.arange(len(numbers)) + (firsts - (counts.cumsum(0) - counts)).repeat_interleave(counts)
-        taken = torch.zeros(len(trie), dtype=torch.bool)
-        done = torch.cat(ended) if ended else taken[:0]
-        taken[: len(done)] = done
-        return trie.token_ids[taken[trie.end_of_id]], steps.widest()
+                continue
+            if alive is None:
+                alive = live.nonzero().squeeze(1)
+                numbers = numbers[alive]
+            firsts, lasts = level.first_keys[alive], level.last_keys[alive]
+            if int((lasts - firsts).sum()) <= TAIL_KEYS:
+                states = [steps.states[number] for number in numbers.tolist()]
+                tails = list(zip(firsts.tolist(), lasts.tolist(), [at + 1] * len(states), states, strict=True))
+                break
+            firsts = level.children[alive]  # the live nodes' children
+            counts = level.children[alive + 1] - firsts
+            numbers = numbers.repeat_interleave(counts)
+            nodes = torch.arange(len(numbers)) + (firsts - (counts.cumsum(0) - counts)).repeat_interleave(counts)
+        widest = steps.widest()
+        for first, last, depth, start in tails:
+            keys, met = self._walk_keys(trie, first, last, depth, start)
+            taken[trie.key_numbers[keys]] = True
+            widest = max(widest, *map(self.grammar.width, met))
+        return trie.token_ids[taken[trie.end_of_id]], widest
+
+    def _walk_keys(self, trie: ByteTrie, first: int, last: int, depth: int, start: State) -> tuple[list[int], set]:
+        """Of the sorted keys from `first` to before `last`, which share their first `depth` bytes, those whose other
+        bytes the grammar takes from `start`, walked in order, each from the state after the prefix it shares with
+        the key before; a refused byte skips every key that starts with the bytes up to it. Also the states met."""
+        step = self.grammar.step
+        path = [start]  # path[d]: the state after the first depth + d bytes of the key walked
+        met = {start}
+        taken = []
+        index = first
+        while index < last:
+            key = trie.keys[index]
+            if index > first:  # keys in the range share at least their first `depth` bytes
+                del path[trie.shared[index] - depth + 1 :]
+            current: State | None = path[-1]
+            for byte in key[depth + len(path) - 1 :]:
+                current = step(current, byte)
+                if current is None:
+                    break
+                path.append(current)
+                met.add(current)
+            if current is None:
+                index = trie.skip(index, depth + len(path), last)
+            else:
+                taken.append(index)
+                index += 1
+        return taken, met
