@@ -4,13 +4,16 @@ time: outputs are UTF-8 and a byte-level token may end inside a character."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import partial
 from typing import Any
 
+from server.grammar_numbers import Bound, NumberAutomaton, bound_digits, bounded_numbers
 from server.grammar_runs import RUN_COPIES, Copy, Runs
 
 State = frozenset[tuple[int, ...]]
@@ -39,6 +42,7 @@ TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties"),
     "array": ("items", "minItems", "maxItems"),
     "string": ("minLength", "maxLength", "pattern"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
 }
 SUPPORTED = frozenset({"type", "enum", "const"}).union(ANNOTATIONS, DEFINITIONS, COMPOSITIONS, *TYPE_KEYWORDS.values())
 REFERENCE = re.compile(r"#/(\$defs|definitions)/([^/]+)")
@@ -488,7 +492,8 @@ class SchemaCompiler(JsonBuilder):
 
     Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
     or any schema where there are no properties), items, minItems, maxItems, minLength, maxLength, pattern (alone,
-    over the string's decoded characters, fully), enum and const (beside type only, as json.dumps writes them),
+    over the string's decoded characters, fully), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers
+    then written without an exponent), enum and const (beside type only, as json.dumps writes them),
     anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the
     annotations, which are ignored. A composition beside another constraint is refused."""
 
@@ -612,7 +617,14 @@ class SchemaCompiler(JsonBuilder):
         if name == "string":
             return self._string(start, schema, pointer)
         if name in ("number", "integer"):
-            return self.number(start, integer=name == "integer")
+            low, high = self._bound(schema, "minimum", pointer), self._bound(schema, "maximum", pointer)
+            if low is None and high is None:
+                return self.number(start, integer=name == "integer")
+            numbers = bounded_numbers(low, high, integer=name == "integer")
+            if numbers is None:
+                where = pointer_to(pointer, next(key for key in TYPE_KEYWORDS["number"] if key in schema))
+                raise GrammarError(f"no {name} lies within the schema's bounds", where)
+            return self._automaton(start, numbers)
         return self.network.literals(start, [b"true", b"false"] if name == "boolean" else [b"null"])
 
     def _object(self, start: int, schema: dict[str, Any], pointer: str) -> int:
@@ -733,6 +745,48 @@ class SchemaCompiler(JsonBuilder):
         tree = RegexParser(schema["pattern"], where).parse()
         content = RegexEmitter(self.network, in_json_string=True).emit(self.network.literal(start, b'"'), tree)
         return self.network.literal(content, b'"')
+
+    def _bound(self, schema: dict[str, Any], side: str, pointer: str) -> Bound | None:
+        """The tighter of `side` ("minimum" or "maximum") and its exclusive form (a number; or, as in draft 4, a
+        boolean that makes `side` exclusive); None where neither bounds the value."""
+        exclusive_key = "exclusive" + side[0].upper() + side[1:]
+        value, exclusive = schema.get(side), schema.get(exclusive_key)
+        if isinstance(exclusive, bool):
+            if exclusive and value is None:
+                raise GrammarError(f"'{exclusive_key}' true needs '{side}'", pointer_to(pointer, exclusive_key))
+            return None if value is None else self._bound_value(value, not exclusive, pointer_to(pointer, side))
+        bounds = [] if value is None else [self._bound_value(value, True, pointer_to(pointer, side))]
+        if exclusive is not None:
+            bounds.append(self._bound_value(exclusive, False, pointer_to(pointer, exclusive_key)))
+        sense = 1 if side == "minimum" else -1  # the tighter: the larger minimum, the smaller maximum; at one value
+        return max(bounds, key=lambda bound: (sense * bound.value, not bound.inclusive), default=None)  # the exclusive
+
+    @staticmethod
+    def _bound_value(value: Any, inclusive: bool, where: str) -> Bound:
+        """A bound from a keyword's value: a finite number of at most MAX_BOUND_DIGITS digits written out."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise GrammarError("must be a finite number", where)
+        bound = Bound(Decimal(str(value)), inclusive)
+        try:
+            bound_digits(bound.value)
+        except ValueError as exc:
+            raise GrammarError(str(exc), where) from None
+        return bound
+
+    def _automaton(self, start: int, automaton: NumberAutomaton) -> int:
+        """The automaton's bytes from `start` (its state 0) to the node its accepting states lead to."""
+        network = self.network
+        nodes = [start, *(network.node() for _ in automaton.moves[1:])]
+        end = network.node()
+        for state, moves in enumerate(automaton.moves):
+            masks: dict[int, int] = {}
+            for byte, after in moves.items():
+                masks[after] = masks.get(after, 0) | 1 << byte
+            for after, mask in masks.items():
+                network.move(nodes[state], mask, nodes[after])
+            if state in automaton.accepting:
+                network.epsilon(nodes[state], end)
+        return end
 
     def _count(self, schema: dict[str, Any], key: str, pointer: str) -> int | None:
         """A count keyword's value (None where absent), 0 to MAX_REPEAT."""

@@ -468,10 +468,6 @@ def test_a_string_pattern_takes_non_ascii_characters_as_they_are_only():
 
 
 UNSUPPORTED = [
-    "minimum",
-    "maximum",
-    "exclusiveMinimum",
-    "exclusiveMaximum",
     "multipleOf",
     "format",
     "patternProperties",
@@ -505,8 +501,8 @@ def test_an_unsupported_keyword_is_refused_with_its_pointer(keyword):
     [
         ({"properties": {"a/b~c": {"format": "date"}}}, "/properties/a~1b~0c/format"),
         (
-            {"$defs": {"n": {"items": {"anyOf": [{}, {"minimum": 0}]}}}, "$ref": "#/$defs/n"},
-            "/$defs/n/items/anyOf/1/minimum",
+            {"$defs": {"n": {"items": {"anyOf": [{}, {"multipleOf": 2}]}}}, "$ref": "#/$defs/n"},
+            "/$defs/n/items/anyOf/1/multipleOf",
         ),
         ({"type": "array", "items": {"type": "string", "format": "email"}, "minItems": 2}, "/items/format"),
     ],

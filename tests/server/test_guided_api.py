@@ -26,6 +26,9 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(SHIPPED)
 
 
+BOUNDED = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "exclusiveMaximum": 150}}}
+
+
 @pytest.mark.parametrize(
     ("fields", "guide"),
     [
@@ -36,6 +39,7 @@ def tokenizer() -> Any:
         ),
         ({"guided_json": SCHEMA}, GuideSpec("json", json.dumps(SCHEMA))),
         ({"guided_json": json.dumps(SCHEMA)}, GuideSpec("json", json.dumps(SCHEMA))),
+        ({"guided_json": BOUNDED}, GuideSpec("json", json.dumps(BOUNDED))),  # a number's bounds are honoured
         ({"guided_regex": "[a-z]+ [0-9]{2}"}, GuideSpec("regex", "[a-z]+ [0-9]{2}")),
         ({"guided_choice": ["yes", "no"]}, GuideSpec("choice", '["yes", "no"]')),
         ({"structured_outputs": {"json": SCHEMA}}, GuideSpec("json", json.dumps(SCHEMA))),
@@ -80,7 +84,7 @@ def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinki
     [
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "not guided_regex and guided_choice"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one way to guide"),
-        ({"guided_json": {"type": "integer", "minimum": 3}}, "guided_json", "/minimum"),
+        ({"guided_json": {"type": "integer", "multipleOf": 3}}, "guided_json", "/multipleOf"),
         ({"guided_json": "{not json"}, "guided_json", "must be JSON"),
         ({"guided_json": "[1]"}, "guided_json", "a schema must be a JSON object"),
         ({"guided_regex": "(a"}, "guided_regex", "pattern"),
@@ -96,7 +100,11 @@ def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinki
         ({"guided_regex": "a", "allowed_token_ids": [5]}, "allowed_token_ids", "not with guided decoding"),
         ({"guided_regex": "a", "bad_words": ["a"]}, "bad_words", "not with guided decoding"),
         ({"guided_regex": "(" * 400 + "a" + ")" * 400}, "guided_regex", "pattern: nested too deeply"),
-        ({"guided_json": {"properties": {"{param}": {"minimum": 1}}}}, "guided_json", "/properties/{param}/minimum"),
+        (
+            {"guided_json": {"properties": {"{param}": {"multipleOf": 1}}}},
+            "guided_json",
+            "/properties/{param}/multipleOf",
+        ),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
         (
             {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
@@ -133,6 +141,6 @@ def test_the_responses_text_format_guides_as_the_chats_response_format(tokenizer
     assert reply.json()["output"][-1]["content"][0]["text"] == '{"age": 3}'
     assert client.post("/v1/responses", json={**body, "text": {"format": {"type": "json_object"}}}).status_code == 200
     assert engine.submitted[-1].guide == GuideSpec("json", "")
-    bad = {**form, "schema": {"type": "integer", "maximum": 3}}
+    bad = {**form, "schema": {"type": "integer", "multipleOf": 3}}
     error = client.post("/v1/responses", json={**body, "text": {"format": bad}}).json()["error"]
-    assert error["param"] == "text.format" and "/maximum" in error["message"], error
+    assert error["param"] == "text.format" and "/multipleOf" in error["message"], error
