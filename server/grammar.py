@@ -13,6 +13,7 @@ from decimal import Decimal
 from functools import partial
 from typing import Any
 
+from server.grammar_formats import FORMAT_PATTERNS
 from server.grammar_numbers import Bound, NumberAutomaton, bound_digits, bounded_numbers
 from server.grammar_runs import RUN_COPIES, Copy, Runs
 
@@ -41,7 +42,7 @@ COMPOSITIONS = ("$ref", "anyOf", "oneOf", "allOf")
 TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties"),
     "array": ("items", "minItems", "maxItems"),
-    "string": ("minLength", "maxLength", "pattern"),
+    "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
 }
 SUPPORTED = frozenset({"type", "enum", "const"}).union(ANNOTATIONS, DEFINITIONS, COMPOSITIONS, *TYPE_KEYWORDS.values())
@@ -492,8 +493,9 @@ class SchemaCompiler(JsonBuilder):
 
     Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
     or any schema where there are no properties), items, minItems, maxItems, minLength, maxLength, pattern (alone,
-    over the string's decoded characters, fully), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers
-    then written without an exponent), enum and const (beside type only, as json.dumps writes them),
+    over the string's decoded characters, fully), format (alone, those of grammar_formats.py; others are
+    annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written without an
+    exponent), enum and const (beside type only, as json.dumps writes them),
     anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the
     annotations, which are ignored. A composition beside another constraint is refused."""
 
@@ -727,24 +729,34 @@ class SchemaCompiler(JsonBuilder):
         return self.network.call(self.separator(start), entry)
 
     def _string(self, start: int, schema: dict[str, Any], pointer: str) -> int:
-        """A string of `minLength` to `maxLength` characters, or one whose content fully matches `pattern`."""
+        """A string of `minLength` to `maxLength` characters, or one whose content fully matches `pattern` or the
+        pattern of a `format` in FORMAT_PATTERNS (another format is an annotation, as JSON Schema takes it)."""
         least = self._count(schema, "minLength", pointer)
         most = self._count(schema, "maxLength", pointer)
-        if "pattern" not in schema:
+        enforced = self._format(schema)
+        shapes = [key for key, given in (("pattern", "pattern" in schema), ("format", enforced is not None)) if given]
+        if not shapes:
             if most is not None and (least or 0) > most:
                 raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
             return self.string(start, least or 0, most)
-        for key in ("minLength", "maxLength"):
+        for key in ("minLength", "maxLength", *shapes[1:]):
             if key in schema:
                 raise GrammarError(
-                    f"'{key}' cannot be combined with 'pattern' in guided decoding", pointer_to(pointer, key)
+                    f"'{key}' cannot be combined with '{shapes[0]}' in guided decoding", pointer_to(pointer, key)
                 )
-        where = pointer_to(pointer, "pattern")
-        if not isinstance(schema["pattern"], str):
+        where = pointer_to(pointer, shapes[0])
+        pattern = schema["pattern"] if shapes[0] == "pattern" else enforced
+        if not isinstance(pattern, str):
             raise GrammarError("'pattern' must be a string", where)
-        tree = RegexParser(schema["pattern"], where).parse()
+        tree = RegexParser(pattern, where).parse()
         content = RegexEmitter(self.network, in_json_string=True).emit(self.network.literal(start, b'"'), tree)
         return self.network.literal(content, b'"')
+
+    @staticmethod
+    def _format(schema: dict[str, Any]) -> str | None:
+        """The pattern of the schema's `format` where guided decoding enforces it."""
+        name = schema.get("format")
+        return FORMAT_PATTERNS.get(name) if isinstance(name, str) else None
 
     def _bound(self, schema: dict[str, Any], side: str, pointer: str) -> Bound | None:
         """The tighter of `side` ("minimum" or "maximum") and its exclusive form (a number; or, as in draft 4, a
