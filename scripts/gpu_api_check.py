@@ -151,7 +151,12 @@ def guided_checks(base: str, check) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                                "sizes": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
               "required": ["name", "sizes"]}  # fmt: skip
+    bounded = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                                "count": {"type": "integer", "minimum": 1, "maximum": 9},
+                                                "ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}},
+               "required": ["day", "count", "ratio"]}  # fmt: skip
     for name, guide, fits in (
+        ("guided_json bounds", {"guided_json": bounded}, lambda text: within_bounds(json.loads(text))),
         ("guided_regex", {"guided_regex": regex}, lambda text: re.fullmatch(regex, text)),
         ("guided_choice", {"guided_choice": choices}, lambda text: text in choices),
         ("guided_json", {"guided_json": schema}, lambda text: set(json.loads(text)) == {"name", "sizes"}),
@@ -189,6 +194,16 @@ def guided_checks(base: str, check) -> None:
         check(f"tool_choice {name}: the answer is calls of the tool ({answer['finish_reason']})", ok, answer)
         whole = [call["function"] for call in calls]
         check(f"tool_choice {name}: streamed calls = not streamed", streamed_calls(base, ask) == whole, whole)
+
+
+def within_bounds(value: dict) -> bool:
+    """Whether the bounded schema's record holds: a date, an integer from 1 to 9, a ratio in [0, 1)."""
+    return (
+        re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", value["day"]) is not None
+        and type(value["count"]) is int
+        and 1 <= value["count"] <= 9
+        and 0 <= value["ratio"] < 1
+    )
 
 
 def streamed_calls(base: str, ask: dict) -> list[dict]:

@@ -377,9 +377,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = parse_request(ChatCompletionRequest, await request.body())
+        # checked on a worker thread, as a guide's grammar compiles there (a large schema takes a second): a long
+        # check, rendering or tokenizing would hold the event loop and every stream on it
+        body = await asyncio.to_thread(parse_request, ChatCompletionRequest, await request.body())
         check_model(body.model)
-        # rendering and tokenizing run on a worker thread: a long chat would hold the event loop and every stream on it
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
         generations = start([prompt_ids], body, thinking_open(body, text), keep_at)
         if body.stream:
@@ -417,7 +418,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_request(CompletionRequest, await request.body())
+        body = await asyncio.to_thread(parse_request, CompletionRequest, await request.body())  # as a chat's
         check_model(body.model)
         # tokenized (and decoded for echo) on a worker thread, as a chat is rendered
         prompts, echoed = await asyncio.to_thread(completion_prompts, body)
@@ -576,10 +577,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request):
         """OpenAI's Responses API, a text subset, answered as the equivalent chat (tools and reasoning included)."""
-        body = parse_request(ResponsesRequest, await request.body())
+        body = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())  # as a chat's
         check_model(body.model)
         try:  # the chat's checks, each error naming the Responses field it comes from
-            chat = parse_request(ChatCompletionRequest, body.chat_body())
+            chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, body.chat_body())
             text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
             (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
         except ApiError as exc:

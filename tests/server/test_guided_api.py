@@ -4,11 +4,13 @@ engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 
+from server import guide_spec
 from server.guide_spec import GuideSpec
 from tests.server.test_tool_calls_api import http
 
@@ -144,3 +146,29 @@ def test_the_responses_text_format_guides_as_the_chats_response_format(tokenizer
     bad = {**form, "schema": {"type": "integer", "multipleOf": 3}}
     error = client.post("/v1/responses", json={**body, "text": {"format": bad}}).json()["error"]
     assert error["param"] == "text.format" and "/multipleOf" in error["message"], error
+
+
+def test_a_guides_grammar_compiles_off_the_event_loop(tokenizer, monkeypatch):
+    """A large schema takes about a second to compile: never on the event loop, which every stream shares (the
+    chat, completion and Responses routes' checks compile it)."""
+    on_loop = []
+    compile_once = guide_spec.compiled
+
+    def compiled(kind: str, source: str):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return compile_once(kind, source)
+
+    monkeypatch.setattr(guide_spec, "compiled", compiled)
+    client, _ = http(tokenizer, '{"age": 3}')
+    form = {"type": "json_schema", "name": "person", "schema": SCHEMA}
+    for path, body in (
+        ("/v1/chat/completions", {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": form}}),
+        ("/v1/completions", {"prompt": "A person:", "max_tokens": 8, "guided_json": SCHEMA}),
+        ("/v1/responses", {"input": "A person.", "text": {"format": form}, "reasoning": {"effort": "none"}}),
+    ):
+        assert client.post(path, json=body).status_code == 200, path
+    assert len(on_loop) >= 3 and not any(on_loop), on_loop
