@@ -218,8 +218,11 @@ class Engine:
                 self.on_fatal(message)
 
     def submit(self, request: Request) -> None:
-        """Queue a request; one that can never fit the context is refused at once."""
+        """Queue a request; one that can never fit the context is refused at once. A guided one's grammar is
+        compiled here, on the submitting thread (Guides.prepare)."""
         check_context(request, self.context)
+        if request.guide is not None and self.guides is not None:
+            self.guides.prepare(request.guide)
         with self.cond:
             if self.stopped:
                 raise EngineStopped("the server is shutting down")

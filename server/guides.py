@@ -4,6 +4,7 @@ its grammar, from which each round's draw rows get their masks."""
 from __future__ import annotations
 
 import codecs
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -46,17 +47,26 @@ class Guides:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.vocabulary: TokenVocabulary | None = None  # made for the first guided request, not at start
+        self._vocabulary_lock = threading.Lock()
         self.mask_sets: OrderedDict[tuple[str, str, tuple[int, ...]], GuideMasks] = OrderedDict()
         # by (mask set, state): the key holds its mask set, so a later grammar's set never takes a dropped one's place
         self.packs: OrderedDict[tuple[GuideMasks, Any], bytes] = OrderedDict()
         self.forced: OrderedDict[tuple[GuideMasks, State, bool], tuple[int, ...]] = OrderedDict()  # forced_tokens
 
+    def prepare(self, spec: GuideSpec) -> TokenVocabulary:
+        """A guide's grammar compiled and the vocabulary made, where not done yet: the slow parts of a request's
+        first cursor (a large schema's compile takes about a second), which a submitting thread does, not the
+        engine's, which holds every lane's next round meanwhile. Answers the vocabulary."""
+        spec.grammar()
+        with self._vocabulary_lock:
+            if self.vocabulary is None:
+                self.vocabulary = TokenVocabulary.from_tokenizer(self.tokenizer, self.vocab_size)
+            return self.vocabulary
+
     def cursor(self, spec: GuideSpec, end_ids: tuple[int, ...]) -> GuideCursor:
         """A request's cursor at the start of its output; `end_ids` are the ids that may end it (its stop tokens)."""
-        if self.vocabulary is None:
-            self.vocabulary = TokenVocabulary.from_tokenizer(self.tokenizer, self.vocab_size)
         key = (spec.kind, spec.source, end_ids)
-        masks = self.mask_sets.pop(key, None) or GuideMasks(spec.grammar(), self.vocabulary, end_ids)
+        masks = self.mask_sets.pop(key, None) or GuideMasks(spec.grammar(), self.prepare(spec), end_ids)
         self.mask_sets[key] = masks
         while len(self.mask_sets) > MASK_SETS:
             self.mask_sets.popitem(last=False)

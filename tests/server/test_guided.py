@@ -248,3 +248,27 @@ def test_a_forced_tool_call_served_by_the_shipped_model_follows_the_tools_schema
     arguments = json.loads(call["function"]["arguments"])
     assert call["function"]["name"] == "read_file" and list(arguments) == ["path"]
     assert isinstance(arguments["path"], str) and len(arguments["path"]) <= 24
+
+
+def test_a_guides_grammar_and_the_vocabulary_are_made_on_the_submitting_thread(model, tokenizer, prompt, monkeypatch):
+    """A large schema's compile (about a second) and the vocabulary's tries are made by submit's caller, never on
+    the engine's thread, which holds every lane's next round meanwhile."""
+    import server.guide_spec
+    from server.token_masks import TokenVocabulary
+
+    made_on = []
+    compile_regex, make_vocabulary = server.guide_spec.regex_grammar, TokenVocabulary.from_tokenizer.__func__
+
+    def regex_grammar(pattern: str):
+        made_on.append(threading.current_thread())
+        return compile_regex(pattern)
+
+    def from_tokenizer(cls, tokenizer, vocab_size):
+        made_on.append(threading.current_thread())
+        return make_vocabulary(cls, tokenizer, vocab_size)
+
+    monkeypatch.setattr(server.guide_spec, "regex_grammar", regex_grammar)
+    monkeypatch.setattr(TokenVocabulary, "from_tokenizer", classmethod(from_tokenizer))
+    (outcome,), _ = serve(model, tokenizer, [(prompt, GREEDY, GuideSpec("regex", "[a-z]{2,7}_[0-9]{2}"))])
+    assert outcome.finish in ("stop", "length")
+    assert made_on == [threading.main_thread()] * 2, made_on
