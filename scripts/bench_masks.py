@@ -1,6 +1,6 @@
 """Guide mask cost over a vocabulary: how long a grammar state's first mask takes, and a cached one.
 
-    python scripts/bench_masks.py --vocab 150000 [--tokenizer PATH]
+    python scripts/bench_masks.py --vocab 150000 [--tokenizer PATH] [--long {runs,words,cjk}]
 
 Without --tokenizer the vocabulary is synthetic (seeded): the 256 single bytes, then random pieces of 2 to 12 bytes,
 mostly lowercase letters with a leading space, some digits, punctuation and JSON's structural bytes, to a total of
@@ -38,6 +38,7 @@ RUNS = (  # (name, grammar, the output before the run)
     ("regex [a-z ,.]{1000}", regex_grammar("[a-z ,.]{1000}"), b""),
     ("schema: a string of maxLength 1000", json_grammar({"type": "string", "maxLength": 1000}), b'"'),
 )
+LONG_TOKENS = 784  # --long's tokens
 RUN_TEXT = b"the keeper of the lighthouse, at dusk, lit the lamp. "
 
 
@@ -60,12 +61,30 @@ def synthetic_pieces(size: int, seed: int) -> list[bytes]:
     return pieces
 
 
+def long_pieces(kind: str, seed: int) -> list[bytes]:
+    """LONG_TOKENS distinct pieces past 16 bytes: runs of one of seven bytes, 17 to 128 long; ASCII words of 17 to 40
+    letters after a space; or words of 6 to 13 CJK characters (18 to 39 bytes)."""
+    rng, pieces = random.Random(seed), set()
+    if kind == "runs":
+        return [bytes([byte]) * length for byte in b" -=_#*/" for length in range(17, 17 + LONG_TOKENS // 7)]
+    while len(pieces) < LONG_TOKENS:
+        if kind == "words":
+            pieces.add((" " + "".join(rng.choice("abcdefghij") for _ in range(rng.randint(17, 40)))).encode())
+        else:
+            pieces.add("".join(chr(rng.randint(0x4E00, 0x4E40)) for _ in range(rng.randint(6, 13))).encode())
+    return sorted(pieces)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=150_000, help="ids of the synthetic vocabulary (default 150000)")
     parser.add_argument("--tokenizer", type=Path, help="a checkpoint folder whose tokenizer gives the pieces")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=200, help="states timed along each run (default 200)")
+    parser.add_argument(
+        "--long", choices=("runs", "words", "cjk"), help="add 784 synthetic tokens past 16 bytes: runs of one byte "
+        "(as tokenizers have for whitespace and rules), long ASCII words, or CJK words (UTF-8)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.tokenizer is not None:
@@ -74,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
         vocabulary = TokenVocabulary.from_tokenizer(tokenizer, len(tokenizer))
     else:
-        vocabulary = TokenVocabulary(synthetic_pieces(args.vocab, args.seed), args.vocab)
+        pieces = synthetic_pieces(args.vocab - (LONG_TOKENS if args.long else 0), args.seed)
+        pieces += long_pieces(args.long, args.seed) if args.long else []
+        vocabulary = TokenVocabulary(pieces, args.vocab)
     print(f"vocabulary of {vocabulary.size} ids built in {(time.perf_counter() - start) * 1e3:.0f} ms")
     results = []
     for name, grammar, text in CASES:

@@ -28,9 +28,11 @@ STAND_IN_STACKS = 16
 # a walk looks the next depth up whole where at least 1 / DENSE_DEPTH of a depth's nodes live, else only the live
 # nodes' children (gathered by their ranges, which costs more a node)
 DENSE_DEPTH = 4
-NOT_LOOKED_UP = -2
-# a walk goes on key by key in Python once the live nodes hold at most this many keys: a depth's tensor ops cost more
-TAIL_KEYS = 256  # a StepTable's entry for a step not looked up yet (-1: the byte is refused)
+NOT_LOOKED_UP = -2  # a StepTable's entry for a step not looked up yet (-1: the byte is refused)
+# a walk goes on key by key in Python once at most this many nodes a depth left lie below the live ones: a depth's
+# tensor ops cost about as much as this many nodes walked in Python, however few nodes the depth holds (a deep,
+# narrow trie, such as long runs of one byte, has many depths of a few nodes)
+TAIL_NODES_A_DEPTH = 16
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -101,6 +103,7 @@ class ByteTrie:
         self.key_numbers = torch.zeros(0, dtype=torch.long)  # each sorted key's number
         self.shared: list[int] = []  # each sorted key's prefix shared with the key before it
         self.levels: list[TrieLevel] = []
+        self.nodes = 0
         if not keys:
             return
         lengths = torch.tensor([len(key) for key in keys])
@@ -131,11 +134,17 @@ class ByteTrie:
         self.key_numbers = torch.empty(len(keys), dtype=torch.long)
         self.key_numbers[torch.cat(ended)] = torch.arange(len(keys))
         self.end_of_id = self.key_numbers[torch.tensor([index for index, key in enumerate(keys) for _ in ids[key]])]
-        for at, (data, parents, end_nodes, firsts, lasts) in enumerate(depths):
-            below = depths[at + 1][1] if at + 1 < depth else torch.zeros(0, dtype=torch.long)
-            counts = torch.bincount(below, minlength=len(data))
-            children = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0)))
-            self.levels.append(TrieLevel(data, parents, children, end_nodes, firsts, lasts))
+        below = torch.zeros(0, dtype=torch.long)  # the nodes below each node of the depth below
+        for at in reversed(range(depth)):
+            data, parents, end_nodes, firsts, lasts = depths[at]
+            children = torch.zeros(len(data) + 1, dtype=torch.long)
+            if at + 1 < depth:
+                children[1:] = torch.bincount(depths[at + 1][1], minlength=len(data)).cumsum(0)
+            sums = torch.cat((torch.zeros(1, dtype=torch.long), (below + 1).cumsum(0)))
+            below = sums[children[1:]] - sums[children[:-1]]
+            self.levels.append(TrieLevel(data, parents, children, end_nodes, firsts, lasts, below))
+        self.levels.reverse()
+        self.nodes = sum(len(level.data) for level in self.levels)
 
     def __len__(self) -> int:
         """The keys held."""
@@ -154,7 +163,7 @@ class ByteTrie:
 class TrieLevel:
     """One depth of a ByteTrie: each node's byte, its parent in the depth above, its children's range (`children[n]`
     to `children[n + 1]`) in the depth below; the nodes where keys end, ascending; and each node's keys, the sorted
-    keys from `first_keys[n]` to before `last_keys[n]`."""
+    keys from `first_keys[n]` to before `last_keys[n]`, and how many nodes lie below it."""
 
     data: torch.Tensor
     parents: torch.Tensor
@@ -162,6 +171,7 @@ class TrieLevel:
     end_nodes: torch.Tensor
     first_keys: torch.Tensor
     last_keys: torch.Tensor
+    below: torch.Tensor
 
 
 class StepTable:
@@ -201,9 +211,9 @@ class StepTable:
                 self.states.append(after)
             found.append(number)
         self._table[codes] = torch.tensor(found, dtype=torch.long)
-        rows = len(self.states) * 256 + 1 - len(self._table)
-        if rows > 0:
-            fresh = torch.full((rows,), NOT_LOOKED_UP, dtype=torch.long)
+        rows = (len(self._table) - 1) // 256
+        if len(self.states) > rows:  # room for twice the states, so that many new ones cost few copies
+            fresh = torch.full(((2 * len(self.states) - rows) * 256,), NOT_LOOKED_UP, dtype=torch.long)
             self._table = torch.cat((self._table[:-1], fresh, self._table[-1:]))
 
 
@@ -315,11 +325,13 @@ class GuideMasks:
         """The ids of a trie's keys whose bytes the grammar takes from `state`, and the most stacks a closure visited
         on the way (Grammar.width). A depth at a time, each node's state looked up from its parent's and its byte in
         a table of the steps met (each worked out once by the grammar): where most of a depth's nodes live, the next
-        depth whole, else only the live nodes' children; once the live nodes hold few keys, those key by key."""
+        depth whole, else only the live nodes' children; once few nodes lie below the live ones, their keys one by
+        one."""
         steps = StepTable(self.grammar, state)
         taken = torch.zeros(len(trie), dtype=torch.bool)  # by key number
         numbered = 0  # keys numbered so far: those ending above this depth
-        tails = [(0, len(trie), 0, state)] if len(trie) <= TAIL_KEYS else []  # (first, last key, depth, state)
+        few = trie.nodes <= TAIL_NODES_A_DEPTH * len(trie.levels)
+        tails = [(0, len(trie), 0, state)] if few else []  # (first, last key, depth, state) walked one by one
         nodes = None  # the nodes looked up at this depth (None: all of them)
         numbers = torch.zeros(len(trie.levels[0].data) if trie.levels and not tails else 0, dtype=torch.long)
         for at, level in enumerate(trie.levels if not tails else ()):
@@ -335,6 +347,15 @@ class GuideMasks:
             count = int(live.sum()) if alive is None else len(alive)
             if not count or at + 1 == len(trie.levels):
                 break
+            if int(level.below[live_nodes].sum()) <= TAIL_NODES_A_DEPTH * (len(trie.levels) - at - 1):
+                if alive is None:
+                    alive, numbers = live.nonzero().squeeze(1), numbers[live]
+                inner = level.below[alive] > 0  # the live nodes with nodes below them
+                alive, numbers = alive[inner], numbers[inner]
+                states = [steps.states[number] for number in numbers.tolist()]
+                firsts, lasts = level.first_keys[alive].tolist(), level.last_keys[alive].tolist()
+                tails = list(zip(firsts, lasts, [at + 1] * len(states), states, strict=True))
+                break
             if count * DENSE_DEPTH >= len(level.data):  # the next depth whole, from every node's number
                 if alive is not None:
                     numbers = torch.full((len(level.data),), -1, dtype=torch.long).index_put_((alive,), numbers)
@@ -343,30 +364,27 @@ class GuideMasks:
             if alive is None:
                 alive = live.nonzero().squeeze(1)
                 numbers = numbers[alive]
-            firsts, lasts = level.first_keys[alive], level.last_keys[alive]
-            if int((lasts - firsts).sum()) <= TAIL_KEYS:
-                states = [steps.states[number] for number in numbers.tolist()]
-                tails = list(zip(firsts.tolist(), lasts.tolist(), [at + 1] * len(states), states, strict=True))
-                break
             firsts = level.children[alive]  # the live nodes' children
             counts = level.children[alive + 1] - firsts
             numbers = numbers.repeat_interleave(counts)
             nodes = torch.arange(len(numbers)) + (firsts - (counts.cumsum(0) - counts)).repeat_interleave(counts)
-        widest = steps.widest()
+        keys: list[int] = []
+        met: set[State] = set()
         for first, last, depth, start in tails:
-            keys, met = self._walk_keys(trie, first, last, depth, start)
-            taken[trie.key_numbers[keys]] = True
-            widest = max(widest, *map(self.grammar.width, met))
-        return trie.token_ids[taken[trie.end_of_id]], widest
+            self._walk_keys(trie, first, last, depth, start, keys, met)
+        taken[trie.key_numbers[torch.tensor(keys, dtype=torch.long)]] = True
+        return trie.token_ids[taken[trie.end_of_id]], max([steps.widest(), *map(self.grammar.width, met)])
 
-    def _walk_keys(self, trie: ByteTrie, first: int, last: int, depth: int, start: State) -> tuple[list[int], set]:
-        """Of the sorted keys from `first` to before `last`, which share their first `depth` bytes, those whose other
-        bytes the grammar takes from `start`, walked in order, each from the state after the prefix it shares with
-        the key before; a refused byte skips every key that starts with the bytes up to it. Also the states met."""
+    def _walk_keys(
+        self, trie: ByteTrie, first: int, last: int, depth: int, start: State, taken: list[int], met: set[State]
+    ) -> None:
+        """Of the sorted keys from `first` to before `last`, which share their first `depth` bytes, add to `taken`
+        those whose other bytes the grammar takes from `start`, and to `met` the states met: walked in order, each
+        from the state after the prefix it shares with the key before; a refused byte skips every key that starts
+        with the bytes up to it."""
         step = self.grammar.step
         path = [start]  # path[d]: the state after the first depth + d bytes of the key walked
-        met = {start}
-        taken = []
+        met.add(start)
         index = first
         while index < last:
             key = trie.keys[index]
@@ -384,4 +402,3 @@ class GuideMasks:
             else:
                 taken.append(index)
                 index += 1
-        return taken, met

@@ -270,21 +270,24 @@ def test_string_states_whose_many_bytes_loop_back_get_the_brute_forces_masks():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_tries_levels_give_back_every_tokens_bytes(seed):
     """Rebuilt from the levels' bytes and children, the ids ending at each node are exactly the tokens of its bytes,
-    and its key range holds exactly the keys under it: keys that are prefixes of others, repeated pieces, and bytes 0
-    and 255 (the padding's and the highest)."""
+    its key range holds exactly the keys under it, and its count of nodes below is right: keys that are prefixes of
+    others, repeated pieces, and bytes 0 and 255 (the padding's and the highest)."""
     rng = random.Random(seed)
     pieces = [bytes(rng.choice(b"\x00ab\xff") for _ in range(rng.randint(0, 7))) for _ in range(400)]
     pieces += [None, b"\x00", b"\x00\x00", b"ab", b"ab"]
     vocabulary = TokenVocabulary(pieces, len(pieces) + 2)
     trie = vocabulary.trie
     keys: dict[int, bytes] = {}
+    prefixes = {key[:length] for key in trie.keys for length in range(1, len(key) + 1)}  # every node's bytes
     paths, parents = [b""], [0] * len(trie.levels[0].data)  # the root's path; the first depth's nodes hang from it
     for level in trie.levels:
         paths = [paths[parent] + bytes([byte]) for parent, byte in zip(parents, level.data.tolist(), strict=True)]
         assert len(set(paths)) == len(paths)  # each node a distinct prefix
         keys.update((len(keys), paths[node]) for node in level.end_nodes.tolist())
-        for path, first, last in zip(paths, level.first_keys.tolist(), level.last_keys.tolist(), strict=True):
+        ranges = zip(paths, level.first_keys.tolist(), level.last_keys.tolist(), level.below.tolist(), strict=True)
+        for path, first, last, below in ranges:
             assert [key for key in trie.keys if key.startswith(path)] == trie.keys[first:last]  # each node's keys
+            assert below == len({p for p in prefixes if len(p) > len(path) and p.startswith(path)})  # nodes below
         parents = torch.arange(len(paths)).repeat_interleave(torch.diff(level.children)).tolist()
     assert not parents  # the deepest nodes have no children
     rebuilt = {
