@@ -770,8 +770,9 @@ class SchemaCompiler(JsonBuilder):
         bounds = [] if value is None else [self._bound_value(value, True, pointer_to(pointer, side))]
         if exclusive is not None:
             bounds.append(self._bound_value(exclusive, False, pointer_to(pointer, exclusive_key)))
-        sense = 1 if side == "minimum" else -1  # the tighter: the larger minimum, the smaller maximum; at one value
-        return max(bounds, key=lambda bound: (sense * bound.value, not bound.inclusive), default=None)  # the exclusive
+        # the tighter: the larger minimum or the smaller maximum; of two at one value, the exclusive one
+        sense = 1 if side == "minimum" else -1
+        return max(bounds, key=lambda bound: (sense * bound.value, not bound.inclusive), default=None)
 
     @staticmethod
     def _bound_value(value: Any, inclusive: bool, where: str) -> Bound:

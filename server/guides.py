@@ -55,8 +55,9 @@ class Guides:
 
     def prepare(self, spec: GuideSpec) -> TokenVocabulary:
         """A guide's grammar compiled and the vocabulary made, where not done yet: the slow parts of a request's
-        first cursor (a large schema's compile takes about a second), which a submitting thread does, not the
-        engine's, which holds every lane's next round meanwhile. Answers the vocabulary."""
+        first cursor (a large schema's compile takes about a second), which a submitting thread does rather than the
+        engine's under its lock (the compile still shares the GIL with the rounds: docs/performance.md, fifty-third
+        session). Answers the vocabulary."""
         spec.grammar()
         with self._vocabulary_lock:
             if self.vocabulary is None:
