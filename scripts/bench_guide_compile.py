@@ -1,6 +1,6 @@
 """What a large schema's compile costs the other streams: the longest gap between a streamed completion's chunks
-while another request brings a schema that has never been compiled (nine strings of up to 1,000 characters, about a
-second to compile), against the longest gap over the same span of a stream alone.
+while another request brings a schema that has never been compiled (nine strings of up to 1,000 characters, a large
+network to compile), against the longest gap over the same span of a stream alone.
 
     python scripts/bench_guide_compile.py --base-url http://127.0.0.1:8000 [--tokens 1024] [--reps 3]
 

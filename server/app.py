@@ -377,7 +377,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        # checked on a worker thread, as a guide's grammar compiles there (a large schema takes a second): a long
+        # checked on a worker thread, as a guide's grammar compiles there (a large schema's compile is long): a long
         # check, rendering or tokenizing would hold the event loop and every stream on it
         body = await asyncio.to_thread(parse_request, ChatCompletionRequest, await request.body())
         check_model(body.model)

@@ -55,7 +55,7 @@ class Guides:
 
     def prepare(self, spec: GuideSpec) -> TokenVocabulary:
         """A guide's grammar compiled and the vocabulary made, where not done yet: the slow parts of a request's
-        first cursor (a large schema's compile takes about a second), which a submitting thread does rather than the
+        first cursor (a large schema's compile is long), which a submitting thread does rather than the
         engine's under its lock (the compile still shares the GIL with the rounds: docs/performance.md, fifty-third
         session). Answers the vocabulary."""
         spec.grammar()
