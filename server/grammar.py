@@ -16,6 +16,7 @@ from typing import Any
 from server.grammar_formats import FORMAT_PATTERNS
 from server.grammar_numbers import Bound, NumberAutomaton, bound_digits, bounded_numbers
 from server.grammar_runs import RUN_COPIES, Copy, Runs
+from server.grammar_utf8 import FIRST_WIDE, LAST_CODE, CodeRanges, complement, merged, utf8_sequences
 
 State = frozenset[tuple[int, ...]]
 """Where a match stands: stacks, each the return nodes of the calls in progress followed by the current node."""
@@ -213,6 +214,25 @@ def utf8_char(network: Network, start: int, end: int) -> None:
         after = before
     for mask, continuations in LEADS:
         network.move(start, mask, needing[continuations - 1])
+
+
+def wide_chars(network: Network, start: int, ranges: CodeRanges, end: int) -> None:
+    """Edges from `start` to `end` over any one character of the non-ASCII code point ranges, in well-formed UTF-8
+    (`utf8_char` takes every non-ASCII character more loosely)."""
+    branches: dict[tuple[int, int], int] = {}
+    last_moves: set[tuple[int, int]] = set()
+    for low, high in ranges:
+        for sequence in utf8_sequences(low, high):
+            node = start
+            for first, last in sequence[:-1]:
+                mask = bits(range(first, last + 1))
+                if (node, mask) not in branches:
+                    branches[node, mask] = network.move(node, mask)
+                node = branches[node, mask]
+            first, last = sequence[-1]
+            last_moves.add((node, bits(range(first, last + 1))))
+    for node, mask in sorted(last_moves):
+        network.move(node, mask, end)
 
 
 def live_nodes(network: Network) -> set[int]:
@@ -827,18 +847,24 @@ def is_json_type(value: Any, name: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Chars:
-    """A set of characters: the ASCII ones as a bit mask, and whether every non-ASCII character belongs too."""
+    """A set of characters: the ASCII ones as a bit mask, and the non-ASCII ones as code point ranges."""
 
     ascii: int
-    non_ascii: bool = False
+    wide: CodeRanges = ()
+
+    @staticmethod
+    def span(low: int, high: int) -> Chars:
+        """The code points from low to high."""
+        ascii_part = bits(range(low, min(high, 0x7F) + 1))
+        return Chars(ascii_part, ((max(low, FIRST_WIDE), high),) if high >= FIRST_WIDE else ())
 
     def __or__(self, other: Chars) -> Chars:
         """The characters of either set."""
-        return Chars(self.ascii | other.ascii, self.non_ascii or other.non_ascii)
+        return Chars(self.ascii | other.ascii, merged(self.wide + other.wide))
 
     def negated(self) -> Chars:
         """Every character not in the set."""
-        return Chars(ASCII & ~self.ascii, not self.non_ascii)
+        return Chars(ASCII & ~self.ascii, complement(self.wide))
 
 
 @dataclass(frozen=True, slots=True)
@@ -872,7 +898,8 @@ class Repeat:
 
 
 RegexNode = Chars | Text | Concat | Alternation | Repeat
-ANY_BUT_NEWLINE = Chars(ASCII & ~(1 << ord("\n")), non_ascii=True)
+EVERY_WIDE = ((FIRST_WIDE, LAST_CODE),)
+ANY_BUT_NEWLINE = Chars(ASCII & ~(1 << ord("\n")), EVERY_WIDE)
 CLASS_ESCAPES = {
     "d": Chars(DIGITS),
     "w": Chars(bits(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")),
@@ -1020,17 +1047,14 @@ class RegexParser:
                 high = self._class_member(self._take())
                 if isinstance(high, Chars) or ord(high) < ord(low):
                     raise self._error("bad class range")
-                chars |= Chars(bits(range(ord(low), ord(high) + 1)))
+                chars |= Chars.span(ord(low), ord(high))
             else:
-                chars |= Chars(1 << ord(low))
+                chars |= Chars.span(ord(low), ord(low))
         return chars.negated() if negate else chars
 
     def _class_member(self, char: str) -> Chars | str:
-        """A class member: a shorthand class or one ASCII character."""
-        member = self._escape() if char == "\\" else char
-        if isinstance(member, str) and not member.isascii():
-            raise self._error("non-ASCII characters in a class are not supported")
-        return member
+        """A class member: a shorthand class or one character."""
+        return self._escape() if char == "\\" else char
 
     def _escape(self) -> Chars | str:
         """What an escape after its backslash stands for: a shorthand class or one character."""
@@ -1093,8 +1117,10 @@ class RegexEmitter:
             escaped = [json.dumps(chr(code))[1:-1].encode() for code in members(chars.ascii & ~STRING_ASCII)]
             if escaped:
                 network.epsilon(network.literals(start, escaped), end)
-        if chars.non_ascii:
+        if chars.wide == EVERY_WIDE:
             utf8_char(network, start, end)
+        elif chars.wide:
+            wide_chars(network, start, chars.wide, end)
         return end
 
 
