@@ -8,8 +8,9 @@ from functools import lru_cache
 from typing import Literal
 
 from server.grammar import Grammar, GrammarError, choice_grammar, json_grammar, regex_grammar
+from server.grammar_ebnf import ebnf_grammar
 
-GuideKind = Literal["json", "regex", "choice"]
+GuideKind = Literal["json", "regex", "choice", "grammar"]
 
 
 class GuideError(RuntimeError):
@@ -19,7 +20,8 @@ class GuideError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class GuideSpec:
     """A request's grammar: `kind` "json" (`source`: a JSON Schema's text, or "" for any JSON object), "regex" (the
-    pattern the whole output matches) or "choice" (a JSON list of the strings it may be); with `starts_after`, only
+    pattern the whole output matches), "choice" (a JSON list of the strings it may be) or "grammar" (an EBNF grammar's
+    text, grammar_ebnf.py); with `starts_after`, only
     the output after that token id (a think block's end) is guided."""
 
     kind: GuideKind
@@ -43,8 +45,10 @@ def compiled(kind: GuideKind, source: str) -> Grammar:
             return json_grammar(json.loads(source) if source else None)
         if kind == "regex":
             return regex_grammar(source)
+        if kind == "grammar":
+            return ebnf_grammar(source)
         return choice_grammar(json.loads(source))
     except RecursionError:
         raise GrammarError(
-            "nested too deeply to compile", {"json": "", "regex": "pattern"}.get(kind, "choice")
+            "nested too deeply to compile", {"json": "", "regex": "pattern", "grammar": "grammar"}.get(kind, "choice")
         ) from None

@@ -337,7 +337,8 @@ class ResponseFormat(NullAsAbsentModel):
 
 
 class StructuredOutputs(NullAsAbsentModel):
-    """vLLM's `structured_outputs`: one of a JSON Schema, any JSON object, a regular expression or a choice."""
+    """vLLM's `structured_outputs`: one of a JSON Schema, any JSON object, a regular expression, a choice or an EBNF
+    grammar."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -345,14 +346,14 @@ class StructuredOutputs(NullAsAbsentModel):
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
-    grammar: Any = None
+    grammar: str | None = None
     structural_tag: Any = None
     whitespace_pattern: Any = None
     disable_any_whitespace: Any = None
     disable_fallback: bool = False  # there is one backend here, so nothing to fall back to
     disable_additional_properties: bool = False  # a schema's object takes no other keys here either way
 
-    _check_unhonoured = field_validator("grammar", "structural_tag", "whitespace_pattern", "disable_any_whitespace")(
+    _check_unhonoured = field_validator("structural_tag", "whitespace_pattern", "disable_any_whitespace")(
         _refuse_unless_harmless
     )
 
@@ -376,12 +377,13 @@ class StructuredOutputs(NullAsAbsentModel):
                 GuideSpec("json", "") if self.json_object else None,
                 GuideSpec("regex", self.regex) if self.regex is not None else None,
                 GuideSpec("choice", json.dumps(self.choice)) if self.choice is not None else None,
+                GuideSpec("grammar", self.grammar) if self.grammar is not None else None,
             )
             if guide is not None
         ]
         if len(given) != 1:
             raise PydanticCustomError(
-                "conflict", f"give exactly one of json, json_object, regex and choice, not {len(given)}"
+                "conflict", f"give exactly one of json, json_object, regex, choice and grammar, not {len(given)}"
             )
         return given[0]
 
@@ -440,7 +442,7 @@ class _SamplingRequest(NullAsAbsentModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
-    guided_grammar: Any = None
+    guided_grammar: str | None = None
     guided_whitespace_pattern: Any = None
     guided_decoding_backend: str | None = None  # vLLM's choice of backend: there is one here
     structured_outputs: StructuredOutputs | None = None
@@ -448,7 +450,7 @@ class _SamplingRequest(NullAsAbsentModel):
     logits_processors: Any = None
 
     _check_unhonoured = field_validator(
-        "spaces_between_special_tokens", "use_beam_search", "guided_grammar", "guided_whitespace_pattern",
+        "spaces_between_special_tokens", "use_beam_search", "guided_whitespace_pattern",
         "structural_tag", "logits_processors",
     )(_refuse_unless_harmless)  # fmt: skip
 
@@ -497,6 +499,7 @@ class _SamplingRequest(NullAsAbsentModel):
             ("guided_json", _json_guide(self.guided_json) if self.guided_json is not None else None),
             ("guided_regex", GuideSpec("regex", self.guided_regex) if self.guided_regex is not None else None),
             ("guided_choice", GuideSpec("choice", json.dumps(self.guided_choice)) if self.guided_choice else None),
+            ("guided_grammar", GuideSpec("grammar", self.guided_grammar) if self.guided_grammar is not None else None),
         ]
         return [(field, guide) for field, guide in given if guide is not None] + self.more_guides()
 

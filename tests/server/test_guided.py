@@ -25,11 +25,13 @@ SCHEMA = {
 }
 REGEX = "[a-z]{2,6}-[0-9]{2}"
 CHOICES = ["stack", "queue", "heap"]
+GRAMMAR = 'root ::= "[" item (", " item)* "]"\nitem ::= [a-z_]+ | [0-9]+ | root'  # recursive: lists nest
 GUIDES = {
     "schema": GuideSpec("json", json.dumps(SCHEMA)),
     "object": GuideSpec("json", ""),
     "regex": GuideSpec("regex", REGEX),
     "choice": GuideSpec("choice", json.dumps(CHOICES)),
+    "grammar": GuideSpec("grammar", GRAMMAR),
 }
 GREEDY = DrawSpec(0.0, 0, 1.0, 0.0, 1)
 SAMPLED = DrawSpec(0.9, 40, 0.95, 0.0, 4321)

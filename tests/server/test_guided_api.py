@@ -28,6 +28,7 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(SHIPPED)
 
 
+GRAMMAR = 'root ::= "{" pair "}"\npair ::= "\\"age\\": " [0-9]+'
 BOUNDED = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "exclusiveMaximum": 150}}}
 
 
@@ -48,6 +49,8 @@ BOUNDED = {"type": "object", "properties": {"age": {"type": "integer", "minimum"
         ({"structured_outputs": {"json_object": True}}, GuideSpec("json", "")),
         ({"structured_outputs": {"regex": "a|b"}}, GuideSpec("regex", "a|b")),
         ({"structured_outputs": {"choice": ["x"]}}, GuideSpec("choice", '["x"]')),
+        ({"guided_grammar": GRAMMAR}, GuideSpec("grammar", GRAMMAR)),
+        ({"structured_outputs": {"grammar": GRAMMAR}}, GuideSpec("grammar", GRAMMAR)),
         (
             {
                 "structured_outputs": {
@@ -94,10 +97,13 @@ def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinki
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given exactly when"),
         ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
-        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "not supported"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "line 1, column 10: unexpected"),
+        ({"structured_outputs": {"grammar": 3}}, "structured_outputs.grammar", "string"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "not supported"),
         ({"structured_outputs": {"regex": "a", "backend": "x"}}, "structured_outputs.backend", "not permitted"),
-        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "not supported"),
+        ({"guided_grammar": "root ::= item"}, "guided_grammar", "line 1, column 10: rule 'item' is not defined"),
+        ({"guided_grammar": 'root ::= root "a" | "a"'}, "guided_grammar", "left-recursive"),
+        ({"guided_grammar": 'root ::= "a"', "guided_regex": "a"}, "guided_grammar", "one way to guide"),
         ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "not with guided decoding"),
         ({"guided_regex": "a", "allowed_token_ids": [5]}, "allowed_token_ids", "not with guided decoding"),
         ({"guided_regex": "a", "bad_words": ["a"]}, "bad_words", "not with guided decoding"),

@@ -305,7 +305,6 @@ def test_two_reasonings_that_differ_are_refused() -> None:
     [
         ("spaces_between_special_tokens", False),
         ("use_beam_search", True),
-        ("guided_grammar", "root ::= x"),
         ("structural_tag", {"type": "structural_tag"}),
         ("logits_processors", ["my.module.Processor"]),
     ],
