@@ -1,6 +1,7 @@
 """Exactness of the API's sampling extensions on a served model: n choices, logprobs, logit_bias, min_tokens,
-penalties, allowed_token_ids, prompt_logprobs, batches of prompts, echo, the Responses API and guided decoding, each
-drafted and undrafted, streamed and not; and bad_words. Prints PASS or FAIL per check; exits 1 on any failure.
+penalties, allowed_token_ids, prompt_logprobs, batches of prompts, echo, the Responses API and guided decoding (an EBNF
+grammar too), each drafted and undrafted, streamed and not; and bad_words. Prints PASS or FAIL per check; exits 1 on
+any failure.
 
 Usage: python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601
 """
@@ -15,6 +16,7 @@ import sys
 import httpx
 
 PROMPT = "def merge_sorted(left, right):\n    "
+NESTED_LISTS = 'root ::= "[" item (", " item)* "]"\nitem ::= [a-z_]+ | [0-9]+ | root'  # an EBNF grammar, recursive
 
 
 def complete(base: str, **fields) -> dict:
@@ -161,6 +163,7 @@ def guided_checks(base: str, check) -> None:
         ("guided_choice", {"guided_choice": choices}, lambda text: text in choices),
         ("guided_json", {"guided_json": schema}, lambda text: set(json.loads(text)) == {"name", "sizes"}),
         ("json_object", {"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+        ("guided_grammar", {"guided_grammar": NESTED_LISTS}, nested_list),
     ):
         for draw, fields in (("greedy", {"temperature": 0}), ("sampled", {"temperature": 0.8, "seed": 5})):
             runs = [complete(base, max_tokens=96, ignore_eos=False, **guide, **fields, **extra)
@@ -194,6 +197,11 @@ def guided_checks(base: str, check) -> None:
         check(f"tool_choice {name}: the answer is calls of the tool ({answer['finish_reason']})", ok, answer)
         whole = [call["function"] for call in calls]
         check(f"tool_choice {name}: streamed calls = not streamed", streamed_calls(base, ask) == whole, whole)
+
+
+def nested_list(text: str) -> bool:
+    """Whether the text is a list NESTED_LISTS takes: its words quoted, it reads as a JSON list."""
+    return isinstance(json.loads(re.sub(r"[a-z_]+", r'"\g<0>"', text)), list)
 
 
 def within_bounds(value: dict) -> bool:
