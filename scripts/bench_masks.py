@@ -20,9 +20,19 @@ import time
 from pathlib import Path
 
 from server.grammar import Grammar, json_grammar, regex_grammar
+from server.grammar_ebnf import ebnf_grammar
 from server.token_masks import GuideMasks, TokenVocabulary
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {}}}}
+JSON_EBNF = r"""
+root ::= object
+value ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" ws (string ws ":" ws value ws ("," ws string ws ":" ws value ws)*)? "}"
+array ::= "[" ws (value ws ("," ws value ws)*)? "]"
+string ::= "\"" ([^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))* "\""
+number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
+ws ::= [ \t\n]{0,20}
+"""  # any JSON object, as an EBNF grammar (recursive)
 CASES = (  # (name, grammar, the output so far)
     ("json_object: start", json_grammar(None), b""),
     ("json_object: after '{'", json_grammar(None), b"{"),
@@ -32,6 +42,9 @@ CASES = (  # (name, grammar, the output so far)
     ("schema: inside name", json_grammar(SCHEMA), b'{"name": "Al'),
     ("schema: inside tags", json_grammar(SCHEMA), b'{"name": "Al", "tags": [1, "x'),
     ("regex [a-z ,.]{1000}: after 10", regex_grammar("[a-z ,.]{1000}"), b"lighthouse"),
+    ("ebnf json: inside a key", ebnf_grammar(JSON_EBNF), b'{"ke'),
+    ("ebnf json: three deep, after ','", ebnf_grammar(JSON_EBNF), b'{"a": [[1, '),
+    ("json_object: three deep, after ','", json_grammar(None), b'{"a": [[1, '),
 )
 
 RUNS = (  # (name, grammar, the output before the run)
