@@ -14,6 +14,7 @@ import torch
 
 from model.shipped import SHIPPED_MODEL
 from server.grammar import Grammar, State, choice_grammar, json_grammar, regex_grammar
+from server.grammar_ebnf import ebnf_grammar
 from server.token_masks import ENDED, GuideMasks, TokenVocabulary, byte_level_alphabet
 from server.tokenizer import load_tokenizer
 
@@ -98,11 +99,22 @@ def test_the_byte_level_alphabet_covers_every_byte_once():
     assert max(map(ord, alphabet)) == 256 + 67
 
 
+NESTED_LISTS = 'root ::= "[" (item (", " item){0,30})? "]"\nitem ::= [a-c]+ | "é" | root'  # EBNF, recursive
+JSON_EBNF = r"""
+root ::= value
+value ::= "{" ws (pair ("," ws pair)*)? "}" | "[" ws (value ws ("," ws value ws){0,20})? "]"
+  | string | [0-9.e-]+ | "true"
+pair ::= string ws ":" ws value ws
+string ::= "\"" ([^"\\] | "\\" ["\\n])* "\""
+ws ::= [ \n]*
+"""  # JSON-like, recursive, with a counted repeat of recursive values
+
 GRAMMARS = {
     "object": (json_grammar(None), [b"", b"{", b'{"a', b'{"a": ', b'{"a": [1', b'{"a": 1}', b'{"a": "\\u1', b'{"\xe6']),
     "schema": (json_grammar(SCHEMA), [b"", b'{"name": "ab', b'{"name": "ab", "size": ', b'{"name": "", "size": "S"']),
     "regex": (regex_grammar(r"[a-c]+x?\d{2}|é+"), [b"", b"ab", b"abx1", b"\xc3"]),
     "choice": (choice_grammar(["stack", "queue", "heap"]), [b"", b"st", b"stack"]),
+    "ebnf": (ebnf_grammar(NESTED_LISTS), [b"", b"[", b"[ab, [c", b"[a, [b, [c]], ", b"[\xc3", b"[a" + b", a" * 28]),
 }
 
 
@@ -300,14 +312,14 @@ def test_the_tries_levels_give_back_every_tokens_bytes(seed):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_masks_over_random_vocabularies_are_the_brute_forces(seed):
     """Random pieces of JSON's bytes, some past the horizon, masked from states along random outputs of the object
-    grammar and a schema's: each mask equals feeding every token's bytes."""
+    grammar, a schema's and a recursive EBNF grammar's: each mask equals feeding every token's bytes."""
     rng = random.Random(seed)
     alphabet = b' {}[]:,"\\ab1.e-tn\n\xc3\xa9'
     pieces = [bytes([b]) for b in range(256)] + [
         bytes(rng.choice(alphabet) for _ in range(rng.choice((2, 3, 5, 9, 20, 40)))) for _ in range(1200)
     ]
     vocabulary = TokenVocabulary(pieces, len(pieces) + 1)
-    for grammar in (json_grammar(None), json_grammar(SCHEMA)):
+    for grammar in (json_grammar(None), json_grammar(SCHEMA), ebnf_grammar(JSON_EBNF)):
         masks = GuideMasks(grammar, vocabulary, (len(pieces),))
         state = grammar.initial
         for _ in range(12):
