@@ -194,7 +194,8 @@ class EngineClient:
         if self.lost is not None:
             raise EngineStopped(self.lost)
         self.requests[request.request_id] = request
-        self._send(replace(request, sink=_ignore))
+        guide = request.guide.with_compiled_form() if request.guide is not None else None  # compiled here already
+        self._send(replace(request, sink=_ignore, guide=guide))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.requests.pop(request_id, None) is not None:

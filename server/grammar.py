@@ -291,6 +291,16 @@ class Grammar:
             raise GrammarError("the grammar is too ambiguous to match", network.blame)
         self.initial: State = self._interned(initial)[0]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The compiled network and the initial state, for a pickle (the step cache and its lock stay behind)."""
+        return {name: value for name, value in self.__dict__.items() if name not in ("_steps", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A pickled grammar with an empty step cache of its own."""
+        self.__dict__.update(state)
+        self._steps, self._lock = {}, threading.Lock()
+        self._interned(self.initial)
+
     def step(self, state: State, byte: int) -> State | None:
         """The state after one more byte; None where the byte cannot come next."""
         entry = self._steps.get(state)

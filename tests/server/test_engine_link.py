@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from model.weights import load_model
 from rankwire.header import DrawSpec
 from server.engine import ContextLengthError, Engine, EngineStopped, Request, Update
 from server.engine_link import LOST, EngineClient, EngineHost
+from server.guide_spec import GuideSpec
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
 from server.runner import ModelRunner
@@ -265,6 +267,24 @@ def test_a_prompt_larger_than_the_socket_buffers_arrives_whole() -> None:
             assert (got.stop_ids, got.keep_at) == (frozenset({2}), (64,))
 
     asyncio.run(main())
+
+
+def test_a_guided_request_carries_its_compiled_grammar_to_the_engines_process() -> None:
+    """The front end compiled the grammar when it checked the request: the engine's end gets it pickled with the
+    guide, so its process need not compile it again (the guide still equals the one sent)."""
+    guide = GuideSpec("regex", "[a-z]{3}-[0-9]{1,4}")
+
+    async def main() -> Request:
+        engine = RecordingEngine()
+        async with linked(engine) as (_, client):
+            client.submit(Request("g", [5, 6], 8, GREEDY, frozenset({2}), Collected().sink, guide=guide))
+            assert await asyncio.to_thread(engine.got.wait, 30)
+        return engine.submitted[0]
+
+    got = asyncio.run(main()).guide
+    assert got == guide and guide.compiled_form is None and got.compiled_form is not None
+    grammar = pickle.loads(got.compiled_form)
+    assert grammar.accepts(grammar.feed(grammar.initial, b"abc-123")) and grammar.feed(grammar.initial, b"ab1") is None
 
 
 def test_an_abort_for_a_reason_no_front_end_gives_is_refused(model) -> None:

@@ -160,13 +160,13 @@ def test_a_guides_grammar_compiles_off_the_event_loop(tokenizer, monkeypatch):
     on_loop = []
     compile_once = guide_spec.compiled
 
-    def compiled(kind: str, source: str):
+    def compiled(kind: str, source: str, form: bytes | None = None):
         try:
             asyncio.get_running_loop()
             on_loop.append(True)
         except RuntimeError:
             on_loop.append(False)
-        return compile_once(kind, source)
+        return compile_once(kind, source, form)
 
     monkeypatch.setattr(guide_spec, "compiled", compiled)
     client, _ = http(tokenizer, '{"age": 3}')
