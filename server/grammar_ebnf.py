@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from server.grammar import (
     ASCII,
@@ -24,21 +24,22 @@ from server.grammar import (
 )
 
 ROOT = "root"
-NAME = re.compile(r"[A-Za-z_.-][A-Za-z0-9_.-]*")
-RULE_START = re.compile(r"([A-Za-z_.-][A-Za-z0-9_.-]*)[ \t]*(::=|\[|\()")  # a rule's name, then ::= (or an option)
+NAME = re.compile(r"[A-Za-z_-][A-Za-z0-9_.-]*")  # '.' first would be any character
+RULE_START = re.compile(r"([A-Za-z_-][A-Za-z0-9_.-]*)[ \t]*(::=|\[|\()")  # a rule's name, then ::= (or an option)
 REPEAT_COUNT = re.compile(r"\{[ \t]*([0-9]+)[ \t]*(?:(,)[ \t]*([0-9]*)[ \t]*)?\}")
 CONTROL_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f", "a": "\a", "v": "\v", "0": "\0", "e": "\x1b"}
 SELF_ESCAPES = "\"\\/'?"  # escapes that stand for the character itself, in strings and classes
 CLASS_SELF_ESCAPES = SELF_ESCAPES + "^$.*+()[]{}|-"  # and these in classes
-HEX_LENGTHS = {"u": 4, "U": 8}
+HEX_LENGTHS = {"u": 4, "U": 8}  # and \\x takes one or more
+HEX_DIGITS = re.compile(r"[0-9a-fA-F]+")
 
 
 @dataclass(frozen=True, slots=True)
 class RuleRef:
-    """A use of a rule by name, and where it stands in the grammar's text."""
+    """A use of a rule by name, and the offset in the grammar's text where it stands (no part of its identity)."""
 
     name: str
-    where: str
+    position: int = field(compare=False)
 
 
 EbnfNode = RegexNode | RuleRef
@@ -52,13 +53,13 @@ class EbnfParser:
         self.text = text
         self.position = 0
         self.rules: dict[str, EbnfNode] = {}
-        self.defined_at: dict[str, str] = {}
+        self.defined_at: dict[str, int] = {}  # each rule's name's offset
 
     def parse(self) -> dict[str, EbnfNode]:
         """Every rule's tree, by name."""
         self._skip_space()
         while self.position < len(self.text):
-            where = self.where()
+            position = self.position
             start = RULE_START.match(self.text, self.position)
             if start is None:
                 raise self._error("expected a rule, written `name ::= expression`")
@@ -66,9 +67,9 @@ class EbnfParser:
                 raise self._error("rule options (`name[...]`) and macros (`Name(...)`) are not supported")
             name = start.group(1)
             if name in self.rules:
-                raise self._error(f"rule {name!r} is defined twice (first at {self.defined_at[name]})")
+                raise self._error(f"rule {name!r} is defined twice (first at {self.where(self.defined_at[name])})")
             self.position = start.end()
-            self.defined_at[name] = where
+            self.defined_at[name] = position
             self.rules[name] = self._alternation()
             if self._peek() == ")":
                 raise self._error("unbalanced ')'")
@@ -181,13 +182,12 @@ class EbnfParser:
             self.position += 1
             return tree
         name = NAME.match(self.text, self.position)
-        if name is None or name.group()[0].isdigit():
+        if name is None:
             raise self._error(f"unexpected {char!r}" if char is not None else "the grammar ends too soon")
-        where = self.where()
-        self.position = name.end()
+        position, self.position = self.position, name.end()
         if self.position < len(self.text) and self.text[self.position] == "(":
             raise self._error("macros (`Name(...)`) are not supported")
-        return RuleRef(name.group(), where)
+        return RuleRef(name.group(), position)
 
     def _string(self) -> EbnfNode:
         """A string literal's characters in order, after its opening quote."""
@@ -197,6 +197,8 @@ class EbnfParser:
                 raise self._error("a string cannot hold a line break: write \\n", self.position - 1)
             if char == "\\":
                 char = self._escape(SELF_ESCAPES)
+            elif 0xD800 <= ord(char) <= 0xDFFF:
+                raise self._error("a lone surrogate is not a character", self.position - 1)
             parts.append(Chars(1 << ord(char)) if char.isascii() else Text(char))
         return parts[0] if len(parts) == 1 else Concat(tuple(parts))
 
@@ -209,12 +211,13 @@ class EbnfParser:
         empty = True
         while (char := self._take("a class is not closed")) != "]":
             empty = False
+            member = self.position - 1
             low = self._class_char(char)
             if self.text.startswith("-", self.position) and not self.text.startswith("-]", self.position):
                 self.position += 1
                 high = self._class_char(self._take())
                 if ord(high) < ord(low):
-                    raise self._error("a class range ends below where it starts")
+                    raise self._error("a class range ends below where it starts", member)
                 chars |= Chars.span(ord(low), ord(high))
             else:
                 chars |= Chars.span(ord(low), ord(low))
@@ -226,6 +229,8 @@ class EbnfParser:
         """One member character of a class (an escape's character where it starts one)."""
         if char == "\n":
             raise self._error("a class cannot hold a line break: write \\n", self.position - 1)
+        if 0xD800 <= ord(char) <= 0xDFFF:
+            raise self._error("a lone surrogate is not a character", self.position - 1)
         return self._escape(CLASS_SELF_ESCAPES) if char == "\\" else char
 
     def _escape(self, self_escapes: str) -> str:
@@ -238,7 +243,7 @@ class EbnfParser:
             return CONTROL_ESCAPES[char]
         if char in "xuU":
             length = HEX_LENGTHS.get(char)
-            digits = re.match(r"[0-9a-fA-F]+", self.text[self.position : self.position + (length or 8)])
+            digits = HEX_DIGITS.match(self.text, self.position, self.position + length if length else len(self.text))
             if digits is None or (length is not None and len(digits.group()) != length):
                 raise self._error(f"'\\{char}' needs {length or 'one or more'} hex digits", backslash)
             self.position += len(digits.group())
@@ -343,14 +348,51 @@ def on_a_cycle(edges: dict[str, set[str]]) -> list[str]:
     return [name for name in edges if name in cyclic]
 
 
+def flattened(tree: EbnfNode) -> tuple[EbnfNode, ...]:
+    """The parts of a sequence, those of sequences inside it spliced in (a string is a sequence of characters)."""
+    if not isinstance(tree, Concat):
+        return (tree,)
+    return tuple(part for inner in tree.parts for part in flattened(inner))
+
+
+def factored(tree: EbnfNode) -> EbnfNode:
+    """The tree with the options of each alternation that begin alike joined: `a b | a c` becomes `a (b | c)`. The
+    texts are the same; a match holds one place in `a` rather than one per option, and where `a` uses a recursive
+    rule the places (stacks of calls) no longer double at each level of nesting."""
+    if isinstance(tree, Concat):
+        return Concat(tuple(factored(part) for part in flattened(tree)))
+    if isinstance(tree, Repeat):
+        return Repeat(factored(tree.part), tree.least, tree.most)  # type: ignore[arg-type]
+    if not isinstance(tree, Alternation):
+        return tree
+    by_first: dict[EbnfNode | None, list[tuple[EbnfNode, ...]]] = {}
+    for option in tree.options:
+        for alternative in option.options if isinstance(option, Alternation) else (option,):
+            parts = flattened(alternative)
+            rests = by_first.setdefault(parts[0] if parts else None, [])
+            if parts[1:] not in rests:
+                rests.append(parts[1:])
+    options: list[EbnfNode] = []
+    for first, rests in by_first.items():
+        if first is None:
+            options.append(Concat(()))
+            continue
+        rest = [Concat(parts) if len(parts) != 1 else parts[0] for parts in rests]
+        after = rest[0] if len(rest) == 1 else factored(Alternation(tuple(rest)))  # type: ignore[arg-type]
+        options.append(factored(first) if after == Concat(()) else Concat((factored(first), after)))  # type: ignore[arg-type]
+    return options[0] if len(options) == 1 else Alternation(tuple(options))  # type: ignore[arg-type]
+
+
 class EbnfEmitter(RegexEmitter):
-    """Adds rule trees to a network: a recursive rule as a routine that its uses call, any other rule inlined at
-    each use (so a grammar without recursion is a plain automaton, as a regex is)."""
+    """Adds rule trees to a network: a recursive rule as a routine that its uses call, its body added once from a
+    queue (so a long chain of rules is never a deep recursion), any other rule inlined at each use (so a grammar
+    without recursion is a plain automaton, as a regex is)."""
 
     def __init__(self, network: Network, rules: dict[str, EbnfNode], recursive: set[str]) -> None:
         super().__init__(network, in_json_string=False)
         self.rules, self.recursive = rules, recursive
         self.entries: dict[str, int] = {}
+        self.bodies: list[tuple[str, int, int]] = []  # routines whose bodies are still to be added
 
     def emit(self, start: int, tree: EbnfNode) -> int:  # type: ignore[override]
         """The tree's texts from `start`."""
@@ -361,17 +403,23 @@ class EbnfEmitter(RegexEmitter):
         return self.network.call(start, self.routine(tree.name))
 
     def routine(self, name: str) -> int:
-        """The entry of a rule's routine, its body added the first time."""
+        """The entry of a rule's routine (its body queued the first time)."""
         if name not in self.entries:
             entry, exit_node = self.network.routine()
             self.entries[name] = entry
-            self.network.epsilon(self.emit(entry, self.rules[name]), exit_node)
+            self.bodies.append((name, entry, exit_node))
         return self.entries[name]
+
+    def add_bodies(self) -> None:
+        """Add the queued routines' bodies, and those of the routines they call in turn."""
+        while self.bodies:
+            name, entry, exit_node = self.bodies.pop()
+            self.network.epsilon(self.emit(entry, self.rules[name]), exit_node)
 
 
 def ebnf_grammar(text: str) -> Grammar:
     """Outputs that the grammar's rule `root` matches. Left recursion is refused (write it as a repetition), as are
-    xgrammar's rule options and macros; '.' is any character."""
+    xgrammar's rule options and macros; '.' is any character. Options that begin alike are joined (`factored`)."""
     if not isinstance(text, str):
         raise GrammarError("a grammar must be a string", "grammar")
     parser = EbnfParser(text)
@@ -381,7 +429,7 @@ def ebnf_grammar(text: str) -> Grammar:
     for tree in rules.values():
         for ref in used_rules(tree):
             if ref.name not in rules:
-                raise GrammarError(f"rule {ref.name!r} is not defined", ref.where)
+                raise GrammarError(f"rule {ref.name!r} is not defined", parser.where(ref.position))
     nullable = nullable_rules(rules)
     leading = {name: leading_rules(tree, nullable) for name, tree in rules.items()}
     left_recursive = on_a_cycle(leading)
@@ -390,13 +438,20 @@ def ebnf_grammar(text: str) -> Grammar:
         raise GrammarError(
             f"rule {name!r} is left-recursive (it can reach itself before matching a character), which is not "
             'supported: write it with a repetition, such as `list ::= item ("," item)*`',
-            parser.defined_at[name],
+            parser.where(parser.defined_at[name]),
         )
     recursive = set(on_a_cycle({name: {ref.name for ref in used_rules(tree)} for name, tree in rules.items()}))
     network = Network("grammar")
-    emitter = EbnfEmitter(network, rules, recursive)
-    if ROOT in recursive:
-        return Grammar(network, emitter.routine(ROOT))
-    entry, exit_node = network.routine()
-    network.epsilon(emitter.emit(entry, rules[ROOT]), exit_node)
+    emitter = EbnfEmitter(network, {name: factored(tree) for name, tree in rules.items()}, recursive)
+    try:
+        if ROOT in recursive:
+            entry = emitter.routine(ROOT)
+        else:
+            entry, exit_node = network.routine()
+            network.epsilon(emitter.emit(entry, emitter.rules[ROOT]), exit_node)
+        emitter.add_bodies()
+    except RecursionError:
+        raise GrammarError(
+            "rules used inside one another too deeply to lay out (a chain of hundreds)", "grammar"
+        ) from None
     return Grammar(network, entry)

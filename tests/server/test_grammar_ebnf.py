@@ -137,7 +137,9 @@ def test_a_json_string_grammar_takes_what_json_loads_takes_as_a_string(candidate
         ('root ::= "\\uD800"', "line 1, column 11", "not a character"),
         ('root ::= "\\u12"', "line 1, column 11", "4 hex digits"),
         ('root ::= "a\nb"', "line 1, column 12", "line break"),
-        ("root ::= [z-a]", "line 1, column 14", "ends below"),
+        ("root ::= [z-a]", "line 1, column 11", "ends below"),
+        ('root ::= "\ud800"', "line 1, column 11", "lone surrogate"),
+        ("root ::= [\ud800]", "line 1, column 11", "lone surrogate"),
         ('root[temperature=0.5] ::= "a"', "line 1, column 1", "rule options"),
         ('root ::= TagDispatch(("<a>", b))', "line 1, column 21", "macros"),
         ('"a"', "line 1, column 1", "expected a rule"),
@@ -148,6 +150,47 @@ def test_a_grammar_outside_the_notation_is_refused_naming_where(text, where, say
     with pytest.raises(GrammarError) as caught:
         ebnf_grammar(text)
     assert caught.value.where == where and says in str(caught.value), (caught.value.where, str(caught.value))
+
+
+@pytest.mark.parametrize(
+    ("text", "inside", "around"),
+    [
+        ('root ::= expr\nexpr ::= term | term "+" expr\nterm ::= "(" expr ")" | [0-9]+', "1+2", ("(", ")")),
+        ('root ::= "(" root ")" | "(" root "]" | "x"', "x", ("(", "]")),
+        ('root ::= "[" (item | item "," root) "]"\nitem ::= "a" | "a" "b"', "[ab]", ("[a,", "]")),
+    ],
+)
+def test_options_that_begin_alike_nest_to_the_depth_limit(text, inside, around):
+    """Options that begin with the same rule or text are joined, so a recursive rule used after a shared beginning
+    holds one place a level, not twice as many at each: 30 levels deep is matched (unjoined, the places passed the
+    cap on a state's stacks from about 10 levels and the text was refused)."""
+    grammar = ebnf_grammar(text)
+    opening, closing = around
+    assert matches(grammar, opening * 30 + inside + closing * 30)
+    assert not matches(grammar, opening * 30 + inside + closing * 29)
+
+
+def test_a_long_chain_of_rules_compiles_and_an_absurd_one_is_refused():
+    """Rules used inside one another are laid out from a queue, not by recursion: a chain of 400 recursive rules
+    compiles; 3,000 inlined ones nested in each other are refused by name, not with a crash."""
+    chain = "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(400))
+    grammar = ebnf_grammar(f'root ::= r0\n{chain}\nr400 ::= "c" r0 | "d"')
+    assert matches(grammar, "a" * 50 + "b") and not matches(grammar, "a" * 50)
+    inlined = "\n".join(f'r{i} ::= "a" r{i + 1}' for i in range(3000))
+    with pytest.raises(GrammarError, match="too deeply") as caught:
+        ebnf_grammar(f'root ::= r0\n{inlined}\nr3000 ::= "z"')
+    assert caught.value.where == "grammar"
+
+
+def test_names_escapes_and_positions_as_the_notation_has_them():
+    """'.' before a name is any character; '\\x' takes any number of hex digits; a rule used far into a long
+    grammar is named at its line."""
+    assert matches(ebnf_grammar('root ::= .x\nx ::= "y"'), "ay")
+    assert matches(ebnf_grammar('root ::= "\\x000001F642"'), "🙂")
+    long = "\n".join(f'r{i} ::= "a"' for i in range(2000))
+    with pytest.raises(GrammarError) as caught:
+        ebnf_grammar(f"root ::= r0\n{long}\nr1999x ::= missing")
+    assert caught.value.where == "line 2002, column 12"
 
 
 def test_rules_on_a_cycle_are_the_recursive_ones():
