@@ -1022,6 +1022,8 @@ class RegexParser:
             raise self._error("'^' and '$' are only accepted at the very start and end")
         if char == "\\":
             return self._char(self._escape())
+        if 0xD800 <= ord(char) <= 0xDFFF:
+            raise self._error("a lone surrogate is not a character")
         return self._char(char)
 
     def _group(self) -> RegexNode:

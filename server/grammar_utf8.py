@@ -29,6 +29,8 @@ def complement(ranges: CodeRanges, low: int = FIRST_WIDE, high: int = LAST_CODE)
     """The code points from low to high that none of the (merged) ranges holds."""
     out, start = [], low
     for first, last in ranges:
+        if first > high:
+            break
         if first > start:
             out.append((start, min(first - 1, high)))
         start = max(start, last + 1)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from server.grammar import WHITESPACE, Grammar, State, members
+from server.grammar import MAX_STACKS, WHITESPACE, Grammar, State, members
 from server.guide_spec import GuideError, GuideSpec
 from server.token_masks import GuideMasks, TokenVocabulary
 
@@ -103,10 +103,15 @@ class GuideCursor:
         self.last_byte = b""  # the output's last byte (none yet)
 
     def take(self, token: int) -> None:
-        """Advance past a kept token; a token the grammar does not allow is a broken contract (`GuideError`)."""
+        """Advance past a kept token; a token the grammar does not allow is a broken contract, and one drawn under a
+        cut mask (`GuideMasks.cut`: the grammar too ambiguous to follow there) ends the guide too (`GuideError`)."""
         state, self.state = self.state, self._after(self.state, token)
         if self.state is _REFUSED:
             raise GuideError(f"token {token} was kept, but the request's grammar does not allow it there")
+        if state is not None and self.masks.cut(state):
+            raise GuideError(
+                f"the grammar has more than {MAX_STACKS} ways to read the output here: too ambiguous to guide further"
+            )
         self.last_byte = self._last_byte(state, self.last_byte, token)
 
     def row_masks(self, drafts: tuple[int, ...]) -> tuple[bytes, ...]:

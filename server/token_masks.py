@@ -9,7 +9,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -252,6 +252,9 @@ class TokenVocabulary:
         return self._pieces[token_id] if 0 <= token_id < len(self._pieces) else None
 
 
+Kept = TypeVar("Kept")
+
+
 class GuideMasks:
     """A grammar over a vocabulary: each state's allowed ids (cached per state, and the short tokens' per state that
     stands in for it) and the state after a token."""
@@ -262,7 +265,7 @@ class GuideMasks:
         self.end_ids = tuple(end_id for end_id in end_ids if 0 <= end_id < vocabulary.size)  # others are never drawn
         self._end_index = torch.tensor(self.end_ids, dtype=torch.long)
         self._ended = torch.zeros(vocabulary.size, dtype=torch.bool).index_fill_(0, self._end_index, True)
-        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()  # by state: the whole mask
+        self._cache: OrderedDict[State, tuple[torch.Tensor, bool]] = OrderedDict()  # by state: the mask, and cut
         self._short: OrderedDict[State, torch.Tensor] = OrderedDict()  # by stand-in: the short tokens' mask
         self._capacity = max(1, min(MASK_CACHE_STATES, MASK_CACHE_BYTES // 2 // max(vocabulary.size, 1)))
         self._lock = threading.Lock()
@@ -273,12 +276,19 @@ class GuideMasks:
         far, and also at a dead end, where no token is allowed, so that the output can still end."""
         if state == ENDED:
             return self._ended
-        mask = self._cached(self._cache, state)
-        if mask is None:
-            mask = self._keep(self._cache, state, self._build(state))
-        return mask
+        return self._made(state)[0]
 
-    def _cached(self, cache: OrderedDict[State, torch.Tensor], key: State) -> torch.Tensor | None:
+    def cut(self, state: State) -> bool:
+        """Whether the state's mask may leave out tokens the grammar takes: a step on the way held more stacks than
+        the grammar's cap (MAX_STACKS), so the grammar refused it (only a wildly ambiguous grammar gets there)."""
+        return state != ENDED and self._made(state)[1]
+
+    def _made(self, state: State) -> tuple[torch.Tensor, bool]:
+        """A state's mask and whether it is cut, from the cache or made."""
+        made = self._cached(self._cache, state)
+        return made if made is not None else self._keep(self._cache, state, self._build(state))
+
+    def _cached(self, cache: OrderedDict[State, Kept], key: State) -> Kept | None:
         """A cached mask, marked as the latest used; None where missing."""
         with self._lock:
             mask = cache.get(key)
@@ -286,7 +296,7 @@ class GuideMasks:
                 cache.move_to_end(key)
             return mask
 
-    def _keep(self, cache: OrderedDict[State, torch.Tensor], key: State, mask: torch.Tensor) -> torch.Tensor:
+    def _keep(self, cache: OrderedDict[State, Kept], key: State, mask: Kept) -> Kept:
         """Cache a mask, the least recently used going where the cache is full."""
         with self._lock:
             cache[key] = mask
@@ -304,11 +314,12 @@ class GuideMasks:
             return None
         return self.grammar.feed(state, piece)
 
-    def _build(self, state: State) -> torch.Tensor:
+    def _build(self, state: State) -> tuple[torch.Tensor, bool]:
         """A state's mask: the short tokens' from the state that stands in for it (walked once for all the states it
-        stands in for), the long ones walked from the state itself, then the end ids."""
+        stands in for), the long ones walked from the state itself, then the end ids; and whether it is cut (a
+        stand-in's mask is kept only from a walk far below the cap, so one from the cache is never cut)."""
         stand_in = self.grammar.stand_in(state, HORIZON) if len(state) <= STAND_IN_STACKS else state
-        short = self._cached(self._short, stand_in)
+        short, widest = self._cached(self._short, stand_in), 0
         if short is None:
             ids, widest = self._walk(state, self.vocabulary.trie)
             short = torch.zeros(self.vocabulary.size, dtype=torch.bool).index_fill_(0, ids, True)
@@ -316,10 +327,12 @@ class GuideMasks:
                 self._keep(self._short, stand_in, short)
         mask = short.clone()
         if len(self.vocabulary.long_trie):
-            mask.index_fill_(0, self._walk(state, self.vocabulary.long_trie)[0], True)
+            ids, long_widest = self._walk(state, self.vocabulary.long_trie)
+            mask.index_fill_(0, ids, True)
+            widest = max(widest, long_widest)
         mask[self._end_index] = False
         ends = self.grammar.accepts(state) or not mask.any()
-        return mask.index_fill_(0, self._end_index, ends)
+        return mask.index_fill_(0, self._end_index, ends), widest > MAX_STACKS
 
     def _walk(self, state: State, trie: ByteTrie) -> tuple[torch.Tensor, int]:
         """The ids of a trie's keys whose bytes the grammar takes from `state`, and the most stacks a closure visited

@@ -640,6 +640,7 @@ def test_a_class_of_non_ascii_ranges_takes_well_formed_utf8_of_its_characters_on
         "a\\",
         r"[z-a]",
         r"\ud800",
+        "a\ud800",
     ],
 )
 def test_a_regex_outside_the_subset_is_refused(pattern):

@@ -195,3 +195,19 @@ def test_the_text_before_a_guide_starts_does_not_steer_its_whitespace(tokenizer,
     for token in (*ids(tokenizer, "so:"), THINK_END):
         cursor.take(token)
     assert cursor.drafts((), 2) == tuple(ids(tokenizer, "x"))
+
+
+def test_a_token_drawn_under_a_mask_the_cap_on_stacks_cut_ends_the_guide(tokenizer, guides):
+    """An inherently ambiguous grammar doubles its ways to read the output at each '(': past the cap the grammar
+    refuses steps it should take, so the mask leaves tokens out. A token drawn under that mask ends the request with
+    an error rather than an output steered by the cut."""
+    cursor = guides.cursor(GuideSpec("grammar", 'root ::= "(" root? root? ")" | "x"'), (tokenizer.eos_token_id,))
+    (opening,) = ids(tokenizer, "(")
+    depth = 0
+    while not cursor.masks.cut(cursor.state) and depth < 40:
+        cursor.take(opening)
+        depth += 1
+    assert 5 < depth < 40
+    allowed = cursor.masks.allowed(cursor.state).nonzero().squeeze(1).tolist()
+    with pytest.raises(GuideError, match="too ambiguous"):
+        cursor.take(allowed[0])
