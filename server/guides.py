@@ -54,10 +54,9 @@ class Guides:
         self.forced: OrderedDict[tuple[GuideMasks, State, bool], tuple[int, ...]] = OrderedDict()  # forced_tokens
 
     def prepare(self, spec: GuideSpec) -> TokenVocabulary:
-        """A guide's grammar compiled and the vocabulary made, where not done yet: the slow parts of a request's
-        first cursor (a large schema's compile is long), which a submitting thread does rather than the
-        engine's under its lock (the compile still shares the GIL with the rounds: docs/performance.md, fifty-third
-        session). Answers the vocabulary."""
+        """A guide's grammar compiled (or unpickled from the compiled form a front end process sent) and the
+        vocabulary made, where not done yet: the slow parts of a request's first cursor, which a submitting thread
+        does rather than the engine's under its lock. Answers the vocabulary."""
         spec.grammar()
         with self._vocabulary_lock:
             if self.vocabulary is None:
