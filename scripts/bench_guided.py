@@ -1,11 +1,12 @@
 """Guided decoding benchmark: what a grammar costs a served request, against the same requests unguided.
 
     python scripts/bench_guided.py --requests 32 --tokens 128 --concurrency 1 8 --passes 2 [--no-drafts] \
-        [--guide {regex,json}]
+        [--guide {regex,json,grammar}]
 
 Each request asks for exactly `--tokens` tokens of one prompt (seeded, sampled, its own seed): `plain` without a guide
-(ignore_eos), `guided` under `--guide`: `guided_regex` `[a-z ,.]{1000}` (the default), or `guided_json` of a list of at
-least 100 records of three keys; neither completes inside `--tokens` tokens, so both run to their length. Each mode runs
+(ignore_eos), `guided` under `--guide`: `guided_regex` `[a-z ,.]{1000}` (the default), `guided_json` of a list of at
+least 100 records of three keys, or `guided_grammar` of an EBNF list of at least 100 items, each a word, a number or a
+nested list; none completes inside `--tokens` tokens, so each runs to its length. Each mode runs
 once at each concurrency to warm up, then the timed passes run the modes in turn. Prints one line per pass, mode and
 concurrency (output tokens a second over the run, the mean request latency, the drafts the server verified and kept
 meanwhile) and, with --json, a JSON list of them last. Every answer is checked to hold `--tokens` tokens, and every
@@ -20,13 +21,15 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import httpx
 from openai_stream import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, resolve_model
 
-from server.grammar import json_grammar, regex_grammar
+from server.grammar import Grammar, json_grammar, regex_grammar
+from server.grammar_ebnf import ebnf_grammar
 
 PATTERN = "[a-z ,.]{1000}"
 RECORD = {
@@ -39,7 +42,15 @@ RECORD = {
     "required": ["name", "size", "count"],
 }
 SCHEMA = {"type": "array", "items": RECORD, "minItems": 100}
+GRAMMAR = 'root ::= "[" item (", " item){99,} "]"\nitem ::= [a-z]{1,12} | [0-9]{1,6} | "[" item (", " item)* "]"'
 PROMPT = "Write a short story about a lighthouse keeper.\n\n"
+
+
+GUIDES: dict[str, Callable[[], tuple[dict, Grammar]]] = {  # each guide's request field, and a grammar of its prefixes
+    "regex": lambda: ({"guided_regex": PATTERN}, regex_grammar("[a-z ,.]*")),
+    "json": lambda: ({"guided_json": SCHEMA}, json_grammar(SCHEMA)),
+    "grammar": lambda: ({"guided_grammar": GRAMMAR}, ebnf_grammar(GRAMMAR)),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight (default 1 8)")
     parser.add_argument("--passes", type=int, default=2, help="timed passes over the modes (default 2)")
     parser.add_argument("--no-drafts", action="store_true", help='send "draft": false in every request')
-    parser.add_argument("--guide", choices=("regex", "json"), default="regex", help="the guided mode's grammar")
+    parser.add_argument("--guide", choices=GUIDES, default="regex", help="the guided mode's grammar")
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list last")
     args = parser.parse_args(argv)
     for name in ("requests", "tokens", "passes"):
@@ -79,9 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int, run: int) -> ModeResult:
     """Send `args.requests` requests, `concurrency` at a time, each for `args.tokens` tokens, guided or not."""
-    guided = {"guided_regex": PATTERN} if args.guide == "regex" else {"guided_json": SCHEMA}
+    guided, grammar = GUIDES[args.guide]()
     guide = guided if mode == "guided" else {"ignore_eos": True}
-    grammar = regex_grammar("[a-z ,.]*") if args.guide == "regex" else json_grammar(SCHEMA)
     guide |= {"draft": False} if args.no_drafts else {}
     url = f"{args.base_url.rstrip('/')}/v1/completions"
 

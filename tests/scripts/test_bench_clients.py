@@ -512,10 +512,10 @@ def test_bench_guided_counts_each_runs_drafts_from_the_servers_health(tmp_path: 
 
 def test_bench_guided_runs_each_mode_to_its_length_and_checks_the_guided_text(tmp_path: Path) -> None:
     """Each mode at each concurrency sends every request once a pass (the first pass warms up, untimed) for exactly
-    --tokens tokens; a guided text that left the pattern would fail the script."""
+    --tokens tokens; a guided text that left the grammar (here the EBNF one) would fail the script."""
     with serve_checkpoint(tiny_chat_checkpoint(tmp_path / "chat")) as live:
         done = run_script("bench_guided", live.url, "--requests", "2", "--tokens", "6", "--concurrency", "1", "2",
-                          "--passes", "1", "--no-drafts", "--json")  # fmt: skip
+                          "--passes", "1", "--no-drafts", "--guide", "grammar", "--json")  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         results = json.loads(done.stdout.splitlines()[-1])
         assert [(r["run"], r["mode"], r["concurrency"]) for r in results] == [
