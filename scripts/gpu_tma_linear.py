@@ -32,7 +32,7 @@ from kernels.linear import arrival_counters, call_tiles, k_ranges, launch  # noq
 from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2  # noqa: E402
 
 CASES = ("o_proj", "in_proj_qkv", "q_proj", "gdn_in_proj", "qsa_fused")
-WIDTHS, DEPTHS, WARPS, STAGES = (16, 32), (128, 256), (1, 2, 4), (4, 6, 8)
+WIDTHS, DEPTHS, WARPS, STAGES = (16, 32), (128, 256), (1, 2, 4), (4, 8)
 CALLS, REPLAYS = 20, 15
 
 
