@@ -355,31 +355,50 @@ def flattened(tree: EbnfNode) -> tuple[EbnfNode, ...]:
     return tuple(part for inner in tree.parts for part in flattened(inner))
 
 
+def alternatives(tree: EbnfNode) -> Iterator[EbnfNode]:
+    """The options of an alternation, those of alternations inside it spliced in (the tree itself if none)."""
+    if isinstance(tree, Alternation):
+        for option in tree.options:
+            yield from alternatives(option)
+    else:
+        yield tree
+
+
+def sequence(parts: tuple[EbnfNode, ...]) -> EbnfNode:
+    """Parts as one tree: the part itself where there is one."""
+    return parts[0] if len(parts) == 1 else Concat(parts)  # type: ignore[arg-type]
+
+
 def factored(tree: EbnfNode) -> EbnfNode:
-    """The tree with the options of each alternation that begin alike joined: `a b | a c` becomes `a (b | c)`. The
-    texts are the same; a match holds one place in `a` rather than one per option, and where `a` uses a recursive
-    rule the places (stacks of calls) no longer double at each level of nesting."""
+    """The tree with the options of each alternation that begin alike joined: `a b c | a b d` becomes `a b (c | d)`.
+    The texts are the same; a match holds one place in `a b` rather than one per option, and where that beginning
+    uses a recursive rule the places (stacks of calls) no longer double at each level of nesting. Options with the
+    same first part are joined over all the parts they share, so a long shared beginning is one step, not one a
+    part."""
     if isinstance(tree, Concat):
         return Concat(tuple(factored(part) for part in flattened(tree)))
     if isinstance(tree, Repeat):
         return Repeat(factored(tree.part), tree.least, tree.most)  # type: ignore[arg-type]
     if not isinstance(tree, Alternation):
         return tree
-    by_first: dict[EbnfNode | None, list[tuple[EbnfNode, ...]]] = {}
-    for option in tree.options:
-        for alternative in option.options if isinstance(option, Alternation) else (option,):
-            parts = flattened(alternative)
-            rests = by_first.setdefault(parts[0] if parts else None, [])
-            if parts[1:] not in rests:
-                rests.append(parts[1:])
+    by_first: dict[EbnfNode | None, dict[tuple[EbnfNode, ...], None]] = {}
+    for option in alternatives(tree):
+        parts = flattened(option)
+        by_first.setdefault(parts[0] if parts else None, {})[parts[1:]] = None
     options: list[EbnfNode] = []
     for first, rests in by_first.items():
         if first is None:
             options.append(Concat(()))
             continue
-        rest = [Concat(parts) if len(parts) != 1 else parts[0] for parts in rests]
-        after = rest[0] if len(rest) == 1 else factored(Alternation(tuple(rest)))  # type: ignore[arg-type]
-        options.append(factored(first) if after == Concat(()) else Concat((factored(first), after)))  # type: ignore[arg-type]
+        tails = list(rests)
+        shared = 0
+        while all(len(tail) > shared and tail[shared] == tails[0][shared] for tail in tails):
+            shared += 1
+        head = tuple(factored(part) for part in (first, *tails[0][:shared]))
+        tails = [tail[shared:] for tail in tails]
+        if len(tails) > 1:
+            head += (factored(Alternation(tuple(sequence(tail) if tail else Concat(()) for tail in tails))),)
+        options.append(sequence(head))
     return options[0] if len(options) == 1 else Alternation(tuple(options))  # type: ignore[arg-type]
 
 

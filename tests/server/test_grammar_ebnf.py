@@ -158,6 +158,8 @@ def test_a_grammar_outside_the_notation_is_refused_naming_where(text, where, say
         ('root ::= expr\nexpr ::= term | term "+" expr\nterm ::= "(" expr ")" | [0-9]+', "1+2", ("(", ")")),
         ('root ::= "(" root ")" | "(" root "]" | "x"', "x", ("(", "]")),
         ('root ::= "[" (item | item "," root) "]"\nitem ::= "a" | "a" "b"', "[ab]", ("[a,", "]")),
+        ('root ::= "x" (t | t "+" root) | "y"\nt ::= "(" root ")" | "a"', "xa", ("x(", ")")),
+        ('root ::= "n" ("(" root ")" | ("(" root "]")) | "x"', "x", ("n(", "]")),
     ],
 )
 def test_options_that_begin_alike_nest_to_the_depth_limit(text, inside, around):
@@ -168,6 +170,14 @@ def test_options_that_begin_alike_nest_to_the_depth_limit(text, inside, around):
     opening, closing = around
     assert matches(grammar, opening * 30 + inside + closing * 30)
     assert not matches(grammar, opening * 30 + inside + closing * 29)
+
+
+def test_options_sharing_a_long_beginning_are_joined_in_one_step():
+    """Two strings that share 2,000 characters compile (joined part by part, the tree was 2,000 levels deep)."""
+    shared = "a" * 2000
+    grammar = ebnf_grammar(f'root ::= "{shared}x" | "{shared}y" | "b"')
+    assert matches(grammar, shared + "x") and matches(grammar, shared + "y") and matches(grammar, "b")
+    assert not matches(grammar, shared) and not matches(grammar, shared + "b")
 
 
 def test_a_long_chain_of_rules_compiles_and_an_absurd_one_is_refused():
