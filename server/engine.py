@@ -223,6 +223,7 @@ class Engine:
         check_context(request, self.context)
         if request.guide is not None and self.guides is not None:
             self.guides.prepare(request.guide)
+            request.guide = request.guide.without_compiled_form()
         with self.cond:
             if self.stopped:
                 raise EngineStopped("the server is shutting down")

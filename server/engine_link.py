@@ -16,6 +16,7 @@ import pickle
 import socket
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,11 +30,13 @@ from server.engine import (
     Update,
     check_context,
 )
+from server.guide_spec import GRAMMARS_KEPT, GuideSpec
 from server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<I")
+SENT_FORMS = GRAMMARS_KEPT  # guide sources a front end remembers sending compiled (the engine keeps as many)
 LOST = "the engine process went away"
 
 
@@ -173,6 +176,7 @@ class EngineClient:
     ) -> None:
         self.sock, self.context, self.cache_enabled, self.on_lost = sock, context, cache_enabled, on_lost
         self.requests: dict[str, Request] = {}
+        self.sent_forms: OrderedDict[tuple[str, str], None] = OrderedDict()  # guide sources sent with their grammar
         self.asks: dict[int, asyncio.Future] = {}
         self.next_ask = 0
         self.lost: str | None = None
@@ -194,8 +198,21 @@ class EngineClient:
         if self.lost is not None:
             raise EngineStopped(self.lost)
         self.requests[request.request_id] = request
-        guide = request.guide.with_compiled_form() if request.guide is not None else None  # compiled here already
-        self._send(replace(request, sink=_ignore, guide=guide))
+        self._send(replace(request, sink=_ignore, guide=self._guide_to_send(request.guide)))
+
+    def _guide_to_send(self, guide: GuideSpec | None) -> GuideSpec | None:
+        """A guide with its grammar (compiled here to check the request) pickled the first time its source goes to
+        the engine's process, which keeps it (`SENT_FORMS` sources are remembered; one sent again past that only
+        costs the bytes)."""
+        if guide is None:
+            return None
+        key = (guide.kind, guide.source)
+        sent = key in self.sent_forms
+        self.sent_forms[key] = None
+        self.sent_forms.move_to_end(key)
+        while len(self.sent_forms) > SENT_FORMS:
+            self.sent_forms.popitem(last=False)
+        return guide if sent else guide.with_compiled_form()
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.requests.pop(request_id, None) is not None:

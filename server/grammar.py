@@ -263,6 +263,9 @@ def live_nodes(network: Network) -> set[int]:
 
 
 _UNKNOWN: Any = object()  # a step not cached yet
+StepEntry = tuple[State, dict[int, "State | None"], list[int], set[int]]
+"""A state's cache entry: its interned copy, its steps by byte, [the most stacks one of those steps' closures
+visited], and the bytes whose steps the cap on stacks refused."""
 
 
 class Grammar:
@@ -284,7 +287,7 @@ class Grammar:
             network.runs, list(zip(self._moves, self._epsilons, self._calls, strict=True)), self._exits
         )
         # state -> (its interned copy, its steps, [the most stacks one of those steps' closures visited])
-        self._steps: dict[State, tuple[State, dict[int, State | None], list[int]]] = {}
+        self._steps: dict[State, StepEntry] = {}
         self._lock = threading.Lock()
         initial, _ = self._close([(entry,)])
         if initial is None:
@@ -348,6 +351,12 @@ class Grammar:
         entry = self._steps.get(state)
         return 0 if entry is None else entry[2][0]
 
+    def refused_by_cap(self, state: State, byte: int) -> bool:
+        """Whether the step from `state` on `byte`, just worked out or read by `step`, was refused because its
+        closure passed MAX_STACKS (so a byte the grammar takes looks refused)."""
+        entry = self._steps.get(state)
+        return entry is not None and byte in entry[3]
+
     def _advance(self, state: State, byte: int) -> tuple[State | None, int]:
         """The state after a byte, worked out from the network, and the stacks its closure visited."""
         moved = []
@@ -387,15 +396,17 @@ class Grammar:
             entry = self._interned(state)
             entry[1][byte] = after
             entry[2][0] = max(entry[2][0], width)
+            if after is None and width > MAX_STACKS:
+                entry[3].add(byte)
         return after
 
-    def _interned(self, state: State) -> tuple[State, dict[int, State | None], list[int]]:
+    def _interned(self, state: State) -> StepEntry:
         """The cache entry of a state, made where missing (the oldest entry goes when the cache is full)."""
         entry = self._steps.get(state)
         if entry is None:
             if len(self._steps) >= STEP_CACHE_STATES:
                 del self._steps[next(iter(self._steps))]
-            entry = self._steps[state] = (state, {}, [0])
+            entry = self._steps[state] = (state, {}, [0], set())
         return entry
 
 

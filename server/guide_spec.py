@@ -7,7 +7,6 @@ import pickle
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import Literal
 
 from server.grammar import Grammar, GrammarError, choice_grammar, json_grammar, regex_grammar
@@ -15,7 +14,6 @@ from server.grammar_ebnf import ebnf_grammar
 
 GuideKind = Literal["json", "regex", "choice", "grammar"]
 GRAMMARS_KEPT = 64  # compiled grammars kept for later requests (the least recently used one goes first)
-FORMS_KEPT = 16  # pickled compiled grammars a front end keeps to send
 
 
 class GuideError(RuntimeError):
@@ -46,7 +44,11 @@ class GuideSpec:
 
     def with_compiled_form(self) -> GuideSpec:
         """The same guide carrying its compiled grammar, pickled (for the engine's process)."""
-        return replace(self, compiled_form=compiled_form(self.kind, self.source))
+        return replace(self, compiled_form=pickle.dumps(self.grammar(), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def without_compiled_form(self) -> GuideSpec:
+        """The same guide without the compiled form it carried (once the grammar is kept, the bytes only weigh)."""
+        return replace(self, compiled_form=None) if self.compiled_form is not None else self
 
 
 _grammars: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
@@ -69,12 +71,6 @@ def compiled(kind: GuideKind, source: str, form: bytes | None = None) -> Grammar
         while len(_grammars) > GRAMMARS_KEPT:
             _grammars.popitem(last=False)
     return grammar
-
-
-@lru_cache(maxsize=FORMS_KEPT)
-def compiled_form(kind: GuideKind, source: str) -> bytes:
-    """A guide's compiled grammar, pickled."""
-    return pickle.dumps(compiled(kind, source), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _compile(kind: GuideKind, source: str) -> Grammar:

@@ -182,6 +182,7 @@ class StepTable:
     def __init__(self, grammar: Grammar, start: State) -> None:
         self.grammar = grammar
         self.states = [start]
+        self.cut = False  # whether the cap on stacks refused a step looked up (Grammar.refused_by_cap)
         self._numbers = {start: 0}
         self._table = torch.cat((torch.full((256,), NOT_LOOKED_UP, dtype=torch.long), torch.tensor([-1])))
 
@@ -205,7 +206,10 @@ class StepTable:
         """Fill the table at (number * 256 + byte) codes from the grammar, numbering the new states."""
         found = []
         for code in codes.tolist():
-            after = self.grammar.step(self.states[code >> 8], code & 255)
+            state, byte = self.states[code >> 8], code & 255
+            after = self.grammar.step(state, byte)
+            if after is None and self.grammar.refused_by_cap(state, byte):
+                self.cut = True
             number = -1 if after is None else self._numbers.setdefault(after, len(self.states))
             if number == len(self.states):
                 self.states.append(after)
@@ -265,7 +269,8 @@ class GuideMasks:
         self.end_ids = tuple(end_id for end_id in end_ids if 0 <= end_id < vocabulary.size)  # others are never drawn
         self._end_index = torch.tensor(self.end_ids, dtype=torch.long)
         self._ended = torch.zeros(vocabulary.size, dtype=torch.bool).index_fill_(0, self._end_index, True)
-        self._cache: OrderedDict[State, tuple[torch.Tensor, bool]] = OrderedDict()  # by state: the mask, and cut
+        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()  # by state: the whole mask
+        self._cut: OrderedDict[State, None] = OrderedDict()  # states whose masks are cut (`cut`), the latest kept
         self._short: OrderedDict[State, torch.Tensor] = OrderedDict()  # by stand-in: the short tokens' mask
         self._capacity = max(1, min(MASK_CACHE_STATES, MASK_CACHE_BYTES // 2 // max(vocabulary.size, 1)))
         self._lock = threading.Lock()
@@ -276,17 +281,17 @@ class GuideMasks:
         far, and also at a dead end, where no token is allowed, so that the output can still end."""
         if state == ENDED:
             return self._ended
-        return self._made(state)[0]
+        mask = self._cached(self._cache, state)
+        if mask is None:
+            mask = self._keep(self._cache, state, self._build(state))
+        return mask
 
     def cut(self, state: State) -> bool:
-        """Whether the state's mask may leave out tokens the grammar takes: a step on the way held more stacks than
-        the grammar's cap (MAX_STACKS), so the grammar refused it (only a wildly ambiguous grammar gets there)."""
-        return state != ENDED and self._made(state)[1]
-
-    def _made(self, state: State) -> tuple[torch.Tensor, bool]:
-        """A state's mask and whether it is cut, from the cache or made."""
-        made = self._cached(self._cache, state)
-        return made if made is not None else self._keep(self._cache, state, self._build(state))
+        """Whether the state's mask, made before, may leave out tokens the grammar takes: a step its walk looked up
+        held more stacks than the grammar's cap (MAX_STACKS), so the grammar refused it (only a wildly ambiguous
+        grammar gets there). Read from the states noted when masks were made, never by making one."""
+        with self._lock:
+            return state in self._cut
 
     def _cached(self, cache: OrderedDict[State, Kept], key: State) -> Kept | None:
         """A cached mask, marked as the latest used; None where missing."""
@@ -314,32 +319,34 @@ class GuideMasks:
             return None
         return self.grammar.feed(state, piece)
 
-    def _build(self, state: State) -> tuple[torch.Tensor, bool]:
+    def _build(self, state: State) -> torch.Tensor:
         """A state's mask: the short tokens' from the state that stands in for it (walked once for all the states it
-        stands in for), the long ones walked from the state itself, then the end ids; and whether it is cut (a
-        stand-in's mask is kept only from a walk far below the cap, so one from the cache is never cut)."""
+        stands in for), the long ones walked from the state itself, then the end ids; a mask whose walks the cap on
+        stacks cut is noted (`cut`; a stand-in's mask is kept only from a walk far below the cap, so none is cut)."""
         stand_in = self.grammar.stand_in(state, HORIZON) if len(state) <= STAND_IN_STACKS else state
-        short, widest = self._cached(self._short, stand_in), 0
+        short, cut = self._cached(self._short, stand_in), False
         if short is None:
-            ids, widest = self._walk(state, self.vocabulary.trie)
+            ids, widest, cut = self._walk(state, self.vocabulary.trie)
             short = torch.zeros(self.vocabulary.size, dtype=torch.bool).index_fill_(0, ids, True)
             if widest * STAND_IN_STACKS <= MAX_STACKS:  # else the cap on stacks could tell the states apart
                 self._keep(self._short, stand_in, short)
         mask = short.clone()
         if len(self.vocabulary.long_trie):
-            ids, long_widest = self._walk(state, self.vocabulary.long_trie)
+            ids, _, long_cut = self._walk(state, self.vocabulary.long_trie)
             mask.index_fill_(0, ids, True)
-            widest = max(widest, long_widest)
+            cut = cut or long_cut
+        if cut:
+            self._keep(self._cut, state, None)
         mask[self._end_index] = False
         ends = self.grammar.accepts(state) or not mask.any()
-        return mask.index_fill_(0, self._end_index, ends), widest > MAX_STACKS
+        return mask.index_fill_(0, self._end_index, ends)
 
-    def _walk(self, state: State, trie: ByteTrie) -> tuple[torch.Tensor, int]:
-        """The ids of a trie's keys whose bytes the grammar takes from `state`, and the most stacks a closure visited
-        on the way (Grammar.width). A depth at a time, each node's state looked up from its parent's and its byte in
-        a table of the steps met (each worked out once by the grammar): where most of a depth's nodes live, the next
-        depth whole, else only the live nodes' children; once few nodes lie below the live ones, their keys one by
-        one."""
+    def _walk(self, state: State, trie: ByteTrie) -> tuple[torch.Tensor, int, bool]:
+        """The ids of a trie's keys whose bytes the grammar takes from `state`, the most stacks a closure visited
+        on the way (Grammar.width), and whether the cap on stacks refused a step looked up. A depth at a time, each
+        node's state looked up from its parent's and its byte in a table of the steps met (each worked out once by
+        the grammar): where most of a depth's nodes live, the next depth whole, else only the live nodes' children;
+        once few nodes lie below the live ones, their keys one by one."""
         steps = StepTable(self.grammar, state)
         taken = torch.zeros(len(trie), dtype=torch.bool)  # by key number
         numbered = 0  # keys numbered so far: those ending above this depth
@@ -383,19 +390,20 @@ class GuideMasks:
             nodes = torch.arange(len(numbers)) + (firsts - (counts.cumsum(0) - counts)).repeat_interleave(counts)
         keys: list[int] = []
         met: set[State] = set()
+        cut = steps.cut
         for first, last, depth, start in tails:
-            self._walk_keys(trie, first, last, depth, start, keys, met)
+            cut = self._walk_keys(trie, first, last, depth, start, keys, met) or cut
         taken[trie.key_numbers[torch.tensor(keys, dtype=torch.long)]] = True
-        return trie.token_ids[taken[trie.end_of_id]], max([steps.widest(), *map(self.grammar.width, met)])
+        return trie.token_ids[taken[trie.end_of_id]], max([steps.widest(), *map(self.grammar.width, met)]), cut
 
     def _walk_keys(
         self, trie: ByteTrie, first: int, last: int, depth: int, start: State, taken: list[int], met: set[State]
-    ) -> None:
+    ) -> bool:
         """Of the sorted keys from `first` to before `last`, which share their first `depth` bytes, add to `taken`
         those whose other bytes the grammar takes from `start`, and to `met` the states met: walked in order, each
         from the state after the prefix it shares with the key before; a refused byte skips every key that starts
-        with the bytes up to it."""
-        step = self.grammar.step
+        with the bytes up to it. Answers whether the cap on stacks refused a step."""
+        step, cut = self.grammar.step, False
         path = [start]  # path[d]: the state after the first depth + d bytes of the key walked
         met.add(start)
         index = first
@@ -407,6 +415,7 @@ class GuideMasks:
             for byte in key[depth + len(path) - 1 :]:
                 current = step(current, byte)
                 if current is None:
+                    cut = cut or self.grammar.refused_by_cap(path[-1], byte)
                     break
                 path.append(current)
                 met.add(current)
@@ -415,3 +424,4 @@ class GuideMasks:
             else:
                 taken.append(index)
                 index += 1
+        return cut

@@ -269,21 +269,25 @@ def test_a_prompt_larger_than_the_socket_buffers_arrives_whole() -> None:
     asyncio.run(main())
 
 
-def test_a_guided_request_carries_its_compiled_grammar_to_the_engines_process() -> None:
+def test_a_guided_request_carries_its_compiled_grammar_to_the_engines_process_once() -> None:
     """The front end compiled the grammar when it checked the request: the engine's end gets it pickled with the
-    guide, so its process need not compile it again (the guide still equals the one sent)."""
-    guide = GuideSpec("regex", "[a-z]{3}-[0-9]{1,4}")
+    guide the first time that source goes over the link (its process keeps it), so it need not compile it again; the
+    guide still equals the one sent."""
+    guide, other = GuideSpec("regex", "[a-z]{3}-[0-9]{1,4}"), GuideSpec("choice", '["x"]')
 
-    async def main() -> Request:
+    async def main() -> list[Request]:
         engine = RecordingEngine()
         async with linked(engine) as (_, client):
-            client.submit(Request("g", [5, 6], 8, GREEDY, frozenset({2}), Collected().sink, guide=guide))
-            assert await asyncio.to_thread(engine.got.wait, 30)
-        return engine.submitted[0]
+            for i, sent in enumerate((guide, guide, other)):
+                engine.got.clear()
+                client.submit(Request(f"g{i}", [5, 6], 8, GREEDY, frozenset({2}), Collected().sink, guide=sent))
+                assert await asyncio.to_thread(engine.got.wait, 30)
+        return engine.submitted
 
-    got = asyncio.run(main()).guide
-    assert got == guide and guide.compiled_form is None and got.compiled_form is not None
-    grammar = pickle.loads(got.compiled_form)
+    first, again, third = (request.guide for request in asyncio.run(main()))
+    assert first == again == guide and guide.compiled_form is None
+    assert first.compiled_form is not None and again.compiled_form is None and third.compiled_form is not None
+    grammar = pickle.loads(first.compiled_form)
     assert grammar.accepts(grammar.feed(grammar.initial, b"abc-123")) and grammar.feed(grammar.initial, b"ab1") is None
 
 

@@ -274,3 +274,13 @@ def test_a_guides_grammar_and_the_vocabulary_are_made_on_the_submitting_thread(m
     (outcome,), _ = serve(model, tokenizer, [(prompt, GREEDY, GuideSpec("regex", "[a-z]{2,7}_[0-9]{2}"))])
     assert outcome.finish in ("stop", "length")
     assert made_on == [threading.main_thread()] * 2, made_on
+
+
+def test_the_engine_keeps_no_compiled_form_once_it_has_the_grammar(model, tokenizer, prompt):
+    """A front end process's compiled form (megabytes for a large schema) is dropped once the engine's process has
+    the grammar: a queued or running request does not hold it."""
+    guide = GuideSpec("regex", "[a-z]{2}_[0-9]").with_compiled_form()
+    engine = Engine(RecordingRunner(model, 1), 4096, 64, guides=Guides(tokenizer, model.cfg.vocab_size))
+    request = Request("r", prompt, TOKENS, GREEDY, frozenset({tokenizer.eos_token_id}), Outcome().sink, guide=guide)
+    engine.submit(request)
+    assert request.guide == guide and guide.compiled_form is not None and request.guide.compiled_form is None

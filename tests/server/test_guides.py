@@ -11,8 +11,10 @@ from transformers import AutoTokenizer
 
 from model.shipped import SHIPPED_MODEL
 from server.grammar import choice_grammar, json_grammar, regex_grammar
+from server.grammar_ebnf import ebnf_grammar
 from server.guide_spec import GuideError, GuideSpec
 from server.guides import MASK_SETS, Guides, likely_text, packed
+from server.token_masks import GuideMasks, TokenVocabulary
 
 THINK_END = 4095
 CHOICE = GuideSpec("choice", json.dumps(["yes", "no"]))
@@ -204,10 +206,32 @@ def test_a_token_drawn_under_a_mask_the_cap_on_stacks_cut_ends_the_guide(tokeniz
     cursor = guides.cursor(GuideSpec("grammar", 'root ::= "(" root? root? ")" | "x"'), (tokenizer.eos_token_id,))
     (opening,) = ids(tokenizer, "(")
     depth = 0
-    while not cursor.masks.cut(cursor.state) and depth < 40:
+    while depth < 40:
+        allowed = cursor.masks.allowed(cursor.state).nonzero().squeeze(1).tolist()  # the row's mask, made
+        if cursor.masks.cut(cursor.state):
+            break
         cursor.take(opening)
         depth += 1
     assert 5 < depth < 40
-    allowed = cursor.masks.allowed(cursor.state).nonzero().squeeze(1).tolist()
     with pytest.raises(GuideError, match="too ambiguous"):
         cursor.take(allowed[0])
+
+
+def test_only_steps_a_walk_looks_up_make_its_mask_cut():
+    """A state one '(' before the cut has a complete mask, however many steps past it other walks took before (a
+    state's widest closure so far counts those too, and once made its mask look cut)."""
+    grammar = ebnf_grammar('root ::= "(" root? root? ")" | "x"')  # its own, with no steps taken yet
+    vocabulary = TokenVocabulary([b"(", b"x", b")", None], 4)
+    states = [grammar.initial]
+    while len(states) < 40:
+        masks = GuideMasks(grammar, vocabulary, (3,))
+        masks.allowed(states[-1])
+        if masks.cut(states[-1]):
+            break
+        states.append(grammar.feed(states[-1], b"("))
+    before, at = states[-2], states[-1]
+    for _ in range(2):  # before's mask made anew after the cut state's walk, in a mask set of its own
+        masks = GuideMasks(grammar, vocabulary, (3,))
+        assert masks.allowed(before)[0] and not masks.cut(before)
+        masks.allowed(at)
+        assert masks.cut(at)
