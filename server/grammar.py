@@ -1130,7 +1130,8 @@ class RegexEmitter:
         return network.repeat(start, partial(self.emit, tree=tree.part), tree.least, tree.most)
 
     def _chars(self, start: int, chars: Chars) -> int:
-        """One character of the set."""
+        """One character of the set: where it holds every non-ASCII character ('.', a negated class) those are
+        taken by their UTF-8 structure alone, as in a JSON string (`utf8_char`), else in well-formed UTF-8."""
         network = self.network
         plain = chars.ascii & STRING_ASCII if self.in_json_string else chars.ascii
         end = network.node()
