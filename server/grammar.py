@@ -286,7 +286,6 @@ class Grammar:
         self._runs = Runs.of(
             network.runs, list(zip(self._moves, self._epsilons, self._calls, strict=True)), self._exits
         )
-        # state -> (its interned copy, its steps, [the most stacks one of those steps' closures visited])
         self._steps: dict[State, StepEntry] = {}
         self._lock = threading.Lock()
         initial, _ = self._close([(entry,)])

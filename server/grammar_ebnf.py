@@ -128,8 +128,9 @@ class EbnfParser:
     def _at_rule_start(self) -> bool:
         """Whether the next rule's definition starts here: its name first on its line, then '::='."""
         start = RULE_START.match(self.text, self.position)
-        line_start = self.text.rfind("\n", 0, self.position) + 1
-        return start is not None and start.group(2) == "::=" and not self.text[line_start : self.position].strip()
+        if start is None or start.group(2) != "::=":
+            return False
+        return not self.text[self.text.rfind("\n", 0, self.position) + 1 : self.position].strip()
 
     def _repeated(self) -> EbnfNode:
         """An element and its repetition, if any."""
@@ -365,7 +366,7 @@ def alternatives(tree: EbnfNode) -> Iterator[EbnfNode]:
 
 
 def sequence(parts: tuple[EbnfNode, ...]) -> EbnfNode:
-    """Parts as one tree: the part itself where there is one."""
+    """Parts as one tree: the part itself where there is one (none: the empty text)."""
     return parts[0] if len(parts) == 1 else Concat(parts)  # type: ignore[arg-type]
 
 
@@ -397,7 +398,7 @@ def factored(tree: EbnfNode) -> EbnfNode:
         head = tuple(factored(part) for part in (first, *tails[0][:shared]))
         tails = [tail[shared:] for tail in tails]
         if len(tails) > 1:
-            head += (factored(Alternation(tuple(sequence(tail) if tail else Concat(()) for tail in tails))),)
+            head += (factored(Alternation(tuple(sequence(tail) for tail in tails))),)
         options.append(sequence(head))
     return options[0] if len(options) == 1 else Alternation(tuple(options))  # type: ignore[arg-type]
 
@@ -445,8 +446,9 @@ def ebnf_grammar(text: str) -> Grammar:
     rules = parser.parse()
     if ROOT not in rules:
         raise GrammarError(f"the grammar has no rule named {ROOT!r}, which the output matches", "grammar")
-    for tree in rules.values():
-        for ref in used_rules(tree):
+    uses = {name: used_rules(tree) for name, tree in rules.items()}
+    for refs in uses.values():
+        for ref in refs:
             if ref.name not in rules:
                 raise GrammarError(f"rule {ref.name!r} is not defined", parser.where(ref.position))
     nullable = nullable_rules(rules)
@@ -459,7 +461,7 @@ def ebnf_grammar(text: str) -> Grammar:
             'supported: write it with a repetition, such as `list ::= item ("," item)*`',
             parser.where(parser.defined_at[name]),
         )
-    recursive = set(on_a_cycle({name: {ref.name for ref in used_rules(tree)} for name, tree in rules.items()}))
+    recursive = set(on_a_cycle({name: {ref.name for ref in refs} for name, refs in uses.items()}))
     network = Network("grammar")
     emitter = EbnfEmitter(network, {name: factored(tree) for name, tree in rules.items()}, recursive)
     try:
