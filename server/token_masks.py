@@ -270,7 +270,9 @@ class GuideMasks:
         self._end_index = torch.tensor(self.end_ids, dtype=torch.long)
         self._ended = torch.zeros(vocabulary.size, dtype=torch.bool).index_fill_(0, self._end_index, True)
         self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()  # by state: the whole mask
-        self._cut: OrderedDict[State, None] = OrderedDict()  # states whose masks are cut (`cut`), the latest kept
+        # states whose masks are cut (`cut`), the latest MASK_CACHE_STATES: more than the packed masks a Guides keeps,
+        # which outlive this cache's masks at a large vocabulary
+        self._cut: OrderedDict[State, None] = OrderedDict()
         self._short: OrderedDict[State, torch.Tensor] = OrderedDict()  # by stand-in: the short tokens' mask
         self._capacity = max(1, min(MASK_CACHE_STATES, MASK_CACHE_BYTES // 2 // max(vocabulary.size, 1)))
         self._lock = threading.Lock()
@@ -301,11 +303,11 @@ class GuideMasks:
                 cache.move_to_end(key)
             return mask
 
-    def _keep(self, cache: OrderedDict[State, Kept], key: State, mask: Kept) -> Kept:
-        """Cache a mask, the least recently used going where the cache is full."""
+    def _keep(self, cache: OrderedDict[State, Kept], key: State, mask: Kept, capacity: int | None = None) -> Kept:
+        """Cache a mask, the least recently used going past `capacity` (the mask caches' where None)."""
         with self._lock:
             cache[key] = mask
-            while len(cache) > self._capacity:
+            while len(cache) > (capacity or self._capacity):
                 cache.popitem(last=False)
         return mask
 
@@ -336,7 +338,7 @@ class GuideMasks:
             mask.index_fill_(0, ids, True)
             cut = cut or long_cut
         if cut:
-            self._keep(self._cut, state, None)
+            self._keep(self._cut, state, None, MASK_CACHE_STATES)
         mask[self._end_index] = False
         ends = self.grammar.accepts(state) or not mask.any()
         return mask.index_fill_(0, self._end_index, ends)
