@@ -1,7 +1,8 @@
 """Test setup: the scripts folder is importable (checkpoint makers), kernels interpret without CUDA whichever module
 imports them first, GPU tests skip without CUDA, a GPU run that would only interpret kernels is refused, a run of the
 GPU tests alone leaves out the modules that only interpret, the Triton interpreter does not patch triton.language
-again for every helper a kernel calls, and its fp32 dots give the same bits on every machine."""
+again for every helper a kernel calls, its fp32 dots give the same bits on every machine, and the workers of a
+parallel run split the cores between their thread pools."""
 
 from __future__ import annotations
 
@@ -9,8 +10,35 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+THREAD_POOLS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # torch's, MKL's and NumPy's BLAS
+
+
+def threads_per_worker(cpus: int, workers: int) -> int:
+    """Threads for each of `workers` test processes on `cpus` cores: their share, at least one."""
+    return max(1, cpus // max(1, workers))
+
+
+def share_cores_among_workers(environ: dict[str, str] = os.environ) -> int | None:
+    """Under pytest-xdist, each worker's thread pools (and those of the servers and ranks it starts, which inherit
+    the environment) get the worker's share of the cores: pools sized for the whole machine, in several workers at
+    once, wait on each other's spinning threads (docs/performance.md, fifty-fifth session). A size set by hand is
+    kept. The share, or None outside xdist."""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return None
+    share = threads_per_worker(os.cpu_count() or 1, int(workers))
+    for name in THREAD_POOLS:
+        environ.setdefault(name, str(share))
+    return share
+
+
+WORKER_THREADS = share_cores_among_workers()  # before torch and NumPy read the variables
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if WORKER_THREADS is not None:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 INTERPRET_GIVEN = os.environ.get("TRITON_INTERPRET")  # before test modules default it to the interpreter

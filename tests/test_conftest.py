@@ -15,13 +15,26 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.conftest import interpreter_trap, left_out_of_compiled_run
+from tests.conftest import (
+    THREAD_POOLS,
+    interpreter_trap,
+    left_out_of_compiled_run,
+    share_cores_among_workers,
+    threads_per_worker,
+)
 
 TESTS = Path(__file__).resolve().parent
 PROBE = """
 import os
 def pytest_collection_finish(session):
     open(os.environ["PROBE_OUT"], "w").write(os.environ.get("TRITON_INTERPRET", ""))
+"""
+THREADS_PROBE = """
+import os
+import torch
+def test_threads():
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert torch.get_num_threads() == share and os.environ["OMP_NUM_THREADS"] == str(share)
 """
 LINEAR_PROBE = """
 import os, sys
@@ -95,3 +108,35 @@ def test_an_interpreted_fp32_dot_rounds_its_sum_once() -> None:
     out = torch.empty(16, 16)
     _dot_kernel[(1,)](a, torch.ones(16, 16), out, N=16)
     assert out.eq(1.5).all()
+
+
+def test_each_worker_takes_its_share_of_the_cores() -> None:
+    assert threads_per_worker(2, 2) == 1 and threads_per_worker(16, 2) == 8 and threads_per_worker(1, 4) == 1
+    assert share_cores_among_workers({}) is None  # outside xdist: the pools as torch sizes them
+    environ = {"PYTEST_XDIST_WORKER_COUNT": "2", "MKL_NUM_THREADS": "3"}
+    share = share_cores_among_workers(environ)
+    assert share == threads_per_worker(os.cpu_count() or 1, 2)
+    assert environ["OMP_NUM_THREADS"] == environ["OPENBLAS_NUM_THREADS"] == str(share)
+    assert environ["MKL_NUM_THREADS"] == "3"  # a size set by hand is kept
+
+
+def test_a_parallel_runs_workers_and_what_they_start_use_their_share(tmp_path: Path) -> None:
+    """Run under xdist, a test sees torch's pool and its children's environment sized to the worker's share."""
+    (tmp_path / "test_probe.py").write_text(THREADS_PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_POOLS and not k.startswith("PYTEST_XDIST")}
+    env["PYTHONPATH"] = str(TESTS.parent)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-n",
+        "2",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "tests.conftest",
+        "test_probe.py",
+    ]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
