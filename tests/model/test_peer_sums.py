@@ -22,14 +22,13 @@ from model.parallel import TensorParallel
 from model.peer_sums import ENV, PeerSums, forward_sites
 from model.weights import load_model
 from server.ranks import free_port
-from tests.tiny import text_config
+from tests.tiny import KERNEL_TEXT, text_config
 from tests.two_ranks import run_two_ranks
 
-TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4}
 SLOT_ROWS = 8
 PROMPTS = (torch.tensor([7, 19, 5, 33, 2, 91]), torch.tensor([4, 8, 15, 16, 23, 42, 5, 6, 70, 12, 40]))
 STEPS = 1  # a decode step after each prompt: one-row exchanges (more steps only repeat them)
-LIMIT_S = 600  # for the two ranks' forwards (about 40 s on the CI machine)
+LIMIT_S = 600  # for the two ranks' forwards
 
 
 def cpu_peer(d: int = 16, rows: int = SLOT_ROWS) -> PeerSums:
@@ -111,7 +110,7 @@ def rank_main(rank: int, port: int, path: str, slots: list[torch.Tensor], flags:
 def test_two_ranks_exchanging_partials_get_the_all_reduces_bits(tmp_path) -> None:
     """The kernel path at two ranks: every forward's logits with peer sums equal the all-reduce's, bit for bit, on
     both ranks (each rank's interpreted writes wait for the other's pushes in shared memory)."""
-    path = make_checkpoint(text_config("base", **TEXT), tmp_path, fmt="bf16")
+    path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
     d = load_config(path).hidden_size
     slots = [torch.zeros(SLOTS, SLOT_ROWS, d).share_memory_() for _ in range(2)]
     flags = [torch.zeros(SLOT_ROWS, dtype=torch.int64).share_memory_() for _ in range(2)]
