@@ -15,8 +15,19 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "tiny"
 VARIANTS = ("base", "gqa12-hc4", "no-ple")
 # Overrides of "base" for the kernel path's tests: GDN head dims the kernels take (powers of two >= 16); an indexer
 # budget of two 2-token blocks, so prompts of a few tokens already choose blocks; three layers (GDN, QSA with the PLE,
-# GDN): two GDN layers keep their states apart, at three quarters of four layers' interpreter time.
-KERNEL_TEXT = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "indexer_budget": 4, "num_hidden_layers": 3}
+# GDN): two GDN layers keep their states apart, at three quarters of four layers' interpreter time; three value heads
+# on one key head, the real model's ratio, in half the GDN programs of base's six on two (the interpreter runs one
+# program at a time; the kernels' own tests take other head counts).
+KERNEL_TEXT = {
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 3,
+    "indexer_budget": 4,
+    "num_hidden_layers": 3,
+}
+# KERNEL_TEXT for two ranks: each rank's half has KERNEL_TEXT's heads.
+KERNEL_TEXT_TP2 = {**KERNEL_TEXT, "linear_num_key_heads": 2, "linear_num_value_heads": 6}
 
 
 def text_config(name: str = "base", **overrides: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from model.parallel import TensorParallel
 from model.peer_sums import ENV, PeerSums, forward_sites
 from model.weights import load_model
 from server.ranks import free_port
-from tests.tiny import KERNEL_TEXT, text_config
+from tests.tiny import KERNEL_TEXT_TP2, text_config
 from tests.two_ranks import run_two_ranks
 
 SLOT_ROWS = 8
@@ -110,7 +110,7 @@ def rank_main(rank: int, port: int, path: str, slots: list[torch.Tensor], flags:
 def test_two_ranks_exchanging_partials_get_the_all_reduces_bits(tmp_path) -> None:
     """The kernel path at two ranks: every forward's logits with peer sums equal the all-reduce's, bit for bit, on
     both ranks (each rank's interpreted writes wait for the other's pushes in shared memory)."""
-    path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16")
+    path = make_checkpoint(text_config("base", **KERNEL_TEXT_TP2), tmp_path, fmt="bf16")
     d = load_config(path).hidden_size
     slots = [torch.zeros(SLOTS, SLOT_ROWS, d).share_memory_() for _ in range(2)]
     flags = [torch.zeros(SLOT_ROWS, dtype=torch.int64).share_memory_() for _ in range(2)]

@@ -13,12 +13,12 @@ import torch
 from bench_restore import STATES, main, measure, parse_args, template_lane
 from make_checkpoint import make_checkpoint
 
-from tests.tiny import KERNEL_TEXT, text_config
+from tests.tiny import KERNEL_TEXT_TP2, text_config
 
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
-    path = make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path_factory.mktemp("restore"), fmt="bf16")
+    path = make_checkpoint(text_config("base", **KERNEL_TEXT_TP2), tmp_path_factory.mktemp("restore"), fmt="bf16")
     return template_lane(path, 2, torch.device("cpu"))
 
 
