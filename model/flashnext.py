@@ -43,8 +43,9 @@ class FlashNextModel(nn.Module):
         self.cfg, self.kernels = cfg, kernels
         self.tp = tp or TensorParallel()
         self.plan = ShardPlan(cfg, self.tp)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # the checkpoint fills the table: no random init (on the meta device, normal_ would import torch._dynamo)
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.plan, i, kind, cfg.ple_layers.index(i) if i in cfg.ple_layers else None)
             for i, kind in enumerate(cfg.layer_types)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,3 +253,16 @@ def test_an_index_naming_the_wrong_file_is_named(good, tmp_path):
     (path / "model.safetensors.index.json").write_text("{cut short")
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a JSON object with a weight_map"):
         load_model(path, dtype="float32")
+
+
+def test_loading_builds_the_model_without_random_init_or_torch_dynamo(good):
+    """A fresh process loads a checkpoint without importing torch._dynamo (which drawing a random embedding table on
+    the meta device imports, the slowest step of a start on CPU), and the table is the checkpoint's."""
+    probe = "import sys; from model.weights import load_model; load_model(sys.argv[1])"
+    probe += "; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe, str(good)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
+    model = load_model(good)
+    assert torch.equal(model.embed_tokens.weight, TensorIndex(good).get("model.embed_tokens.weight").float())
+    assert not model.embed_tokens.weight.requires_grad
