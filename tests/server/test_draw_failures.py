@@ -28,14 +28,15 @@ def model(tmp_path_factory):
     return load_model(checkpoint(tmp_path_factory.mktemp("fails") / "m"), dtype="float32")
 
 
-def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool, depth: int = 2) -> RecordingRunner:
-    """A greedy request served beside one whose every draw fails: only the second ends, with the error."""
-    (alone,), _ = run(model, PROMPTS[:1], 8, [GREEDY], draft=False)
+def serve_beside_an_overflow(model, plan_ahead: bool, draft: bool, depth: int = 2, tokens: int = 8) -> RecordingRunner:
+    """A greedy request of `tokens` tokens served beside one whose every draw fails: only the second ends, with the
+    error."""
+    (alone,), _ = run(model, PROMPTS[:1], tokens, [GREEDY], draft=False)
     runner = RecordingRunner(model, 2)
     engine = Engine(runner, context=256, prompt_budget=64, draft_depth=depth, plan_ahead=plan_ahead)
     outcomes = [Outcome(), Outcome()]
     for i, (prompt, draw, outcome) in enumerate(zip(PROMPTS, (GREEDY, OVERFLOWS), outcomes, strict=True)):
-        engine.submit(Request(f"r{i}", prompt, 8, draw, frozenset(), outcome.sink, draft=draft))
+        engine.submit(Request(f"r{i}", prompt, tokens, draw, frozenset(), outcome.sink, draft=draft))
     engine.start()
     try:
         assert all(outcome.done.wait(60) for outcome in outcomes)
@@ -66,7 +67,7 @@ def test_a_draw_the_batched_kernel_refuses_ends_only_its_own_request(tmp_path) -
     kernel_model = load_model(
         make_checkpoint(text_config("base", **KERNEL_TEXT), tmp_path, fmt="bf16"), "cpu", "bfloat16", kernels="on"
     )
-    runner = serve_beside_an_overflow(kernel_model, plan_ahead=True, draft=False, depth=0)
+    runner = serve_beside_an_overflow(kernel_model, plan_ahead=True, draft=False, depth=0, tokens=4)  # interpreted
     assert any(rows.prior_draw and rows.slot == 1 for plan in runner.plans for rows in plan.rows)
 
 
