@@ -1,8 +1,8 @@
 """Test setup: the scripts folder is importable (checkpoint makers), kernels interpret without CUDA whichever module
 imports them first, GPU tests skip without CUDA, a GPU run that would only interpret kernels is refused, a run of the
 GPU tests alone leaves out the modules that only interpret, the Triton interpreter does not patch triton.language
-again for every helper a kernel calls, its fp32 dots give the same bits on every machine, and the workers of a
-parallel run split the cores between their thread pools."""
+again for every helper a kernel calls, two of its pure helpers answer from a cache, its fp32 dots give the same bits
+on every machine, and the workers of a parallel run split the cores between their thread pools."""
 
 from __future__ import annotations
 
@@ -124,6 +124,40 @@ def patch_language_once_per_launch() -> None:
     interpreter.InterpretedFunction.__call__ = helper_call
 
 
+def cached_interpreter_helpers() -> None:
+    """Two pure functions the interpreter calls for nearly every op, answered from a dict after their first call
+    with a key: NumPy's dtype for a Triton type (rebuilt as a table of all types on every call) and a block shape's
+    element count (checked element by element). Left alone where this Triton has neither."""
+    import triton.language as tl
+    from triton.language import core
+    from triton.runtime import interpreter
+
+    np_dtype, block_numel = getattr(interpreter, "_get_np_dtype", None), getattr(core, "validate_block_shape", None)
+    if np_dtype is None or block_numel is None:
+        return
+    dtypes: dict[object, object] = {}
+    numels: dict[tuple[int, ...], int] = {}
+
+    def cached_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype  # a block's is its element's
+        if isinstance(scalar, tl.pointer_type):  # answered before the table is built (and not hashable)
+            return np_dtype(scalar)
+        found = dtypes.get(scalar)
+        if found is None:
+            found = dtypes[scalar] = np_dtype(scalar)
+        return found
+
+    def cached_numel(shape):
+        key = tuple(shape)
+        found = numels.get(key)
+        if found is None:  # a shape that is refused raises each time, as before
+            found = numels[key] = block_numel(shape)
+        return found
+
+    cached_np_dtype.__wrapped__, cached_numel.__wrapped__ = np_dtype, block_numel  # type: ignore[attr-defined]
+    interpreter._get_np_dtype, core.validate_block_shape = cached_np_dtype, cached_numel
+
+
 def machine_independent_dots() -> None:
     """The interpreter's tl.dot is NumPy's matmul, whose BLAS sums in an order it picks for the machine and the shape,
     so two tiles of one fp32 sum could differ on one machine and not on another (tests that compare tiles failed on
@@ -148,6 +182,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if "triton" in sys.modules:  # after the test modules chose the interpreter (TRITON_INTERPRET) and imported it
         patch_language_once_per_launch()
         machine_independent_dots()
+        cached_interpreter_helpers()
     trap = interpreter_trap(config.getoption("markexpr") or "", torch.cuda.is_available(), INTERPRET_GIVEN)
     if trap:
         raise pytest.UsageError(trap)

@@ -140,3 +140,34 @@ def test_a_parallel_runs_workers_and_what_they_start_use_their_share(tmp_path: P
     ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_interpreters_cached_helpers_answer_as_its_own() -> None:
+    """The dtype and block-shape helpers the test setup caches give the interpreter's answers, and a refused shape is
+    refused every time."""
+    import numpy as np
+    from triton.language import core
+    from triton.runtime import interpreter
+
+    from tests.conftest import cached_interpreter_helpers
+
+    before = interpreter._get_np_dtype, core.validate_block_shape  # the run's own, cached by the setup already
+    own_dtype, own_numel = (getattr(f, "__wrapped__", f) for f in before)
+    interpreter._get_np_dtype, core.validate_block_shape = own_dtype, own_numel
+    cached_interpreter_helpers()
+    try:
+        assert interpreter._get_np_dtype is not own_dtype and core.validate_block_shape is not own_numel
+        scalars = [tl.int1, tl.int8, tl.uint16, tl.int32, tl.int64, tl.float16, tl.bfloat16, tl.float32, tl.float8e4nv]
+        for tt in [*scalars, *(tl.pointer_type(t) for t in scalars)]:
+            for typed in (tt, tl.block_type(tt, [4, 8]), tl.block_type(tt, [2])):
+                assert interpreter._get_np_dtype(typed) == own_dtype(typed), typed
+                assert interpreter._get_np_dtype(typed) == own_dtype(typed), typed  # from the cache
+        assert interpreter._get_np_dtype(tl.bfloat16) == np.dtype(np.uint16)
+        for shape in ([4, 8], (16,), [1, 2, 64]):
+            assert core.validate_block_shape(shape) == own_numel(shape) == core.validate_block_shape(list(shape))
+        for bad in ([3, 4], [4, 3]):
+            for _ in range(2):
+                with pytest.raises(ValueError, match="power of 2"):
+                    core.validate_block_shape(bad)
+    finally:
+        interpreter._get_np_dtype, core.validate_block_shape = before
