@@ -4,6 +4,7 @@ plans and runs rounds."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -41,6 +42,7 @@ class FrontSettings:
 
 
 GRACE_S = 30  # seconds open responses get to finish once a shutdown begins
+FORCED_END_S = 5  # seconds the app gets to end responses whose connections a forced shutdown dropped
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -75,11 +77,22 @@ class HttpServer(uvicorn.Server):
             ignore_stop_signals()
 
     async def shutdown(self, sockets=None) -> None:
-        """uvicorn's shutdown; when forced, the app's own shutdown still runs (it stops the engine, which stops rank
-        1 over the control link), which uvicorn skips then."""
+        """uvicorn's shutdown; when forced, open responses end as if their clients had left (uvicorn would cancel them
+        as the loop closes, logging each as an error), and the app's own shutdown still runs (it stops the engine,
+        which stops rank 1 over the control link), which uvicorn skips then."""
         await super().shutdown(sockets)
         if self.force_exit:
+            await self.end_open_responses()
             await self.lifespan.shutdown()
+
+    async def end_open_responses(self, within_s: float = FORCED_END_S) -> None:
+        """Drop every open connection, so each response's app sees its client leave, and wait for the apps to end."""
+        for connection in list(self.server_state.connections):
+            connection.transport.abort()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while self.server_state.tasks:
+                    await asyncio.sleep(0.01)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
