@@ -222,5 +222,8 @@ def launch(argv: list[str], world: int) -> int:
                 if proc.poll() is None:
                     proc.kill()
         time.sleep(0.05)
+    # every rank is gone: a late signal has nowhere to go, and must not kill this process as Python finalizes
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     code = code or next((p.returncode for p in procs if p.returncode), 0)
     return 128 - code if code < 0 else code  # a rank a signal ended: the shell's 128 + signal, not sys.exit's 256 - it

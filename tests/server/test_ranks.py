@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -265,3 +267,29 @@ def test_rank_0_listens_for_the_link_where_control_link_host_says(monkeypatch):
     with pytest.raises(SystemExit, match="FLASHNEXT_LINK_PORT"):
         serve.connect_ranks(None, env, read_environment({}))
     assert listened == [("127.0.0.1", 29501)]
+
+
+LATE_SIGNAL_LAUNCHER = """
+import signal, subprocess, sys
+from server import ranks
+
+rank = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(0.3)"
+real_popen = subprocess.Popen
+ranks.subprocess.Popen = lambda _args, **kwargs: real_popen([sys.executable, "-c", rank], **kwargs)
+sys.exit(ranks.launch(["--tp", "2"], 2))
+"""
+
+
+def test_ctrl_c_pressed_on_and_on_while_the_ranks_exit_leaves_the_launchers_exit_0():
+    """Ctrl-C held down as the ranks end: the launcher has nothing left to pass it to and exits 0, never killed by a
+    SIGINT that comes once Python has put the default handlers back on its way out."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LATE_SIGNAL_LAUNCHER], cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert [launcher.stdout.readline() for _ in range(2)] == ["ready\n"] * 2  # both ranks ignore SIGINT by now
+    while launcher.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            launcher.send_signal(signal.SIGINT)
+        time.sleep(0.0005)
+    assert launcher.returncode == 0, launcher.stderr.read()[-3000:]
