@@ -162,12 +162,20 @@ def control_link_host(master_addr: str) -> str:
     return "0.0.0.0"
 
 
-def rank_environments(world: int, environ: dict[str, str]) -> list[dict[str, str]]:
+CPU_THREAD_POOLS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's intra-op pools on the CPU
+
+
+def rank_environments(world: int, environ: dict[str, str], cpu: bool = False) -> list[dict[str, str]]:
     """Each rank's environment for `--tp`: torchrun's variables on a free master port, and a control link port
-    checked free as well unless FLASHNEXT_LINK_PORT names one (the port after the master's may be taken)."""
+    checked free as well unless FLASHNEXT_LINK_PORT names one (the port after the master's may be taken). On the CPU
+    (`cpu`) each rank's thread pools take its share of the cores, unless set: pools sized for the whole machine in
+    every rank spin waiting on each other's threads."""
     master, link = free_ports(2)
     shared = {**environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
     shared.setdefault("FLASHNEXT_LINK_PORT", str(link))
+    if cpu:
+        for name in CPU_THREAD_POOLS:
+            shared.setdefault(name, str(max(1, (os.cpu_count() or 1) // world)))
     return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
 
@@ -180,8 +188,9 @@ def _end_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def launch(argv: list[str], world: int) -> int:
-    """Start `world` rank processes of `python -m server ARGV` with torchrun's variables; stop all when one fails.
+def launch(argv: list[str], world: int, cpu: bool = False) -> int:
+    """Start `world` rank processes of `python -m server ARGV` with torchrun's variables (`cpu`: ranks on the CPU, each
+    with its share of the cores); stop all when one fails.
     Each rank leads a session of its own, so a terminal's Ctrl-C reaches only this process, which passes each signal
     to rank 0's process group (rank 0 and its front end, as a terminal would at tp 1; a hangup as SIGTERM); rank 0
     stops rank 1 over the control link, and a rank whose launcher dies gets a SIGTERM."""
@@ -198,7 +207,7 @@ def launch(argv: list[str], world: int) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    for env in rank_environments(world, dict(os.environ)):
+    for env in rank_environments(world, dict(os.environ), cpu):
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "server", *argv], env=env, start_new_session=True, preexec_fn=_end_with_launcher

@@ -335,7 +335,7 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     if refusal is not None:
         raise SystemExit(refusal)
     if launches_ranks(ranks):
-        return launch(argv, ranks.world)
+        return launch(argv, ranks.world, cpu=args.device == "cpu")
     listener = listen_socket(args.host, args.port) if ranks.rank == 0 else None  # before minutes of loading
     try:
         return serve_rank(args, ranks, env, listener)

@@ -39,6 +39,16 @@ def test_the_link_port_is_free_even_when_the_port_after_the_masters_is_taken(mon
     assert {env["MASTER_PORT"] for env in envs} == {str(taken - 1)}
 
 
+def test_ranks_on_the_cpu_split_its_cores_unless_their_pools_are_set(monkeypatch):
+    monkeypatch.setattr(ranks.os, "cpu_count", lambda: 16)
+    on_cpu = ranks.rank_environments(2, {}, cpu=True)
+    assert [(env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"]) for env in on_cpu] == [("8", "8"), ("8", "8")]
+    assert all("OMP_NUM_THREADS" not in env for env in ranks.rank_environments(2, {}))  # on a GPU: as torch sizes it
+    assert {env["OMP_NUM_THREADS"] for env in ranks.rank_environments(2, {"OMP_NUM_THREADS": "3"}, cpu=True)} == {"3"}
+    monkeypatch.setattr(ranks.os, "cpu_count", lambda: 1)
+    assert {env["OMP_NUM_THREADS"] for env in ranks.rank_environments(2, {}, cpu=True)} == {"1"}
+
+
 def test_a_link_port_the_user_set_is_kept():
     envs = ranks.rank_environments(2, {"FLASHNEXT_LINK_PORT": "40123"})
     assert [effective_link_port(env) for env in envs] == [40123, 40123]
