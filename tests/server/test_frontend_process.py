@@ -187,6 +187,30 @@ def test_a_second_ctrl_c_ends_open_responses_at_once(ckpt, frontend) -> None:
         assert code == 0 and "Traceback" not in err and "ERROR" not in err, err[-3000:]
 
 
+@pytest.mark.parametrize("frontend", ["thread", "process"])
+def test_a_second_ctrl_c_ends_an_open_non_streamed_request_as_its_clients_leaving(ckpt, frontend) -> None:
+    """A request waiting for its whole answer is dropped by the second Ctrl-C as its client leaving would end it:
+    the client gets no answer, the server exits 0 and logs no error (it was cancelled and logged as one)."""
+    with served(ckpt, frontend) as (proc, url), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        body = {"prompt": [5, 9, 14, 3], "max_tokens": 3000, "ignore_eos": True}
+        answer = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+        running = lambda: httpx.get(f"{url}/health", timeout=5).json()["requests_running"] == 1  # noqa: E731
+        assert wait_until(running, 30)
+        group = [proc.pid, *children(proc.pid)]
+        for pid in group:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None and not answer.done()  # the first Ctrl-C waits for it
+        for pid in group:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+        code = proc.wait(timeout=15)
+        with pytest.raises(httpx.TransportError):
+            answer.result(timeout=15)
+    err = proc.stderr.read()
+    assert code == 0 and "Traceback" not in err and "ERROR" not in err, err[-3000:]
+
+
 def test_only_a_second_sigint_forces_the_http_shutdown() -> None:
     """A front-end process gets its engine's SIGTERM and the terminal's SIGINT for one Ctrl-C, in either order: the
     SIGTERM never counts as the first of two, so open responses keep their grace period until a second Ctrl-C."""
