@@ -54,9 +54,13 @@ def ignore_stop_signals() -> None:
 
 class HttpServer(uvicorn.Server):
     """uvicorn, whose SIGTERM/SIGINT begin a clean shutdown (exit 0) instead of being raised again after it; open
-    responses get GRACE_S to finish, and a second SIGINT (Ctrl-C twice) ends them at once. Unlike uvicorn's own, a
+    responses get `grace_s` to finish, and a second SIGINT (Ctrl-C twice) ends them at once. Unlike uvicorn's own, a
     SIGTERM never counts as the first of two: a front-end process gets one from its engine process alongside the
     terminal's Ctrl-C, in either order."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float = GRACE_S) -> None:
+        super().__init__(config)
+        self.grace_s = grace_s  # kept here: uvicorn's own timeout cancels the responses, logging each as an error
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -77,13 +81,23 @@ class HttpServer(uvicorn.Server):
             ignore_stop_signals()
 
     async def shutdown(self, sockets=None) -> None:
-        """uvicorn's shutdown; when forced, open responses end as if their clients had left (uvicorn would cancel them
-        as the loop closes, logging each as an error), and the app's own shutdown still runs (it stops the engine,
-        which stops rank 1 over the control link), which uvicorn skips then."""
-        await super().shutdown(sockets)
+        """uvicorn's shutdown, open responses given `grace_s`; past it, or when forced, they end as if their clients
+        had left (uvicorn would cancel them, logging each as an error), and the app's own shutdown still runs (it
+        stops the engine, which stops rank 1 over the control link), which uvicorn skips when forced."""
+        grace = asyncio.get_running_loop().call_later(self.grace_s, self.end_grace)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            grace.cancel()
         if self.force_exit:
             await self.end_open_responses()
             await self.lifespan.shutdown()
+
+    def end_grace(self) -> None:
+        """The grace period is over: responses still open are ended as a second Ctrl-C ends them."""
+        if self.server_state.connections or self.server_state.tasks:  # else uvicorn is past waiting for them
+            log.warning("responses still open after the %g s grace period: ending them", self.grace_s)
+            self.force_exit = True
 
     async def end_open_responses(self, within_s: float = FORCED_END_S) -> None:
         """Drop every open connection, so each response's app sees its client leave, and wait for the apps to end."""
@@ -110,9 +124,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def http_server(state: ServerState, settings: FrontSettings) -> HttpServer:
     """The server of `state`'s app (it listens on the socket given to `run`)."""
-    config = uvicorn.Config(
-        build_app(state), host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=GRACE_S
-    )
+    config = uvicorn.Config(build_app(state), host=settings.host, port=settings.port, log_level="warning")
     return HttpServer(config)
 
 
@@ -186,7 +198,7 @@ class FrontendProcess:
         return 0 if asked else 1
 
     def _stop_process(self, grace_s: float = GRACE_S + 5) -> None:
-        """SIGTERM (uvicorn gives open responses GRACE_S to finish), then SIGKILL after `grace_s`."""
+        """SIGTERM (its server gives open responses GRACE_S to finish), then SIGKILL after `grace_s`."""
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(grace_s)

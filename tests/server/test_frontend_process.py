@@ -3,9 +3,11 @@ two processes end together."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
-from server.frontend import HttpServer
+from server.frontend import HttpServer, listen_socket
 from server.ranks import free_port
 from tests.server.live import tiny_chat_checkpoint
 from tests.server.test_tp_server import QUIET, stop, wait_healthy
@@ -228,6 +230,53 @@ def test_only_a_second_sigint_forces_the_http_shutdown() -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_responses_open_past_the_grace_period_end_as_their_clients_leaving(caplog) -> None:
+    """A response still open when the grace period ends is dropped as the second Ctrl-C drops it: its app sees the
+    client leave, and no error is logged (uvicorn's own timeout cancelled it and logged the cancellation)."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def endless():
+        while True:
+            yield b"tick\n"
+            await asyncio.sleep(0.01)
+
+    app = Starlette(routes=[Route("/", lambda _: StreamingResponse(endless()))])
+    listener = listen_socket("127.0.0.1", 0)
+    server = HttpServer(uvicorn.Config(app, lifespan="off", log_config=None), grace_s=0.5)
+    read: list[object] = []
+
+    def client() -> None:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
+        try:
+            assert wait_until(lambda: server.started, 30)
+            with httpx.stream("GET", url, timeout=30) as response:
+                lines = response.iter_lines()
+                read.append(next(lines))
+                server.should_exit = True  # as SIGTERM: the grace period begins
+                read.extend(lines)
+        except httpx.TransportError as exc:
+            read.append(exc)
+        finally:
+            server.should_exit = True  # a client that failed still ends the server
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    caplog.set_level(logging.WARNING)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(client)
+            asyncio.run(server.serve(sockets=[listener]))
+            reading.result(timeout=30)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        listener.close()
+    assert read[0] == "tick" and isinstance(read[-1], httpx.TransportError)  # cut, not ended by the server
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []  # uvicorn's logs included
+    assert any("grace period" in r.getMessage() for r in caplog.records)
 
 
 def test_a_ctrl_c_after_the_shutdown_began_does_not_kill_the_engine_process(ckpt) -> None:
