@@ -81,32 +81,49 @@ class HttpServer(uvicorn.Server):
             ignore_stop_signals()
 
     async def shutdown(self, sockets=None) -> None:
-        """uvicorn's shutdown, open responses given `grace_s`; past it, or when forced, they end as if their clients
-        had left (uvicorn would cancel them, logging each as an error), and the app's own shutdown still runs (it
-        stops the engine, which stops rank 1 over the control link), which uvicorn skips when forced."""
-        grace = asyncio.get_running_loop().call_later(self.grace_s, self.end_grace)
+        """uvicorn's shutdown, open responses given `grace_s`; past it, or once forced, their connections are dropped,
+        so each ends as if its client had left (uvicorn would cancel them, logging each as an error, and from Python
+        3.12 its wait for the listener to close waits on them), and the app's own shutdown still runs (it stops the
+        engine, which stops rank 1 over the control link), which uvicorn skips when forced."""
+        loop = asyncio.get_running_loop()
+        grace = loop.call_later(self.grace_s, self._end_grace)
+        dropping = loop.create_task(self._drop_connections_once_forced())
         try:
             await super().shutdown(sockets)
         finally:
             grace.cancel()
+            dropping.cancel()
         if self.force_exit:
-            await self.end_open_responses()
+            await self._let_responses_end()
             await self.lifespan.shutdown()
 
-    def end_grace(self) -> None:
+    def _end_grace(self) -> None:
         """The grace period is over: responses still open are ended as a second Ctrl-C ends them."""
         if self.server_state.connections or self.server_state.tasks:  # else uvicorn is past waiting for them
             log.warning("responses still open after the %g s grace period: ending them", self.grace_s)
             self.force_exit = True
 
-    async def end_open_responses(self, within_s: float = FORCED_END_S) -> None:
-        """Drop every open connection, so each response's app sees its client leave, and wait for the apps to end."""
+    async def _drop_connections_once_forced(self) -> None:
+        """While uvicorn waits on open responses: drop their connections as soon as the shutdown is forced."""
+        while not self.force_exit:
+            await asyncio.sleep(0.05)
+        self._drop_connections()
+
+    def _drop_connections(self) -> None:
+        """Abort every open connection: each response's app sees its client leave."""
         for connection in list(self.server_state.connections):
             connection.transport.abort()
+
+    async def _let_responses_end(self, within_s: float = FORCED_END_S) -> None:
+        """Drop any connection still open and give the apps `within_s` to end their responses."""
+        self._drop_connections()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within_s):
                 while self.server_state.tasks:
                     await asyncio.sleep(0.01)
+        if self.server_state.tasks:
+            running = len(self.server_state.tasks)
+            log.warning("%d responses still running %g s after their connections were dropped", running, within_s)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -197,8 +214,9 @@ class FrontendProcess:
             ignore_stop_signals()
         return 0 if asked else 1
 
-    def _stop_process(self, grace_s: float = GRACE_S + 5) -> None:
-        """SIGTERM (its server gives open responses GRACE_S to finish), then SIGKILL after `grace_s`."""
+    def _stop_process(self, grace_s: float = GRACE_S + FORCED_END_S + 5) -> None:
+        """SIGTERM (its server gives open responses GRACE_S to finish, then FORCED_END_S to end), then SIGKILL after
+        `grace_s`."""
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(grace_s)

@@ -232,12 +232,26 @@ def test_only_a_second_sigint_forces_the_http_shutdown() -> None:
             signal.signal(sig, handler)
 
 
-def test_responses_open_past_the_grace_period_end_as_their_clients_leaving(caplog) -> None:
-    """A response still open when the grace period ends is dropped as the second Ctrl-C drops it: its app sees the
-    client leave, and no error is logged (uvicorn's own timeout cancelled it and logged the cancellation)."""
+async def wait_closed_as_python_3_12_has_it(self) -> None:
+    """asyncio.Server.wait_closed from Python 3.12.1 on: it waits for every connection to close (3.11 returns once the
+    listener is closed). The GPU machines run 3.12, this one 3.11."""
+    if self._waiters is None:
+        return
+    waiter = self._loop.create_future()
+    self._waiters.append(waiter)
+    await waiter
+
+
+@pytest.mark.parametrize("ending", ["grace_period_over", "second_ctrl_c"])
+def test_responses_open_at_the_end_of_the_shutdowns_wait_end_as_their_clients_leaving(caplog, monkeypatch, ending):
+    """A response still open when the grace period ends, or at the second Ctrl-C, is dropped at once, while uvicorn
+    still waits on it: its app sees the client leave, and the server ends, logging no error (uvicorn's own timeout
+    used to cancel it and log the cancellation; dropped after uvicorn's wait, it hung on Python 3.12)."""
     from starlette.applications import Starlette
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
+
+    monkeypatch.setattr(asyncio.base_events.Server, "wait_closed", wait_closed_as_python_3_12_has_it)
 
     async def endless():
         while True:
@@ -246,7 +260,8 @@ def test_responses_open_past_the_grace_period_end_as_their_clients_leaving(caplo
 
     app = Starlette(routes=[Route("/", lambda _: StreamingResponse(endless()))])
     listener = listen_socket("127.0.0.1", 0)
-    server = HttpServer(uvicorn.Config(app, lifespan="off", log_config=None), grace_s=0.5)
+    grace_s = 0.5 if ending == "grace_period_over" else 60.0
+    server = HttpServer(uvicorn.Config(app, lifespan="off", log_config=None), grace_s=grace_s)
     read: list[object] = []
 
     def client() -> None:
@@ -256,7 +271,10 @@ def test_responses_open_past_the_grace_period_end_as_their_clients_leaving(caplo
             with httpx.stream("GET", url, timeout=30) as response:
                 lines = response.iter_lines()
                 read.append(next(lines))
-                server.should_exit = True  # as SIGTERM: the grace period begins
+                server.should_exit = True  # as SIGTERM or a first Ctrl-C: the grace period begins
+                if ending == "second_ctrl_c":
+                    read.append(next(lines))  # still flowing
+                    server.force_exit = True
                 read.extend(lines)
         except httpx.TransportError as exc:
             read.append(exc)
@@ -268,7 +286,7 @@ def test_responses_open_past_the_grace_period_end_as_their_clients_leaving(caplo
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             reading = pool.submit(client)
-            asyncio.run(server.serve(sockets=[listener]))
+            asyncio.run(asyncio.wait_for(server.serve(sockets=[listener]), 20))  # a hang fails, not blocks, the run
             reading.result(timeout=30)
     finally:
         for sig, handler in saved.items():
@@ -276,7 +294,8 @@ def test_responses_open_past_the_grace_period_end_as_their_clients_leaving(caplo
         listener.close()
     assert read[0] == "tick" and isinstance(read[-1], httpx.TransportError)  # cut, not ended by the server
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []  # uvicorn's logs included
-    assert any("grace period" in r.getMessage() for r in caplog.records)
+    warned = any("grace period" in r.getMessage() for r in caplog.records)
+    assert warned == (ending == "grace_period_over")
 
 
 def test_a_ctrl_c_after_the_shutdown_began_does_not_kill_the_engine_process(ckpt) -> None:
