@@ -165,6 +165,13 @@ def control_link_host(master_addr: str) -> str:
 CPU_THREAD_POOLS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's intra-op pools on the CPU
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS reports one, as a container's cpuset sets it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def rank_environments(world: int, environ: dict[str, str], cpu: bool = False) -> list[dict[str, str]]:
     """Each rank's environment for `--tp`: torchrun's variables on a free master port, and a control link port
     checked free as well unless FLASHNEXT_LINK_PORT names one (the port after the master's may be taken). On the CPU
@@ -175,7 +182,7 @@ def rank_environments(world: int, environ: dict[str, str], cpu: bool = False) ->
     shared.setdefault("FLASHNEXT_LINK_PORT", str(link))
     if cpu:
         for name in CPU_THREAD_POOLS:
-            shared.setdefault(name, str(max(1, (os.cpu_count() or 1) // world)))
+            shared.setdefault(name, str(max(1, usable_cores() // world)))
     return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
 
