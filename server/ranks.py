@@ -25,6 +25,8 @@ import torch.distributed as dist
 # lazily): imported after the group exists, they would hold the group alive past `leave_group`.
 import torch.distributed.nn.functional
 
+from server.threads import give_thread_pools_a_share
+
 log = logging.getLogger(__name__)
 
 
@@ -162,16 +164,6 @@ def control_link_host(master_addr: str) -> str:
     return "0.0.0.0"
 
 
-CPU_THREAD_POOLS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's intra-op pools on the CPU
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS reports one, as a container's cpuset sets it)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def rank_environments(world: int, environ: dict[str, str], cpu: bool = False) -> list[dict[str, str]]:
     """Each rank's environment for `--tp`: torchrun's variables on a free master port, and a control link port
     checked free as well unless FLASHNEXT_LINK_PORT names one (the port after the master's may be taken). On the CPU
@@ -181,8 +173,7 @@ def rank_environments(world: int, environ: dict[str, str], cpu: bool = False) ->
     shared = {**environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
     shared.setdefault("FLASHNEXT_LINK_PORT", str(link))
     if cpu:
-        for name in CPU_THREAD_POOLS:
-            shared.setdefault(name, str(max(1, usable_cores() // world)))
+        give_thread_pools_a_share(shared, world)
     return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
 

@@ -10,26 +10,15 @@ import os
 import sys
 from pathlib import Path
 
-THREAD_POOLS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # torch's, MKL's and NumPy's BLAS
-
-
-def threads_per_worker(cpus: int, workers: int) -> int:
-    """Threads for each of `workers` test processes on `cpus` cores: their share, at least one."""
-    return max(1, cpus // max(1, workers))
+from server.threads import give_thread_pools_a_share  # imports nothing heavy: torch reads its pool sizes later
 
 
 def share_cores_among_workers(environ: dict[str, str] = os.environ) -> int | None:
     """Under pytest-xdist, each worker's thread pools (and those of the servers and ranks it starts, which inherit
-    the environment) get the worker's share of the cores: pools sized for the whole machine, in several workers at
-    once, wait on each other's spinning threads (docs/performance.md, fifty-fifth session). A size set by hand is
-    kept. The share, or None outside xdist."""
+    the environment) get the worker's share of the cores (docs/performance.md, fifty-fifth session); a size set by
+    hand is kept. The share, or None outside xdist."""
     workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers is None:
-        return None
-    share = threads_per_worker(os.cpu_count() or 1, int(workers))
-    for name in THREAD_POOLS:
-        environ.setdefault(name, str(share))
-    return share
+    return None if workers is None else give_thread_pools_a_share(environ, int(workers))
 
 
 WORKER_THREADS = share_cores_among_workers()  # before torch and NumPy read the variables

@@ -15,13 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.conftest import (
-    THREAD_POOLS,
-    interpreter_trap,
-    left_out_of_compiled_run,
-    share_cores_among_workers,
-    threads_per_worker,
-)
+from server.threads import THREAD_POOLS, share_of_cores
+from tests.conftest import interpreter_trap, left_out_of_compiled_run, share_cores_among_workers
 
 TESTS = Path(__file__).resolve().parent
 PROBE = """
@@ -33,7 +28,7 @@ THREADS_PROBE = """
 import os
 import torch
 def test_threads():
-    share = max(1, (os.cpu_count() or 1) // 2)
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
     assert torch.get_num_threads() == share and os.environ["OMP_NUM_THREADS"] == str(share)
 """
 LINEAR_PROBE = """
@@ -111,11 +106,11 @@ def test_an_interpreted_fp32_dot_rounds_its_sum_once() -> None:
 
 
 def test_each_worker_takes_its_share_of_the_cores() -> None:
-    assert threads_per_worker(2, 2) == 1 and threads_per_worker(16, 2) == 8 and threads_per_worker(1, 4) == 1
+    assert share_of_cores(2, cores=2) == 1 and share_of_cores(2, cores=16) == 8 and share_of_cores(4, cores=1) == 1
     assert share_cores_among_workers({}) is None  # outside xdist: the pools as torch sizes them
     environ = {"PYTEST_XDIST_WORKER_COUNT": "2", "MKL_NUM_THREADS": "3"}
     share = share_cores_among_workers(environ)
-    assert share == threads_per_worker(os.cpu_count() or 1, 2)
+    assert share == share_of_cores(2)
     assert environ["OMP_NUM_THREADS"] == environ["OPENBLAS_NUM_THREADS"] == str(share)
     assert environ["MKL_NUM_THREADS"] == "3"  # a size set by hand is kept
 
