@@ -14,7 +14,9 @@ largest bucket), read before the next replay. The graphs are captured once, at s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -39,6 +41,20 @@ def buckets_for(max_rows: int, first: int = 1) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return (*sizes, max_rows)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect cyclic garbage now and not again until the block ends: a CUDA graph destroyed by a collection during a
+    capture ends that capture with an error (torch.cuda.graph no longer collects before it captures)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class RoundGraphs:
@@ -137,16 +153,17 @@ class RoundGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         mempool = torch.cuda.graph_pool_handle()
-        for kind, buckets in self.buckets.items():
-            for size in sorted(buckets, reverse=True):
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # compile the kernels and make this stream's counters before capturing
-                        self._run_body(kind, size)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    self.rounds[kind, size], self.outputs[kind, size] = self._run_body(kind, size)
-                self.graphs[kind, size] = graph
+        with collector_paused():
+            for kind, buckets in self.buckets.items():
+                for size in sorted(buckets, reverse=True):
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):  # compile the kernels and make this stream's counters before capturing
+                            self._run_body(kind, size)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                        self.rounds[kind, size], self.outputs[kind, size] = self._run_body(kind, size)
+                    self.graphs[kind, size] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
