@@ -42,7 +42,7 @@ DEFINITIONS = ("$defs", "definitions")
 COMPOSITIONS = ("$ref", "anyOf", "oneOf", "allOf")
 TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties"),
-    "array": ("items", "minItems", "maxItems"),
+    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems"),
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
 }
@@ -532,7 +532,8 @@ class SchemaCompiler(JsonBuilder):
     """Adds the JSON text a schema admits to a network; a keyword it cannot honour is refused with its pointer.
 
     Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
-    or any schema where there are no properties), items, minItems, maxItems, minLength, maxLength, pattern (alone,
+    or any schema where there are no properties), items, prefixItems (or items as a list, with additionalItems),
+    minItems, maxItems, minLength, maxLength, pattern (alone,
     over the string's decoded characters, fully), format (alone, those of grammar_formats.py; others are
     annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written without an
     exponent), enum and const (beside type only, as json.dumps writes them),
@@ -740,29 +741,59 @@ class SchemaCompiler(JsonBuilder):
         return end
 
     def _array(self, start: int, schema: dict[str, Any], pointer: str) -> int:
-        """An array of `minItems` to `maxItems` values, each following `items`."""
-        items = schema.get("items", True)
-        if isinstance(items, list):
-            raise GrammarError("'items' as a list is not supported in guided decoding", pointer_to(pointer, "items"))
+        """An array of `minItems` to `maxItems` values: the first ones following `prefixItems` in turn, the rest
+        following `items` (a list `items` is the prefix and `additionalItems` the rest, as before JSON Schema
+        2020-12)."""
+        prefix, prefix_pointer, rest, rest_pointer = self._array_parts(schema, pointer)
         least = self._count(schema, "minItems", pointer) or 0
         most = self._count(schema, "maxItems", pointer)
         if most is not None and least > most:
             raise GrammarError("'minItems' is above 'maxItems'", pointer_to(pointer, "minItems"))
-        if (items is True or items == {}) and least == 0 and most is None:
+        if rest is False:
+            if least > len(prefix):
+                where = pointer_to(pointer, "minItems")
+                raise GrammarError("'minItems' is above the number of items the array may hold", where)
+            most = len(prefix) if most is None else min(most, len(prefix))
+        if not prefix and (rest is True or rest == {}) and least == 0 and most is None:
             return self.any_array(start)
-        entry = self.routine(items, pointer_to(pointer, "items"))
+        entries = [self.routine(item, pointer_to(prefix_pointer, index)) for index, item in enumerate(prefix)]
         network = self.network
         inside = self.whitespace(network.literal(start, b"["))
         end = network.node()
         if least == 0:
             network.move(inside, 1 << ord("]"), end)
-        if most != 0:
-            following = partial(self._next_item, entry=entry)
-            rest = network.repeat(
-                network.call(inside, entry), following, max(least - 1, 0), None if most is None else most - 1
-            )
-            network.move(self.whitespace(rest), 1 << ord("]"), end)
+        if most == 0:
+            return end
+        rest_entry = None if rest is False else self.routine(rest, rest_pointer)
+        after = network.call(inside, entries[0] if entries else rest_entry)
+        count = 1
+        while count < len(entries) and (most is None or count < most):
+            if count >= least:
+                network.move(self.whitespace(after), 1 << ord("]"), end)
+            after = self._next_item(after, entries[count])
+            count += 1
+        if rest_entry is not None and (most is None or count < most):
+            following = partial(self._next_item, entry=rest_entry)
+            after = network.repeat(after, following, max(least - count, 0), None if most is None else most - count)
+        network.move(self.whitespace(after), 1 << ord("]"), end)
         return end
+
+    def _array_parts(self, schema: dict[str, Any], pointer: str) -> tuple[list[Any], str, Any, str]:
+        """The prefix's schemas and pointer, and the schema of the items after them and its pointer."""
+        items = schema.get("items", True)
+        if "prefixItems" in schema:
+            prefix, prefix_pointer = schema["prefixItems"], pointer_to(pointer, "prefixItems")
+            if isinstance(items, list):
+                raise GrammarError("'items' must be a schema beside 'prefixItems'", pointer_to(pointer, "items"))
+            rest, rest_pointer = items, pointer_to(pointer, "items")
+        elif isinstance(items, list):
+            prefix, prefix_pointer = items, pointer_to(pointer, "items")
+            rest, rest_pointer = schema.get("additionalItems", True), pointer_to(pointer, "additionalItems")
+        else:
+            return [], "", items, pointer_to(pointer, "items")
+        if not isinstance(prefix, list):
+            raise GrammarError("a prefix of items must be a list of schemas", prefix_pointer)
+        return prefix, prefix_pointer, rest, rest_pointer
 
     def _next_item(self, start: int, entry: int) -> int:
         """A comma, then one more item (a call of its routine)."""

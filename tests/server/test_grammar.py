@@ -477,7 +477,6 @@ UNSUPPORTED = [
     "else",
     "uniqueItems",
     "contains",
-    "prefixItems",
     "dependentRequired",
     "minProperties",
     "maxProperties",
@@ -543,7 +542,6 @@ def test_an_unsupported_keyword_deep_in_a_schema_is_refused_with_its_pointer(sch
         ({"type": "string", "minLength": 3, "maxLength": 2}, "/minLength"),
         ({"type": "array", "maxItems": 1001}, "/maxItems"),
         ({"type": "array", "minItems": -1}, "/minItems"),
-        ({"type": "array", "items": [{}]}, "/items"),
         ({"properties": {"tree": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "nothing"}}}, "/$defs/n/type"),
     ],
 )
@@ -665,4 +663,80 @@ def test_a_choice_list_that_cannot_be_compiled_is_refused(choices, where):
     """An empty list, a non-string and a non-list each name the part at fault."""
     with pytest.raises(GrammarError) as caught:
         choice_grammar(choices)
+    assert caught.value.where == where
+
+
+ARRAY_VALUES = [0, "a", True, None]
+TUPLE_SCHEMAS: list[tuple[dict[str, Any], list[str | None], str | bool | None, int, int | None]] = [
+    # (schema, the prefix's types, the rest's type (True: any, False: none), minItems, maxItems)
+    ({"prefixItems": [{"type": "integer"}, {"type": "string"}], "minItems": 2, "maxItems": 2}, ["integer", "string"],
+     True, 2, 2),
+    ({"prefixItems": [{"type": "integer"}, {"type": "string"}]}, ["integer", "string"], True, 0, None),
+    ({"prefixItems": [{"type": "integer"}], "items": {"type": "boolean"}}, ["integer"], "boolean", 0, None),
+    ({"prefixItems": [{"type": "integer"}], "items": False, "minItems": 1}, ["integer"], False, 1, None),
+    ({"prefixItems": [{}, {"type": "null"}], "items": {"type": "string"}, "minItems": 3, "maxItems": 4}, [None, "null"],
+     "string", 3, 4),
+    ({"prefixItems": [{"type": "string"}, {"type": "string"}, {"type": "integer"}], "maxItems": 1}, ["string"], False,
+     0, 1),
+    ({"prefixItems": [], "items": {"type": "integer"}, "minItems": 1}, [], "integer", 1, None),
+    ({"items": [{"type": "boolean"}, {"type": "integer"}], "additionalItems": False}, ["boolean", "integer"], False, 0,
+     None),
+    ({"items": [{"type": "boolean"}], "additionalItems": {"type": "null"}}, ["boolean"], "null", 0, None),
+    ({"type": "array", "items": [{"type": "string"}]}, ["string"], True, 0, None),
+]  # fmt: skip
+
+
+def admitted(value: Any, type_name: str | bool | None) -> bool:
+    """Whether a value has the type (None or True: any type; False: none)."""
+    if type_name is None or type_name is True:
+        return True
+    if type_name is False:
+        return False
+    return {"integer": type(value) is int, "string": type(value) is str, "boolean": type(value) is bool,
+            "null": value is None}[type_name]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "prefix", "rest", "least", "most"), TUPLE_SCHEMAS)
+def test_an_array_follows_prefix_items_in_turn_then_items_as_json_schema_says(schema, prefix, rest, least, most):
+    """Every array of up to five items from a small pool, compact and as json.dumps writes it, is taken exactly when
+    its first items have the prefix's types in turn, the later ones the rest's, and its length is within bounds."""
+    grammar = json_grammar(schema)
+    for length in range(6):
+        for array in itertools.product(ARRAY_VALUES, repeat=length):
+            wanted = least <= length <= (length if most is None else most) and all(
+                admitted(value, prefix[index] if index < len(prefix) else rest) for index, value in enumerate(array)
+            )
+            for text in (json.dumps(list(array)), json.dumps(list(array), separators=(",", ":"))):
+                assert matches(grammar, text) == wanted, (schema, text)
+
+
+def test_a_tuple_field_of_a_pydantic_model_is_guided():
+    """pydantic writes a tuple as prefixItems with minItems and maxItems; a model's own JSON is taken, a wrong tuple
+    is refused at its first wrong byte."""
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        label: str
+        at: tuple[int, float]
+
+    grammar = json_grammar(Point.model_json_schema())
+    assert matches(grammar, Point(label="p", at=(3, 0.5)).model_dump_json())
+    assert refused_at(grammar, b'{"label":"p","at":[3,0.5,') == len(b'{"label":"p","at":[3,0.5')
+    assert refused_at(grammar, b'{"label":"p","at":["') == len(b'{"label":"p","at":[')
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"prefixItems": {"type": "string"}}, "/prefixItems"),
+        ({"prefixItems": [{"type": "string"}], "items": [{"type": "string"}]}, "/items"),
+        ({"prefixItems": [{"type": "string"}], "items": False, "minItems": 2}, "/minItems"),
+        ({"items": [{}], "additionalItems": False, "minItems": 2}, "/minItems"),
+        ({"prefixItems": [{"type": "string"}, {"multipleOf": 2}]}, "/prefixItems/1/multipleOf"),
+        ({"items": [{"type": "string"}], "additionalItems": {"uniqueItems": True}}, "/additionalItems/uniqueItems"),
+    ],
+)
+def test_a_prefix_of_items_that_cannot_be_compiled_is_refused_naming_the_part_at_fault(schema, where):
+    with pytest.raises(GrammarError) as caught:
+        json_grammar(schema)
     assert caught.value.where == where

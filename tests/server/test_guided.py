@@ -97,6 +97,28 @@ def test_guided_outputs_follow_their_grammars(model, tokenizer, prompt):
     assert unguided[0].tokens not in [o.tokens for o in outcomes]  # the masks moved the output
 
 
+def test_a_tuple_schema_is_followed_item_by_item_and_drafted_equals_undrafted(model, tokenizer):
+    """prefixItems (pydantic's tuples): the output follows the tuple's items in turn, and drafts change no token."""
+    schema = {
+        "type": "array",
+        "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 99}, {"enum": ["a", "b"]}, {"type": "boolean"}],
+        "items": False,
+        "minItems": 3,
+    }
+    guide = GuideSpec("json", json.dumps(schema))
+    prompt = tokenizer.encode('x = [3, "b", False]\ny = [7, "a", True]\nz = ')
+    jobs = [(prompt, draw, guide) for draw in (GREEDY, SAMPLED)]
+    drafted, runner = serve(model, tokenizer, jobs, depth=3)
+    undrafted, _ = serve(model, tokenizer, jobs, depth=0)
+    assert [o.tokens for o in drafted] == [o.tokens for o in undrafted]
+    grammar = guide.grammar()
+    for outcome in drafted:
+        text = output_bytes(runner.engine.guides, outcome, tokenizer.eos_token_id)
+        state = grammar.feed(grammar.initial, text)
+        assert state is not None and (outcome.finish == "length" or grammar.accepts(state)), text
+        assert re.match(rb'\[\s*[0-9]{1,2}\s*,\s*"[ab]"', text), text  # this model writes the first two items
+
+
 @pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_guided_requests_drafted_equal_undrafted(model, tokenizer, prompt, draw):
     jobs = [(prompt, draw, guide) for guide in GUIDES.values()]
