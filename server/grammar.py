@@ -37,6 +37,7 @@ PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
 }  # fmt: skip
 ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly"}
+    | {"discriminator"}  # OpenAPI's hint beside oneOf (pydantic's tagged unions); the options' consts decide
 )
 DEFINITIONS = ("$defs", "definitions")
 COMPOSITIONS = ("$ref", "anyOf", "oneOf", "allOf")
@@ -533,12 +534,12 @@ class SchemaCompiler(JsonBuilder):
 
     Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
     or any schema where there are no properties), items, prefixItems (or items as a list, with additionalItems),
-    minItems, maxItems, minLength, maxLength, pattern (alone,
-    over the string's decoded characters, fully), format (alone, those of grammar_formats.py; others are
-    annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written without an
-    exponent), enum and const (beside type only, as json.dumps writes them),
-    anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the
-    annotations, which are ignored. A composition beside another constraint is refused."""
+    minItems, maxItems, minLength, maxLength, pattern (alone, over the string's decoded characters, fully), format
+    (alone, those of grammar_formats.py; others are annotations), minimum, maximum, exclusiveMinimum and
+    exclusiveMaximum (numbers then written without an exponent), enum and const (beside type only, as json.dumps
+    writes them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME'
+    ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among them), which are ignored. A
+    composition beside another constraint is refused."""
 
     def __init__(self, network: Network, root: Any) -> None:
         super().__init__(network)

@@ -725,6 +725,32 @@ def test_a_tuple_field_of_a_pydantic_model_is_guided():
     assert refused_at(grammar, b'{"label":"p","at":["') == len(b'{"label":"p","at":[')
 
 
+def test_a_tagged_union_of_pydantic_models_is_guided_by_its_options():
+    """pydantic writes a discriminated union as oneOf with OpenAPI's discriminator, an annotation: each option's const
+    tag holds its own fields."""
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        bark: str
+
+    class Pet(BaseModel):
+        pet: Annotated[Cat | Dog, Field(discriminator="kind")]
+
+    schema = Pet.model_json_schema()
+    assert "discriminator" in schema["properties"]["pet"]
+    grammar = json_grammar(schema)
+    assert matches(grammar, Pet(pet=Cat(kind="cat", lives=9)).model_dump_json())
+    assert matches(grammar, json.dumps({"pet": {"kind": "dog", "bark": "woof"}}))
+    assert refused_at(grammar, b'{"pet":{"kind":"cat","bark"') == len(b'{"pet":{"kind":"cat","')
+
+
 @pytest.mark.parametrize(
     ("schema", "where"),
     [
