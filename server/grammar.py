@@ -534,8 +534,8 @@ class SchemaCompiler(JsonBuilder):
 
     Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
     or any schema where there are no properties), items, prefixItems (or items as a list, with additionalItems),
-    minItems, maxItems, minLength, maxLength, pattern (alone, over the string's decoded characters, fully), format
-    (alone, those of grammar_formats.py; others are annotations), minimum, maximum, exclusiveMinimum and
+    minItems, maxItems, minLength, maxLength, pattern (over the string's decoded characters, fully; lengths too), format
+    (those of grammar_formats.py, not beside a pattern; others are annotations), minimum, maximum, exclusiveMinimum and
     exclusiveMaximum (numbers then written without an exponent), enum and const (beside type only, as json.dumps
     writes them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME'
     ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among them), which are ignored. A
@@ -811,17 +811,25 @@ class SchemaCompiler(JsonBuilder):
             if most is not None and (least or 0) > most:
                 raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
             return self.string(start, least or 0, most)
-        for key in ("minLength", "maxLength", *shapes[1:]):
-            if key in schema:
-                raise GrammarError(
-                    f"'{key}' cannot be combined with '{shapes[0]}' in guided decoding", pointer_to(pointer, key)
-                )
+        if len(shapes) > 1:
+            where = pointer_to(pointer, "format")
+            raise GrammarError("'format' cannot be combined with 'pattern' in guided decoding", where)
+        if most is not None and (least or 0) > most:
+            raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
         where = pointer_to(pointer, shapes[0])
         pattern = schema["pattern"] if shapes[0] == "pattern" else enforced
         if not isinstance(pattern, str):
             raise GrammarError("'pattern' must be a string", where)
         tree = RegexParser(pattern, where).parse()
-        content = RegexEmitter(self.network, in_json_string=True).emit(self.network.literal(start, b'"'), tree)
+        emitter, opened = RegexEmitter(self.network, in_json_string=True), self.network.literal(start, b'"')
+        if least is None and most is None:
+            return self.network.literal(emitter.emit(opened, tree), b'"')
+        length = "maxLength" if most is not None else "minLength"
+        try:
+            content = emitter.emit_counted(opened, tree, least or 0, most)
+        except GrammarError:  # only a grammar grown too large
+            where = pointer_to(pointer, length)
+            raise GrammarError(f"the {shapes[0]} with '{length}' is too large for guided decoding", where) from None
         return self.network.literal(content, b'"')
 
     @staticmethod
@@ -1137,6 +1145,55 @@ class RegexParser:
         return Chars(1 << ord(member)) if member.isascii() else Text(member)
 
 
+class CharacterAutomaton:
+    """A regex tree as states joined by single characters (a Chars or Text each) and epsilons, from `first` to
+    `last`; counted repeats are laid out copy by copy."""
+
+    def __init__(self, tree: RegexNode) -> None:
+        self.size = 0
+        self.moves: dict[int, list[tuple[Chars | Text, int]]] = {}
+        self.epsilons: dict[int, list[int]] = {}
+        self.first = self._state()
+        self.last = self._build(self.first, tree)
+
+    def _state(self) -> int:
+        if self.size >= MAX_NODES:
+            raise GrammarError("the pattern is too large for guided decoding", "pattern")
+        self.size += 1
+        return self.size - 1
+
+    def _epsilon(self, source: int, target: int) -> None:
+        self.epsilons.setdefault(source, []).append(target)
+
+    def _build(self, start: int, tree: RegexNode) -> int:
+        """The tree's strings from `start`; answers the state they end in."""
+        if isinstance(tree, Chars | Text):
+            end = self._state()
+            self.moves.setdefault(start, []).append((tree, end))
+            return end
+        if isinstance(tree, Concat):
+            for part in tree.parts:
+                start = self._build(start, part)
+            return start
+        if isinstance(tree, Alternation):
+            end = self._state()
+            for option in tree.options:
+                self._epsilon(self._build(start, option), end)
+            return end
+        for _ in range(tree.least):
+            start = self._build(start, tree.part)
+        end = self._state()
+        if tree.most is None:  # a loop: `end` takes the part again
+            self._epsilon(start, end)
+            self._epsilon(self._build(end, tree.part), end)
+            return end
+        for _ in range(tree.most - tree.least):
+            self._epsilon(start, end)
+            start = self._build(start, tree.part)
+        self._epsilon(start, end)
+        return end
+
+
 class RegexEmitter:
     """Adds a regex tree to a network, matching raw UTF-8, or inside a JSON string the characters as json.dumps
     writes them with ensure_ascii=False (", \\ and control characters escaped, the rest as they are)."""
@@ -1159,6 +1216,34 @@ class RegexEmitter:
         if isinstance(tree, Alternation):
             return network.either(start, [partial(self.emit, tree=option) for option in tree.options])
         return network.repeat(start, partial(self.emit, tree=tree.part), tree.least, tree.most)
+
+    def emit_counted(self, start: int, tree: RegexNode, least: int, most: int | None) -> int:
+        """The tree's strings of `least` to `most` characters (or more where None): its character automaton crossed
+        with the count of characters taken, which stops at `most` (or stays at `least` once there where None)."""
+        automaton, network = CharacterAutomaton(tree), self.network
+        cap = least if most is None else most
+        first, end = network.node(), network.node()
+        network.epsilon(start, first)
+        nodes, pending = {(automaton.first, 0): first}, [(automaton.first, 0)]
+
+        def node_of(state: int, count: int) -> int:
+            if (state, count) not in nodes:
+                nodes[state, count] = network.node()
+                pending.append((state, count))
+            return nodes[state, count]
+
+        while pending:
+            state, count = pending.pop()
+            here = nodes[state, count]
+            if state == automaton.last and count >= least:
+                network.epsilon(here, end)
+            for target in automaton.epsilons.get(state, ()):
+                network.epsilon(here, node_of(target, count))
+            if count == most:
+                continue
+            for atom, target in automaton.moves.get(state, ()):
+                network.epsilon(self.emit(here, atom), node_of(target, min(count + 1, cap)))
+        return end
 
     def _chars(self, start: int, chars: Chars) -> int:
         """One character of the set: where it holds every non-ASCII character ('.', a negated class) those are

@@ -461,6 +461,49 @@ def test_a_string_pattern_matches_the_content_as_re_fullmatch_does():
         assert outcomes == {True, False}, pattern
 
 
+@pytest.mark.parametrize(
+    ("pattern", "least", "most"),
+    [
+        (r"[a-z]+", 2, 5),
+        (r'[a"\\]*', 1, 3),
+        (r"(ab|a)*z?", 0, 4),
+        (r"é+|z\n?", 2, None),
+        (r"\w{2,6}", None, 3),
+        (r".{0,3}9", 3, 3),
+        (r"(a|\x01)(a|b)*", 4, None),
+    ],
+)
+def test_a_pattern_with_lengths_takes_its_matches_of_those_lengths_only(pattern, least, most):
+    """minLength and maxLength beside a pattern (pydantic's constr) count the decoded characters of its matches."""
+    schema = {"type": "string", "pattern": pattern} | {
+        key: value for key, value in (("minLength", least), ("maxLength", most)) if value is not None
+    }
+    grammar = json_grammar(schema)
+    rng = random.Random(5)
+    alphabet = 'ab"\\\nz9 é\x01'
+    outcomes = set()
+    for _ in range(600):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 7)))
+        if rng.random() < 0.5:  # often a match of the pattern, which random text seldom is
+            text = "".join(rng.choice("abzé\n") for _ in range(rng.randint(0, 7)))
+        expected = re.fullmatch(pattern, text, re.ASCII) is not None and (least or 0) <= len(text) <= (most or 99)
+        assert matches(grammar, json.dumps(text, ensure_ascii=False)) == expected, (pattern, text)
+        outcomes.add(expected)
+    assert outcomes == {True, False}, pattern
+
+
+def test_a_pydantic_constr_with_lengths_and_a_pattern_is_guided():
+    from pydantic import BaseModel, constr
+
+    class Code(BaseModel):
+        code: constr(min_length=2, max_length=4, pattern=r"^[a-z]+$")  # type: ignore[valid-type]
+
+    grammar = json_grammar(Code.model_json_schema())
+    assert matches(grammar, Code(code="abc").model_dump_json())
+    assert refused_at(grammar, b'{"code":"abcde') == len(b'{"code":"abcd')
+    assert refused_at(grammar, b'{"code":"a"') == len(b'{"code":"a')
+
+
 def test_a_string_pattern_takes_non_ascii_characters_as_they_are_only():
     """In a patterned string a non-ASCII character is written as itself, never as a \\u escape."""
     grammar = json_grammar({"type": "string", "pattern": "é"})
@@ -538,7 +581,8 @@ def test_an_unsupported_keyword_deep_in_a_schema_is_refused_with_its_pointer(sch
         ({"enum": []}, "/enum"),
         ({"type": "string", "enum": [1, 2]}, "/enum"),
         ({"type": "string", "pattern": "(a"}, "/pattern"),
-        ({"type": "string", "pattern": "a", "maxLength": 3}, "/maxLength"),
+        ({"type": "string", "pattern": "a", "minLength": 3, "maxLength": 2}, "/minLength"),
+        ({"type": "string", "pattern": "(a|b)*c{0,500}", "maxLength": 1000}, "/maxLength"),
         ({"type": "string", "minLength": 3, "maxLength": 2}, "/minLength"),
         ({"type": "array", "maxItems": 1001}, "/maxItems"),
         ({"type": "array", "minItems": -1}, "/minItems"),
