@@ -820,13 +820,13 @@ class SchemaCompiler(JsonBuilder):
         pattern = schema["pattern"] if shapes[0] == "pattern" else enforced
         if not isinstance(pattern, str):
             raise GrammarError("'pattern' must be a string", where)
-        tree = RegexParser(pattern, where).parse()
+        parsed = RegexParser(pattern, where).parse()
         emitter, opened = RegexEmitter(self.network, in_json_string=True), self.network.literal(start, b'"')
         if least is None and most is None:
-            return self.network.literal(emitter.emit(opened, tree), b'"')
+            return self.network.literal(emitter.emit_pattern(opened, parsed), b'"')
         length = "maxLength" if most is not None else "minLength"
         try:
-            content = emitter.emit_counted(opened, tree, least or 0, most)
+            content = emitter.emit_pattern(opened, parsed, least or 0, most)
         except GrammarError:  # only a grammar grown too large
             where = pointer_to(pointer, length)
             raise GrammarError(f"the {shapes[0]} with '{length}' is too large for guided decoding", where) from None
@@ -926,6 +926,14 @@ class Chars:
         """Every character not in the set."""
         return Chars(ASCII & ~self.ascii, complement(self.wide))
 
+    def __and__(self, other: Chars) -> Chars:
+        """The characters of both sets."""
+        return (self.negated() | other.negated()).negated()
+
+    def __bool__(self) -> bool:
+        """Whether the set holds a character."""
+        return bool(self.ascii or self.wide)
+
 
 @dataclass(frozen=True, slots=True)
 class Text:
@@ -958,6 +966,25 @@ class Repeat:
 
 
 RegexNode = Chars | Text | Concat | Alternation | Repeat
+
+
+@dataclass(frozen=True, slots=True)
+class Exclusion:
+    """A negative lookahead at the pattern's start, (?!...): no match of `tree` may begin the string, or be the whole
+    string where `whole` (the lookahead ends in '$')."""
+
+    tree: RegexNode
+    whole: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """A parsed pattern: the strings of `tree` that none of the exclusions refuses."""
+
+    tree: RegexNode
+    exclusions: tuple[Exclusion, ...] = ()
+
+
 EVERY_WIDE = ((FIRST_WIDE, LAST_CODE),)
 ANY_BUT_NEWLINE = Chars(ASCII & ~(1 << ord("\n")), EVERY_WIDE)
 CLASS_ESCAPES = {
@@ -977,15 +1004,37 @@ class RegexParser:
         self.pattern = pattern
         self.where = where
         self.position = 0
+        self.depth = 0  # groups open
+        self.excluding = False  # in a lookahead, where a '$' may end an option
+        self.excluded_whole = False  # the lookahead's option being parsed ended in '$'
 
-    def parse(self) -> RegexNode:
-        """The whole pattern's tree; a leading '^' and a trailing '$' are dropped, as the match is always whole."""
+    def parse(self) -> Pattern:
+        """The whole pattern; a leading '^' and a trailing '$' are dropped, as the match is always whole, and negative
+        lookaheads right after the start (pydantic's Decimal pattern has one) are its exclusions."""
         if self.pattern.startswith("^"):
             self.position = 1
+        exclusions: list[Exclusion] = []
+        while self._accept("(?!"):
+            exclusions += self._exclusions()
         tree = self._alternation()
         if self.position < len(self.pattern):
             raise self._error("unbalanced ')'")
-        return tree
+        return Pattern(tree, tuple(exclusions))
+
+    def _exclusions(self) -> list[Exclusion]:
+        """A negative lookahead's options after its '(?!', to its ')', an exclusion each ((?!a|b) is (?!a)(?!b)); a
+        '^' may open the lookahead and a '$' end an option."""
+        self._accept("^")
+        exclusions, self.excluding = [], True
+        while True:
+            self.excluded_whole = False
+            exclusions.append(Exclusion(self._sequence(), self.excluded_whole))
+            if not self._accept("|"):
+                break
+        self.excluding = False
+        if not self._accept(")"):
+            raise self._error("missing ')'")
+        return exclusions
 
     def _error(self, message: str) -> GrammarError:
         """A GrammarError at the current position."""
@@ -1024,8 +1073,17 @@ class RegexParser:
             if char == "$" and self.position == len(self.pattern) - 1:
                 self.position += 1
                 continue
+            if char == "$" and self._ends_excluded_option():
+                self.position += 1
+                self.excluded_whole = True
+                continue
             parts.append(self._repeated())
         return parts[0] if len(parts) == 1 else Concat(tuple(parts))
+
+    def _ends_excluded_option(self) -> bool:
+        """Whether the '$' here ends an option of a lookahead (a '|' or its ')' comes next, outside any group)."""
+        following = self.pattern[self.position + 1 : self.position + 2]
+        return self.excluding and self.depth == 0 and following != "" and following in "|)"
 
     def _repeated(self) -> RegexNode:
         """An atom and its quantifier, if any (a lazy one matches the same whole strings)."""
@@ -1080,7 +1138,9 @@ class RegexParser:
         """A group's content, after its '(': plain, non-capturing or named."""
         if self._accept("?") and not self._accept(":"):
             self._group_name()
+        self.depth += 1
         tree = self._alternation()
+        self.depth -= 1
         if not self._accept(")"):
             raise self._error("missing ')'")
         return tree
@@ -1088,7 +1148,10 @@ class RegexParser:
     def _group_name(self) -> None:
         """Take a group's name after its '(?': 'P<name>' or '<name>'; lookarounds, flags and the rest are refused."""
         if not (self._accept("P<") or self._accept("<")) or (self._peek() or "=") in "=!":
-            raise self._error("only (?:...) and named groups are supported (no lookarounds, flags or references)")
+            raise self._error(
+                "only (?:...), named groups and (?!...) at the start are supported (no other lookarounds, flags or "
+                "references)"
+            )
         name, closed, _ = self.pattern[self.position :].partition(">")
         if not closed or not name.isidentifier():
             raise self._error("a group name must be an identifier followed by '>'")
@@ -1156,6 +1219,24 @@ class CharacterAutomaton:
         self.first = self._state()
         self.last = self._build(self.first, tree)
 
+    def closure(self, states: set[int]) -> frozenset[int]:
+        """The states and those their epsilons reach."""
+        found, pending = set(states), list(states)
+        while pending:
+            for target in self.epsilons.get(pending.pop(), ()):
+                if target not in found:
+                    found.add(target)
+                    pending.append(target)
+        return frozenset(found)
+
+    def moves_from(self, states: frozenset[int]) -> list[tuple[Chars | Text, int]]:
+        """The character edges out of the states."""
+        return [move for state in states for move in self.moves.get(state, ())]
+
+    def after(self, states: frozenset[int], chars: Chars) -> frozenset[int]:
+        """The states after a character of `chars`, which each edge out of `states` takes all or none of."""
+        return self.closure({target for atom, target in self.moves_from(states) if as_chars(atom) & chars})
+
     def _state(self) -> int:
         if self.size >= MAX_NODES:
             raise GrammarError("the pattern is too large for guided decoding", "pattern")
@@ -1194,6 +1275,76 @@ class CharacterAutomaton:
         return end
 
 
+class PatternProduct:
+    """A pattern's character automaton crossed with the count of characters taken (which stops at `most`, or stays
+    at `least` once there where None) and with each exclusion's automaton, followed as a set of its states."""
+
+    def __init__(self, emitter: RegexEmitter, pattern: Pattern, least: int, most: int | None) -> None:
+        self.emitter, self.least, self.most = emitter, least, most
+        self.automaton = CharacterAutomaton(pattern.tree)
+        self.exclusions = pattern.exclusions
+        self.guards = [CharacterAutomaton(exclusion.tree) for exclusion in pattern.exclusions]
+        self.nodes: dict[tuple[int, int, tuple[frozenset[int], ...]], int] = {}
+        self.pending: list[tuple[int, int, tuple[frozenset[int], ...]]] = []
+
+    def emit(self, start: int) -> int:
+        """The product's strings from `start`; answers the node they end at."""
+        network = self.emitter.network
+        initial = tuple(guard.closure({guard.first}) for guard in self.guards)
+        first, end = self._node((self.automaton.first, 0, initial)), network.node()
+        network.epsilon(start, first)
+        while self.pending:
+            key = self.pending.pop()
+            state, count, guarded = key
+            here = self.nodes[key]
+            if self._refused(guarded, ended=False):
+                continue  # a match of an exclusion begins the string: nothing from here is taken
+            if state == self.automaton.last and count >= self.least and not self._refused(guarded, ended=True):
+                network.epsilon(here, end)
+            for target in self.automaton.epsilons.get(state, ()):
+                network.epsilon(here, self._node((target, count, guarded)))
+            if count == self.most:
+                continue
+            after = min(count + 1, self.least if self.most is None else self.most)
+            for atom, target in self.automaton.moves.get(state, ()):
+                for part, guarded_after in self._split(as_chars(atom), guarded):
+                    network.epsilon(self.emitter.emit(here, part), self._node((target, after, guarded_after)))
+        return end
+
+    def _node(self, key: tuple[int, int, tuple[frozenset[int], ...]]) -> int:
+        """The network node of a product state, made and queued the first time."""
+        if key not in self.nodes:
+            self.nodes[key] = self.emitter.network.node()
+            self.pending.append(key)
+        return self.nodes[key]
+
+    def _refused(self, guarded: tuple[frozenset[int], ...], ended: bool) -> bool:
+        """Whether an exclusion matches what was taken: as a beginning, or (ended) as the whole string."""
+        return any(
+            guard.last in states and (ended or not exclusion.whole)
+            for guard, exclusion, states in zip(self.guards, self.exclusions, guarded, strict=True)
+        )
+
+    def _split(
+        self, chars: Chars, guarded: tuple[frozenset[int], ...]
+    ) -> list[tuple[Chars, tuple[frozenset[int], ...]]]:
+        """The characters cut into parts each exclusion's automaton takes alike, each with its states after it."""
+        parts = [chars]
+        for guard, states in zip(self.guards, guarded, strict=True):
+            for atom, _ in guard.moves_from(states):
+                cut = as_chars(atom)
+                parts = [piece for part in parts for piece in (part & cut, part & cut.negated()) if piece]
+        return [
+            (part, tuple(guard.after(states, part) for guard, states in zip(self.guards, guarded, strict=True)))
+            for part in parts
+        ]
+
+
+def as_chars(atom: Chars | Text) -> Chars:
+    """A character automaton's atom as a set of characters."""
+    return atom if isinstance(atom, Chars) else Chars.span(ord(atom.char), ord(atom.char))
+
+
 class RegexEmitter:
     """Adds a regex tree to a network, matching raw UTF-8, or inside a JSON string the characters as json.dumps
     writes them with ensure_ascii=False (", \\ and control characters escaped, the rest as they are)."""
@@ -1217,33 +1368,11 @@ class RegexEmitter:
             return network.either(start, [partial(self.emit, tree=option) for option in tree.options])
         return network.repeat(start, partial(self.emit, tree=tree.part), tree.least, tree.most)
 
-    def emit_counted(self, start: int, tree: RegexNode, least: int, most: int | None) -> int:
-        """The tree's strings of `least` to `most` characters (or more where None): its character automaton crossed
-        with the count of characters taken, which stops at `most` (or stays at `least` once there where None)."""
-        automaton, network = CharacterAutomaton(tree), self.network
-        cap = least if most is None else most
-        first, end = network.node(), network.node()
-        network.epsilon(start, first)
-        nodes, pending = {(automaton.first, 0): first}, [(automaton.first, 0)]
-
-        def node_of(state: int, count: int) -> int:
-            if (state, count) not in nodes:
-                nodes[state, count] = network.node()
-                pending.append((state, count))
-            return nodes[state, count]
-
-        while pending:
-            state, count = pending.pop()
-            here = nodes[state, count]
-            if state == automaton.last and count >= least:
-                network.epsilon(here, end)
-            for target in automaton.epsilons.get(state, ()):
-                network.epsilon(here, node_of(target, count))
-            if count == most:
-                continue
-            for atom, target in automaton.moves.get(state, ()):
-                network.epsilon(self.emit(here, atom), node_of(target, min(count + 1, cap)))
-        return end
+    def emit_pattern(self, start: int, pattern: Pattern, least: int = 0, most: int | None = None) -> int:
+        """The pattern's strings of `least` to `most` characters (or more where None) that no exclusion refuses."""
+        if not pattern.exclusions and least == 0 and most is None:
+            return self.emit(start, pattern.tree)
+        return PatternProduct(self, pattern, least, most).emit(start)
 
     def _chars(self, start: int, chars: Chars) -> int:
         """One character of the set: where it holds every non-ASCII character ('.', a negated class) those are
@@ -1288,7 +1417,7 @@ def regex_grammar(pattern: str) -> Grammar:
         raise GrammarError("a pattern must be a string", "pattern")
     network = Network("pattern")
     entry, exit_node = network.routine()
-    end = RegexEmitter(network, in_json_string=False).emit(entry, RegexParser(pattern, "pattern").parse())
+    end = RegexEmitter(network, in_json_string=False).emit_pattern(entry, RegexParser(pattern, "pattern").parse())
     network.epsilon(end, exit_node)
     return Grammar(network, entry)
 

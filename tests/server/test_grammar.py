@@ -471,6 +471,7 @@ def test_a_string_pattern_matches_the_content_as_re_fullmatch_does():
         (r"\w{2,6}", None, 3),
         (r".{0,3}9", 3, 3),
         (r"(a|\x01)(a|b)*", 4, None),
+        (r'(?!a|"$)[a"\\]*', 1, 3),
     ],
 )
 def test_a_pattern_with_lengths_takes_its_matches_of_those_lengths_only(pattern, least, most):
@@ -502,6 +503,22 @@ def test_a_pydantic_constr_with_lengths_and_a_pattern_is_guided():
     assert matches(grammar, Code(code="abc").model_dump_json())
     assert refused_at(grammar, b'{"code":"abcde') == len(b'{"code":"abcd')
     assert refused_at(grammar, b'{"code":"a"') == len(b'{"code":"a')
+
+
+def test_a_pydantic_decimal_is_guided_as_a_number_or_a_decimal_string():
+    """pydantic writes a Decimal as a number or a string whose pattern opens with a negative lookahead."""
+    from decimal import Decimal
+
+    from pydantic import BaseModel
+
+    class Price(BaseModel):
+        amount: Decimal
+
+    grammar = json_grammar(Price.model_json_schema())
+    for good in ('{"amount":12.5}', '{"amount":"12.50"}', '{"amount":"-0.5"}', '{"amount":".5"}'):
+        assert matches(grammar, good), good
+    for bad in ('{"amount":""}', '{"amount":"+."}', '{"amount":"-"}', '{"amount":"1e3"}'):
+        assert not matches(grammar, bad), bad
 
 
 def test_a_string_pattern_takes_non_ascii_characters_as_they_are_only():
@@ -618,6 +635,12 @@ REGEX_CASES = [
     (r"[é-ÿ]+x|[^éa]", "éÿxaā日", []),
     (r"[\u4e00-\u9fff]{2}[^\u0100-\uffff]", "日本a🙂ā", []),
     (r"[a-zé🙂]+", "aé🙂ü", []),
+    (r"(?!a)\w+", "ab1", []),
+    (r"(?!ab$)[ab]+", "ab", []),
+    (r"^(?!^[-+.]*$)[+-]?0*\d*\.?\d*$", "+-.01", ["-0012.50", "+.5", "1."]),  # pydantic's Decimal
+    (r"(?!a)(?!bb)[abc]*", "abc", []),
+    (r"(?!é|🙂$)[^x]+", "é🙂ax", []),
+    (r"(?!(a|b)$)(?:[ab]|é)+", "abé", []),
 ]
 
 
@@ -660,7 +683,9 @@ def test_a_class_of_non_ascii_ranges_takes_well_formed_utf8_of_its_characters_on
     [
         r"(a)\1",
         r"(?=a)a",
-        r"(?!a)b",
+        r"a(?!b)c",
+        r"(?!a",
+        r"(?:(?!a)b)",
         r"(?<=a)b",
         r"(?<!a)b",
         r"\bword",
