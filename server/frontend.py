@@ -84,7 +84,7 @@ class HttpServer(uvicorn.Server):
         """uvicorn's shutdown, open responses given `grace_s`; past it, or once forced, their connections are dropped,
         so each ends as if its client had left (uvicorn would cancel them, logging each as an error, and from Python
         3.12 its wait for the listener to close waits on them), and the app's own shutdown still runs (it stops the
-        engine, which stops rank 1 over the control link), which uvicorn skips when forced."""
+        engine, which stops rank 1 over the control link) where uvicorn skipped it, forced before it got there."""
         loop = asyncio.get_running_loop()
         grace = loop.call_later(self.grace_s, self._end_grace)
         dropping = loop.create_task(self._drop_connections_once_forced())
@@ -95,7 +95,13 @@ class HttpServer(uvicorn.Server):
             dropping.cancel()
         if self.force_exit:
             await self._let_responses_end()
-            await self.lifespan.shutdown()
+            if not self._app_shut_down():
+                await self.lifespan.shutdown()
+
+    def _app_shut_down(self) -> bool:
+        """Whether uvicorn ran the app's shutdown: it does unless the shutdown was forced before it got there."""
+        finished = getattr(self.lifespan, "shutdown_event", None)  # lifespan="off" has none, and nothing to run
+        return finished is not None and finished.is_set()
 
     def _end_grace(self) -> None:
         """The grace period is over: responses still open are ended as a second Ctrl-C ends them."""

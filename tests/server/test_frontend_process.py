@@ -232,6 +232,14 @@ def test_only_a_second_sigint_forces_the_http_shutdown() -> None:
             signal.signal(sig, handler)
 
 
+@pytest.fixture
+def uvicorn_logs(caplog, monkeypatch):
+    """caplog with uvicorn's records in it: a uvicorn.Config made with its default log_config (as an earlier test may
+    have made) stops them from reaching the root logger."""
+    monkeypatch.setattr(logging.getLogger("uvicorn"), "propagate", True)
+    return caplog
+
+
 async def wait_closed_as_python_3_12_has_it(self) -> None:
     """asyncio.Server.wait_closed from Python 3.12.1 on: it waits for every connection to close (3.11 returns once the
     listener is closed). The GPU machines run 3.12, this one 3.11."""
@@ -243,7 +251,9 @@ async def wait_closed_as_python_3_12_has_it(self) -> None:
 
 
 @pytest.mark.parametrize("ending", ["grace_period_over", "second_ctrl_c"])
-def test_responses_open_at_the_end_of_the_shutdowns_wait_end_as_their_clients_leaving(caplog, monkeypatch, ending):
+def test_responses_open_at_the_end_of_the_shutdowns_wait_end_as_their_clients_leaving(
+    uvicorn_logs, monkeypatch, ending
+):
     """A response still open when the grace period ends, or at the second Ctrl-C, is dropped at once, while uvicorn
     still waits on it: its app sees the client leave, and the server ends, logging no error (uvicorn's own timeout
     used to cancel it and log the cancellation; dropped after uvicorn's wait, it hung on Python 3.12)."""
@@ -282,7 +292,7 @@ def test_responses_open_at_the_end_of_the_shutdowns_wait_end_as_their_clients_le
             server.should_exit = True  # a client that failed still ends the server
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    caplog.set_level(logging.WARNING)
+    uvicorn_logs.set_level(logging.WARNING)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             reading = pool.submit(client)
@@ -293,8 +303,8 @@ def test_responses_open_at_the_end_of_the_shutdowns_wait_end_as_their_clients_le
             signal.signal(sig, handler)
         listener.close()
     assert read[0] == "tick" and isinstance(read[-1], httpx.TransportError)  # cut, not ended by the server
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []  # uvicorn's logs included
-    warned = any("grace period" in r.getMessage() for r in caplog.records)
+    assert [r.getMessage() for r in uvicorn_logs.records if r.levelno >= logging.ERROR] == []  # uvicorn's logs included
+    warned = any("grace period" in r.getMessage() for r in uvicorn_logs.records)
     assert warned == (ending == "grace_period_over")
 
 
@@ -312,3 +322,40 @@ def test_a_ctrl_c_after_the_shutdown_began_does_not_kill_the_engine_process(ckpt
                 os.kill(proc.pid, signal.SIGINT)
             time.sleep(0.02)
         assert proc.wait(timeout=5) == 0, proc.stderr.read()[-3000:]
+
+
+def test_a_second_ctrl_c_during_the_apps_own_shutdown_runs_that_shutdown_once(uvicorn_logs) -> None:
+    """uvicorn runs the app's shutdown when the shutdown was not forced; a second Ctrl-C while it runs must not start
+    it again (the lifespan's second shutdown would log and wait anew)."""
+    from starlette.applications import Starlette
+
+    shutdowns: list[float] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        shutdowns.append(time.monotonic())
+        server.force_exit = True  # a second Ctrl-C, pressed while the app shuts down
+        await asyncio.sleep(0.05)
+
+    listener = listen_socket("127.0.0.1", 0)
+    server = HttpServer(uvicorn.Config(Starlette(lifespan=lifespan), log_config=None))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    uvicorn_logs.set_level(logging.INFO)
+
+    async def serve_then_stop() -> None:
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        server.should_exit = True  # a first Ctrl-C
+        await serving
+
+    try:
+        asyncio.run(asyncio.wait_for(serve_then_stop(), 20))
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        listener.close()
+    assert len(shutdowns) == 1
+    waits = [r for r in uvicorn_logs.records if r.getMessage() == "Waiting for application shutdown."]
+    assert len(waits) == 1
