@@ -750,6 +750,9 @@ class SchemaCompiler(JsonBuilder):
         most = self._count(schema, "maxItems", pointer)
         if most is not None and least > most:
             raise GrammarError("'minItems' is above 'maxItems'", pointer_to(pointer, "minItems"))
+        unfillable = next((index for index, item in enumerate(prefix) if item is False), None)
+        if unfillable is not None:  # an item no value can be: the array ends before it
+            prefix, rest = prefix[:unfillable], False
         if rest is False:
             if least > len(prefix):
                 where = pointer_to(pointer, "minItems")
@@ -757,7 +760,8 @@ class SchemaCompiler(JsonBuilder):
             most = len(prefix) if most is None else min(most, len(prefix))
         if not prefix and (rest is True or rest == {}) and least == 0 and most is None:
             return self.any_array(start)
-        entries = [self.routine(item, pointer_to(prefix_pointer, index)) for index, item in enumerate(prefix)]
+        reached = prefix if most is None else prefix[:most]  # items past maxItems are never compiled
+        entries = [self.routine(item, pointer_to(prefix_pointer, index)) for index, item in enumerate(reached)]
         network = self.network
         inside = self.whitespace(network.literal(start, b"["))
         end = network.node()
@@ -765,7 +769,8 @@ class SchemaCompiler(JsonBuilder):
             network.move(inside, 1 << ord("]"), end)
         if most == 0:
             return end
-        rest_entry = None if rest is False else self.routine(rest, rest_pointer)
+        rest_reached = rest is not False and (most is None or most > len(prefix))
+        rest_entry = self.routine(rest, rest_pointer) if rest_reached else None
         after = network.call(inside, entries[0] if entries else rest_entry)
         count = 1
         while count < len(entries) and (most is None or count < most):
@@ -791,7 +796,7 @@ class SchemaCompiler(JsonBuilder):
             prefix, prefix_pointer = items, pointer_to(pointer, "items")
             rest, rest_pointer = schema.get("additionalItems", True), pointer_to(pointer, "additionalItems")
         else:
-            return [], "", items, pointer_to(pointer, "items")
+            return [], pointer_to(pointer, "prefixItems"), items, pointer_to(pointer, "items")
         if not isinstance(prefix, list):
             raise GrammarError("a prefix of items must be a list of schemas", prefix_pointer)
         return prefix, prefix_pointer, rest, rest_pointer
@@ -807,29 +812,26 @@ class SchemaCompiler(JsonBuilder):
         most = self._count(schema, "maxLength", pointer)
         enforced = self._format(schema)
         shapes = [key for key, given in (("pattern", "pattern" in schema), ("format", enforced is not None)) if given]
+        if most is not None and (least or 0) > most:
+            raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
         if not shapes:
-            if most is not None and (least or 0) > most:
-                raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
             return self.string(start, least or 0, most)
         if len(shapes) > 1:
             where = pointer_to(pointer, "format")
             raise GrammarError("'format' cannot be combined with 'pattern' in guided decoding", where)
-        if most is not None and (least or 0) > most:
-            raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
         where = pointer_to(pointer, shapes[0])
         pattern = schema["pattern"] if shapes[0] == "pattern" else enforced
         if not isinstance(pattern, str):
             raise GrammarError("'pattern' must be a string", where)
         parsed = RegexParser(pattern, where).parse()
         emitter, opened = RegexEmitter(self.network, in_json_string=True), self.network.literal(start, b'"')
-        if least is None and most is None:
-            return self.network.literal(emitter.emit_pattern(opened, parsed), b'"')
-        length = "maxLength" if most is not None else "minLength"
         try:
-            content = emitter.emit_pattern(opened, parsed, least or 0, most)
-        except GrammarError:  # only a grammar grown too large
-            where = pointer_to(pointer, length)
-            raise GrammarError(f"the {shapes[0]} with '{length}' is too large for guided decoding", where) from None
+            content = emitter.emit_pattern(opened, parsed, least or 0, most, where)
+        except GrammarError as error:
+            if error.where == where or (least is None and most is None):
+                raise
+            length = pointer_to(pointer, "maxLength" if most is not None else "minLength")
+            raise GrammarError(f"the {shapes[0]} with its lengths is too large for guided decoding", length) from None
         return self.network.literal(content, b'"')
 
     @staticmethod
@@ -970,19 +972,26 @@ RegexNode = Chars | Text | Concat | Alternation | Repeat
 
 @dataclass(frozen=True, slots=True)
 class Exclusion:
-    """A negative lookahead at the pattern's start, (?!...): no match of `tree` may begin the string, or be the whole
-    string where `whole` (the lookahead ends in '$')."""
+    """An option of a negative lookahead, (?!...), at the start: no match of `tree` may begin the string, or where
+    `whole` (the option ended in '$', and `tree` ends in the newline '$' may stand before) be all of it."""
 
     tree: RegexNode
     whole: bool
 
 
 @dataclass(frozen=True, slots=True)
-class Pattern:
-    """A parsed pattern: the strings of `tree` that none of the exclusions refuses."""
+class Guarded:
+    """A top-level option of a pattern: the strings of `tree` that none of the exclusions before it refuses."""
 
     tree: RegexNode
     exclusions: tuple[Exclusion, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """A parsed pattern: the strings of any of its top-level options."""
+
+    options: tuple[Guarded, ...]
 
 
 EVERY_WIDE = ((FIRST_WIDE, LAST_CODE),)
@@ -1009,26 +1018,35 @@ class RegexParser:
         self.excluded_whole = False  # the lookahead's option being parsed ended in '$'
 
     def parse(self) -> Pattern:
-        """The whole pattern; a leading '^' and a trailing '$' are dropped, as the match is always whole, and negative
-        lookaheads right after the start (pydantic's Decimal pattern has one) are its exclusions."""
+        """The whole pattern, option by option; a leading '^' and a trailing '$' are dropped, as the match is always
+        whole, and negative lookaheads at an option's start (as in pydantic's Decimal pattern) guard that option."""
         if self.pattern.startswith("^"):
             self.position = 1
+        options = [self._guarded()]
+        while self._accept("|"):
+            options.append(self._guarded())
+        if self.position < len(self.pattern):
+            raise self._error("unbalanced ')'")
+        return Pattern(tuple(options))
+
+    def _guarded(self) -> Guarded:
+        """A top-level option and the negative lookaheads it opens with."""
         exclusions: list[Exclusion] = []
         while self._accept("(?!"):
             exclusions += self._exclusions()
-        tree = self._alternation()
-        if self.position < len(self.pattern):
-            raise self._error("unbalanced ')'")
-        return Pattern(tree, tuple(exclusions))
+        return Guarded(self._sequence(), tuple(exclusions))
 
     def _exclusions(self) -> list[Exclusion]:
         """A negative lookahead's options after its '(?!', to its ')', an exclusion each ((?!a|b) is (?!a)(?!b)); a
-        '^' may open the lookahead and a '$' end an option."""
+        '^' may open the lookahead and a '$' end an option, outside any group."""
         self._accept("^")
         exclusions, self.excluding = [], True
         while True:
             self.excluded_whole = False
-            exclusions.append(Exclusion(self._sequence(), self.excluded_whole))
+            tree = self._sequence()
+            if self.excluded_whole:  # Python's '$' also matches before a newline that ends the string
+                tree = Concat((tree, Repeat(Chars(1 << ord("\n")), 0, 1)))
+            exclusions.append(Exclusion(tree, self.excluded_whole))
             if not self._accept("|"):
                 break
         self.excluding = False
@@ -1212,7 +1230,8 @@ class CharacterAutomaton:
     """A regex tree as states joined by single characters (a Chars or Text each) and epsilons, from `first` to
     `last`; counted repeats are laid out copy by copy."""
 
-    def __init__(self, tree: RegexNode) -> None:
+    def __init__(self, tree: RegexNode, where: str) -> None:
+        self.where = where  # the pattern's place, which a pattern too large to lay out is refused naming
         self.size = 0
         self.moves: dict[int, list[tuple[Chars | Text, int]]] = {}
         self.epsilons: dict[int, list[int]] = {}
@@ -1239,7 +1258,7 @@ class CharacterAutomaton:
 
     def _state(self) -> int:
         if self.size >= MAX_NODES:
-            raise GrammarError("the pattern is too large for guided decoding", "pattern")
+            raise GrammarError("the pattern is too large for guided decoding", self.where)
         self.size += 1
         return self.size - 1
 
@@ -1275,69 +1294,110 @@ class CharacterAutomaton:
         return end
 
 
-class PatternProduct:
-    """A pattern's character automaton crossed with the count of characters taken (which stops at `most`, or stays
-    at `least` once there where None) and with each exclusion's automaton, followed as a set of its states."""
+Guards = tuple[frozenset[int], ...]  # each exclusion's automaton's states after what was taken
+ProductKey = tuple[int, int, Guards]  # (the pattern's state, the characters counted, the guards)
 
-    def __init__(self, emitter: RegexEmitter, pattern: Pattern, least: int, most: int | None) -> None:
+
+class PatternProduct:
+    """A pattern option's character automaton crossed with the count of characters taken (which stops at `most`, or
+    stays at `least` once there where None) and with each exclusion's automaton, followed as a set of its states."""
+
+    def __init__(self, emitter: RegexEmitter, option: Guarded, least: int, most: int | None, where: str) -> None:
         self.emitter, self.least, self.most = emitter, least, most
-        self.automaton = CharacterAutomaton(pattern.tree)
-        self.exclusions = pattern.exclusions
-        self.guards = [CharacterAutomaton(exclusion.tree) for exclusion in pattern.exclusions]
-        self.nodes: dict[tuple[int, int, tuple[frozenset[int], ...]], int] = {}
-        self.pending: list[tuple[int, int, tuple[frozenset[int], ...]]] = []
+        self.automaton = CharacterAutomaton(option.tree, where)
+        self.guards = [(CharacterAutomaton(e.tree, where), e.whole) for e in option.exclusions]
+        self.nodes: dict[ProductKey, int] = {}
+        self.pending: list[ProductKey] = []
 
     def emit(self, start: int) -> int:
         """The product's strings from `start`; answers the node they end at."""
         network = self.emitter.network
-        initial = tuple(guard.closure({guard.first}) for guard in self.guards)
-        first, end = self._node((self.automaton.first, 0, initial)), network.node()
+        end = network.node()
+        first = self._node((self.automaton.first, 0, tuple(guard.closure({guard.first}) for guard, _ in self.guards)))
+        if first is None:
+            return end  # an exclusion matches the empty string: nothing is taken
         network.epsilon(start, first)
         while self.pending:
             key = self.pending.pop()
             state, count, guarded = key
             here = self.nodes[key]
-            if self._refused(guarded, ended=False):
-                continue  # a match of an exclusion begins the string: nothing from here is taken
-            if state == self.automaton.last and count >= self.least and not self._refused(guarded, ended=True):
+            if state == self.automaton.last and count >= self.least and not self._matched(guarded, ended=True):
                 network.epsilon(here, end)
             for target in self.automaton.epsilons.get(state, ()):
-                network.epsilon(here, self._node((target, count, guarded)))
+                if (node := self._node((target, count, guarded))) is not None:
+                    network.epsilon(here, node)
             if count == self.most:
                 continue
             after = min(count + 1, self.least if self.most is None else self.most)
             for atom, target in self.automaton.moves.get(state, ()):
                 for part, guarded_after in self._split(as_chars(atom), guarded):
-                    network.epsilon(self.emitter.emit(here, part), self._node((target, after, guarded_after)))
+                    if (node := self._node((target, after, guarded_after))) is not None:
+                        network.epsilon(self.emitter.emit(here, part), node)
         return end
 
-    def _node(self, key: tuple[int, int, tuple[frozenset[int], ...]]) -> int:
-        """The network node of a product state, made and queued the first time."""
+    def _node(self, key: ProductKey) -> int | None:
+        """The network node of a product state, made and queued the first time; None where an exclusion's match
+        begins what was taken (nothing from there is taken)."""
         if key not in self.nodes:
+            if self._matched(key[2], ended=False):
+                return None
             self.nodes[key] = self.emitter.network.node()
             self.pending.append(key)
         return self.nodes[key]
 
-    def _refused(self, guarded: tuple[frozenset[int], ...], ended: bool) -> bool:
+    def _matched(self, guarded: Guards, ended: bool) -> bool:
         """Whether an exclusion matches what was taken: as a beginning, or (ended) as the whole string."""
         return any(
-            guard.last in states and (ended or not exclusion.whole)
-            for guard, exclusion, states in zip(self.guards, self.exclusions, guarded, strict=True)
+            guard.last in states and (ended or not whole)
+            for (guard, whole), states in zip(self.guards, guarded, strict=True)
         )
 
-    def _split(
-        self, chars: Chars, guarded: tuple[frozenset[int], ...]
-    ) -> list[tuple[Chars, tuple[frozenset[int], ...]]]:
+    def _split(self, chars: Chars, guarded: Guards) -> list[tuple[Chars, Guards]]:
         """The characters cut into parts each exclusion's automaton takes alike, each with its states after it."""
         parts = [chars]
-        for guard, states in zip(self.guards, guarded, strict=True):
+        for (guard, _), states in zip(self.guards, guarded, strict=True):
             for atom, _ in guard.moves_from(states):
                 cut = as_chars(atom)
                 parts = [piece for part in parts for piece in (part & cut, part & cut.negated()) if piece]
         return [
-            (part, tuple(guard.after(states, part) for guard, states in zip(self.guards, guarded, strict=True)))
+            (part, tuple(guard.after(states, part) for (guard, _), states in zip(self.guards, guarded, strict=True)))
             for part in parts
         ]
+
+
+def length_range(tree: RegexNode) -> tuple[int, int | None]:
+    """The fewest and most characters of the tree's strings (None: no most)."""
+    if isinstance(tree, Chars | Text):
+        return 1, 1
+    if isinstance(tree, Concat):
+        ranges = [length_range(part) for part in tree.parts]
+        highs = [high for _, high in ranges]
+        return sum(low for low, _ in ranges), None if None in highs else sum(h for h in highs if h is not None)
+    if isinstance(tree, Alternation):
+        ranges = [length_range(option) for option in tree.options]
+        highs = [high for _, high in ranges]
+        return min(low for low, _ in ranges), None if None in highs else max(h for h in highs if h is not None)
+    low, high = length_range(tree.part)
+    return low * tree.least, None if tree.most is None or (high is None and tree.most) else (high or 0) * tree.most
+
+
+def within_lengths(tree: RegexNode, least: int, most: int | None) -> RegexNode | None:
+    """The tree with its strings of `least` to `most` characters only, where its one repeat of a single character
+    beside fixed-length parts can take the bounds (the usual '[a-z]+' and '[A-Z][a-z]*'); else None."""
+    if least == 0 and most is None:
+        return tree
+    parts = tree.parts if isinstance(tree, Concat) else (tree,)
+    ranges = [length_range(part) for part in parts]
+    free = [i for i, (low, high) in enumerate(ranges) if low != high]
+    if len(free) != 1 or not isinstance(repeat := parts[free[0]], Repeat) or not isinstance(repeat.part, Chars | Text):
+        return None
+    fixed = sum(low for i, (low, _) in enumerate(ranges) if i != free[0])
+    low = max(repeat.least, least - fixed)
+    high = repeat.most if most is None else most - fixed if repeat.most is None else min(repeat.most, most - fixed)
+    if high is not None and low > high:
+        return None
+    bounded = Repeat(repeat.part, low, high)
+    return Concat((*parts[: free[0]], bounded, *parts[free[0] + 1 :])) if isinstance(tree, Concat) else bounded
 
 
 def as_chars(atom: Chars | Text) -> Chars:
@@ -1368,11 +1428,25 @@ class RegexEmitter:
             return network.either(start, [partial(self.emit, tree=option) for option in tree.options])
         return network.repeat(start, partial(self.emit, tree=tree.part), tree.least, tree.most)
 
-    def emit_pattern(self, start: int, pattern: Pattern, least: int = 0, most: int | None = None) -> int:
-        """The pattern's strings of `least` to `most` characters (or more where None) that no exclusion refuses."""
-        if not pattern.exclusions and least == 0 and most is None:
-            return self.emit(start, pattern.tree)
-        return PatternProduct(self, pattern, least, most).emit(start)
+    def emit_pattern(
+        self, start: int, pattern: Pattern, least: int = 0, most: int | None = None, where: str = "pattern"
+    ) -> int:
+        """The pattern's strings of `least` to `most` characters (or more where None) that no exclusion refuses;
+        `where` is the pattern's place, named by the error of one too large to lay out."""
+        options = [partial(self._option, option=o, least=least, most=most, where=where) for o in pattern.options]
+        return self.network.either(start, options)
+
+    def _option(self, start: int, option: Guarded, least: int, most: int | None, where: str) -> int:
+        """A top-level option's strings within the lengths: as they are where its own lengths are within them, its
+        one repeat of a character bounded where that can be done, else through the product."""
+        shortest, longest = length_range(option.tree)
+        least = 0 if least <= shortest else least
+        most = None if most is not None and longest is not None and longest <= most else most
+        if not option.exclusions:
+            bounded = within_lengths(option.tree, least, most)
+            if bounded is not None:
+                return self.emit(start, bounded)
+        return PatternProduct(self, option, least, most, where).emit(start)
 
     def _chars(self, start: int, chars: Chars) -> int:
         """One character of the set: where it holds every non-ASCII character ('.', a negated class) those are

@@ -600,6 +600,8 @@ def test_an_unsupported_keyword_deep_in_a_schema_is_refused_with_its_pointer(sch
         ({"type": "string", "pattern": "(a"}, "/pattern"),
         ({"type": "string", "pattern": "a", "minLength": 3, "maxLength": 2}, "/minLength"),
         ({"type": "string", "pattern": "(a|b)*c{0,500}", "maxLength": 1000}, "/maxLength"),
+        ({"type": "string", "pattern": "(?!a)(?:a{1000}){1000}"}, "/pattern"),
+        ({"type": "string", "pattern": "(?:a{1000}){1000}", "maxLength": 1000}, "/pattern"),
         ({"type": "string", "minLength": 3, "maxLength": 2}, "/minLength"),
         ({"type": "array", "maxItems": 1001}, "/maxItems"),
         ({"type": "array", "minItems": -1}, "/minItems"),
@@ -641,6 +643,10 @@ REGEX_CASES = [
     (r"(?!a)(?!bb)[abc]*", "abc", []),
     (r"(?!é|🙂$)[^x]+", "é🙂ax", []),
     (r"(?!(a|b)$)(?:[ab]|é)+", "abé", []),
+    (r"(?!a)b|a", "ab", []),  # a lookahead guards its own option only
+    (r"(?!a)a|ab", "ab", []),
+    (r"b|(?!a)[ab]+", "ab", []),
+    (r"(?!a$)[a\n]*", "a\n", []),  # '$' in a lookahead also matches before a newline that ends the string
 ]
 
 
@@ -748,6 +754,9 @@ TUPLE_SCHEMAS: list[tuple[dict[str, Any], list[str | None], str | bool | None, i
     ({"prefixItems": [{"type": "string"}, {"type": "string"}, {"type": "integer"}], "maxItems": 1}, ["string"], False,
      0, 1),
     ({"prefixItems": [], "items": {"type": "integer"}, "minItems": 1}, [], "integer", 1, None),
+    ({"prefixItems": [{"type": "integer"}, False]}, ["integer"], False, 0, None),  # no value can be the second
+    ({"prefixItems": [{"type": "integer"}, {"uniqueItems": True}], "maxItems": 1}, ["integer"], False, 0, 1),
+    ({"prefixItems": [{"type": "null"}], "items": {"uniqueItems": True}, "maxItems": 1}, ["null"], False, 0, 1),
     ({"items": [{"type": "boolean"}, {"type": "integer"}], "additionalItems": False}, ["boolean", "integer"], False, 0,
      None),
     ({"items": [{"type": "boolean"}], "additionalItems": {"type": "null"}}, ["boolean"], "null", 0, None),

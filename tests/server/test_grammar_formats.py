@@ -74,6 +74,7 @@ def test_an_enforced_format_with_lengths_takes_its_matches_of_those_lengths_only
     bounded = {"type": "string", "format": "email", "maxLength": 7}
     assert matches(bounded, '"a@b.io"') and not matches(bounded, '"ab@cd.io"')
     assert not matches(bounded, '"abcdefg"')
+    assert matches({"type": "string", "format": "email", "maxLength": 254}, '"a@b.io"')  # RFC 5321's longest
     with pytest.raises(GrammarError, match="admits no complete output"):  # every date has 10 characters
         json_grammar({"type": "string", "format": "date", "minLength": 11})
 

@@ -23,6 +23,11 @@ RUNS = {  # a grammar with long counted repeats, a small alphabet that exercises
         b'a"}\\',
         [b'{"s": "' + b"a" * n for n in range(0, 41, 3)],
     ),
+    "pattern and maxLength": (
+        json_grammar({"type": "string", "pattern": "^[A-Z][a-z]*$", "minLength": 3, "maxLength": 40}),
+        b'Aa"',
+        [b'"A' + b"a" * n for n in range(0, 40, 3)],
+    ),
     "maxItems": (
         json_grammar({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 30}),
         b"1,]",
