@@ -27,7 +27,8 @@ Emit = Callable[[int], int]
 MAX_DEPTH = 64  # calls in progress at once: nested JSON containers, items of counted arrays, $ref recursion
 MAX_STACKS = 10_000  # stacks one state may hold; only wildly ambiguous grammars come near it
 MAX_NODES = 200_000
-MAX_REPEAT = 1000  # the largest repeat count, string length or item count
+MAX_REPEAT = 1000  # the largest repeat count or item count
+MAX_STRING_LENGTH = 4096  # the largest minLength or maxLength (pydantic's HttpUrl has 2083)
 MAX_WHITESPACE = 20  # bytes in one run of JSON whitespace, so that a model cannot loop on it
 STEP_CACHE_STATES = 65_536
 
@@ -808,8 +809,8 @@ class SchemaCompiler(JsonBuilder):
     def _string(self, start: int, schema: dict[str, Any], pointer: str) -> int:
         """A string of `minLength` to `maxLength` characters, or one whose content fully matches `pattern` or the
         pattern of a `format` in FORMAT_PATTERNS (another format is an annotation, as JSON Schema takes it)."""
-        least = self._count(schema, "minLength", pointer)
-        most = self._count(schema, "maxLength", pointer)
+        least = self._count(schema, "minLength", pointer, MAX_STRING_LENGTH)
+        most = self._count(schema, "maxLength", pointer, MAX_STRING_LENGTH)
         enforced = self._format(schema)
         shapes = [key for key, given in (("pattern", "pattern" in schema), ("format", enforced is not None)) if given]
         if most is not None and (least or 0) > most:
@@ -883,13 +884,13 @@ class SchemaCompiler(JsonBuilder):
                 network.epsilon(nodes[state], end)
         return end
 
-    def _count(self, schema: dict[str, Any], key: str, pointer: str) -> int | None:
-        """A count keyword's value (None where absent), 0 to MAX_REPEAT."""
+    def _count(self, schema: dict[str, Any], key: str, pointer: str, limit: int = MAX_REPEAT) -> int | None:
+        """A count keyword's value (None where absent), 0 to `limit`."""
         count = schema.get(key)
         if count is None:
             return None
-        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_REPEAT:
-            raise GrammarError(f"'{key}' must be a whole number from 0 to {MAX_REPEAT}", pointer_to(pointer, key))
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= limit:
+            raise GrammarError(f"'{key}' must be a whole number from 0 to {limit}", pointer_to(pointer, key))
         return count
 
 

@@ -505,6 +505,19 @@ def test_a_pydantic_constr_with_lengths_and_a_pattern_is_guided():
     assert refused_at(grammar, b'{"code":"a"') == len(b'{"code":"a')
 
 
+def test_a_pydantic_http_url_is_guided_to_its_2083_characters():
+    """pydantic writes HttpUrl as a string of 1 to 2083 characters (its uri format is an annotation)."""
+    from pydantic import BaseModel, HttpUrl
+
+    class Link(BaseModel):
+        url: HttpUrl
+
+    grammar = json_grammar(Link.model_json_schema())
+    longest = b'{"url":"' + b"u" * 2083
+    assert matches(grammar, longest + b'"}') and refused_at(grammar, longest + b"u") == len(longest)
+    assert not matches(grammar, b'{"url":""}')
+
+
 def test_a_pydantic_decimal_is_guided_as_a_number_or_a_decimal_string():
     """pydantic writes a Decimal as a number or a string whose pattern opens with a negative lookahead."""
     from decimal import Decimal
@@ -604,6 +617,7 @@ def test_an_unsupported_keyword_deep_in_a_schema_is_refused_with_its_pointer(sch
         ({"type": "string", "pattern": "(?:a{1000}){1000}", "maxLength": 1000}, "/pattern"),
         ({"type": "string", "minLength": 3, "maxLength": 2}, "/minLength"),
         ({"type": "array", "maxItems": 1001}, "/maxItems"),
+        ({"type": "string", "maxLength": 4097}, "/maxLength"),
         ({"type": "array", "minItems": -1}, "/minItems"),
         ({"properties": {"tree": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "nothing"}}}, "/$defs/n/type"),
     ],
