@@ -29,6 +29,7 @@ MAX_STACKS = 10_000  # stacks one state may hold; only wildly ambiguous grammars
 MAX_NODES = 200_000
 MAX_REPEAT = 1000  # the largest repeat count or item count
 MAX_STRING_LENGTH = 4096  # the largest minLength or maxLength (pydantic's HttpUrl has 2083)
+SHARED_STRING_LENGTH = 256  # strings allowed more characters than this share one routine per pair of lengths
 MAX_WHITESPACE = 20  # bytes in one run of JSON whitespace, so that a model cannot loop on it
 STEP_CACHE_STATES = 65_536
 
@@ -546,6 +547,7 @@ class SchemaCompiler(JsonBuilder):
         super().__init__(network)
         self.root = root
         self._routines: dict[str, int] = {}  # a schema's pointer -> the entry of its routine
+        self._strings: dict[tuple[int, int], int] = {}  # (least, most) -> the entry of a long string's routine
 
     def root_value(self, start: int) -> int:
         """A value of the root schema (through its routine, which '#' may call again)."""
@@ -816,7 +818,7 @@ class SchemaCompiler(JsonBuilder):
         if most is not None and (least or 0) > most:
             raise GrammarError("'minLength' is above 'maxLength'", pointer_to(pointer, "minLength"))
         if not shapes:
-            return self.string(start, least or 0, most)
+            return self._plain_string(start, least or 0, most)
         if len(shapes) > 1:
             where = pointer_to(pointer, "format")
             raise GrammarError("'format' cannot be combined with 'pattern' in guided decoding", where)
@@ -834,6 +836,18 @@ class SchemaCompiler(JsonBuilder):
             length = pointer_to(pointer, "maxLength" if most is not None else "minLength")
             raise GrammarError(f"the {shapes[0]} with its lengths is too large for guided decoding", length) from None
         return self.network.literal(content, b'"')
+
+    def _plain_string(self, start: int, least: int, most: int | None) -> int:
+        """A string of `least` to `most` characters; a long one calls a routine every such string shares (each
+        character is about 20 nodes: five pydantic HttpUrl fields would not fit the network apart)."""
+        if most is None or most <= SHARED_STRING_LENGTH:
+            return self.string(start, least, most)
+        entry = self._strings.get((least, most))
+        if entry is None:
+            entry, exit_node = self.network.routine()
+            self._strings[least, most] = entry
+            self.network.epsilon(self.string(entry, least, most), exit_node)
+        return self.network.call(start, entry)
 
     @staticmethod
     def _format(schema: dict[str, Any]) -> str | None:

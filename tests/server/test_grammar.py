@@ -518,6 +518,25 @@ def test_a_pydantic_http_url_is_guided_to_its_2083_characters():
     assert not matches(grammar, b'{"url":""}')
 
 
+def test_long_strings_of_the_same_lengths_share_a_routine_so_many_fit():
+    """Six HttpUrl fields (about 42k network nodes each, were each laid out apart) fit, each still bounded."""
+    from pydantic import BaseModel, HttpUrl
+
+    class Links(BaseModel):
+        a: HttpUrl
+        b: HttpUrl
+        c: HttpUrl
+        d: HttpUrl
+        e: HttpUrl
+        f: HttpUrl
+
+    grammar = json_grammar(Links.model_json_schema())
+    links = {name: "u" * (2083 if name == "c" else 5) for name in "abcdef"}
+    assert matches(grammar, json.dumps(links, separators=(",", ":")))
+    opened = b'{"a":"uuuuu","b":"uuuuu","c":"'
+    assert refused_at(grammar, opened + b"u" * 2084) == len(opened) + 2083
+
+
 def test_a_pydantic_decimal_is_guided_as_a_number_or_a_decimal_string():
     """pydantic writes a Decimal as a number or a string whose pattern opens with a negative lookahead."""
     from decimal import Decimal

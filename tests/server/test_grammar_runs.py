@@ -23,6 +23,11 @@ RUNS = {  # a grammar with long counted repeats, a small alphabet that exercises
         b'a"}\\',
         [b'{"s": "' + b"a" * n for n in range(0, 41, 3)],
     ),
+    "long maxLength": (  # a long string is a call of a routine the schema's long strings share
+        json_grammar({"type": "object", "properties": {"s": {"type": "string", "maxLength": 300}}}),
+        b'a"}\\',
+        [b'{"s": "' + b"a" * n for n in range(0, 301, 23)],
+    ),
     "pattern and maxLength": (
         json_grammar({"type": "string", "pattern": "^[A-Z][a-z]*$", "minLength": 3, "maxLength": 40}),
         b'Aa"',
