@@ -29,6 +29,7 @@ MAX_STACKS = 10_000  # stacks one state may hold; only wildly ambiguous grammars
 MAX_NODES = 200_000
 MAX_REPEAT = 1000  # the largest repeat count or item count
 MAX_STRING_LENGTH = 4096  # the largest minLength or maxLength (pydantic's HttpUrl has 2083)
+MAX_UNIQUE_VALUES = 8  # the most values unique items may choose among (a node per subset of them)
 SHARED_STRING_LENGTH = 256  # strings allowed more characters than this share one routine per pair of lengths
 MAX_WHITESPACE = 20  # bytes in one run of JSON whitespace, so that a model cannot loop on it
 STEP_CACHE_STATES = 65_536
@@ -45,7 +46,7 @@ DEFINITIONS = ("$defs", "definitions")
 COMPOSITIONS = ("$ref", "anyOf", "oneOf", "allOf")
 TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties"),
-    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems"),
+    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"),
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
 }
@@ -536,12 +537,12 @@ class SchemaCompiler(JsonBuilder):
 
     Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
     or any schema where there are no properties), items, prefixItems (or items as a list, with additionalItems),
-    minItems, maxItems, minLength, maxLength, pattern (over the string's decoded characters, fully; lengths too), format
-    (those of grammar_formats.py, not beside a pattern; others are annotations), minimum, maximum, exclusiveMinimum and
-    exclusiveMaximum (numbers then written without an exponent), enum and const (beside type only, as json.dumps
-    writes them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME'
-    ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among them), which are ignored. A
-    composition beside another constraint is refused."""
+    minItems, maxItems, uniqueItems (items of a few listed values), minLength, maxLength, pattern (over the string's
+    decoded characters, fully; lengths too), format (those of grammar_formats.py, not beside a pattern; others are
+    annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written without an
+    exponent), enum and const (beside type only, as json.dumps writes them), anyOf, oneOf (as anyOf), allOf of one
+    schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among
+    them), which are ignored. A composition beside another constraint is refused."""
 
     def __init__(self, network: Network, root: Any) -> None:
         super().__init__(network)
@@ -753,6 +754,11 @@ class SchemaCompiler(JsonBuilder):
         most = self._count(schema, "maxItems", pointer)
         if most is not None and least > most:
             raise GrammarError("'minItems' is above 'maxItems'", pointer_to(pointer, "minItems"))
+        if self._unique(schema, pointer):
+            if prefix:
+                where = pointer_to(pointer, "uniqueItems")
+                raise GrammarError("'uniqueItems' beside a prefix of items is not supported in guided decoding", where)
+            return self._unique_array(start, rest, rest_pointer, least, most, pointer)
         unfillable = next((index for index, item in enumerate(prefix) if item is False), None)
         if unfillable is not None:  # an item no value can be: the array ends before it
             prefix, rest = prefix[:unfillable], False
@@ -786,6 +792,76 @@ class SchemaCompiler(JsonBuilder):
             after = network.repeat(after, following, max(least - count, 0), None if most is None else most - count)
         network.move(self.whitespace(after), 1 << ord("]"), end)
         return end
+
+    @staticmethod
+    def _unique(schema: dict[str, Any], pointer: str) -> bool:
+        """Whether the array's items must differ."""
+        unique = schema.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise GrammarError("'uniqueItems' must be true or false", pointer_to(pointer, "uniqueItems"))
+        return unique
+
+    def _unique_array(
+        self, start: int, items: Any, items_pointer: str, least: int, most: int | None, pointer: str
+    ) -> int:
+        """An array of distinct values of a few listed ones (pydantic's set of an Enum or Literal): a node for each
+        subset of them written so far."""
+        texts = self._listed_values(items, items_pointer, pointer_to(pointer, "uniqueItems"))
+        if least > len(texts):
+            where = pointer_to(pointer, "minItems")
+            raise GrammarError("'minItems' is above the number of distinct values the items may take", where)
+        network = self.network
+        inside = self.whitespace(network.literal(start, b"["))
+        end, after = network.node(), {0: inside}
+        for written in sorted(range(1 << len(texts)), key=int.bit_count):
+            if written not in after:
+                continue
+            count, here = written.bit_count(), after[written]
+            if count >= least:
+                network.move(inside if written == 0 else self.whitespace(here), 1 << ord("]"), end)
+            if most is not None and count >= most:
+                continue
+            next_item = here if written == 0 else self.separator(here)
+            for index, text in enumerate(texts):
+                if not written >> index & 1:
+                    target = after.setdefault(written | 1 << index, network.node())
+                    network.epsilon(network.literal(next_item, text), target)
+        return end
+
+    def _listed_values(self, items: Any, pointer: str, where: str) -> list[bytes]:
+        """The texts of the few values an item may be (an enum, a const, a boolean or null, through $refs), each
+        once; anything else is refused naming `where`."""
+        seen: set[str] = set()
+        while isinstance(items, dict) and set(items) - ANNOTATIONS == {"$ref"} and items["$ref"] not in seen:
+            seen.add(items["$ref"])
+            named = local_definition(items["$ref"])
+            definitions = self.root.get(named[0]) if named else None
+            if not isinstance(definitions, dict) or named[1] not in definitions:
+                break
+            items, pointer = definitions[named[1]], pointer_to("", *named)
+        if not isinstance(items, dict):
+            values = None
+        elif "enum" in items or "const" in items:
+            self._alone(items, "enum" if "enum" in items else "const", ("type", "enum", "const"), pointer)
+            values = items["enum"] if "enum" in items else [items["const"]]
+            types = self._types(items, pointer)
+            values = [v for v in values if not types or any(is_json_type(v, name) for name in types)]
+        else:
+            values = {"boolean": [True, False], "null": [None]}.get(items.get("type"))
+            values = values if set(items) - ANNOTATIONS == {"type"} else None
+        if not values or len(values) > MAX_UNIQUE_VALUES:
+            raise GrammarError(
+                f"'uniqueItems' is supported only for items of 1 to {MAX_UNIQUE_VALUES} listed values (an enum, a "
+                "const, a boolean or null)", where
+            )  # fmt: skip
+        texts: dict[str, bytes] = {}  # each value's identity (1.0 is 1 to JSON Schema) -> its text
+        for value in values:
+            same = int(value) if isinstance(value, float) and value.is_integer() else value
+            try:
+                texts.setdefault(json.dumps(same, sort_keys=True, allow_nan=False), json.dumps(value).encode())
+            except (TypeError, ValueError) as exc:
+                raise GrammarError(f"not a JSON value ({exc})", pointer) from exc
+        return list(texts.values())
 
     def _array_parts(self, schema: dict[str, Any], pointer: str) -> tuple[list[Any], str, Any, str]:
         """The prefix's schemas and pointer, and the schema of the items after them and its pointer."""

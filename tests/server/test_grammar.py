@@ -567,7 +567,6 @@ UNSUPPORTED = [
     "if",
     "then",
     "else",
-    "uniqueItems",
     "contains",
     "dependentRequired",
     "minProperties",
@@ -862,6 +861,46 @@ def test_a_tagged_union_of_pydantic_models_is_guided_by_its_options():
     assert refused_at(grammar, b'{"pet":{"kind":"cat","bark"') == len(b'{"pet":{"kind":"cat","')
 
 
+@pytest.mark.parametrize(("least", "most"), [(0, None), (1, 2), (2, 3), (0, 0)])
+def test_unique_items_of_listed_values_are_each_written_once_at_most(least, most):
+    """Every array of up to four items from a small pool, compact and spaced, is taken exactly when each item is a
+    listed value as json.dumps writes it, none twice (1.0 is 1), and the count is within bounds."""
+    schema = {"items": {"enum": ["a", 1, None, 1.0, {"k": [True]}]}, "uniqueItems": True, "minItems": least}
+    grammar = json_grammar(schema | ({} if most is None else {"maxItems": most}))
+    listed = {'"a"', "1", "null", '{"k": [true]}'}
+    for length in range(5):
+        for array in itertools.product(["a", 1, None, True, "b", {"k": [True]}], repeat=length):
+            texts = [json.dumps(item) for item in array]
+            wanted = (
+                set(texts) <= listed and len(set(texts)) == length and least <= length <= (9 if most is None else most)
+            )
+            assert matches(grammar, json.dumps(list(array))) == wanted, array
+            compact = json.dumps(list(array), separators=(",", ":"))
+            assert matches(grammar, compact) == (wanted and {"k": [True]} not in array), array  # written as listed
+    with pytest.raises(GrammarError) as refused:
+        json_grammar(schema | {"minItems": 5})
+    assert refused.value.where == "/minItems"
+
+
+def test_a_set_of_an_enum_and_a_frozenset_of_bools_from_pydantic_are_guided():
+    import enum
+
+    from pydantic import BaseModel
+
+    class Color(enum.Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    class Palette(BaseModel):
+        colors: set[Color]
+        flags: frozenset[bool]
+
+    grammar = json_grammar(Palette.model_json_schema())
+    assert matches(grammar, '{"colors":["blue","red"],"flags":[false]}')
+    assert refused_at(grammar, b'{"colors":["red","red"') == len(b'{"colors":["red","')
+    assert refused_at(grammar, b'{"colors":[],"flags":[true,true') == len(b'{"colors":[],"flags":[true,')
+
+
 @pytest.mark.parametrize(
     ("schema", "where"),
     [
@@ -871,6 +910,10 @@ def test_a_tagged_union_of_pydantic_models_is_guided_by_its_options():
         ({"items": [{}], "additionalItems": False, "minItems": 2}, "/minItems"),
         ({"prefixItems": [{"type": "string"}, {"multipleOf": 2}]}, "/prefixItems/1/multipleOf"),
         ({"items": [{"type": "string"}], "additionalItems": {"uniqueItems": True}}, "/additionalItems/uniqueItems"),
+        ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "/uniqueItems"),  # pydantic's set[str]
+        ({"items": {"enum": list(range(9))}, "uniqueItems": True}, "/uniqueItems"),
+        ({"items": {"type": "boolean"}, "uniqueItems": 1}, "/uniqueItems"),
+        ({"prefixItems": [{"const": 1}], "uniqueItems": True}, "/uniqueItems"),
     ],
 )
 def test_a_prefix_of_items_that_cannot_be_compiled_is_refused_naming_the_part_at_fault(schema, where):
