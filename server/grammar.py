@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 from server.grammar_formats import FORMAT_PATTERNS
-from server.grammar_numbers import Bound, NumberAutomaton, bound_digits, bounded_numbers
+from server.grammar_numbers import Bound, NumberAutomaton, bound_digits, bounded_numbers, multiples_of
 from server.grammar_runs import RUN_COPIES, Copy, Runs
 from server.grammar_utf8 import FIRST_WIDE, LAST_CODE, CodeRanges, complement, merged, utf8_sequences
 
@@ -29,6 +29,7 @@ MAX_STACKS = 10_000  # stacks one state may hold; only wildly ambiguous grammars
 MAX_NODES = 200_000
 MAX_REPEAT = 1000  # the largest repeat count or item count
 MAX_STRING_LENGTH = 4096  # the largest minLength or maxLength (pydantic's HttpUrl has 2083)
+MAX_MULTIPLE = 1000  # the largest multipleOf (a state for each remainder beside each of the number's)
 MAX_UNIQUE_VALUES = 8  # the most values unique items may choose among (a node per subset of them)
 SHARED_STRING_LENGTH = 256  # strings allowed more characters than this share one routine per pair of lengths
 MAX_WHITESPACE = 20  # bytes in one run of JSON whitespace, so that a model cannot loop on it
@@ -48,7 +49,7 @@ TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties"),
     "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"),
     "string": ("minLength", "maxLength", "pattern", "format"),
-    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
 }
 SUPPORTED = frozenset({"type", "enum", "const"}).union(ANNOTATIONS, DEFINITIONS, COMPOSITIONS, *TYPE_KEYWORDS.values())
 REFERENCE = re.compile(r"#/(\$defs|definitions)/([^/]+)")
@@ -540,9 +541,10 @@ class SchemaCompiler(JsonBuilder):
     minItems, maxItems, uniqueItems (items of a few listed values), minLength, maxLength, pattern (over the string's
     decoded characters, fully; lengths too), format (those of grammar_formats.py, not beside a pattern; others are
     annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written without an
-    exponent), enum and const (beside type only, as json.dumps writes them), anyOf, oneOf (as anyOf), allOf of one
-    schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among
-    them), which are ignored. A composition beside another constraint is refused."""
+    exponent), multipleOf (a whole number: integers then), enum and const (beside type only, as json.dumps writes
+    them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and
+    the annotations (OpenAPI's discriminator among them), which are ignored. A composition beside another constraint
+    is refused."""
 
     def __init__(self, network: Network, root: Any) -> None:
         super().__init__(network)
@@ -666,9 +668,12 @@ class SchemaCompiler(JsonBuilder):
             return self._string(start, schema, pointer)
         if name in ("number", "integer"):
             low, high = self._bound(schema, "minimum", pointer), self._bound(schema, "maximum", pointer)
-            if low is None and high is None:
+            step = self._multiple(schema, pointer)
+            if low is None and high is None and step is None:
                 return self.number(start, integer=name == "integer")
-            numbers = bounded_numbers(low, high, integer=name == "integer")
+            numbers = bounded_numbers(low, high, integer=name == "integer" or step is not None)
+            if numbers is not None and step is not None:
+                numbers = multiples_of(numbers, step)
             if numbers is None:
                 where = pointer_to(pointer, next(key for key in TYPE_KEYWORDS["number"] if key in schema))
                 raise GrammarError(f"no {name} lies within the schema's bounds", where)
@@ -973,6 +978,19 @@ class SchemaCompiler(JsonBuilder):
             if state in automaton.accepting:
                 network.epsilon(nodes[state], end)
         return end
+
+    @staticmethod
+    def _multiple(schema: dict[str, Any], pointer: str) -> int | None:
+        """multipleOf's whole number (None where absent): the numbers are then integers, written plain."""
+        step = schema.get("multipleOf")
+        if step is None:
+            return None
+        where = pointer_to(pointer, "multipleOf")
+        if isinstance(step, bool) or not isinstance(step, int | float) or not step > 0:
+            raise GrammarError("'multipleOf' must be a number above 0", where)
+        if step != int(step) or step > MAX_MULTIPLE:
+            raise GrammarError(f"'multipleOf' other than a whole number up to {MAX_MULTIPLE} is not supported", where)
+        return int(step)
 
     def _count(self, schema: dict[str, Any], key: str, pointer: str, limit: int = MAX_REPEAT) -> int | None:
         """A count keyword's value (None where absent), 0 to `limit`."""

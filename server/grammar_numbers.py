@@ -183,3 +183,17 @@ def automaton_of(
         tuple({byte: numbers[after] for byte, after in edges[state].items() if after in live} for state in ordered),
         frozenset(numbers[state] for state in ordered if accepts(state)),
     )
+
+
+def multiples_of(numbers: NumberAutomaton, step: int) -> NumberAutomaton | None:
+    """The integers of an integer automaton that are multiples of `step`, each state beside the remainder of the
+    digits read so far (a minus leaves it as it is); None where none is."""
+
+    def moves(state: tuple) -> dict[int, tuple]:
+        inner, remainder = state
+        return {
+            byte: (after, (remainder * 10 + byte - DIGITS[0]) % step if byte in DIGITS else remainder)
+            for byte, after in numbers.moves[inner].items()
+        }
+
+    return automaton_of((0, 0), moves, lambda state: state[0] in numbers.accepting and state[1] == 0)

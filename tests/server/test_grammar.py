@@ -537,6 +537,43 @@ def test_long_strings_of_the_same_lengths_share_a_routine_so_many_fit():
     assert refused_at(grammar, opened + b"u" * 2084) == len(opened) + 2083
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "multipleOf": 5},
+        {"type": "number", "multipleOf": 3, "minimum": -7, "maximum": 20},
+        {"type": "integer", "multipleOf": 7.0, "exclusiveMinimum": 0, "exclusiveMaximum": 70},
+        {"multipleOf": 1, "maximum": -250},
+        {"type": "integer", "multipleOf": 12, "minimum": 13, "maximum": 300},
+    ],
+)
+def test_multiple_of_a_whole_number_takes_its_multiples_within_the_bounds_written_as_integers(schema):
+    """Every integer from -400 to 400 is taken exactly when it is a multiple in the bounds; other forms of a multiple
+    (a fraction, an exponent, a leading zero) are not."""
+    grammar = json_grammar(schema)
+    step = int(schema["multipleOf"])
+    low = schema.get("minimum", schema.get("exclusiveMinimum", -(10**9)) + ("exclusiveMinimum" in schema))
+    high = schema.get("maximum", schema.get("exclusiveMaximum", 10**9) - ("exclusiveMaximum" in schema))
+    for number in range(-400, 401):
+        assert matches(grammar, str(number)) == (number % step == 0 and low <= number <= high), number
+    assert not any(matches(grammar, text) for text in ("12.0", "1.2e1", "012", "-0"))
+
+
+def test_multiple_of_that_cannot_be_honoured_is_refused_naming_it():
+    for step in (0.5, 0, -3, True, "5", 1001):
+        with pytest.raises(GrammarError) as refused:
+            json_grammar({"type": "integer", "multipleOf": step})
+        assert refused.value.where == "/multipleOf", step
+    from pydantic import BaseModel, conint
+
+    class Box(BaseModel):
+        count: conint(multiple_of=4, ge=0)  # type: ignore[valid-type]
+
+    grammar = json_grammar(Box.model_json_schema())
+    assert matches(grammar, '{"count":12}') and not matches(grammar, '{"count":10}')
+    assert not matches(grammar, '{"count":-4}')
+
+
 def test_a_pydantic_decimal_is_guided_as_a_number_or_a_decimal_string():
     """pydantic writes a Decimal as a number or a string whose pattern opens with a negative lookahead."""
     from decimal import Decimal
@@ -560,7 +597,6 @@ def test_a_string_pattern_takes_non_ascii_characters_as_they_are_only():
 
 
 UNSUPPORTED = [
-    "multipleOf",
     "patternProperties",
     "propertyNames",
     "not",
@@ -588,9 +624,9 @@ def test_an_unsupported_keyword_is_refused_with_its_pointer(keyword):
 @pytest.mark.parametrize(
     ("schema", "where"),
     [
-        ({"properties": {"a/b~c": {"multipleOf": 2}}}, "/properties/a~1b~0c/multipleOf"),
+        ({"properties": {"a/b~c": {"multipleOf": 0.5}}}, "/properties/a~1b~0c/multipleOf"),
         (
-            {"$defs": {"n": {"items": {"anyOf": [{}, {"multipleOf": 2}]}}}, "$ref": "#/$defs/n"},
+            {"$defs": {"n": {"items": {"anyOf": [{}, {"multipleOf": 0.5}]}}}, "$ref": "#/$defs/n"},
             "/$defs/n/items/anyOf/1/multipleOf",
         ),
         (
@@ -908,7 +944,7 @@ def test_a_set_of_an_enum_and_a_frozenset_of_bools_from_pydantic_are_guided():
         ({"prefixItems": [{"type": "string"}], "items": [{"type": "string"}]}, "/items"),
         ({"prefixItems": [{"type": "string"}], "items": False, "minItems": 2}, "/minItems"),
         ({"items": [{}], "additionalItems": False, "minItems": 2}, "/minItems"),
-        ({"prefixItems": [{"type": "string"}, {"multipleOf": 2}]}, "/prefixItems/1/multipleOf"),
+        ({"prefixItems": [{"type": "string"}, {"multipleOf": 0.5}]}, "/prefixItems/1/multipleOf"),
         ({"items": [{"type": "string"}], "additionalItems": {"uniqueItems": True}}, "/additionalItems/uniqueItems"),
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "/uniqueItems"),  # pydantic's set[str]
         ({"items": {"enum": list(range(9))}, "uniqueItems": True}, "/uniqueItems"),
