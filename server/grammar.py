@@ -612,9 +612,13 @@ class SchemaCompiler(JsonBuilder):
         return self.network.either(start, parts)
 
     def _referenced(self, reference: Any, where: str) -> int:
-        """The entry of the routine a $ref names: '#' (the root) or '#/$defs/NAME' ('#/definitions/NAME')."""
+        """The entry of the routine a $ref names."""
+        return self.routine(*self._definition(reference, where))
+
+    def _definition(self, reference: Any, where: str) -> tuple[Any, str]:
+        """The schema a $ref names and its pointer: '#' (the root) or '#/$defs/NAME' ('#/definitions/NAME')."""
         if reference == "#":
-            return self.routine(self.root, "")
+            return self.root, ""
         named = local_definition(reference)
         if named is None:
             raise GrammarError("only '#', '#/$defs/NAME' and '#/definitions/NAME' references are supported", where)
@@ -622,10 +626,16 @@ class SchemaCompiler(JsonBuilder):
         definitions = self.root.get(section)
         if not isinstance(definitions, dict) or name not in definitions:
             raise GrammarError(f"{reference!r} names no definition", where)
-        return self.routine(definitions[name], pointer_to("", section, name))
+        return definitions[name], pointer_to("", section, name)
 
     def _constants(self, start: int, schema: dict[str, Any], pointer: str) -> int:
         """One of the values of `enum` or `const` (those of the declared type), written as json.dumps writes it."""
+        return self.network.literals(
+            start, [json.dumps(value).encode() for value in self._constant_values(schema, pointer)]
+        )
+
+    def _constant_values(self, schema: dict[str, Any], pointer: str) -> list[Any]:
+        """The values of `enum` or `const` of the declared type, each a JSON value; none is an error."""
         where = pointer_to(pointer, "enum" if "enum" in schema else "const")
         values = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(values, list) or not values:
@@ -637,10 +647,10 @@ class SchemaCompiler(JsonBuilder):
         if not values:
             raise GrammarError("no value of 'enum' or 'const' fits the schema's other keywords", where)
         try:
-            texts = [json.dumps(value, allow_nan=False).encode() for value in values]
+            json.dumps(values, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise GrammarError(f"not a JSON value ({exc})", where) from exc
-        return self.network.literals(start, texts)
+        return values
 
     def _types(self, schema: dict[str, Any], pointer: str) -> list[str]:
         """The types a schema admits: its `type`, else those its type keywords imply (none: any value)."""
@@ -839,21 +849,13 @@ class SchemaCompiler(JsonBuilder):
         seen: set[str] = set()
         while isinstance(items, dict) and set(items) - ANNOTATIONS == {"$ref"} and items["$ref"] not in seen:
             seen.add(items["$ref"])
-            named = local_definition(items["$ref"])
-            definitions = self.root.get(named[0]) if named else None
-            if not isinstance(definitions, dict) or named[1] not in definitions:
-                break
-            items, pointer = definitions[named[1]], pointer_to("", *named)
-        if not isinstance(items, dict):
-            values = None
-        elif "enum" in items or "const" in items:
+            items, pointer = self._definition(items["$ref"], pointer_to(pointer, "$ref"))
+        values = None
+        if isinstance(items, dict) and ("enum" in items or "const" in items):
             self._alone(items, "enum" if "enum" in items else "const", ("type", "enum", "const"), pointer)
-            values = items["enum"] if "enum" in items else [items["const"]]
-            types = self._types(items, pointer)
-            values = [v for v in values if not types or any(is_json_type(v, name) for name in types)]
-        else:
-            values = {"boolean": [True, False], "null": [None]}.get(items.get("type"))
-            values = values if set(items) - ANNOTATIONS == {"type"} else None
+            values = self._constant_values(items, pointer)
+        elif isinstance(items, dict) and set(items) - ANNOTATIONS == {"type"} and isinstance(items["type"], str):
+            values = {"boolean": [True, False], "null": [None]}.get(items["type"])
         if not values or len(values) > MAX_UNIQUE_VALUES:
             raise GrammarError(
                 f"'uniqueItems' is supported only for items of 1 to {MAX_UNIQUE_VALUES} listed values (an enum, a "
@@ -862,10 +864,7 @@ class SchemaCompiler(JsonBuilder):
         texts: dict[str, bytes] = {}  # each value's identity (1.0 is 1 to JSON Schema) -> its text
         for value in values:
             same = int(value) if isinstance(value, float) and value.is_integer() else value
-            try:
-                texts.setdefault(json.dumps(same, sort_keys=True, allow_nan=False), json.dumps(value).encode())
-            except (TypeError, ValueError) as exc:
-                raise GrammarError(f"not a JSON value ({exc})", pointer) from exc
+            texts.setdefault(json.dumps(same, sort_keys=True), json.dumps(value).encode())
         return list(texts.values())
 
     def _array_parts(self, schema: dict[str, Any], pointer: str) -> tuple[list[Any], str, Any, str]:
@@ -919,8 +918,8 @@ class SchemaCompiler(JsonBuilder):
         return self.network.literal(content, b'"')
 
     def _plain_string(self, start: int, least: int, most: int | None) -> int:
-        """A string of `least` to `most` characters; a long one calls a routine every such string shares (each
-        character is about 20 nodes: five pydantic HttpUrl fields would not fit the network apart)."""
+        """A string of `least` to `most` characters; a long one calls a routine every such string shares (each of its
+        characters is a small network of its own: a few pydantic HttpUrl fields laid out apart fill the network)."""
         if most is None or most <= SHARED_STRING_LENGTH:
             return self.string(start, least, most)
         entry = self._strings.get((least, most))
