@@ -536,15 +536,15 @@ class JsonBuilder:
 class SchemaCompiler(JsonBuilder):
     """Adds the JSON text a schema admits to a network; a keyword it cannot honour is refused with its pointer.
 
-    Honoured: type (a name or a list), properties (in their order, no others), required, additionalProperties (false,
-    or any schema where there are no properties), items, prefixItems (or items as a list, with additionalItems),
-    minItems, maxItems, uniqueItems (items of a few listed values), minLength, maxLength, pattern (over the string's
-    decoded characters, fully; lengths too), format (those of grammar_formats.py, not beside a pattern; others are
-    annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written without an
-    exponent), multipleOf (a whole number: integers then), enum and const (beside type only, as json.dumps writes
-    them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and
-    the annotations (OpenAPI's discriminator among them), which are ignored. A composition beside another constraint
-    is refused."""
+    Honoured: type (a name or a list), properties (in their order), required, additionalProperties (a schema for the
+    keys `properties` does not list, written after those; absent beside properties: no other keys), items, prefixItems
+    (or items as a list, with additionalItems), minItems, maxItems, uniqueItems (items of a few listed values),
+    minLength, maxLength, pattern (over the string's decoded characters, fully; lengths too), format (those of
+    grammar_formats.py, not beside a pattern; others are annotations), minimum, maximum, exclusiveMinimum and
+    exclusiveMaximum (numbers then written without an exponent), multipleOf (a whole number: integers then), enum and
+    const (beside type only, as json.dumps writes them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and
+    '#/$defs/NAME' ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among them), which are ignored.
+    A composition beside another constraint is refused."""
 
     def __init__(self, network: Network, root: Any) -> None:
         super().__init__(network)
@@ -691,25 +691,27 @@ class SchemaCompiler(JsonBuilder):
         return self.network.literals(start, [b"true", b"false"] if name == "boolean" else [b"null"])
 
     def _object(self, start: int, schema: dict[str, Any], pointer: str) -> int:
-        """An object: its `properties` in order, those not `required` optional; with no `properties`, any object
-        whose values follow `additionalProperties`."""
+        """An object: its `properties` in order, those not `required` optional, then (where `additionalProperties` is
+        not false) the required names `properties` lacks and any other keys, their values following it; with no
+        `properties`, any object whose values follow `additionalProperties`."""
         required = self._required(schema, pointer)
         properties = schema.get("properties")
         if properties is None:
             return self._open_object(start, schema, required, pointer)
         if not isinstance(properties, dict):
             raise GrammarError("'properties' must be an object", pointer_to(pointer, "properties"))
-        if schema.get("additionalProperties", False) is not False:
-            raise GrammarError(
-                "'additionalProperties' other than false cannot be combined with 'properties' in guided decoding",
-                pointer_to(pointer, "additionalProperties"),
-            )
+        extra = schema.get("additionalProperties", False)
+        extra_pointer = pointer_to(pointer, "additionalProperties")
+        listed = [(name, subschema, pointer_to(pointer, "properties", name)) for name, subschema in properties.items()]
         for index, name in enumerate(required):
-            if name not in properties:
+            if name in properties or name in required[:index]:
+                continue
+            if extra is False:
                 raise GrammarError(
                     f"required property {name!r} is not in 'properties'", pointer_to(pointer, "required", index)
                 )
-        return self._record(start, properties, frozenset(required), pointer)
+            listed.append((name, extra, extra_pointer))  # a required key 'properties' leaves to additionalProperties
+        return self._record(start, listed, frozenset(required), None if extra is False else (extra, extra_pointer))
 
     def _required(self, schema: dict[str, Any], pointer: str) -> list[str]:
         """The names `required` lists."""
@@ -732,18 +734,25 @@ class SchemaCompiler(JsonBuilder):
         value = partial(self.value, schema=values, pointer=pointer_to(pointer, "additionalProperties"))
         return self.listing(opened, lambda node: self.member(self.string(node), value), b"}")
 
-    def _record(self, start: int, properties: dict[str, Any], required: frozenset[str], pointer: str) -> int:
-        """An object of the properties in their order, each required one present."""
+    def _record(
+        self,
+        start: int,
+        listed: list[tuple[str, Any, str]],
+        required: frozenset[str],
+        extra: tuple[Any, str] | None,
+    ) -> int:
+        """An object of the listed (name, schema, pointer) properties in their order, each required one present; with
+        `extra` (additionalProperties' schema and pointer), then members of any other keys whose values follow it."""
         network = self.network
         none_yet: int | None = self.whitespace(network.literal(start, b"{"))  # no member written, none required passed
         written: int | None = None  # just after the last member written
-        for name, subschema in properties.items():
+        for name, subschema, where in listed:
             key_start = network.node()
             if none_yet is not None:
                 network.epsilon(none_yet, key_start)
             if written is not None:
                 network.epsilon(self.separator(written), key_start)
-            value = partial(self.value, schema=subschema, pointer=pointer_to(pointer, "properties", name))
+            value = partial(self.value, schema=subschema, pointer=where)
             member_end = self.member(network.literal(key_start, json.dumps(name).encode()), value)
             if name in required:
                 none_yet, written = None, member_end
@@ -753,12 +762,35 @@ class SchemaCompiler(JsonBuilder):
                 if node is not None:
                     network.epsilon(node, merged)
             written = merged
+        if extra is not None:
+            none_yet, written = self._other_members(none_yet, written, [name for name, _, _ in listed], *extra)
         end = network.node()
         if none_yet is not None:
             network.move(none_yet, 1 << ord("}"), end)
         if written is not None:
             network.move(self.whitespace(written), 1 << ord("}"), end)
         return end
+
+    def _other_members(
+        self, none_yet: int | None, written: int | None, names: list[str], schema: Any, pointer: str
+    ) -> tuple[int | None, int]:
+        """Members after the listed ones, any number, each of a key none of `names` (written as json.dumps writes
+        it, so that no escape spells a listed name) and a value of `schema`; answers (none_yet, written) after them."""
+        network = self.network
+        key_start = network.node()
+        if none_yet is not None:
+            network.epsilon(none_yet, key_start)
+        if written is not None:
+            network.epsilon(self.separator(written), key_start)
+        keys = RegexEmitter(network, in_json_string=True)
+        key = keys.emit_pattern(network.literal(key_start, b'"'), other_keys(names))
+        member_end = self.member(network.literal(key, b'"'), partial(self.value, schema=schema, pointer=pointer))
+        network.epsilon(self.separator(member_end), key_start)
+        merged = network.node()
+        for node in (member_end, written):
+            if node is not None:
+                network.epsilon(node, merged)
+        return none_yet, merged
 
     def _array(self, start: int, schema: dict[str, Any], pointer: str) -> int:
         """An array of `minItems` to `maxItems` values: the first ones following `prefixItems` in turn, the rest
@@ -1104,6 +1136,7 @@ class Pattern:
 
 EVERY_WIDE = ((FIRST_WIDE, LAST_CODE),)
 ANY_BUT_NEWLINE = Chars(ASCII & ~(1 << ord("\n")), EVERY_WIDE)
+EVERY_CHAR = Chars(ASCII, EVERY_WIDE)
 CLASS_ESCAPES = {
     "d": Chars(DIGITS),
     "w": Chars(bits(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")),
@@ -1111,6 +1144,12 @@ CLASS_ESCAPES = {
 }
 CLASS_ESCAPES |= {name.upper(): chars.negated() for name, chars in CLASS_ESCAPES.items()}
 CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r"}
+
+
+def other_keys(names: Iterable[str]) -> Pattern:
+    """Strings of any characters other than the names (each excluded as the whole string)."""
+    excluded = (Exclusion(Concat(tuple(Chars.span(ord(c), ord(c)) for c in name)), whole=True) for name in names)
+    return Pattern((Guarded(Repeat(EVERY_CHAR, 0, None), tuple(excluded)),))
 
 
 class RegexParser:
