@@ -46,7 +46,15 @@ ANNOTATIONS = frozenset(
 DEFINITIONS = ("$defs", "definitions")
 COMPOSITIONS = ("$ref", "anyOf", "oneOf", "allOf")
 TYPE_KEYWORDS = {
-    "object": ("properties", "required", "additionalProperties"),
+    "object": (
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+    ),
     "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"),
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
@@ -537,14 +545,16 @@ class SchemaCompiler(JsonBuilder):
     """Adds the JSON text a schema admits to a network; a keyword it cannot honour is refused with its pointer.
 
     Honoured: type (a name or a list), properties (in their order), required, additionalProperties (a schema for the
-    keys `properties` does not list, written after those; absent beside properties: no other keys), items, prefixItems
-    (or items as a list, with additionalItems), minItems, maxItems, uniqueItems (items of a few listed values),
-    minLength, maxLength, pattern (over the string's decoded characters, fully; lengths too), format (those of
-    grammar_formats.py, not beside a pattern; others are annotations), minimum, maximum, exclusiveMinimum and
-    exclusiveMaximum (numbers then written without an exponent), multipleOf (a whole number: integers then), enum and
-    const (beside type only, as json.dumps writes them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and
-    '#/$defs/NAME' ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among them), which are ignored.
-    A composition beside another constraint is refused."""
+    keys `properties` does not list, written after those; absent beside properties: no other keys), and without
+    properties propertyNames (string keywords, or an enum), one pattern of patternProperties, minProperties and
+    maxProperties (a minimum above 1 for listed keys only, which come once each), items, prefixItems (or items as a
+    list, with additionalItems), minItems, maxItems, uniqueItems (items of a few listed values), minLength, maxLength,
+    pattern (over the string's decoded characters, fully; lengths too), format (those of grammar_formats.py, not beside
+    a pattern; others are annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written
+    without an exponent), multipleOf (a whole number: integers then), enum and const (beside type only, as json.dumps
+    writes them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'),
+    and the annotations (OpenAPI's discriminator among them), which are ignored. A composition beside another constraint
+    is refused."""
 
     def __init__(self, network: Network, root: Any) -> None:
         super().__init__(network)
@@ -700,6 +710,9 @@ class SchemaCompiler(JsonBuilder):
             return self._open_object(start, schema, required, pointer)
         if not isinstance(properties, dict):
             raise GrammarError("'properties' must be an object", pointer_to(pointer, "properties"))
+        for key in ("patternProperties", "propertyNames", "minProperties", "maxProperties"):
+            if key in schema:
+                raise GrammarError(f"'{key}' beside 'properties' is not supported", pointer_to(pointer, key))
         extra = schema.get("additionalProperties", False)
         extra_pointer = pointer_to(pointer, "additionalProperties")
         listed = [(name, subschema, pointer_to(pointer, "properties", name)) for name, subschema in properties.items()]
@@ -721,18 +734,136 @@ class SchemaCompiler(JsonBuilder):
         return required
 
     def _open_object(self, start: int, schema: dict[str, Any], required: list[str], pointer: str) -> int:
-        """An object of any keys: its values any (`additionalProperties` absent or true), none (false), or of a
-        schema."""
+        """An object of `minProperties` to `maxProperties` members, of keys `propertyNames` admits and values of
+        `additionalProperties` (absent or true: any), or of keys fully matching the one pattern of
+        `patternProperties` and values of its schema. Keys of a few listed values come once each; other keys may
+        repeat, so `minProperties` above 1 needs listed ones."""
         if required:
             raise GrammarError("'required' needs 'properties' in guided decoding", pointer_to(pointer, "required"))
-        values = schema.get("additionalProperties", True)
-        if values is True:
+        least = self._count(schema, "minProperties", pointer) or 0
+        most = self._count(schema, "maxProperties", pointer)
+        if most is not None and least > most:
+            raise GrammarError("'minProperties' is above 'maxProperties'", pointer_to(pointer, "minProperties"))
+        values, values_pointer, pattern = self._member_values(schema, pointer)
+        key = self._keys(schema, pattern, pointer)
+        if values is False or key is False:
+            most = 0
+        distinct = isinstance(key, list) and len(key) <= MAX_UNIQUE_VALUES
+        if distinct:
+            most = len(key) if most is None else min(most, len(key))
+        elif least > 1:
+            where = pointer_to(pointer, "minProperties")
+            raise GrammarError(
+                f"'minProperties' above 1 needs keys of 1 to {MAX_UNIQUE_VALUES} listed values (others may repeat)",
+                where,
+            )
+        if most is not None and least > most:
+            where = pointer_to(pointer, "minProperties")
+            raise GrammarError("'minProperties' is above the number of members the object may hold", where)
+        if key is None and values is True and least == 0 and most is None:
             return self.any_object(start)
-        opened = self.network.literal(start, b"{")
-        if values is False:
-            return self.network.literal(self.whitespace(opened), b"}")
-        value = partial(self.value, schema=values, pointer=pointer_to(pointer, "additionalProperties"))
-        return self.listing(opened, lambda node: self.member(self.string(node), value), b"}")
+        network = self.network
+        if most == 0:
+            return network.literal(self.whitespace(network.literal(start, b"{")), b"}")
+        value = partial(self.value, schema=values, pointer=values_pointer)
+        if distinct:
+            return self._keyed_object(start, key, value, least, most)
+        entry, exit_node = network.routine()
+        key_end = network.literals(entry, key) if isinstance(key, list) else (key or self.string)(entry)
+        network.epsilon(self.member(key_end, value), exit_node)
+        inside = self.whitespace(network.literal(start, b"{"))
+        end = network.node()
+        if least == 0:
+            network.move(inside, 1 << ord("}"), end)
+        following = partial(self._next_item, entry=entry)
+        after = network.repeat(network.call(inside, entry), following, 0, None if most is None else most - 1)
+        network.move(self.whitespace(after), 1 << ord("}"), end)
+        return end
+
+    def _member_values(self, schema: dict[str, Any], pointer: str) -> tuple[Any, str, tuple[str, str] | None]:
+        """An open object's values: their schema and its pointer, and (pattern, its pointer) where they are those of
+        the one pattern of `patternProperties`."""
+        patterned = schema.get("patternProperties")
+        if patterned is None:
+            return schema.get("additionalProperties", True), pointer_to(pointer, "additionalProperties"), None
+        where = pointer_to(pointer, "patternProperties")
+        if not isinstance(patterned, dict) or len(patterned) != 1:
+            raise GrammarError("'patternProperties' of other than one pattern is not supported", where)
+        if schema.get("additionalProperties", False) is not False:
+            where = pointer_to(pointer, "additionalProperties")
+            raise GrammarError("'additionalProperties' beside 'patternProperties' is not supported", where)
+        ((pattern, values),) = patterned.items()
+        return values, pointer_to(where, pattern), (pattern, pointer_to(where, pattern))
+
+    def _keys(
+        self, schema: dict[str, Any], pattern: tuple[str, str] | None, pointer: str
+    ) -> Emit | list[bytes] | bool | None:
+        """An open object's keys: the texts of listed ones (`propertyNames`' enum or const), an emitter of key strings
+        (its string keywords, and the pattern of `patternProperties`), False where no key fits, or None for any."""
+        names, where = schema.get("propertyNames", True), pointer_to(pointer, "propertyNames")
+        seen: set[str] = set()
+        while isinstance(names, dict) and set(names) - ANNOTATIONS == {"$ref"} and names["$ref"] not in seen:
+            seen.add(names["$ref"])
+            names, where = self._definition(names["$ref"], pointer_to(where, "$ref"))
+        if names is False:
+            return False
+        if names is True:
+            names = {}
+        if not isinstance(names, dict):
+            raise GrammarError("a schema must be a JSON object or a boolean", where)
+        if "enum" in names or "const" in names:
+            self._alone(names, "enum" if "enum" in names else "const", ("type", "enum", "const"), where)
+            if pattern is not None:
+                raise GrammarError("listed key names beside 'patternProperties' are not supported", where)
+            listed = [value for value in self._constant_values(names, where) if isinstance(value, str)]
+            if not listed:
+                raise GrammarError("no value of 'enum' or 'const' is a string", where)
+            return [json.dumps(value).encode() for value in listed]
+        for key in names:
+            if key not in ANNOTATIONS and key not in ("type", *TYPE_KEYWORDS["string"]):
+                raise GrammarError(f"'{key}' is not supported in 'propertyNames'", pointer_to(where, key))
+        if "string" not in self._types({"type": "string", **names}, where):
+            return False
+        if pattern is not None:
+            if "pattern" in names or "format" in names:
+                where = pointer_to(where, "pattern" if "pattern" in names else "format")
+                raise GrammarError("a key pattern beside 'patternProperties' is not supported", where)
+            names = {**names, "pattern": pattern[0]}
+        if set(names) - ANNOTATIONS <= {"type"}:
+            return None
+        return partial(self._key_string, schema=names, where=where, pattern_where=pattern and pattern[1])
+
+    def _key_string(self, start: int, schema: dict[str, Any], where: str, pattern_where: str | None) -> int:
+        """A key string of a string schema; a fault of a pattern taken from `patternProperties` is named there."""
+        try:
+            return self._string(start, schema, where)
+        except GrammarError as error:
+            if pattern_where is not None and error.where == pointer_to(where, "pattern"):
+                raise GrammarError(str(error), pattern_where) from None
+            raise
+
+    def _keyed_object(self, start: int, keys: list[bytes], value: Emit, least: int, most: int | None) -> int:
+        """An object of `least` to `most` members of distinct listed keys: a node for each subset of them written so
+        far."""
+        network = self.network
+        inside = self.whitespace(network.literal(start, b"{"))
+        entry, exit_node = network.routine()
+        network.epsilon(self.member(entry, value), exit_node)
+        end, after = network.node(), {0: inside}
+        for written in sorted(range(1 << len(keys)), key=int.bit_count):
+            if written not in after:
+                continue
+            count, here = written.bit_count(), after[written]
+            if count >= least:
+                network.move(inside if written == 0 else self.whitespace(here), 1 << ord("}"), end)
+            if most is not None and count >= most:
+                continue
+            next_member = here if written == 0 else self.separator(here)
+            for index, key in enumerate(keys):
+                if not written >> index & 1:
+                    target = after.setdefault(written | 1 << index, network.node())
+                    network.epsilon(network.call(network.literal(next_member, key), entry), target)
+        return end
 
     def _record(
         self,

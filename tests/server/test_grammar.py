@@ -597,16 +597,12 @@ def test_a_string_pattern_takes_non_ascii_characters_as_they_are_only():
 
 
 UNSUPPORTED = [
-    "patternProperties",
-    "propertyNames",
     "not",
     "if",
     "then",
     "else",
     "contains",
     "dependentRequired",
-    "minProperties",
-    "maxProperties",
     "unevaluatedProperties",
     "x-unknown",
 ]

@@ -109,3 +109,130 @@ def test_a_pydantic_model_that_allows_extra_fields_is_guided():
     assert matches(grammar, text)
     assert Order.model_validate_json(text).model_extra == {"note": "hot", "tags": ["a", {"b": None}]}
     assert not matches(grammar, '{"count": 2, "item": "tea"}')
+
+
+def member_text(members: list[tuple[str, Any]]) -> str:
+    """An object's text from its members in order (a key may come twice)."""
+    return "{" + ", ".join(f"{json.dumps(key)}: {json.dumps(value)}" for key, value in members) + "}"
+
+
+@pytest.mark.parametrize(("least", "most"), [(0, None), (1, 2), (2, 3), (3, None)])
+def test_keys_of_listed_names_come_once_each_within_the_member_counts(least, most):
+    """propertyNames of an enum (pydantic's dict keyed by an Enum or a Literal): keys among its values, each once, in
+    any order, minProperties to maxProperties of them; every object of up to three keys is taken exactly then."""
+    schema = {
+        "type": "object",
+        "propertyNames": {"enum": ["a", "b", "c", 1]},
+        "additionalProperties": {"type": "integer"},
+    }
+    schema |= {"minProperties": least} | ({} if most is None else {"maxProperties": most})
+    grammar = json_grammar(schema)
+    for members in documents(3):
+        keys = [key for key, _ in members]
+        expected = (
+            set(keys) <= {"a", "b", "c"}
+            and least <= len(keys) <= (3 if most is None else most)
+            and all(isinstance(value, int) for _, value in members)
+        )
+        assert matches(grammar, member_text(members)) == expected, member_text(members)
+    assert not matches(grammar, member_text([("a", 1), ("b", 2), ("a", 3)]))
+
+
+@pytest.mark.parametrize("most", [None, 1, 2])
+def test_free_keys_take_one_to_max_properties_members(most):
+    """Keys of any string, values of a schema, at least one member and at most maxProperties (pydantic's dict with
+    lengths); every object of up to three keys is taken exactly then."""
+    schema = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1}
+    grammar = json_grammar(schema if most is None else schema | {"maxProperties": most})
+    for members in documents(3):
+        expected = 1 <= len(members) <= (most or 3) and all(isinstance(value, int) for _, value in members)
+        assert matches(grammar, member_text(members)) == expected, member_text(members)
+    empty = json_grammar({"type": "object", "maxProperties": 0})
+    assert matches(empty, "{ }") and not matches(empty, '{"a": 1}')
+
+
+def test_keys_of_property_names_keywords_and_of_a_pattern_property():
+    """propertyNames' string keywords and patternProperties' one pattern (fully matched, as a string's pattern is)
+    decide the keys; the pattern's schema the values."""
+    lengths = json_grammar({"type": "object", "propertyNames": {"minLength": 2, "maxLength": 3}})
+    assert matches(lengths, '{"ab": 1, "\\u00e9\\u00e9\\u00e9": [], "abc": null}')
+    assert not matches(lengths, '{"a": 1}') and not matches(lengths, '{"abcd": 1}')
+    patterned = json_grammar(
+        {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}, "propertyNames": {"maxLength": 2}}
+    )
+    assert matches(patterned, '{"ab": 1, "z": 2}')
+    for text in ('{"Ab": 1}', '{"abc": 1}', '{"": 1}', '{"ab": "1"}', '{"a1": 1}'):
+        assert not matches(patterned, text), text
+    nothing = json_grammar({"type": "object", "propertyNames": {"type": "integer"}})
+    assert matches(nothing, "{}") and not matches(nothing, '{"1": 1}')
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "object", "patternProperties": {"(a": {}}}, "/patternProperties/(a"),
+        ({"type": "object", "patternProperties": {"a": {}, "b": {}}}, "/patternProperties"),
+        ({"type": "object", "patternProperties": {"a": {"type": "no"}}}, "/patternProperties/a/type"),
+        ({"type": "object", "patternProperties": {"a": {}}, "additionalProperties": True}, "/additionalProperties"),
+        (
+            {"type": "object", "patternProperties": {"a": {}}, "propertyNames": {"pattern": "b"}},
+            "/propertyNames/pattern",
+        ),
+        ({"type": "object", "patternProperties": {"a": {}}, "propertyNames": {"enum": ["a"]}}, "/propertyNames"),
+        ({"type": "object", "propertyNames": {"minimum": 1}}, "/propertyNames/minimum"),
+        ({"type": "object", "propertyNames": {"enum": [1]}}, "/propertyNames"),
+        (
+            {"type": "object", "propertyNames": {"$ref": "#/$defs/k"}, "$defs": {"k": {"pattern": "("}}},
+            "/$defs/k/pattern",
+        ),
+        ({"type": "object", "minProperties": 2}, "/minProperties"),
+        ({"type": "object", "minProperties": 3, "maxProperties": 2}, "/minProperties"),
+        ({"type": "object", "propertyNames": {"enum": ["a", "b"]}, "minProperties": 3}, "/minProperties"),
+        ({"type": "object", "additionalProperties": False, "minProperties": 1}, "/minProperties"),
+        ({"type": "object", "maxProperties": -1}, "/maxProperties"),
+        ({"properties": {"a": {}}, "maxProperties": 1}, "/maxProperties"),
+        ({"properties": {"a": {}}, "propertyNames": {"maxLength": 1}}, "/propertyNames"),
+    ],
+)
+def test_object_keywords_that_cannot_be_honoured_are_refused_naming_them(schema, where):
+    """Several patterns, key keywords beside a pattern property, counts keys could break by repeating, and counts or
+    key rules beside properties are refused, each naming its place."""
+    with pytest.raises(GrammarError) as caught:
+        json_grammar(schema)
+    assert caught.value.where == where
+
+
+def test_pydantic_dicts_with_constrained_keys_or_lengths_are_guided():
+    """pydantic's dict keyed by an Enum, a Literal or a constr, and a dict with lengths: what its dumps write is taken,
+    and what its validation refuses is refused."""
+    import enum
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field, StringConstraints, ValidationError
+
+    class Color(enum.Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    class Palette(BaseModel):
+        by_color: dict[Color, int]
+        by_side: dict[Literal["left", "right"], float]
+        by_code: dict[Annotated[str, StringConstraints(pattern=r"^[a-z]{2}$")], str]
+        some: Annotated[dict[str, bool], Field(min_length=1, max_length=2)]
+
+    grammar = json_grammar(Palette.model_json_schema())
+    good = Palette(
+        by_color={Color.BLUE: 1, Color.RED: 2}, by_side={"right": 0.5}, by_code={"ab": "x"}, some={"k": True}
+    )
+    assert matches(grammar, good.model_dump_json())
+    bad = [
+        '{"by_color": {"green": 1}, "by_side": {}, "by_code": {}, "some": {"k": true}}',
+        '{"by_color": {}, "by_side": {"up": 1}, "by_code": {}, "some": {"k": true}}',
+        '{"by_color": {}, "by_side": {}, "by_code": {"abc": "x"}, "some": {"k": true}}',
+        '{"by_color": {}, "by_side": {}, "by_code": {}, "some": {}}',
+        '{"by_color": {}, "by_side": {}, "by_code": {}, "some": {"a": true, "b": true, "c": false}}',
+    ]
+    for text in bad:
+        with pytest.raises(ValidationError):
+            Palette.model_validate_json(text)
+        assert not matches(grammar, text), text
