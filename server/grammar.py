@@ -14,7 +14,14 @@ from functools import partial
 from typing import Any
 
 from server.grammar_formats import FORMAT_PATTERNS
-from server.grammar_numbers import Bound, NumberAutomaton, bound_digits, bounded_numbers, multiples_of
+from server.grammar_numbers import (
+    MAX_BOUND_DIGITS,
+    Bound,
+    NumberAutomaton,
+    bound_digits,
+    bounded_numbers,
+    multiples_of,
+)
 from server.grammar_runs import RUN_COPIES, Copy, Runs
 from server.grammar_utf8 import FIRST_WIDE, LAST_CODE, CodeRanges, complement, merged, utf8_sequences
 
@@ -29,7 +36,7 @@ MAX_STACKS = 10_000  # stacks one state may hold; only wildly ambiguous grammars
 MAX_NODES = 200_000
 MAX_REPEAT = 1000  # the largest repeat count or item count
 MAX_STRING_LENGTH = 4096  # the largest minLength or maxLength (pydantic's HttpUrl has 2083)
-MAX_MULTIPLE = 1000  # the largest multipleOf (a state for each remainder beside each of the number's)
+MAX_MULTIPLE = 1000  # the largest multipleOf in its last digit's units (a state for each remainder beside each other)
 MAX_UNIQUE_VALUES = 8  # the most values unique items may choose among (a node per subset of them)
 SHARED_STRING_LENGTH = 256  # strings allowed more characters than this share one routine per pair of lengths
 MAX_WHITESPACE = 20  # bytes in one run of JSON whitespace, so that a model cannot loop on it
@@ -551,10 +558,10 @@ class SchemaCompiler(JsonBuilder):
     list, with additionalItems), minItems, maxItems, uniqueItems (items of a few listed values), minLength, maxLength,
     pattern (over the string's decoded characters, fully; lengths too), format (those of grammar_formats.py, not beside
     a pattern; others are annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written
-    without an exponent), multipleOf (a whole number: integers then), enum and const (beside type only, as json.dumps
-    writes them), anyOf, oneOf (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'),
-    and the annotations (OpenAPI's discriminator among them), which are ignored. A composition beside another constraint
-    is refused."""
+    without an exponent), multipleOf (of at most 1000 in its last digit's units: numbers then have no more fraction
+    digits than it, none for a whole one), enum and const (beside type only, as json.dumps writes them), anyOf, oneOf
+    (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the annotations
+    (OpenAPI's discriminator among them), which are ignored. A composition beside another constraint is refused."""
 
     def __init__(self, network: Network, root: Any) -> None:
         super().__init__(network)
@@ -691,9 +698,10 @@ class SchemaCompiler(JsonBuilder):
             step = self._multiple(schema, pointer)
             if low is None and high is None and step is None:
                 return self.number(start, integer=name == "integer")
-            numbers = bounded_numbers(low, high, integer=name == "integer" or step is not None)
+            whole = step is not None and step[1] == 0
+            numbers = bounded_numbers(low, high, integer=name == "integer" or whole)
             if numbers is not None and step is not None:
-                numbers = multiples_of(numbers, step)
+                numbers = multiples_of(numbers, *step)
             if numbers is None:
                 where = pointer_to(pointer, next(key for key in TYPE_KEYWORDS["number"] if key in schema))
                 raise GrammarError(f"no {name} lies within the schema's bounds", where)
@@ -1142,17 +1150,26 @@ class SchemaCompiler(JsonBuilder):
         return end
 
     @staticmethod
-    def _multiple(schema: dict[str, Any], pointer: str) -> int | None:
-        """multipleOf's whole number (None where absent): the numbers are then integers, written plain."""
+    def _multiple(schema: dict[str, Any], pointer: str) -> tuple[int, int] | None:
+        """multipleOf as (digits, places), its value digits·10^-places with at most MAX_MULTIPLE as digits (None where
+        absent): a whole number makes the numbers integers, a fraction allows them `places` fraction digits."""
         step = schema.get("multipleOf")
         if step is None:
             return None
         where = pointer_to(pointer, "multipleOf")
-        if isinstance(step, bool) or not isinstance(step, int | float) or not step > 0:
+        finite = isinstance(step, int) or (isinstance(step, float) and math.isfinite(step))
+        if isinstance(step, bool) or not finite or step <= 0:
             raise GrammarError("'multipleOf' must be a number above 0", where)
-        if step != int(step) or step > MAX_MULTIPLE:
-            raise GrammarError(f"'multipleOf' other than a whole number up to {MAX_MULTIPLE} is not supported", where)
-        return int(step)
+        _, digits, exponent = Decimal(str(step)).normalize().as_tuple()
+        if exponent >= 0:  # a whole number
+            digits, exponent = (*digits, *(0,) * exponent), 0
+        value = int("".join(map(str, digits)))
+        if value > MAX_MULTIPLE or -exponent > MAX_BOUND_DIGITS:
+            raise GrammarError(
+                f"'multipleOf' is supported only as a number of at most {MAX_MULTIPLE} in its last digit's units "
+                f"(such as 5, 0.25 or 0.001), with at most {MAX_BOUND_DIGITS} fraction digits", where,
+            )  # fmt: skip
+        return value, -exponent
 
     def _count(self, schema: dict[str, Any], key: str, pointer: str, limit: int = MAX_REPEAT) -> int | None:
         """A count keyword's value (None where absent), 0 to `limit`."""

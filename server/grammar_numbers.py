@@ -185,15 +185,27 @@ def automaton_of(
     )
 
 
-def multiples_of(numbers: NumberAutomaton, step: int) -> NumberAutomaton | None:
-    """The integers of an integer automaton that are multiples of `step`, each state beside the remainder of the
-    digits read so far (a minus leaves it as it is); None where none is."""
+def multiples_of(numbers: NumberAutomaton, step: int, places: int = 0) -> NumberAutomaton | None:
+    """The numbers of an automaton (no exponent) that are multiples of step·10^-places: at most `places` fraction
+    digits, and the digits read as one integer, scaled by the fraction digits not written, a multiple of `step`. Each
+    state sits beside the remainder so far (a minus leaves it as it is) and the fraction digits read (None before a
+    point); None where no number is such a multiple."""
 
     def moves(state: tuple) -> dict[int, tuple]:
-        inner, remainder = state
-        return {
-            byte: (after, (remainder * 10 + byte - DIGITS[0]) % step if byte in DIGITS else remainder)
-            for byte, after in numbers.moves[inner].items()
-        }
+        inner, remainder, fraction = state
+        following = {}
+        for byte, after in numbers.moves[inner].items():
+            if byte == POINT:
+                following[byte] = (after, remainder, 0)
+            elif byte not in DIGITS:
+                following[byte] = (after, remainder, fraction)
+            elif fraction is None or fraction < places:
+                counted = None if fraction is None else fraction + 1
+                following[byte] = (after, (remainder * 10 + byte - DIGITS[0]) % step, counted)
+        return following
 
-    return automaton_of((0, 0), moves, lambda state: state[0] in numbers.accepting and state[1] == 0)
+    def accepts(state: tuple) -> bool:
+        inner, remainder, fraction = state
+        return inner in numbers.accepting and remainder * 10 ** (places - (fraction or 0)) % step == 0
+
+    return automaton_of((0, 0, None), moves, accepts)

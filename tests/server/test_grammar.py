@@ -7,6 +7,7 @@ import itertools
 import json
 import random
 import re
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -560,7 +561,7 @@ def test_multiple_of_a_whole_number_takes_its_multiples_within_the_bounds_writte
 
 
 def test_multiple_of_that_cannot_be_honoured_is_refused_naming_it():
-    for step in (0.5, 0, -3, True, "5", 1001):
+    for step in (0.1234, 1e-41, 0, -3, True, "5", 1001, 5000, float("inf"), 10**400):
         with pytest.raises(GrammarError) as refused:
             json_grammar({"type": "integer", "multipleOf": step})
         assert refused.value.where == "/multipleOf", step
@@ -574,10 +575,59 @@ def test_multiple_of_that_cannot_be_honoured_is_refused_naming_it():
     assert not matches(grammar, '{"count":-4}')
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "number", "multipleOf": 0.25},
+        {"type": "number", "multipleOf": 0.01, "minimum": -1.5, "exclusiveMaximum": 2},
+        {"type": "number", "multipleOf": 1.5, "exclusiveMinimum": -3},
+        {"multipleOf": 0.3, "maximum": 2.7},
+        {"type": "integer", "multipleOf": 0.5, "minimum": -2},
+    ],
+)
+def test_multiple_of_a_fraction_takes_its_multiples_within_the_bounds_with_no_more_fraction_digits(schema):
+    """Every number from -3 to 3 written with 0 to 3 fraction digits is taken exactly when it is a decimal multiple
+    of multipleOf within the bounds and has at most the fraction digits multipleOf has; no exponent."""
+    grammar = json_grammar(schema)
+    step = Decimal(str(schema["multipleOf"]))
+    places = max(-step.as_tuple().exponent, 0)
+    low = Decimal(str(schema.get("minimum", schema.get("exclusiveMinimum", -100))))
+    high = Decimal(str(schema.get("maximum", schema.get("exclusiveMaximum", 100))))
+    for written in range(4):
+        for units in range(-3 * 10**written, 3 * 10**written + 1):
+            value = Decimal(units).scaleb(-written)
+            text = f"{value:.{written}f}"
+            expected = (
+                value % step == 0
+                and written <= places
+                and (low < value if "exclusiveMinimum" in schema else low <= value)
+                and (value < high if "exclusiveMaximum" in schema else value <= high)
+                and (written == 0 or schema.get("type") != "integer")
+                and text != "-0"
+            )
+            assert matches(grammar, text) == expected, text
+    assert not any(matches(grammar, text) for text in ("1.5e0", "15E-1", "01.5", ".5", "-0.0"))
+
+
+def test_a_pydantic_float_multiple_of_a_fraction_is_guided():
+    """pydantic's float with multiple_of: its dumps are taken, and what is taken validates."""
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Reading(BaseModel):
+        value: Annotated[float, Field(multiple_of=0.1, ge=0, le=1)]
+
+    grammar = json_grammar(Reading.model_json_schema())
+    for tenths in range(11):
+        text = Reading(value=tenths / 10).model_dump_json()
+        assert matches(grammar, text) and Reading.model_validate_json(text).value == tenths / 10, text
+    for bad in ('{"value":0.05}', '{"value":1.1}', '{"value":-0.1}', '{"value":1e-1}'):
+        assert not matches(grammar, bad), bad
+
+
 def test_a_pydantic_decimal_is_guided_as_a_number_or_a_decimal_string():
     """pydantic writes a Decimal as a number or a string whose pattern opens with a negative lookahead."""
-    from decimal import Decimal
-
     from pydantic import BaseModel
 
     class Price(BaseModel):
@@ -620,9 +670,9 @@ def test_an_unsupported_keyword_is_refused_with_its_pointer(keyword):
 @pytest.mark.parametrize(
     ("schema", "where"),
     [
-        ({"properties": {"a/b~c": {"multipleOf": 0.5}}}, "/properties/a~1b~0c/multipleOf"),
+        ({"properties": {"a/b~c": {"multipleOf": 0.1234}}}, "/properties/a~1b~0c/multipleOf"),
         (
-            {"$defs": {"n": {"items": {"anyOf": [{}, {"multipleOf": 0.5}]}}}, "$ref": "#/$defs/n"},
+            {"$defs": {"n": {"items": {"anyOf": [{}, {"multipleOf": 0.1234}]}}}, "$ref": "#/$defs/n"},
             "/$defs/n/items/anyOf/1/multipleOf",
         ),
         (
@@ -938,7 +988,7 @@ def test_a_set_of_an_enum_and_a_frozenset_of_bools_from_pydantic_are_guided():
         ({"prefixItems": [{"type": "string"}], "items": [{"type": "string"}]}, "/items"),
         ({"prefixItems": [{"type": "string"}], "items": False, "minItems": 2}, "/minItems"),
         ({"items": [{}], "additionalItems": False, "minItems": 2}, "/minItems"),
-        ({"prefixItems": [{"type": "string"}, {"multipleOf": 0.5}]}, "/prefixItems/1/multipleOf"),
+        ({"prefixItems": [{"type": "string"}, {"multipleOf": 0.1234}]}, "/prefixItems/1/multipleOf"),
         ({"items": [{"type": "string"}], "additionalItems": {"uniqueItems": True}}, "/additionalItems/uniqueItems"),
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "/uniqueItems"),  # pydantic's set[str]
         ({"items": {"enum": list(range(9))}, "uniqueItems": True}, "/uniqueItems"),
