@@ -89,7 +89,7 @@ def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinki
     [
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "not guided_regex and guided_choice"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one way to guide"),
-        ({"guided_json": {"type": "integer", "multipleOf": 0.5}}, "guided_json", "/multipleOf"),
+        ({"guided_json": {"type": "integer", "multipleOf": 0.1234}}, "guided_json", "/multipleOf"),
         ({"guided_json": "{not json"}, "guided_json", "must be JSON"),
         ({"guided_json": "[1]"}, "guided_json", "a schema must be a JSON object"),
         ({"guided_regex": "(a"}, "guided_regex", "pattern"),
@@ -109,7 +109,7 @@ def test_a_chat_that_opens_in_a_think_block_is_guided_after_it(tokenizer, thinki
         ({"guided_regex": "a", "bad_words": ["a"]}, "bad_words", "not with guided decoding"),
         ({"guided_regex": "(" * 400 + "a" + ")" * 400}, "guided_regex", "pattern: nested too deeply"),
         (
-            {"guided_json": {"properties": {"{param}": {"multipleOf": 0.5}}}},
+            {"guided_json": {"properties": {"{param}": {"multipleOf": 0.1234}}}},
             "guided_json",
             "/properties/{param}/multipleOf",
         ),
@@ -149,7 +149,7 @@ def test_the_responses_text_format_guides_as_the_chats_response_format(tokenizer
     assert reply.json()["output"][-1]["content"][0]["text"] == '{"age": 3}'
     assert client.post("/v1/responses", json={**body, "text": {"format": {"type": "json_object"}}}).status_code == 200
     assert engine.submitted[-1].guide == GuideSpec("json", "")
-    bad = {**form, "schema": {"type": "integer", "multipleOf": 0.5}}
+    bad = {**form, "schema": {"type": "integer", "multipleOf": 0.1234}}
     error = client.post("/v1/responses", json={**body, "text": {"format": bad}}).json()["error"]
     assert error["param"] == "text.format" and "/multipleOf" in error["message"], error
 

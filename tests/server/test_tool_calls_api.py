@@ -299,7 +299,7 @@ def test_a_named_forced_answer_cut_by_its_length_gives_the_arguments_written(tok
         ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice", "'get_weather'"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "one way to guide"),
         ({"tool_choice": NAMED, "tools": [{**WEATHER, "function": {**WEATHER["function"], "parameters": {
-            "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 0.5}}}}}]},
+            "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 0.1234}}}}}]},
          "tools.0.function.parameters", "/properties/n/multipleOf"),
     ],
 )  # fmt: skip
