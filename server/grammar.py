@@ -560,8 +560,10 @@ class SchemaCompiler(JsonBuilder):
     a pattern; others are annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written
     without an exponent), multipleOf (of at most 1000 in its last digit's units: numbers then have no more fraction
     digits than it, none for a whole one), enum and const (beside type only, as json.dumps writes them), anyOf, oneOf
-    (as anyOf), allOf of one schema, $ref to '#' and '#/$defs/NAME' ('#/definitions/NAME'), and the annotations
-    (OpenAPI's discriminator among them), which are ignored. A composition beside another constraint is refused."""
+    (as anyOf), allOf (schemas of annotations alone aside, one as it is, several only as objects of properties, required
+    and additionalProperties, each value constrained by one of them), $ref to '#' and '#/$defs/NAME'
+    ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among them), which are ignored. A composition
+    beside another constraint is refused."""
 
     def __init__(self, network: Network, root: Any) -> None:
         super().__init__(network)
@@ -616,17 +618,100 @@ class SchemaCompiler(JsonBuilder):
                 )
 
     def _composed(self, start: int, schema: dict[str, Any], keyword: str, pointer: str) -> int:
-        """A value of a $ref, anyOf, oneOf (taken as anyOf) or allOf of one schema."""
+        """A value of a $ref, anyOf, oneOf (taken as anyOf) or allOf (`_all_of`)."""
         where = pointer_to(pointer, keyword)
         if keyword == "$ref":
             return self.network.call(start, self._referenced(schema["$ref"], where))
         options = schema[keyword]
         if not isinstance(options, list) or not options:
             raise GrammarError(f"'{keyword}' must be a non-empty list of schemas", where)
-        if keyword == "allOf" and len(options) != 1:
-            raise GrammarError("'allOf' of more than one schema is not supported in guided decoding", where)
+        if keyword == "allOf":
+            return self._all_of(start, options, where)
         parts = [partial(self.value, schema=option, pointer=pointer_to(where, i)) for i, option in enumerate(options)]
         return self.network.either(start, parts)
+
+    def _all_of(self, start: int, options: list[Any], where: str) -> int:
+        """A value of every schema of allOf: those of annotations alone left out, one left as it is, several (through
+        their $refs) joined where they are objects of properties, required and additionalProperties (`_joined`)."""
+        parts = [self._resolved(option, pointer_to(where, i)) for i, option in enumerate(options)]
+        parts = [(part, at) for part, at in parts if not self._admits_all(part)]
+        if len(parts) <= 1:
+            return self.value(start, *parts[0]) if parts else self.any_value(start)
+        for part, at in parts:
+            if not isinstance(part, dict):
+                message = (
+                    "a false schema admits no value" if part is False else "a schema must be an object or a boolean"
+                )
+                raise GrammarError(message, at)
+            for key in part:
+                if key not in ("type", "properties", "required", "additionalProperties", *ANNOTATIONS, *DEFINITIONS):
+                    raise GrammarError(
+                        f"'{key}' in one of several schemas of 'allOf' is not supported (only objects of properties, "
+                        "required and additionalProperties are joined)", pointer_to(at, key),
+                    )  # fmt: skip
+            if "object" not in self._types({"type": "object"} | part, at):
+                raise GrammarError("several schemas of 'allOf' are joined only as objects", pointer_to(at, "type"))
+            if not isinstance(part.get("properties", {}), dict):
+                raise GrammarError("'properties' must be an object", pointer_to(at, "properties"))
+        return self._record(start, *self._joined(parts))
+
+    def _joined(
+        self, parts: list[tuple[dict[str, Any], str]]
+    ) -> tuple[list[tuple[str, Any, str]], frozenset[str], tuple[Any, str] | None]:
+        """Object schemas of allOf as one record: the names any lists (their order, then the required ones none lists),
+        each with the one schema that constrains it there (a part that does not list it constrains it by its
+        additionalProperties; one that forbids it leaves it out), the names any requires, and other keys where every
+        part's additionalProperties allows them and one at least names it."""
+        required: dict[str, str] = {}  # a required name -> the pointer of its first entry in a `required`
+        for part, at in parts:
+            for index, name in enumerate(self._required(part, at)):
+                required.setdefault(name, pointer_to(at, "required", index))
+        names = dict.fromkeys([name for part, _ in parts for name in part.get("properties", {})] + list(required))
+        listed = []
+        for name in names:
+            rules = []
+            for part, at in parts:
+                if name in part.get("properties", {}):
+                    rules.append((part["properties"][name], pointer_to(at, "properties", name)))
+                else:
+                    rules.append((part.get("additionalProperties", True), pointer_to(at, "additionalProperties")))
+            rule = self._one_rule(rules)
+            if rule is None and name in required:
+                where = required[name]
+                raise GrammarError(f"required property {name!r} is forbidden by another schema of 'allOf'", where)
+            if rule is not None:
+                listed.append((name, *rule))
+        others = [(part.get("additionalProperties"), pointer_to(at, "additionalProperties")) for part, at in parts]
+        extra = None
+        if all(value is not False for value, _ in others) and any(value is not None for value, _ in others):
+            extra = self._one_rule([(True if value is None else value, at) for value, at in others])
+        return listed, frozenset(required), extra
+
+    def _one_rule(self, rules: list[tuple[Any, str]]) -> tuple[Any, str] | None:
+        """The one schema (and its pointer) of several a value must meet, those of annotations alone aside (True where
+        none is left); None where one is false; several that differ are refused."""
+        if any(rule is False for rule, _ in rules):
+            return None
+        left = [(rule, at) for rule, at in rules if not self._admits_all(rule)]
+        for rule, at in left[1:]:
+            if not same_json(rule, left[0][0]):
+                raise GrammarError("a value constrained by more than one schema of 'allOf' is not supported", at)
+        return left[0] if left else (True, rules[0][1])
+
+    @staticmethod
+    def _admits_all(schema: Any) -> bool:
+        """Whether a schema is true or holds annotations and definitions alone (so admits any value)."""
+        return schema is True or (
+            isinstance(schema, dict) and all(k in ANNOTATIONS or k in DEFINITIONS for k in schema)
+        )
+
+    def _resolved(self, schema: Any, pointer: str) -> tuple[Any, str]:
+        """The schema a chain of bare $refs leads to, and its pointer."""
+        seen: set[str] = set()
+        while isinstance(schema, dict) and set(schema) - ANNOTATIONS == {"$ref"} and schema["$ref"] not in seen:
+            seen.add(schema["$ref"])
+            schema, pointer = self._definition(schema["$ref"], pointer_to(pointer, "$ref"))
+        return schema, pointer
 
     def _referenced(self, reference: Any, where: str) -> int:
         """The entry of the routine a $ref names."""
@@ -808,11 +893,7 @@ class SchemaCompiler(JsonBuilder):
     ) -> Emit | list[bytes] | bool | None:
         """An open object's keys: the texts of listed ones (`propertyNames`' enum or const), an emitter of key strings
         (its string keywords, and the pattern of `patternProperties`), False where no key fits, or None for any."""
-        names, where = schema.get("propertyNames", True), pointer_to(pointer, "propertyNames")
-        seen: set[str] = set()
-        while isinstance(names, dict) and set(names) - ANNOTATIONS == {"$ref"} and names["$ref"] not in seen:
-            seen.add(names["$ref"])
-            names, where = self._definition(names["$ref"], pointer_to(where, "$ref"))
+        names, where = self._resolved(schema.get("propertyNames", True), pointer_to(pointer, "propertyNames"))
         if names is False:
             return False
         if names is True:
@@ -1017,10 +1098,7 @@ class SchemaCompiler(JsonBuilder):
     def _listed_values(self, items: Any, pointer: str, where: str) -> list[bytes]:
         """The texts of the few values an item may be (an enum, a const, a boolean or null, through $refs), each
         once; anything else is refused naming `where`."""
-        seen: set[str] = set()
-        while isinstance(items, dict) and set(items) - ANNOTATIONS == {"$ref"} and items["$ref"] not in seen:
-            seen.add(items["$ref"])
-            items, pointer = self._definition(items["$ref"], pointer_to(pointer, "$ref"))
+        items, pointer = self._resolved(items, pointer)
         values = None
         if isinstance(items, dict) and ("enum" in items or "const" in items):
             self._alone(items, "enum" if "enum" in items else "const", ("type", "enum", "const"), pointer)

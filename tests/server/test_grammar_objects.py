@@ -236,3 +236,93 @@ def test_pydantic_dicts_with_constrained_keys_or_lengths_are_guided():
         with pytest.raises(ValidationError):
             Palette.model_validate_json(text)
         assert not matches(grammar, text), text
+
+
+@pytest.mark.parametrize("extra", [None, "integer", "any"])
+def test_all_of_object_schemas_joins_their_properties(extra):
+    """allOf of object schemas (OpenAPI's inheritance, through a $ref): the properties of each in turn, the required
+    ones of all; other keys only where one schema allows them and none forbids them; every object of up to three keys
+    is taken exactly when that holds."""
+    mixin: dict[str, Any] = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"description": "id"}}}
+    if extra is not None:
+        mixin["additionalProperties"] = True if extra == "any" else {"type": extra}
+    schema = {
+        "$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+        "allOf": [{"$ref": "#/$defs/Base"}, {"title": "only a title"}, mixin],
+    }
+    grammar = json_grammar(schema)
+    for members in documents(3):
+        keys = [key for key, _ in members]
+        listed = [key for key in keys if key in ("a", "b")]
+        kinds = {"a": "integer", "b": "string"}
+        expected = (
+            "a" in keys
+            and keys[: len(listed)] == listed
+            and listed == sorted(listed)
+            and (extra is not None or keys == listed)
+            and all(is_type(value, kinds.get(key, extra or "any")) for key, value in members)
+        )
+        assert matches(grammar, member_text(members)) == expected, member_text(members)
+
+
+def test_all_of_drops_a_property_one_schema_forbids_and_takes_any_value_of_annotations_alone():
+    """A property one schema of allOf forbids (its additionalProperties false) is left out; a required name no schema
+    lists takes any value; allOf of annotations alone takes any value, of one schema that schema."""
+    forbidding = json_grammar(
+        {"allOf": [{"properties": {"a": {}}, "additionalProperties": False}, {"properties": {"b": {}}}]}
+    )
+    assert matches(forbidding, '{"a": 1}') and not matches(forbidding, '{"a": 1, "b": 2}')
+    required = json_grammar({"allOf": [{"properties": {"a": {}}}, {"type": "object", "required": ["z"]}]})
+    assert matches(required, '{"a": 1, "z": [null]}') and not matches(required, '{"a": 1}')
+    assert matches(json_grammar({"allOf": [{}, {"description": "x"}]}), "[1]")
+    single = json_grammar({"allOf": [{"title": "t"}, {"type": "string", "maxLength": 1}]})
+    assert matches(single, '"a"') and not matches(single, '"ab"')
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "/allOf/0/type"),
+        ({"allOf": [{"type": "object"}, {"maxLength": 3}]}, "/allOf/1/maxLength"),
+        (
+            {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"a": {"minimum": 0}}}]},
+            "/allOf/1/properties/a",
+        ),
+        (
+            {
+                "allOf": [
+                    {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+                    {"properties": {"b": {"type": "string"}}},
+                ]
+            },
+            "/allOf/1/properties/b",
+        ),
+        (
+            {
+                "allOf": [
+                    {"properties": {"a": {}}, "additionalProperties": False},
+                    {"properties": {"b": {}}, "required": ["b"]},
+                ]
+            },
+            "/allOf/1/required/0",
+        ),
+        (
+            {
+                "allOf": [
+                    {"type": "object", "additionalProperties": {"type": "integer"}},
+                    {"type": "object", "additionalProperties": {"type": "string"}},
+                ]
+            },
+            "/allOf/1/additionalProperties",
+        ),
+        ({"allOf": [False, {"type": "object"}]}, "/allOf/0"),
+        ({"allOf": [{"properties": 3}, {"type": "object"}]}, "/allOf/0/properties"),
+        ({"allOf": [{"$ref": "#/$defs/A"}, {"type": "object"}], "$defs": {"A": {"anyOf": [{}]}}}, "/$defs/A/anyOf"),
+        ({"allOf": [{"properties": {"a": {"type": "no"}}}, {"type": "object"}]}, "/allOf/0/properties/a/type"),
+    ],
+)
+def test_all_of_that_cannot_be_joined_is_refused_naming_the_part_at_fault(schema, where):
+    """Several schemas that are not objects, a value two of them constrain, a required name one forbids."""
+    with pytest.raises(GrammarError) as caught:
+        json_grammar(schema)
+    assert caught.value.where == where
