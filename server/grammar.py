@@ -708,9 +708,12 @@ class SchemaCompiler(JsonBuilder):
     def _resolved(self, schema: Any, pointer: str) -> tuple[Any, str]:
         """The schema a chain of bare $refs leads to, and its pointer."""
         seen: set[str] = set()
-        while isinstance(schema, dict) and set(schema) - ANNOTATIONS == {"$ref"} and schema["$ref"] not in seen:
-            seen.add(schema["$ref"])
-            schema, pointer = self._definition(schema["$ref"], pointer_to(pointer, "$ref"))
+        while isinstance(schema, dict) and set(schema) - ANNOTATIONS == {"$ref"}:
+            reference = schema["$ref"]
+            if isinstance(reference, str) and reference in seen:
+                break
+            schema, pointer = self._definition(reference, pointer_to(pointer, "$ref"))  # refuses a non-string
+            seen.add(reference)
         return schema, pointer
 
     def _referenced(self, reference: Any, where: str) -> int:
@@ -857,6 +860,7 @@ class SchemaCompiler(JsonBuilder):
             return self.any_object(start)
         network = self.network
         if most == 0:
+            self._compile_unused(key, values, values_pointer)
             return network.literal(self.whitespace(network.literal(start, b"{")), b"}")
         value = partial(self.value, schema=values, pointer=values_pointer)
         if distinct:
@@ -872,6 +876,14 @@ class SchemaCompiler(JsonBuilder):
         after = network.repeat(network.call(inside, entry), following, 0, None if most is None else most - 1)
         network.move(self.whitespace(after), 1 << ord("}"), end)
         return end
+
+    def _compile_unused(self, key: Emit | list[bytes] | bool | None, values: Any, values_pointer: str) -> None:
+        """Compile an object's key and value schemas that no member can use, off the grammar's paths, so that their
+        faults are refused as they are where members are written."""
+        if callable(key):
+            key(self.network.node())
+        if values is not False:
+            self.value(self.network.node(), values, values_pointer)
 
     def _member_values(self, schema: dict[str, Any], pointer: str) -> tuple[Any, str, tuple[str, str] | None]:
         """An open object's values: their schema and its pointer, and (pattern, its pointer) where they are those of
@@ -904,7 +916,9 @@ class SchemaCompiler(JsonBuilder):
             self._alone(names, "enum" if "enum" in names else "const", ("type", "enum", "const"), where)
             if pattern is not None:
                 raise GrammarError("listed key names beside 'patternProperties' are not supported", where)
-            listed = [value for value in self._constant_values(names, where) if isinstance(value, str)]
+            listed = list(
+                dict.fromkeys(value for value in self._constant_values(names, where) if isinstance(value, str))
+            )
             if not listed:
                 raise GrammarError("no value of 'enum' or 'const' is a string", where)
             return [json.dumps(value).encode() for value in listed]
@@ -933,25 +947,34 @@ class SchemaCompiler(JsonBuilder):
 
     def _keyed_object(self, start: int, keys: list[bytes], value: Emit, least: int, most: int | None) -> int:
         """An object of `least` to `most` members of distinct listed keys: a node for each subset of them written so
-        far."""
+        far, joined to the next by calls (each key's member, the comma and the closing brace are routines)."""
         network = self.network
+        member_entry, member_exit = network.routine()
+        network.epsilon(self.member(member_entry, value), member_exit)
+        key_entries = []
+        for key in keys:
+            entry, exit_node = network.routine()
+            network.epsilon(network.call(network.literal(entry, key), member_entry), exit_node)
+            key_entries.append(entry)
+        comma_entry, comma_exit = network.routine()
+        network.epsilon(self.separator(comma_entry), comma_exit)
+        close_entry, close_exit = network.routine()
+        network.epsilon(network.literal(self.whitespace(close_entry), b"}"), close_exit)
         inside = self.whitespace(network.literal(start, b"{"))
-        entry, exit_node = network.routine()
-        network.epsilon(self.member(entry, value), exit_node)
         end, after = network.node(), {0: inside}
         for written in sorted(range(1 << len(keys)), key=int.bit_count):
             if written not in after:
                 continue
             count, here = written.bit_count(), after[written]
             if count >= least:
-                network.move(inside if written == 0 else self.whitespace(here), 1 << ord("}"), end)
+                network.epsilon(network.call(here, close_entry), end)
             if most is not None and count >= most:
                 continue
-            next_member = here if written == 0 else self.separator(here)
-            for index, key in enumerate(keys):
+            next_member = here if written == 0 else network.call(here, comma_entry)
+            for index, entry in enumerate(key_entries):
                 if not written >> index & 1:
                     target = after.setdefault(written | 1 << index, network.node())
-                    network.epsilon(network.call(network.literal(next_member, key), entry), target)
+                    network.epsilon(network.call(next_member, entry), target)
         return end
 
     def _record(

@@ -138,6 +138,28 @@ def test_keys_of_listed_names_come_once_each_within_the_member_counts(least, mos
     assert not matches(grammar, member_text([("a", 1), ("b", 2), ("a", 3)]))
 
 
+def test_a_listed_key_comes_once_however_often_the_enum_lists_it():
+    """An enum that lists a key twice still lets it come once."""
+    grammar = json_grammar({"type": "object", "propertyNames": {"enum": ["a", "a", "b"]}})
+    assert matches(grammar, '{"a": 1, "b": 2}') and not matches(grammar, '{"a": 1, "a": 2}')
+
+
+def test_many_dicts_keyed_by_an_enum_of_eight_values_fit():
+    """Each subset node of a dict keyed by listed values joins the next by calls, so a model of a dozen dicts keyed by
+    an 8-value Enum compiles, and takes their dumps."""
+    import enum
+
+    from pydantic import BaseModel, create_model
+
+    names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    Phonetic = enum.Enum("Phonetic", {name.upper(): name for name in names})
+    Model = create_model("Model", **{f"field{i}": (dict[Phonetic, int], ...) for i in range(12)})
+    assert issubclass(Model, BaseModel)
+    grammar = json_grammar(Model.model_json_schema())
+    keyed = {member: index for index, member in enumerate(Phonetic)}
+    assert matches(grammar, Model(**{f"field{i}": keyed for i in range(12)}).model_dump_json())
+
+
 @pytest.mark.parametrize("most", [None, 1, 2])
 def test_free_keys_take_one_to_max_properties_members(most):
     """Keys of any string, values of a schema, at least one member and at most maxProperties (pydantic's dict with
@@ -192,6 +214,16 @@ def test_keys_of_property_names_keywords_and_of_a_pattern_property():
         ({"type": "object", "maxProperties": -1}, "/maxProperties"),
         ({"properties": {"a": {}}, "maxProperties": 1}, "/maxProperties"),
         ({"properties": {"a": {}}, "propertyNames": {"maxLength": 1}}, "/propertyNames"),
+        ({"type": "object", "propertyNames": {"enum": ["a", "a"]}, "minProperties": 2}, "/minProperties"),
+        ({"type": "object", "propertyNames": {"$ref": ["x"]}}, "/propertyNames/$ref"),
+        ({"type": "array", "items": {"$ref": {}}, "uniqueItems": True}, "/items/$ref"),
+        ({"type": "object", "patternProperties": {"(": False}}, "/patternProperties/("),
+        ({"type": "object", "patternProperties": {"(": {}}, "maxProperties": 0}, "/patternProperties/("),
+        ({"type": "object", "additionalProperties": {"type": "no"}, "maxProperties": 0}, "/additionalProperties/type"),
+        (
+            {"type": "object", "propertyNames": {"pattern": "("}, "additionalProperties": False},
+            "/propertyNames/pattern",
+        ),
     ],
 )
 def test_object_keywords_that_cannot_be_honoured_are_refused_naming_them(schema, where):
