@@ -946,8 +946,7 @@ class SchemaCompiler(JsonBuilder):
             raise
 
     def _keyed_object(self, start: int, keys: list[bytes], value: Emit, least: int, most: int | None) -> int:
-        """An object of `least` to `most` members of distinct listed keys: a node for each subset of them written so
-        far, joined to the next by calls (each key's member, the comma and the closing brace are routines)."""
+        """An object of `least` to `most` members of distinct listed keys (`_distinct`)."""
         network = self.network
         member_entry, member_exit = network.routine()
         network.epsilon(self.member(member_entry, value), member_exit)
@@ -956,25 +955,33 @@ class SchemaCompiler(JsonBuilder):
             entry, exit_node = network.routine()
             network.epsilon(network.call(network.literal(entry, key), member_entry), exit_node)
             key_entries.append(entry)
+        return self._distinct(start, b"{}", key_entries, least, most)
+
+    def _distinct(self, start: int, brackets: bytes, entries: list[int], least: int, most: int | None) -> int:
+        """A container in `brackets` of `least` to `most` items, each a call of a different one of the routines
+        `entries`, in any order: a node for each subset written so far, joined to the next by calls (the comma and
+        the closing bracket are routines too, so that a subset node is a few nodes)."""
+        network = self.network
         comma_entry, comma_exit = network.routine()
         network.epsilon(self.separator(comma_entry), comma_exit)
         close_entry, close_exit = network.routine()
-        network.epsilon(network.literal(self.whitespace(close_entry), b"}"), close_exit)
-        inside = self.whitespace(network.literal(start, b"{"))
-        end, after = network.node(), {0: inside}
-        for written in sorted(range(1 << len(keys)), key=int.bit_count):
+        network.epsilon(network.literal(self.whitespace(close_entry), brackets[1:]), close_exit)
+        end, after = network.node(), {0: self.whitespace(network.literal(start, brackets[:1]))}
+        for written in sorted(range(1 << len(entries)), key=int.bit_count):
             if written not in after:
                 continue
             count, here = written.bit_count(), after[written]
-            if count >= least:
+            if count >= least and written == 0:
+                network.move(here, 1 << brackets[1], end)  # `here` is after the whitespace the routine would take
+            elif count >= least:
                 network.epsilon(network.call(here, close_entry), end)
             if most is not None and count >= most:
                 continue
-            next_member = here if written == 0 else network.call(here, comma_entry)
-            for index, entry in enumerate(key_entries):
+            next_item = here if written == 0 else network.call(here, comma_entry)
+            for index, entry in enumerate(entries):
                 if not written >> index & 1:
                     target = after.setdefault(written | 1 << index, network.node())
-                    network.epsilon(network.call(next_member, entry), target)
+                    network.epsilon(network.call(next_item, entry), target)
         return end
 
     def _record(
@@ -1100,23 +1107,12 @@ class SchemaCompiler(JsonBuilder):
         if least > len(texts):
             where = pointer_to(pointer, "minItems")
             raise GrammarError("'minItems' is above the number of distinct values the items may take", where)
-        network = self.network
-        inside = self.whitespace(network.literal(start, b"["))
-        end, after = network.node(), {0: inside}
-        for written in sorted(range(1 << len(texts)), key=int.bit_count):
-            if written not in after:
-                continue
-            count, here = written.bit_count(), after[written]
-            if count >= least:
-                network.move(inside if written == 0 else self.whitespace(here), 1 << ord("]"), end)
-            if most is not None and count >= most:
-                continue
-            next_item = here if written == 0 else self.separator(here)
-            for index, text in enumerate(texts):
-                if not written >> index & 1:
-                    target = after.setdefault(written | 1 << index, network.node())
-                    network.epsilon(network.literal(next_item, text), target)
-        return end
+        entries = []
+        for text in texts:
+            entry, exit_node = self.network.routine()
+            self.network.epsilon(self.network.literal(entry, text), exit_node)
+            entries.append(entry)
+        return self._distinct(start, b"[]", entries, least, most)
 
     def _listed_values(self, items: Any, pointer: str, where: str) -> list[bytes]:
         """The texts of the few values an item may be (an enum, a const, a boolean or null, through $refs), each

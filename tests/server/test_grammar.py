@@ -957,6 +957,8 @@ def test_unique_items_of_listed_values_are_each_written_once_at_most(least, most
             assert matches(grammar, json.dumps(list(array))) == wanted, array
             compact = json.dumps(list(array), separators=(",", ":"))
             assert matches(grammar, compact) == (wanted and {"k": [True]} not in array), array  # written as listed
+    if least == 0:  # whitespace runs stay bounded in the empty array too
+        assert matches(grammar, "[" + " " * 20 + "]") and not matches(grammar, "[" + " " * 21 + "]")
     with pytest.raises(GrammarError) as refused:
         json_grammar(schema | {"minItems": 5})
     assert refused.value.where == "/minItems"

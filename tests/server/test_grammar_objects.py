@@ -136,6 +136,8 @@ def test_keys_of_listed_names_come_once_each_within_the_member_counts(least, mos
         )
         assert matches(grammar, member_text(members)) == expected, member_text(members)
     assert not matches(grammar, member_text([("a", 1), ("b", 2), ("a", 3)]))
+    if least == 0:  # whitespace runs stay bounded in the empty object too
+        assert matches(grammar, "{" + " " * 20 + "}") and not matches(grammar, "{" + " " * 21 + "}")
 
 
 def test_a_listed_key_comes_once_however_often_the_enum_lists_it():
