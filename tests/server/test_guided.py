@@ -119,6 +119,37 @@ def test_a_tuple_schema_is_followed_item_by_item_and_drafted_equals_undrafted(mo
         assert re.match(rb'\[\s*[0-9]{1,2}\s*,\s*"[ab]"', text), text  # this model writes the first two items
 
 
+def test_objects_of_listed_keys_and_of_other_keys_are_followed_and_drafted_equals_undrafted(model, tokenizer):
+    """A dict keyed by an enum with a count (each key once) and properties beside additionalProperties (other keys
+    after them): the outputs follow their grammars, and drafts change no token."""
+    keyed = {
+        "type": "object",
+        "propertyNames": {"enum": ["x", "y", "z"]},
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minProperties": 2,
+    }
+    extra = {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}},
+        "required": ["x"],
+        "additionalProperties": True,
+    }
+    guides = [GuideSpec("json", json.dumps(schema)) for schema in (keyed, extra)]
+    prompt = tokenizer.encode('p = {"x": 1, "z": 3}\nq = {"y": 2, "x": 5}\nr = ')
+    jobs = [(prompt, draw, guide) for draw in (GREEDY, SAMPLED) for guide in guides]
+    drafted, runner = serve(model, tokenizer, jobs, depth=3)
+    undrafted, _ = serve(model, tokenizer, jobs, depth=0)
+    assert [o.tokens for o in drafted] == [o.tokens for o in undrafted]
+    for (_, _, guide), outcome in zip(jobs, drafted, strict=True):
+        text = output_bytes(runner.engine.guides, outcome, tokenizer.eos_token_id)
+        grammar = guide.grammar()
+        state = grammar.feed(grammar.initial, text)
+        assert state is not None and (outcome.finish == "length" or grammar.accepts(state)), text
+        if outcome.finish == "stop":
+            value = json.loads(text)
+            assert len(value) >= 2 if guide is guides[0] else "x" in value, text
+
+
 @pytest.mark.parametrize("draw", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_guided_requests_drafted_equal_undrafted(model, tokenizer, prompt, draw):
     jobs = [(prompt, draw, guide) for guide in GUIDES.values()]
