@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 import sys
+from decimal import Decimal
 
 import httpx
 
@@ -147,6 +148,9 @@ def main() -> int:
     return 1 if failures else 0
 
 
+SCORE = {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 4}
+
+
 def guided_checks(base: str, check) -> None:
     """Guided decoding: each output follows its grammar; drafted = undrafted = streamed; n choices = each alone."""
     regex, choices = "[a-z]{2,8}_[0-9]{1,3}", ["merge", "sort", "split"]
@@ -157,8 +161,20 @@ def guided_checks(base: str, check) -> None:
                                                 "count": {"type": "integer", "minimum": 1, "maximum": 9},
                                                 "ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}},
                "required": ["day", "count", "ratio"]}  # fmt: skip
+    base_record = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}},
+                   "required": ["id"]}  # fmt: skip
+    scores = {"type": "object", "propertyNames": {"enum": ["a", "b", "c"]}, "minProperties": 1,
+              "additionalProperties": SCORE}  # fmt: skip
+    derived = {"type": "object", "properties": {"scores": scores}, "required": ["scores"],
+               "additionalProperties": True}  # fmt: skip
+    objects = {"$defs": {"Base": base_record}, "allOf": [{"$ref": "#/$defs/Base"}, derived]}
     for name, guide, fits in (
         ("guided_json bounds", {"guided_json": bounded}, lambda text: within_bounds(json.loads(text))),
+        (
+            "guided_json objects",
+            {"guided_json": objects},
+            lambda text: objects_hold(json.loads(text, parse_float=Decimal)),
+        ),
         ("guided_regex", {"guided_regex": regex}, lambda text: re.fullmatch(regex, text)),
         ("guided_choice", {"guided_choice": choices}, lambda text: text in choices),
         ("guided_json", {"guided_json": schema}, lambda text: set(json.loads(text)) == {"name", "sizes"}),
@@ -202,6 +218,19 @@ def guided_checks(base: str, check) -> None:
 def nested_list(text: str) -> bool:
     """Whether the text is a list NESTED_LISTS takes: its words quoted, it reads as a JSON list."""
     return isinstance(json.loads(re.sub(r"[a-z_]+", r'"\g<0>"', text)), list)
+
+
+def objects_hold(value: dict) -> bool:
+    """Whether the objects schema's record holds: an id of 0 to 99, and 1 to 3 scores keyed a, b or c, each a
+    multiple of 0.25 from 0 to 4 (other keys may follow)."""
+    scores = value["scores"]
+    return (
+        type(value["id"]) is int
+        and 0 <= value["id"] <= 99
+        and 1 <= len(scores) <= 3
+        and set(scores) <= {"a", "b", "c"}
+        and all(0 <= score <= 4 and Decimal(score) % Decimal("0.25") == 0 for score in scores.values())
+    )
 
 
 def within_bounds(value: dict) -> bool:
