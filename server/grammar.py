@@ -633,10 +633,11 @@ class SchemaCompiler(JsonBuilder):
     def _all_of(self, start: int, options: list[Any], where: str) -> int:
         """A value of every schema of allOf: those of annotations alone left out, one left as it is, several (through
         their $refs) joined where they are objects of properties, required and additionalProperties (`_joined`)."""
-        parts = [self._resolved(option, pointer_to(where, i)) for i, option in enumerate(options)]
-        parts = [(part, at) for part, at in parts if not self._admits_all(part)]
-        if len(parts) <= 1:
-            return self.value(start, *parts[0]) if parts else self.any_value(start)
+        kept = [(option, pointer_to(where, i)) for i, option in enumerate(options)]
+        kept = [(option, at) for option, at in kept if not self._admits_all(self._resolved(option, at)[0])]
+        if len(kept) <= 1:  # compiled as written, so that a $ref is a call of its routine
+            return self.value(start, *kept[0]) if kept else self.any_value(start)
+        parts = [self._resolved(option, at) for option, at in kept]
         for part, at in parts:
             if not isinstance(part, dict):
                 message = (
@@ -679,12 +680,12 @@ class SchemaCompiler(JsonBuilder):
             if rule is None and name in required:
                 where = required[name]
                 raise GrammarError(f"required property {name!r} is forbidden by another schema of 'allOf'", where)
-            if rule is not None:
-                listed.append((name, *rule))
-        others = [(part.get("additionalProperties"), pointer_to(at, "additionalProperties")) for part, at in parts]
+            listed.append((name, False, "") if rule is None else (name, *rule))
+        stated = [(part["additionalProperties"], pointer_to(at, "additionalProperties")) for part, at in parts
+                  if "additionalProperties" in part]  # fmt: skip
         extra = None
-        if all(value is not False for value, _ in others) and any(value is not None for value, _ in others):
-            extra = self._one_rule([(True if value is None else value, at) for value, at in others])
+        if stated and all(value is not False for value, _ in stated):
+            extra = self._one_rule(stated)
         return listed, frozenset(required), extra
 
     def _one_rule(self, rules: list[tuple[Any, str]]) -> tuple[Any, str] | None:
@@ -991,12 +992,17 @@ class SchemaCompiler(JsonBuilder):
         required: frozenset[str],
         extra: tuple[Any, str] | None,
     ) -> int:
-        """An object of the listed (name, schema, pointer) properties in their order, each required one present; with
-        `extra` (additionalProperties' schema and pointer), then members of any other keys whose values follow it."""
+        """An object of the listed (name, schema, pointer) properties in their order, each required one present (a
+        false one never); with `extra` (additionalProperties' schema and pointer), then members of any other keys (none
+        a listed name) whose values follow it."""
         network = self.network
         none_yet: int | None = self.whitespace(network.literal(start, b"{"))  # no member written, none required passed
         written: int | None = None  # just after the last member written
         for name, subschema, where in listed:
+            if subschema is False:  # a forbidden name
+                if name in required:
+                    raise GrammarError(f"required property {name!r} admits no value", where)
+                continue
             key_start = network.node()
             if none_yet is not None:
                 network.epsilon(none_yet, key_start)

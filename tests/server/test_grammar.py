@@ -694,7 +694,7 @@ def test_an_unsupported_keyword_deep_in_a_schema_is_refused_with_its_pointer(sch
         (False, ""),
         ("a schema", ""),
         ({"properties": {"a": 3}}, "/properties/a"),
-        ({"properties": {"a": False}}, "/properties/a"),
+        ({"properties": {"a": False}, "required": ["a"]}, "/properties/a"),
         ({"type": "strin"}, "/type"),
         ({"type": ["string", "float"]}, "/type/1"),
         ({"properties": {"a": {}}, "required": ["a", "b"]}, "/required/1"),

@@ -313,9 +313,39 @@ def test_all_of_drops_a_property_one_schema_forbids_and_takes_any_value_of_annot
     assert matches(single, '"a"') and not matches(single, '"ab"')
 
 
+def test_a_property_whose_schema_is_false_is_no_key_at_all():
+    """A property of the false schema (in properties, or forbidden by one schema of allOf) is never written, neither
+    listed nor as an other key."""
+    plain = json_grammar({"properties": {"a": False, "b": {}}, "additionalProperties": {"type": "integer"}})
+    joined = json_grammar(
+        {"allOf": [{"properties": {"a": False}, "additionalProperties": True}, {"properties": {"b": {}}}]}
+    )
+    for grammar in (plain, joined):
+        assert matches(grammar, '{"b": 1, "c": 2}') and matches(grammar, "{}")
+        assert not matches(grammar, '{"a": 1}') and not matches(grammar, '{"b": 1, "a": 2}')
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {
+            "$defs": {"T": {"type": "object", "properties": {"next": {"allOf": [{"$ref": "#/$defs/T"}]}}}},
+            "$ref": "#/$defs/T",
+        },
+        {"type": "object", "properties": {"next": {"allOf": [{"$ref": "#"}], "description": "pydantic v1's wrapper"}}},
+    ],
+)
+def test_all_of_one_reference_back_into_itself_recurses_through_its_routine(schema):
+    """allOf of one $ref (pydantic v1 wraps a described model field so) compiles as the $ref would: a recursive one
+    is a call of its routine, not laid out again without end."""
+    grammar = json_grammar(schema)
+    assert matches(grammar, '{"next": {"next": {}}}') and not matches(grammar, '{"next": 1}')
+
+
 @pytest.mark.parametrize(
     ("schema", "where"),
     [
+        ({"allOf": [{"additionalProperties": None}, {"type": "object"}]}, "/allOf/0/additionalProperties"),
         ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "/allOf/0/type"),
         ({"allOf": [{"type": "object"}, {"maxLength": 3}]}, "/allOf/1/maxLength"),
         (
