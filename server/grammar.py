@@ -34,6 +34,7 @@ Emit = Callable[[int], int]
 MAX_DEPTH = 64  # calls in progress at once: nested JSON containers, items of counted arrays, $ref recursion
 MAX_STACKS = 10_000  # stacks one state may hold; only wildly ambiguous grammars come near it
 MAX_NODES = 200_000
+MAX_CLOSURE_WORK = 4_000_000  # states one lookahead's automaton may visit in all (a nested counted one is refused)
 MAX_REPEAT = 1000  # the largest repeat count or item count
 MAX_STRING_LENGTH = 4096  # the largest minLength or maxLength (pydantic's HttpUrl has 2083)
 MAX_MULTIPLE = 1000  # the largest multipleOf in its last digit's units (a state for each remainder beside each other)
@@ -1228,7 +1229,9 @@ class SchemaCompiler(JsonBuilder):
     @staticmethod
     def _bound_value(value: Any, inclusive: bool, where: str) -> Bound:
         """A bound from a keyword's value: a finite number of at most MAX_BOUND_DIGITS digits written out."""
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise GrammarError("must be a finite number", where)
+        if isinstance(value, float) and not math.isfinite(value):
             raise GrammarError("must be a finite number", where)
         bound = Bound(Decimal(str(value)), inclusive)
         try:
@@ -1523,6 +1526,8 @@ class RegexParser:
         if match is None or not (match.group(1) or match.group(3)):
             raise self._error("a '{' that does not start a repeat count must be escaped")
         self.position = match.end()
+        if max(len(match.group(n).lstrip("0")) for n in (1, 3)) > len(str(MAX_REPEAT)):  # not read: of any length
+            raise self._error(f"repeat counts above {MAX_REPEAT} are not supported")
         least = int(match.group(1) or 0)
         most = least if not match.group(2) else (int(match.group(3)) if match.group(3) else None)
         if max(least, most or 0) > MAX_REPEAT:
@@ -1631,19 +1636,23 @@ class CharacterAutomaton:
     def __init__(self, tree: RegexNode, where: str) -> None:
         self.where = where  # the pattern's place, which a pattern too large to lay out is refused naming
         self.size = 0
+        self.work = 0  # states its closures have visited
         self.moves: dict[int, list[tuple[Chars | Text, int]]] = {}
         self.epsilons: dict[int, list[int]] = {}
         self.first = self._state()
         self.last = self._build(self.first, tree)
 
     def closure(self, states: set[int]) -> frozenset[int]:
-        """The states and those their epsilons reach."""
+        """The states and those their epsilons reach (refused past MAX_CLOSURE_WORK states in all)."""
         found, pending = set(states), list(states)
         while pending:
             for target in self.epsilons.get(pending.pop(), ()):
                 if target not in found:
                     found.add(target)
                     pending.append(target)
+        self.work += len(found)
+        if self.work > MAX_CLOSURE_WORK:
+            raise GrammarError("the pattern's lookahead is too large for guided decoding", self.where)
         return frozenset(found)
 
     def moves_from(self, states: frozenset[int]) -> list[tuple[Chars | Text, int]]:
@@ -1652,7 +1661,14 @@ class CharacterAutomaton:
 
     def after(self, states: frozenset[int], chars: Chars) -> frozenset[int]:
         """The states after a character of `chars`, which each edge out of `states` takes all or none of."""
-        return self.closure({target for atom, target in self.moves_from(states) if as_chars(atom) & chars})
+        taken: dict[Chars | Text, bool] = {}  # each atom tested once, however many edges carry it
+        targets = set()
+        for atom, target in self.moves_from(states):
+            if atom not in taken:
+                taken[atom] = bool(as_chars(atom) & chars)
+            if taken[atom]:
+                targets.add(target)
+        return self.closure(targets)
 
     def _state(self) -> int:
         if self.size >= MAX_NODES:
@@ -1754,8 +1770,7 @@ class PatternProduct:
         """The characters cut into parts each exclusion's automaton takes alike, each with its states after it."""
         parts = [chars]
         for (guard, _), states in zip(self.guards, guarded, strict=True):
-            for atom, _ in guard.moves_from(states):
-                cut = as_chars(atom)
+            for cut in {as_chars(atom) for atom, _ in guard.moves_from(states)}:  # each set once, however many edges
                 parts = [piece for part in parts for piece in (part & cut, part & cut.negated()) if piece]
         return [
             (part, tuple(guard.after(states, part) for (guard, _), states in zip(self.guards, guarded, strict=True)))
@@ -1901,6 +1916,8 @@ def choice_grammar(choices: list[str]) -> Grammar:
     for index, choice in enumerate(choices):
         if not isinstance(choice, str):
             raise GrammarError("each choice must be a string", f"choice[{index}]")
+        if any(0xD800 <= ord(char) <= 0xDFFF for char in choice):
+            raise GrammarError("a choice may not hold a lone surrogate (it is no UTF-8 text)", f"choice[{index}]")
     network = Network("choice")
     entry, exit_node = network.routine()
     network.epsilon(network.literals(entry, [choice.encode() for choice in choices]), exit_node)

@@ -154,6 +154,8 @@ class EbnfParser:
         count = REPEAT_COUNT.match(self.text, self.position)
         if count is None:
             raise self._error("a repetition count is written {m}, {m,} or {m,n}")
+        if max(len((count.group(n) or "").lstrip("0")) for n in (1, 3)) > len(str(MAX_REPEAT)):  # not read: any length
+            raise self._error(f"repetition counts above {MAX_REPEAT} are not supported")
         least = int(count.group(1))
         most = least if not count.group(2) else (int(count.group(3)) if count.group(3) else None)
         if max(least, most or 0) > MAX_REPEAT:

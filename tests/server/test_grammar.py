@@ -716,6 +716,7 @@ def test_an_unsupported_keyword_deep_in_a_schema_is_refused_with_its_pointer(sch
         ({"type": "string", "minLength": 3, "maxLength": 2}, "/minLength"),
         ({"type": "array", "maxItems": 1001}, "/maxItems"),
         ({"type": "string", "maxLength": 4097}, "/maxLength"),
+        ({"type": "integer", "minimum": 10**309}, "/minimum"),  # no float holds it
         ({"type": "array", "minItems": -1}, "/minItems"),
         ({"properties": {"tree": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "nothing"}}}, "/$defs/n/type"),
     ],
@@ -810,7 +811,9 @@ def test_a_class_of_non_ascii_ranges_takes_well_formed_utf8_of_its_characters_on
         r"(?i)a",
         r"(?P=n)",
         r"a{1001}",
+        pytest.param("a{0," + "1" * 4301 + "}", id="a count past int()'s digit limit"),
         r"(a{1000}){1000}",
+        pytest.param(r"(?!(a{0,100}){1,100}$)a*", id="a lookahead whose state sets would take minutes to follow"),
         r"a{2,1}",
         r"a**",
         r"a++",
@@ -845,7 +848,9 @@ def test_a_choice_is_exactly_one_of_the_strings():
     assert matches(choice_grammar([""]), "") and refused_at(choice_grammar([""]), b"a") == 0
 
 
-@pytest.mark.parametrize(("choices", "where"), [([], "choice"), (["a", 3], "choice[1]"), ("ab", "choice")])
+@pytest.mark.parametrize(
+    ("choices", "where"), [([], "choice"), (["a", 3], "choice[1]"), ("ab", "choice"), (["a", "b\ud800"], "choice[1]")]
+)
 def test_a_choice_list_that_cannot_be_compiled_is_refused(choices, where):
     """An empty list, a non-string and a non-list each name the part at fault."""
     with pytest.raises(GrammarError) as caught:

@@ -130,6 +130,7 @@ def test_a_json_string_grammar_takes_what_json_loads_takes_as_a_string(candidate
         ('root ::= "a"{,2}', "line 1, column 13", "{m}, {m,} or {m,n}"),
         ('root ::= "a"{3,2}', "line 1, column 13", "minimum is above"),
         ('root ::= "a"{1001}', "line 1, column 13", "above 1000"),
+        pytest.param('root ::= "a"{0,' + "1" * 4301 + "}", "line 1, column 13", "above 1000", id="a huge count"),
         ("root ::= 'a'", "line 1, column 10", 'unexpected "\'"'),
         ('root ::= ("a"', "line 1, column 14", "missing ')'"),
         ('root ::= "a")', "line 1, column 13", "unbalanced ')'"),
