@@ -1365,9 +1365,9 @@ RegexNode = Chars | Text | Concat | Alternation | Repeat
 
 
 @dataclass(frozen=True, slots=True)
-class Exclusion:
-    """An option of a negative lookahead, (?!...), at the start: no match of `tree` may begin the string, or where
-    `whole` (the option ended in '$', and `tree` ends in the newline '$' may stand before) be all of it."""
+class LookOption:
+    """An option of a lookahead at a top-level option's start: a match of `tree` begins the string, or where `whole`
+    (the option ended in '$', and `tree` ends in the newline '$' may stand before) is all of it."""
 
     tree: RegexNode
     whole: bool
@@ -1375,10 +1375,13 @@ class Exclusion:
 
 @dataclass(frozen=True, slots=True)
 class Guarded:
-    """A top-level option of a pattern: the strings of `tree` that none of the exclusions before it refuses."""
+    """A top-level option of a pattern: the strings of `tree` that none of the exclusions before it (negative
+    lookaheads' options, (?!a|b) as (?!a)(?!b)) matches, and that each requirement (a positive lookahead, any one of
+    its options) matches."""
 
     tree: RegexNode
-    exclusions: tuple[Exclusion, ...] = ()
+    exclusions: tuple[LookOption, ...] = ()
+    requirements: tuple[tuple[LookOption, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1402,7 +1405,7 @@ CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r"}
 
 def other_keys(names: Iterable[str]) -> Pattern:
     """Strings of any characters other than the names (each excluded as the whole string)."""
-    excluded = (Exclusion(Concat(tuple(Chars.span(ord(c), ord(c)) for c in name)), whole=True) for name in names)
+    excluded = (LookOption(Concat(tuple(Chars.span(ord(c), ord(c)) for c in name)), whole=True) for name in names)
     return Pattern((Guarded(Repeat(EVERY_CHAR, 0, None), tuple(excluded)),))
 
 
@@ -1420,7 +1423,8 @@ class RegexParser:
 
     def parse(self) -> Pattern:
         """The whole pattern, option by option; a leading '^' and a trailing '$' are dropped, as the match is always
-        whole, and negative lookaheads at an option's start (as in pydantic's Decimal pattern) guard that option."""
+        whole, and lookaheads at an option's start (negative ones as in pydantic's Decimal pattern, positive ones as in
+        a password's rules) guard that option."""
         if self.pattern.startswith("^"):
             self.position = 1
         options = [self._guarded()]
@@ -1431,15 +1435,20 @@ class RegexParser:
         return Pattern(tuple(options))
 
     def _guarded(self) -> Guarded:
-        """A top-level option and the negative lookaheads it opens with."""
-        exclusions: list[Exclusion] = []
-        while self._accept("(?!"):
-            exclusions += self._exclusions()
-        return Guarded(self._sequence(), tuple(exclusions))
+        """A top-level option and the lookaheads it opens with."""
+        exclusions: list[LookOption] = []
+        requirements: list[tuple[LookOption, ...]] = []
+        while True:
+            if self._accept("(?!"):
+                exclusions += self._look_options()
+            elif self._accept("(?="):
+                requirements.append(tuple(self._look_options()))
+            else:
+                return Guarded(self._sequence(), tuple(exclusions), tuple(requirements))
 
-    def _exclusions(self) -> list[Exclusion]:
-        """A negative lookahead's options after its '(?!', to its ')', an exclusion each ((?!a|b) is (?!a)(?!b)); a
-        '^' may open the lookahead and a '$' end an option, outside any group."""
+    def _look_options(self) -> list[LookOption]:
+        """A lookahead's options after its '(?!' or '(?=', to its ')'; a '^' may open the lookahead and a '$' end an
+        option, outside any group."""
         self._accept("^")
         exclusions, self.excluding = [], True
         while True:
@@ -1447,7 +1456,7 @@ class RegexParser:
             tree = self._sequence()
             if self.excluded_whole:  # Python's '$' also matches before a newline that ends the string
                 tree = Concat((tree, Repeat(Chars(1 << ord("\n")), 0, 1)))
-            exclusions.append(Exclusion(tree, self.excluded_whole))
+            exclusions.append(LookOption(tree, self.excluded_whole))
             if not self._accept("|"):
                 break
         self.excluding = False
@@ -1570,7 +1579,8 @@ class RegexParser:
         """Take a group's name after its '(?': 'P<name>' or '<name>'; lookarounds, flags and the rest are refused."""
         if not (self._accept("P<") or self._accept("<")) or (self._peek() or "=") in "=!":
             raise self._error(
-                "only (?:...), named groups and (?!...) at the start are supported (no other lookarounds, flags or "
+                "only (?:...), named groups, and (?!...) and (?=...) at the start are supported (no other lookarounds, "
+                "flags or "
                 "references)"
             )
         name, closed, _ = self.pattern[self.position :].partition(">")
@@ -1708,18 +1718,23 @@ class CharacterAutomaton:
         return end
 
 
-Guards = tuple[frozenset[int], ...]  # each exclusion's automaton's states after what was taken
-ProductKey = tuple[int, int, Guards]  # (the pattern's state, the characters counted, the guards)
+Guards = tuple[frozenset[int], ...]  # each lookahead option's automaton's states after what was taken
+ProductKey = tuple[int, int, Guards, int]  # (the pattern's state, the characters counted, the guards, requirements met)
 
 
 class PatternProduct:
     """A pattern option's character automaton crossed with the count of characters taken (which stops at `most`, or
-    stays at `least` once there where None) and with each exclusion's automaton, followed as a set of its states."""
+    stays at `least` once there where None) and with each lookahead option's automaton, followed as a set of its
+    states: the exclusions' first, then the requirements' options, and a bit for each requirement met."""
 
     def __init__(self, emitter: RegexEmitter, option: Guarded, least: int, most: int | None, where: str) -> None:
         self.emitter, self.least, self.most = emitter, least, most
         self.automaton = CharacterAutomaton(option.tree, where)
-        self.guards = [(CharacterAutomaton(e.tree, where), e.whole) for e in option.exclusions]
+        looks = [(look, None) for look in option.exclusions]
+        looks += [(look, index) for index, options in enumerate(option.requirements) for look in options]
+        # (automaton, whole, the requirement it is an option of: None for an exclusion)
+        self.looks = [(CharacterAutomaton(look.tree, where), look.whole, index) for look, index in looks]
+        self.every_requirement = (1 << len(option.requirements)) - 1
         self.nodes: dict[ProductKey, int] = {}
         self.pending: list[ProductKey] = []
 
@@ -1727,53 +1742,70 @@ class PatternProduct:
         """The product's strings from `start`; answers the node they end at."""
         network = self.emitter.network
         end = network.node()
-        first = self._node((self.automaton.first, 0, tuple(guard.closure({guard.first}) for guard, _ in self.guards)))
+        first = self._node(self.automaton.first, 0, tuple(look.closure({look.first}) for look, _, _ in self.looks), 0)
         if first is None:
-            return end  # an exclusion matches the empty string: nothing is taken
+            return end  # an exclusion matches the empty string, or a requirement cannot be met: nothing is taken
         network.epsilon(start, first)
         while self.pending:
             key = self.pending.pop()
-            state, count, guarded = key
+            state, count, guarded, met = key
             here = self.nodes[key]
-            if state == self.automaton.last and count >= self.least and not self._matched(guarded, ended=True):
+            if state == self.automaton.last and count >= self.least and self._ends_well(guarded, met):
                 network.epsilon(here, end)
             for target in self.automaton.epsilons.get(state, ()):
-                if (node := self._node((target, count, guarded))) is not None:
+                if (node := self._node(target, count, guarded, met)) is not None:
                     network.epsilon(here, node)
             if count == self.most:
                 continue
             after = min(count + 1, self.least if self.most is None else self.most)
             for atom, target in self.automaton.moves.get(state, ()):
                 for part, guarded_after in self._split(as_chars(atom), guarded):
-                    if (node := self._node((target, after, guarded_after))) is not None:
+                    if (node := self._node(target, after, guarded_after, met)) is not None:
                         network.epsilon(self.emitter.emit(here, part), node)
         return end
 
-    def _node(self, key: ProductKey) -> int | None:
+    def _node(self, state: int, count: int, guarded: Guards, met: int) -> int | None:
         """The network node of a product state, made and queued the first time; None where an exclusion's match
-        begins what was taken (nothing from there is taken)."""
-        if key not in self.nodes:
-            if self._matched(key[2], ended=False):
+        begins what was taken, or a requirement can no longer be met (nothing from there is taken). A requirement
+        whose option has matched a beginning is met, and its options are no longer followed."""
+        for (look, whole, index), states in zip(self.looks, guarded, strict=True):
+            if index is None and not whole and look.last in states:
                 return None
+            if index is not None and not whole and look.last in states:
+                met |= 1 << index
+        guarded = tuple(
+            frozenset() if index is not None and met >> index & 1 else states
+            for (_, _, index), states in zip(self.looks, guarded, strict=True)
+        )
+        alive = {index for (_, _, index), states in zip(self.looks, guarded, strict=True) if states}
+        if any(not met >> index & 1 and index not in alive for index in range(self.every_requirement.bit_length())):
+            return None
+        key = (state, count, guarded, met)
+        if key not in self.nodes:
             self.nodes[key] = self.emitter.network.node()
             self.pending.append(key)
         return self.nodes[key]
 
-    def _matched(self, guarded: Guards, ended: bool) -> bool:
-        """Whether an exclusion matches what was taken: as a beginning, or (ended) as the whole string."""
-        return any(
-            guard.last in states and (ended or not whole)
-            for (guard, whole), states in zip(self.guards, guarded, strict=True)
-        )
+    def _ends_well(self, guarded: Guards, met: int) -> bool:
+        """Whether the string may end here: no exclusion matches all of it, and each requirement not met by a
+        beginning has an option that matches all of it."""
+        for (look, whole, index), states in zip(self.looks, guarded, strict=True):
+            if look.last in states:
+                if index is None and whole:
+                    return False
+                if index is not None:
+                    met |= 1 << index
+        return met == self.every_requirement
 
     def _split(self, chars: Chars, guarded: Guards) -> list[tuple[Chars, Guards]]:
-        """The characters cut into parts each exclusion's automaton takes alike, each with its states after it."""
+        """The characters cut into parts each lookahead option's automaton takes alike, each with its states after
+        it."""
         parts = [chars]
-        for (guard, _), states in zip(self.guards, guarded, strict=True):
-            for cut in {as_chars(atom) for atom, _ in guard.moves_from(states)}:  # each set once, however many edges
+        for (look, _, _), states in zip(self.looks, guarded, strict=True):
+            for cut in {as_chars(atom) for atom, _ in look.moves_from(states)}:  # each set once, however many edges
                 parts = [piece for part in parts for piece in (part & cut, part & cut.negated()) if piece]
         return [
-            (part, tuple(guard.after(states, part) for (guard, _), states in zip(self.guards, guarded, strict=True)))
+            (part, tuple(look.after(states, part) for (look, _, _), states in zip(self.looks, guarded, strict=True)))
             for part in parts
         ]
 
@@ -1855,7 +1887,7 @@ class RegexEmitter:
         shortest, longest = length_range(option.tree)
         least = 0 if least <= shortest else least
         most = None if most is not None and longest is not None and longest <= most else most
-        if not option.exclusions:
+        if not option.exclusions and not option.requirements:
             bounded = within_lengths(option.tree, least, most)
             if bounded is not None:
                 return self.emit(start, bounded)

@@ -473,6 +473,7 @@ def test_a_string_pattern_matches_the_content_as_re_fullmatch_does():
         (r".{0,3}9", 3, 3),
         (r"(a|\x01)(a|b)*", 4, None),
         (r'(?!a|"$)[a"\\]*', 1, 3),
+        (r"(?=.*z)(?=.*\d).+", 3, 5),
     ],
 )
 def test_a_pattern_with_lengths_takes_its_matches_of_those_lengths_only(pattern, least, most):
@@ -760,6 +761,12 @@ REGEX_CASES = [
     (r"(?!a)a|ab", "ab", []),
     (r"b|(?!a)[ab]+", "ab", []),
     (r"(?!a$)[a\n]*", "a\n", []),  # '$' in a lookahead also matches before a newline that ends the string
+    (r"(?=.*[A-Z])(?=.*\d)[A-Za-z\d]{3,5}", "aA1", ["Ab1", "abc1"]),  # positive lookaheads: a password's rules
+    (r"(?=ab$|b)[ab]{0,3}", "ab", []),  # a requirement's options: a whole match or a beginning
+    (r"(?!a)(?=.*b)[abc]{1,4}", "abc", []),
+    (r"(?=a*$)[ab]*|c", "abc", []),  # a requirement guards its own option only
+    (r"(?=)x?|(?=[ab]{2})(?!ab)[abc]*", "abcx", []),
+    (r"(?=.*\n$)[a\n]{1,3}", "a\n", []),
 ]
 
 
@@ -801,10 +808,11 @@ def test_a_class_of_non_ascii_ranges_takes_well_formed_utf8_of_its_characters_on
     "pattern",
     [
         r"(a)\1",
-        r"(?=a)a",
         r"a(?!b)c",
         r"(?!a",
         r"(?:(?!a)b)",
+        r"a(?=b)b",
+        r"(?:(?=a)a)",
         r"(?<=a)b",
         r"(?<!a)b",
         r"\bword",
