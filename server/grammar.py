@@ -1361,7 +1361,16 @@ class Repeat:
     most: int | None
 
 
-RegexNode = Chars | Text | Concat | Alternation | Repeat
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """A lookahead where it stands inside a pattern: the rest of the string must match one of its options (or, where
+    `negative`, none of them), from there."""
+
+    options: tuple[LookOption, ...]
+    negative: bool
+
+
+RegexNode = Chars | Text | Concat | Alternation | Repeat | Ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -1422,9 +1431,9 @@ class RegexParser:
         self.excluded_whole = False  # the lookahead's option being parsed ended in '$'
 
     def parse(self) -> Pattern:
-        """The whole pattern, option by option; a leading '^' and a trailing '$' are dropped, as the match is always
-        whole, and lookaheads at an option's start (negative ones as in pydantic's Decimal pattern, positive ones as in
-        a password's rules) guard that option."""
+        """The whole pattern, option by option; a leading '^' and a '$' where a match ends are dropped, as the match is
+        always whole; lookaheads at an option's start (negative ones as in pydantic's Decimal pattern, positive ones as
+        in a password's rules) guard that option, and those inside (condecimal's) are `Ahead` nodes."""
         if self.pattern.startswith("^"):
             self.position = 1
         options = [self._guarded()]
@@ -1498,8 +1507,8 @@ class RegexParser:
         """Repeated atoms up to a '|', a ')' or the end."""
         parts = []
         while (char := self._peek()) is not None and char not in "|)":
-            if char == "$" and self.position == len(self.pattern) - 1:
-                self.position += 1
+            if char == "$" and not self.excluding and self._ends_whole_match():
+                self.position += 1  # the match is whole anyway
                 continue
             if char == "$" and self._ends_excluded_option():
                 self.position += 1
@@ -1507,6 +1516,13 @@ class RegexParser:
                 continue
             parts.append(self._repeated())
         return parts[0] if len(parts) == 1 else Concat(tuple(parts))
+
+    def _ends_whole_match(self) -> bool:
+        """Whether the '$' here ends what a match takes: only the ')'s of the groups open follow it, then the end of
+        the pattern or a '|' of its top level."""
+        rest = self.pattern[self.position + 1 :]
+        closing = len(rest) - len(rest.lstrip(")"))
+        return closing == self.depth and rest[closing : closing + 1] in ("", "|")
 
     def _ends_excluded_option(self) -> bool:
         """Whether the '$' here ends an option of a lookahead (a '|' or its ')' comes next, outside any group)."""
@@ -1522,6 +1538,8 @@ class RegexParser:
         self._accept("?")
         if (char := self._peek()) is not None and char in "*+?{":
             raise self._error("a repeat of a repeat (possessive or nested quantifiers) is not supported")
+        if bounds[1] != 1 and has_ahead(atom):
+            raise self._error("a lookahead inside a repeat is not supported")
         return Repeat(atom, *bounds)
 
     def _quantifier(self) -> tuple[int, int | None] | None:
@@ -1557,7 +1575,7 @@ class RegexParser:
         if char == ".":
             return ANY_BUT_NEWLINE
         if char in "^$":
-            raise self._error("'^' and '$' are only accepted at the very start and end")
+            raise self._error("'^' is only accepted at the start, and '$' where a match ends")
         if char == "\\":
             return self._char(self._escape())
         if 0xD800 <= ord(char) <= 0xDFFF:
@@ -1565,7 +1583,15 @@ class RegexParser:
         return self._char(char)
 
     def _group(self) -> RegexNode:
-        """A group's content, after its '(': plain, non-capturing or named."""
+        """A group's content, after its '(': plain, non-capturing or named, or a lookahead (`Ahead`)."""
+        for opening, negative in (("?=", False), ("?!", True)):
+            if self._accept(opening):
+                if self.excluding:
+                    raise self._error("a lookahead inside a lookahead is not supported")
+                depth, self.depth = self.depth, 0  # a '$' ends the lookahead's options at its own top level
+                options = self._look_options()
+                self.depth = depth
+                return Ahead(tuple(options), negative)
         if self._accept("?") and not self._accept(":"):
             self._group_name()
         self.depth += 1
@@ -1579,9 +1605,7 @@ class RegexParser:
         """Take a group's name after its '(?': 'P<name>' or '<name>'; lookarounds, flags and the rest are refused."""
         if not (self._accept("P<") or self._accept("<")) or (self._peek() or "=") in "=!":
             raise self._error(
-                "only (?:...), named groups, and (?!...) and (?=...) at the start are supported (no other lookarounds, "
-                "flags or "
-                "references)"
+                "only (?:...), named groups, (?!...) and (?=...) are supported (no lookbehinds, flags or references)"
             )
         name, closed, _ = self.pattern[self.position :].partition(">")
         if not closed or not name.isidentifier():
@@ -1649,6 +1673,8 @@ class CharacterAutomaton:
         self.work = 0  # states its closures have visited
         self.moves: dict[int, list[tuple[Chars | Text, int]]] = {}
         self.epsilons: dict[int, list[int]] = {}
+        self.aheads: list[Ahead] = []  # the lookaheads inside, in the order laid out
+        self.marks: dict[tuple[int, int], int] = {}  # an epsilon where a lookahead stands -> its index in `aheads`
         self.first = self._state()
         self.last = self._build(self.first, tree)
 
@@ -1691,6 +1717,12 @@ class CharacterAutomaton:
 
     def _build(self, start: int, tree: RegexNode) -> int:
         """The tree's strings from `start`; answers the state they end in."""
+        if isinstance(tree, Ahead):
+            end = self._state()
+            self._epsilon(start, end)
+            self.marks[start, end] = len(self.aheads)
+            self.aheads.append(tree)
+            return end
         if isinstance(tree, Chars | Text):
             end = self._state()
             self.moves.setdefault(start, []).append((tree, end))
@@ -1725,16 +1757,25 @@ ProductKey = tuple[int, int, Guards, int]  # (the pattern's state, the character
 class PatternProduct:
     """A pattern option's character automaton crossed with the count of characters taken (which stops at `most`, or
     stays at `least` once there where None) and with each lookahead option's automaton, followed as a set of its
-    states: the exclusions' first, then the requirements' options, and a bit for each requirement met."""
+    states: the exclusions' first, then the requirements' options, then the options of the lookaheads inside (empty
+    until the path passes where one stands), and a bit for each requirement met (those inside met until then)."""
 
     def __init__(self, emitter: RegexEmitter, option: Guarded, least: int, most: int | None, where: str) -> None:
         self.emitter, self.least, self.most = emitter, least, most
         self.automaton = CharacterAutomaton(option.tree, where)
         looks = [(look, None) for look in option.exclusions]
         looks += [(look, index) for index, options in enumerate(option.requirements) for look in options]
+        requirements, self.starting = len(option.requirements), len(looks)
+        self.inside: list[tuple[list[int], int | None]] = []  # each lookahead inside: its options' places, requirement
+        for ahead in self.automaton.aheads:
+            index = None if ahead.negative else requirements
+            requirements += not ahead.negative
+            self.inside.append((list(range(len(looks), len(looks) + len(ahead.options))), index))
+            looks += [(look, index) for look in ahead.options]
         # (automaton, whole, the requirement it is an option of: None for an exclusion)
         self.looks = [(CharacterAutomaton(look.tree, where), look.whole, index) for look, index in looks]
-        self.every_requirement = (1 << len(option.requirements)) - 1
+        self.every_requirement = (1 << requirements) - 1
+        self.met_inside = sum(1 << index for _, index in self.inside if index is not None)
         self.nodes: dict[ProductKey, int] = {}
         self.pending: list[ProductKey] = []
 
@@ -1742,7 +1783,11 @@ class PatternProduct:
         """The product's strings from `start`; answers the node they end at."""
         network = self.emitter.network
         end = network.node()
-        first = self._node(self.automaton.first, 0, tuple(look.closure({look.first}) for look, _, _ in self.looks), 0)
+        started = tuple(
+            look.closure({look.first}) if place < self.starting else frozenset()
+            for place, (look, _, _) in enumerate(self.looks)
+        )
+        first = self._node(self.automaton.first, 0, started, self.met_inside)
         if first is None:
             return end  # an exclusion matches the empty string, or a requirement cannot be met: nothing is taken
         network.epsilon(start, first)
@@ -1753,7 +1798,9 @@ class PatternProduct:
             if state == self.automaton.last and count >= self.least and self._ends_well(guarded, met):
                 network.epsilon(here, end)
             for target in self.automaton.epsilons.get(state, ()):
-                if (node := self._node(target, count, guarded, met)) is not None:
+                ahead = self.automaton.marks.get((state, target))
+                passed = (guarded, met) if ahead is None else self._passed(ahead, guarded, met)
+                if (node := self._node(target, count, *passed)) is not None:
                     network.epsilon(here, node)
             if count == self.most:
                 continue
@@ -1786,6 +1833,16 @@ class PatternProduct:
             self.pending.append(key)
         return self.nodes[key]
 
+    def _passed(self, ahead: int, guarded: Guards, met: int) -> tuple[Guards, int]:
+        """The guards and requirements met once a path passes where the lookahead inside stands: its options start
+        from there, and a requirement it is is not met yet."""
+        places, index = self.inside[ahead]
+        guarded = tuple(
+            look.closure({look.first}) if place in places else states
+            for place, ((look, _, _), states) in enumerate(zip(self.looks, guarded, strict=True))
+        )
+        return guarded, met if index is None else met & ~(1 << index)
+
     def _ends_well(self, guarded: Guards, met: int) -> bool:
         """Whether the string may end here: no exclusion matches all of it, and each requirement not met by a
         beginning has an option that matches all of it."""
@@ -1812,6 +1869,8 @@ class PatternProduct:
 
 def length_range(tree: RegexNode) -> tuple[int, int | None]:
     """The fewest and most characters of the tree's strings (None: no most)."""
+    if isinstance(tree, Ahead):
+        return 0, 0
     if isinstance(tree, Chars | Text):
         return 1, 1
     if isinstance(tree, Concat):
@@ -1843,6 +1902,15 @@ def within_lengths(tree: RegexNode, least: int, most: int | None) -> RegexNode |
         return None
     bounded = Repeat(repeat.part, low, high)
     return Concat((*parts[: free[0]], bounded, *parts[free[0] + 1 :])) if isinstance(tree, Concat) else bounded
+
+
+def has_ahead(tree: RegexNode) -> bool:
+    """Whether a lookahead stands anywhere inside the tree."""
+    if isinstance(tree, Ahead):
+        return True
+    if isinstance(tree, Concat | Alternation):
+        return any(has_ahead(part) for part in (tree.parts if isinstance(tree, Concat) else tree.options))
+    return isinstance(tree, Repeat) and has_ahead(tree.part)
 
 
 def as_chars(atom: Chars | Text) -> Chars:
@@ -1887,7 +1955,7 @@ class RegexEmitter:
         shortest, longest = length_range(option.tree)
         least = 0 if least <= shortest else least
         most = None if most is not None and longest is not None and longest <= most else most
-        if not option.exclusions and not option.requirements:
+        if not option.exclusions and not option.requirements and not has_ahead(option.tree):
             bounded = within_lengths(option.tree, least, most)
             if bounded is not None:
                 return self.emit(start, bounded)

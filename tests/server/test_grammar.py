@@ -641,6 +641,25 @@ def test_a_pydantic_decimal_is_guided_as_a_number_or_a_decimal_string():
         assert not matches(grammar, bad), bad
 
 
+def test_a_pydantic_condecimal_is_guided_as_a_number_or_a_string_of_its_digits():
+    """pydantic writes condecimal(max_digits, decimal_places) as a number or a string whose pattern holds a lookahead
+    inside a group: the strings taken are those pydantic validates."""
+    from pydantic import BaseModel, ValidationError, condecimal
+
+    class Price(BaseModel):
+        amount: condecimal(max_digits=5, decimal_places=2)  # type: ignore[valid-type]
+
+    grammar = json_grammar(Price.model_json_schema())
+    for text in ("123.45", "1234.5", "12.345", "-0012.50", "123", "1234", "+.5", ".", "0.1", "99999"):
+        document = json.dumps({"amount": text})
+        try:
+            Price.model_validate_json(document)
+            valid = True
+        except ValidationError:
+            valid = False
+        assert matches(grammar, document) == valid, text
+
+
 def test_a_string_pattern_takes_non_ascii_characters_as_they_are_only():
     """In a patterned string a non-ASCII character is written as itself, never as a \\u escape."""
     grammar = json_grammar({"type": "string", "pattern": "é"})
@@ -767,6 +786,12 @@ REGEX_CASES = [
     (r"(?=a*$)[ab]*|c", "abc", []),  # a requirement guards its own option only
     (r"(?=)x?|(?=[ab]{2})(?!ab)[abc]*", "abcx", []),
     (r"(?=.*\n$)[a\n]{1,3}", "a\n", []),
+    (r"a(?=b)[ab]*", "ab", []),  # lookaheads inside: the rest of the string from where they stand
+    (r"(?:a|(?=b.$)[ab]+)c?", "abc", []),
+    (r"x?(?!ab)[ab]{0,3}", "abx", []),
+    (r"[ab](?=[ab]*$)(?!.*bb)[ab]*", "ab.", []),
+    (r"(a$)|b$|(?:c|a(?!b)$)", "abc", []),  # '$' where a match ends: before groups' ')'s, then a '|' or the end
+    (r"^(?!^[-+.]*$)[+-]?0*(?:\d{0,3}|(?=[\d.]{1,6}0*$)\d{0,3}\.\d{0,2}0*$)", "01.-", ["-0012.50", "123.45"]),
 ]
 
 
@@ -808,11 +833,12 @@ def test_a_class_of_non_ascii_ranges_takes_well_formed_utf8_of_its_characters_on
     "pattern",
     [
         r"(a)\1",
-        r"a(?!b)c",
+        r"(a$|b)c",
+        r"(a$)?",
         r"(?!a",
-        r"(?:(?!a)b)",
-        r"a(?=b)b",
-        r"(?:(?=a)a)",
+        r"(?:(?=a)a)*",
+        r"(a(?!b))+",
+        r"(?=(?=a)a)a",
         r"(?<=a)b",
         r"(?<!a)b",
         r"\bword",
