@@ -37,7 +37,8 @@ MAX_NODES = 200_000
 MAX_CLOSURE_WORK = 4_000_000  # states one lookahead's automaton may visit in all (a nested counted one is refused)
 MAX_REPEAT = 1000  # the largest repeat count or item count
 MAX_STRING_LENGTH = 4096  # the largest minLength or maxLength (pydantic's HttpUrl has 2083)
-MAX_MULTIPLE = 1000  # the largest multipleOf in its last digit's units (a state for each remainder beside each other)
+MAX_MULTIPLE = 1000  # the largest multipleOf in its last digit's units (a state for each remainder, beside each state
+# of the number's automaton)
 MAX_UNIQUE_VALUES = 8  # the most values unique items may choose among (a node per subset of them)
 SHARED_STRING_LENGTH = 256  # strings allowed more characters than this share one routine per pair of lengths
 MAX_WHITESPACE = 20  # bytes in one run of JSON whitespace, so that a model cannot loop on it
@@ -554,15 +555,15 @@ class SchemaCompiler(JsonBuilder):
 
     Honoured: type (a name or a list), properties (in their order), required, additionalProperties (a schema for the
     keys `properties` does not list, written after those; absent beside properties: no other keys), and without
-    properties propertyNames (string keywords, or an enum), one pattern of patternProperties, minProperties and
-    maxProperties (a minimum above 1 for listed keys only, which come once each), items, prefixItems (or items as a
-    list, with additionalItems), minItems, maxItems, uniqueItems (items of a few listed values), minLength, maxLength,
-    pattern (over the string's decoded characters, fully; lengths too), format (those of grammar_formats.py, not beside
-    a pattern; others are annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then written
-    without an exponent), multipleOf (of at most 1000 in its last digit's units: numbers then have no more fraction
-    digits than it, none for a whole one), enum and const (beside type only, as json.dumps writes them), anyOf, oneOf
-    (as anyOf), allOf (schemas of annotations alone aside, one as it is, several only as objects of properties, required
-    and additionalProperties, each value constrained by one of them), $ref to '#' and '#/$defs/NAME'
+    properties propertyNames (string keywords, or an enum or const), one pattern of patternProperties, minProperties and
+    maxProperties (keys of up to 8 listed values come once each; a minimum above 1 needs them), items, prefixItems (or
+    items as a list, with additionalItems), minItems, maxItems, uniqueItems (items of a few listed values), minLength,
+    maxLength, pattern (over the string's decoded characters, fully; lengths too), format (those of grammar_formats.py,
+    not beside a pattern; others are annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers then
+    written without an exponent), multipleOf (of at most 1000 in its last digit's units: numbers then have no more
+    fraction digits than it, none for a whole one), enum and const (beside type only, as json.dumps writes them), anyOf,
+    oneOf (as anyOf), allOf (schemas of annotations alone aside, one as it is, several only as objects of properties,
+    required and additionalProperties, each value constrained by one of them), $ref to '#' and '#/$defs/NAME'
     ('#/definitions/NAME'), and the annotations (OpenAPI's discriminator among them), which are ignored. A composition
     beside another constraint is refused."""
 
@@ -571,6 +572,7 @@ class SchemaCompiler(JsonBuilder):
         self.root = root
         self._routines: dict[str, int] = {}  # a schema's pointer -> the entry of its routine
         self._strings: dict[tuple[int, int], int] = {}  # (least, most) -> the entry of a long string's routine
+        self._comma_entry: int | None = None  # the entry of the comma's routine (`_comma`)
 
     def root_value(self, start: int) -> int:
         """A value of the root schema (through its routine, which '#' may call again)."""
@@ -642,7 +644,7 @@ class SchemaCompiler(JsonBuilder):
         for part, at in parts:
             if not isinstance(part, dict):
                 message = (
-                    "a false schema admits no value" if part is False else "a schema must be an object or a boolean"
+                    "a false schema admits no value" if part is False else "a schema must be a JSON object or a boolean"
                 )
                 raise GrammarError(message, at)
             for key in part:
@@ -790,18 +792,21 @@ class SchemaCompiler(JsonBuilder):
                 return self.number(start, integer=name == "integer")
             whole = step is not None and step[1] == 0
             numbers = bounded_numbers(low, high, integer=name == "integer" or whole)
-            if numbers is not None and step is not None:
-                numbers = multiples_of(numbers, *step)
             if numbers is None:
                 where = pointer_to(pointer, next(key for key in TYPE_KEYWORDS["number"] if key in schema))
                 raise GrammarError(f"no {name} lies within the schema's bounds", where)
+            if step is not None:
+                numbers = multiples_of(numbers, *step)
+            if numbers is None:
+                where = pointer_to(pointer, "multipleOf")
+                raise GrammarError(f"no {name} within the schema's bounds is a multiple of 'multipleOf'", where)
             return self._automaton(start, numbers)
         return self.network.literals(start, [b"true", b"false"] if name == "boolean" else [b"null"])
 
     def _object(self, start: int, schema: dict[str, Any], pointer: str) -> int:
         """An object: its `properties` in order, those not `required` optional, then (where `additionalProperties` is
         not false) the required names `properties` lacks and any other keys, their values following it; with no
-        `properties`, any object whose values follow `additionalProperties`."""
+        `properties`, an open object (`_open_object`)."""
         required = self._required(schema, pointer)
         properties = schema.get("properties")
         if properties is None:
@@ -864,20 +869,48 @@ class SchemaCompiler(JsonBuilder):
         if most == 0:
             self._compile_unused(key, values, values_pointer)
             return network.literal(self.whitespace(network.literal(start, b"{")), b"}")
-        value = partial(self.value, schema=values, pointer=values_pointer)
+        value_entry = self._value_entry(values, values_pointer)
         if distinct:
-            return self._keyed_object(start, key, value, least, most)
-        entry, exit_node = network.routine()
-        key_end = network.literals(entry, key) if isinstance(key, list) else (key or self.string)(entry)
-        network.epsilon(self.member(key_end, value), exit_node)
+            return self._keyed_object(start, key, value_entry, least, most)
+        key_entry = self._key_routine(
+            partial(network.literals, texts=key) if isinstance(key, list) else key or self.string
+        )
         inside = self.whitespace(network.literal(start, b"{"))
         end = network.node()
         if least == 0:
             network.move(inside, 1 << ord("}"), end)
-        following = partial(self._next_item, entry=entry)
-        after = network.repeat(network.call(inside, entry), following, 0, None if most is None else most - 1)
+        first = self._member_call(inside, key_entry, value_entry)
+        following = partial(self._member_call, key_entry=key_entry, value_entry=value_entry, after_comma=True)
+        after = network.repeat(first, following, 0, None if most is None else most - 1)
         network.move(self.whitespace(after), 1 << ord("}"), end)
         return end
+
+    def _value_entry(self, schema: Any, pointer: str) -> int:
+        """The entry of a routine for a value of the schema (a bare $ref's own routine), so that a value nested in a
+        member takes one call frame, as one laid in place takes for its $ref."""
+        if isinstance(schema, dict) and set(schema) - ANNOTATIONS == {"$ref"}:
+            return self._referenced(schema["$ref"], pointer_to(pointer, "$ref"))
+        return self.routine(schema, pointer)
+
+    def _key_routine(self, key: Emit) -> int:
+        """The entry of a routine for a member's key and its colon (it returns before the value)."""
+        entry, exit_node = self.network.routine()
+        self.network.epsilon(self.whitespace(self.network.literal(self.whitespace(key(entry)), b":")), exit_node)
+        return entry
+
+    def _member_call(self, start: int, key_entry: int, value_entry: int, after_comma: bool = False) -> int:
+        """A member as calls: a comma before it where `after_comma`, its key and colon, then its value."""
+        if after_comma:
+            start = self.network.call(start, self._comma())
+        return self.network.call(self.network.call(start, key_entry), value_entry)
+
+    def _comma(self) -> int:
+        """The entry of the routine of a comma between items, whitespace around it (laid out once)."""
+        if self._comma_entry is None:
+            entry, exit_node = self.network.routine()
+            self.network.epsilon(self.separator(entry), exit_node)
+            self._comma_entry = entry
+        return self._comma_entry
 
     def _compile_unused(self, key: Emit | list[bytes] | bool | None, values: Any, values_pointer: str) -> None:
         """Compile an object's key and value schemas that no member can use, off the grammar's paths, so that their
@@ -947,29 +980,23 @@ class SchemaCompiler(JsonBuilder):
                 raise GrammarError(str(error), pattern_where) from None
             raise
 
-    def _keyed_object(self, start: int, keys: list[bytes], value: Emit, least: int, most: int | None) -> int:
+    def _keyed_object(self, start: int, keys: list[bytes], value_entry: int, least: int, most: int | None) -> int:
         """An object of `least` to `most` members of distinct listed keys (`_distinct`)."""
-        network = self.network
-        member_entry, member_exit = network.routine()
-        network.epsilon(self.member(member_entry, value), member_exit)
-        key_entries = []
+        members = []
         for key in keys:
-            entry, exit_node = network.routine()
-            network.epsilon(network.call(network.literal(entry, key), member_entry), exit_node)
-            key_entries.append(entry)
-        return self._distinct(start, b"{}", key_entries, least, most)
+            key_entry = self._key_routine(partial(self.network.literal, data=key))
+            members.append(partial(self._member_call, key_entry=key_entry, value_entry=value_entry))
+        return self._distinct(start, b"{}", members, least, most)
 
-    def _distinct(self, start: int, brackets: bytes, entries: list[int], least: int, most: int | None) -> int:
-        """A container in `brackets` of `least` to `most` items, each a call of a different one of the routines
-        `entries`, in any order: a node for each subset written so far, joined to the next by calls (the comma and
-        the closing bracket are routines too, so that a subset node is a few nodes)."""
+    def _distinct(self, start: int, brackets: bytes, items: list[Emit], least: int, most: int | None) -> int:
+        """A container in `brackets` of `least` to `most` items, each a different one of `items` (calls of routines),
+        in any order: a node for each subset written so far, joined to the next by calls (the comma and the closing
+        bracket are routines too, so that a subset node is a few nodes)."""
         network = self.network
-        comma_entry, comma_exit = network.routine()
-        network.epsilon(self.separator(comma_entry), comma_exit)
         close_entry, close_exit = network.routine()
         network.epsilon(network.literal(self.whitespace(close_entry), brackets[1:]), close_exit)
         end, after = network.node(), {0: self.whitespace(network.literal(start, brackets[:1]))}
-        for written in sorted(range(1 << len(entries)), key=int.bit_count):
+        for written in sorted(range(1 << len(items)), key=int.bit_count):
             if written not in after:
                 continue
             count, here = written.bit_count(), after[written]
@@ -979,11 +1006,11 @@ class SchemaCompiler(JsonBuilder):
                 network.epsilon(network.call(here, close_entry), end)
             if most is not None and count >= most:
                 continue
-            next_item = here if written == 0 else network.call(here, comma_entry)
-            for index, entry in enumerate(entries):
+            next_item = here if written == 0 else network.call(here, self._comma())
+            for index, item in enumerate(items):
                 if not written >> index & 1:
                     target = after.setdefault(written | 1 << index, network.node())
-                    network.epsilon(network.call(next_item, entry), target)
+                    network.epsilon(item(next_item), target)
         return end
 
     def _record(
@@ -999,19 +1026,27 @@ class SchemaCompiler(JsonBuilder):
         network = self.network
         none_yet: int | None = self.whitespace(network.literal(start, b"{"))  # no member written, none required passed
         written: int | None = None  # just after the last member written
+        members: list[tuple[Emit, Emit, bool, bool]] = []  # (key, value, required, repeated)
         for name, subschema, where in listed:
             if subschema is False:  # a forbidden name
                 if name in required:
                     raise GrammarError(f"required property {name!r} admits no value", where)
                 continue
+            key = partial(network.literal, data=json.dumps(name).encode())
+            members.append((key, partial(self.value, schema=subschema, pointer=where), name in required, False))
+        if extra is not None:
+            other = partial(self._other_key, names=[name for name, _, _ in listed])
+            members.append((other, partial(self.value, schema=extra[0], pointer=extra[1]), False, True))
+        for key, value, needed, repeated in members:
             key_start = network.node()
             if none_yet is not None:
                 network.epsilon(none_yet, key_start)
             if written is not None:
                 network.epsilon(self.separator(written), key_start)
-            value = partial(self.value, schema=subschema, pointer=where)
-            member_end = self.member(network.literal(key_start, json.dumps(name).encode()), value)
-            if name in required:
+            member_end = self.member(key(key_start), value)
+            if repeated:
+                network.epsilon(self.separator(member_end), key_start)
+            if needed:
                 none_yet, written = None, member_end
                 continue
             merged = network.node()
@@ -1019,8 +1054,6 @@ class SchemaCompiler(JsonBuilder):
                 if node is not None:
                     network.epsilon(node, merged)
             written = merged
-        if extra is not None:
-            none_yet, written = self._other_members(none_yet, written, [name for name, _, _ in listed], *extra)
         end = network.node()
         if none_yet is not None:
             network.move(none_yet, 1 << ord("}"), end)
@@ -1028,26 +1061,12 @@ class SchemaCompiler(JsonBuilder):
             network.move(self.whitespace(written), 1 << ord("}"), end)
         return end
 
-    def _other_members(
-        self, none_yet: int | None, written: int | None, names: list[str], schema: Any, pointer: str
-    ) -> tuple[int | None, int]:
-        """Members after the listed ones, any number, each of a key none of `names` (written as json.dumps writes
-        it, so that no escape spells a listed name) and a value of `schema`; answers (none_yet, written) after them."""
-        network = self.network
-        key_start = network.node()
-        if none_yet is not None:
-            network.epsilon(none_yet, key_start)
-        if written is not None:
-            network.epsilon(self.separator(written), key_start)
-        keys = RegexEmitter(network, in_json_string=True)
-        key = keys.emit_pattern(network.literal(key_start, b'"'), other_keys(names))
-        member_end = self.member(network.literal(key, b'"'), partial(self.value, schema=schema, pointer=pointer))
-        network.epsilon(self.separator(member_end), key_start)
-        merged = network.node()
-        for node in (member_end, written):
-            if node is not None:
-                network.epsilon(node, merged)
-        return none_yet, merged
+    def _other_key(self, start: int, names: list[str]) -> int:
+        """A key none of `names`, written as json.dumps(ensure_ascii=False) writes it (so no escape spells a name)."""
+        key = RegexEmitter(self.network, in_json_string=True).emit_pattern(
+            self.network.literal(start, b'"'), other_keys(names)
+        )
+        return self.network.literal(key, b'"')
 
     def _array(self, start: int, schema: dict[str, Any], pointer: str) -> int:
         """An array of `minItems` to `maxItems` values: the first ones following `prefixItems` in turn, the rest
@@ -1114,12 +1133,12 @@ class SchemaCompiler(JsonBuilder):
         if least > len(texts):
             where = pointer_to(pointer, "minItems")
             raise GrammarError("'minItems' is above the number of distinct values the items may take", where)
-        entries = []
+        items = []
         for text in texts:
             entry, exit_node = self.network.routine()
             self.network.epsilon(self.network.literal(entry, text), exit_node)
-            entries.append(entry)
-        return self._distinct(start, b"[]", entries, least, most)
+            items.append(partial(self.network.call, entry=entry))
+        return self._distinct(start, b"[]", items, least, most)
 
     def _listed_values(self, items: Any, pointer: str, where: str) -> list[bytes]:
         """The texts of the few values an item may be (an enum, a const, a boolean or null, through $refs), each
@@ -1233,6 +1252,8 @@ class SchemaCompiler(JsonBuilder):
             raise GrammarError("must be a finite number", where)
         if isinstance(value, float) and not math.isfinite(value):
             raise GrammarError("must be a finite number", where)
+        if isinstance(value, int) and abs(value) >= 10**MAX_BOUND_DIGITS:  # str() could not even write some
+            raise GrammarError(f"a bound of more than {MAX_BOUND_DIGITS} digits written out", where)
         bound = Bound(Decimal(str(value)), inclusive)
         try:
             bound_digits(bound.value)
@@ -1266,16 +1287,16 @@ class SchemaCompiler(JsonBuilder):
         finite = isinstance(step, int) or (isinstance(step, float) and math.isfinite(step))
         if isinstance(step, bool) or not finite or step <= 0:
             raise GrammarError("'multipleOf' must be a number above 0", where)
-        _, digits, exponent = Decimal(str(step)).normalize().as_tuple()
-        if exponent >= 0:  # a whole number
-            digits, exponent = (*digits, *(0,) * exponent), 0
-        value = int("".join(map(str, digits)))
-        if value > MAX_MULTIPLE or -exponent > MAX_BOUND_DIGITS:
+        digits, places = 0, 0
+        if not isinstance(step, int) or step <= MAX_MULTIPLE:  # a larger whole one is refused unwritten (str() limits)
+            _, figures, exponent = Decimal(str(step)).normalize().as_tuple()
+            digits, places = int("".join(map(str, figures))) * 10 ** max(exponent, 0), max(-exponent, 0)
+        if not 0 < digits <= MAX_MULTIPLE or places > MAX_BOUND_DIGITS:
             raise GrammarError(
                 f"'multipleOf' is supported only as a number of at most {MAX_MULTIPLE} in its last digit's units "
                 f"(such as 5, 0.25 or 0.001), with at most {MAX_BOUND_DIGITS} fraction digits", where,
             )  # fmt: skip
-        return value, -exponent
+        return digits, places
 
     def _count(self, schema: dict[str, Any], key: str, pointer: str, limit: int = MAX_REPEAT) -> int | None:
         """A count keyword's value (None where absent), 0 to `limit`."""

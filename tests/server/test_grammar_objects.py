@@ -61,14 +61,16 @@ def test_other_keys_follow_the_listed_properties_with_values_of_additional_prope
 
 
 def test_no_other_key_spells_a_listed_name():
-    """An other key is none of the listed names, however escaped (other keys are written as json.dumps writes them);
-    a name with more after it is another key."""
+    """An other key is none of the listed names; other keys are written as json.dumps(ensure_ascii=False) writes them,
+    so no escape spells a name either; a name with more after it, or less, is another key."""
     grammar = json_grammar(
         {"properties": {"a": {}, 'q"é': {}}, "additionalProperties": {"type": "integer"}, "required": ["a"]}
     )
     assert matches(grammar, '{"a": 0, "ab": 1, "": 2, "a\\n": 3, "q\\"": 4, "q\\"éé": 5, "é": 6}')
     assert matches(grammar, '{"a": 0, "q\\"\\u00e9": 1}')  # the listed property, as json.dumps writes its name
-    for key in ('"a"', '"\\u0061"', '"q\\"é"', '"\\u00e9"'):
+    for key in ('"a"', '"q\\"é"'):  # a listed name as an other key
+        assert not matches(grammar, '{"a": 0, "b": 1, ' + key + ": 1}"), key
+    for key in ('"\\u0061"', '"\\u00e9"', '"\\/"'):  # escapes json.dumps(ensure_ascii=False) does not write
         assert not matches(grammar, '{"a": 0, ' + key + ": 1}"), key
 
 
@@ -151,15 +153,36 @@ def test_many_dicts_keyed_by_an_enum_of_eight_values_fit():
     an 8-value Enum compiles, and takes their dumps."""
     import enum
 
-    from pydantic import BaseModel, create_model
+    from pydantic import create_model
 
     names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
     Phonetic = enum.Enum("Phonetic", {name.upper(): name for name in names})
     Model = create_model("Model", **{f"field{i}": (dict[Phonetic, int], ...) for i in range(12)})
-    assert issubclass(Model, BaseModel)
     grammar = json_grammar(Model.model_json_schema())
     keyed = {member: index for index, member in enumerate(Phonetic)}
     assert matches(grammar, Model(**{f"field{i}": keyed for i in range(12)}).model_dump_json())
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        {},
+        {"propertyNames": {"enum": ["a"]}},
+        {"propertyNames": {"enum": list("abcdefghi")}},
+        {"maxProperties": 3},
+    ],
+)
+def test_objects_of_other_keys_nest_as_deep_as_objects_of_properties(rules):
+    """A recursive dict (additionalProperties a $ref back to it; keys listed, or counted) nests as deep as a recursive
+    object of properties: each level one call frame of the MAX_DEPTH."""
+
+    def deepest(schema: dict[str, Any]) -> int:
+        grammar = json_grammar({"$defs": {"T": schema}, "$ref": "#/$defs/T"})
+        return max(depth for depth in range(1, 80) if matches(grammar, '{"a": ' * depth + "{}" + "}" * depth))
+
+    by_properties = deepest({"type": "object", "properties": {"a": {"$ref": "#/$defs/T"}}})
+    assert by_properties > 60
+    assert deepest({"type": "object", "additionalProperties": {"$ref": "#/$defs/T"}} | rules) == by_properties
 
 
 @pytest.mark.parametrize("most", [None, 1, 2])
