@@ -28,8 +28,10 @@ from dataclasses import asdict, dataclass
 import httpx
 from openai_stream import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, resolve_model
 
-from server.grammar import Grammar, json_grammar, regex_grammar
+from server.grammar import Grammar
 from server.grammar_ebnf import ebnf_grammar
+from server.grammar_regex import regex_grammar
+from server.grammar_schema import json_grammar
 
 PATTERN = "[a-z ,.]{1000}"
 RECORD = {

@@ -19,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from server.grammar import Grammar, json_grammar, regex_grammar
+from server.grammar import Grammar
 from server.grammar_ebnf import ebnf_grammar
+from server.grammar_regex import regex_grammar
+from server.grammar_schema import json_grammar
 from server.token_masks import GuideMasks, TokenVocabulary
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {}}}}

@@ -7,21 +7,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from server.grammar import (
-    ASCII,
-    EVERY_WIDE,
-    MAX_REPEAT,
-    Alternation,
-    Chars,
-    Concat,
-    Grammar,
-    GrammarError,
-    Network,
-    RegexEmitter,
-    RegexNode,
-    Repeat,
-    Text,
-)
+from server.grammar import ASCII, MAX_REPEAT, Grammar, GrammarError, Network
+from server.grammar_regex import EVERY_WIDE, Alternation, Chars, Concat, RegexEmitter, RegexNode, Repeat, Text
 
 ROOT = "root"
 NAME = re.compile(r"[A-Za-z_-][A-Za-z0-9_.-]*")  # '.' first would be any character

@@ -9,8 +9,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from server.grammar import Grammar, GrammarError, choice_grammar, json_grammar, regex_grammar
+from server.grammar import Grammar, GrammarError
 from server.grammar_ebnf import ebnf_grammar
+from server.grammar_regex import choice_grammar, regex_grammar
+from server.grammar_schema import json_grammar
 
 GuideKind = Literal["json", "regex", "choice", "grammar"]
 GRAMMARS_KEPT = 64  # compiled grammars kept for later requests (the least recently used one goes first)

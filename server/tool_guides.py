@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.grammar import DEFINITIONS, local_definition, pointer_to
+from server.grammar_schema import DEFINITIONS, local_definition, pointer_to
 from server.guide_spec import GuideSpec
 
 

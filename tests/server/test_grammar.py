@@ -13,15 +13,9 @@ from typing import Any
 import pytest
 
 import server.grammar
-from server.grammar import (
-    MAX_DEPTH,
-    MAX_WHITESPACE,
-    Grammar,
-    GrammarError,
-    choice_grammar,
-    json_grammar,
-    regex_grammar,
-)
+from server.grammar import MAX_DEPTH, MAX_WHITESPACE, Grammar, GrammarError
+from server.grammar_regex import choice_grammar, regex_grammar
+from server.grammar_schema import json_grammar
 
 
 def matches(grammar: Grammar, text: str | bytes) -> bool:

@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from server.grammar import GrammarError, json_grammar
+from server.grammar import GrammarError
 from server.grammar_formats import FORMAT_PATTERNS
+from server.grammar_schema import json_grammar
 
 SAMPLES = {  # format: (valid texts, invalid texts)
     "date": (["2026-12-06", "0001-01-31"], ["2026-13-01", "2026-00-10", "2026-1-01", "26-12-06", "2026-12-32"]),

@@ -10,8 +10,9 @@ from decimal import Decimal
 
 import pytest
 
-from server.grammar import GrammarError, json_grammar
+from server.grammar import GrammarError
 from server.grammar_numbers import Bound, NumberAutomaton, bounded_numbers
+from server.grammar_schema import json_grammar
 
 INTEGERS = [str(value) for value in range(-130, 131)]
 DECIMALS = [

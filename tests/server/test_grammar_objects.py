@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from server.grammar import Grammar, GrammarError, json_grammar
+from server.grammar import Grammar, GrammarError
+from server.grammar_schema import json_grammar
 
 
 def matches(grammar: Grammar, text: str) -> bool:

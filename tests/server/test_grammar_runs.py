@@ -9,7 +9,9 @@ import random
 import pytest
 import torch
 
-from server.grammar import Grammar, State, json_grammar, regex_grammar
+from server.grammar import Grammar, State
+from server.grammar_regex import regex_grammar
+from server.grammar_schema import json_grammar
 from server.token_masks import HORIZON, GuideMasks, TokenVocabulary
 
 RUNS = {  # a grammar with long counted repeats, a small alphabet that exercises it, and outputs along it

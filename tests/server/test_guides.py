@@ -10,8 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from model.shipped import SHIPPED_MODEL
-from server.grammar import choice_grammar, json_grammar, regex_grammar
 from server.grammar_ebnf import ebnf_grammar
+from server.grammar_regex import choice_grammar, regex_grammar
+from server.grammar_schema import json_grammar
 from server.guide_spec import GuideError, GuideSpec
 from server.guides import MASK_SETS, Guides, likely_text, packed
 from server.token_masks import GuideMasks, TokenVocabulary

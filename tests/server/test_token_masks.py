@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from model.shipped import SHIPPED_MODEL
-from server.grammar import Grammar, State, choice_grammar, json_grammar, regex_grammar
+from server.grammar import Grammar, State
 from server.grammar_ebnf import ebnf_grammar
+from server.grammar_regex import choice_grammar, regex_grammar
+from server.grammar_schema import json_grammar
 from server.token_masks import ENDED, GuideMasks, TokenVocabulary, byte_level_alphabet
 from server.tokenizer import load_tokenizer
 
