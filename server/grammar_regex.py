@@ -178,16 +178,19 @@ class RegexParser:
         requirements: list[tuple[LookOption, ...]] = []
         while True:
             if self._accept("(?!"):
-                exclusions += self._look_options()
+                exclusions += self._look_options(at_start=True)
             elif self._accept("(?="):
-                requirements.append(tuple(self._look_options()))
+                requirements.append(tuple(self._look_options(at_start=True)))
             else:
                 return Guarded(self._sequence(), tuple(exclusions), tuple(requirements))
 
-    def _look_options(self) -> list[LookOption]:
-        """A lookahead's options after its '(?!' or '(?=', to its ')'; a '^' may open the lookahead and a '$' end an
-        option, outside any group."""
-        self._accept("^")
+    def _look_options(self, at_start: bool) -> list[LookOption]:
+        """A lookahead's options after its '(?!' or '(?=', to its ')'; a '$' may end an option, outside any group, and
+        a '^' open a lookahead `at_start` of a top-level option (elsewhere it could match nothing but the start)."""
+        if at_start:
+            self._accept("^")
+        elif self._peek() == "^":
+            raise self._error("a '^' is taken only in a lookahead at the start of an option")
         exclusions, self.excluding = [], True
         while True:
             self.excluded_whole = False
@@ -318,7 +321,7 @@ class RegexParser:
                 if self.excluding:
                     raise self._error("a lookahead inside a lookahead is not supported")
                 depth, self.depth = self.depth, 0  # a '$' ends the lookahead's options at its own top level
-                options = self._look_options()
+                options = self._look_options(at_start=False)
                 self.depth = depth
                 return Ahead(tuple(options), negative)
         if self._accept("?") and not self._accept(":"):

@@ -834,6 +834,8 @@ def test_a_class_of_non_ascii_ranges_takes_well_formed_utf8_of_its_characters_on
         r"(?:(?=a)a)*",
         r"(a(?!b))+",
         r"(?=(?=a)a)a",
+        r"b(?=^a)a",  # '^' in a lookahead inside: it could match nothing but the start
+        r"a(?!^)",
         r"(?<=a)b",
         r"(?<!a)b",
         r"\bword",
