@@ -548,16 +548,22 @@ class PatternProduct:
         begins what was taken, or a requirement can no longer be met (nothing from there is taken). A requirement
         whose option has matched a beginning is met, and its options are no longer followed."""
         for (look, whole, index), states in zip(self.looks, guarded, strict=True):
-            if index is None and not whole and look.last in states:
-                return None
-            if index is not None and not whole and look.last in states:
+            if not whole and look.last in states:
+                if index is None:
+                    return None
                 met |= 1 << index
         guarded = tuple(
             frozenset() if index is not None and met >> index & 1 else states
             for (_, _, index), states in zip(self.looks, guarded, strict=True)
         )
-        alive = {index for (_, _, index), states in zip(self.looks, guarded, strict=True) if states}
-        if any(not met >> index & 1 and index not in alive for index in range(self.every_requirement.bit_length())):
+        alive = sum(
+            {
+                1 << index
+                for (_, _, index), states in zip(self.looks, guarded, strict=True)
+                if states and index is not None
+            }
+        )
+        if self.every_requirement & ~met & ~alive:  # a requirement not met, none of its options still followed
             return None
         key = (state, count, guarded, met)
         if key not in self.nodes:

@@ -72,6 +72,13 @@ def pointer_to(pointer: str, *keys: str | int) -> str:
     return pointer + "".join("/" + str(key).replace("~", "~0").replace("/", "~1") for key in keys)
 
 
+def not_a_schema(value: Any, pointer: str) -> GrammarError:
+    """The error for a value where a schema should be that no value can meet: false, or not a schema at all."""
+    if value is False:
+        return GrammarError("a false schema admits no value", pointer)
+    return GrammarError("a schema must be a JSON object or a boolean", pointer)
+
+
 def local_definition(reference: Any) -> tuple[str, str] | None:
     """The (section, name) a '#/$defs/NAME' or '#/definitions/NAME' reference names; None for any other."""
     match = REFERENCE.fullmatch(reference) if isinstance(reference, str) else None
@@ -119,10 +126,8 @@ class SchemaCompiler(JsonBuilder):
         """A value the schema at `pointer` admits."""
         if schema is True:
             return self.any_value(start)
-        if schema is False:
-            raise GrammarError("a false schema admits no value", pointer)
         if not isinstance(schema, dict):
-            raise GrammarError("a schema must be a JSON object or a boolean", pointer)
+            raise not_a_schema(schema, pointer)
         for key in schema:
             if key not in SUPPORTED:
                 raise GrammarError(f"'{key}' is not supported in guided decoding", pointer_to(pointer, key))
@@ -164,17 +169,15 @@ class SchemaCompiler(JsonBuilder):
     def _all_of(self, start: int, options: list[Any], where: str) -> int:
         """A value of every schema of allOf: those of annotations alone left out, one left as it is, several (through
         their $refs) joined where they are objects of properties, required and additionalProperties (`_joined`)."""
-        kept = [(option, pointer_to(where, i)) for i, option in enumerate(options)]
-        kept = [(option, at) for option, at in kept if not self._admits_all(self._resolved(option, at)[0])]
+        written = [(option, pointer_to(where, i)) for i, option in enumerate(options)]
+        kept = [(option, at, self._resolved(option, at)) for option, at in written]
+        kept = [(option, at, part) for option, at, part in kept if not self._admits_all(part[0])]
         if len(kept) <= 1:  # compiled as written, so that a $ref is a call of its routine
-            return self.value(start, *kept[0]) if kept else self.any_value(start)
-        parts = [self._resolved(option, at) for option, at in kept]
+            return self.value(start, *kept[0][:2]) if kept else self.any_value(start)
+        parts = [part for _, _, part in kept]
         for part, at in parts:
             if not isinstance(part, dict):
-                message = (
-                    "a false schema admits no value" if part is False else "a schema must be a JSON object or a boolean"
-                )
-                raise GrammarError(message, at)
+                raise not_a_schema(part, at)
             for key in part:
                 if key not in ("type", "properties", "required", "additionalProperties", *ANNOTATIONS, *DEFINITIONS):
                     raise GrammarError(
@@ -474,7 +477,7 @@ class SchemaCompiler(JsonBuilder):
         if names is True:
             names = {}
         if not isinstance(names, dict):
-            raise GrammarError("a schema must be a JSON object or a boolean", where)
+            raise not_a_schema(names, where)
         if "enum" in names or "const" in names:
             self._alone(names, "enum" if "enum" in names else "const", ("type", "enum", "const"), where)
             if pattern is not None:
@@ -661,12 +664,12 @@ class SchemaCompiler(JsonBuilder):
         if least > len(texts):
             where = pointer_to(pointer, "minItems")
             raise GrammarError("'minItems' is above the number of distinct values the items may take", where)
-        items = []
+        calls = []
         for text in texts:
             entry, exit_node = self.network.routine()
             self.network.epsilon(self.network.literal(entry, text), exit_node)
-            items.append(partial(self.network.call, entry=entry))
-        return self._distinct(start, b"[]", items, least, most)
+            calls.append(partial(self.network.call, entry=entry))
+        return self._distinct(start, b"[]", calls, least, most)
 
     def _listed_values(self, items: Any, pointer: str, where: str) -> list[bytes]:
         """The texts of the few values an item may be (an enum, a const, a boolean or null, through $refs), each
