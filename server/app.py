@@ -36,9 +36,11 @@ from server.logprobs import (
     token_text,
 )
 from server.protocol import (
+    NO_DEFAULTS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    SamplingDefaults,
     SamplingParams,
     StreamOptions,
     parse_request,
@@ -77,6 +79,7 @@ class ServerState:
     vocab_size: int
     eos_ids: tuple[int, ...]
     api_key: str | None = None
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS  # what a request's unset sampling fields take
 
 
 class RequireApiKey:
@@ -242,12 +245,19 @@ def build_app(state: ServerState) -> FastAPI:
                 code="context_length_exceeded",
             )
 
+    def output_limit(asked: int | None, room: int) -> int:
+        """The most tokens a choice may have: its max_tokens, else the sampling defaults' (within the prompt's
+        room), else the room; at most the defaults' cap either way, as vLLM takes them."""
+        defaults = state.sampling_defaults
+        limit = asked if asked is not None else min(defaults.max_tokens or room, room)
+        return limit if defaults.max_tokens_cap is None else min(limit, defaults.max_tokens_cap)
+
     def start(
         prompts: list[list[int]], body, thinking_open: bool | None, keep_at: tuple[int, ...] = ()
     ) -> list[Generation]:
         """Submit checked prompts with the body's sampling parameters, each once for each of its `n` choices (in
         prompt order); nothing is submitted unless every prompt passes."""
-        params = body.sampling_params()
+        params = body.sampling_params(state.sampling_defaults)
         if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
             raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
         for field, ids in (
@@ -272,11 +282,11 @@ def build_app(state: ServerState) -> FastAPI:
         asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         generations: list[Generation] = []
         for prompt_ids in prompts:
-            room = state.context - len(prompt_ids)
-            if params.min_tokens > (params.max_tokens or room):
+            limit = output_limit(params.max_tokens, state.context - len(prompt_ids))
+            if params.min_tokens > limit:
                 raise ApiError(
-                    f"min_tokens: {params.min_tokens} is more than the {params.max_tokens or room} tokens this request "
-                    "may have (its max_tokens, or the context's room after the prompt)",
+                    f"min_tokens: {params.min_tokens} is more than the {limit} tokens this request may have (its "
+                    "max_tokens, or the context's room after the prompt)",
                     param="min_tokens",
                 )
             group = [
@@ -285,7 +295,7 @@ def build_app(state: ServerState) -> FastAPI:
                     state.tokenizer,
                     prompt_ids,
                     params,
-                    params.max_tokens or room,
+                    limit,
                     state.eos_ids,
                     thinking_open,
                     keep_at,
@@ -585,6 +595,8 @@ def build_app(state: ServerState) -> FastAPI:
             (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
         except ApiError as exc:
             raise as_responses_error(exc) from exc
+        used = chat.sampling_params(state.sampling_defaults)  # the response echoes the values drawn with
+        body = body.model_copy(update={"temperature": used.temperature, "top_p": used.top_p})
         response_id, created = new_response_id(), int(time.time())
         if body.stream:
             writer = ResponseStream(response_id, created, state.model_name, body)

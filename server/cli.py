@@ -222,6 +222,22 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="the model id in the API (default: the checkpoint folder's name)"
     )
     parser.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,FOLDER}",
+        help="the sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as the "
+        "default max_tokens) a request's unset fields take, as vLLM's flag gives them: auto reads the model's "
+        "generation_config.json, vllm none (the API's own defaults), a folder its generation_config.json, whose "
+        "max_new_tokens also caps every request (default auto)",
+    )
+    parser.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="sampling defaults over --generation-config's, as a JSON object of those keys, e.g. "
+        "'{\"temperature\": 0.6}'; a max_new_tokens here also caps every request (default: none)",
+    )
+    parser.add_argument(
         "--chat-template",
         type=_chat_template,
         default=None,
@@ -346,6 +362,10 @@ def start_refusal(args: argparse.Namespace) -> str | None:
         return None
     if args.context is not None and args.context > cfg.max_position_embeddings:
         return f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions"
+    from server.sampling_defaults import defaults_from_flags
+
+    # a generation config out of the API's bounds raises ValueError naming the file or flag, and the key
+    defaults_from_flags(args.model, args.generation_config, args.override_generation_config)
     for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):
         if value is not None and not value.strip():
             return f"{flag}: must not be empty"

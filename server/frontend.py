@@ -20,6 +20,7 @@ from server.app import ServerState, build_app
 from server.engine import Engine
 from server.engine_link import EngineClient, EngineHost
 from server.metrics import EngineMetrics
+from server.protocol import NO_DEFAULTS, SamplingDefaults
 from server.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class FrontSettings:
     cache_enabled: bool
     host: str
     port: int
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS  # --generation-config's, for a request's unset fields
 
 
 GRACE_S = 30  # seconds open responses get to finish once a shutdown begins
@@ -170,6 +172,7 @@ def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.
         settings.vocab_size,
         settings.eos_ids,
         settings.api_key,
+        settings.sampling_defaults,
     )
     server = http_server(state, settings)
     server.run(sockets=[listener])

@@ -6,7 +6,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -101,6 +101,27 @@ class SamplingParams:
     skip_special_tokens: bool = True  # vLLM's: special tokens (other than a stop token) give no text
     guide: GuideSpec | None = None  # the grammar the output follows (structured outputs)
     bad_words: tuple[str, ...] = ()  # vLLM's: words the output may not hold
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request that leaves a field out gets (None: the API's own default); `max_tokens_cap` bounds every
+    request's max_tokens, asked for or not."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    max_tokens_cap: int | None = None
+
+    def given(self) -> dict[str, float | int]:
+        """The values set, by name, for the start's log line."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+NO_DEFAULTS = SamplingDefaults()
 
 
 class ApiError(Exception):
@@ -559,13 +580,21 @@ class _SamplingRequest(NullAsAbsentModel):
             raise PydanticCustomError("logit_bias", f"bias {outside[0]} is outside [-100, 100]")
         return value
 
-    def sampling_params(self) -> SamplingParams:
-        """The engine's view of this request."""
+    def sampling_params(self, defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingParams:
+        """The engine's view of this request, its unset sampling fields taken from `defaults` where they give one
+        (max_tokens, where the request has none, stays None: its default depends on the prompt's room)."""
+        given = self.model_fields_set
+
+        def chosen(name: str) -> Any:
+            """The request's value where given, else the default's where it has one, else the field's own."""
+            value = getattr(defaults, name)
+            return getattr(self, name) if name in given or value is None else value
+
         return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=min(max(self.top_k, 0), MAX_TOP_K),
-            min_p=self.min_p,
+            temperature=chosen("temperature"),
+            top_p=chosen("top_p"),
+            top_k=min(max(chosen("top_k"), 0), MAX_TOP_K),
+            min_p=chosen("min_p"),
             seed=self.seed,
             max_tokens=self.max_completion_tokens or self.max_tokens or self.default_max_tokens,
             stop=tuple(self.stop),
@@ -577,7 +606,7 @@ class _SamplingRequest(NullAsAbsentModel):
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
             logprobs=self.logprobs_count(),
             min_tokens=self.min_tokens,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=chosen("repetition_penalty"),
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
@@ -782,9 +811,9 @@ class CompletionRequest(_SamplingRequest):
         """vLLM's echo with max_tokens 0: the prompt alone comes back, its logprobs where asked."""
         return self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingParams:
         """The engine's view; the prompt alone still takes one draw (its logprobs come from the prompt pass)."""
-        params = super().sampling_params()
+        params = super().sampling_params(defaults)
         return replace(params, max_tokens=1, min_tokens=0) if self.echoes_only() else params
 
     def logprobs_count(self) -> int | None:

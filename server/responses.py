@@ -274,8 +274,8 @@ class ResponsesRequest(NullAsAbsentModel):
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2)  # None: the server's default, which the response echoes
+    top_p: float | None = Field(None, gt=0, le=1)
     # sampling extensions the chat takes too (vLLM's and OpenAI chat's), checked there
     seed: int | None = None
     top_k: int | None = None

@@ -30,6 +30,7 @@ from server.guides import Guides
 from server.handle import LocalEngine
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
+from server.protocol import SamplingDefaults
 from server.ranks import (
     RankEnv,
     control_link_host,
@@ -43,6 +44,7 @@ from server.ranks import (
 )
 from server.round_trace import RoundTrace
 from server.runner import ModelRunner
+from server.sampling_defaults import defaults_from_flags
 from server.settings import EnvSettings, read_environment
 from server.tokenizer import eos_token_ids, load_tokenizer
 from server.tp import LinkedRunner, follow, watch_peer
@@ -185,12 +187,32 @@ class Serving:
         front = self.front
         engine = LocalEngine(self.engine, self.metrics)
         return ServerState(
-            engine, self.tokenizer, front.model_name, front.context, front.vocab_size, front.eos_ids, front.api_key
+            engine,
+            self.tokenizer,
+            front.model_name,
+            front.context,
+            front.vocab_size,
+            front.eos_ids,
+            front.api_key,
+            front.sampling_defaults,
         )
+
+
+def serving_defaults(args: argparse.Namespace) -> SamplingDefaults:
+    """The sampling defaults of --generation-config and --override-generation-config, logged where there are any."""
+    defaults = defaults_from_flags(args.model, args.generation_config, args.override_generation_config)
+    if defaults.given():
+        log.info(
+            "sampling defaults for fields a request leaves out (--generation-config %s; vllm: none): %s",
+            args.generation_config,
+            ", ".join(f"{name} {value}" for name, value in defaults.given().items()),
+        )
+    return defaults
 
 
 def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=None) -> Serving:
     """Rank 0's engine and what its front end needs, from the serve flags (a model and runner may be given)."""
+    defaults = serving_defaults(args)
     model = model or load_model(
         args.model,
         device=args.device,
@@ -252,6 +274,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         cache_enabled=cache.enabled,
         host=args.host,
         port=args.port,
+        sampling_defaults=defaults,
     )
     return Serving(engine, metrics, tokenizer, front)
 
