@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from model.shipped import SHIPPED_MODEL
+from server.vllm_flags import ServeParser, add_vllm_flags
 
 FRONTENDS = ("process", "thread")  # where the HTTP front end runs (server/frontend.py)
 T = TypeVar("T")
@@ -136,6 +137,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt-budget",
+        "--max-num-batched-tokens",
         type=_positive_int,
         default=1024,
         help="prompt tokens a round may fill, so live lanes keep decoding (default 1024)",
@@ -172,7 +174,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         choices=range(0, 16),
         metavar="{0..15}",
-        default=3,
+        default=None,
         help="draft tokens verified per round and lane; 0 turns drafting off (default 3)",
     )
     parser.add_argument(
@@ -186,7 +188,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter",
         choices=("copy", "mtp"),
-        default="copy",
+        default=None,
         help="copy: the continuation of repeated text when there is one, else the MTP chain; mtp: the MTP chain "
         "only (default copy)",
     )
@@ -244,10 +246,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template (a file, or the template's text) in place of the checkpoint's (default: the "
         "checkpoint's)",
     )
+    add_vllm_flags(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashnext", description="Flash Next inference server")
+    parser = ServeParser(prog="flashnext", description="Flash Next inference server")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_flags(commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API"))
     gen = commands.add_parser("generate", help="generate from one prompt offline; the last stdout line is JSON")

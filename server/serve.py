@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -52,10 +53,12 @@ from server.tp import LinkedRunner, follow, watch_peer
 log = logging.getLogger(__name__)
 
 
-def free_memory(device: torch.device) -> int:
-    """Bytes free for lane state on `device`."""
+def free_memory(device: torch.device, utilization: float | None = None) -> int:
+    """Bytes free for lane state on `device`: on a GPU, with --gpu-memory-utilization, only those that keep the
+    GPU's use within that share of it (none where it is already past it)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        return free if utilization is None else max(0, free - math.ceil((1 - utilization) * total))
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
@@ -117,7 +120,15 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
     cfg = model.cfg
     if args.context is not None and args.context > cfg.max_position_embeddings:
         raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
-    free = free_memory(model.device)
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    free = free_memory(model.device, utilization)
+    if utilization is not None and free == 0:
+        unused, total = torch.cuda.mem_get_info(model.device)
+        raise SystemExit(
+            f"--gpu-memory-utilization {utilization:g}: {(total - unused) / 2**30:.1f} of the GPU's "
+            f"{total / 2**30:.1f} GiB are in use once the weights are in (other processes' use included), which "
+            "leaves nothing for the lanes within that share; raise it"
+        )
     template = model.new_lane()
     slot_bytes = lambda n: slot_state_bytes(template, n, cfg.indexer_compress_ratio)  # noqa: E731
     if not model.kernels:
@@ -223,7 +234,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     )
     cfg = model.cfg
     context = plan_lanes(args, model)
-    free = free_memory(model.device)
+    free = free_memory(model.device, args.gpu_memory_utilization)
     tokenizer = load_tokenizer(args.model, args.chat_template)
     name = args.served_model_name or args.model.name
     metrics = EngineMetrics(name)

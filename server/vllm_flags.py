@@ -1,0 +1,125 @@
+"""vLLM's `serve` flags that a vLLM command line brings: their parser entries, and their translation into this
+server's own settings, refused naming both flags where the two contradict each other."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+DRAFTS_DEFAULT, DRAFTER_DEFAULT = 3, "copy"  # --drafts and --drafter when neither they nor a speculative config say
+# vLLM's speculative methods this server has a drafter for: the MTP layer's chain, and prompt lookup (the copy
+# drafter proposes the continuation of text seen before, and the MTP chain where there is none)
+SPECULATIVE_METHODS = {"mtp": "mtp", "qwen3_next_mtp": "mtp", "ngram": "copy"}
+MAX_DRAFTS = 15
+
+
+def _utilization(text: str) -> float:
+    """A share of the GPU's memory in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags, in a group of their own in --help."""
+    group = parser.add_argument_group("vLLM's flags", "taken for this server's settings where they mean the same")
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=_utilization,
+        default=None,
+        help="the share of each GPU's memory a rank may use, its weights included: the lane pool and the prompt "
+        "cache are sized from what that leaves, not from all that is free (needs --device cuda; default: all free)",
+    )
+    group.add_argument("--enforce-eager", action="store_true", help="the same as --cuda-graphs off (default: off)")
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the prompt cache on (the default) or off: --no-enable-prefix-caching is --prompt-cache-gib 0",
+    )
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='in place of --drafts and --drafter: {"method": "mtp" (or "qwen3_next_mtp": the MTP chain) or '
+        '"ngram" (the copy drafter), "num_speculative_tokens": N} (default: none)',
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='taken: tool_choice "auto" is served either way (default: off)',
+    )
+    group.add_argument(
+        "--tool-call-parser", choices=("hermes",), default=None, help="taken: tool calls are read as Hermes blocks"
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1"),
+        default=None,
+        help="taken: text in a think block, opened by the template or the model, is reasoning_content",
+    )
+    group.add_argument(
+        "--trust-remote-code", action="store_true", help="taken: no checkpoint code is ever run (default: off)"
+    )
+
+
+def _speculative(text: str) -> tuple[str, int]:
+    """(drafter, drafts) of a --speculative-config JSON object."""
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--speculative-config: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config: expected a JSON object, got {type(config).__name__}")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(f"--speculative-config: {unknown[0]!r} is not taken (only method and num_speculative_tokens)")
+    method, drafts = config.get("method", "mtp"), config.get("num_speculative_tokens")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"--speculative-config: method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+    if isinstance(drafts, bool) or not isinstance(drafts, int) or not 1 <= drafts <= MAX_DRAFTS:
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer in [1, {MAX_DRAFTS}]")
+    return SPECULATIVE_METHODS[method], drafts
+
+
+def apply_vllm_flags(args: argparse.Namespace) -> None:
+    """Turn the vLLM flags given into this server's settings (and fill --drafts and --drafter); ValueError names
+    both flags where they contradict each other."""
+    if args.gpu_memory_utilization is not None and args.device != "cuda":
+        raise ValueError("--gpu-memory-utilization: needs --device cuda (it shares out a GPU's memory)")
+    if args.enforce_eager:
+        if args.cuda_graphs == "on":
+            raise ValueError("--enforce-eager: contradicts --cuda-graphs on; give one")
+        args.cuda_graphs = "off"
+    if args.enable_prefix_caching is not None:
+        cache_off = args.prompt_cache_gib == 0
+        if args.prompt_cache_gib is not None and cache_off == args.enable_prefix_caching:
+            flag = "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"
+            raise ValueError(f"{flag}: contradicts --prompt-cache-gib {args.prompt_cache_gib:g}; give one")
+        if not args.enable_prefix_caching:
+            args.prompt_cache_gib = 0.0
+    if args.speculative_config is not None:
+        if args.drafts is not None or args.drafter is not None:
+            raise ValueError("--speculative-config: give it or --drafts and --drafter, not both")
+        args.drafter, args.drafts = _speculative(args.speculative_config)
+    args.drafts = DRAFTS_DEFAULT if args.drafts is None else args.drafts
+    args.drafter = DRAFTER_DEFAULT if args.drafter is None else args.drafter
+
+
+class ServeParser(argparse.ArgumentParser):
+    """The flashnext parser: a serve command's vLLM flags are taken into its own settings as it is parsed, and a
+    contradiction is refused as any bad flag is (exit 2, naming the flags)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's parse, then the vLLM flags' translation."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if getattr(namespace, "command", None) == "serve":
+            try:
+                apply_vllm_flags(namespace)
+            except ValueError as exc:
+                self.error(str(exc))
+        return namespace, extras
