@@ -266,12 +266,13 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     metrics.track_collectives(model.tp.counts)
     metrics.track_counts(engine.counts)
     log.info(
-        "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round, tp %d",
+        "serving %s as %r: context %d, %d lanes, prompt budget %d tokens a round, prompt cache %.2f GiB, tp %d",
         args.model,
         name,
         context,
         args.max_lanes,
         args.prompt_budget,
+        cache_bytes / 2**30,
         model.tp.world,
     )
     front = FrontSettings(
