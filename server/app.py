@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.bad_words import BadWords, bad_word_ids
 from server.engine import ContextLengthError, EngineStopped, check_context
-from server.generation import THINK_TAGS, Generation, Outcome, interleaved
+from server.generation import THINK_TAGS, Generation, Outcome, StreamEnd, interleaved
 from server.handle import EngineHandle
 from server.logprobs import (
     chat_logprobs,
@@ -35,6 +35,15 @@ from server.logprobs import (
     token_bytes,
     token_text,
 )
+from server.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessageStream,
+    as_messages_error,
+    message_object,
+    new_message_id,
+)
+from server.messages import error_body as messages_error_body
 from server.protocol import (
     NO_DEFAULTS,
     ApiError,
@@ -600,7 +609,7 @@ def build_app(state: ServerState) -> FastAPI:
         response_id, created = new_response_id(), int(time.time())
         if body.stream:
             writer = ResponseStream(response_id, created, state.model_name, body)
-            return typed_sse(await started(response_events(generation, chat, writer)))
+            return typed_sse(await started(typed_events(generation, chat, writer)))
         (outcome,) = await wait(request, [generation])
         content, calls = outcome.content, []
         if (cut := call_cut(chat)) is not None:
@@ -620,6 +629,48 @@ def build_app(state: ServerState) -> FastAPI:
             reasoning_tokens=outcome.reasoning_tokens,
         )
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API, answered as the equivalent chat (tools, thinking and prefill included); errors
+        come in Anthropic's shape."""
+        try:
+            body = await asyncio.to_thread(parse_request, MessagesRequest, await request.body())
+            check_model(body.model)
+            try:  # the chat's checks, each error naming the Messages field it comes from
+                chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, body.chat_body())
+                text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
+                (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
+            except ApiError as exc:
+                raise as_messages_error(exc) from exc
+            message_id = new_message_id()
+            if body.stream:
+                writer = MessageStream(message_id, state.model_name, len(prompt_ids))
+                return typed_sse(await started(typed_events(generation, chat, writer)))
+            (outcome,) = await wait(request, [generation])
+        except ApiError as exc:
+            return JSONResponse(messages_error_body(exc), status_code=exc.status)
+        content, calls = outcome.content, []
+        if (cut := call_cut(chat)) is not None:
+            content, calls = cut.take(outcome.content, last=True)
+        counts = (len(prompt_ids), len(outcome.token_ids), outcome.cached_tokens, outcome.reasoning_tokens)
+        end = StreamEnd(outcome.finish_reason or "stop", outcome.stop_reason, *counts)
+        return message_object(message_id, state.model_name, outcome.reasoning, content, calls, end)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request):
+        """Anthropic's count of a Messages request's prompt tokens, as its chat template renders them."""
+        try:
+            body = await asyncio.to_thread(parse_request, CountTokensRequest, await request.body())
+            check_model(body.model)
+            try:
+                chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, body.chat_body())
+                _, prompt_ids, _ = await asyncio.to_thread(chat_prompt, chat)
+            except ApiError as exc:
+                raise as_messages_error(exc) from exc
+        except ApiError as exc:
+            return JSONResponse(messages_error_body(exc), status_code=exc.status)
+        return {"input_tokens": len(prompt_ids)}
+
     @app.get("/v1/responses/{response_id}")
     @app.delete("/v1/responses/{response_id}")
     @app.post("/v1/responses/{response_id}/cancel")
@@ -632,13 +683,13 @@ def build_app(state: ServerState) -> FastAPI:
             code="not_found",
         )
 
-    async def response_events(
-        generation: Generation, chat: ChatCompletionRequest, writer: ResponseStream
+    async def typed_events(
+        generation: Generation, chat: ChatCompletionRequest, writer: ResponseStream | MessageStream
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """A response's stream events as its generation's pieces come; an error event where it fails; the engine is
-        told when the client leaves."""
+        """A Responses or Messages stream's events as its generation's pieces come; an error event where it fails;
+        the engine is told when the client leaves."""
         cut = call_cut(chat)
-        tokens, reasoning_tokens, finish_reason = 0, 0, "stop"
+        tokens, reasoning_tokens, finish_reason, stop_reason = 0, 0, "stop", None
         try:
             for event in writer.opening():
                 yield event
@@ -651,8 +702,9 @@ def build_app(state: ServerState) -> FastAPI:
                 for event in writer.feed(piece.reasoning, content, calls):
                     yield event
                 finish_reason = piece.finish_reason or finish_reason
-            usage = (len(generation.prompt_ids), tokens, generation.request.cached, reasoning_tokens)
-            for event in writer.closing(finish_reason, *usage):
+                stop_reason = piece.stop_reason if piece.stop_reason is not None else stop_reason
+            counts = (len(generation.prompt_ids), tokens, generation.request.cached, reasoning_tokens)
+            for event in writer.closing(StreamEnd(finish_reason, stop_reason, *counts)):
                 yield event
         except ApiError as exc:
             for event in writer.failure(exc):

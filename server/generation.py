@@ -19,6 +19,18 @@ from server.tokenizer import single_token_id
 THINK_TAGS = ("<think>", "</think>")
 
 
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How a streamed answer ended, and its token counts (the prompt's, those resumed of them, the output's)."""
+
+    finish_reason: str
+    stop_reason: int | str | None
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    reasoning_tokens: int = 0
+
+
 @dataclass(slots=True)
 class Piece:
     """What one engine update adds to a response."""

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PlainValidator, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from server.generation import StreamEnd
 from server.protocol import (
     MAX_TOOLS,
     TOOL_NAME_PATTERN,
@@ -568,9 +569,7 @@ class ResponseStream:
             self._event("response.failed", response=response),
         ]
 
-    def closing(
-        self, finish_reason: str, input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0
-    ) -> list[dict[str, Any]]:
+    def closing(self, end: StreamEnd) -> list[dict[str, Any]]:
         """The open items' done events (an empty message's added ones first where nothing came), then
         response.completed, or response.incomplete where the tokens ran out, with the whole response."""
         events = self._close_reasoning()
@@ -608,12 +607,12 @@ class ResponseStream:
             reasoning=self._reasoning,
             content=self._content,
             calls=self._calls,
-            finish_reason=finish_reason,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cached_tokens=cached_tokens,
+            finish_reason=end.finish_reason,
+            input_tokens=end.input_tokens,
+            output_tokens=end.output_tokens,
+            cached_tokens=end.cached_tokens,
             item_ids=self._order,
-            reasoning_tokens=reasoning_tokens,
+            reasoning_tokens=end.reasoning_tokens,
         )
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=response)]

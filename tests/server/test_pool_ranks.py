@@ -32,7 +32,7 @@ def rank_main(rank: int, port: int, path: str, results) -> None:
         cfg = model.cfg
         slot_bytes = lambda n: slot_state_bytes(model.new_lane(), n, cfg.indexer_compress_ratio)  # noqa: E731
         free = int((LANES + 1) * slot_bytes(1024 if rank == 0 else 512) / serve.POOL_SHARE)  # rank 1 has less
-        serve.free_memory = lambda device: free
+        serve.free_memory = lambda device, utilization=None: free
         alone = serve.pool_context(None, cfg.max_position_embeddings, slot_bytes, LANES, free)
         args = argparse.Namespace(
             context=None, max_lanes=LANES, cuda_graphs="off", ngram_table="device", prompt_budget=16, drafts=3

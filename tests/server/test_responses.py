@@ -11,6 +11,7 @@ from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
+from server.generation import StreamEnd
 from server.protocol import ApiError, ChatCompletionRequest, ChatMessage, parse_request
 from server.responses import ResponsesRequest, ResponseStream, new_response_id, response_object
 from server.tool_calls import ToolCall
@@ -390,7 +391,7 @@ def streamed(pieces: list[tuple[str, str, list[ToolCall]]], finish_reason: str =
     events = stream.opening()
     for reasoning, content, calls in pieces:
         events += stream.feed(reasoning, content, calls)
-    return events + stream.closing(finish_reason, 12, 7, 4)
+    return events + stream.closing(StreamEnd(finish_reason, None, 12, 7, 4))
 
 
 def joined(pieces: list[tuple[str, str, list[ToolCall]]]) -> tuple[str, str, list[ToolCall]]:

@@ -166,6 +166,7 @@ def test_errors_of_the_equivalent_chat_name_the_responses_field(tokenizer, field
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
         ("/v1/completions", {"prompt": "hi", "stream": True}),
         ("/v1/responses", {"input": "hi", "stream": True}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}),
     ],
 )
 def test_a_stream_whose_client_leaves_before_its_first_byte_stops_the_engines_work(tokenizer, path, body):
