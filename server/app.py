@@ -295,7 +295,7 @@ def build_app(state: ServerState) -> FastAPI:
             if params.min_tokens > limit:
                 raise ApiError(
                     f"min_tokens: {params.min_tokens} is more than the {limit} tokens this request may have (its "
-                    "max_tokens, or the context's room after the prompt)",
+                    "max_tokens, the server's default or cap, or the context's room after the prompt)",
                     param="min_tokens",
                 )
             group = [
@@ -605,7 +605,10 @@ def build_app(state: ServerState) -> FastAPI:
         except ApiError as exc:
             raise as_responses_error(exc) from exc
         used = chat.sampling_params(state.sampling_defaults)  # the response echoes the values drawn with
-        body = body.model_copy(update={"temperature": used.temperature, "top_p": used.top_p})
+        defaults = state.sampling_defaults
+        shaped = defaults.max_tokens is not None or defaults.max_tokens_cap is not None  # the limit is the server's
+        most = generation.request.max_tokens if shaped else body.max_output_tokens
+        body = body.model_copy(update={"temperature": used.temperature, "top_p": used.top_p, "max_output_tokens": most})
         response_id, created = new_response_id(), int(time.time())
         if body.stream:
             writer = ResponseStream(response_id, created, state.model_name, body)

@@ -228,7 +228,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="{auto,vllm,FOLDER}",
         help="the sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as the "
-        "default max_tokens) a request's unset fields take, as vLLM's flag gives them: auto reads the model's "
+        "default max_tokens of chats; a text completion's is 16) a request's unset fields take, as vLLM's flag "
+        "gives them: auto reads the model's "
         "generation_config.json, vllm none (the API's own defaults), a folder its generation_config.json, whose "
         "max_new_tokens also caps every request (default auto)",
     )

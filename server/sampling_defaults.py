@@ -11,9 +11,6 @@ from typing import Any
 from server.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingDefaults
 
 GENERATION_FILE = "generation_config.json"
-# transformers' own defaults: a file's key at one of these is not the model's choice (vLLM reads the file's
-# differences from them), so top_k 50 stays off here as it does there
-TRANSFORMERS_DEFAULTS: dict[str, object] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 SOURCES = ("auto", "vllm")  # or a folder
 
 
@@ -64,8 +61,8 @@ def _check(key: str, value: object, where: str) -> None:
 
 
 def _file_values(folder: Path, named: bool) -> dict[str, Any]:
-    """The sampling keys of a folder's generation_config.json that differ from transformers' defaults (none
-    without the file, unless the folder was named for it)."""
+    """The sampling keys a folder's generation_config.json gives (none without the file, unless the folder was named
+    for it), as vLLM on transformers 5 reads them: each key the file sets."""
     path = folder / GENERATION_FILE
     if not path.is_file():
         if named:
@@ -80,7 +77,7 @@ def _file_values(folder: Path, named: bool) -> dict[str, Any]:
     values = {}
     for key in RULES:
         value = data.get(key)
-        if value is None or (key in TRANSFORMERS_DEFAULTS and value == TRANSFORMERS_DEFAULTS[key]):
+        if value is None:
             continue
         _check(key, value, f"{path} (--generation-config vllm leaves it unread)")
         values[key] = value

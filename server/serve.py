@@ -54,11 +54,14 @@ log = logging.getLogger(__name__)
 
 
 def free_memory(device: torch.device, utilization: float | None = None) -> int:
-    """Bytes free for lane state on `device`: on a GPU, with --gpu-memory-utilization, only those that keep the
-    GPU's use within that share of it (none where it is already past it)."""
+    """Bytes free for lane state on `device`: on a GPU, with --gpu-memory-utilization, at most what keeps this
+    process's own use (what its PyTorch allocator holds) within that share of the GPU, as vLLM's per-instance
+    limit; other processes' use bounds it only through what is free."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return free if utilization is None else max(0, free - math.ceil((1 - utilization) * total))
+        if utilization is None:
+            return free
+        return max(0, min(free, math.floor(utilization * total) - torch.cuda.memory_reserved(device)))
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
@@ -79,10 +82,12 @@ POOL_SHARE = 0.5  # of the memory free after loading: the rest holds the prompt 
 VERIFY_ROWS = 64  # rows of the largest verify graph: it keeps every row's GDN state (a MiB a row and layer at 2 ranks)
 
 
-def pool_context(requested: int | None, model_max: int, slot_bytes, lanes: int, free: int) -> int:
+def pool_context(
+    requested: int | None, model_max: int, slot_bytes, lanes: int, free: int, free_of: str = "free"
+) -> int:
     """The context of every lane-pool slot: as asked (refused, naming the flags, if the pool would not fit), else the
     model's, or the longest multiple of 256 for which --max-lanes slots and the scratch slot fit in
-    POOL_SHARE of the free memory."""
+    POOL_SHARE of the free memory (`free_of` says whose: the GPU's, or what a flag leaves)."""
     budget = POOL_SHARE * free
     fits = lambda n: (lanes + 1) * slot_bytes(n) <= budget  # noqa: E731
     context = requested or (model_max if fits(model_max) else None)
@@ -96,7 +101,7 @@ def pool_context(requested: int | None, model_max: int, slot_bytes, lanes: int, 
         need = (lanes + 1) * slot_bytes(context)
         raise SystemExit(
             f"--context {context} with --max-lanes {lanes}: the lane pool needs {need / 2**30:.1f} GiB, more than "
-            f"{POOL_SHARE:.0%} of the {free / 2**30:.1f} GiB free; lower --context or --max-lanes"
+            f"{POOL_SHARE:.0%} of the {free / 2**30:.1f} GiB {free_of}; lower --context or --max-lanes"
         )
     if requested is None and context < model_max:
         log.warning("--context: %d lanes of %d tokens do not fit; serving %d tokens a lane", lanes, model_max, context)
@@ -122,12 +127,14 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
         raise SystemExit(f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions")
     utilization = getattr(args, "gpu_memory_utilization", None)
     free = free_memory(model.device, utilization)
+    free_of = "free" if utilization is None else f"that --gpu-memory-utilization {utilization:g} leaves"
     if utilization is not None and free == 0:
         unused, total = torch.cuda.mem_get_info(model.device)
+        held = torch.cuda.memory_reserved(model.device)
         raise SystemExit(
-            f"--gpu-memory-utilization {utilization:g}: {(total - unused) / 2**30:.1f} of the GPU's "
-            f"{total / 2**30:.1f} GiB are in use once the weights are in (other processes' use included), which "
-            "leaves nothing for the lanes within that share; raise it"
+            f"--gpu-memory-utilization {utilization:g}: this rank holds {held / 2**30:.1f} GiB once its weights are "
+            f"in, and {unused / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB are free: nothing is left for the "
+            "lanes within that share; raise it"
         )
     template = model.new_lane()
     slot_bytes = lambda n: slot_state_bytes(template, n, cfg.indexer_compress_ratio)  # noqa: E731
@@ -135,7 +142,7 @@ def plan_lanes(args: argparse.Namespace, model) -> int:
         return choose_context(args.context, cfg.max_position_embeddings, slot_bytes, free)
     from model import kernel_path
 
-    context = pool_context(args.context, cfg.max_position_embeddings, slot_bytes, args.max_lanes, free)
+    context = pool_context(args.context, cfg.max_position_embeddings, slot_bytes, args.max_lanes, free, free_of)
     if model.tp.world > 1:  # every rank serves the shortest: a rank whose pool grew mid-serving would leave its graphs
         context = int(model.tp.gather(torch.tensor([context], device=model.device), dim=0).min())
     pool = kernel_path.lane_pool(model, slots=args.max_lanes, context=context)
@@ -172,6 +179,7 @@ def canonical_settings(args: argparse.Namespace, world: int, env: EnvSettings) -
         "kernels": "on" if resolve_kernels(args.kernels, args.device) else "off",
         "cuda_graphs": args.cuda_graphs,
         "context": args.context or "auto",
+        "gpu_memory_utilization": args.gpu_memory_utilization or "all free",
         "max_lanes": args.max_lanes,
         "prompt_budget": args.prompt_budget,
         "drafts": args.drafts,

@@ -10,6 +10,8 @@ DRAFTS_DEFAULT, DRAFTER_DEFAULT = 3, "copy"  # --drafts and --drafter when neith
 # vLLM's speculative methods this server has a drafter for: the MTP layer's chain, and prompt lookup (the copy
 # drafter proposes the continuation of text seen before, and the MTP chain where there is none)
 SPECULATIVE_METHODS = {"mtp": "mtp", "qwen3_next_mtp": "mtp", "ngram": "copy"}
+# prompt lookup's match lengths: taken with ngram and not used (the copy drafter matches by its own rule)
+NGRAM_KEYS = {"prompt_lookup_min", "prompt_lookup_max"}
 MAX_DRAFTS = 15
 
 
@@ -31,8 +33,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         type=_utilization,
         default=None,
-        help="the share of each GPU's memory a rank may use, its weights included: the lane pool and the prompt "
-        "cache are sized from what that leaves, not from all that is free (needs --device cuda; default: all free)",
+        help="the share of each GPU's memory a rank may use, its weights included (what its PyTorch allocator holds; "
+        "other processes count only through what is free): the lane pool and the prompt cache are sized from what "
+        "that leaves, not from all that is free (needs --device cuda; default: all free)",
     )
     group.add_argument("--enforce-eager", action="store_true", help="the same as --cuda-graphs off (default: off)")
     group.add_argument(
@@ -45,8 +48,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help='in place of --drafts and --drafter: {"method": "mtp" (or "qwen3_next_mtp": the MTP chain) or '
-        '"ngram" (the copy drafter), "num_speculative_tokens": N} (default: none)',
+        help='in place of --drafts and --drafter: {"method": "mtp" (or "qwen3_next_mtp": the MTP chain, 1 draft '
+        'unless told) or "ngram" (the copy drafter; its prompt_lookup_min/max are taken and unused), '
+        '"num_speculative_tokens": N} (default: none)',
     )
     group.add_argument(
         "--enable-auto-tool-choice",
@@ -75,12 +79,15 @@ def _speculative(text: str) -> tuple[str, int]:
         raise ValueError(f"--speculative-config: not valid JSON ({exc})") from exc
     if not isinstance(config, dict):
         raise ValueError(f"--speculative-config: expected a JSON object, got {type(config).__name__}")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
-    if unknown:
-        raise ValueError(f"--speculative-config: {unknown[0]!r} is not taken (only method and num_speculative_tokens)")
-    method, drafts = config.get("method", "mtp"), config.get("num_speculative_tokens")
+    method = config.get("method", "mtp")
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"--speculative-config: method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+    taken = {"method", "num_speculative_tokens"} | (NGRAM_KEYS if method == "ngram" else set())
+    unknown = sorted(set(config) - taken)
+    if unknown:
+        raise ValueError(f"--speculative-config: {unknown[0]!r} is not taken with method {method!r}")
+    # vLLM's MTP drafts as many tokens as the model has MTP layers unless told: one here
+    drafts = config.get("num_speculative_tokens", 1 if SPECULATIVE_METHODS[method] == "mtp" else None)
     if isinstance(drafts, bool) or not isinstance(drafts, int) or not 1 <= drafts <= MAX_DRAFTS:
         raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer in [1, {MAX_DRAFTS}]")
     return SPECULATIVE_METHODS[method], drafts
@@ -90,7 +97,10 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
     """Turn the vLLM flags given into this server's settings (and fill --drafts and --drafter); ValueError names
     both flags where they contradict each other."""
     if args.gpu_memory_utilization is not None and args.device != "cuda":
-        raise ValueError("--gpu-memory-utilization: needs --device cuda (it shares out a GPU's memory)")
+        raise ValueError(
+            "--gpu-memory-utilization: needs --device cuda (it shares out a GPU's memory; this server runs on the CPU "
+            "unless --device cuda is given)"
+        )
     if args.enforce_eager:
         if args.cuda_graphs == "on":
             raise ValueError("--enforce-eager: contradicts --cuda-graphs on; give one")
@@ -121,5 +131,6 @@ class ServeParser(argparse.ArgumentParser):
             try:
                 apply_vllm_flags(namespace)
             except ValueError as exc:
-                self.error(str(exc))
+                serve = next(action for action in self._actions if action.dest == "command").choices["serve"]
+                serve.error(str(exc))  # with serve's usage line, as argparse's own refusals of its flags have
         return namespace, extras

@@ -33,12 +33,12 @@ def folder_with(path: Path, config: object) -> Path:
     return path
 
 
-def test_the_models_file_gives_its_sampling_values_less_those_at_transformers_own_defaults(tmp_path):
+def test_the_models_file_gives_each_sampling_value_it_sets(tmp_path):
     model = folder_with(tmp_path, {**QWEN_LIKE, "max_new_tokens": 300, "do_sample": True, "eos_token_id": [3, 4]})
     assert read_sampling_defaults(model) == SamplingDefaults(0.6, 0.95, 20, 0.05, 1.05, max_tokens=300)
-    # transformers' defaults are no choice of the model's: vLLM leaves top_k 50 off, and so does this server
-    folder_with(tmp_path, {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0})
-    assert read_sampling_defaults(model) == NO_DEFAULTS
+    # as vLLM on transformers 5 reads it: a value at transformers 4's own default (top_k 50) is the file's too
+    folder_with(tmp_path, {"temperature": 1.0, "top_k": 50})
+    assert read_sampling_defaults(model) == SamplingDefaults(temperature=1.0, top_k=50)
     assert read_sampling_defaults(tmp_path / "no-such-model") == NO_DEFAULTS
 
 
@@ -164,6 +164,10 @@ def test_an_overrides_max_new_tokens_caps_a_request_that_asks_for_more(tmp_path)
     with serve(model, "--override-generation-config", '{"max_new_tokens": 3}') as live:
         assert chat(live.url, temperature=0, max_tokens=9)["usage"]["completion_tokens"] == 3
         assert chat(live.url, temperature=0)["usage"]["completion_tokens"] == 3
+        answer = httpx.post(f"{live.url}/v1/responses", json={"input": "Hi", "max_output_tokens": 9}, timeout=60)
+        assert answer.json()["max_output_tokens"] == 3  # the limit it ran under, as vLLM echoes it
+        refused = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": ASK, "min_tokens": 5}, timeout=60)
+        assert "the server's default or cap" in refused.json()["error"]["message"]
 
 
 def test_the_front_end_process_takes_a_named_folders_defaults(tmp_path):

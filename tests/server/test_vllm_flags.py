@@ -33,6 +33,9 @@ def parsed(*flags: str):
         (("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}'), {"drafts": 5,
          "drafter": "copy"}),
         (("--speculative-config", '{"num_speculative_tokens": 1}'), {"drafts": 1, "drafter": "mtp"}),
+        (("--speculative-config", '{"method": "qwen3_next_mtp"}'), {"drafts": 1, "drafter": "mtp"}),
+        (("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5,'
+          ' "prompt_lookup_min": 2}'), {"drafts": 4, "drafter": "copy"}),
         (("--drafts", "0"), {"drafts": 0, "drafter": "copy"}),
         (("--max-num-batched-tokens", "512"), {"prompt_budget": 512}),
         (("--gpu-memory-utilization", "0.85", "--device", "cuda"), {"gpu_memory_utilization": 0.85}),
@@ -41,6 +44,15 @@ def parsed(*flags: str):
 def test_vllm_flags_are_taken_for_the_settings_they_mean_here(flags, expected):
     args = parsed(*flags)
     assert {name: getattr(args, name) for name in expected} == expected
+
+
+def test_both_ranks_agree_on_the_utilization():
+    from server.serve import canonical_settings
+    from server.settings import EnvSettings
+
+    shares = [canonical_settings(parsed("--device", "cuda", *f), 2, EnvSettings())["gpu_memory_utilization"]
+              for f in ((), ("--gpu-memory-utilization", "0.8"))]  # fmt: skip
+    assert shares == ["all free", 0.8]
 
 
 def test_vllms_flags_that_change_nothing_here_are_taken():
@@ -62,7 +74,9 @@ def test_vllms_flags_that_change_nothing_here_are_taken():
         (("--speculative-config", '{"num_speculative_tokens": 2}', "--drafter", "mtp"), "not both"),
         (("--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'), "method 'eagle' is not one of "
          "mtp, qwen3_next_mtp, ngram"),
-        (("--speculative-config", '{"method": "mtp"}'), "num_speculative_tokens must be an integer in [1, 15]"),
+        (("--speculative-config", '{"method": "ngram"}'), "num_speculative_tokens must be an integer in [1, 15]"),
+        (("--speculative-config", '{"method": "mtp", "prompt_lookup_max": 4}'), "'prompt_lookup_max' is not taken "
+         "with method 'mtp'"),
         (("--speculative-config", '{"num_speculative_tokens": 16}'), "num_speculative_tokens must be an integer"),
         (("--speculative-config", '{"num_speculative_tokens": 2, "model": "x"}'), "'model' is not taken"),
         (("--speculative-config", "[2]"), "--speculative-config: expected a JSON object, got list"),
@@ -79,20 +93,30 @@ def test_contradicting_or_malformed_vllm_flags_are_refused_naming_them(capsys, f
     with pytest.raises(SystemExit) as exit_info:
         parsed(*flags)
     assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert named in err and err.startswith("usage: flashnext serve")
 
 
-def test_a_utilization_leaves_free_only_what_keeps_the_gpus_use_within_its_share(monkeypatch):
+def test_a_utilization_bounds_this_ranks_own_use_as_vllms_per_instance_limit(monkeypatch):
     gib = 2**30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))  # 20 GiB in use
+    free = [60 * gib]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)  # this rank's weights
     cuda = torch.device("cuda", 0)
     assert serve_module.free_memory(cuda) == 60 * gib
-    assert serve_module.free_memory(cuda, 0.9) == 52 * gib  # 72 GiB allowed, 20 used
-    assert serve_module.free_memory(cuda, 0.25) == 0  # already past it
+    assert serve_module.free_memory(cuda, 0.5) == 38 * gib  # 40 GiB allowed, 2 held
+    assert serve_module.free_memory(cuda, 0.9) == 60 * gib  # 70 GiB allowed: what is free is the bound
+    free[0] = 42 * gib  # another process holds 36 GiB: it limits this one only through what is free
+    assert serve_module.free_memory(cuda, 0.45) == 34 * gib
+    assert serve_module.free_memory(cuda, 0.02) == 0  # the weights alone are past the share
     model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=4096), device=cuda)
-    args = SimpleNamespace(context=None, gpu_memory_utilization=0.25)
-    with pytest.raises(SystemExit, match=r"--gpu-memory-utilization 0\.25: 20\.0 of the GPU's 80\.0 GiB are in use"):
+    args = SimpleNamespace(context=None, gpu_memory_utilization=0.02)
+    with pytest.raises(SystemExit, match=r"--gpu-memory-utilization 0\.02: this rank holds 2\.0 GiB once its weights"):
         serve_module.plan_lanes(args, model)
+    with pytest.raises(SystemExit, match=r"of the 0\.0 GiB that --gpu-memory-utilization 0\.3 leaves; lower --context"):
+        serve_module.pool_context(
+            None, 4096, lambda n: n * 4096, 64, 40 * 2**20, "that --gpu-memory-utilization 0.3 leaves"
+        )
 
 
 def test_a_vllm_command_line_serves_and_its_drafts_keep_drafted_equal_to_undrafted(tmp_path):
