@@ -4,7 +4,8 @@
 #   1. served as it is: the lane pool and prompt cache it plans, the GPU's memory in use, then gpu_api_check.py;
 #   2. served from a vLLM command line (--gpu-memory-utilization 0.3, --speculative-config, the parser flags) with
 #      --override-generation-config '{"temperature": 0, "max_new_tokens": 6}': its pool, cache and memory in use, and
-#      a chat without temperature or max_tokens against one asking for greedy and 6 tokens (token_sha, usage);
+#      a chat without temperature or max_tokens against one asking for greedy and 6 tokens (token_sha, usage), and
+#      Anthropic's Messages API against the chat (scripts/messages_check.py);
 #   3. --gpu-memory-utilization 0.01: refused at start naming the flag, or served with less (its log says which);
 #   4. PYTEST=1 (default): `pytest -m gpu tests` within what is left of SUITE_S (default 280) seconds.
 # Usage, from the repo root there:  OUT=... bash scripts/gpu_flags_check.sh   (logs under $OUT)
@@ -45,6 +46,7 @@ print("asked 20 under the override's cap of 6:", capped["usage"]["completion_tok
 same = unset["token_sha"] == greedy["token_sha"] and unset["usage"]["completion_tokens"] == 6
 print("defaults served:", "yes" if same and capped["usage"]["completion_tokens"] == 6 else "NO")
 EOF
+  python3 scripts/messages_check.py --base-url http://127.0.0.1:8602/v1
 else
   echo "vllm line: did not come up"; tail -5 "$OUT/serve_vllm.log"
 fi
