@@ -7,7 +7,7 @@ import hmac
 import json
 import time
 import tomllib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError
@@ -593,17 +593,25 @@ def build_app(state: ServerState) -> FastAPI:
             for generation in generations:
                 generation.abort()
 
+    async def started_as_chat(
+        chat_body: dict[str, Any], rename: Callable[[ApiError], ApiError]
+    ) -> tuple[ChatCompletionRequest, list[int], Generation]:
+        """Another API's request run as its equivalent chat: the chat's checks (each error renamed by `rename` after
+        the field it comes from), its prompt, and its one generation started."""
+        try:
+            chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, chat_body)
+            text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
+            (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
+        except ApiError as exc:
+            raise rename(exc) from exc
+        return chat, prompt_ids, generation
+
     @app.post("/v1/responses")
     async def responses(request: Request):
         """OpenAI's Responses API, a text subset, answered as the equivalent chat (tools and reasoning included)."""
         body = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())  # as a chat's
         check_model(body.model)
-        try:  # the chat's checks, each error naming the Responses field it comes from
-            chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, body.chat_body())
-            text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
-            (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
-        except ApiError as exc:
-            raise as_responses_error(exc) from exc
+        chat, prompt_ids, generation = await started_as_chat(body.chat_body(), as_responses_error)
         used = chat.sampling_params(state.sampling_defaults)  # the response echoes the values drawn with
         defaults = state.sampling_defaults
         shaped = defaults.max_tokens is not None or defaults.max_tokens_cap is not None  # the limit is the server's
@@ -639,12 +647,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             body = await asyncio.to_thread(parse_request, MessagesRequest, await request.body())
             check_model(body.model)
-            try:  # the chat's checks, each error naming the Messages field it comes from
-                chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, body.chat_body())
-                text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
-                (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
-            except ApiError as exc:
-                raise as_messages_error(exc) from exc
+            chat, prompt_ids, generation = await started_as_chat(body.chat_body(), as_messages_error)
             message_id = new_message_id()
             if body.stream:
                 writer = MessageStream(message_id, state.model_name, len(prompt_ids))

@@ -11,7 +11,6 @@ same order.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -26,6 +25,7 @@ from server.protocol import (
     NullAsAbsentModel,
     distinct_tool_names,
     not_supported,
+    renamed,
 )
 from server.tool_calls import ToolCall
 
@@ -52,12 +52,7 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # any other e
 
 def as_messages_error(exc: ApiError) -> ApiError:
     """A chat-side error of a Messages request, naming the Messages field it comes from."""
-    head = (exc.param or "").split(".", 1)[0]
-    name = CHAT_FIELDS_AS_MESSAGES.get(head)
-    if name is None:
-        return exc
-    message = re.sub(rf"(^{re.escape(exc.param)}|\b{head}\b)", name, exc.message)
-    return ApiError(message, status=exc.status, type=exc.type, param=name, code=exc.code)
+    return renamed(exc, CHAT_FIELDS_AS_MESSAGES)
 
 
 def error_body(exc: ApiError) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -146,6 +147,17 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         """The JSON body: {"error": {"message", "type", "param", "code"}}."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def renamed(exc: ApiError, names: dict[str, str]) -> ApiError:
+    """An error of an equivalent chat request, naming the field of the API it came from (`names`: chat field to that
+    API's) where it names one of those chat fields; else the error as it is."""
+    head = (exc.param or "").split(".", 1)[0]
+    name = names.get(head)
+    if name is None:
+        return exc
+    message = re.sub(rf"(^{re.escape(exc.param)}|\b{head}\b)", name, exc.message)
+    return ApiError(message, status=exc.status, type=exc.type, param=name, code=exc.code)
 
 
 def not_supported(message: str) -> PydanticCustomError:

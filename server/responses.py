@@ -11,7 +11,6 @@ its store).
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -30,6 +29,7 @@ from server.protocol import (
     distinct_tool_names,
     not_supported,
     refusing_unless_harmless,
+    renamed,
     without_nulls,
 )
 from server.tool_calls import ToolCall
@@ -53,12 +53,7 @@ CHAT_FIELDS_AS_RESPONSES = {
 
 def as_responses_error(exc: ApiError) -> ApiError:
     """A chat-side error of a Responses request, naming the Responses field it comes from."""
-    head = (exc.param or "").split(".", 1)[0]
-    name = CHAT_FIELDS_AS_RESPONSES.get(head)
-    if name is None:
-        return exc
-    message = re.sub(rf"(^{re.escape(exc.param)}|\b{head}\b)", name, exc.message)
-    return ApiError(message, status=exc.status, type=exc.type, param=name, code=exc.code)
+    return renamed(exc, CHAT_FIELDS_AS_RESPONSES)
 
 
 def new_response_id() -> str:

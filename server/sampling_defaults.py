@@ -3,12 +3,13 @@ generation_config.json (auto), none (vllm), or another folder's, with `--overrid
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from server.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingDefaults
+from server.tokenizer import read_generation_config
+from server.vllm_flags import json_object
 
 GENERATION_FILE = "generation_config.json"
 SOURCES = ("auto", "vllm")  # or a folder
@@ -40,12 +41,7 @@ RULES = {
 
 def parse_overrides(text: str) -> dict[str, Any]:
     """`--override-generation-config`'s JSON object, each key one the defaults take with a value in its bounds."""
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--override-generation-config: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"--override-generation-config: expected a JSON object, got {type(data).__name__}")
+    data = json_object("--override-generation-config", text)
     for key, value in data.items():
         if key not in RULES:
             raise ValueError(f"--override-generation-config: {key!r} is not one of {', '.join(RULES)}")
@@ -63,17 +59,12 @@ def _check(key: str, value: object, where: str) -> None:
 def _file_values(folder: Path, named: bool) -> dict[str, Any]:
     """The sampling keys a folder's generation_config.json gives (none without the file, unless the folder was named
     for it), as vLLM on transformers 5 reads them: each key the file sets."""
-    path = folder / GENERATION_FILE
-    if not path.is_file():
+    data = read_generation_config(folder)
+    if data is None:
         if named:
             raise ValueError(f"--generation-config: no {GENERATION_FILE} in {folder}")
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:  # not JSON, or not UTF-8
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    path = folder / GENERATION_FILE
     values = {}
     for key in RULES:
         value = data.get(key)

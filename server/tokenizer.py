@@ -7,6 +7,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +85,27 @@ def _variables(source: str) -> frozenset[str]:
     return frozenset(meta.find_undeclared_variables(parsed))
 
 
-def generation_eos_ids(model_dir: Path) -> list[int]:
-    """generation_config.json's end-of-sequence ids (none without one), refused naming the file when malformed."""
-    path = model_dir / "generation_config.json"
+def read_generation_config(folder: Path) -> dict[str, Any] | None:
+    """A folder's generation_config.json (None without one), refused naming the file when it is no JSON object."""
+    path = folder / "generation_config.json"
     if not path.is_file():
-        return []
+        return None
     try:
         data = json.loads(path.read_text())
     except ValueError as exc:  # not JSON, or not UTF-8
         raise TokenizerError(f"{path.name}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise TokenizerError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def generation_eos_ids(model_dir: Path) -> list[int]:
+    """generation_config.json's end-of-sequence ids (none without one), refused naming the file when malformed."""
+    data = read_generation_config(model_dir) or {}
     eos = data.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise TokenizerError(f"{path.name}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        raise TokenizerError(f"generation_config.json: eos_token_id must be a token id or a list of them, got {eos!r}")
     return ids
 
 

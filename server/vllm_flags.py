@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 DRAFTS_DEFAULT, DRAFTER_DEFAULT = 3, "copy"  # --drafts and --drafter when neither they nor a speculative config say
 # vLLM's speculative methods this server has a drafter for: the MTP layer's chain, and prompt lookup (the copy
@@ -71,14 +72,20 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def json_object(flag: str, text: str) -> dict[str, Any]:
+    """A flag's JSON object, refused naming the flag where the text is no JSON object."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def _speculative(text: str) -> tuple[str, int]:
     """(drafter, drafts) of a --speculative-config JSON object."""
-    try:
-        config = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--speculative-config: not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"--speculative-config: expected a JSON object, got {type(config).__name__}")
+    config = json_object("--speculative-config", text)
     method = config.get("method", "mtp")
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"--speculative-config: method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
