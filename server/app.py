@@ -92,22 +92,28 @@ class ServerState:
 
 
 class RequireApiKey:
-    """Refuses HTTP requests outside PUBLIC_PATHS without `Authorization: Bearer KEY`. Plain ASGI, not Starlette's
+    """Refuses HTTP requests outside PUBLIC_PATHS without `Authorization: Bearer KEY` or (as Anthropic's clients send
+    it) `x-api-key: KEY`; the Messages API's refusal in Anthropic's shape. Plain ASGI, not Starlette's
     `BaseHTTPMiddleware`, behind which a route never sees its client disconnect (so an abandoned request would run on
     to its last token)."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key.encode()
+
+    def _allows(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether either header holds the key (each compared in constant time)."""
+        given = dict(headers)
+        bearer = hmac.compare_digest(given.get(b"authorization", b""), b"Bearer " + self.key)
+        return hmac.compare_digest(given.get(b"x-api-key", b""), self.key) or bearer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = ApiError(
-                    "missing or wrong API key", status=401, type="authentication_error", code="invalid_api_key"
-                )
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not self._allows(scope["headers"]):
+            error = ApiError(
+                "missing or wrong API key", status=401, type="authentication_error", code="invalid_api_key"
+            )
+            body = messages_error_body(error) if scope["path"].startswith("/v1/messages") else error.body()
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -660,7 +666,8 @@ def build_app(state: ServerState) -> FastAPI:
             content, calls = cut.take(outcome.content, last=True)
         counts = (len(prompt_ids), len(outcome.token_ids), outcome.cached_tokens, outcome.reasoning_tokens)
         end = StreamEnd(outcome.finish_reason or "stop", outcome.stop_reason, *counts)
-        return message_object(message_id, state.model_name, outcome.reasoning, content, calls, end)
+        reasoning = outcome.reasoning if chat.include_reasoning else ""
+        return message_object(message_id, state.model_name, reasoning, content, calls, end)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request):
@@ -705,7 +712,7 @@ def build_app(state: ServerState) -> FastAPI:
                 content, calls = piece.content, []
                 if cut is not None:
                     content, calls = cut.take(piece.content, piece.finish_reason is not None)
-                for event in writer.feed(piece.reasoning, content, calls):
+                for event in writer.feed(piece.reasoning if chat.include_reasoning else "", content, calls):
                     yield event
                 finish_reason = piece.finish_reason or finish_reason
                 stop_reason = piece.stop_reason if piece.stop_reason is not None else stop_reason

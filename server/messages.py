@@ -48,6 +48,9 @@ CHAT_FIELDS_AS_MESSAGES = {
     "reasoning_effort": "output_config.effort",
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # any other end: end_turn or stop_sequence
+# Claude Code's first system block: its client's version and a hash that changes with every request, which the model
+# need not read and which would make every prompt's start new to the prompt cache (vLLM leaves it out too)
+CLIENT_BILLING_MARK = "x-anthropic-billing-header:"
 
 
 def as_messages_error(exc: ApiError) -> ApiError:
@@ -88,17 +91,32 @@ class ToolUseBlock(NullAsAbsentModel):
     input: dict[str, Any]
 
 
+def _text_block(value: Any) -> Any:
+    """A text block of a tool result's content; a block of another type is refused by name."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind != "text":
+        raise not_supported(f"content blocks of type {kind!r} are not taken in a tool result; this model reads text")
+    return TextBlock.model_validate(value)
+
+
 class ToolResultBlock(NullAsAbsentModel):
-    """A user turn's answer to a call: its text, or text blocks joined with newlines."""
+    """A user turn's answer to a call: its text, or text blocks joined with newlines; an error's text is marked as
+    one, so the model reads that the call failed."""
 
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_blocks(cls, value: Any) -> Any:
+        return [_text_block(block) for block in value] if isinstance(value, list) else value
+
     def text(self) -> str:
-        """The result's text."""
-        return self.content if isinstance(self.content, str) else "\n".join(block.text for block in self.content)
+        """The result's text, after "Error: " where the call failed."""
+        text = self.content if isinstance(self.content, str) else "\n".join(block.text for block in self.content)
+        return f"Error: {text}" if self.is_error else text
 
 
 class ThinkingBlock(NullAsAbsentModel):
@@ -272,6 +290,26 @@ class CountTokensRequest(NullAsAbsentModel):
     tools: list[CustomTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _turns_merged(cls, value: list[MessageParam]) -> list[MessageParam]:
+        """Consecutive turns of one role as one turn, as Anthropic combines them; a last assistant turn (a prefill,
+        which the answer continues) holds text only."""
+        turns: list[MessageParam] = []
+        for turn in value:
+            if turns and turns[-1].role == turn.role:
+                turns[-1] = MessageParam.model_construct(role=turn.role, content=[*turns[-1].content, *turn.content])
+            else:
+                turns.append(turn)
+        last = turns[-1]
+        if last.role == "assistant" and any(block.type not in ("text", "redacted_thinking") for block in last.content):
+            raise PydanticCustomError(
+                "prefill", "a last assistant turn is continued as a prefill: it may hold text only, not thinking or "
+                "tool_use (a tool_use needs its tool_result in a user turn after it)",
+            )  # fmt: skip
+        return turns
 
     @field_validator("tools")
     @classmethod
@@ -282,7 +320,11 @@ class CountTokensRequest(NullAsAbsentModel):
     def chat_body(self) -> dict[str, Any]:
         """The body of the equivalent chat completions request: the system text first, a last assistant turn left
         open for the answer to continue (Anthropic's prefill)."""
-        system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system or ())
+        system = (
+            self.system
+            if isinstance(self.system, str)
+            else "\n".join(block.text for block in self.system or () if not block.text.startswith(CLIENT_BILLING_MARK))
+        )
         messages = [{"role": "system", "content": system}] if system else []
         for message in self.messages:
             message.add_to(messages)
@@ -298,6 +340,9 @@ class CountTokensRequest(NullAsAbsentModel):
         if self.thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
             body["include_reasoning"] = self.thinking.display != "omitted"
+        effort = (self.output_config or OutputConfig()).effort
+        if effort is not None:
+            body["reasoning_effort"] = "xhigh" if effort == "max" else effort
         return body
 
 
@@ -312,7 +357,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     seed: int | None = None  # vLLM's extension, as its chat takes it
     metadata: Metadata | None = None
-    output_config: OutputConfig | None = None
 
     def chat_body(self) -> dict[str, Any]:
         """The body of the equivalent chat completions request."""
@@ -329,8 +373,6 @@ class MessagesRequest(CountTokensRequest):
                 "type": "json_schema",
                 "json_schema": {"name": "output", "schema": config.format.schema_},
             }
-        if config.effort is not None:
-            body["reasoning_effort"] = "xhigh" if config.effort == "max" else config.effort
         return body
 
 

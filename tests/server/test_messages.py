@@ -8,7 +8,14 @@ import json
 import pytest
 
 from server.generation import StreamEnd
-from server.messages import MessagesRequest, MessageStream, as_messages_error, error_body, message_object
+from server.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessageStream,
+    as_messages_error,
+    error_body,
+    message_object,
+)
 from server.protocol import ApiError, parse_request
 from server.tool_calls import ToolCall
 
@@ -150,3 +157,48 @@ def test_a_stream_opens_blocks_in_order_and_ends_as_the_whole_message():
     assert [e["type"] for e in events] == ["message_start", "content_block_start", "content_block_stop",
                                            "message_delta", "message_stop"]  # fmt: skip
     assert events[1]["content_block"] == {"type": "text", "text": ""}
+
+
+def test_turns_of_one_role_in_a_row_are_one_turn_and_a_last_one_continues():
+    turns = [{"role": "user", "content": "Say it."}, {"role": "user", "content": [{"type": "text", "text": "Now."}]},
+             {"role": "assistant", "content": "The answer"}, {"role": "assistant", "content": " is"}]  # fmt: skip
+    assert body(messages=turns)["messages"] == [
+        {"role": "user", "content": "Say it.\nNow."},
+        {"role": "assistant", "content": "The answer\n is"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        [{"type": "text", "text": "Calling"}, {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}],
+        [{"type": "thinking", "thinking": "hmm", "signature": ""}],
+    ],
+)
+def test_a_last_assistant_turn_with_more_than_text_is_refused(last):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": last}]
+    with pytest.raises(ApiError, match="messages: a last assistant turn is continued as a prefill: it may hold text"):
+        body(messages=turns)
+
+
+def test_a_failed_calls_result_says_so_and_a_clients_billing_block_is_left_out():
+    turns = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "denied",
+                                      "is_error": True}]},
+    ]  # fmt: skip
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.0.1; cch=ab12;"},
+              {"type": "text", "text": "You help."}]  # fmt: skip
+    chat = body(messages=turns, system=system)
+    assert chat["messages"][0] == {"role": "system", "content": "You help."}
+    assert chat["messages"][-1] == {"role": "tool", "tool_call_id": "t1", "content": "Error: denied"}
+    image = [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": {}}]}]
+    with pytest.raises(ApiError, match="content blocks of type 'image' are not taken in a tool result"):
+        body(messages=[*turns[:2], {"role": "user", "content": image}])
+
+
+def test_an_effort_shapes_the_counted_prompt_too():
+    count = parse_request(CountTokensRequest, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                         "output_config": {"effort": "low"}}))  # fmt: skip
+    assert count.chat_body()["reasoning_effort"] == "low"

@@ -255,3 +255,32 @@ def test_thinking_and_text_come_as_their_blocks_streamed_or_not(tokenizer, think
     stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
     assert stops == list(range(len(kinds)))
     assert events[-2]["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+
+
+def test_omitted_thinking_is_left_out_streamed_or_not(tokenizer):
+    http, _ = scripted(tokenizer, "secret plan\n</think>\n\nBlue.")
+    body = {"model": "m", "max_tokens": 32, "messages": [{"role": "user", "content": "Name a color."}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}}  # fmt: skip
+    assert http.post("/v1/messages", json=body).json()["content"] == [{"type": "text", "text": "Blue."}]
+    events = sse_events(http.post("/v1/messages", json={**body, "stream": True}).text)
+    assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == ["text"]
+    assert "secret" not in json.dumps(events)
+
+
+def test_an_api_key_is_taken_as_anthropics_clients_send_it_and_refused_in_anthropics_shape(tokenizer):
+    app = build_app(ServerState(Answering(tokenizer, "Blue."), tokenizer, "m", 4096, len(tokenizer), (0,), "sekrit"))
+    http = TestClient(app)
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Name a color."}]}
+    assert http.post("/v1/messages", json=body, headers={"x-api-key": "sekrit"}).status_code == 200
+    assert http.post("/v1/messages", json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    refused = http.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401
+    assert refused.json() == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "missing or wrong API key"},
+    }
+    chat = {"messages": body["messages"], "max_tokens": 4}
+    assert http.post("/v1/chat/completions", json=chat, headers={"x-api-key": "wrong"}).json()["error"]["code"] == (
+        "invalid_api_key"
+    )  # OpenAI's shape on OpenAI's routes
+    assert http.post("/v1/chat/completions", json=chat, headers={"x-api-key": "sekrit"}).status_code == 200
