@@ -145,7 +145,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (default: $FLASHNEXT_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $FLASHNEXT_API_KEY, else none)",
     )
     parser.add_argument(
         "--load-format",
