@@ -1,6 +1,6 @@
 """Anthropic's Messages API against a running server: greedy text equal to the chat's, the stream equal to the whole
-message, and a forced tool_use whose input follows the tool's schema. One PASS or FAIL line a check; exit 1 on any
-FAIL.
+message, and a greedy forced tool_use whose input follows the tool's schema (at most 8 items, so it closes within
+its tokens). One PASS or FAIL line a check; exit 1 on any FAIL.
 
 python3 scripts/messages_check.py --base-url http://127.0.0.1:8000/v1
 """
@@ -19,7 +19,7 @@ TOOL = {
     "name": "sort",
     "input_schema": {
         "type": "object",
-        "properties": {"items": {"type": "array", "items": {"type": "integer"}}},
+        "properties": {"items": {"type": "array", "items": {"type": "integer"}, "maxItems": 8}},
         "required": ["items"],
     },
 }
@@ -42,7 +42,7 @@ def checks(base: str) -> list[tuple[str, bool, str]]:
     lines = post(base, "/messages", {**greedy, "stream": True}).text.splitlines()
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     streamed = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
-    forced = post(base, "/messages", {"messages": ASK, "max_tokens": 64, "tools": [TOOL], **OFF,
+    forced = post(base, "/messages", {"messages": ASK, "max_tokens": 96, "tools": [TOOL], **OFF, "temperature": 0,
                   "tool_choice": {"type": "tool", "name": "sort"}}).json()  # fmt: skip
     uses = [block for block in forced["content"] if block["type"] == "tool_use"]
     return [
