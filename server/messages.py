@@ -47,7 +47,7 @@ CHAT_FIELDS_AS_MESSAGES = {
     "user": "metadata.user_id",
     "reasoning_effort": "output_config.effort",
 }
-STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # any other end: end_turn or stop_sequence
+STOP_REASONS = {"tool_calls": "tool_use"}  # any other end: max_tokens, end_turn or stop_sequence
 # Claude Code's first system block: its client's version and a hash that changes with every request, which the model
 # need not read and which would make every prompt's start new to the prompt cache (vLLM leaves it out too)
 CLIENT_BILLING_MARK = "x-anthropic-billing-header:"
@@ -377,7 +377,9 @@ class MessagesRequest(CountTokensRequest):
 
 
 def _stop(end: StreamEnd, calls: list[ToolCall]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished answer."""
+    """(stop_reason, stop_sequence) of a finished answer: max_tokens where the tokens ran out, even inside a call."""
+    if end.finish_reason == "length":
+        return "max_tokens", None
     if calls:
         return "tool_use", None
     if end.finish_reason in STOP_REASONS:
@@ -387,13 +389,23 @@ def _stop(end: StreamEnd, calls: list[ToolCall]) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _call_input(call: ToolCall) -> dict[str, Any]:
+    """A call's arguments as a tool_use block's input: the object written, or none where the tokens ran out before it
+    closed (a forced call keeps what it wrote, which a stream's input_json_delta gives)."""
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
 def _tool_use(call: ToolCall, input_: dict[str, Any] | None = None) -> dict[str, Any]:
     """A call's tool_use block, with its input (the parsed arguments where none is given)."""
     return {
         "type": "tool_use",
         "id": tool_use_id(call),
         "name": call.name,
-        "input": json.loads(call.arguments) if input_ is None else input_,
+        "input": _call_input(call) if input_ is None else input_,
     }
 
 

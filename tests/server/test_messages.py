@@ -202,3 +202,15 @@ def test_an_effort_shapes_the_counted_prompt_too():
     count = parse_request(CountTokensRequest, json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                                          "output_config": {"effort": "low"}}))  # fmt: skip
     assert count.chat_body()["reasoning_effort"] == "low"
+
+
+def test_a_call_cut_by_max_tokens_stops_for_max_tokens_with_no_input_parsed():
+    cut = ToolCall("chatcmpl-tool-abc123", "get_weather", '{"city": "Par')
+    message = message_object("msg_1", "m", "", "", [cut], end("length"))
+    assert (message["stop_reason"], message["content"][0]["input"]) == ("max_tokens", {})
+    stream = MessageStream("msg_1", "m", 20)
+    events = stream.opening() + stream.feed("", "", [cut]) + stream.closing(end("length"))
+    assert [e["delta"] for e in events if e["type"] == "content_block_delta"] == [
+        {"type": "input_json_delta", "partial_json": '{"city": "Par'}
+    ]
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"

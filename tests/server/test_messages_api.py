@@ -284,3 +284,15 @@ def test_an_api_key_is_taken_as_anthropics_clients_send_it_and_refused_in_anthro
         "invalid_api_key"
     )  # OpenAI's shape on OpenAI's routes
     assert http.post("/v1/chat/completions", json=chat, headers={"x-api-key": "sekrit"}).status_code == 200
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_message_that_says_so(live):
+    tool = {
+        **TOOL,
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    body = {"model": live.model, "max_tokens": 3, "messages": [{"role": "user", "content": ASK}], "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": {"type": "disabled"}}  # fmt: skip
+    response = httpx.post(f"{live.v1}/messages", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["stop_reason"] == "max_tokens"
