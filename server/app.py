@@ -599,14 +599,23 @@ def build_app(state: ServerState) -> FastAPI:
             for generation in generations:
                 generation.abort()
 
+    async def rendered_as_chat(
+        chat_body: dict[str, Any], rename: Callable[[ApiError], ApiError]
+    ) -> tuple[ChatCompletionRequest, str, list[int], tuple[int, ...]]:
+        """Another API's request as its equivalent chat, checked and rendered: (the chat, its prompt's text, ids and
+        keep points); each error renamed by `rename` after the field it comes from."""
+        try:
+            chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, chat_body)
+            return chat, *await asyncio.to_thread(chat_prompt, chat)
+        except ApiError as exc:
+            raise rename(exc) from exc
+
     async def started_as_chat(
         chat_body: dict[str, Any], rename: Callable[[ApiError], ApiError]
     ) -> tuple[ChatCompletionRequest, list[int], Generation]:
-        """Another API's request run as its equivalent chat: the chat's checks (each error renamed by `rename` after
-        the field it comes from), its prompt, and its one generation started."""
+        """Another API's request run as its equivalent chat: checked, rendered, and its one generation started."""
+        chat, text, prompt_ids, keep_at = await rendered_as_chat(chat_body, rename)
         try:
-            chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, chat_body)
-            text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, chat)
             (generation,) = start([prompt_ids], chat, thinking_open(chat, text), keep_at)
         except ApiError as exc:
             raise rename(exc) from exc
@@ -618,11 +627,10 @@ def build_app(state: ServerState) -> FastAPI:
         body = await asyncio.to_thread(parse_request, ResponsesRequest, await request.body())  # as a chat's
         check_model(body.model)
         chat, prompt_ids, generation = await started_as_chat(body.chat_body(), as_responses_error)
-        used = chat.sampling_params(state.sampling_defaults)  # the response echoes the values drawn with
-        defaults = state.sampling_defaults
+        draw, defaults = generation.request.draw, state.sampling_defaults  # the response echoes what it drew with
         shaped = defaults.max_tokens is not None or defaults.max_tokens_cap is not None  # the limit is the server's
         most = generation.request.max_tokens if shaped else body.max_output_tokens
-        body = body.model_copy(update={"temperature": used.temperature, "top_p": used.top_p, "max_output_tokens": most})
+        body = body.model_copy(update={"temperature": draw.temperature, "top_p": draw.top_p, "max_output_tokens": most})
         response_id, created = new_response_id(), int(time.time())
         if body.stream:
             writer = ResponseStream(response_id, created, state.model_name, body)
@@ -675,11 +683,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             body = await asyncio.to_thread(parse_request, CountTokensRequest, await request.body())
             check_model(body.model)
-            try:
-                chat = await asyncio.to_thread(parse_request, ChatCompletionRequest, body.chat_body())
-                _, prompt_ids, _ = await asyncio.to_thread(chat_prompt, chat)
-            except ApiError as exc:
-                raise as_messages_error(exc) from exc
+            _, _, prompt_ids, _ = await rendered_as_chat(body.chat_body(), as_messages_error)
         except ApiError as exc:
             return JSONResponse(messages_error_body(exc), status_code=exc.status)
         return {"input_tokens": len(prompt_ids)}

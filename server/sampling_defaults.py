@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from server.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingDefaults
-from server.tokenizer import read_generation_config
+from server.tokenizer import GENERATION_FILE, read_generation_config
 from server.vllm_flags import json_object
 
-GENERATION_FILE = "generation_config.json"
 SOURCES = ("auto", "vllm")  # or a folder
 
 

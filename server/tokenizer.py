@@ -85,9 +85,12 @@ def _variables(source: str) -> frozenset[str]:
     return frozenset(meta.find_undeclared_variables(parsed))
 
 
+GENERATION_FILE = "generation_config.json"
+
+
 def read_generation_config(folder: Path) -> dict[str, Any] | None:
     """A folder's generation_config.json (None without one), refused naming the file when it is no JSON object."""
-    path = folder / "generation_config.json"
+    path = folder / GENERATION_FILE
     if not path.is_file():
         return None
     try:
@@ -105,7 +108,7 @@ def generation_eos_ids(model_dir: Path) -> list[int]:
     eos = data.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise TokenizerError(f"generation_config.json: eos_token_id must be a token id or a list of them, got {eos!r}")
+        raise TokenizerError(f"{GENERATION_FILE}: eos_token_id must be a token id or a list of them, got {eos!r}")
     return ids
 
 

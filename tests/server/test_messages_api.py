@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from server.app import ServerState, build_app
 from tests.server.live import Live, serve, tiny_chat_checkpoint
+from tests.server.test_responses_api import scripted
 from tests.server.test_tool_calls_api import SHIPPED, TWO_CALLS, WEATHER, Answering
 
 ASK = "Sort a list, please."
@@ -158,11 +159,6 @@ def test_bad_requests_get_anthropics_errors_naming_the_field(live, fields, statu
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(SHIPPED)
-
-
-def scripted(tokenizer, answer: str) -> tuple[TestClient, Answering]:
-    engine = Answering(tokenizer, answer)
-    return TestClient(build_app(ServerState(engine, tokenizer, "m", 4096, len(tokenizer), (0,)))), engine
 
 
 def sse_events(text: str) -> list[dict]:
