@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # vLLM's flags and the generation config's sampling defaults on one GPU, then the API check and the whole GPU suite,
-# in one call on nvidia-h200 or nvidia-h100-x1 (carry .whl). The shipped model at --tp 1 with CUDA graphs:
-#   1. served as it is: the lane pool and prompt cache it plans, the GPU's memory in use, then gpu_api_check.py;
+# in one call on nvidia-h200 or nvidia-h100-x1 (carry .whl from `../shared/tools/gpu-wheels.sh anthropic
+# docstring-parser`: the suite's Messages tests import anthropic). The shipped model at --tp 1 with CUDA graphs:
+#   1. served as it is: the lane pool and prompt cache it plans, the GPU's memory in use, gpu_api_check.py, and
+#      Anthropic's Messages API against the chat (scripts/messages_check.py);
 #   2. served from a vLLM command line (--gpu-memory-utilization 0.3, --speculative-config, the parser flags) with
 #      --override-generation-config '{"temperature": 0, "max_new_tokens": 6}': its pool, cache and memory in use, and
-#      a chat without temperature or max_tokens against one asking for greedy and 6 tokens (token_sha, usage), and
-#      Anthropic's Messages API against the chat (scripts/messages_check.py);
+#      a chat without temperature or max_tokens against one asking for greedy and 6 tokens (token_sha, usage);
 #   3. --gpu-memory-utilization 0.01: refused at start naming the flag, or served with less (its log says which);
 #   4. PYTEST=1 (default): `pytest -m gpu tests` within what is left of SUITE_S (default 280) seconds.
 # Usage, from the repo root there:  OUT=... bash scripts/gpu_flags_check.sh   (logs under $OUT)
@@ -23,6 +24,7 @@ if serve_until_up 200 8601 "$OUT/serve_plain.log" "${model_args[@]}"; then
   timeout 200 python3 scripts/gpu_api_check.py --base-url http://127.0.0.1:8601 > "$OUT/api_check.out" 2>&1
   echo "api check rc=$? $(since): $(grep -c PASS "$OUT/api_check.out") PASS, $(grep -c FAIL "$OUT/api_check.out") FAIL"
   grep FAIL "$OUT/api_check.out" | head -5
+  python3 scripts/messages_check.py --base-url http://127.0.0.1:8601/v1
 else
   echo "plain: did not come up"; tail -5 "$OUT/serve_plain.log"
 fi
@@ -46,20 +48,17 @@ print("asked 20 under the override's cap of 6:", capped["usage"]["completion_tok
 same = unset["token_sha"] == greedy["token_sha"] and unset["usage"]["completion_tokens"] == 6
 print("defaults served:", "yes" if same and capped["usage"]["completion_tokens"] == 6 else "NO")
 EOF
-  python3 scripts/messages_check.py --base-url http://127.0.0.1:8602/v1
 else
   echo "vllm line: did not come up"; tail -5 "$OUT/serve_vllm.log"
 fi
 stop_server
 
-timeout 200 python3 -m server "${model_args[@]}" --port 8603 --gpu-memory-utilization 0.01 > "$OUT/serve_tiny.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 150); do
-  grep -q "listening on\|Application startup complete" "$OUT/serve_tiny.log" 2>/dev/null && break
-  kill -0 $SERVER 2>/dev/null || break
-  sleep 1
-done
-echo "utilization 0.01 $(since):"; planned "$OUT/serve_tiny.log"; grep -h "gpu-memory-utilization" "$OUT/serve_tiny.log"
+if serve_until_up 200 8603 "$OUT/serve_tiny.log" "${model_args[@]}" --gpu-memory-utilization 0.01; then
+  echo "utilization 0.01: served $(since)"
+else
+  echo "utilization 0.01: not served $(since)"; grep -h "gpu-memory-utilization" "$OUT/serve_tiny.log"
+fi
+planned "$OUT/serve_tiny.log"
 stop_server
 
 if [ "${PYTEST:-1}" = 1 ]; then

@@ -51,7 +51,7 @@ def checks(base: str) -> list[tuple[str, bool, str]]:
         (
             "forced tool_use follows the schema",
             bool(uses) and all(all(isinstance(i, int) for i in use["input"].get("items", [None])) for use in uses),
-            json.dumps(uses)[:160],
+            f"stop_reason {forced['stop_reason']}: {json.dumps(uses)[:160]}",
         ),
     ]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import from_json
@@ -26,6 +27,7 @@ from server.bad_words import BadWords, bad_word_ids
 from server.engine import ContextLengthError, EngineStopped, check_context
 from server.generation import THINK_TAGS, Generation, Outcome, StreamEnd, interleaved
 from server.handle import EngineHandle
+from server.http_options import DEFAULT_HTTP, HttpOptions
 from server.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -66,7 +68,7 @@ from server.textout import prompt_opens_thinking
 from server.tokenizer import single_token_id, template_reads
 from server.tool_calls import ForcedCalls, ToolCallCut
 
-PUBLIC_PATHS = ("/health", "/metrics", "/version")
+PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/version")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
 # would cost the square of a long conversation's length
 MESSAGE_KEEPS = 4
@@ -89,6 +91,13 @@ class ServerState:
     eos_ids: tuple[int, ...]
     api_key: str | None = None
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # what a request's unset sampling fields take
+    http: HttpOptions = DEFAULT_HTTP  # CORS, the root path and the docs pages
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes by: the request's, less the root path where it begins with it (as Starlette routes)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root + "/") else path
 
 
 class RequireApiKey:
@@ -107,11 +116,15 @@ class RequireApiKey:
         return hmac.compare_digest(given.get(b"x-api-key", b""), self.key) or bearer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and not self._allows(scope["headers"]):
+        if (
+            scope["type"] == "http"
+            and (path := route_path(scope)) not in PUBLIC_PATHS
+            and not self._allows(scope["headers"])
+        ):
             error = ApiError(
                 "missing or wrong API key", status=401, type="authentication_error", code="invalid_api_key"
             )
-            body = messages_error_body(error) if scope["path"].startswith("/v1/messages") else error.body()
+            body = messages_error_body(error) if path.startswith("/v1/messages") else error.body()
             await JSONResponse(body, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -148,6 +161,26 @@ def choices_usage(prompts: list[list[int]], completions: list[list[int]], cached
     return usage(sum(map(len, prompts)), sum(map(len, completions)), resumed)
 
 
+def new_app(options: HttpOptions, **settings) -> FastAPI:
+    """A FastAPI app with the options' docs pages and root path (its middleware comes later: `add_cors`)."""
+    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(**docs, **settings)
+    app.root_path = options.root_path  # as vLLM sets it: routed with the prefix or without it
+    return app
+
+
+def add_cors(app: FastAPI, options: HttpOptions) -> None:
+    """CORS as the app's outermost middleware, so that every answer, a refused API key's too, carries its headers
+    and a browser's preflight is answered before any key is asked for."""
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(options.allowed_origins),
+        allow_methods=list(options.allowed_methods),
+        allow_headers=list(options.allowed_headers),
+        allow_credentials=options.allow_credentials,
+    )
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI app over an engine that delivers on the app's loop from startup to shutdown."""
 
@@ -157,7 +190,7 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         state.engine.detach()
 
-    app = FastAPI(title="flashnext", lifespan=lifespan)
+    app = new_app(state.http, title="flashnext", lifespan=lifespan)
     spell = token_text(state.tokenizer)  # a token's text in logprobs
     spell_bytes = token_bytes(state.tokenizer, spell)  # and its bytes
 
@@ -172,6 +205,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(RequireApiKey, key=state.api_key)
+    add_cors(app, state.http)  # added last: outermost
 
     def check_model(name: Any) -> None:
         """Refuse a model name that is no string (400) or names another model (404); null or none means this one."""
@@ -842,12 +876,24 @@ def build_app(state: ServerState) -> FastAPI:
         return {"version": server_version()}
 
     @app.get("/health")
+    @app.get("/ping")  # SageMaker's health check
+    @app.post("/ping")
     async def health():
         try:
             stats = await state.engine.stats()
         except EngineStopped as exc:
             raise ApiError(str(exc), status=503, type="server_error") from exc
         return {"status": "ok", "model": state.model_name, "context": state.context, **stats}
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's one inference route: a body with messages is a chat, one with a prompt a text completion."""
+        body = await json_body(request)  # the request keeps its bytes: the route taking it reads them again
+        if "messages" in body:
+            return await chat(request)
+        if "prompt" in body:
+            return await completions(request)
+        raise ApiError("the body needs messages (a chat) or prompt (a text completion)", param="messages")
 
     @app.get("/metrics")
     async def metrics():

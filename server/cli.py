@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from model.shipped import SHIPPED_MODEL
+from server.http_options import add_http_flags, http_options
 from server.vllm_flags import ServeParser, add_vllm_flags
 
 FRONTENDS = ("process", "thread")  # where the HTTP front end runs (server/frontend.py)
@@ -247,6 +248,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template (a file, or the template's text) in place of the checkpoint's (default: the "
         "checkpoint's)",
     )
+    add_http_flags(parser)
     add_vllm_flags(parser)
 
 
@@ -370,6 +372,7 @@ def start_refusal(args: argparse.Namespace) -> str | None:
 
     # a generation config out of the API's bounds raises ValueError naming the file or flag, and the key
     defaults_from_flags(args.model, args.generation_config, args.override_generation_config)
+    http_options(args)  # a bad CORS list, root path or TLS file raises ValueError naming the flag
     for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):
         if value is not None and not value.strip():
             return f"{flag}: must not be empty"

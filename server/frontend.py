@@ -19,6 +19,7 @@ import uvicorn
 from server.app import ServerState, build_app
 from server.engine import Engine
 from server.engine_link import EngineClient, EngineHost
+from server.http_options import DEFAULT_HTTP, HttpOptions
 from server.metrics import EngineMetrics
 from server.protocol import NO_DEFAULTS, SamplingDefaults
 from server.tokenizer import load_tokenizer
@@ -41,6 +42,7 @@ class FrontSettings:
     host: str
     port: int
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # --generation-config's, for a request's unset fields
+    http: HttpOptions = DEFAULT_HTTP  # CORS, the root path, TLS, uvicorn's logs, the docs pages
 
 
 GRACE_S = 30  # seconds open responses get to finish once a shutdown begins
@@ -149,8 +151,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def http_server(state: ServerState, settings: FrontSettings) -> HttpServer:
     """The server of `state`'s app (it listens on the socket given to `run`)."""
-    config = uvicorn.Config(build_app(state), host=settings.host, port=settings.port, log_level="warning")
-    return HttpServer(config)
+    return HttpServer(uvicorn_config(build_app(state), settings))
+
+
+def uvicorn_config(app, settings: FrontSettings) -> uvicorn.Config:
+    """uvicorn's settings for serving `app` where and as `settings` say."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port, **settings.http.uvicorn_settings())
 
 
 def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.socket) -> None:
@@ -173,6 +179,7 @@ def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.
         settings.eos_ids,
         settings.api_key,
         settings.sampling_defaults,
+        settings.http,
     )
     server = http_server(state, settings)
     server.run(sockets=[listener])

@@ -29,6 +29,7 @@ from server.engine import Engine
 from server.frontend import FrontendProcess, FrontSettings, http_server, listen_socket
 from server.guides import Guides
 from server.handle import LocalEngine
+from server.http_options import http_options
 from server.metrics import EngineMetrics
 from server.prompt_cache import PromptCache
 from server.protocol import SamplingDefaults
@@ -214,6 +215,7 @@ class Serving:
             front.eos_ids,
             front.api_key,
             front.sampling_defaults,
+            front.http,
         )
 
 
@@ -295,6 +297,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         host=args.host,
         port=args.port,
         sampling_defaults=defaults,
+        http=http_options(args),
     )
     return Serving(engine, metrics, tokenizer, front)
 
@@ -392,7 +395,8 @@ def serve_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings, liste
     """Connect the ranks, load this one's half, then serve HTTP on `listener` (rank 0) or run rank 0's plans."""
     if listener is not None:
         host, port = listener.getsockname()[:2]
-        log.info("listening on http://%s:%d%s", f"[{host}]" if ":" in host else host, port,
+        log.info("listening on %s://%s:%d%s", "https" if args.ssl_certfile else "http",
+                 f"[{host}]" if ":" in host else host, port,
                  " (API key required)" if args.api_key else "")  # fmt: skip
     link = None
     if ranks.world > 1:

@@ -70,6 +70,14 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trust-remote-code", action="store_true", help="taken: no checkpoint code is ever run (default: off)"
     )
+    group.add_argument(
+        "--disable-log-requests", action="store_true", help="taken: no request is logged either way (default: off)"
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="taken: no stats are logged either way; /metrics has them (default: off)",
+    )
 
 
 def json_object(flag: str, text: str) -> dict[str, Any]:

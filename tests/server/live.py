@@ -15,7 +15,7 @@ from make_checkpoint import hf_model, make_checkpoint
 
 from server.app import build_app
 from server.cli import build_parser
-from server.frontend import listen_socket
+from server.frontend import listen_socket, uvicorn_config
 from server.serve import create_serving
 from tests.tiny import text_config
 
@@ -82,8 +82,8 @@ def serve(path: Path, *flags: str) -> Iterator[Live]:
     with contextlib.closing(listen_socket("127.0.0.1", 0)) as sock:  # bound now: no port picked, then bound later
         port = sock.getsockname()[1]
         args = build_parser().parse_args(["serve", str(path), "--host", "127.0.0.1", "--port", str(port), *flags])
-        app = build_app(create_serving(args).local_state())
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        serving = create_serving(args)
+        server = uvicorn.Server(uvicorn_config(build_app(serving.local_state()), serving.front))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
@@ -92,7 +92,7 @@ def serve(path: Path, *flags: str) -> Iterator[Live]:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         try:
-            yield Live(f"http://127.0.0.1:{port}", path.name, path)
+            yield Live(f"{serving.front.http.scheme}://127.0.0.1:{port}", path.name, path)
         finally:
             server.should_exit = True
             thread.join(timeout=30)

@@ -57,8 +57,9 @@ def test_both_ranks_agree_on_the_utilization():
 
 def test_vllms_flags_that_change_nothing_here_are_taken():
     args = parsed("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1",
-                  "--trust-remote-code")  # fmt: skip
+                  "--trust-remote-code", "--disable-log-requests", "--disable-log-stats")  # fmt: skip
     assert (args.tool_call_parser, args.reasoning_parser, args.trust_remote_code) == ("hermes", "deepseek_r1", True)
+    assert args.disable_log_requests and args.disable_log_stats
 
 
 @pytest.mark.parametrize(

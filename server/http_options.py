@@ -1,0 +1,159 @@
+"""The HTTP server's own options, spelled as vLLM's serve flags: CORS, a proxy's root path, TLS, uvicorn's logs and
+the API's docs pages; refused at start naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import ssl
+from dataclasses import dataclass
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
+
+
+@dataclass(frozen=True, slots=True)
+class HttpOptions:
+    """How the HTTP server answers besides the API (sent to a front-end process with its settings)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""  # the path prefix a proxy serves the API under; requests with or without it are routed
+    docs: bool = True  # /docs, /redoc and /openapi.json
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    log_level: str = "warning"
+    access_log: bool = True
+
+    @property
+    def scheme(self) -> str:
+        """http, or https where a certificate is given."""
+        return "https" if self.ssl_certfile else "http"
+
+    def uvicorn_settings(self) -> dict[str, object]:
+        """uvicorn.Config's keyword arguments for these options."""
+        return {
+            "log_level": self.log_level,
+            "access_log": self.access_log,
+            "ssl_keyfile": self.ssl_keyfile,
+            "ssl_certfile": self.ssl_certfile,
+            "ssl_ca_certs": self.ssl_ca_certs,
+            "ssl_cert_reqs": self.ssl_cert_reqs,
+        }
+
+
+DEFAULT_HTTP = HttpOptions()  # the flags' defaults
+
+
+def add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's flags, in a group of their own in --help."""
+    group = parser.add_argument_group("HTTP server", "as vLLM's flags of the same names")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        group.add_argument(
+            f"--allowed-{name}",
+            default='["*"]',
+            metavar="JSON",
+            help=f'the {what} browsers may call the API from (CORS), a JSON list of strings (default ["*"]: any)',
+        )
+    group.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let browsers send cookies and credentials (CORS) (default: off)",
+    )
+    group.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves the API under, e.g. /llm; requests are routed with it or without it "
+        "(default: none)",
+    )
+    group.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        help="the TLS private key's file, where --ssl-certfile holds no key (default: none)",
+    )
+    group.add_argument(
+        "--ssl-certfile", default=None, help="the TLS certificate chain's file: serve HTTPS (default: none, plain HTTP)"
+    )
+    group.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates by (default: none)"
+    )
+    group.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=sorted(CERT_REQS),
+        default=0,
+        help="client certificates: 0 none, 1 optional, 2 required (needs --ssl-ca-certs) (default 0)",
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        choices=UVICORN_LOG_LEVELS,
+        default="warning",
+        help="uvicorn's log level; info and below log each request (default warning; vLLM's is info)",
+    )
+    group.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no log line per request at any log level (default: off)",
+    )
+    group.add_argument(
+        "--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json pages (default: off)"
+    )
+
+
+def _json_strings(flag: str, text: str) -> tuple[str, ...]:
+    """A flag's JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: not valid JSON ({exc}); expected a list of strings, e.g. '[\"*\"]'") from exc
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{flag}: expected a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return tuple(value)
+
+
+def _check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None, cert_reqs: int) -> None:
+    """Load the TLS files as the server will, so that a missing or bad one is refused now, naming its flag."""
+    if certfile is None:
+        for flag, given in (("--ssl-keyfile", keyfile), ("--ssl-ca-certs", ca_certs), ("--ssl-cert-reqs", cert_reqs)):
+            if given:
+                raise ValueError(f"{flag}: needs --ssl-certfile (TLS is served only with a certificate)")
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        flags = "--ssl-certfile" + (" and --ssl-keyfile" if keyfile else "")
+        raise ValueError(f"{flags}: cannot load a certificate and its key: {exc}") from exc
+    if cert_reqs == ssl.CERT_REQUIRED and ca_certs is None:
+        raise ValueError("--ssl-cert-reqs 2: needs --ssl-ca-certs to verify clients' certificates by")
+    if ca_certs is not None:
+        try:
+            context.load_verify_locations(ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--ssl-ca-certs: cannot load CA certificates: {exc}") from exc
+
+
+def http_options(args: argparse.Namespace) -> HttpOptions:
+    """The serve flags' HTTP options; ValueError names the flag at fault."""
+    root = args.root_path
+    if root and (not root.startswith("/") or root.endswith("/")):
+        raise ValueError(f"--root-path: expected a path that starts with / and does not end with one, got {root!r}")
+    _check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    return HttpOptions(
+        allowed_origins=_json_strings("--allowed-origins", args.allowed_origins),
+        allowed_methods=_json_strings("--allowed-methods", args.allowed_methods),
+        allowed_headers=_json_strings("--allowed-headers", args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        root_path=root,
+        docs=not args.disable_fastapi_docs,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+    )
