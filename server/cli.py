@@ -100,6 +100,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=SHIPPED_MODEL,
         help="checkpoint folder (default: the small model that ships with flashnext)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="a folder whose tokenizer (and chat template) to use, e.g. for --load-format dummy on a config alone; its "
+        "ids must fit the model's vocab_size (default: the checkpoint's)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
     parser.add_argument(
         "--dtype",
@@ -282,7 +289,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, tokenizer_dir=args.tokenizer)
     if args.prompt is not None:
         if tokenizer is None:
             print(f"--prompt: {args.model} has no tokenizer; pass --prompt-ids", file=sys.stderr)
@@ -359,10 +366,11 @@ def start_refusal(args: argparse.Namespace) -> str | None:
                 ShardPlan(cfg, TensorParallel(rank, world)).check_expert_blocks(NVFP4_GROUP)
             except ValueError as exc:
                 return f"--tp {world}: {exc}" if world > 1 else str(exc)
-    from server.tokenizer import eos_token_ids, load_tokenizer
+    from server.tokenizer import check_vocab, eos_token_ids, load_tokenizer
 
     # read again once the weights are in; a --chat-template that does not compile is a TokenizerError naming it
-    tokenizer = load_tokenizer(args.model, getattr(args, "chat_template", None))
+    tokenizer = load_tokenizer(args.model, getattr(args, "chat_template", None), args.tokenizer)
+    check_vocab(tokenizer, cfg.vocab_size, args.tokenizer)
     eos_token_ids(args.model, tokenizer, cfg.eos_token_id)
     if args.command != "serve":
         return None

@@ -38,6 +38,7 @@ class FrontSettings:
     eos_ids: tuple[int, ...]
     api_key: str | None
     chat_template: str | None  # --chat-template's text, in place of the checkpoint's
+    tokenizer_path: Path | None  # --tokenizer's folder, in place of the checkpoint's
     cache_enabled: bool
     host: str
     port: int
@@ -172,7 +173,7 @@ def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.
     client = EngineClient(sock, settings.context, settings.cache_enabled, engine_lost)
     state = ServerState(
         client,
-        load_tokenizer(settings.model_path, settings.chat_template),
+        load_tokenizer(settings.model_path, settings.chat_template, settings.tokenizer_path),
         settings.model_name,
         settings.context,
         settings.vocab_size,

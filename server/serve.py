@@ -245,7 +245,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     cfg = model.cfg
     context = plan_lanes(args, model)
     free = free_memory(model.device, args.gpu_memory_utilization)
-    tokenizer = load_tokenizer(args.model, args.chat_template)
+    tokenizer = load_tokenizer(args.model, args.chat_template, args.tokenizer)
     name = args.served_model_name or args.model.name
     metrics = EngineMetrics(name)
     runner = runner or ModelRunner(model, args.max_lanes)
@@ -293,6 +293,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         eos_ids=eos_token_ids(args.model, tokenizer, cfg.eos_token_id),
         api_key=args.api_key,
         chat_template=args.chat_template,
+        tokenizer_path=args.tokenizer,
         cache_enabled=cache.enabled,
         host=args.host,
         port=args.port,

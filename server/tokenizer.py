@@ -16,25 +16,39 @@ class TokenizerError(ValueError):
     """A tokenizer, chat template or generation_config.json that does not load; the message names it."""
 
 
-def load_tokenizer(model_dir: Path, chat_template: str | None = None):
-    """The checkpoint's tokenizer, or None when it ships none (token-id prompts still work); one that does not load
-    is refused as a TokenizerError. `chat_template` (--chat-template's text) replaces the checkpoint's template."""
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+def load_tokenizer(model_dir: Path, chat_template: str | None = None, tokenizer_dir: Path | None = None):
+    """The tokenizer of `tokenizer_dir` (--tokenizer) or else the checkpoint's, or None when the checkpoint ships
+    none (token-id prompts still work); one that does not load, or a --tokenizer folder without one, is refused as a
+    TokenizerError. `chat_template` (--chat-template's text) replaces the tokenizer's template."""
+    folder = tokenizer_dir or model_dir
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        if tokenizer_dir is not None:
+            raise TokenizerError(
+                f"--tokenizer: {folder} holds no tokenizer (no tokenizer.json or tokenizer_config.json)"
+            )
         if chat_template is not None:
             raise TokenizerError(f"--chat-template: {model_dir} has no tokenizer to render it with")
         log.warning("%s has no tokenizer: only token-id prompts can be served", model_dir)
         return None
     from transformers import AutoTokenizer
 
+    named = f"--tokenizer {folder}" if tokenizer_dir is not None else str(folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # a broken file fails in json, tokenizers or transformers, each with its own errors
-        raise TokenizerError(f"{model_dir}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
+        raise TokenizerError(f"{named}: its tokenizer does not load ({type(exc).__name__}: {exc})") from exc
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    check_chat_template(tokenizer, "--chat-template: the" if chat_template is not None else f"{model_dir}: its")
+    check_chat_template(tokenizer, "--chat-template: the" if chat_template is not None else f"{named}: its")
     clear_presets(tokenizer)
     return tokenizer
+
+
+def check_vocab(tokenizer, vocab_size: int, tokenizer_dir: Path | None) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding rows (naming --tokenizer where it was given)."""
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        named = "--tokenizer: the" if tokenizer_dir is not None else "model: its"
+        raise TokenizerError(f"{named} tokenizer's {len(tokenizer)} ids exceed the model's vocab_size {vocab_size}")
 
 
 def clear_presets(tokenizer) -> None:
