@@ -7,6 +7,7 @@ import hmac
 import json
 import time
 import tomllib
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import from_json
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -47,6 +49,7 @@ from server.messages import (
 )
 from server.messages import error_body as messages_error_body
 from server.protocol import (
+    MAX_REQUEST_ID,
     NO_DEFAULTS,
     ApiError,
     ChatCompletionRequest,
@@ -130,6 +133,29 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class RequestIdHeader:
+    """vLLM's --enable-request-id-headers: every answer carries an X-Request-Id header, the id a chat's or text
+    completion's response carries (which its route leaves in the request's state), else the request's own, else a
+    new one. Plain ASGI, as `RequireApiKey` is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                given = scope.get("state", {}).get("request_id") or Headers(scope=scope).get("x-request-id")
+                header = (b"x-request-id", (given or uuid.uuid4().hex).encode("latin-1"))
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
     """OpenAI's usage object; the cached prompt tokens' details where `cached` is given."""
     counts: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
@@ -193,6 +219,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = new_app(state.http, title="flashnext", lifespan=lifespan)
     spell = token_text(state.tokenizer)  # a token's text in logprobs
     spell_bytes = token_bytes(state.tokenizer, spell)  # and its bytes
+    as_id = token_text(None)  # a token's "token_id:ID" spelling
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -205,6 +232,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(RequireApiKey, key=state.api_key)
+    if state.http.request_id_headers:  # outside the key's check: a refusal carries the header too
+        app.add_middleware(RequestIdHeader)
     add_cors(app, state.http)  # added last: outermost
 
     def check_model(name: Any) -> None:
@@ -218,6 +247,23 @@ def build_app(state: ServerState) -> FastAPI:
                 param="model",
                 code="model_not_found",
             )
+
+    def request_id(request: Request, body: ChatCompletionRequest | CompletionRequest) -> str:
+        """The id a chat's or text completion's response carries after its prefix, as vLLM takes it: the X-Request-Id
+        header, else the body's request_id, else a new one; left in the request's state for `RequestIdHeader`."""
+        given = request.headers.get("x-request-id")
+        if given and len(given) > MAX_REQUEST_ID:
+            raise ApiError(f"X-Request-Id: longer than {MAX_REQUEST_ID} characters", param="X-Request-Id")
+        request.state.request_id = given or body.request_id or uuid.uuid4().hex
+        return request.state.request_id
+
+    def spelled_as(body: ChatCompletionRequest | CompletionRequest) -> tuple[Callable, Callable]:
+        """How the output's logprobs spell a token (its text, and its bytes): as "token_id:ID" where the request's
+        return_tokens_as_token_ids, or else --return-tokens-as-token-ids, asks for it."""
+        as_ids = body.return_tokens_as_token_ids
+        if as_ids if as_ids is not None else state.http.tokens_as_ids:
+            return as_id, token_bytes(None, as_id)
+        return spell, spell_bytes
 
     def need_tokenizer(param: str) -> Any:
         if state.tokenizer is None:
@@ -440,10 +486,11 @@ def build_app(state: ServerState) -> FastAPI:
         # check, rendering or tokenizing would hold the event loop and every stream on it
         body = await asyncio.to_thread(parse_request, ChatCompletionRequest, await request.body())
         check_model(body.model)
+        rid = request_id(request, body)
         text, prompt_ids, keep_at = await asyncio.to_thread(chat_prompt, body)
         generations = start([prompt_ids], body, thinking_open(body, text), keep_at)
         if body.stream:
-            return sse(await started(chat_chunks(generations, body)))
+            return sse(await started(chat_chunks(generations, body, rid)))
         outcomes = await wait(request, generations)
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
@@ -465,12 +512,12 @@ def build_app(state: ServerState) -> FastAPI:
                 "finish_reason": finish_reason,
                 "stop_reason": outcome.stop_reason,
                 "logprobs": (
-                    chat_logprobs(outcome.token_ids, outcome.logprobs, spell, spell_bytes) if body.logprobs else None
+                    chat_logprobs(outcome.token_ids, outcome.logprobs, *spelled_as(body)) if body.logprobs else None
                 ),
             }
 
         choices = await shaped(choice, outcomes, body.logprobs or body.prompt_logprobs is not None)
-        response = respond("chatcmpl", "chat.completion", choices, outcomes, [prompt_ids], body.return_token_ids)
+        response = respond(f"chatcmpl-{rid}", "chat.completion", choices, outcomes, [prompt_ids], body.return_token_ids)
         if body.prompt_logprobs is not None:  # where vLLM puts them for a chat: the top level
             response["prompt_logprobs"] = prompt_logprobs(outcomes[0].prompt_logprobs, body.prompt_logprobs, spell)
         return response
@@ -479,11 +526,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         body = await asyncio.to_thread(parse_request, CompletionRequest, await request.body())  # as a chat's
         check_model(body.model)
+        rid = request_id(request, body)
         # tokenized (and decoded for echo) on a worker thread, as a chat is rendered
         prompts, echoed = await asyncio.to_thread(completion_prompts, body)
         generations = start(prompts, body, None)
         if body.stream:
-            return sse(await started(completion_chunks(generations, body, echoed)))
+            return sse(await started(completion_chunks(generations, body, echoed, rid)))
         outcomes = await wait(request, generations)
         if body.echoes_only():  # the token drawn after the prompt pass is no part of an answer of the prompt alone
             outcomes = [
@@ -491,14 +539,17 @@ def build_app(state: ServerState) -> FastAPI:
                 for o in outcomes
             ]
 
+        token_spelling = spelled_as(body)[0]
+
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
             logprobs, prompt_ids = None, prompts[index // body.n]  # choices in prompt order, n a prompt
             if body.logprobs is not None and body.echo:  # the prompt's tokens first, the first of them without one
-                echoed_part = echoed_logprobs(prompt_ids, outcome.prompt_logprobs, body.logprobs, spell)
+                echoed_part = echoed_logprobs(prompt_ids, outcome.prompt_logprobs, body.logprobs, token_spelling)
                 offset = sum(map(len, echoed_part["tokens"]))  # offsets run on through the tokens' own texts
-                logprobs = joined(echoed_part, completion_logprobs(outcome.token_ids, outcome.logprobs, spell, offset))
+                answer = completion_logprobs(outcome.token_ids, outcome.logprobs, token_spelling, offset)
+                logprobs = joined(echoed_part, answer)
             elif body.logprobs is not None:
-                logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, spell)
+                logprobs = completion_logprobs(outcome.token_ids, outcome.logprobs, token_spelling)
             return {
                 "index": index,
                 "text": echoed[index // body.n] + outcome.content,
@@ -513,7 +564,7 @@ def build_app(state: ServerState) -> FastAPI:
             return {"prompt_logprobs": prompt_logprobs(outcome.prompt_logprobs, body.prompt_logprobs, spell)}
 
         choices = await shaped(choice, outcomes, body.logprobs is not None or body.prompt_logprobs is not None)
-        return respond("cmpl", "text_completion", choices, outcomes, prompts, body.return_token_ids)
+        return respond(f"cmpl-{rid}", "text_completion", choices, outcomes, prompts, body.return_token_ids)
 
     def completion_prompts(body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Each prompt's checked token ids, and the text echo puts before its choices (the prompt's text; a prompt of
@@ -545,12 +596,12 @@ def build_app(state: ServerState) -> FastAPI:
         return await asyncio.to_thread(choices) if with_logprobs else choices()
 
     def respond(
-        prefix, kind, choices, outcomes: list[Outcome], prompts: list[list[int]], with_ids: bool
+        response_id: str, kind, choices, outcomes: list[Outcome], prompts: list[list[int]], with_ids: bool
     ) -> dict[str, Any]:
         """The response object of the prompts' choices (as many a prompt, in prompt order); with several choices each
         carries its own token_sha (the top level's is choice 0's)."""
         response = {
-            "id": f"{prefix}-{time.time_ns():x}",
+            "id": response_id,
             "object": kind,
             "created": int(time.time()),
             "model": state.model_name,
@@ -601,8 +652,8 @@ def build_app(state: ServerState) -> FastAPI:
         (or, with vLLM's continuous_usage_stats, the usage of the chunk's choice so far); then usage and [DONE]; the
         engine is told when the client leaves."""
         tokens: list[list[int]] = [[] for _ in generations]
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and options.continuous_usage_stats
+        include_usage = state.http.force_include_usage or bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
 
         def usage_so_far(index: int) -> dict[str, Any]:
             if not continuous:
@@ -763,8 +814,11 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             generation.abort()
 
-    def chat_chunks(generations: list[Generation], body: ChatCompletionRequest) -> AsyncGenerator[dict[str, Any], None]:
-        created, chunk_id = int(time.time()), f"chatcmpl-{time.time_ns():x}"
+    def chat_chunks(
+        generations: list[Generation], body: ChatCompletionRequest, rid: str
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        created, chunk_id = int(time.time()), f"chatcmpl-{rid}"
+        spelling = spelled_as(body)
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         # each choice's tool-call blocks, cut from its content as they close
         cuts = [cut for _ in generations if (cut := call_cut(body)) is not None] or None  # one a choice, or none
@@ -792,7 +846,7 @@ def build_app(state: ServerState) -> FastAPI:
                 finish_reason = piece.finish_reason if cuts is None else cuts[index].finish(piece.finish_reason)
                 choice.update(finish_reason=finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:
-                    choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, spell, spell_bytes)
+                    choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, *spelling)
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {
@@ -807,9 +861,10 @@ def build_app(state: ServerState) -> FastAPI:
         return stream(generations, body.n, frame, body.stream_options, opening)
 
     def completion_chunks(
-        generations: list[Generation], body: CompletionRequest, echoed: list[str]
+        generations: list[Generation], body: CompletionRequest, echoed: list[str], rid: str
     ) -> AsyncGenerator[dict[str, Any], None]:
-        created, chunk_id = int(time.time()), f"cmpl-{time.time_ns():x}"
+        created, chunk_id = int(time.time()), f"cmpl-{rid}"
+        token_spelling = spelled_as(body)[0]
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         spelled = [0] * len(generations)  # each choice's characters of token text sent: its next text_offset
         # with logprobs the echoed prompt waits for its logprobs, which come with each choice's first piece
@@ -834,9 +889,9 @@ def build_app(state: ServerState) -> FastAPI:
                         choice["text"], echo_later[index] = echoed[index // body.n] + piece.content, False
                         prompt = generations[index].prompt_ids
                         if len(piece.prompt_logprobs) == len(prompt) - 1:  # none if it ended before its first token
-                            echo_part = echoed_logprobs(prompt, piece.prompt_logprobs, body.logprobs, spell)
+                            echo_part = echoed_logprobs(prompt, piece.prompt_logprobs, body.logprobs, token_spelling)
                             spelled[index] = sum(map(len, echo_part["tokens"]))
-                    logprobs = completion_logprobs(piece.token_ids, piece.logprobs, spell, spelled[index])
+                    logprobs = completion_logprobs(piece.token_ids, piece.logprobs, token_spelling, spelled[index])
                     spelled[index] += sum(map(len, logprobs["tokens"]))
                     choice["logprobs"] = logprobs if echo_part is None else joined(echo_part, logprobs)
                 if with_ids:

@@ -1,5 +1,6 @@
-"""The HTTP server's own options, spelled as vLLM's serve flags: CORS, a proxy's root path, TLS, uvicorn's logs and
-the API's docs pages; refused at start naming the flag."""
+"""The HTTP side's own options, spelled as vLLM's serve flags: CORS, a proxy's root path, TLS, uvicorn's logs, the
+API's docs pages, and the answers' defaults those flags set (request ids in a header, usage in every stream, tokens
+spelled as ids); refused at start naming the flag."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class HttpOptions:
     ssl_cert_reqs: int = 0
     log_level: str = "warning"
     access_log: bool = True
+    request_id_headers: bool = False  # each answer's X-Request-Id header
+    force_include_usage: bool = False  # usage at the end of every stream, asked for or not
+    tokens_as_ids: bool = False  # logprobs' tokens spelled "token_id:ID" unless a request says otherwise
 
     @property
     def scheme(self) -> str:
@@ -52,12 +56,16 @@ DEFAULT_HTTP = HttpOptions()  # the flags' defaults
 def add_http_flags(parser: argparse.ArgumentParser) -> None:
     """The HTTP server's flags, in a group of their own in --help."""
     group = parser.add_argument_group("HTTP server", "as vLLM's flags of the same names")
-    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+    for name, what in (
+        ("origins", "the origins whose pages"),
+        ("methods", "the HTTP methods that pages of other origins"),
+        ("headers", "the request headers that pages of other origins"),
+    ):
         group.add_argument(
             f"--allowed-{name}",
             default='["*"]',
             metavar="JSON",
-            help=f'the {what} browsers may call the API from (CORS), a JSON list of strings (default ["*"]: any)',
+            help=f'{what} may call the API with (CORS), a JSON list of strings (default ["*"]: any)',
         )
     group.add_argument(
         "--allow-credentials",
@@ -68,7 +76,7 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         "--root-path",
         default="",
         help="the path prefix a proxy serves the API under, e.g. /llm; requests are routed with it or without it "
-        "(default: none)",
+        "(default: none; / is none too)",
     )
     group.add_argument(
         "--ssl-keyfile",
@@ -79,7 +87,9 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         "--ssl-certfile", default=None, help="the TLS certificate chain's file: serve HTTPS (default: none, plain HTTP)"
     )
     group.add_argument(
-        "--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates by (default: none)"
+        "--ssl-ca-certs",
+        default=None,
+        help="CA certificates to verify clients' certificates by (with --ssl-cert-reqs 1 or 2) (default: none)",
     )
     group.add_argument(
         "--ssl-cert-reqs",
@@ -102,6 +112,22 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json pages (default: off)"
     )
+    group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header: the request's own, or the id its response carries (default: off)",
+    )
+    group.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="end every stream with its usage, as stream_options.include_usage asks (default: off)",
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="spell logprobs' tokens as \"token_id:ID\" unless a request's return_tokens_as_token_ids says otherwise "
+        "(default: off)",
+    )
 
 
 def _json_strings(flag: str, text: str) -> tuple[str, ...]:
@@ -115,6 +141,15 @@ def _json_strings(flag: str, text: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+class EncryptedKey(Exception):
+    """A TLS key that needs a pass phrase."""
+
+
+def _no_pass_phrase() -> str:
+    """OpenSSL's ask for a key's pass phrase: refused here, where it would otherwise prompt on the terminal."""
+    raise EncryptedKey
+
+
 def _check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None, cert_reqs: int) -> None:
     """Load the TLS files as the server will, so that a missing or bad one is refused now, naming its flag."""
     if certfile is None:
@@ -124,12 +159,19 @@ def _check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None, 
         return
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(certfile, keyfile)
+        context.load_cert_chain(certfile, keyfile, password=_no_pass_phrase)
+    except EncryptedKey:
+        flag = "--ssl-keyfile" if keyfile else "--ssl-certfile"
+        raise ValueError(f"{flag}: the key is encrypted; give it decrypted (no pass phrase is taken)") from None
     except (OSError, ssl.SSLError) as exc:
         flags = "--ssl-certfile" + (" and --ssl-keyfile" if keyfile else "")
         raise ValueError(f"{flags}: cannot load a certificate and its key: {exc}") from exc
-    if cert_reqs == ssl.CERT_REQUIRED and ca_certs is None:
-        raise ValueError("--ssl-cert-reqs 2: needs --ssl-ca-certs to verify clients' certificates by")
+    if cert_reqs != ssl.CERT_NONE and ca_certs is None:
+        raise ValueError(f"--ssl-cert-reqs {cert_reqs}: needs --ssl-ca-certs to verify clients' certificates by")
+    if cert_reqs == ssl.CERT_NONE and ca_certs is not None:
+        raise ValueError(
+            "--ssl-ca-certs: verifies nothing under --ssl-cert-reqs 0 (no client certificate is asked for)"
+        )
     if ca_certs is not None:
         try:
             context.load_verify_locations(ca_certs)
@@ -139,13 +181,13 @@ def _check_tls(keyfile: str | None, certfile: str | None, ca_certs: str | None, 
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
     """The serve flags' HTTP options; ValueError names the flag at fault."""
-    root = args.root_path
+    root = "" if args.root_path == "/" else args.root_path
     if root and (not root.startswith("/") or root.endswith("/")):
         raise ValueError(f"--root-path: expected a path that starts with / and does not end with one, got {root!r}")
     _check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     return HttpOptions(
         allowed_origins=_json_strings("--allowed-origins", args.allowed_origins),
-        allowed_methods=_json_strings("--allowed-methods", args.allowed_methods),
+        allowed_methods=tuple(method.upper() for method in _json_strings("--allowed-methods", args.allowed_methods)),
         allowed_headers=_json_strings("--allowed-headers", args.allowed_headers),
         allow_credentials=args.allow_credentials,
         root_path=root,
@@ -156,4 +198,7 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         ssl_cert_reqs=args.ssl_cert_reqs,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        request_id_headers=args.enable_request_id_headers,
+        force_include_usage=args.enable_force_include_usage,
+        tokens_as_ids=args.return_tokens_as_token_ids,
     )

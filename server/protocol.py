@@ -44,6 +44,8 @@ TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_TOOLS = 128
 # The most documents (retrieved texts, for templates that render them) one chat may give
 MAX_DOCUMENTS = 128
+# The longest request id taken (a body's request_id or an X-Request-Id header): it comes back in every chunk
+MAX_REQUEST_ID = 256
 # Longest offending value, written as JSON, that an error message quotes back to the client.
 _MAX_QUOTED_CHARS = 60
 # Values of fields we cannot honour yet that mean the same as leaving the field out (JSON null always does); any
@@ -478,6 +480,9 @@ class _SamplingRequest(NullAsAbsentModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: Any = None
     guided_decoding_backend: str | None = None  # vLLM's choice of backend: there is one here
+    # the response's id, less its prefix: printable ASCII, as an X-Request-Id header may carry it back
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID, pattern=r"^[\x20-\x7e]+$")
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:ID" (None: as the server's flag)
     structured_outputs: StructuredOutputs | None = None
     structural_tag: Any = None
     logits_processors: Any = None

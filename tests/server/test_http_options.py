@@ -3,12 +3,14 @@ the docs pages), and SageMaker's /ping and /invocations."""
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 
 import httpx
 import pytest
 import trustme
+from cryptography.hazmat.primitives import serialization
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
@@ -46,22 +48,31 @@ def client(tokenizer, *flags: str, api_key: str | None = None) -> TestClient:
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory) -> dict[str, str]:
-    """A CA, and a certificate it signed for 127.0.0.1 with its key, as files."""
+    """A CA; a certificate it signed for 127.0.0.1 with its key, plain and encrypted; and a client's certificate it
+    signed, with its key: as files."""
     folder = tmp_path_factory.mktemp("tls")
     ca = trustme.CA()
-    issued = ca.issue_cert("127.0.0.1")
-    files = {"ca": folder / "ca.pem", "cert": folder / "cert.pem", "key": folder / "key.pem"}
+    server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("client@example.org")
+    files = {name: folder / f"{name}.pem" for name in ("ca", "cert", "key", "locked", "client")}
     ca.cert_pem.write_to_path(str(files["ca"]))
-    issued.cert_chain_pems[0].write_to_path(str(files["cert"]))
-    issued.private_key_pem.write_to_path(str(files["key"]))
+    server.cert_chain_pems[0].write_to_path(str(files["cert"]))
+    server.private_key_pem.write_to_path(str(files["key"]))
+    client.private_key_and_cert_chain_pem.write_to_path(str(files["client"]))
+    key = serialization.load_pem_private_key(server.private_key_pem.bytes(), password=None)
+    files["locked"].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                          serialization.BestAvailableEncryption(b"pass phrase"))
+    )  # fmt: skip
     return {name: str(path) for name, path in files.items()}
 
 
-def test_the_defaults_are_vllms():
-    """Any origin, method and header, no credentials, no root path, docs on, plain HTTP."""
-    assert options() == DEFAULT_HTTP
+def test_the_flags_defaults_are_the_options_defaults():
+    """What a server built without flags (the tests' apps) gets is what `serve` gets: any origin, method and header
+    (as vLLM's), no credentials, no root path, docs on, plain HTTP; a root path of / is none, methods are upper case."""
+    assert options() == DEFAULT_HTTP == options("--root-path", "/")
     defaults = DEFAULT_HTTP
     assert (defaults.allowed_origins, defaults.allow_credentials, defaults.scheme) == (("*",), False, "http")
+    assert options("--allowed-methods", '["get", "Post"]').allowed_methods == ("GET", "POST")
 
 
 @pytest.mark.parametrize(
@@ -78,8 +89,13 @@ def test_the_defaults_are_vllms():
         (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{ca}"], "--ssl-certfile and --ssl-keyfile: cannot load"),
         (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "2"], "--ssl-cert-reqs 2: needs "
          "--ssl-ca-certs"),
-        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-ca-certs", "{key}"], "--ssl-ca-certs: cannot "
-         "load CA certificates"),
+        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-cert-reqs", "1"], "--ssl-cert-reqs 1: needs "
+         "--ssl-ca-certs"),
+        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-ca-certs", "{ca}"], "--ssl-ca-certs: verifies "
+         "nothing under --ssl-cert-reqs 0"),
+        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{locked}"], "--ssl-keyfile: the key is encrypted"),
+        (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-ca-certs", "{key}", "--ssl-cert-reqs", "2"],
+         "--ssl-ca-certs: cannot load CA certificates"),
     ],
 )  # fmt: skip
 def test_bad_http_flags_are_refused_by_name_before_the_model_loads(capsys, monkeypatch, tls, flags, message):
@@ -140,6 +156,8 @@ def test_invocations_serve_a_chat_or_a_text_completion_by_the_bodys_fields(token
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "Blue."
     streamed = http.post("/invocations", json={**chat, "stream": True}, headers=key)
     assert streamed.headers["content-type"].startswith("text/event-stream") and "data: [DONE]" in streamed.text
+    both = http.post("/invocations", json={**chat, "prompt": "The sky is"}, headers=key).json()
+    assert both["object"] == "chat.completion"  # as vLLM, which tries a chat first
     neither = http.post("/invocations", json={"input": "hi"}, headers=key)
     assert neither.status_code == 400 and neither.json()["error"]["param"] == "messages"
     bad = http.post("/invocations", json={**chat, "temperature": -1}, headers=key)
@@ -163,23 +181,116 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.mark.parametrize("access_log", [True, False])
-def test_tls_is_served_with_the_certificate_given_and_each_request_logged_unless_disabled(checkpoint, tls, access_log):
-    flags = ["--ssl-certfile", tls["cert"], "--ssl-keyfile", tls["key"], "--uvicorn-log-level", "info"]
-    access = logging.getLogger("uvicorn.access")
-    records = Records()
-    with serve(checkpoint, *flags, *([] if access_log else ["--disable-uvicorn-access-log"])) as live:
-        assert live.url.startswith("https://")
-        assert access.hasHandlers() == access_log  # uvicorn logs a request only where its logger has a handler
-        if access_log:
-            access.addHandler(records)
+def test_tls_is_served_with_the_certificate_given_and_asks_for_the_clients_where_told(checkpoint, tls):
+    flags = ["--ssl-certfile", tls["cert"], "--ssl-keyfile", tls["key"], "--ssl-ca-certs", tls["ca"]]
+    with serve(checkpoint, *flags, "--ssl-cert-reqs", "2") as live:
+        trusted = ssl.create_default_context(cafile=tls["ca"])
+        with pytest.raises(httpx.TransportError):  # no client certificate
+            httpx.post(f"{live.v1}/completions", json={"prompt": "Hi", "max_tokens": 2}, verify=trusted)
+        trusted.load_cert_chain(tls["client"])
+        answer = httpx.post(f"{live.v1}/completions", json={"prompt": "Hi", "max_tokens": 2}, verify=trusted)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA
+            httpx.get(f"{live.url}/health")
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "logged"),
+    [((), False), (("--uvicorn-log-level", "info"), True),
+     (("--uvicorn-log-level", "info", "--disable-uvicorn-access-log"), None)],
+)  # fmt: skip
+def test_each_request_is_logged_at_info_unless_disabled(checkpoint, flags, logged):
+    """Not at the default level (warning); at info, unless the access log is disabled, which leaves its logger
+    without handlers (uvicorn then logs no request at all)."""
+    access, records = logging.getLogger("uvicorn.access"), Records()
+    with serve(checkpoint, *flags) as live:
+        if logged is None:
+            assert not access.hasHandlers()
+            return
+        access.addHandler(records)
         try:
-            trusted = ssl.create_default_context(cafile=tls["ca"])
-            answer = httpx.post(f"{live.v1}/completions", json={"prompt": "Hi", "max_tokens": 2}, verify=trusted)
-            with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA is refused
-                httpx.get(f"{live.url}/health")
+            httpx.post(f"{live.v1}/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         finally:
             access.removeHandler(records)
-    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
-    logged = [record.getMessage() for record in records.records]
-    assert any("POST /v1/completions" in line for line in logged) == access_log, logged
+    assert any("POST /v1/completions" in record.getMessage() for record in records.records) == logged
+
+
+def test_a_response_carries_the_request_id_it_was_given_or_a_new_one(tokenizer):
+    http = client(tokenizer)
+    chat = {"messages": ASK, "max_tokens": 8}
+    assert http.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "abc"}).json()["id"] == "chatcmpl-abc"
+    text = {"prompt": "The sky is", "max_tokens": 8, "request_id": "from-body"}
+    assert http.post("/v1/completions", json=text).json()["id"] == "cmpl-from-body"
+    assert http.post("/v1/completions", json=text, headers={"X-Request-Id": "h"}).json()["id"] == "cmpl-h"
+    made = {http.post("/v1/chat/completions", json=chat).json()["id"] for _ in range(2)}
+    assert len(made) == 2 and all(len(rid) == len("chatcmpl-") + 32 for rid in made)
+    streamed = http.post("/v1/chat/completions", json={**chat, "stream": True}, headers={"X-Request-Id": "s"}).text
+    ids = {json.loads(line[6:])["id"] for line in streamed.splitlines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-s"}
+    assert "x-request-id" not in http.get("/health").headers  # only with --enable-request-id-headers
+
+
+@pytest.mark.parametrize(
+    ("fields", "headers", "param"),
+    [({"request_id": "é"}, {}, "request_id"), ({"request_id": ""}, {}, "request_id"),
+     ({}, {"X-Request-Id": "x" * 257}, "X-Request-Id")],
+)  # fmt: skip
+def test_a_request_id_that_cannot_come_back_is_refused_by_name(tokenizer, fields, headers, param):
+    answer = client(tokenizer).post("/v1/chat/completions", json={"messages": ASK, **fields}, headers=headers)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def test_request_id_headers_carry_the_responses_id_on_every_answer(tokenizer):
+    http = client(tokenizer, "--enable-request-id-headers", api_key="sekrit")
+    key = {"Authorization": "Bearer sekrit"}
+    body = {"messages": ASK, "max_tokens": 8, "request_id": "mine"}
+    whole = http.post("/v1/chat/completions", json=body, headers=key)
+    assert whole.headers["x-request-id"] == "mine" and whole.json()["id"] == "chatcmpl-mine"
+    made = http.post("/v1/completions", json={"prompt": "The sky is", "stream": True}, headers=key)
+    assert f"cmpl-{made.headers['x-request-id']}" in made.text
+    assert http.get("/health", headers={"X-Request-Id": "probe"}).headers["x-request-id"] == "probe"
+    refused = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "r"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "r"
+
+
+def stream_usage(http: TestClient, **fields) -> list:
+    """The usage of each chunk of a streamed chat that has one."""
+    text = http.post("/v1/chat/completions", json={"messages": ASK, "stream": True, **fields}).text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    return [chunk["usage"] for chunk in chunks if "usage" in chunk]
+
+
+def test_forced_usage_ends_every_stream_with_it(tokenizer):
+    plain, forced = client(tokenizer), client(tokenizer, "--enable-force-include-usage")
+    assert stream_usage(plain) == []
+    for fields in ({}, {"stream_options": {"include_usage": False}}):
+        usages = stream_usage(forced, **fields)
+        assert usages[-1]["completion_tokens"] == len(tokenizer("Blue.")["input_ids"]) and usages[0] is None
+    continuous = stream_usage(forced, stream_options={"continuous_usage_stats": True})
+    assert (
+        all(u is not None for u in continuous)
+        and continuous[-1]["completion_tokens"] > continuous[0]["completion_tokens"]
+    )
+
+
+def test_logprobs_spell_tokens_as_ids_where_the_flag_or_the_request_asks(checkpoint):
+    ask = {"messages": ASK, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+           "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    text = {"prompt": "Hi there", "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True, "ignore_eos": True}
+    with serve(checkpoint, "--return-tokens-as-token-ids") as live:
+        by_flag = httpx.post(f"{live.v1}/chat/completions", json=ask, timeout=120).json()["choices"][0]
+        by_text = httpx.post(f"{live.v1}/chat/completions", json={**ask, "return_tokens_as_token_ids": False},
+                             timeout=120).json()["choices"][0]  # fmt: skip
+        echoed = httpx.post(f"{live.v1}/completions", json=text, timeout=120).json()["choices"][0]["logprobs"]
+    with serve(checkpoint) as live:
+        asked = httpx.post(f"{live.v1}/chat/completions", json={**ask, "return_tokens_as_token_ids": True},
+                           timeout=120).json()["choices"][0]  # fmt: skip
+        plain = httpx.post(f"{live.v1}/chat/completions", json=ask, timeout=120).json()["choices"][0]
+    content = by_flag["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{token}" for token in by_flag["token_ids"]]
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    assert all(top["token"].startswith("token_id:") for entry in content for top in entry["top_logprobs"])
+    assert asked["logprobs"] == by_flag["logprobs"]
+    assert by_text["logprobs"] == plain["logprobs"] and not plain["logprobs"]["content"][0]["token"].startswith("tok")
+    assert len(echoed["tokens"]) > 3 and all(token.startswith("token_id:") for token in echoed["tokens"])
+    assert echoed["text_offset"] == [sum(map(len, echoed["tokens"][:at])) for at in range(len(echoed["tokens"]))]
