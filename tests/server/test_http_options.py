@@ -9,8 +9,6 @@ import ssl
 
 import httpx
 import pytest
-import trustme
-from cryptography.hazmat.primitives import serialization
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
@@ -50,6 +48,8 @@ def client(tokenizer, *flags: str, api_key: str | None = None) -> TestClient:
 def tls(tmp_path_factory) -> dict[str, str]:
     """A CA; a certificate it signed for 127.0.0.1 with its key, plain and encrypted; and a client's certificate it
     signed, with its key: as files."""
+    trustme = pytest.importorskip("trustme")  # a test extra; the GPU machine's suite has none
+    serialization = pytest.importorskip("cryptography.hazmat.primitives.serialization")
     folder = tmp_path_factory.mktemp("tls")
     ca = trustme.CA()
     server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("client@example.org")
