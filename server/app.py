@@ -353,6 +353,8 @@ def build_app(state: ServerState) -> FastAPI:
         """Submit checked prompts with the body's sampling parameters, each once for each of its `n` choices (in
         prompt order); nothing is submitted unless every prompt passes."""
         params = body.sampling_params(state.sampling_defaults)
+        if params.priority and not state.engine.priority_scheduling:  # as vLLM refuses it
+            raise ApiError("priority: needs --scheduling-policy priority; under fcfs it must be 0", param="priority")
         if params.stop and state.tokenizer is None:  # matched in the text, which only a tokenizer makes
             raise ApiError("stop: this model has no tokenizer to match stop strings; send stop_token_ids", param="stop")
         for field, ids in (

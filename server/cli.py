@@ -229,6 +229,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "0's engine) or thread (in rank 0's engine process) (default process)",
     )
     parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="which waiting request a free lane takes: fcfs (first come, first served) or priority (the lowest "
+        "request priority value first, then first come; a running request is never put back for it), as vLLM's; "
+        "under fcfs a request's priority must be 0 (default fcfs)",
+    )
+    parser.add_argument(
         "--served-model-name", default=None, help="the model id in the API (default: the checkpoint folder's name)"
     )
     parser.add_argument(

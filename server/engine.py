@@ -91,6 +91,7 @@ class Request:
     prompt_logprobs: int | None = None
     guide: GuideSpec | None = None  # the grammar its output follows (guided decoding)
     bad_words: BadWords = ()  # token sequences its output may not hold (vLLM's bad_words)
+    priority: int = 0  # under priority scheduling, lower values are admitted first (vLLM's field)
     arrival: float = field(default_factory=time.monotonic)
     cached: int = 0
     keeps: list[int] = field(default_factory=list)
@@ -155,8 +156,10 @@ class Engine:
         cache_grid: int = 512,
         plan_ahead: bool = False,
         guides: Guides | None = None,
+        priority_scheduling: bool = False,
     ) -> None:
         self.runner, self.context, self.prompt_budget = runner, context, prompt_budget
+        self.priority_scheduling = priority_scheduling  # admit by each request's priority, else first come first
         self.guides = guides  # the grammars' masks over the vocabulary (None: no tokenizer, nothing is guided)
         self.plan_ahead = plan_ahead  # plan and launch the next round while the GPU runs one that drafts nothing
         self.metrics = metrics
@@ -340,7 +343,7 @@ class Engine:
         allocate, ops = [], self.ops
         self.ops = []
         while self.waiting and free_slots:
-            request = self.waiting.popleft()
+            request = self._next_waiting()
             if not self._guide(request):
                 continue
             request.slot = free_slots.pop(0)
@@ -441,6 +444,16 @@ class Engine:
         if rest <= budget:
             return rest
         return max((request.prefilled + budget) // self.align * self.align - request.prefilled, 0)
+
+    def _next_waiting(self) -> Request:
+        """The waiting request a free lane takes (lock held): the first in line, or under priority scheduling the
+        first of those with the lowest priority value, as vLLM's scheduler picks them (a running one is never put
+        back for it)."""
+        if not self.priority_scheduling:
+            return self.waiting.popleft()
+        chosen = min(self.waiting, key=lambda request: request.priority)  # the first of equals
+        self.waiting.remove(chosen)
+        return chosen
 
     def _admit(self, request: Request, ops: list[LaneOp]) -> None:
         """Resume the longest kept prefix of the prompt, and plan where its prompt pass keeps states: a grid of

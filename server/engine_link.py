@@ -172,9 +172,15 @@ class EngineClient:
     request ends with an error and `on_lost` is called."""
 
     def __init__(
-        self, sock: socket.socket, context: int, cache_enabled: bool, on_lost: Callable[[str], None] | None = None
+        self,
+        sock: socket.socket,
+        context: int,
+        cache_enabled: bool,
+        on_lost: Callable[[str], None] | None = None,
+        priority_scheduling: bool = False,
     ) -> None:
         self.sock, self.context, self.cache_enabled, self.on_lost = sock, context, cache_enabled, on_lost
+        self.priority_scheduling = priority_scheduling
         self.requests: dict[str, Request] = {}
         self.sent_forms: OrderedDict[tuple[str, str], None] = OrderedDict()  # guide sources sent with their grammar
         self.asks: dict[int, asyncio.Future] = {}

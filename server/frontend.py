@@ -40,6 +40,7 @@ class FrontSettings:
     chat_template: str | None  # --chat-template's text, in place of the checkpoint's
     tokenizer_path: Path | None  # --tokenizer's folder, in place of the checkpoint's
     cache_enabled: bool
+    priority_scheduling: bool  # --scheduling-policy priority: requests may carry a priority
     host: str
     port: int
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # --generation-config's, for a request's unset fields
@@ -170,7 +171,7 @@ def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.
         if server is not None:
             server.should_exit = True
 
-    client = EngineClient(sock, settings.context, settings.cache_enabled, engine_lost)
+    client = EngineClient(sock, settings.context, settings.cache_enabled, engine_lost, settings.priority_scheduling)
     state = ServerState(
         client,
         load_tokenizer(settings.model_path, settings.chat_template, settings.tokenizer_path),

@@ -110,6 +110,7 @@ class Generation:
             draft=params.draft,
             keep_at=keep_at,
             cache_salt=params.cache_salt,
+            priority=params.priority,
             prompt_logprobs=params.prompt_logprobs,
             guide=params.guide,
             bad_words=bad_words,

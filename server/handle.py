@@ -19,6 +19,7 @@ class EngineHandle(Protocol):
     """The engine as the routes see it; updates reach each request's sink on the event loop."""
 
     cache_enabled: bool
+    priority_scheduling: bool  # whether requests are admitted by priority (--scheduling-policy priority)
 
     async def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start delivering updates on `loop` (the app's startup)."""
@@ -50,6 +51,7 @@ class LocalEngine:
     def __init__(self, engine: Engine, metrics: EngineMetrics) -> None:
         self.engine, self.registry = engine, metrics
         self.cache_enabled = engine.cache.enabled
+        self.priority_scheduling = engine.priority_scheduling
         self.previous_interval = sys.getswitchinterval()
 
     async def attach(self, loop: asyncio.AbstractEventLoop) -> None:

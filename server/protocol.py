@@ -93,6 +93,7 @@ class SamplingParams:
     draft: bool = True
     include_stop_str_in_output: bool = False  # a stop string's text, or a stop token's, ends the output
     cache_salt: str | None = None  # prompt states are resumed only from requests with the same salt
+    priority: int = 0  # vLLM's: under --scheduling-policy priority, lower values are admitted first
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs in id order, none of them 0
     logprobs: int | None = None  # each token's logprob and that many of the most likely; None: no logprobs
     min_tokens: int = 0  # no stop token is drawn before this many tokens, nor a stop string found in their text
@@ -458,6 +459,7 @@ class _SamplingRequest(NullAsAbsentModel):
     return_token_ids: bool = False
     draft: bool = True
     cache_salt: str | None = Field(None, min_length=1)
+    priority: int = 0  # vLLM's: lower is admitted sooner under --scheduling-policy priority; 0 under fcfs
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -620,6 +622,7 @@ class _SamplingRequest(NullAsAbsentModel):
             draft=self.draft,
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
+            priority=self.priority,
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
             logprobs=self.logprobs_count(),
             min_tokens=self.min_tokens,

@@ -271,6 +271,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         args.prompt_cache_grid,
         args.plan_ahead == "on",
         Guides(tokenizer, cfg.vocab_size) if tokenizer is not None else None,
+        args.scheduling_policy == "priority",
     )
     metrics.track_cache(cache)
     metrics.track_collectives(model.tp.counts)
@@ -295,6 +296,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         chat_template=args.chat_template,
         tokenizer_path=args.tokenizer,
         cache_enabled=cache.enabled,
+        priority_scheduling=engine.priority_scheduling,
         host=args.host,
         port=args.port,
         sampling_defaults=defaults,

@@ -34,12 +34,12 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def served(ckpt: Path, frontend: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`python -m server` with `--frontend frontend`, once /health answers: the process and its URL; stopped at the
-    end if it still runs."""
+def served(ckpt: Path, frontend: str, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python -m server` with `--frontend frontend` and `flags`, once /health answers: the process and its URL;
+    stopped at the end if it still runs."""
     port = free_port()
     argv = [sys.executable, "-m", "server", str(ckpt), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--frontend", frontend, "--max-lanes", "4"]
+    argv += ["--frontend", frontend, "--max-lanes", "4", *flags]
     env = {**os.environ, **QUIET}
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -21,6 +21,7 @@ class RecordingEngine:
     """An EngineHandle that keeps what the generation asks of it and delivers nothing itself."""
 
     cache_enabled = False
+    priority_scheduling = False
 
     def __init__(self) -> None:
         """No requests and no aborts yet."""
