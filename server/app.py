@@ -262,7 +262,7 @@ def build_app(state: ServerState) -> FastAPI:
         return_tokens_as_token_ids, or else --return-tokens-as-token-ids, asks for it."""
         as_ids = body.return_tokens_as_token_ids
         if as_ids if as_ids is not None else state.http.tokens_as_ids:
-            return as_id, token_bytes(None, as_id)
+            return as_id, spell_bytes  # the token's own bytes still: "token_id:ID"'s would say nothing
         return spell, spell_bytes
 
     def need_tokenizer(param: str) -> Any:

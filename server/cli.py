@@ -104,8 +104,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         type=Path,
         default=None,
-        help="a folder whose tokenizer (and chat template) to use, e.g. for --load-format dummy on a config alone; its "
-        "ids must fit the model's vocab_size (default: the checkpoint's)",
+        help="a folder whose tokenizer (with its chat template) to use in place of the checkpoint's, e.g. a config "
+        "served with --load-format dummy; its ids must fit the model's vocab_size (default: the checkpoint's)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
     parser.add_argument(
@@ -300,7 +300,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model, tokenizer_dir=args.tokenizer)
     if args.prompt is not None:
         if tokenizer is None:
-            print(f"--prompt: {args.model} has no tokenizer; pass --prompt-ids", file=sys.stderr)
+            print(f"--prompt: {args.model} has no tokenizer; pass --prompt-ids, or --tokenizer FOLDER", file=sys.stderr)
             return 2
         prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     else:
@@ -378,7 +378,8 @@ def start_refusal(args: argparse.Namespace) -> str | None:
 
     # read again once the weights are in; a --chat-template that does not compile is a TokenizerError naming it
     tokenizer = load_tokenizer(args.model, getattr(args, "chat_template", None), args.tokenizer)
-    check_vocab(tokenizer, cfg.vocab_size, args.tokenizer)
+    if args.tokenizer is not None:
+        check_vocab(tokenizer, cfg.vocab_size)
     eos_token_ids(args.model, tokenizer, cfg.eos_token_id)
     if args.command != "serve":
         return None

@@ -44,11 +44,11 @@ def load_tokenizer(model_dir: Path, chat_template: str | None = None, tokenizer_
     return tokenizer
 
 
-def check_vocab(tokenizer, vocab_size: int, tokenizer_dir: Path | None) -> None:
-    """Refuse a tokenizer whose ids reach past the model's embedding rows (naming --tokenizer where it was given)."""
-    if tokenizer is not None and len(tokenizer) > vocab_size:
-        named = "--tokenizer: the" if tokenizer_dir is not None else "model: its"
-        raise TokenizerError(f"{named} tokenizer's {len(tokenizer)} ids exceed the model's vocab_size {vocab_size}")
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """Refuse --tokenizer's tokenizer where its ids reach past the model's embedding rows: most likely another
+    model's (a checkpoint's own is taken as it is; a prompt with an id past the rows is refused by request)."""
+    if len(tokenizer) > vocab_size:
+        raise TokenizerError(f"--tokenizer: its {len(tokenizer)} token ids exceed the model's vocab_size {vocab_size}")
 
 
 def clear_presets(tokenizer) -> None:
@@ -127,8 +127,11 @@ def generation_eos_ids(model_dir: Path) -> list[int]:
 
 
 def eos_token_ids(model_dir: Path, tokenizer, config_eos: int) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json's, the tokenizer's, else the model config's."""
-    ids = generation_eos_ids(model_dir)
+    """End-of-sequence ids: generation_config.json's (the model config's where the model has no such file, as vLLM
+    makes one from its config) and the tokenizer's (which --tokenizer may take from another folder); else the model
+    config's."""
+    has_file = (model_dir / GENERATION_FILE).is_file()
+    ids = generation_eos_ids(model_dir) if has_file else [config_eos]
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     if not ids:
