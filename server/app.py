@@ -69,7 +69,7 @@ from server.responses import (
 )
 from server.textout import prompt_opens_thinking
 from server.tokenizer import single_token_id, template_reads
-from server.tool_calls import ForcedCalls, ToolCallCut
+from server.tool_calls import ForcedCalls, ToolCallCut, coder_calls, hermes_call, tool_call_parser
 
 PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/version")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
@@ -220,6 +220,7 @@ def build_app(state: ServerState) -> FastAPI:
     spell = token_text(state.tokenizer)  # a token's text in logprobs
     spell_bytes = token_bytes(state.tokenizer, spell)  # and its bytes
     as_id = token_text(None)  # a token's "token_id:ID" spelling
+    calls_as = tool_call_parser(state.http.tool_call_parser, state.tokenizer)  # how <tool_call> blocks are read
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -420,7 +421,12 @@ def build_app(state: ServerState) -> FastAPI:
         tool choice's, else the tool-call blocks where tools are offered with tool_choice 'auto'."""
         if body.forces_calls():
             return ForcedCalls(body.forced_tool())
-        return ToolCallCut(body.parallel_tool_calls) if body.parses_tool_calls() else None
+        if not body.parses_tool_calls():
+            return None
+        if calls_as == "hermes":
+            return ToolCallCut(body.parallel_tool_calls, read=hermes_call)
+        offered = {tool.function.name: tool.function.parameters for tool in body.tools}
+        return ToolCallCut(body.parallel_tool_calls, read=coder_calls(offered))
 
     def checked_bad_words(params: SamplingParams) -> BadWords:
         """The request's bad words in tokens; refused where they cannot be honoured (as vLLM refuses ids past the

@@ -32,6 +32,7 @@ class HttpOptions:
     request_id_headers: bool = False  # each answer's X-Request-Id header
     force_include_usage: bool = False  # usage at the end of every stream, asked for or not
     tokens_as_ids: bool = False  # logprobs' tokens spelled "token_id:ID" unless a request says otherwise
+    tool_call_parser: str = "auto"  # how a <tool_call> block is read (server.tool_calls.tool_call_parser)
 
     @property
     def scheme(self) -> str:
@@ -201,4 +202,5 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         request_id_headers=args.enable_request_id_headers,
         force_include_usage=args.enable_force_include_usage,
         tokens_as_ids=args.return_tokens_as_token_ids,
+        tool_call_parser=args.tool_call_parser,
     )

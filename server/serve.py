@@ -49,6 +49,7 @@ from server.runner import ModelRunner
 from server.sampling_defaults import defaults_from_flags
 from server.settings import EnvSettings, read_environment
 from server.tokenizer import eos_token_ids, load_tokenizer
+from server.tool_calls import tool_call_parser
 from server.tp import LinkedRunner, follow, watch_peer
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,9 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     free = free_memory(model.device, args.gpu_memory_utilization)
     tokenizer = load_tokenizer(args.model, args.chat_template, args.tokenizer)
     name = args.served_model_name or args.model.name
+    if tokenizer is not None:
+        parser = tool_call_parser(args.tool_call_parser, tokenizer)
+        log.info("tool calls: <tool_call> blocks read as %s (--tool-call-parser %s)", parser, args.tool_call_parser)
     metrics = EngineMetrics(name)
     runner = runner or ModelRunner(model, args.max_lanes)
     drafter = DRAFTERS[args.drafter]()

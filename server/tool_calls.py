@@ -1,10 +1,18 @@
-"""Tool calls in generated content: Hermes/Qwen-style <tool_call> JSON blocks, parsed whole or as the text streams;
-and the calls of a forced tool choice, whose content a grammar made JSON (`ForcedCalls`).
+"""Tool calls in generated content: <tool_call> blocks, parsed whole or as the text streams, whose inner text is read
+as Hermes/Qwen JSON (`hermes_call`) or as Qwen3-Coder's XML (`coder_calls`), as vLLM's parsers of those names read
+them; and the calls of a forced tool choice, whose content a grammar made JSON (`ForcedCalls`).
 
 Rules, the same for both paths (streamed pieces joined = the whole text parsed):
-- A block runs from `<tool_call>` to the first `</tool_call>` after it. It parses when its inner text, stripped, is a
-  JSON object with a non-empty string "name" and "arguments" that is a JSON object, a string holding a JSON object,
-  or absent ({}); it then becomes a ToolCall and leaves the content.
+- A block runs from `<tool_call>` to the first `</tool_call>` after it. It parses when its inner text is a call as
+  the block reader reads it; it then becomes a ToolCall and leaves the content.
+- Hermes: the inner text, stripped, is a JSON object with a non-empty string "name" and "arguments" that is a JSON
+  object, a string holding a JSON object, or absent ({}).
+- Qwen3-Coder: the inner text, stripped, is `<function=NAME>`, then parameters `<parameter=KEY>VALUE</parameter>`
+  with only whitespace between them, then `</function>` (or the end); a parameter's end tag may be left out before
+  the next parameter or the function's end. A value loses one leading and one trailing newline and is read by its
+  parameter's JSON Schema type in the tool's schema: "null" is null, a string stays text, an integer, number or
+  boolean is read as one where it spells one, an object or array as JSON where it is one; anything else (an unknown
+  parameter, a value that does not read as its type) stays text.
 - A block that fails to parse is kept verbatim (tags included) as content, in place. An unclosed block at the end (its
   end tag cut by a stop string, or never written) is a call when its text parses, as vLLM's Hermes parser takes it,
   else content.
@@ -16,6 +24,7 @@ Rules, the same for both paths (streamed pieces joined = the whole text parsed):
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,17 +55,116 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _parse_block(inner: str, make_id: Callable[[], str]) -> ToolCall | None:
-    """The call a block's inner text holds, or None when it is not one."""
+# a block's inner text -> (the function's name, its arguments), or None where it holds no call
+BlockReader = Callable[[str], "tuple[str, dict[str, Any]] | None"]
+
+
+def hermes_call(inner: str) -> tuple[str, dict[str, Any]] | None:
+    """A Hermes block's call: a JSON object with "name" and "arguments"."""
+    obj = json.loads(inner.strip())
+    if not isinstance(obj, dict) or not isinstance(name := obj.get("name"), str) or not name:
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        args = json.loads(args)
+    return (name, args) if isinstance(args, dict) else None
+
+
+FUNCTION, FUNCTION_END = "<function=", "</function>"
+PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+INTEGER = re.compile(r"-?\d+")
+JSON_KINDS = {"object": dict, "array": list}
+
+
+def _no_constant(name: str) -> Any:
+    """json.loads' hook for NaN and the infinities, which no call's arguments may hold."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's text as its schema (None: a parameter the tool does not list) reads it."""
+    if value.lower() == "null":
+        return None
+    if not isinstance(schema, dict):
+        return value
+    kind = schema.get("type", "string")
+    kind = next((k for k in kind if k != "null"), "string") if isinstance(kind, list) else kind
+    if kind == "integer" and INTEGER.fullmatch(value.strip()):
+        return int(value)
+    if kind == "number":
+        try:
+            number = json.loads(value, parse_constant=_no_constant)
+        except ValueError:
+            return value
+        return number if isinstance(number, int | float) and not isinstance(number, bool) else value
+    if kind == "boolean" and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if kind in JSON_KINDS:
+        try:
+            read = json.loads(value, parse_constant=_no_constant)
+        except ValueError:
+            return value
+        return read if isinstance(read, JSON_KINDS[kind]) else value
+    return value
+
+
+def _parameter_value(text: str) -> str:
+    """A parameter's value: its text less one leading and one trailing newline."""
+    text = text[1:] if text.startswith("\n") else text
+    return text[:-1] if text.endswith("\n") else text
+
+
+def coder_calls(parameters: dict[str, Any]) -> BlockReader:
+    """The block reader of Qwen3-Coder's XML calls, reading each value by its parameter's schema in `parameters` (each
+    offered function's name -> its parameters' JSON Schema)."""
+    schemas = {}
+    for name, schema in parameters.items():
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        schemas[name] = properties if isinstance(properties, dict) else {}
+
+    def read(inner: str) -> tuple[str, dict[str, Any]] | None:
+        body = inner.strip()
+        head = body.find(">")
+        if not body.startswith(FUNCTION) or head < 0 or not (name := body[len(FUNCTION) : head].strip()):
+            return None
+        body = body[head + 1 :]
+        if (end := body.find(FUNCTION_END)) >= 0:
+            if body[end + len(FUNCTION_END) :].strip():
+                return None
+            body = body[:end]
+        properties, args, pos = schemas.get(name, {}), {}, 0
+        while (at := body.find(PARAMETER, pos)) >= 0:
+            key_end = body.find(">", at)
+            if body[pos:at].strip() or key_end < 0 or not (key := body[at + len(PARAMETER) : key_end].strip()):
+                return None
+            ends = [i for i in (body.find(PARAMETER_END, key_end), body.find(PARAMETER, key_end)) if i >= 0]
+            stop = min(ends, default=len(body))
+            args[key] = _typed(_parameter_value(body[key_end + 1 : stop]), properties.get(key))
+            pos = stop + (len(PARAMETER_END) if body.startswith(PARAMETER_END, stop) else 0)
+        return None if body[pos:].strip() else (name, args)
+
+    return read
+
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder")  # --tool-call-parser's choices
+
+
+def tool_call_parser(choice: str, tokenizer: Any | None) -> str:
+    """The parser --tool-call-parser names; auto: qwen3_coder where the chat template writes calls as
+    `<function=NAME>` (Qwen3-Coder's and the Flash Next templates' form), else hermes."""
+    if choice != "auto":
+        return choice
+    template = getattr(tokenizer, "chat_template", None)
+    return "qwen3_coder" if isinstance(template, str) and FUNCTION in template else "hermes"
+
+
+def _parse_block(inner: str, make_id: Callable[[], str], read: BlockReader) -> ToolCall | None:
+    """The call a block's inner text holds, as `read` reads it, or None when it is not one."""
     try:
-        obj = json.loads(inner.strip())
-        if not isinstance(obj, dict) or not isinstance(name := obj.get("name"), str) or not name:
+        call = read(inner)
+        if call is None:
             return None
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            args = json.loads(args)
-        if not isinstance(args, dict):
-            return None
+        name, args = call
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
         (name + arguments).encode()  # a lone surrogate escape ("\ud83d") would fail the response's UTF-8
     except (ValueError, RecursionError):  # bad JSON, NaN or Infinity, not UTF-8, nesting too deep
@@ -65,13 +173,13 @@ def _parse_block(inner: str, make_id: Callable[[], str]) -> ToolCall | None:
 
 
 def parse_tool_calls(
-    text: str, make_id: Callable[[], str] = new_call_id, parallel: bool = True
+    text: str, make_id: Callable[[], str] = new_call_id, parallel: bool = True, read: BlockReader = hermes_call
 ) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole reply, by the module's rules (only the first call unless `parallel`, OpenAI's
     parallel_tool_calls); without a parsed block the content is `text`."""
     runs, calls, pos = [""], [], 0
     while (start := text.find(START, pos)) >= 0 and (end := text.find(END, start + len(START))) >= 0:
-        call = _parse_block(text[start + len(START) : end], make_id)
+        call = _parse_block(text[start + len(START) : end], make_id, read)
         if call is None:
             runs[-1] += text[pos : end + len(END)]
         else:
@@ -79,7 +187,7 @@ def parse_tool_calls(
             calls.append(call)
             runs.append("")
         pos = end + len(END)
-    if (start := text.find(START, pos)) >= 0 and (call := _parse_block(text[start + len(START) :], make_id)):
+    if (start := text.find(START, pos)) >= 0 and (call := _parse_block(text[start + len(START) :], make_id, read)):
         runs[-1] += text[pos:start]  # an unclosed last block that parses
         calls.append(call)
         runs.append("")
@@ -93,11 +201,11 @@ def parse_tool_calls(
 class ToolCallStream:
     """Split streamed content into text and tool calls, by the module's rules, as parse_tool_calls would."""
 
-    __slots__ = ("_block", "_called", "_held", "_live", "_make_id", "_scan")
+    __slots__ = ("_block", "_called", "_held", "_live", "_make_id", "_read", "_scan")
 
-    def __init__(self, make_id: Callable[[], str] = new_call_id) -> None:
-        """`make_id` gives each parsed call its id, in order."""
-        self._make_id = make_id
+    def __init__(self, make_id: Callable[[], str] = new_call_id, read: BlockReader = hermes_call) -> None:
+        """`make_id` gives each parsed call its id, in order; `read` reads a block's call."""
+        self._make_id, self._read = make_id, read
         self._held = ""  # unsent text of the current run: its whitespace while it has nothing else, a tag's start
         self._block: str | None = None  # inner text of the open block; None outside one
         self._scan = 0  # where in the block the end tag may start
@@ -129,7 +237,7 @@ class ToolCallStream:
                     self._block, self._scan = block, max(0, len(block) - len(END) + 1)
                     break
                 text = block[at + len(END) :]
-                call = _parse_block(block[:at], self._make_id)
+                call = _parse_block(block[:at], self._make_id, self._read)
                 if call is None:
                     content.append(self._held + START + block[: at + len(END)])
                     self._live = True
@@ -141,7 +249,7 @@ class ToolCallStream:
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """(held-back content, calls) for when the reply ends: an unclosed block's call where its text parses."""
-        call = None if self._block is None else _parse_block(self._block, self._make_id)
+        call = None if self._block is None else _parse_block(self._block, self._make_id, self._read)
         if call is not None:
             self._held, self._block, self._scan = "", None, 0
             return "", [call]
@@ -163,8 +271,10 @@ class ToolCallCut:
 
     __slots__ = ("_parallel", "_stream", "sent")
 
-    def __init__(self, parallel: bool, make_id: Callable[[], str] = new_call_id) -> None:
-        self._stream = ToolCallStream(make_id)
+    def __init__(
+        self, parallel: bool, make_id: Callable[[], str] = new_call_id, read: BlockReader = hermes_call
+    ) -> None:
+        self._stream = ToolCallStream(make_id, read)
         self._parallel = parallel
         self.sent = 0  # calls handed out so far
 

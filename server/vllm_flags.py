@@ -7,6 +7,8 @@ import argparse
 import json
 from typing import Any
 
+from server.tool_calls import TOOL_CALL_PARSERS
+
 DRAFTS_DEFAULT, DRAFTER_DEFAULT = 3, "copy"  # --drafts and --drafter when neither they nor a speculative config say
 # vLLM's speculative methods this server has a drafter for: the MTP layer's chain, and prompt lookup (the copy
 # drafter proposes the continuation of text seen before, and the MTP chain where there is none)
@@ -59,7 +61,12 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         help='taken: tool_choice "auto" is served either way (default: off)',
     )
     group.add_argument(
-        "--tool-call-parser", choices=("hermes",), default=None, help="taken: tool calls are read as Hermes blocks"
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="auto",
+        help="how a <tool_call> block is read: hermes (a JSON object) or qwen3_coder (<function=NAME> with "
+        "<parameter=KEY> values, the real Flash Next model's form); auto picks qwen3_coder where the chat template "
+        "writes calls that way, else hermes (default auto)",
     )
     group.add_argument(
         "--reasoning-parser",
