@@ -95,6 +95,7 @@ class ServerState:
     api_key: str | None = None
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # what a request's unset sampling fields take
     http: HttpOptions = DEFAULT_HTTP  # CORS, the root path and the docs pages
+    aliases: tuple[str, ...] = ()  # other names requests may give the model (answers carry `model_name`)
 
 
 def route_path(scope: Scope) -> str:
@@ -241,9 +242,10 @@ def build_app(state: ServerState) -> FastAPI:
         """Refuse a model name that is no string (400) or names another model (404); null or none means this one."""
         if name is not None and not isinstance(name, str):
             raise ApiError(f"model: expected a string, got {json.dumps(name)[:60]}", param="model")
-        if name is not None and name != state.model_name:
+        if name is not None and name != state.model_name and name not in state.aliases:
+            served = ", ".join(repr(served) for served in (state.model_name, *state.aliases))
             raise ApiError(
-                f"model: {name!r} is not served here; this server serves {state.model_name!r}",
+                f"model: {name!r} is not served here; this server serves {served}",
                 status=404,
                 param="model",
                 code="model_not_found",
@@ -914,10 +916,10 @@ def build_app(state: ServerState) -> FastAPI:
 
         return stream(generations, body.n, frame, body.stream_options)
 
-    def model_card() -> dict[str, Any]:
-        """The served model as /v1/models lists it, with vLLM's max_model_len."""
+    def model_card(name: str) -> dict[str, Any]:
+        """The served model under one of its names, as /v1/models lists it, with vLLM's max_model_len."""
         return {
-            "id": state.model_name,
+            "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "flashnext",
@@ -926,13 +928,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in (state.model_name, *state.aliases)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         """OpenAI's retrieve of one model (a name may hold slashes, as a Hugging Face repo's does)."""
         check_model(name)
-        return model_card()
+        return model_card(name)
 
     @app.get("/version")
     async def version():

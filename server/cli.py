@@ -237,7 +237,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "under fcfs a request's priority must be 0 (default fcfs)",
     )
     parser.add_argument(
-        "--served-model-name", default=None, help="the model id in the API (default: the checkpoint folder's name)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's ids in the API: requests may name any, /v1/models lists each, and answers carry the first, "
+        "as vLLM's (default: the checkpoint folder's name)",
     )
     parser.add_argument(
         "--generation-config",
@@ -390,7 +395,8 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     # a generation config out of the API's bounds raises ValueError naming the file or flag, and the key
     defaults_from_flags(args.model, args.generation_config, args.override_generation_config)
     http_options(args)  # a bad CORS list, root path or TLS file raises ValueError naming the flag
-    for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):
+    given = [("--api-key", args.api_key)] + [("--served-model-name", n) for n in args.served_model_name or ()]
+    for flag, value in given:
         if value is not None and not value.strip():
             return f"{flag}: must not be empty"
     if args.cuda_graphs == "on":

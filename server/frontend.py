@@ -33,6 +33,7 @@ class FrontSettings:
 
     model_path: Path
     model_name: str
+    model_aliases: tuple[str, ...]  # --served-model-name's other names, which requests may use too
     context: int
     vocab_size: int
     eos_ids: tuple[int, ...]
@@ -182,6 +183,7 @@ def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.
         settings.api_key,
         settings.sampling_defaults,
         settings.http,
+        settings.model_aliases,
     )
     server = http_server(state, settings)
     server.run(sockets=[listener])

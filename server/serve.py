@@ -217,6 +217,7 @@ class Serving:
             front.api_key,
             front.sampling_defaults,
             front.http,
+            front.model_aliases,
         )
 
 
@@ -247,7 +248,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     context = plan_lanes(args, model)
     free = free_memory(model.device, args.gpu_memory_utilization)
     tokenizer = load_tokenizer(args.model, args.chat_template, args.tokenizer)
-    name = args.served_model_name or args.model.name
+    name, *aliases = args.served_model_name or [args.model.name]
     if tokenizer is not None:
         parser = tool_call_parser(args.tool_call_parser, tokenizer)
         log.info("tool calls: <tool_call> blocks read as %s (--tool-call-parser %s)", parser, args.tool_call_parser)
@@ -293,6 +294,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     front = FrontSettings(
         model_path=args.model,
         model_name=name,
+        model_aliases=tuple(aliases),
         context=context,
         vocab_size=cfg.vocab_size,
         eos_ids=eos_token_ids(args.model, tokenizer, cfg.eos_token_id),
