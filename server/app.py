@@ -71,7 +71,9 @@ from server.textout import prompt_opens_thinking
 from server.tokenizer import single_token_id, template_reads
 from server.tool_calls import ForcedCalls, ToolCallCut, coder_calls, hermes_call, tool_call_parser
 
-PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/version")
+PUBLIC_PATHS = ("/health", "/ping", "/load", "/metrics", "/version")
+# the routes whose requests /load counts (vLLM's: those that generate)
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/invocations")
 # message ends a chat's prompt pass keeps states at: each costs a render of the messages up to it, so all of them
 # would cost the square of a long conversation's length
 MESSAGE_KEEPS = 4
@@ -157,6 +159,31 @@ class RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+@dataclass(slots=True)
+class InFlight:
+    """The generation requests in flight, which /load reports."""
+
+    count: int = 0
+
+
+class LoadCount:
+    """vLLM's --enable-server-load-tracking: each generation request counted in flight from its arrival until its
+    answer's last byte (a stream's end) or its client leaving. Plain ASGI, as `RequireApiKey` is."""
+
+    def __init__(self, app: ASGIApp, load: InFlight) -> None:
+        self.app, self.load = app, load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.load.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.count -= 1
+
+
 def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
     """OpenAI's usage object; the cached prompt tokens' details where `cached` is given."""
     counts: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
@@ -232,6 +259,9 @@ def build_app(state: ServerState) -> FastAPI:
         """A client that leaves while sending its body: nothing started, and no one to answer (nor a traceback)."""
         return Response(status_code=499)
 
+    load = InFlight()  # counted where tracked
+    if state.http.load_tracking:  # added first: inside the key's check, so a refused request is no load
+        app.add_middleware(LoadCount, load=load)
     if state.api_key:
         app.add_middleware(RequireApiKey, key=state.api_key)
     if state.http.request_id_headers:  # outside the key's check: a refusal carries the header too
@@ -959,6 +989,11 @@ def build_app(state: ServerState) -> FastAPI:
         if "prompt" in body:
             return await completions(request)
         raise ApiError("the body needs messages (a chat) or prompt (a text completion)", param="messages")
+
+    @app.get("/load")
+    async def server_load():
+        """vLLM's: the generation requests in flight (0 unless --enable-server-load-tracking)."""
+        return {"server_load": load.count}
 
     @app.get("/metrics")
     async def metrics():

@@ -33,6 +33,7 @@ class HttpOptions:
     force_include_usage: bool = False  # usage at the end of every stream, asked for or not
     tokens_as_ids: bool = False  # logprobs' tokens spelled "token_id:ID" unless a request says otherwise
     tool_call_parser: str = "auto"  # how a <tool_call> block is read (server.tool_calls.tool_call_parser)
+    load_tracking: bool = False  # /load counts the generation requests in flight
 
     @property
     def scheme(self) -> str:
@@ -124,6 +125,12 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         help="end every stream with its usage, as stream_options.include_usage asks (default: off)",
     )
     group.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="GET /load counts the generation requests in flight, from their arrival to their answer's end; without "
+        "it /load answers 0 (default: off)",
+    )
+    group.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
         help="spell logprobs' tokens as \"token_id:ID\" unless a request's return_tokens_as_token_ids says otherwise "
@@ -203,4 +210,5 @@ def http_options(args: argparse.Namespace) -> HttpOptions:
         force_include_usage=args.enable_force_include_usage,
         tokens_as_ids=args.return_tokens_as_token_ids,
         tool_call_parser=args.tool_call_parser,
+        load_tracking=args.enable_server_load_tracking,
     )

@@ -3,6 +3,7 @@ the docs pages), and SageMaker's /ping and /invocations."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 
 from server.app import ServerState, build_app
 from server.cli import build_parser, main
+from server.engine import Update
 from server.http_options import DEFAULT_HTTP, http_options
 from tests.server.live import serve, tiny_chat_checkpoint
 from tests.server.test_tool_calls_api import SHIPPED, Answering
@@ -295,3 +297,54 @@ def test_logprobs_spell_tokens_as_ids_where_the_flag_or_the_request_asks(checkpo
     assert by_text["logprobs"] == plain["logprobs"] and not plain["logprobs"]["content"][0]["token"].startswith("tok")
     assert len(echoed["tokens"]) > 3 and all(token.startswith("token_id:") for token in echoed["tokens"])
     assert echoed["text_offset"] == [sum(map(len, echoed["tokens"][:at])) for at in range(len(echoed["tokens"]))]
+
+
+async def asgi_call(app, method: str, path: str, body: dict | None = None) -> list[dict]:
+    """One request straight to the ASGI app (its client stays until the answer ends): the messages it sent."""
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": json.dumps(body or {}).encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # a client that never leaves
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json")]
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": headers, "http_version": "1.1", "scheme": "http"}  # fmt: skip
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize("tracking", [True, False])
+def test_load_counts_the_generation_requests_in_flight_until_their_answers_end(tokenizer, tracking):
+    engine = Answering(tokenizer, "Blue.")
+    held = []
+    engine.submit = held.append  # each request waits until the test ends it
+    flags = ["--enable-server-load-tracking"] if tracking else []
+    state = ServerState(engine, tokenizer, "m", 4096, len(tokenizer), (0,), http=options(*flags))
+    app = build_app(state)
+
+    async def load() -> int:
+        answer = await asgi_call(app, "GET", "/load")
+        return json.loads(answer[-1]["body"])["server_load"]
+
+    async def main() -> list[int]:
+        seen = [await load()]
+        chat = {"messages": ASK, "max_tokens": 4, "stream": True}
+        streams = [asyncio.create_task(asgi_call(app, "POST", "/v1/chat/completions", chat)) for _ in range(2)]
+        text = asyncio.create_task(asgi_call(app, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4}))
+        while len(held) < 3:
+            await asyncio.sleep(0.01)
+        seen.append(await load())
+        for request in held:
+            request.sink(Update((), "length"))
+        await asyncio.gather(*streams, text)
+        seen.append(await load())
+        return seen
+
+    assert asyncio.run(main()) == ([0, 3, 0] if tracking else [0, 0, 0])
