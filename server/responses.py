@@ -276,6 +276,7 @@ class ResponsesRequest(NullAsAbsentModel):
     seed: int | None = None
     top_k: int | None = None
     min_p: float | None = None
+    priority: int | None = None  # vLLM's, as the chat takes it
     stream: bool = False
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
@@ -356,6 +357,7 @@ class ResponsesRequest(NullAsAbsentModel):
             "seed": self.seed,
             "top_k": self.top_k,
             "min_p": self.min_p,
+            "priority": self.priority,
             "tools": [tool.for_chat() for tool in self.tools] if self.tools else None,
             "tool_choice": self.chat_tool_choice() if self.tools or self.tool_choice != "auto" else None,
             "parallel_tool_calls": self.parallel_tool_calls,

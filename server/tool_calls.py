@@ -8,11 +8,14 @@ Rules, the same for both paths (streamed pieces joined = the whole text parsed):
 - Hermes: the inner text, stripped, is a JSON object with a non-empty string "name" and "arguments" that is a JSON
   object, a string holding a JSON object, or absent ({}).
 - Qwen3-Coder: the inner text, stripped, is `<function=NAME>`, then parameters `<parameter=KEY>VALUE</parameter>`
-  with only whitespace between them, then `</function>` (or the end); a parameter's end tag may be left out before
-  the next parameter or the function's end. A value loses one leading and one trailing newline and is read by its
-  parameter's JSON Schema type in the tool's schema: "null" is null, a string stays text, an integer, number or
-  boolean is read as one where it spells one, an object or array as JSON where it is one; anything else (an unknown
-  parameter, a value that does not read as its type) stays text.
+  with only whitespace between them, then `</function>` (or the end). A value runs to an end tag that only whitespace
+  and another parameter or the function's end follow (an end tag followed by anything else is the value's own text);
+  where its end tag is left out, to a `<parameter=` that begins a line, or to the function's end. A value loses one
+  leading and one trailing newline and is read by its parameter's JSON Schema type (`type`, or else the first of
+  `anyOf`/`oneOf`; "null" aside): "null" or "None" is null where the type is not a string or takes null; an
+  integer or number (an integral number as an integer) or a boolean (any case) where the text spells one; an object
+  or array as JSON where it is one; anything else (an unknown parameter, a value that does not read as its type)
+  stays text. A `</tool_call>` inside a value still ends the block, as for Hermes.
 - A block that fails to parse is kept verbatim (tags included) as content, in place. An unclosed block at the end (its
   end tag cut by a stop string, or never written) is a call when its text parses, as vLLM's Hermes parser takes it,
   else content.
@@ -24,6 +27,7 @@ Rules, the same for both paths (streamed pieces joined = the whole text parsed):
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable
@@ -72,8 +76,10 @@ def hermes_call(inner: str) -> tuple[str, dict[str, Any]] | None:
 
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
-INTEGER = re.compile(r"-?\d+")
+INTEGER = re.compile(r"[+-]?\d+")
+NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 JSON_KINDS = {"object": dict, "array": list}
+NULLS = ("null", "none")  # JSON's, and Python's, which templates that render values as strings write
 
 
 def _no_constant(name: str) -> Any:
@@ -81,27 +87,34 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _kind(schema: dict[str, Any]) -> tuple[str, bool]:
+    """A parameter schema's type (its first besides "null", from `type` or else `anyOf`/`oneOf`; "string" where it
+    names none) and whether it takes null."""
+    kinds = schema.get("type")
+    options = schema.get("anyOf", schema.get("oneOf"))
+    if kinds is None and isinstance(options, list):
+        kinds = [option.get("type") for option in options if isinstance(option, dict)]
+    named = [kind for kind in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(kind, str)]
+    return next((kind for kind in named if kind != "null"), "string"), "null" in named
+
+
 def _typed(value: str, schema: Any) -> Any:
     """A Qwen3-Coder parameter's text as its schema (None: a parameter the tool does not list) reads it."""
-    if value.lower() == "null":
-        return None
     if not isinstance(schema, dict):
         return value
-    kind = schema.get("type", "string")
-    kind = next((k for k in kind if k != "null"), "string") if isinstance(kind, list) else kind
-    if kind == "integer" and INTEGER.fullmatch(value.strip()):
-        return int(value)
-    if kind == "number":
-        try:
-            number = json.loads(value, parse_constant=_no_constant)
-        except ValueError:
-            return value
-        return number if isinstance(number, int | float) and not isinstance(number, bool) else value
-    if kind == "boolean" and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
+    kind, nullable = _kind(schema)
+    word = value.strip()
+    if word.lower() in NULLS and (nullable or kind != "string"):
+        return None
+    if kind == "integer" and INTEGER.fullmatch(word):
+        return int(word)
+    if kind == "number" and NUMBER.fullmatch(word) and math.isfinite(number := float(word)):
+        return int(number) if number.is_integer() else number
+    if kind == "boolean" and word.lower() in ("true", "false"):
+        return word.lower() == "true"
     if kind in JSON_KINDS:
         try:
-            read = json.loads(value, parse_constant=_no_constant)
+            read = json.loads(word, parse_constant=_no_constant)
         except ValueError:
             return value
         return read if isinstance(read, JSON_KINDS[kind]) else value
@@ -112,6 +125,26 @@ def _parameter_value(text: str) -> str:
     """A parameter's value: its text less one leading and one trailing newline."""
     text = text[1:] if text.startswith("\n") else text
     return text[:-1] if text.endswith("\n") else text
+
+
+def _value_end(body: str, start: int) -> tuple[int, int]:
+    """(where a parameter's value from `start` ends, where the text after it begins): at an end tag that only
+    whitespace and another parameter or the function's end follow (one that anything else follows is the value's own
+    text), else before a parameter that begins a line (its end tag left out), else at the end."""
+    at = start
+    while True:
+        close = body.find(PARAMETER_END, at)
+        next_line = body.find("\n" + PARAMETER, at)
+        if close >= 0 and (next_line < 0 or close < next_line):
+            after = close + len(PARAMETER_END)
+            rest = body[after:].lstrip()
+            if not rest or rest.startswith(PARAMETER):
+                return close, after
+            at = after
+        elif next_line >= 0:
+            return next_line + 1, next_line + 1
+        else:
+            return len(body), len(body)
 
 
 def coder_calls(parameters: dict[str, Any]) -> BlockReader:
@@ -128,20 +161,19 @@ def coder_calls(parameters: dict[str, Any]) -> BlockReader:
         if not body.startswith(FUNCTION) or head < 0 or not (name := body[len(FUNCTION) : head].strip()):
             return None
         body = body[head + 1 :]
-        if (end := body.find(FUNCTION_END)) >= 0:
-            if body[end + len(FUNCTION_END) :].strip():
-                return None
-            body = body[:end]
+        if body.endswith(FUNCTION_END):
+            body = body[: -len(FUNCTION_END)]
         properties, args, pos = schemas.get(name, {}), {}, 0
-        while (at := body.find(PARAMETER, pos)) >= 0:
+        while body[pos:].strip():
+            at = len(body) - len(body[pos:].lstrip())
             key_end = body.find(">", at)
-            if body[pos:at].strip() or key_end < 0 or not (key := body[at + len(PARAMETER) : key_end].strip()):
+            if not body.startswith(PARAMETER, at) or key_end < 0:
                 return None
-            ends = [i for i in (body.find(PARAMETER_END, key_end), body.find(PARAMETER, key_end)) if i >= 0]
-            stop = min(ends, default=len(body))
+            if not (key := body[at + len(PARAMETER) : key_end].strip()):
+                return None
+            stop, pos = _value_end(body, key_end + 1)
             args[key] = _typed(_parameter_value(body[key_end + 1 : stop]), properties.get(key))
-            pos = stop + (len(PARAMETER_END) if body.startswith(PARAMETER_END, stop) else 0)
-        return None if body[pos:].strip() else (name, args)
+        return name, args
 
     return read
 
@@ -155,7 +187,8 @@ def tool_call_parser(choice: str, tokenizer: Any | None) -> str:
     if choice != "auto":
         return choice
     template = getattr(tokenizer, "chat_template", None)
-    return "qwen3_coder" if isinstance(template, str) and FUNCTION in template else "hermes"
+    named = template.values() if isinstance(template, dict) else [template]  # a dict: templates by name
+    return "qwen3_coder" if any(isinstance(text, str) and FUNCTION in text for text in named) else "hermes"
 
 
 def _parse_block(inner: str, make_id: Callable[[], str], read: BlockReader) -> ToolCall | None:

@@ -31,6 +31,8 @@ SCHEMA = {
         "where": {"type": "object"},
         "note": {"type": ["string", "null"]},
         "plain": {},
+        "count": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "odd": {"type": {"not": "a type"}},
     },
 }
 READ = coder_calls({"weather": SCHEMA, "bare": None})
@@ -51,17 +53,30 @@ def parsed(text: str):
     [
         ("Paris", "city", "Paris"), ("5", "city", "5"), (" two words ", "city", " two words "),
         ("3", "days", 3), ("-12", "days", -12), ("3.5", "days", "3.5"), ("three", "days", "three"),
-        ("2.5", "scale", 2.5), ("-1e3", "scale", -1000.0), ("7", "scale", 7), ("NaN", "scale", "NaN"),
+        ("2.5", "scale", 2.5), ("-1e3", "scale", -1000), ("7", "scale", 7), ("NaN", "scale", "NaN"),
+        ("7.0", "scale", 7), (".5", "scale", 0.5), ("5.", "scale", 5), ("+5", "days", 5), ("+2.5", "scale", 2.5),
+        ("1e999", "scale", "1e999"), ("1_000", "scale", "1_000"), ("1_000", "days", "1_000"),
         ("True", "metric", True), ("false", "metric", False), ("yes", "metric", "yes"),
         ('["a", 1]', "tags", ["a", 1]), ('{"a": 1}', "tags", '{"a": 1}'), ("[1,", "tags", "[1,"),
         ('{"lat": 1.5}', "where", {"lat": 1.5}), ("[1]", "where", "[1]"), ('{"x": NaN}', "where", '{"x": NaN}'),
-        ("null", "note", None), ("NULL", "days", None), ("hi", "note", "hi"),
+        ("null", "note", None), ("NULL", "days", None), ("hi", "note", "hi"), ("None", "days", None),
+        ("None", "note", None), ("null", "city", "null"), ("None", "city", "None"), ("null", "unlisted", "null"),
+        ("5", "count", 5), ("None", "count", None), ("x", "count", "x"), ("5", "odd", "5"),
         ("5", "plain", "5"), ("5", "unlisted", "5"), ("\nkept\n", "city", "\nkept\n"),
     ],
 )  # fmt: skip
 def test_each_value_is_read_by_its_parameters_schema(value, param, read):
     content, calls = parsed(call("weather", **{param: value}))
     assert content == "" and json.loads(calls[0].arguments) == {param: read}
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["x = '</parameter>'", "see <parameter=foo> here", "a\n</parameter> not the end\nb", "</parameter>x"],
+)
+def test_tag_text_inside_a_value_is_the_values_own(value):
+    content, calls = parsed(call("weather", city=value, days="2"))
+    assert content == "" and json.loads(calls[0].arguments) == {"city": value, "days": 2}
 
 
 def test_text_around_the_calls_stays_and_a_function_of_no_schema_takes_text():
@@ -131,6 +146,7 @@ def test_streamed_pieces_joined_are_the_whole_text_parsed():
         ("auto", "{{ '<tool_call>\\n<function=' ~ name ~ '>' }}", "qwen3_coder"),
         ("auto", "{{ '<tool_call>\\n{\"name\": ' }}", "hermes"),
         ("auto", None, "hermes"),
+        ("auto", {"default": "{{ x }}", "tool_use": "{{ '<function=' ~ name }}"}, "qwen3_coder"),
         ("hermes", "{{ '<function=' }}", "hermes"),
         ("qwen3_coder", None, "qwen3_coder"),
     ],

@@ -3,6 +3,9 @@ among equals, as vLLM's scheduler does; under fcfs a request's priority must be 
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+
 import httpx
 import pytest
 from fastapi.testclient import TestClient
@@ -91,7 +94,45 @@ def ckpt(tmp_path_factory):
     return tiny_chat_checkpoint(tmp_path_factory.mktemp("priority") / "tiny")
 
 
-def test_a_front_end_process_takes_priorities_under_priority_scheduling(ckpt):
-    with served(ckpt, "process", "--scheduling-policy", "priority") as (_, url):
-        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": 7}, timeout=60)
-    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2, answer.text
+def test_a_front_end_process_admits_by_priority(ckpt):
+    """One lane, held by a long request: of two that wait, the lower priority value is served first though it came
+    second (the priority crosses to the engine's process)."""
+    long = {"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    finished: list[str] = []
+
+    def ask(url: str, name: str, priority: int) -> None:
+        body = {"prompt": name, "max_tokens": 2, "ignore_eos": True, "priority": priority}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+        finished.append(name)
+
+    def waiting(url: str, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health").json()["requests_waiting"] < count:
+            assert time.monotonic() < deadline, "the requests did not queue"
+            time.sleep(0.02)
+
+    flags = ("--scheduling-policy", "priority", "--max-lanes", "1")
+    with served(ckpt, "process", *flags) as (_, url), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=120) as held:
+            lines = held.iter_lines()  # kept: a dropped generator would close the stream
+            next(line for line in lines if line.startswith("data: {"))  # the lane is taken
+            later = pool.submit(ask, url, "later", 5)
+            waiting(url, 1)
+            sooner = pool.submit(ask, url, "sooner", -5)
+            waiting(url, 2)
+        # the long request's client has left: its lane goes to the waiting ones
+        later.result(), sooner.result()
+    assert finished == ["sooner", "later"]
+
+
+def test_the_responses_api_takes_a_priority_as_the_chat_does():
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
+    engines = Ending(), Prioritizing()
+    fcfs, priority = (
+        TestClient(build_app(ServerState(engine, tokenizer, "m", 4096, len(tokenizer), (0,)))) for engine in engines
+    )
+    body = {"input": "Hi", "max_output_tokens": 2, "priority": 4}
+    refused = fcfs.post("/v1/responses", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+    assert priority.post("/v1/responses", json=body).status_code == 200
+    assert [request.priority for request in engines[1].submitted] == [4]
