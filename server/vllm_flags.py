@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
+from model.shipped import SHIPPED_MODEL
 from server.tool_calls import TOOL_CALL_PARSERS
 
 DRAFTS_DEFAULT, DRAFTER_DEFAULT = 3, "copy"  # --drafts and --drafter when neither they nor a speculative config say
@@ -81,6 +83,48 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         "--disable-log-requests", action="store_true", help="taken: no request is logged either way (default: off)"
     )
     group.add_argument(
+        "--model",
+        dest="model_flag",
+        type=Path,
+        default=None,
+        help="the checkpoint folder, in place of MODEL (vLLM's older spelling) (default: MODEL)",
+    )
+    for name in ("data", "pipeline"):
+        group.add_argument(
+            f"--{name}-parallel-size",
+            type=int,
+            default=1,
+            help="taken at 1: one replica, split only by --tensor-parallel-size (default 1)",
+        )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="taken: each rank holds its share of every expert's columns, as tensor parallelism splits them "
+        "(default: off)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto",),
+        default="auto",
+        help="taken at auto: the QSA caches are kept in the model's dtype (no fp8 caches)",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="taken: usage always carries prompt_tokens_details.cached_tokens (default: off)",
+    )
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action="store_true",
+        help="taken: prompts are always served in passes of --prompt-budget tokens beside the decoding lanes "
+        "(default: off)",
+    )
+    group.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="taken: rounds are planned ahead already (--plan-ahead on, the default) (default: off)",
+    )
+    group.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="taken: no stats are logged either way; /metrics has them (default: off)",
@@ -118,6 +162,16 @@ def _speculative(text: str) -> tuple[str, int]:
 def apply_vllm_flags(args: argparse.Namespace) -> None:
     """Turn the vLLM flags given into this server's settings (and fill --drafts and --drafter); ValueError names
     both flags where they contradict each other."""
+    if args.model_flag is not None:
+        if args.model is not SHIPPED_MODEL:  # the positional's default object: MODEL was not given
+            raise ValueError(f"--model: give the checkpoint once, as MODEL ({args.model}) or as --model")
+        args.model = args.model_flag
+    for flag, size in (("--data-parallel-size", args.data_parallel_size), ("--pipeline-parallel-size",
+                       args.pipeline_parallel_size)):  # fmt: skip
+        if size != 1:
+            raise ValueError(f"{flag} {size}: only --tensor-parallel-size splits the model here; serve one replica")
+    if args.async_scheduling and args.plan_ahead == "off":
+        raise ValueError("--async-scheduling: contradicts --plan-ahead off; give one")
     if args.gpu_memory_utilization is not None and args.device != "cuda":
         raise ValueError(
             "--gpu-memory-utilization: needs --device cuda (it shares out a GPU's memory; this server runs on the CPU "

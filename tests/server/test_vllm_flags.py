@@ -4,12 +4,14 @@ flag that contradicts one of this server's own is refused naming both."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
+from model.shipped import SHIPPED_MODEL
 from server import serve as serve_module
 from server.cli import build_parser, main
 from tests.server.live import serve, tiny_chat_checkpoint
@@ -57,9 +59,17 @@ def test_both_ranks_agree_on_the_utilization():
 
 def test_vllms_flags_that_change_nothing_here_are_taken():
     args = parsed("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1",
-                  "--trust-remote-code", "--disable-log-requests", "--disable-log-stats")  # fmt: skip
+                  "--trust-remote-code", "--disable-log-requests", "--disable-log-stats", "--data-parallel-size", "1",
+                  "--pipeline-parallel-size", "1", "--enable-expert-parallel", "--kv-cache-dtype", "auto",
+                  "--enable-prompt-tokens-details", "--enable-chunked-prefill", "--async-scheduling")  # fmt: skip
     assert (args.tool_call_parser, args.reasoning_parser, args.trust_remote_code) == ("hermes", "deepseek_r1", True)
-    assert args.disable_log_requests and args.disable_log_stats
+    assert args.disable_log_requests and args.disable_log_stats and args.enable_expert_parallel
+    assert (args.plan_ahead, args.kv_cache_dtype) == ("on", "auto")
+
+
+def test_the_checkpoint_may_come_as_vllms_older_model_flag():
+    assert parsed("--model", "configs/tiny").model == Path("configs/tiny")
+    assert parsed().model == SHIPPED_MODEL
 
 
 @pytest.mark.parametrize(
@@ -88,6 +98,11 @@ def test_vllms_flags_that_change_nothing_here_are_taken():
         (("--gpu-memory-utilization", "1.5", "--device", "cuda"), "expected a number in (0, 1], got '1.5'"),
         (("--tool-call-parser", "mistral"), "--tool-call-parser: invalid choice: 'mistral'"),
         (("--reasoning-parser", "gpt_oss"), "--reasoning-parser: invalid choice: 'gpt_oss'"),
+        (("configs/tiny", "--model", "configs/tiny"), "--model: give the checkpoint once, as MODEL (configs/tiny)"),
+        (("--data-parallel-size", "2"), "--data-parallel-size 2: only --tensor-parallel-size splits the model"),
+        (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size 2: only --tensor-parallel-size"),
+        (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype: invalid choice: 'fp8'"),
+        (("--async-scheduling", "--plan-ahead", "off"), "--async-scheduling: contradicts --plan-ahead off"),
     ],
 )  # fmt: skip
 def test_contradicting_or_malformed_vllm_flags_are_refused_naming_them(capsys, flags, named):
