@@ -4,7 +4,8 @@
 # docstring-parser`: the suite's Messages tests import anthropic). The shipped model at --tp 1 with CUDA graphs:
 #   1. served as it is: the lane pool and prompt cache it plans, the GPU's memory in use, gpu_api_check.py, and
 #      Anthropic's Messages API against the chat (scripts/messages_check.py);
-#   2. served from a vLLM command line (--gpu-memory-utilization 0.3, --speculative-config, the parser flags) with
+#   2. served from a vLLM command line (--gpu-memory-utilization 0.3, --speculative-config, the parser flags, the
+#      flags taken as they are, priority scheduling and load tracking) with
 #      --override-generation-config '{"temperature": 0, "max_new_tokens": 6}': its pool, cache and memory in use, and
 #      a chat without temperature or max_tokens against one asking for greedy and 6 tokens (token_sha, usage);
 #   3. --gpu-memory-utilization 0.01: refused at start naming the flag, or served with less (its log says which);
@@ -32,7 +33,8 @@ stop_server
 
 vllm_line=(--gpu-memory-utilization 0.3 --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
   --trust-remote-code --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'
-  --override-generation-config '{"temperature": 0, "max_new_tokens": 6}')
+  --override-generation-config '{"temperature": 0, "max_new_tokens": 6}' --enable-expert-parallel --async-scheduling
+  --kv-cache-dtype auto --enable-chunked-prefill --scheduling-policy priority --enable-server-load-tracking)
 if serve_until_up 200 8602 "$OUT/serve_vllm.log" "${model_args[@]}" "${vllm_line[@]}"; then
   echo "vllm line: up $(since); GPU memory in use $(used_mib) MiB"; planned "$OUT/serve_vllm.log"
   python3 - <<'EOF'
@@ -41,7 +43,8 @@ url = "http://127.0.0.1:8602/v1/chat/completions"
 ask = {"messages": [{"role": "user", "content": "Write a sorting function."}], "ignore_eos": True}
 unset = httpx.post(url, json=ask, timeout=120).json()
 greedy = httpx.post(url, json={**ask, "temperature": 0, "max_tokens": 6}, timeout=120).json()
-capped = httpx.post(url, json={**ask, "temperature": 0, "max_tokens": 20}, timeout=120).json()
+capped = httpx.post(url, json={**ask, "temperature": 0, "max_tokens": 20, "priority": -1}, timeout=120).json()
+print("load after the answers:", httpx.get("http://127.0.0.1:8602/load").json())
 print("unset:", unset["usage"]["completion_tokens"], "tokens", unset["token_sha"][:16])
 print("greedy, 6:", greedy["usage"]["completion_tokens"], "tokens", greedy["token_sha"][:16])
 print("asked 20 under the override's cap of 6:", capped["usage"]["completion_tokens"], "tokens")
