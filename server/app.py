@@ -69,7 +69,7 @@ from server.responses import (
 )
 from server.textout import prompt_opens_thinking
 from server.tokenizer import single_token_id, template_reads
-from server.tool_calls import HERMES, ForcedCalls, ToolCallCut, coder_format, tool_call_parser
+from server.tool_calls import ForcedCalls, ToolCallCut, coder_calls, hermes_call, tool_call_parser
 
 PUBLIC_PATHS = ("/health", "/ping", "/load", "/metrics", "/version")
 # the routes whose requests /load counts (vLLM's: those that generate)
@@ -456,9 +456,9 @@ def build_app(state: ServerState) -> FastAPI:
         if not body.parses_tool_calls():
             return None
         if calls_as == "hermes":
-            return ToolCallCut(body.parallel_tool_calls, calls_as=HERMES)
+            return ToolCallCut(body.parallel_tool_calls, read=hermes_call)
         offered = {tool.function.name: tool.function.parameters for tool in body.tools}
-        return ToolCallCut(body.parallel_tool_calls, calls_as=coder_format(offered))
+        return ToolCallCut(body.parallel_tool_calls, read=coder_calls(offered))
 
     def checked_bad_words(params: SamplingParams) -> BadWords:
         """The request's bad words in tokens; refused where they cannot be honoured (as vLLM refuses ids past the

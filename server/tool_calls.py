@@ -15,8 +15,7 @@ Rules, the same for both paths (streamed pieces joined = the whole text parsed):
   `anyOf`/`oneOf`; "null" aside): "null" or "None" is null where the type is not a string or takes null; an
   integer or number (an integral number as an integer) or a boolean (any case) where the text spells one; an object
   or array as JSON where it is one; anything else (an unknown parameter, a value that does not read as its type)
-  stays text. A `</tool_call>` inside a value still ends the block, as for Hermes. A bare `<function=...>` block, up
-  to `</function>` (or the end), with no `<tool_call>` around it, is read the same way, as vLLM's parser takes it.
+  stays text. A `</tool_call>` inside a value still ends the block, as for Hermes.
 - A block that fails to parse is kept verbatim (tags included) as content, in place. An unclosed block at the end (its
   end tag cut by a stop string, or never written) is a call when its text parses, as vLLM's Hermes parser takes it,
   else content.
@@ -206,66 +205,26 @@ def _parse_block(inner: str, make_id: Callable[[], str], read: BlockReader) -> T
     return ToolCall(make_id(), name, arguments)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockForm:
-    """Where a call block starts and ends in the text; `tagged`: its reader takes the tags with the inner text."""
-
-    start: str
-    end: str
-    tagged: bool = False
-
-    def inner(self, text: str, closed: bool) -> str:
-        """What the reader takes of a block whose text between the tags (or to the reply's end) is `text`."""
-        return self.start + text + (self.end if closed else "") if self.tagged else text
-
-
-@dataclass(frozen=True, slots=True)
-class CallFormat:
-    """How a parser finds call blocks (the earliest start of any form opens one) and reads each."""
-
-    forms: tuple[BlockForm, ...]
-    read: BlockReader
-
-    def first_start(self, text: str, pos: int) -> tuple[int, BlockForm | None]:
-        """Where the first block at or after `pos` starts, and its form; (-1, None) where none does."""
-        found = [(at, form) for form in self.forms if (at := text.find(form.start, pos)) >= 0]
-        return min(found, key=lambda item: item[0]) if found else (-1, None)
-
-
-TOOL_CALL = BlockForm(START, END)
-HERMES = CallFormat((TOOL_CALL,), hermes_call)
-
-
-def coder_format(parameters: dict[str, Any]) -> CallFormat:
-    """Qwen3-Coder's calls, in <tool_call> blocks or bare (a `<function=...>` block alone, as vLLM's parser also takes
-    them), each value read by `parameters`' schemas (`coder_calls`)."""
-    return CallFormat((TOOL_CALL, BlockForm(FUNCTION, FUNCTION_END, tagged=True)), coder_calls(parameters))
-
-
 def parse_tool_calls(
-    text: str, make_id: Callable[[], str] = new_call_id, parallel: bool = True, calls_as: CallFormat = HERMES
+    text: str, make_id: Callable[[], str] = new_call_id, parallel: bool = True, read: BlockReader = hermes_call
 ) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole reply, by the module's rules (only the first call unless `parallel`, OpenAI's
     parallel_tool_calls); without a parsed block the content is `text`."""
     runs, calls, pos = [""], [], 0
-    while (found := calls_as.first_start(text, pos))[1] is not None:
-        start, form = found
-        opened = start + len(form.start)
-        if (end := text.find(form.end, opened)) < 0:  # an unclosed last block: a call where it reads as one
-            if call := _parse_block(form.inner(text[opened:], closed=False), make_id, calls_as.read):
-                runs[-1] += text[pos:start]
-                calls.append(call)
-                runs.append("")
-                pos = len(text)
-            break
-        call = _parse_block(form.inner(text[opened:end], closed=True), make_id, calls_as.read)
+    while (start := text.find(START, pos)) >= 0 and (end := text.find(END, start + len(START))) >= 0:
+        call = _parse_block(text[start + len(START) : end], make_id, read)
         if call is None:
-            runs[-1] += text[pos : end + len(form.end)]
+            runs[-1] += text[pos : end + len(END)]
         else:
             runs[-1] += text[pos:start]
             calls.append(call)
             runs.append("")
-        pos = end + len(form.end)
+        pos = end + len(END)
+    if (start := text.find(START, pos)) >= 0 and (call := _parse_block(text[start + len(START) :], make_id, read)):
+        runs[-1] += text[pos:start]  # an unclosed last block that parses
+        calls.append(call)
+        runs.append("")
+        pos = len(text)
     if not calls:
         return text, []
     runs[-1] += text[pos:]
@@ -275,14 +234,13 @@ def parse_tool_calls(
 class ToolCallStream:
     """Split streamed content into text and tool calls, by the module's rules, as parse_tool_calls would."""
 
-    __slots__ = ("_block", "_called", "_calls_as", "_form", "_held", "_live", "_make_id", "_scan")
+    __slots__ = ("_block", "_called", "_held", "_live", "_make_id", "_read", "_scan")
 
-    def __init__(self, make_id: Callable[[], str] = new_call_id, calls_as: CallFormat = HERMES) -> None:
-        """`make_id` gives each parsed call its id, in order; `calls_as` finds and reads the blocks."""
-        self._make_id, self._calls_as = make_id, calls_as
+    def __init__(self, make_id: Callable[[], str] = new_call_id, read: BlockReader = hermes_call) -> None:
+        """`make_id` gives each parsed call its id, in order; `read` reads a block's call."""
+        self._make_id, self._read = make_id, read
         self._held = ""  # unsent text of the current run: its whitespace while it has nothing else, a tag's start
         self._block: str | None = None  # inner text of the open block; None outside one
-        self._form: BlockForm = TOOL_CALL  # the open block's form
         self._scan = 0  # where in the block the end tag may start
         self._live = False  # the current run has non-whitespace text (sent at once)
         self._called = False  # a block has parsed
@@ -291,31 +249,30 @@ class ToolCallStream:
         """(content delta, calls completed); text that may be a tag's start or a dropped run is held back."""
         content: list[str] = []
         calls: list[ToolCall] = []
-        starts = tuple(form.start for form in self._calls_as.forms)
         while text:
             if self._block is None:
                 text, self._held = self._held + text, ""
-                at, form = self._calls_as.first_start(text, 0)
-                cut = at if at >= 0 else len(text) - partial_len(text, starts)
+                at = text.find(START)
+                cut = at if at >= 0 else len(text) - partial_len(text, (START,))
                 if self._live or text[:cut].strip():
                     content.append(text[:cut])
                     self._live = True
                 else:
                     self._held = text[:cut]
-                if form is None:
+                if at < 0:
                     self._held += text[cut:]
                     break
-                text, self._block, self._form = text[at + len(form.start) :], "", form
+                text, self._block = text[at + len(START) :], ""
             else:
-                form, block = self._form, self._block + text
-                at = block.find(form.end, self._scan)
+                block = self._block + text
+                at = block.find(END, self._scan)
                 if at < 0:
-                    self._block, self._scan = block, max(0, len(block) - len(form.end) + 1)
+                    self._block, self._scan = block, max(0, len(block) - len(END) + 1)
                     break
-                text = block[at + len(form.end) :]
-                call = _parse_block(form.inner(block[:at], closed=True), self._make_id, self._calls_as.read)
+                text = block[at + len(END) :]
+                call = _parse_block(block[:at], self._make_id, self._read)
                 if call is None:
-                    content.append(self._held + form.start + block[: at + len(form.end)])
+                    content.append(self._held + START + block[: at + len(END)])
                     self._live = True
                 else:
                     calls.append(call)
@@ -325,13 +282,11 @@ class ToolCallStream:
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """(held-back content, calls) for when the reply ends: an unclosed block's call where its text parses."""
-        form = self._form
-        opened = None if self._block is None else form.inner(self._block, closed=False)
-        call = None if opened is None else _parse_block(opened, self._make_id, self._calls_as.read)
+        call = None if self._block is None else _parse_block(self._block, self._make_id, self._read)
         if call is not None:
             self._held, self._block, self._scan = "", None, 0
             return "", [call]
-        held = self._held if self._block is None else self._held + form.start + self._block
+        held = self._held if self._block is None else self._held + START + self._block
         self._held, self._block, self._scan = "", None, 0
         return (held if self._live or held.strip() or not self._called else ""), []
 
@@ -349,8 +304,10 @@ class ToolCallCut:
 
     __slots__ = ("_parallel", "_stream", "sent")
 
-    def __init__(self, parallel: bool, make_id: Callable[[], str] = new_call_id, calls_as: CallFormat = HERMES) -> None:
-        self._stream = ToolCallStream(make_id, calls_as)
+    def __init__(
+        self, parallel: bool, make_id: Callable[[], str] = new_call_id, read: BlockReader = hermes_call
+    ) -> None:
+        self._stream = ToolCallStream(make_id, read)
         self._parallel = parallel
         self.sent = 0  # calls handed out so far
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from server.app import ServerState, build_app
 from server.cli import build_parser
 from server.http_options import http_options
-from server.tool_calls import ToolCallStream, coder_format, parse_tool_calls, tool_call_parser
+from server.tool_calls import ToolCallStream, coder_calls, parse_tool_calls, tool_call_parser
 from tests.server.test_tool_calls import counter_ids, expected_calls
 from tests.server.test_tool_calls_api import SHIPPED, Answering
 
@@ -35,7 +35,7 @@ SCHEMA = {
         "odd": {"type": {"not": "a type"}},
     },
 }
-CODER = coder_format({"weather": SCHEMA, "bare": None})
+READ = coder_calls({"weather": SCHEMA, "bare": None})
 
 
 def call(name: str, **params: str) -> str:
@@ -45,7 +45,7 @@ def call(name: str, **params: str) -> str:
 
 
 def parsed(text: str):
-    return parse_tool_calls(text, make_id=counter_ids(), calls_as=CODER)
+    return parse_tool_calls(text, make_id=counter_ids(), read=READ)
 
 
 @pytest.mark.parametrize(
@@ -115,25 +115,13 @@ def test_a_block_that_is_no_call_stays_content_verbatim(inner):
     assert parsed(text) == (text, [])
 
 
-def test_a_bare_function_block_is_a_call_as_vllm_takes_it_and_prose_about_one_stays_content():
-    bare = call("weather", city="Oslo")[len("<tool_call>\n") : -len("\n</tool_call>")]
-    text = "Sure.\n" + bare + "\nWrite <function=f> like this</function>, then " + bare[: -len("</function>")]
-    expected = (
-        "Sure.\n\nWrite <function=f> like this</function>, then ",
-        expected_calls([("weather", '{"city": "Oslo"}')] * 2),
-    )
-    assert parsed(text) == expected
-    assert stream(list(text)) == expected
-    assert parse_tool_calls(text) == (text, [])  # Hermes takes no bare function
-
-
 def test_a_call_cut_before_its_end_tag_is_a_call_where_it_reads_as_one():
     cut = "Sure.\n<tool_call>\n<function=weather>\n<parameter=city>\nRome\n</parameter>\n"
     assert parsed(cut) == ("Sure.\n", expected_calls([("weather", '{"city": "Rome"}')]))
 
 
 def stream(pieces: list[str]):
-    parser = ToolCallStream(make_id=counter_ids(), calls_as=CODER)
+    parser = ToolCallStream(make_id=counter_ids(), read=READ)
     content, calls = "", []
     for piece in [*pieces, None]:
         delta, done = parser.feed(piece) if piece is not None else parser.flush()
