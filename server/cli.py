@@ -216,6 +216,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp",
         "--tensor-parallel-size",
+        "-tp",
         type=int,
         choices=(1, 2),
         default=None,

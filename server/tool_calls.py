@@ -15,7 +15,9 @@ Rules, the same for both paths (streamed pieces joined = the whole text parsed):
   `anyOf`/`oneOf`; "null" aside): "null" or "None" is null where the type is not a string or takes null; an
   integer or number (an integral number as an integer) or a boolean (any case) where the text spells one; an object
   or array as JSON where it is one; anything else (an unknown parameter, a value that does not read as its type)
-  stays text. A `</tool_call>` inside a value still ends the block, as for Hermes.
+  stays text. A `</tool_call>` inside a value still ends the block, as for Hermes, and a bare `<function=...>` with no
+  `<tool_call>` around it stays content (vLLM reads one where the reply holds no `<tool_call>` at all, which a stream
+  cannot know when the tag comes).
 - A block that fails to parse is kept verbatim (tags included) as content, in place. An unclosed block at the end (its
   end tag cut by a stop string, or never written) is a call when its text parses, as vLLM's Hermes parser takes it,
   else content.

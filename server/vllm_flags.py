@@ -92,6 +92,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     for name in ("data", "pipeline"):
         group.add_argument(
             f"--{name}-parallel-size",
+            f"-{name[0]}p",
             type=int,
             default=1,
             help="taken at 1: one replica, split only by --tensor-parallel-size (default 1)",
@@ -159,9 +160,19 @@ def _speculative(text: str) -> tuple[str, int]:
     return SPECULATIVE_METHODS[method], drafts
 
 
+def _checkpoint_among(names: list[str] | None) -> str | None:
+    """The first of `names` that is a checkpoint folder (one with a config.json), if any."""
+    return next((name for name in names or () if (Path(name) / "config.json").is_file()), None)
+
+
 def apply_vllm_flags(args: argparse.Namespace) -> None:
     """Turn the vLLM flags given into this server's settings (and fill --drafts and --drafter); ValueError names
     both flags where they contradict each other."""
+    if args.model is SHIPPED_MODEL and (folder := _checkpoint_among(args.served_model_name)):
+        raise ValueError(
+            f"--served-model-name: {folder!r} is a checkpoint folder, taken as a name (the names run to the next "
+            "flag): give MODEL before --served-model-name"
+        )
     if args.model_flag is not None:
         if args.model is not SHIPPED_MODEL:  # the positional's default object: MODEL was not given
             raise ValueError(f"--model: give the checkpoint once, as MODEL ({args.model}) or as --model")

@@ -338,8 +338,9 @@ def test_load_counts_the_generation_requests_in_flight_until_their_answers_end(t
         chat = {"messages": ASK, "max_tokens": 4, "stream": True}
         streams = [asyncio.create_task(asgi_call(app, "POST", "/v1/chat/completions", chat)) for _ in range(2)]
         text = asyncio.create_task(asgi_call(app, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4}))
-        while len(held) < 3:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(60):  # a request that never reaches the engine fails the test, not hangs it
+            while len(held) < 3:
+                await asyncio.sleep(0.01)
         seen.append(await load())
         for request in held:
             request.sink(Update((), "length"))

@@ -67,6 +67,11 @@ def test_vllms_flags_that_change_nothing_here_are_taken():
     assert (args.plan_ahead, args.kv_cache_dtype) == ("on", "auto")
 
 
+def test_vllms_short_parallel_flags_are_taken():
+    args = parsed("-tp", "2", "-dp", "1", "-pp", "1")
+    assert (args.tp, args.data_parallel_size, args.pipeline_parallel_size) == (2, 1, 1)
+
+
 def test_the_checkpoint_may_come_as_vllms_older_model_flag():
     assert parsed("--model", "configs/tiny").model == Path("configs/tiny")
     assert parsed().model == SHIPPED_MODEL
@@ -103,6 +108,8 @@ def test_the_checkpoint_may_come_as_vllms_older_model_flag():
         (("--pipeline-parallel-size", "2"), "--pipeline-parallel-size 2: only --tensor-parallel-size"),
         (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype: invalid choice: 'fp8'"),
         (("--async-scheduling", "--plan-ahead", "off"), "--async-scheduling: contradicts --plan-ahead off"),
+        (("--served-model-name", "x", "configs/qwen3.8-flash-next"), "--served-model-name: "
+         "'configs/qwen3.8-flash-next' is a checkpoint folder"),
     ],
 )  # fmt: skip
 def test_contradicting_or_malformed_vllm_flags_are_refused_naming_them(capsys, flags, named):
