@@ -1,6 +1,6 @@
 """The HTTP side's own options, spelled as vLLM's serve flags: CORS, a proxy's root path, TLS, uvicorn's logs, the
-API's docs pages, and the answers' defaults those flags set (request ids in a header, usage in every stream, tokens
-spelled as ids); refused at start naming the flag."""
+API's docs pages, and what those flags set of the answers (request ids in a header, usage in every stream, tokens
+spelled as ids, how tool calls are read, /load's count); refused at start naming the flag."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import ssl
 from dataclasses import dataclass
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
+CERT_REQS = (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED)  # 0, 1, 2, as uvicorn and vLLM take them
 
 
 @dataclass(frozen=True, slots=True)
 class HttpOptions:
-    """How the HTTP server answers besides the API (sent to a front-end process with its settings)."""
+    """How the HTTP side serves and answers, beyond each request's own fields (sent to a front-end process with its
+    settings)."""
 
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -96,7 +97,7 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ssl-cert-reqs",
         type=int,
-        choices=sorted(CERT_REQS),
+        choices=CERT_REQS,
         default=0,
         help="client certificates: 0 none, 1 optional, 2 required (needs --ssl-ca-certs) (default 0)",
     )
