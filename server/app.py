@@ -96,7 +96,7 @@ class ServerState:
     eos_ids: tuple[int, ...]
     api_key: str | None = None
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # what a request's unset sampling fields take
-    http: HttpOptions = DEFAULT_HTTP  # CORS, the root path and the docs pages
+    http: HttpOptions = DEFAULT_HTTP  # the HTTP side's options from the serve flags (server/http_options.py)
     aliases: tuple[str, ...] = ()  # other names requests may give the model (answers carry `model_name`)
 
 
@@ -290,13 +290,11 @@ def build_app(state: ServerState) -> FastAPI:
         request.state.request_id = given or body.request_id or uuid.uuid4().hex
         return request.state.request_id
 
-    def spelled_as(body: ChatCompletionRequest | CompletionRequest) -> tuple[Callable, Callable]:
-        """How the output's logprobs spell a token (its text, and its bytes): as "token_id:ID" where the request's
-        return_tokens_as_token_ids, or else --return-tokens-as-token-ids, asks for it."""
+    def spelled_as(body: ChatCompletionRequest | CompletionRequest) -> Callable[[int], str]:
+        """How the output's logprobs spell a token: as "token_id:ID" where the request's return_tokens_as_token_ids,
+        or else --return-tokens-as-token-ids, asks for it (its bytes stay the token's own, `spell_bytes`)."""
         as_ids = body.return_tokens_as_token_ids
-        if as_ids if as_ids is not None else state.http.tokens_as_ids:
-            return as_id, spell_bytes  # the token's own bytes still: "token_id:ID"'s would say nothing
-        return spell, spell_bytes
+        return as_id if (as_ids if as_ids is not None else state.http.tokens_as_ids) else spell
 
     def need_tokenizer(param: str) -> Any:
         if state.tokenizer is None:
@@ -455,10 +453,8 @@ def build_app(state: ServerState) -> FastAPI:
             return ForcedCalls(body.forced_tool())
         if not body.parses_tool_calls():
             return None
-        if calls_as == "hermes":
-            return ToolCallCut(body.parallel_tool_calls, read=hermes_call)
         offered = {tool.function.name: tool.function.parameters for tool in body.tools}
-        return ToolCallCut(body.parallel_tool_calls, read=coder_calls(offered))
+        return ToolCallCut(body.parallel_tool_calls, read=hermes_call if calls_as == "hermes" else coder_calls(offered))
 
     def checked_bad_words(params: SamplingParams) -> BadWords:
         """The request's bad words in tokens; refused where they cannot be honoured (as vLLM refuses ids past the
@@ -552,7 +548,9 @@ def build_app(state: ServerState) -> FastAPI:
                 "finish_reason": finish_reason,
                 "stop_reason": outcome.stop_reason,
                 "logprobs": (
-                    chat_logprobs(outcome.token_ids, outcome.logprobs, *spelled_as(body)) if body.logprobs else None
+                    chat_logprobs(outcome.token_ids, outcome.logprobs, spelled_as(body), spell_bytes)
+                    if body.logprobs
+                    else None
                 ),
             }
 
@@ -579,7 +577,7 @@ def build_app(state: ServerState) -> FastAPI:
                 for o in outcomes
             ]
 
-        token_spelling = spelled_as(body)[0]
+        token_spelling = spelled_as(body)
 
         def choice(index: int, outcome: Outcome) -> dict[str, Any]:
             logprobs, prompt_ids = None, prompts[index // body.n]  # choices in prompt order, n a prompt
@@ -858,7 +856,7 @@ def build_app(state: ServerState) -> FastAPI:
         generations: list[Generation], body: ChatCompletionRequest, rid: str
     ) -> AsyncGenerator[dict[str, Any], None]:
         created, chunk_id = int(time.time()), f"chatcmpl-{rid}"
-        spelling = spelled_as(body)
+        token_spelling = spelled_as(body)
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         # each choice's tool-call blocks, cut from its content as they close
         cuts = [cut for _ in generations if (cut := call_cut(body)) is not None] or None  # one a choice, or none
@@ -886,7 +884,7 @@ def build_app(state: ServerState) -> FastAPI:
                 finish_reason = piece.finish_reason if cuts is None else cuts[index].finish(piece.finish_reason)
                 choice.update(finish_reason=finish_reason, stop_reason=piece.stop_reason)
                 if with_logprobs:
-                    choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, *spelling)
+                    choice["logprobs"] = chat_logprobs(piece.token_ids, piece.logprobs, token_spelling, spell_bytes)
                 if with_ids:
                     choice["token_ids"] = piece.token_ids
             return {
@@ -904,7 +902,7 @@ def build_app(state: ServerState) -> FastAPI:
         generations: list[Generation], body: CompletionRequest, echoed: list[str], rid: str
     ) -> AsyncGenerator[dict[str, Any], None]:
         created, chunk_id = int(time.time()), f"cmpl-{rid}"
-        token_spelling = spelled_as(body)[0]
+        token_spelling = spelled_as(body)
         with_logprobs, with_ids = generations[0].request.draw.logprobs is not None, body.return_token_ids
         spelled = [0] * len(generations)  # each choice's characters of token text sent: its next text_offset
         # with logprobs the echoed prompt waits for its logprobs, which come with each choice's first piece

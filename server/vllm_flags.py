@@ -168,15 +168,15 @@ def _checkpoint_among(names: list[str] | None) -> str | None:
 def apply_vllm_flags(args: argparse.Namespace) -> None:
     """Turn the vLLM flags given into this server's settings (and fill --drafts and --drafter); ValueError names
     both flags where they contradict each other."""
+    if args.model_flag is not None:
+        if args.model is not SHIPPED_MODEL:  # the positional's default object: MODEL was not given
+            raise ValueError(f"--model: give the checkpoint once, as MODEL ({args.model}) or as --model")
+        args.model = args.model_flag
     if args.model is SHIPPED_MODEL and (folder := _checkpoint_among(args.served_model_name)):
         raise ValueError(
             f"--served-model-name: {folder!r} is a checkpoint folder, taken as a name (the names run to the next "
             "flag): give MODEL before --served-model-name"
         )
-    if args.model_flag is not None:
-        if args.model is not SHIPPED_MODEL:  # the positional's default object: MODEL was not given
-            raise ValueError(f"--model: give the checkpoint once, as MODEL ({args.model}) or as --model")
-        args.model = args.model_flag
     for flag, size in (("--data-parallel-size", args.data_parallel_size), ("--pipeline-parallel-size",
                        args.pipeline_parallel_size)):  # fmt: skip
         if size != 1:
