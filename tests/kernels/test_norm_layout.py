@@ -18,10 +18,28 @@ WIDTHS = (64, 128, 256)  # the shipped model's heads, the indexer's and the atte
 
 REDUCTIONS = r"""
 import json, re, sys
-import triton
+from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 from kernels import norm, rope
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+
+def ttgir(source):  # the TritonGPU IR for sm_90: the compiler's stages up to the layouts, no code generation
+    options = BACKEND.parse_options({"num_warps": norm.NUM_WARPS})
+    context = ir.context()
+    ir.load_dialects(context)
+    BACKEND.load_dialects(context)
+    module = source.make_ir(TARGET, options, BACKEND.get_codegen_implementation(options), BACKEND.get_module_map(),
+                            context)
+    stages = {}
+    BACKEND.add_stages(stages, options, source.language)
+    metadata = {"hash": "layouts", "target": TARGET, **options.__dict__}
+    for stage in ("ttir", "ttgir"):
+        module = stages[stage](module, metadata)
+    return str(module)
 
 INTS = {"pos_ptr", "slot_ptr", "index_ptr"}
 
@@ -38,10 +56,9 @@ def reductions(kernel, rows, c, bf16):
             sig[p.name] = "fp32" if p.name == "eps" else "i32"
     names = list(sig)
     consts = {(names.index(n),): v for n, v in const.items() if n in sig}
-    ttgir = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": norm.NUM_WARPS}).asm["ttgir"]
-    named = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<\{[^}]*\}>)", ttgir, re.M))
-    operands = re.findall(r'"tt\.reduce".*?\}\)\s*:\s*\(tensor<[^,>]*,\s*([^>]*)>\)', ttgir, re.S)
+    text = ttgir(ASTSource(kernel, sig, constexprs=consts))
+    named = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<\{[^}]*\}>)", text, re.M))
+    operands = re.findall(r'"tt\.reduce".*?\}\)\s*:\s*\(tensor<[^,>]*,\s*([^>]*)>\)', text, re.S)
     return [named.get(layout.strip(), layout.strip()) for layout in operands]
 
 out = {}
