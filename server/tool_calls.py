@@ -7,15 +7,17 @@ Rules, the same for both paths (streamed pieces joined = the whole text parsed):
   the block reader reads it; it then becomes a ToolCall and leaves the content.
 - Hermes: the inner text, stripped, is a JSON object with a non-empty string "name" and "arguments" that is a JSON
   object, a string holding a JSON object, or absent ({}).
-- Qwen3-Coder: the inner text, stripped, is `<function=NAME>`, then parameters `<parameter=KEY>VALUE</parameter>`
-  with only whitespace between them, then `</function>` (or the end). A value runs to an end tag that only whitespace
-  and another parameter or the function's end follow (an end tag followed by anything else is the value's own text);
-  where its end tag is left out, to a `<parameter=` that begins a line, or to the function's end. A value loses one
-  leading and one trailing newline and is read by its parameter's JSON Schema type (`type`, or else the first of
-  `anyOf`/`oneOf`; "null" aside): "null" or "None" is null where the type is not a string or takes null; an
-  integer or number (an integral number as an integer) or a boolean (any case) where the text spells one; an object
-  or array as JSON where it is one; anything else (an unknown parameter, a value that does not read as its type)
-  stays text. A `</tool_call>` inside a value still ends the block, as for Hermes, and a bare `<function=...>` with no
+- Qwen3-Coder: the inner text is one or more functions with only whitespace between them (and a `<tool_call>` left
+  open before the next function, as a reply that leaves out a block's end tag writes it); each is `<function=NAME>`,
+  then parameters `<parameter=KEY>VALUE</parameter>` with only whitespace between them, then `</function>` (or the
+  end), and each is a call of its own, as vLLM reads every function of a block. A value runs to an end tag that only
+  whitespace and another parameter or the function's end follow (an end tag followed by anything else is the value's
+  own text); where its end tag is left out, to a `<parameter=` that begins a line or to the function's end. A value
+  loses one leading and one trailing newline and is read by its parameter's JSON Schema type (`type`, or else the
+  first of `anyOf`/`oneOf`; "null" aside): "null" or "None" is null where the type is not a string or takes null; an
+  integer or number (an integral number as an integer) or a boolean (any case) where the text spells one; an object or
+  array as JSON where it is one; anything else (an unknown parameter, a value that does not read as its type) stays
+  text. A `</tool_call>` inside a value still ends the block, as for Hermes, and a bare `<function=...>` with no
   `<tool_call>` around it stays content (vLLM reads one where the reply holds no `<tool_call>` at all, which a stream
   cannot know when the tag comes).
 - A block that fails to parse is kept verbatim (tags included) as content, in place. An unclosed block at the end (its
@@ -61,11 +63,11 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-# a block's inner text -> (the function's name, its arguments), or None where it holds no call
-BlockReader = Callable[[str], "tuple[str, dict[str, Any]] | None"]
+# a block's inner text -> its calls (each function's name and arguments), or None where it holds none
+BlockReader = Callable[[str], "list[tuple[str, dict[str, Any]]] | None"]
 
 
-def hermes_call(inner: str) -> tuple[str, dict[str, Any]] | None:
+def hermes_call(inner: str) -> list[tuple[str, dict[str, Any]]] | None:
     """A Hermes block's call: a JSON object with "name" and "arguments"."""
     obj = json.loads(inner.strip())
     if not isinstance(obj, dict) or not isinstance(name := obj.get("name"), str) or not name:
@@ -73,13 +75,13 @@ def hermes_call(inner: str) -> tuple[str, dict[str, Any]] | None:
     args = obj.get("arguments", {})
     if isinstance(args, str):
         args = json.loads(args)
-    return (name, args) if isinstance(args, dict) else None
+    return [(name, args)] if isinstance(args, dict) else None
 
 
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 INTEGER = re.compile(r"[+-]?\d+")
-NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")  # one way to match each text: linear time
 JSON_KINDS = {"object": dict, "array": list}
 NULLS = ("null", "none")  # JSON's, and Python's, which templates that render values as strings write
 
@@ -132,7 +134,8 @@ def _parameter_value(text: str) -> str:
 def _value_end(body: str, start: int) -> tuple[int, int]:
     """(where a parameter's value from `start` ends, where the text after it begins): at an end tag that only
     whitespace and another parameter or the function's end follow (one that anything else follows is the value's own
-    text), else before a parameter that begins a line (its end tag left out), else at the end."""
+    text), else before a parameter that begins a line (its end tag left out), else at the function's end or the
+    text's."""
     at = start
     while True:
         close = body.find(PARAMETER_END, at)
@@ -140,13 +143,23 @@ def _value_end(body: str, start: int) -> tuple[int, int]:
         if close >= 0 and (next_line < 0 or close < next_line):
             after = close + len(PARAMETER_END)
             rest = body[after:].lstrip()
-            if not rest or rest.startswith(PARAMETER):
+            if not rest or rest.startswith((PARAMETER, FUNCTION_END)):
                 return close, after
             at = after
         elif next_line >= 0:
             return next_line + 1, next_line + 1
         else:
-            return len(body), len(body)
+            end = body.find(FUNCTION_END, at)
+            return (end, end) if end >= 0 else (len(body), len(body))
+
+
+def _between_functions(body: str, pos: int) -> int:
+    """Where the next function may begin after one ends at `pos`: past whitespace and any `<tool_call>` left open."""
+    while True:
+        at = len(body) - len(body[pos:].lstrip())
+        if not body.startswith(START, at):
+            return at
+        pos = at + len(START)
 
 
 def coder_calls(parameters: dict[str, Any]) -> BlockReader:
@@ -157,17 +170,13 @@ def coder_calls(parameters: dict[str, Any]) -> BlockReader:
         properties = schema.get("properties") if isinstance(schema, dict) else None
         schemas[name] = properties if isinstance(properties, dict) else {}
 
-    def read(inner: str) -> tuple[str, dict[str, Any]] | None:
-        body = inner.strip()
-        head = body.find(">")
-        if not body.startswith(FUNCTION) or head < 0 or not (name := body[len(FUNCTION) : head].strip()):
+    def function(body: str, start: int) -> tuple[str, dict[str, Any], int] | None:
+        """The function that begins at `start` (name, arguments, where it ends), or None where none does."""
+        head = body.find(">", start)
+        if not body.startswith(FUNCTION, start) or head < 0 or not (name := body[start + len(FUNCTION) : head].strip()):
             return None
-        body = body[head + 1 :]
-        if body.endswith(FUNCTION_END):
-            body = body[: -len(FUNCTION_END)]
-        properties, args, pos = schemas.get(name, {}), {}, 0
-        while body[pos:].strip():
-            at = len(body) - len(body[pos:].lstrip())
+        properties, args, pos = schemas.get(name, {}), {}, head + 1
+        while (at := len(body) - len(body[pos:].lstrip())) < len(body) and not body.startswith(FUNCTION_END, at):
             key_end = body.find(">", at)
             if not body.startswith(PARAMETER, at) or key_end < 0:
                 return None
@@ -175,7 +184,16 @@ def coder_calls(parameters: dict[str, Any]) -> BlockReader:
                 return None
             stop, pos = _value_end(body, key_end + 1)
             args[key] = _typed(_parameter_value(body[key_end + 1 : stop]), properties.get(key))
-        return name, args
+        return name, args, min(len(body), at + len(FUNCTION_END))
+
+    def read(inner: str) -> list[tuple[str, dict[str, Any]]] | None:
+        calls, pos = [], len(inner) - len(inner.lstrip())
+        while pos < len(inner):
+            if (found := function(inner, pos)) is None:
+                return None
+            calls.append(found[:2])
+            pos = _between_functions(inner, found[2])
+        return calls or None
 
     return read
 
@@ -193,18 +211,18 @@ def tool_call_parser(choice: str, tokenizer: Any | None) -> str:
     return "qwen3_coder" if any(isinstance(text, str) and FUNCTION in text for text in named) else "hermes"
 
 
-def _parse_block(inner: str, make_id: Callable[[], str], read: BlockReader) -> ToolCall | None:
-    """The call a block's inner text holds, as `read` reads it, or None when it is not one."""
+def _parse_block(inner: str, make_id: Callable[[], str], read: BlockReader) -> list[ToolCall] | None:
+    """The calls a block's inner text holds, as `read` reads it, or None when it holds none."""
     try:
-        call = read(inner)
-        if call is None:
+        found = read(inner)
+        if not found:
             return None
-        name, args = call
-        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
-        (name + arguments).encode()  # a lone surrogate escape ("\ud83d") would fail the response's UTF-8
+        written = [(name, json.dumps(args, ensure_ascii=False, allow_nan=False)) for name, args in found]
+        for name, arguments in written:
+            (name + arguments).encode()  # a lone surrogate escape ("\ud83d") would fail the response's UTF-8
     except (ValueError, RecursionError):  # bad JSON, NaN or Infinity, not UTF-8, nesting too deep
         return None
-    return ToolCall(make_id(), name, arguments)
+    return [ToolCall(make_id(), name, arguments) for name, arguments in written]
 
 
 def parse_tool_calls(
@@ -214,17 +232,17 @@ def parse_tool_calls(
     parallel_tool_calls); without a parsed block the content is `text`."""
     runs, calls, pos = [""], [], 0
     while (start := text.find(START, pos)) >= 0 and (end := text.find(END, start + len(START))) >= 0:
-        call = _parse_block(text[start + len(START) : end], make_id, read)
-        if call is None:
+        found = _parse_block(text[start + len(START) : end], make_id, read)
+        if found is None:
             runs[-1] += text[pos : end + len(END)]
         else:
             runs[-1] += text[pos:start]
-            calls.append(call)
+            calls += found
             runs.append("")
         pos = end + len(END)
-    if (start := text.find(START, pos)) >= 0 and (call := _parse_block(text[start + len(START) :], make_id, read)):
+    if (start := text.find(START, pos)) >= 0 and (found := _parse_block(text[start + len(START) :], make_id, read)):
         runs[-1] += text[pos:start]  # an unclosed last block that parses
-        calls.append(call)
+        calls += found
         runs.append("")
         pos = len(text)
     if not calls:
@@ -272,22 +290,22 @@ class ToolCallStream:
                     self._block, self._scan = block, max(0, len(block) - len(END) + 1)
                     break
                 text = block[at + len(END) :]
-                call = _parse_block(block[:at], self._make_id, self._read)
-                if call is None:
+                found = _parse_block(block[:at], self._make_id, self._read)
+                if found is None:
                     content.append(self._held + START + block[: at + len(END)])
                     self._live = True
                 else:
-                    calls.append(call)
+                    calls += found
                     self._live, self._called = False, True
                 self._held, self._block, self._scan = "", None, 0
         return "".join(content), calls
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """(held-back content, calls) for when the reply ends: an unclosed block's call where its text parses."""
-        call = None if self._block is None else _parse_block(self._block, self._make_id, self._read)
-        if call is not None:
+        found = None if self._block is None else _parse_block(self._block, self._make_id, self._read)
+        if found is not None:
             self._held, self._block, self._scan = "", None, 0
-            return "", [call]
+            return "", found
         held = self._held if self._block is None else self._held + START + self._block
         self._held, self._block, self._scan = "", None, 0
         return (held if self._live or held.strip() or not self._called else ""), []

@@ -120,6 +120,35 @@ def test_a_call_cut_before_its_end_tag_is_a_call_where_it_reads_as_one():
     assert parsed(cut) == ("Sure.\n", expected_calls([("weather", '{"city": "Rome"}')]))
 
 
+TWO_IN_ONE = (  # vLLM's qwen3_coder parser reads every function of a block as a call of its own
+    "<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+    "<function=bare>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+TWO_CALLS = [("weather", '{"city": "Oslo"}'), ("bare", '{"days": "3"}')]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        TWO_IN_ONE,
+        TWO_IN_ONE.replace("</function>\n<function=", "</function>\n<tool_call>\n<function="),  # first left open
+        TWO_IN_ONE.replace("\n</function>\n</tool_call>", ""),  # the second cut before its ends
+    ],
+)
+def test_each_function_of_a_block_is_a_call_whole_and_streamed(text):
+    assert parsed(text) == stream(list(text)) == ("", expected_calls(TWO_CALLS))
+    assert parse_tool_calls(text, make_id=counter_ids(), parallel=False, read=READ) == (
+        "",
+        expected_calls(TWO_CALLS[:1]),
+    )
+
+
+@pytest.mark.parametrize("end", ["\n</tool_call>", ""])
+def test_text_after_a_functions_end_keeps_the_block_as_content(end):
+    text = f"<tool_call>\n<function=weather>\n<parameter=days>\n3\n</parameter>\n</function>\nI will wait.{end}"
+    assert parsed(text) == stream(list(text)) == (text, [])
+
+
 def stream(pieces: list[str]):
     parser = ToolCallStream(make_id=counter_ids(), read=READ)
     content, calls = "", []
@@ -131,8 +160,8 @@ def stream(pieces: list[str]):
 
 def test_streamed_pieces_joined_are_the_whole_text_parsed():
     rng = random.Random(11)
-    parts = [call("weather", city="Oslo", days="x"), call("bare"), "<tool_call>", "</tool_call>", "<function=",
-             "<parameter=city>", "</parameter>", "</function>", "\n", "text", "é"]  # fmt: skip
+    parts = [call("weather", city="Oslo", days="x"), call("bare"), TWO_IN_ONE, "<tool_call>", "</tool_call>",
+             "<function=", "<parameter=city>", "</parameter>", "</function>", "\n", "text", "é"]  # fmt: skip
     for _ in range(400):
         text = "".join(rng.choices(parts, k=rng.randint(0, 6)))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
@@ -160,26 +189,33 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(SHIPPED)
 
 
+@pytest.mark.parametrize("two_in_one", [False, True])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
-def test_the_api_answers_coder_calls_as_tool_calls_streamed_or_not(tokenizer, path):
+def test_the_api_answers_coder_calls_as_tool_calls_streamed_or_not(tokenizer, path, two_in_one):
+    """Each call, and each function of one block, as an entry of its own (streamed or not)."""
     answer = "Let me look.\n" + call("weather", city="Oslo", days="3", metric="true")
+    if two_in_one:
+        answer = answer.replace(
+            "</function>\n", "</function>\n" + answer[answer.index("<function=") : answer.index("</tool_call>")], 1
+        )
     options = http_options(build_parser().parse_args(["serve", "--tool-call-parser", "qwen3_coder"]))
     engine = Answering(tokenizer, answer, per_update=3)
     http = TestClient(build_app(ServerState(engine, tokenizer, "m", 4096, len(tokenizer), (0,), http=options)))
     tools = [{"type": "function", "function": {"name": "weather", "parameters": SCHEMA}}]
     arguments = {"city": "Oslo", "days": 3, "metric": True}
+    calls = [arguments] * (1 + two_in_one)
     body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 64}
     if path == "/v1/messages":
         body["tools"] = [{"name": "weather", "input_schema": SCHEMA}]
         message = http.post(path, json=body).json()
-        assert [b["input"] for b in message["content"] if b["type"] == "tool_use"] == [arguments]
+        assert [b["input"] for b in message["content"] if b["type"] == "tool_use"] == calls
         assert message["stop_reason"] == "tool_use"
         return
     whole = http.post(path, json={**body, "tools": tools}).json()["choices"][0]
-    assert [json.loads(c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == [arguments]
+    assert [json.loads(c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == calls
     assert whole["message"]["content"] == "Let me look.\n" and whole["finish_reason"] == "tool_calls"
     lines = http.post(path, json={**body, "tools": tools, "stream": True}).text.splitlines()
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     streamed = [json.loads(t["function"]["arguments"]) for d in deltas for t in d.get("tool_calls") or []]
-    assert streamed == [arguments] and "".join(d.get("content") or "" for d in deltas) == "Let me look.\n"
+    assert streamed == calls and "".join(d.get("content") or "" for d in deltas) == "Let me look.\n"
