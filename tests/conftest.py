@@ -1,8 +1,9 @@
 """Test setup: the scripts folder is importable (checkpoint makers), kernels interpret without CUDA whichever module
 imports them first, GPU tests skip without CUDA, a GPU run that would only interpret kernels is refused, a run of the
 GPU tests alone leaves out the modules that only interpret, the Triton interpreter does not patch triton.language
-again for every helper a kernel calls, two of its pure helpers answer from a cache, its fp32 dots give the same bits
-on every machine, and the workers of a parallel run split the cores between their thread pools."""
+again for every helper a kernel calls, two of its pure helpers and its block types answer from a cache, it skips the
+overflow checks it would drop, its fp32 dots give the same bits on every machine, and the workers of a parallel run
+split the cores between their thread pools."""
 
 from __future__ import annotations
 
@@ -147,6 +148,90 @@ def cached_interpreter_helpers() -> None:
     interpreter._get_np_dtype, core.validate_block_shape = cached_np_dtype, cached_numel
 
 
+def cached_block_types() -> None:
+    """The interpreter builds a block type (and a tensor's shape of constexprs from it) for nearly every op, a fifth
+    of an interpreted forward. A block type of one element type and shape is built once and answered from a dict
+    after, with its tensors' shape, as the interpreter's own values; a subclass's (Gluon's) is built as before."""
+    import math
+
+    from triton.language import core
+
+    block_type, tensor = core.block_type, core.tensor
+    build, base_init = block_type.__init__, core.base_value.__init__
+    made: dict[tuple, core.block_type] = {}
+
+    def key(element_ty, shape) -> tuple | None:
+        """The cache's key: the element type's kind, name and address space, and the shape's ints (None: not
+        plain ints)."""
+        if type(shape) not in (list, tuple):
+            return None
+        dims = tuple(s.value if isinstance(s, core.constexpr) else s for s in shape)
+        if not all(type(d) is int for d in dims):
+            return None
+        return type(element_ty), element_ty.name, getattr(element_ty, "address_space", None), dims
+
+    def new(cls, *args, **kwargs):
+        found = key(*args, **kwargs) if cls is block_type and not kwargs and len(args) == 2 else None
+        if found is None:
+            return object.__new__(cls)
+        typed = made.get(found)
+        if typed is None:
+            typed = object.__new__(cls)
+            build(typed, *args)
+            typed.__dict__["_made"] = True  # built: the __init__ Python calls next leaves it as it is
+            made[found] = typed
+        return typed
+
+    def init(self, *args, **kwargs):
+        if not self.__dict__.get("_made"):
+            build(self, *args, **kwargs)
+
+    def tensor_init(self, handle, type):
+        base_init(self)
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        shaped = type.__dict__.get("_tensor_shape")
+        if shaped is None:  # the shape and element count as constexprs, made once for each type
+            dims = type.shape if type.is_block() else ()
+            shaped = (core.constexpr(math.prod(dims)), core.tuple([core.constexpr(d) for d in dims]))
+            type.__dict__["_tensor_shape"] = shaped
+        self.shape, self.numel = shaped[1], shaped[0]
+
+    own_tensor_init = tensor.__init__
+    init.__wrapped__, tensor_init.__wrapped__ = build, own_tensor_init  # type: ignore[attr-defined]
+    block_type.__new__, block_type.__init__, tensor.__init__ = new, init, tensor_init
+    if not same_tensors(own_tensor_init, tensor_init):  # another Triton's tensor: keep its own __init__
+        tensor.__init__ = own_tensor_init
+
+
+def same_tensors(own_init, cached_init) -> bool:
+    """Whether tensors made by the two __init__s hold equal attributes, for a block type and a scalar one."""
+    import triton.language as tl
+    from triton.language import core
+
+    for typed in (tl.block_type(tl.float32, [4, 8]), tl.pointer_type(tl.int32)):
+        a, b = object.__new__(core.tensor), object.__new__(core.tensor)
+        own_init(a, None, typed)
+        cached_init(b, None, typed)
+        if vars(a).keys() != vars(b).keys() or repr(a.shape) != repr(b.shape) or repr(a.numel) != repr(b.numel):
+            return False
+        if a.type is not b.type or a.dtype != b.dtype:
+            return False
+    return True
+
+
+def no_overflow_checks_without_debug() -> None:
+    """The interpreter runs every int32 add, sub and mul again in int64 to check for overflow, then drops the check
+    unless its options ask for debug asserts (they never do): without debug it skips the repeat, as compiled code
+    does."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
 def machine_independent_dots() -> None:
     """The interpreter's tl.dot is NumPy's matmul, whose BLAS sums in an order it picks for the machine and the shape,
     so two tiles of one fp32 sum could differ on one machine and not on another (tests that compare tiles failed on
@@ -172,6 +257,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         patch_language_once_per_launch()
         machine_independent_dots()
         cached_interpreter_helpers()
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            cached_block_types()
+            no_overflow_checks_without_debug()
     trap = interpreter_trap(config.getoption("markexpr") or "", torch.cuda.is_available(), INTERPRET_GIVEN)
     if trap:
         raise pytest.UsageError(trap)

@@ -166,3 +166,80 @@ def test_the_interpreters_cached_helpers_answer_as_its_own() -> None:
                     core.validate_block_shape(bad)
     finally:
         interpreter._get_np_dtype, core.validate_block_shape = before
+
+
+def test_a_block_type_is_built_once_with_the_interpreters_values() -> None:
+    """A block type of one element type and shape (ints or constexprs, list or tuple) is one object, holding what the
+    interpreter's own __init__ gives it; other types or shapes are others, a refused shape is refused every time, and
+    a subclass is built as its own __init__ says."""
+    from triton.language import core
+
+    build = core.block_type.__init__.__wrapped__  # the setup replaced it: the interpreter runs cached
+    typed = tl.block_type(tl.float32, [4, 8])
+    assert typed is tl.block_type(tl.float32, (core.constexpr(4), 8)) is tl.block_type(tl.float32, [4, 8])
+    own = object.__new__(core.block_type)
+    build(own, tl.float32, [4, 8])
+    assert (typed.shape, typed.numel, typed.name, typed.element_ty) == (own.shape, own.numel, own.name, own.element_ty)
+    others = [
+        tl.block_type(tl.float16, [4, 8]),
+        tl.block_type(tl.float32, [8, 4]),
+        tl.block_type(tl.pointer_type(tl.float32), [4, 8]),
+        tl.block_type(tl.pointer_type(tl.float32, const=True), [4, 8]),
+        tl.block_type(tl.pointer_type(tl.float32, "shared"), [4, 8]),
+    ]
+    assert len({id(t) for t in [typed, *others]}) == 6
+    assert others[2] is tl.block_type(tl.pointer_type(tl.float32), [4, 8])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="power of 2"):
+            tl.block_type(tl.float32, [3, 4])
+
+    class Laid(core.block_type):
+        def __init__(self, element_ty, shape, layout):
+            super().__init__(element_ty, shape)
+            self.layout = layout
+
+    laid = Laid(tl.float32, [4, 8], "rows")
+    assert laid is not Laid(tl.float32, [4, 8], "rows") and (laid.shape, laid.layout) == (own.shape, "rows")
+
+
+def test_a_tensor_holds_the_interpreters_attributes_with_its_types_shape_made_once() -> None:
+    from triton.language import core
+
+    from tests.conftest import same_tensors
+
+    cached, own = core.tensor.__init__, core.tensor.__init__.__wrapped__
+    assert cached is not own and same_tensors(own, cached)
+    typed = tl.block_type(tl.int32, [2, 16])
+    a, b = core.tensor(None, typed), core.tensor(None, typed)
+    assert a.shape is b.shape and [s.value for s in a.shape] == [2, 16] and a.numel.value == 32 and a.dtype == tl.int32
+    scalar = core.tensor(None, tl.float32)
+    assert len(scalar.shape) == 0 and scalar.numel.value == 1 and scalar.type is tl.float32
+
+
+@triton.jit
+def _add_kernel(x_ptr, y_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets) + tl.load(y_ptr + offsets))
+
+
+def test_the_interpreter_skips_the_overflow_checks_it_drops_and_wraps_as_before() -> None:
+    """Without debug asserts the interpreter's overflow checks decide nothing: the setup turns them off, and an int32
+    sum that overflows wraps to the same values with them on."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    assert not builder.options.debug and not builder.options.sanitize_overflow
+    x = torch.tensor([2**31 - 1, -(2**31), 5, -7], dtype=torch.int32)
+    y = torch.tensor([1, -1, 9, 3], dtype=torch.int32)
+    outs = []
+    for sanitize in (False, True):
+        options, builder.options = builder.options, dataclasses.replace(builder.options, sanitize_overflow=sanitize)
+        try:
+            out = torch.empty_like(x)
+            _add_kernel[(1,)](x, y, out, N=4)
+            outs.append(out)
+        finally:
+            builder.options = options
+    assert torch.equal(outs[0], outs[1]) and outs[0].tolist() == [-(2**31), 2**31 - 1, 14, -4]
