@@ -152,15 +152,36 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def renamed_path(path: str, names: dict[str, str]) -> str | None:
+    """A chat field's path as the API it came from names it (`names`: chat field to that API's), or None. A name
+    without a dot stands for the whole field (its inner path is the chat's own: "messages.3" is just "input"); one
+    with dots, `*` standing for any index, for a part of a field whose inner path is the same in both."""
+    parts = path.split(".")
+    for key in sorted(names, key=lambda k: -k.count(".")):  # the most specific first
+        pattern = key.split(".")
+        if len(pattern) > len(parts) or not all(p in ("*", q) for p, q in zip(pattern, parts, strict=False)):
+            continue
+        if len(pattern) == 1:
+            return names[key]
+        indices = iter(q for p, q in zip(pattern, parts, strict=False) if p == "*")
+        head = ".".join(next(indices) if p == "*" else p for p in names[key].split("."))
+        return ".".join([head, *parts[len(pattern) :]])
+    return None
+
+
 def renamed(exc: ApiError, names: dict[str, str]) -> ApiError:
-    """An error of an equivalent chat request, naming the field of the API it came from (`names`: chat field to that
-    API's) where it names one of those chat fields; else the error as it is."""
-    head = (exc.param or "").split(".", 1)[0]
-    name = names.get(head)
-    if name is None:
+    """An error of an equivalent chat request, naming the fields of the API it came from (`names`, as
+    `renamed_path` reads them): its param, and the chat fields of one word its message speaks of."""
+    name = renamed_path(exc.param, names) if exc.param else None
+    message = exc.message
+    if name is not None and message.startswith(exc.param):
+        message = name + message[len(exc.param) :]
+    for chat, api in names.items():
+        if "." not in chat and "_" in chat:  # a field's own name, which no plain word spells
+            message = re.sub(rf"\b{chat}\b", api, message)
+    if name is None and message == exc.message:
         return exc
-    message = re.sub(rf"(^{re.escape(exc.param)}|\b{head}\b)", name, exc.message)
-    return ApiError(message, status=exc.status, type=exc.type, param=name, code=exc.code)
+    return ApiError(message, status=exc.status, type=exc.type, param=name or exc.param, code=exc.code)
 
 
 def not_supported(message: str) -> PydanticCustomError:

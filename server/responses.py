@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PlainValidator, field_validator, model_validator
+from pydantic import Field, PlainValidator, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.generation import StreamEnd
@@ -48,6 +48,8 @@ CHAT_FIELDS_AS_RESPONSES = {
     "max_tokens": "max_output_tokens",
     "reasoning_effort": "reasoning.effort",
     "response_format": "text.format",
+    "response_format.json_schema": "text.format",  # a Responses format is the chat's json_schema, flattened
+    "tools.*.function": "tools.*",  # and a tool the chat's function
 }
 
 
@@ -127,15 +129,25 @@ class FunctionCallItem(CalledFunction):
 
 
 class FunctionCallOutputItem(NullAsAbsentModel):
-    """What a called function returned."""
+    """What a called function returned: a text, or text parts (joined with newlines, as a message's are)."""
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: list[ContentPart]
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_as_one_part(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": "input_text", "text": value}]
+        if not isinstance(value, list):
+            raise PydanticCustomError("output_type", "must be a string or a list of text parts")
+        return value
 
     def add_to(self, messages: list[dict[str, Any]]) -> None:
         """Append the output as a chat tool message."""
-        messages.append({"role": "tool", "content": self.output, "tool_call_id": self.call_id})
+        text = "\n".join(part.text for part in self.output)
+        messages.append({"role": "tool", "content": text, "tool_call_id": self.call_id})
 
 
 class ReasoningPart(NullAsAbsentModel):
@@ -277,6 +289,13 @@ class ResponsesRequest(NullAsAbsentModel):
     top_k: int | None = None
     min_p: float | None = None
     priority: int | None = None  # vLLM's, as the chat takes it
+    # vLLM's further Responses fields, each the chat's own and checked there
+    cache_salt: Any = None
+    stop: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    ignore_eos: Any = None
+    structured_outputs: Any = None
     stream: bool = False
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
@@ -329,6 +348,16 @@ class ResponsesRequest(NullAsAbsentModel):
             raise PydanticCustomError("tool_choice", "must be 'none', 'auto', 'required' or a function to call")
         return value
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_given_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        """A named function among the tools, checked here so that an error quotes the choice as it was sent."""
+        offered = [tool.name for tool in info.data.get("tools") or []]
+        if isinstance(value, NamedFunction) and offered and value.name not in offered:
+            offered_names = ", ".join(map(repr, offered))
+            raise PydanticCustomError("tool_choice", f"names no offered tool; the tools are {offered_names}")
+        return value
+
     @field_validator("truncation", mode="before")
     @classmethod
     def _no_truncation(cls, value: Any) -> Any:
@@ -358,6 +387,12 @@ class ResponsesRequest(NullAsAbsentModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "priority": self.priority,
+            "cache_salt": self.cache_salt,
+            "stop": self.stop,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "ignore_eos": self.ignore_eos,
+            "structured_outputs": self.structured_outputs,
             "tools": [tool.for_chat() for tool in self.tools] if self.tools else None,
             "tool_choice": self.chat_tool_choice() if self.tools or self.tool_choice != "auto" else None,
             "parallel_tool_calls": self.parallel_tool_calls,
