@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PlainValidator, field_validator, model_validator
+from pydantic import Field, PlainValidator, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.generation import StreamEnd
@@ -46,6 +46,8 @@ CHAT_FIELDS_AS_MESSAGES = {
     "chat_template_kwargs": "thinking",
     "user": "metadata.user_id",
     "reasoning_effort": "output_config.effort",
+    "tools.*.function.parameters": "tools.*.input_schema",  # a Messages tool is the chat's function, flattened
+    "tools.*.function": "tools.*",
 }
 STOP_REASONS = {"tool_calls": "tool_use"}  # any other end: max_tokens, end_turn or stop_sequence
 # Claude Code's first system block: its client's version and a hash that changes with every request, which the model
@@ -292,6 +294,21 @@ class CountTokensRequest(NullAsAbsentModel):
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_given_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        """A choice other than none needs tools, and a named one names one of them (checked here, as the chat checks
+        its own, so that an error quotes the choice as it was sent)."""
+        if "tools" not in info.data:  # refused already
+            return value
+        offered = [tool.name for tool in info.data["tools"] or []]
+        if value is not None and value.type != "none" and not offered:
+            raise PydanticCustomError("conflict", "needs tools")
+        if value is not None and value.type == "tool" and value.name not in offered:
+            offered_names = ", ".join(map(repr, offered))
+            raise PydanticCustomError("tool_choice", f"names no offered tool; the tools are {offered_names}")
+        return value
+
     @field_validator("messages")
     @classmethod
     def _turns_merged(cls, value: list[MessageParam]) -> list[MessageParam]:
@@ -394,7 +411,7 @@ def _call_input(call: ToolCall) -> dict[str, Any]:
     closed (a forced call keeps what it wrote, which a stream's input_json_delta gives)."""
     try:
         arguments = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (yet), or nested deeper than Python reads
         return {}
     return arguments if isinstance(arguments, dict) else {}
 
