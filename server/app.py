@@ -814,8 +814,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/responses/{response_id}")
     @app.delete("/v1/responses/{response_id}")
     @app.post("/v1/responses/{response_id}/cancel")
+    @app.get("/v1/responses/{response_id}/input_items")
     async def stored_response(response_id: str):
-        """OpenAI's retrieve, delete and cancel of a stored response: nothing is stored here, so none is found."""
+        """OpenAI's retrieve, delete and cancel of a stored response, and the list of its input items: nothing is
+        stored here, so none is found."""
         raise ApiError(
             f"response_id: {response_id!r} is not stored; this server keeps no responses (store is false)",
             status=404,

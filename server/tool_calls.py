@@ -5,8 +5,9 @@ them; and the calls of a forced tool choice, whose content a grammar made JSON (
 Rules, the same for both paths (streamed pieces joined = the whole text parsed):
 - A block runs from `<tool_call>` to the first `</tool_call>` after it. It parses when its inner text is a call as
   the block reader reads it; it then becomes a ToolCall and leaves the content.
-- Hermes: the inner text, stripped, is a JSON object with a non-empty string "name" and "arguments" that is a JSON
-  object, a string holding a JSON object, or absent ({}).
+- Hermes: the inner text, stripped, is a JSON object with a non-empty string "name" and "arguments" (or, where it has
+  none, "parameters", as the forced calls' form and Llama's name them) that is a JSON object, a string holding a JSON
+  object, or absent ({}).
 - Qwen3-Coder: the inner text is one or more functions with only whitespace between them (and a `<tool_call>` left
   open before the next function, as a reply that leaves out a block's end tag writes it); each is `<function=NAME>`,
   then parameters `<parameter=KEY>VALUE</parameter>` with only whitespace between them, then `</function>` (or the
@@ -72,7 +73,7 @@ def hermes_call(inner: str) -> list[tuple[str, dict[str, Any]]] | None:
     obj = json.loads(inner.strip())
     if not isinstance(obj, dict) or not isinstance(name := obj.get("name"), str) or not name:
         return None
-    args = obj.get("arguments", {})
+    args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         args = json.loads(args)
     return [(name, args)] if isinstance(args, dict) else None

@@ -206,11 +206,12 @@ def test_a_stream_whose_client_leaves_before_its_first_byte_stops_the_engines_wo
 
 
 def test_a_stored_response_is_never_found(tokenizer):
-    """Nothing is stored: OpenAI's retrieve, delete and cancel of a response are 404s in OpenAI's error shape."""
+    """Nothing is stored: OpenAI's retrieve, delete and cancel of a response, and its input items, are 404s in
+    OpenAI's error shape."""
     http, _ = scripted(tokenizer, "x")
     made = http.post("/v1/responses", json={"input": "hi"}).json()
     assert made["store"] is False
-    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"), ("GET", "/input_items")):
         response = http.request(method, f"/v1/responses/{made['id']}{path}")
         assert response.status_code == 404 and response.json()["error"]["param"] == "response_id", response.text
         assert response.json()["error"]["code"] == "not_found"

@@ -34,6 +34,8 @@ CASES = [
     ("stray </tool_call> end" + EMPTY, "stray </tool_call> end", [("f", "{}")]),
     ('<tool_call>{"name": "g", "arguments": {"q": "</tool_"}}</tool_call>', "", [("g", '{"q": "</tool_"}')]),
     ('<tool_call>{"name": "g", "arguments": "{\\"n\\": 1}"}</tool_call>', "", [("g", '{"n": 1}')]),
+    ('<tool_call>{"name": "g", "parameters": {"n": 1}}</tool_call>', "", [("g", '{"n": 1}')]),  # Llama's name
+    ('<tool_call>{"name": "g", "arguments": {}, "parameters": {"n": 1}}</tool_call>', "", [("g", "{}")]),
     ('<tool_call>{"name": "h"}</tool_call>\n', "", [("h", "{}")]),
     ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', '<tool_call>{"name": 3, "arguments": {}}</tool_call>', []),
 ]
