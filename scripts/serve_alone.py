@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(exc)) from exc
     if refusal is not None:
         raise SystemExit(refusal)
-    if args.api_key is None:
-        args.api_key = env.api_key
+    args.api_key = tuple(args.api_key or ()) or ((env.api_key,) if env.api_key else None)  # --api-key's, else the env's
     listener = listen_socket(args.host, args.port)
     try:
         with collectives_skipped():

@@ -94,7 +94,7 @@ class ServerState:
     context: int
     vocab_size: int
     eos_ids: tuple[int, ...]
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key or several, any of which a request may give
     sampling_defaults: SamplingDefaults = NO_DEFAULTS  # what a request's unset sampling fields take
     http: HttpOptions = DEFAULT_HTTP  # the HTTP side's options from the serve flags (server/http_options.py)
     aliases: tuple[str, ...] = ()  # other names requests may give the model (answers carry `model_name`)
@@ -112,14 +112,16 @@ class RequireApiKey:
     `BaseHTTPMiddleware`, behind which a route never sees its client disconnect (so an abandoned request would run on
     to its last token)."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.key = app, key.encode()
+    def __init__(self, app: ASGIApp, keys: str | tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in ((keys,) if isinstance(keys, str) else keys)]
 
     def _allows(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        """Whether either header holds the key (each compared in constant time)."""
+        """Whether either header holds one of the keys (each compared in constant time)."""
         given = dict(headers)
-        bearer = hmac.compare_digest(given.get(b"authorization", b""), b"Bearer " + self.key)
-        return hmac.compare_digest(given.get(b"x-api-key", b""), self.key) or bearer
+        bearer, plain = given.get(b"authorization", b""), given.get(b"x-api-key", b"")
+        found = [hmac.compare_digest(bearer, b"Bearer " + key) | hmac.compare_digest(plain, key) for key in self.keys]
+        return any(found)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -263,7 +265,7 @@ def build_app(state: ServerState) -> FastAPI:
     if state.http.load_tracking:  # added first: inside the key's check, so a refused request is no load
         app.add_middleware(LoadCount, load=load)
     if state.api_key:
-        app.add_middleware(RequireApiKey, key=state.api_key)
+        app.add_middleware(RequireApiKey, keys=state.api_key)
     if state.http.request_id_headers:  # outside the key's check: a refusal carries the header too
         app.add_middleware(RequestIdHeader)
     add_cors(app, state.http)  # added last: outermost

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from model.shipped import SHIPPED_MODEL
 from server.http_options import add_http_flags, http_options
@@ -52,7 +52,7 @@ def _port(text: str) -> int:
 
 def _gib(text: str) -> float:
     value = _parsed(text, float, "a number of GiB")
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value) or value < 0 or not math.isfinite(value * 2**30):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
@@ -74,9 +74,44 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def _chat_template(value: str) -> str:
+def api_key_refusal(key: str) -> str | None:
+    """Why an API key cannot serve (None: it can): a key no HTTP header carries as given would refuse every client."""
+    if not key.strip():
+        return "must not be empty (an empty key would turn authentication off)"
+    if key != key.strip() or not all(" " <= char <= "~" for char in key):
+        return "must be printable ASCII without spaces at either end: an HTTP header cannot carry it as given"
+    return None
+
+
+def _api_key(text: str) -> str:
+    refusal = api_key_refusal(text)
+    if refusal is not None:
+        raise argparse.ArgumentTypeError(refusal)
+    return text
+
+
+def _seed(text: str) -> int:
+    value = _parsed(text, int, "a whole number")
+    if not -(2**63) <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**63), as the API's seed, got {value}")
+    return value
+
+
+class Spelled(argparse.Action):
+    """A flag of several spellings (this server's and vLLM's): each value stored, and the spelling that gave it kept
+    in `given_spellings` so that two spellings with different values can be refused naming both."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        spellings = namespace.__dict__.setdefault("given_spellings", {})
+        spellings.setdefault(self.dest, {})[option_string] = values
+        setattr(namespace, self.dest, values)
+
+
+def _chat_template(value: str) -> str | None:
     """--chat-template: a file's text, or the template itself where the value names no file; either must look like
-    a Jinja template (a tag or an expression)."""
+    a Jinja template (a tag or an expression). An empty value is none, as vLLM reads it: the checkpoint's."""
+    if not value:
+        return None
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a folder, not a template file")
@@ -132,14 +167,17 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--context",
         "--max-model-len",
         type=_positive_int,
+        action=Spelled,
         default=None,
-        help="tokens per request, prompt and output (default: the model's max_position_embeddings, "
-        "lowered with a log line only if one lane of it does not fit in memory)",
+        help="tokens per request, prompt and output (default: the model's max_position_embeddings, lowered with a "
+        "log line where it does not fit in memory: on the kernel path, until --max-lanes lanes of it fit in half the "
+        "free memory; else where one lane does not fit)",
     )
     parser.add_argument(
         "--max-lanes",
         "--max-num-seqs",
         type=_lanes,
+        action=Spelled,
         default=64,
         help="requests served at once, one lane each; more wait (default 64)",
     )
@@ -147,13 +185,18 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--prompt-budget",
         "--max-num-batched-tokens",
         type=_positive_int,
+        action=Spelled,
         default=1024,
         help="prompt tokens a round may fill, so live lanes keep decoding (default 1024)",
     )
     parser.add_argument(
         "--api-key",
+        nargs="+",
+        type=_api_key,
         default=None,
-        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $FLASHNEXT_API_KEY, else none)",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY', any of the keys given, as vLLM's (default: "
+        "$FLASHNEXT_API_KEY, else vLLM's $VLLM_API_KEY, else none)",
     )
     parser.add_argument(
         "--load-format",
@@ -218,6 +261,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         "-tp",
         type=int,
+        action=Spelled,
         choices=(1, 2),
         default=None,
         help="tensor parallel ranks; 2 starts both ranks itself (default: WORLD_SIZE under torchrun, else 1)",
@@ -284,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens to generate at most (default 16)")
     gen.add_argument("--temperature", type=_temperature, default=1.0, help="0 is greedy (default 1.0)")
-    gen.add_argument("--seed", type=int, help="sampling seed (default: a fresh random seed)")
+    gen.add_argument("--seed", type=_seed, help="sampling seed (default: a fresh random seed)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     return parser
 
@@ -302,27 +346,12 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     tokenizer = load_tokenizer(args.model, tokenizer_dir=args.tokenizer)
-    if args.prompt is not None:
-        if tokenizer is None:
-            print(f"--prompt: {args.model} has no tokenizer; pass --prompt-ids, or --tokenizer FOLDER", file=sys.stderr)
-            return 2
-        prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
-    else:
-        prompt_ids = args.prompt_ids
-    vocab = model.cfg.vocab_size
-    if not prompt_ids or max(prompt_ids) >= vocab:
-        print(f"--prompt-ids: ids must be in [0, {vocab}), got {prompt_ids}", file=sys.stderr)
+    prompt_ids = generate_prompt(args, tokenizer)
+    if isinstance(prompt_ids, str):  # refused at start already, where main runs it
+        print(prompt_ids, file=sys.stderr)
         return 2
-    positions = model.cfg.max_position_embeddings
-    if len(prompt_ids) + args.max_tokens > positions:
-        print(
-            f"--max-tokens: {args.max_tokens} after a prompt of {len(prompt_ids)} tokens exceeds the model's "
-            f"{positions} positions",
-            file=sys.stderr,
-        )
-        return 2
+    model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     params = GenerateParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -334,6 +363,28 @@ def run_generate(args: argparse.Namespace) -> int:
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
     print(json.dumps({"token_ids": tokens, "text": text}))
     return 0
+
+
+def generate_prompt(args: argparse.Namespace, tokenizer: Any | None) -> list[int] | str:
+    """`generate`'s prompt ids, or why they cannot be generated from (naming the flag)."""
+    if args.prompt is None:
+        return args.prompt_ids
+    if tokenizer is None:
+        return f"--prompt: {args.model} has no tokenizer; pass --prompt-ids, or --tokenizer FOLDER"
+    return tokenizer(args.prompt, add_special_tokens=False)["input_ids"] or "--prompt: gives no tokens"
+
+
+def generate_refusal(args: argparse.Namespace, tokenizer: Any | None, vocab: int, positions: int) -> str | None:
+    """Why `generate`'s prompt or --max-tokens cannot run on the model's config (None: they can)."""
+    prompt_ids = generate_prompt(args, tokenizer)
+    if isinstance(prompt_ids, str):
+        return prompt_ids
+    if max(prompt_ids) >= vocab:
+        return f"--prompt-ids: ids must be in [0, {vocab}), got {prompt_ids}"
+    if len(prompt_ids) + args.max_tokens > positions:
+        return (f"--max-tokens: {args.max_tokens} after a prompt of {len(prompt_ids)} tokens exceeds the model's "
+                f"{positions} positions")  # fmt: skip
+    return None
 
 
 def start_refusal(args: argparse.Namespace) -> str | None:
@@ -387,8 +438,8 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     if args.tokenizer is not None:
         check_vocab(tokenizer, cfg.vocab_size)
     eos_token_ids(args.model, tokenizer, cfg.eos_token_id)
-    if args.command != "serve":
-        return None
+    if args.command == "generate":
+        return generate_refusal(args, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
     if args.context is not None and args.context > cfg.max_position_embeddings:
         return f"--context: {args.context} exceeds the model's {cfg.max_position_embeddings} positions"
     from server.sampling_defaults import defaults_from_flags
@@ -396,10 +447,9 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     # a generation config out of the API's bounds raises ValueError naming the file or flag, and the key
     defaults_from_flags(args.model, args.generation_config, args.override_generation_config)
     http_options(args)  # a bad CORS list, root path or TLS file raises ValueError naming the flag
-    given = [("--api-key", args.api_key)] + [("--served-model-name", n) for n in args.served_model_name or ()]
-    for flag, value in given:
-        if value is not None and not value.strip():
-            return f"{flag}: must not be empty"
+    for name in args.served_model_name or ():
+        if not name.strip():
+            return "--served-model-name: must not be empty"
     if args.cuda_graphs == "on":
         from server.serve import resolve_graphs
 

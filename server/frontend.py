@@ -37,7 +37,7 @@ class FrontSettings:
     context: int
     vocab_size: int
     eos_ids: tuple[int, ...]
-    api_key: str | None
+    api_key: tuple[str, ...] | None
     chat_template: str | None  # --chat-template's text, in place of the checkpoint's
     tokenizer_path: Path | None  # --tokenizer's folder, in place of the checkpoint's
     cache_enabled: bool

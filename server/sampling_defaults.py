@@ -98,5 +98,5 @@ def read_sampling_defaults(
 
 def defaults_from_flags(model_dir: Path, generation_config: str, override_text: str | None) -> SamplingDefaults:
     """The defaults of `--generation-config` and `--override-generation-config` (its JSON text, or None)."""
-    overrides = parse_overrides(override_text) if override_text else None
+    overrides = parse_overrides(override_text) if override_text is not None else None
     return read_sampling_defaults(model_dir, generation_config, overrides)

@@ -383,8 +383,7 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
         env = read_environment(os.environ)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    if args.api_key is None:
-        args.api_key = env.api_key
+    args.api_key = tuple(args.api_key or ()) or ((env.api_key,) if env.api_key else None)  # --api-key's, else the env's
     ranks = rank_env(args.tp)
     refusal = peer_sums_refusal(env, ranks.world, args)
     if refusal is not None:

@@ -37,9 +37,14 @@ def _switch(text: str) -> bool:
     return text == "1"
 
 
+VLLM_API_KEY = "VLLM_API_KEY"  # vLLM's variable for the API key, read as vLLM reads it
+
+
 def _key(text: str) -> str:
     if not text.strip():
         raise ValueError("an empty key would turn authentication off; unset the variable for that")
+    if text != text.strip() or not all(" " <= char <= "~" for char in text):
+        raise ValueError("must be printable ASCII without spaces at either end: an HTTP header cannot carry it")
     return text
 
 
@@ -114,8 +119,9 @@ def check_fp_fusion(environ: Mapping[str, str]) -> None:
 
 
 def read_environment(environ: Mapping[str, str]) -> EnvSettings:
-    """Parse every FLASHNEXT_* variable; an unknown name or a malformed value is refused by name, as is a Triton
-    setting that turns off fused multiply-adds."""
+    """Parse every FLASHNEXT_* variable, and vLLM's VLLM_API_KEY (the API key where FLASHNEXT_API_KEY is unset, as
+    vLLM takes it); an unknown name or a malformed value is refused by name, as is a Triton setting that turns off
+    fused multiply-adds."""
     check_fp_fusion(environ)
     values: dict[str, object] = {}
     for name, text in environ.items():
@@ -128,8 +134,14 @@ def read_environment(environ: Mapping[str, str]) -> EnvSettings:
             values[name] = parse(text)
         except ValueError as exc:
             raise ValueError(f"{name}: malformed value {text!r} ({exc})") from exc
+    vllm_key = environ.get(VLLM_API_KEY)
+    if vllm_key is not None:
+        try:
+            vllm_key = _key(vllm_key)
+        except ValueError as exc:
+            raise ValueError(f"{VLLM_API_KEY}: malformed value ({exc})") from exc
     return EnvSettings(
-        api_key=values.get("FLASHNEXT_API_KEY"),
+        api_key=values.get("FLASHNEXT_API_KEY", vllm_key),
         link_port=values.get("FLASHNEXT_LINK_PORT"),
         tp_timeout_s=values.get("FLASHNEXT_TP_TIMEOUT_S", 60.0),
         round_digests=values.get("FLASHNEXT_ROUND_DIGESTS"),

@@ -147,12 +147,18 @@ def _speculative(text: str) -> tuple[str, int]:
     """(drafter, drafts) of a --speculative-config JSON object."""
     config = json_object("--speculative-config", text)
     method = config.get("method", "mtp")
-    if method not in SPECULATIVE_METHODS:
+    if not isinstance(method, str) or method not in SPECULATIVE_METHODS:
         raise ValueError(f"--speculative-config: method {method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
     taken = {"method", "num_speculative_tokens"} | (NGRAM_KEYS if method == "ngram" else set())
     unknown = sorted(set(config) - taken)
     if unknown:
         raise ValueError(f"--speculative-config: {unknown[0]!r} is not taken with method {method!r}")
+    lookup = [config.get(key) for key in ("prompt_lookup_min", "prompt_lookup_max")]
+    for key, value in zip(("prompt_lookup_min", "prompt_lookup_max"), lookup, strict=True):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"--speculative-config: {key} must be an integer >= 1, as vLLM's")
+    if None not in lookup and lookup[0] > lookup[1]:
+        raise ValueError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max, as vLLM's")
     # vLLM's MTP drafts as many tokens as the model has MTP layers unless told: one here
     drafts = config.get("num_speculative_tokens", 1 if SPECULATIVE_METHODS[method] == "mtp" else None)
     if isinstance(drafts, bool) or not isinstance(drafts, int) or not 1 <= drafts <= MAX_DRAFTS:
@@ -172,11 +178,16 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
         if args.model is not SHIPPED_MODEL:  # the positional's default object: MODEL was not given
             raise ValueError(f"--model: give the checkpoint once, as MODEL ({args.model}) or as --model")
         args.model = args.model_flag
-    if args.model is SHIPPED_MODEL and (folder := _checkpoint_among(args.served_model_name)):
-        raise ValueError(
-            f"--served-model-name: {folder!r} is a checkpoint folder, taken as a name (the names run to the next "
-            "flag): give MODEL before --served-model-name"
-        )
+    for flag, values in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key)):
+        if args.model is SHIPPED_MODEL and (folder := _checkpoint_among(values)):
+            raise ValueError(
+                f"{flag}: {folder!r} is a checkpoint folder, taken as a value (the values run to the next flag): "
+                f"give MODEL before {flag}"
+            )
+    for given in getattr(args, "given_spellings", {}).values():
+        if len(set(map(repr, given.values()))) > 1:  # one setting under two names, with two values
+            (first, a), (second, b) = list(given.items())[:2]
+            raise ValueError(f"{first} {a} and {second} {b}: one setting under two names; give one")
     for flag, size in (("--data-parallel-size", args.data_parallel_size), ("--pipeline-parallel-size",
                        args.pipeline_parallel_size)):  # fmt: skip
         if size != 1:

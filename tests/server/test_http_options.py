@@ -40,7 +40,7 @@ def options(*flags: str):
     return http_options(build_parser().parse_args(["serve", *flags]))
 
 
-def client(tokenizer, *flags: str, api_key: str | None = None) -> TestClient:
+def client(tokenizer, *flags: str, api_key: str | tuple[str, ...] | None = None) -> TestClient:
     engine = Healthy(tokenizer, "Blue.")
     state = ServerState(engine, tokenizer, "m", 4096, len(tokenizer), (0,), api_key, http=options(*flags))
     return TestClient(build_app(state))
@@ -114,6 +114,16 @@ def test_a_browsers_preflight_is_answered_before_the_key_and_a_refusal_carries_c
     assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
     refused = http.post("/v1/chat/completions", json={"messages": ASK}, headers={"Origin": "https://app.example"})
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_any_of_several_api_keys_is_taken_in_either_header(tokenizer):
+    """vLLM's --api-key KEY [KEY ...]: a request with any of the keys is served, as a bearer or as x-api-key."""
+    http = client(tokenizer, api_key=("first", "second"))
+    for key in ("first", "second"):
+        assert http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert http.get("/v1/models", headers={"x-api-key": key}).status_code == 200
+    for headers in ({"Authorization": "Bearer third"}, {"x-api-key": "firstsecond"}, {}):
+        assert http.get("/v1/models", headers=headers).status_code == 401
 
 
 def test_only_the_allowed_origins_are_answered_as_cors(tokenizer):
