@@ -204,8 +204,10 @@ def server_version() -> str:
         return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
 
 
-def truncated(prompt_ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (the same list where it is no longer)."""
+def truncated(prompt_ids: list[int], keep: int | None, context: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, -1 standing for the context's (the same list
+    where it is no longer)."""
+    keep = context if keep == -1 else keep
     return prompt_ids[-keep:] if keep is not None and len(prompt_ids) > keep else prompt_ids
 
 
@@ -513,7 +515,7 @@ def build_app(state: ServerState) -> FastAPI:
         """The rendered chat, its checked token ids and where each message ends (prompt cache boundaries)."""
         text = render_chat(body)
         prompt_ids = state.tokenizer(text, add_special_tokens=False)["input_ids"]
-        kept = truncated(prompt_ids, body.truncate_prompt_tokens)
+        kept = truncated(prompt_ids, body.truncate_prompt_tokens, state.context)
         check_prompt(kept, "messages")  # first: message_ends renders every prefix of the messages
         # a truncated prompt's message ends are not where the full render's are
         return text, kept, message_ends(body, kept) if state.engine.cache_enabled and kept is prompt_ids else ()
@@ -616,7 +618,7 @@ def build_app(state: ServerState) -> FastAPI:
                 prompt_ids = need_tokenizer(param)(prompt, add_special_tokens=False)["input_ids"]
             else:
                 prompt_ids = list(prompt)
-            kept = truncated(prompt_ids, body.truncate_prompt_tokens)
+            kept = truncated(prompt_ids, body.truncate_prompt_tokens, state.context)
             check_prompt(kept, param)
             prompts.append(kept)
             if not body.echo:

@@ -126,7 +126,7 @@ class Generation:
         self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
         # the think block's end, while the output is inside one (counted as reasoning tokens up to it)
         self.thinking_until = single_token_id(tokenizer, THINK_TAGS[1]) if thinking_open and tokenizer else None
-        self.unwatched = params.min_tokens  # tokens still to come before stop strings are looked for
+        self.unwatched = params.min_tokens  # tokens still to come before a stop string may end the output
         self.done = False
 
     def submit(self) -> None:
@@ -191,10 +191,7 @@ class Generation:
             texts = [*texts[:-1], texts[-1] + flushed] if texts else [flushed]
         emit, stop_reason = "", None
         for at, text in enumerate(texts):
-            if at < self.unwatched:  # min_tokens: this token's text is output as it is
-                emit += text
-                continue
-            delta, stopped = self.stops.feed(text)
+            delta, stopped = self.stops.feed(text, watch=at >= self.unwatched)  # no stop ends min_tokens' own text
             emit += delta
             if stopped:
                 if finish is None:  # the engine is still drawing for it

@@ -496,7 +496,8 @@ class _SamplingRequest(NullAsAbsentModel):
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep only the prompt's last that many tokens
+    # vLLM's: keep only the prompt's last that many tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
@@ -576,6 +577,13 @@ class _SamplingRequest(NullAsAbsentModel):
             raise PydanticCustomError(
                 "conflict", f"must equal max_tokens ({max_tokens}) when both are given; send only one"
             )
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _kept_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value != -1 and value < 1:
+            raise PydanticCustomError("truncate", "must be -1 (as many as the context holds) or >= 1")
         return value
 
     @field_validator("min_tokens")
@@ -873,9 +881,11 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _one_candidate(cls, value: int) -> int:
+    def _one_candidate(cls, value: int, info: ValidationInfo) -> int:
         if value > 1:
             raise not_supported("best_of above 1 is not supported yet")
+        if value < info.data.get("n", 1):  # vLLM's and OpenAI's rule: best_of candidates give the n choices
+            raise PydanticCustomError("conflict", "must be at least n")
         return value
 
 

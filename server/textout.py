@@ -95,13 +95,19 @@ class StopMatcher:
         """Whether there is any stop string to look for."""
         return bool(self._stops)
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, watch: bool = True) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was reached); the text ends where the first stop string found
-        starts, or with `include` where the first to end ends (of two that cut it at one place, the first listed)."""
+        starts, or with `include` where the first to end ends (of two that cut it at one place, the first listed).
+        Only a stop string that ends in the text of a watched feed counts (min_tokens' text is fed unwatched: held
+        back as any text that may begin one, so that a stop string it begins still cuts it, as vLLM's)."""
         if self.stopped:
             return "", True
-        text = self._held + text
-        hits = [(i, i + len(stop), stop) for stop in self._stops if (i := text.find(stop)) >= 0]
+        text, fresh = self._held + text, len(self._held)  # where this feed's text begins
+        hits = [
+            (i, i + len(stop), stop)
+            for stop in self._stops
+            if watch and (i := text.find(stop, max(0, fresh - len(stop) + 1))) >= 0
+        ]
         if hits:
             start, end, self.matched = min(hits, key=lambda hit: hit[1] if self._include else hit[0])
             self._held, self.stopped = "", True

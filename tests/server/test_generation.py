@@ -162,17 +162,20 @@ def test_an_eos_that_ends_the_request_is_among_the_ids_and_not_in_the_text(tok: 
 
 
 @pytest.mark.parametrize("grouping", ["one by one", "grouped"])
-def test_a_stop_string_is_looked_for_only_in_the_text_after_the_first_min_tokens_tokens(tok: Any, grouping) -> None:
-    """The first min_tokens tokens' text is output as it is; the stop string ends the output where it is found in
-    the text of the tokens after them (one whose text starts at the boundary counts), however they are grouped."""
+def test_a_stop_string_ends_the_output_only_where_it_ends_after_the_first_min_tokens_tokens(tok: Any, grouping) -> None:
+    """A stop string ends the output where it ends in the text of the tokens after the first min_tokens (one that
+    begins in their text counts, as vLLM's search reaches back over it), however the tokens are grouped; one that
+    ends inside their text does not."""
     ids = tok.encode("abc def abc xyz", add_special_tokens=False)
-    first = len(tok.encode("abc def", add_special_tokens=False))
-    for min_tokens, content in ((first, "abc def"), (first + 1, "abc def abc xyz")):
+    first = len(tok.encode("abc def", add_special_tokens=False))  # " abc" begins in the token after these
+    ends = next(j for j in range(len(ids)) if tok.decode(ids[: j + 1]).endswith("def abc"))  # and ends in this one
+    assert ends > first  # it spans tokens: min_tokens between them leaves its start unwatched
+    for min_tokens in range(first, ends + 2):
         params = SamplingParams(temperature=0.0, stop=(" abc",), min_tokens=min_tokens)
         updates = one_by_one(ids, "length") if grouping == "one by one" else grouped(ids, "length", random.Random(2))
         outcome, _ = run(tok, params, updates)
-        assert outcome.content == content
-        assert outcome.finish_reason == ("stop" if min_tokens == first else "length")
+        assert outcome.content == ("abc def" if min_tokens <= ends else "abc def abc xyz"), min_tokens
+        assert outcome.finish_reason == ("stop" if min_tokens <= ends else "length")
     unwatched, _ = run(tok, SamplingParams(temperature=0.0, stop=("abc",)), one_by_one(ids, "length"))
     assert unwatched.content == ""
 

@@ -660,8 +660,8 @@ def test_an_echo_of_the_prompt_alone_draws_one_token_for_its_prompt_pass() -> No
     [
         ({"skip_special_tokens": 0}, "skip_special_tokens", ("boolean",)),
         ({"include_reasoning": "no"}, "include_reasoning", ("boolean",)),
-        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ("greater than or equal to 1",)),
-        ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens", ("greater than or equal to 1",)),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ("must be -1", ">= 1")),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", ("must be -1", ">= 1")),
     ],
 )
 def test_vllms_output_switches_take_only_their_own_types(fields: dict[str, Any], param: str, words) -> None:
