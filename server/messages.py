@@ -25,6 +25,7 @@ from server.protocol import (
     NullAsAbsentModel,
     distinct_tool_names,
     not_supported,
+    offered_tool,
     renamed,
 )
 from server.tool_calls import ToolCall
@@ -304,9 +305,8 @@ class CountTokensRequest(NullAsAbsentModel):
         offered = [tool.name for tool in info.data["tools"] or []]
         if value is not None and value.type != "none" and not offered:
             raise PydanticCustomError("conflict", "needs tools")
-        if value is not None and value.type == "tool" and value.name not in offered:
-            offered_names = ", ".join(map(repr, offered))
-            raise PydanticCustomError("tool_choice", f"names no offered tool; the tools are {offered_names}")
+        if value is not None and value.type == "tool":
+            offered_tool(value.name, offered)
         return value
 
     @field_validator("messages")

@@ -184,6 +184,13 @@ def renamed(exc: ApiError, names: dict[str, str]) -> ApiError:
     return ApiError(message, status=exc.status, type=exc.type, param=name or exc.param, code=exc.code)
 
 
+def offered_tool(name: str | None, offered: list[str]) -> None:
+    """Refuse a tool choice that names no offered tool (a validation error listing the tools)."""
+    if name not in offered:
+        names = ", ".join(map(repr, offered))
+        raise PydanticCustomError("tool_choice", f"names no offered tool; the tools are {names}")
+
+
 def not_supported(message: str) -> PydanticCustomError:
     """A validation error for a feature the server refuses rather than silently ignores."""
     return PydanticCustomError("not_supported", message)
@@ -738,11 +745,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise PydanticCustomError("conflict", "needs tools")
         if named:
             function = value.get("function")
-            name = function.get("name") if isinstance(function, dict) else None
-            offered = [tool.function.name for tool in info.data["tools"]]
-            if name not in offered:
-                offered_names = ", ".join(map(repr, offered))
-                raise PydanticCustomError("tool_choice", f"names no offered tool; the tools are {offered_names}")
+            offered_tool(function.get("name") if isinstance(function, dict) else None,
+                         [tool.function.name for tool in info.data["tools"]])  # fmt: skip
         return value
 
     def forced_tool(self) -> str | None:

@@ -28,6 +28,7 @@ from server.protocol import (
     StrictModel,
     distinct_tool_names,
     not_supported,
+    offered_tool,
     refusing_unless_harmless,
     renamed,
     without_nulls,
@@ -353,9 +354,8 @@ class ResponsesRequest(NullAsAbsentModel):
     def _choice_of_given_tools(cls, value: Any, info: ValidationInfo) -> Any:
         """A named function among the tools, checked here so that an error quotes the choice as it was sent."""
         offered = [tool.name for tool in info.data.get("tools") or []]
-        if isinstance(value, NamedFunction) and offered and value.name not in offered:
-            offered_names = ", ".join(map(repr, offered))
-            raise PydanticCustomError("tool_choice", f"names no offered tool; the tools are {offered_names}")
+        if isinstance(value, NamedFunction) and offered:
+            offered_tool(value.name, offered)
         return value
 
     @field_validator("truncation", mode="before")
