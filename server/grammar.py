@@ -54,7 +54,17 @@ NONZERO_DIGITS = bits(b"123456789")
 HEX_DIGITS = bits(b"0123456789abcdefABCDEF")
 WHITESPACE = bits(b" \t\n\r")
 CONTINUATION = bits(range(0x80, 0xC0))
-LEADS = ((bits(range(0xC2, 0xE0)), 1), (bits(range(0xE0, 0xF0)), 2), (bits(range(0xF0, 0xF5)), 3))
+# a lead byte, the continuation bytes that may follow it at once (where narrower than CONTINUATION: no overlong form,
+# no surrogate, nothing past U+10FFFF) and how many continuation bytes follow in all
+LEADS = (
+    (bits(range(0xC2, 0xE0)), CONTINUATION, 1),
+    (bits([0xE0]), bits(range(0xA0, 0xC0)), 2),
+    (bits([*range(0xE1, 0xED), 0xEE, 0xEF]), CONTINUATION, 2),
+    (bits([0xED]), bits(range(0x80, 0xA0)), 2),
+    (bits([0xF0]), bits(range(0x90, 0xC0)), 3),
+    (bits(range(0xF1, 0xF4)), CONTINUATION, 3),
+    (bits([0xF4]), bits(range(0x80, 0x90)), 3),
+)
 STRING_ASCII = bits(byte for byte in range(0x20, 0x80) if byte not in b'"\\')  # unescaped in a JSON string
 SIMPLE_ESCAPES = bits(b'"\\/bfnrt')
 
@@ -167,22 +177,25 @@ class Network:
 
 
 def utf8_char(network: Network, start: int, end: int) -> None:
-    """Edges from `start` to `end` over any one non-ASCII UTF-8 character. Only the structure is checked (a lead byte
-    and its count of continuation bytes): overlong three- and four-byte forms and encoded surrogates pass."""
+    """Edges from `start` to `end` over any one non-ASCII character in well-formed UTF-8 (RFC 3629: no overlong form,
+    no encoded surrogate, nothing past U+10FFFF), its continuation bytes' nodes shared by every lead byte."""
     after = end
-    needing = []  # needing[n]: the node where n + 1 continuation bytes are still to come
+    needing = [end]  # needing[n]: the node where n continuation bytes are still to come
     for _ in range(3):
         before = network.node()
         network.move(before, CONTINUATION, after)
         needing.append(before)
         after = before
-    for mask, continuations in LEADS:
-        network.move(start, mask, needing[continuations - 1])
+    for lead, second, continuations in LEADS:
+        if second == CONTINUATION:
+            network.move(start, lead, needing[continuations])
+        else:  # the second byte narrowed: a node of its own, then the shared rest
+            network.move(network.move(start, lead), second, needing[continuations - 1])
 
 
 def wide_chars(network: Network, start: int, ranges: CodeRanges, end: int) -> None:
     """Edges from `start` to `end` over any one character of the non-ASCII code point ranges, in well-formed UTF-8
-    (`utf8_char` takes every non-ASCII character more loosely)."""
+    (`utf8_char` takes every non-ASCII character in fewer nodes)."""
     branches: dict[tuple[int, int], int] = {}
     last_moves: set[tuple[int, int]] = set()
     for low, high in ranges:

@@ -32,6 +32,9 @@ class RuleRef:
 EbnfNode = RegexNode | RuleRef
 
 
+LARK_RULE = re.compile(r"[?!]?[A-Za-z_][\w]*\s*:(?!:)")  # a Lark rule's head, which vLLM converts and this refuses
+
+
 class EbnfParser:
     """Parses a grammar's text into each rule's tree; anything outside the notation is a GrammarError naming the line
     and column where it stands."""
@@ -48,6 +51,9 @@ class EbnfParser:
         while self.position < len(self.text):
             position = self.position
             start = RULE_START.match(self.text, self.position)
+            if start is None and "::=" not in self.text and LARK_RULE.match(self.text, self.position):
+                raise self._error("a Lark grammar (`name: expression`) is not supported; write it in GBNF, "
+                                  "`name ::= expression`, with a `root` rule")  # fmt: skip
             if start is None:
                 raise self._error("expected a rule, written `name ::= expression`")
             if start.group(2) != "::=":

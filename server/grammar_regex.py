@@ -132,13 +132,16 @@ class Pattern:
 EVERY_WIDE = ((FIRST_WIDE, LAST_CODE),)
 ANY_BUT_NEWLINE = Chars(ASCII & ~(1 << ord("\n")), EVERY_WIDE)
 EVERY_CHAR = Chars(ASCII, EVERY_WIDE)
+WIDE_SPACES = ((0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
+               (0x3000, 0x3000), (0xFEFF, 0xFEFF))  # fmt: skip
 CLASS_ESCAPES = {
     "d": Chars(DIGITS),
     "w": Chars(bits(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")),
-    "s": Chars(bits(b" \t\n\r\f\v")),
+    # ECMA-262's white space and line terminators, as a JSON Schema pattern reads \s (and its \S refuses them)
+    "s": Chars(bits(b" \t\n\r\f\v"), WIDE_SPACES),
 }
 CLASS_ESCAPES |= {name.upper(): chars.negated() for name, chars in CLASS_ESCAPES.items()}
-CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r"}
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 
 
 def other_keys(names: Iterable[str]) -> Pattern:
@@ -148,8 +151,9 @@ def other_keys(names: Iterable[str]) -> Pattern:
 
 
 class RegexParser:
-    """Parses the regex subset guided decoding supports into a tree (\\d, \\w and \\s are ASCII only, as under
-    re.ASCII); anything else is refused with a GrammarError naming `where`."""
+    """Parses the regex subset guided decoding supports into a tree (\\d and \\w are ASCII only, as ECMA-262's and
+    re.ASCII's; \\s also takes ECMA-262's non-ASCII spaces); anything else is refused with a GrammarError naming
+    `where`."""
 
     def __init__(self, pattern: str, where: str) -> None:
         self.pattern = pattern
@@ -160,13 +164,13 @@ class RegexParser:
         self.excluded_whole = False  # the lookahead's option being parsed ended in '$'
 
     def parse(self) -> Pattern:
-        """The whole pattern, option by option; a leading '^' and a '$' where a match ends are dropped, as the match is
-        always whole; lookaheads at an option's start (negative ones as in pydantic's Decimal pattern, positive ones as
-        in a password's rules) guard that option, and those inside (condecimal's) are `Ahead` nodes."""
-        if self.pattern.startswith("^"):
-            self.position = 1
-        options = [self._guarded()]
-        while self._accept("|"):
+        """The whole pattern, option by option; a '^' opening an option and a '$' where a match ends are dropped, as
+        the match is always whole; lookaheads at an option's start (negative ones as in pydantic's Decimal pattern,
+        positive ones as in a password's rules) guard that option, and those inside (condecimal's) are `Ahead`
+        nodes."""
+        options = []
+        while not options or self._accept("|"):
+            self._accept("^")  # each top-level option may open with it: the match is whole anyway
             options.append(self._guarded())
         if self.position < len(self.pattern):
             raise self._error("unbalanced ')'")
@@ -373,6 +377,8 @@ class RegexParser:
         char = self._take()
         if char in CLASS_ESCAPES:
             return CLASS_ESCAPES[char]
+        if char == "0" and self.pattern[self.position : self.position + 1].isdigit():
+            raise self._error("'\\0' followed by a digit (an octal escape) is not supported")
         if char in CHAR_ESCAPES:
             return CHAR_ESCAPES[char]
         if char in "ux":
@@ -700,8 +706,8 @@ class RegexEmitter:
         return PatternProduct(self, option, least, most, where).emit(start)
 
     def _chars(self, start: int, chars: Chars) -> int:
-        """One character of the set: where it holds every non-ASCII character ('.', a negated class) those are
-        taken by their UTF-8 structure alone, as in a JSON string (`utf8_char`), else in well-formed UTF-8."""
+        """One character of the set, in well-formed UTF-8: where it holds every non-ASCII character ('.', a negated
+        class) in `utf8_char`'s few nodes, as in a JSON string."""
         network = self.network
         plain = chars.ascii & STRING_ASCII if self.in_json_string else chars.ascii
         end = network.node()

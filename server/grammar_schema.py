@@ -269,10 +269,14 @@ class SchemaCompiler(JsonBuilder):
         return definitions[name], pointer_to("", section, name)
 
     def _constants(self, start: int, schema: dict[str, Any], pointer: str) -> int:
-        """One of the values of `enum` or `const` (those of the declared type), written as json.dumps writes it."""
-        return self.network.literals(
-            start, [json.dumps(value).encode() for value in self._constant_values(schema, pointer)]
-        )
+        """One of the values of `enum` or `const` (those of the declared type), written as json.dumps writes it, its
+        non-ASCII characters escaped or, as xgrammar writes them, as they are."""
+        texts = {
+            json.dumps(value, ensure_ascii=ascii).encode()
+            for value in self._constant_values(schema, pointer)
+            for ascii in (True, False)
+        }
+        return self.network.literals(start, sorted(texts))
 
     def _constant_values(self, schema: dict[str, Any], pointer: str) -> list[Any]:
         """The values of `enum` or `const` of the declared type, each a JSON value; none is an error."""
@@ -688,8 +692,7 @@ class SchemaCompiler(JsonBuilder):
             )  # fmt: skip
         texts: dict[str, bytes] = {}  # each value's identity (1.0 is 1 to JSON Schema) -> its text
         for value in values:
-            same = int(value) if isinstance(value, float) and value.is_integer() else value
-            texts.setdefault(json.dumps(same, sort_keys=True), json.dumps(value).encode())
+            texts.setdefault(json_identity(value), json.dumps(value).encode())
         return list(texts.values())
 
     def _array_parts(self, schema: dict[str, Any], pointer: str) -> tuple[list[Any], str, Any, str]:
@@ -839,9 +842,26 @@ class SchemaCompiler(JsonBuilder):
         return count
 
 
+def _integral(value: Any) -> Any:
+    """A JSON value with every integral number an int, at any depth (1.0 is 1 to JSON Schema; true stays true)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    return value
+
+
+def json_identity(value: Any) -> str:
+    """A text two JSON values share exactly where JSON Schema holds them equal (true is not 1, 1.0 is 1 at any depth,
+    key order does not matter)."""
+    return json.dumps(_integral(value), sort_keys=True)
+
+
 def same_json(first: Any, second: Any) -> bool:
-    """Whether two JSON values are equal (true is not 1, key order does not matter)."""
-    return json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+    """Whether two JSON values are equal, as JSON Schema compares them."""
+    return json_identity(first) == json_identity(second)
 
 
 def is_json_type(value: Any, name: str) -> bool:
