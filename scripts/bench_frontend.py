@@ -300,7 +300,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
 async def run_clients(url: str, prompts: list[list[int]], args: argparse.Namespace) -> list[Stream]:
     """All streams at once from one event loop."""
     streams = [Stream() for _ in prompts]
-    headers = {"Authorization": f"Bearer {args.serve.api_key}"} if args.serve.api_key else {}
+    headers = {"Authorization": f"Bearer {args.serve.api_key[0]}"} if args.serve.api_key else {}  # the first key
     limits = httpx.Limits(max_connections=len(prompts))
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers, trust_env=False) as client:
         bodies = [

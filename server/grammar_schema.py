@@ -3,6 +3,7 @@ honours, laid into a grammar's network; a keyword it cannot honour is refused na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -271,11 +272,7 @@ class SchemaCompiler(JsonBuilder):
     def _constants(self, start: int, schema: dict[str, Any], pointer: str) -> int:
         """One of the values of `enum` or `const` (those of the declared type), written as json.dumps writes it, its
         non-ASCII characters escaped or, as xgrammar writes them, as they are."""
-        texts = {
-            json.dumps(value, ensure_ascii=ascii).encode()
-            for value in self._constant_values(schema, pointer)
-            for ascii in (True, False)
-        }
+        texts = {text for value in self._constant_values(schema, pointer) for text in spellings(value)}
         return self.network.literals(start, sorted(texts))
 
     def _constant_values(self, schema: dict[str, Any], pointer: str) -> list[Any]:
@@ -669,15 +666,15 @@ class SchemaCompiler(JsonBuilder):
             where = pointer_to(pointer, "minItems")
             raise GrammarError("'minItems' is above the number of distinct values the items may take", where)
         calls = []
-        for text in texts:
+        for written in texts:  # one value's spellings
             entry, exit_node = self.network.routine()
-            self.network.epsilon(self.network.literal(entry, text), exit_node)
+            self.network.epsilon(self.network.literals(entry, written), exit_node)
             calls.append(partial(self.network.call, entry=entry))
         return self._distinct(start, b"[]", calls, least, most)
 
-    def _listed_values(self, items: Any, pointer: str, where: str) -> list[bytes]:
-        """The texts of the few values an item may be (an enum, a const, a boolean or null, through $refs), each
-        once; anything else is refused naming `where`."""
+    def _listed_values(self, items: Any, pointer: str, where: str) -> list[list[bytes]]:
+        """The spellings of each of the few values an item may be (an enum, a const, a boolean or null, through
+        $refs), each value once; anything else is refused naming `where`."""
         items, pointer = self._resolved(items, pointer)
         values = None
         if isinstance(items, dict) and ("enum" in items or "const" in items):
@@ -690,9 +687,9 @@ class SchemaCompiler(JsonBuilder):
                 f"'uniqueItems' is supported only for items of 1 to {MAX_UNIQUE_VALUES} listed values (an enum, a "
                 "const, a boolean or null)", where
             )  # fmt: skip
-        texts: dict[str, bytes] = {}  # each value's identity (1.0 is 1 to JSON Schema) -> its text
+        texts: dict[str, list[bytes]] = {}  # each value's identity (1.0 is 1 to JSON Schema) -> its spellings
         for value in values:
-            texts.setdefault(json_identity(value), json.dumps(value).encode())
+            texts.setdefault(json_identity(value), spellings(value))
         return list(texts.values())
 
     def _array_parts(self, schema: dict[str, Any], pointer: str) -> tuple[list[Any], str, Any, str]:
@@ -840,6 +837,17 @@ class SchemaCompiler(JsonBuilder):
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= limit:
             raise GrammarError(f"'{key}' must be a whole number from 0 to {limit}", pointer_to(pointer, key))
         return count
+
+
+def spellings(value: Any) -> list[bytes]:
+    """A constant's texts: as json.dumps writes it, and with its non-ASCII characters as they are (as xgrammar writes
+    them), where that is another text (a lone surrogate is written escaped only)."""
+    texts = [json.dumps(value).encode()]
+    with contextlib.suppress(UnicodeEncodeError):
+        raw = json.dumps(value, ensure_ascii=False).encode()
+        if raw != texts[0]:
+            texts.append(raw)
+    return texts
 
 
 def _integral(value: Any) -> Any:

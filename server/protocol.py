@@ -176,9 +176,11 @@ def renamed(exc: ApiError, names: dict[str, str]) -> ApiError:
     message = exc.message
     if name is not None and message.startswith(exc.param):
         message = name + message[len(exc.param) :]
+    head, got, quoted = message.partition(" (got ")  # the value as sent is quoted as it was
     for chat, api in names.items():
-        if "." not in chat and "_" in chat:  # a field's own name, which no plain word spells
-            message = re.sub(rf"\b{chat}\b", api, message)
+        if "." not in chat and "_" in chat:  # a field's own name, which no plain word spells, not a pointer's or quoted
+            head = re.sub(rf"(?<![/\w'\"]){chat}(?![/\w'\"])", api, head)
+    message = head + got + quoted
     if name is None and message == exc.message:
         return exc
     return ApiError(message, status=exc.status, type=exc.type, param=name or exc.param, code=exc.code)

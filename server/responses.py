@@ -353,8 +353,12 @@ class ResponsesRequest(NullAsAbsentModel):
     @classmethod
     def _choice_of_given_tools(cls, value: Any, info: ValidationInfo) -> Any:
         """A named function among the tools, checked here so that an error quotes the choice as it was sent."""
-        offered = [tool.name for tool in info.data.get("tools") or []]
-        if isinstance(value, NamedFunction) and offered:
+        if "tools" not in info.data:  # refused already
+            return value
+        offered = [tool.name for tool in info.data["tools"] or []]
+        if isinstance(value, NamedFunction) and not offered:
+            raise PydanticCustomError("conflict", "needs tools")
+        if isinstance(value, NamedFunction):
             offered_tool(value.name, offered)
         return value
 

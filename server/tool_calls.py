@@ -140,18 +140,18 @@ def _value_end(body: str, start: int) -> tuple[int, int]:
     at = start
     while True:
         close = body.find(PARAMETER_END, at)
-        next_line = body.find("\n" + PARAMETER, at)
-        if close >= 0 and (next_line < 0 or close < next_line):
+        next_line, function_end = body.find("\n" + PARAMETER, at), body.find(FUNCTION_END, at)
+        cut = min((p for p in (next_line + 1 if next_line >= 0 else -1, function_end) if p >= 0), default=-1)
+        if close >= 0 and (cut < 0 or close < cut):
             after = close + len(PARAMETER_END)
             rest = body[after:].lstrip()
             if not rest or rest.startswith((PARAMETER, FUNCTION_END)):
                 return close, after
             at = after
-        elif next_line >= 0:
-            return next_line + 1, next_line + 1
+        elif cut >= 0:  # the end tag left out: the value stops before the next parameter or the function's end
+            return cut, cut
         else:
-            end = body.find(FUNCTION_END, at)
-            return (end, end) if end >= 0 else (len(body), len(body))
+            return len(body), len(body)
 
 
 def _between_functions(body: str, pos: int) -> int:

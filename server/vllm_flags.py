@@ -174,19 +174,21 @@ def _checkpoint_among(names: list[str] | None) -> str | None:
 def apply_vllm_flags(args: argparse.Namespace) -> None:
     """Turn the vLLM flags given into this server's settings (and fill --drafts and --drafter); ValueError names
     both flags where they contradict each other."""
-    if args.model_flag is not None:
-        if args.model is not SHIPPED_MODEL:  # the positional's default object: MODEL was not given
-            raise ValueError(f"--model: give the checkpoint once, as MODEL ({args.model}) or as --model")
-        args.model = args.model_flag
     for flag, values in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key)):
-        if args.model is SHIPPED_MODEL and (folder := _checkpoint_among(values)):
+        if args.model is SHIPPED_MODEL and (folder := _checkpoint_among(values)):  # MODEL was not given
             raise ValueError(
                 f"{flag}: {folder!r} is a checkpoint folder, taken as a value (the values run to the next flag): "
                 f"give MODEL before {flag}"
             )
+    if args.model_flag is not None:
+        if args.model is not SHIPPED_MODEL:  # the positional's default object: MODEL was not given
+            raise ValueError(f"--model: give the checkpoint once, as MODEL ({args.model}) or as --model")
+        args.model = args.model_flag
     for given in getattr(args, "given_spellings", {}).values():
-        if len(set(map(repr, given.values()))) > 1:  # one setting under two names, with two values
-            (first, a), (second, b) = list(given.items())[:2]
+        (first, a), *others = given.items()
+        differing = [(flag, value) for flag, value in others if repr(value) != repr(a)]
+        if differing:  # one setting under two names, with two values
+            second, b = differing[0]
             raise ValueError(f"{first} {a} and {second} {b}: one setting under two names; give one")
     for flag, size in (("--data-parallel-size", args.data_parallel_size), ("--pipeline-parallel-size",
                        args.pipeline_parallel_size)):  # fmt: skip
