@@ -311,7 +311,7 @@ class RegexParser:
         if char == ".":
             return ANY_BUT_NEWLINE
         if char in "^$":
-            raise self._error("'^' is only accepted at the start, and '$' where a match ends")
+            raise self._error("'^' is only accepted where a top-level option begins, and '$' where a match ends")
         if char == "\\":
             return self._char(self._escape())
         if 0xD800 <= ord(char) <= 0xDFFF:

@@ -88,10 +88,12 @@ def test_control_character_escapes_are_taken(pattern, text):
 
 @pytest.mark.parametrize("pattern", [r"^yes$|^no$", r"^(?:yes)$|^no"])
 def test_a_caret_opening_each_top_level_option_is_taken(pattern):
-    """re.fullmatch takes '^yes$|^no$'; xgrammar ignores a '^' past the start. Refused now: "'^' is only accepted at the
-    start" (RegexParser drops only a '^' at the pattern's very start)."""
+    """re.fullmatch takes '^yes$|^no$', and xgrammar ignores a '^' past the start: a '^' opening each top-level
+    option is taken; one inside an option is refused, saying where it may stand."""
     grammar = regex_grammar(pattern)
     assert matches(grammar, "yes") and matches(grammar, "no") and not matches(grammar, "yesno")
+    with pytest.raises(GrammarError, match="where a top-level option begins"):
+        regex_grammar("a^b")
 
 
 def test_unique_items_treats_nested_equal_numbers_as_equal():
