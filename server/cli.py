@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from model.shipped import SHIPPED_MODEL
-from server.http_options import add_http_flags, http_options
+from server.http_options import add_http_flags, api_key_refusal, http_options
 from server.vllm_flags import ServeParser, add_vllm_flags
 
 FRONTENDS = ("process", "thread")  # where the HTTP front end runs (server/frontend.py)
@@ -72,15 +72,6 @@ def _token_ids(text: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
     return ids
-
-
-def api_key_refusal(key: str) -> str | None:
-    """Why an API key cannot serve (None: it can): a key no HTTP header carries as given would refuse every client."""
-    if not key.strip():
-        return "must not be empty (an empty key would turn authentication off)"
-    if key != key.strip() or not all(" " <= char <= "~" for char in key):
-        return "must be printable ASCII without spaces at either end: an HTTP header cannot carry it as given"
-    return None
 
 
 def _api_key(text: str) -> str:

@@ -56,6 +56,15 @@ class HttpOptions:
 DEFAULT_HTTP = HttpOptions()  # the flags' defaults
 
 
+def api_key_refusal(key: str) -> str | None:
+    """Why an API key cannot serve (None: it can): a key no HTTP header carries as given would refuse every client."""
+    if not key.strip():
+        return "must not be empty (an empty key would turn authentication off)"
+    if key != key.strip() or not all(" " <= char <= "~" for char in key):
+        return "must be printable ASCII without spaces at either end: an HTTP header cannot carry it as given"
+    return None
+
+
 def add_http_flags(parser: argparse.ArgumentParser) -> None:
     """The HTTP server's flags, in a group of their own in --help."""
     group = parser.add_argument_group("HTTP server", "as vLLM's flags of the same names")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kernels import FORCE_NO_FP_FUSION_ENV, FP_FUSION_ENV
 from model.side_stream import SITES, parse_sites
+from server.http_options import api_key_refusal
 
 TRITON_TRUE = ("1", "true", "on", "yes", "y")  # how Triton reads a true boolean variable: these, in any case
 
@@ -41,10 +42,9 @@ VLLM_API_KEY = "VLLM_API_KEY"  # vLLM's variable for the API key, read as vLLM r
 
 
 def _key(text: str) -> str:
-    if not text.strip():
-        raise ValueError("an empty key would turn authentication off; unset the variable for that")
-    if text != text.strip() or not all(" " <= char <= "~" for char in text):
-        raise ValueError("must be printable ASCII without spaces at either end: an HTTP header cannot carry it")
+    refusal = api_key_refusal(text)
+    if refusal is not None:
+        raise ValueError(refusal)
     return text
 
 
