@@ -69,7 +69,7 @@ from server.responses import (
 )
 from server.textout import prompt_opens_thinking
 from server.tokenizer import single_token_id, template_reads
-from server.tool_calls import ForcedCalls, ToolCallCut, coder_calls, hermes_call, tool_call_parser
+from server.tool_calls import CODER_OPENING, ForcedCalls, ToolCallCut, coder_calls, hermes_call, tool_call_parser
 
 PUBLIC_PATHS = ("/health", "/ping", "/load", "/metrics", "/version")
 # the routes whose requests /load counts (vLLM's: those that generate)
@@ -413,6 +413,8 @@ def build_app(state: ServerState) -> FastAPI:
         bad_words = checked_bad_words(params)
         asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
         generations: list[Generation] = []
+        # a coder call opened inside a think block ends it, where the answer's calls are read in that form
+        coder = calls_as == "qwen3_coder" and isinstance(body, ChatCompletionRequest) and body.parses_tool_calls()
         for prompt_ids in prompts:
             limit = output_limit(params.max_tokens, state.context - len(prompt_ids))
             if params.min_tokens > limit:
@@ -433,6 +435,7 @@ def build_app(state: ServerState) -> FastAPI:
                     keep_at,
                     choice,
                     bad_words,
+                    call_opening=CODER_OPENING if coder else None,
                 )
                 for choice in range(body.n)
             ]

@@ -75,10 +75,12 @@ class Generation:
         keep_at: tuple[int, ...] = (),
         choice: int = 0,
         bad_words: BadWords = (),
+        call_opening: tuple[str, str] | None = None,
     ) -> None:
         """`choice`: which of a request's choices this is; choice i draws with the request's seed + i (wrapped to
         the signed 64-bit range), or a fresh seed where the request has none. `bad_words`: the token sequences of
-        the request's bad words."""
+        the request's bad words. `call_opening`: (block tag, body opening) of a tool call that ends a think block
+        left open (`ReasoningSplitter`'s `call`)."""
         self.engine, self.prompt_ids = engine, prompt_ids
         self.request_id = uuid.uuid4().hex
         self.seed = fresh_seed() if params.seed is None else (params.seed + choice + 2**63) % 2**64 - 2**63
@@ -123,9 +125,11 @@ class Generation:
         self.speak_stop_token = params.include_stop_str_in_output
         # the request's own stop tokens, reported as its stop_reason; an EOS it also lists stays EOS (null), as vLLM's
         self.stop_token_ids = frozenset(params.stop_token_ids) - (frozenset() if params.ignore_eos else set(eos_ids))
-        self.splitter = ReasoningSplitter(thinking_open) if thinking_open is not None else None
-        # the think block's end, while the output is inside one (counted as reasoning tokens up to it)
+        self.splitter = ReasoningSplitter(thinking_open, call=call_opening) if thinking_open is not None else None
+        # the think block's end, while the output is inside one (counted as reasoning tokens up to it), and the tool
+        # call's tag that ends it before its body (not counted; its body is not looked at here)
         self.thinking_until = single_token_id(tokenizer, THINK_TAGS[1]) if thinking_open and tokenizer else None
+        self.call_tag = single_token_id(tokenizer, call_opening[0]) if call_opening and tokenizer else None
         self.unwatched = params.min_tokens  # tokens still to come before a stop string may end the output
         self.done = False
 
@@ -166,14 +170,15 @@ class Generation:
         return outcome
 
     def _reasoning_tokens(self, tokens: list[int]) -> int:
-        """How many of a piece's tokens are the think block's (its end tag included); the block ends with them
-        where the end tag is among them."""
+        """How many of a piece's tokens are the think block's (its end tag included, a call's tag that ends it not);
+        the block ends with them where either is among them."""
         if self.thinking_until is None:
             return 0
-        if self.thinking_until not in tokens:
-            return len(tokens)
-        count, self.thinking_until = tokens.index(self.thinking_until) + 1, None
-        return count
+        for at, token in enumerate(tokens):
+            if token in (self.thinking_until, self.call_tag):
+                self.thinking_until = None
+                return at + (token != self.call_tag)
+        return len(tokens)
 
     def _piece(self, update: Update) -> Piece:
         """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the

@@ -317,11 +317,16 @@ class AssistantToolCall(StrictModel):
         return {"type": self.type, "function": function} | ({} if self.id is None else {"id": self.id})
 
 
+# the content parts read as text, as vLLM reads them (the Responses API's spellings and a replayed refusal too), and
+# the key of each that holds its text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class ChatMessage(StrictModel):
     """One chat turn; a list of text parts is joined into one string with newlines."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str = Field(None, validate_default=True)  # an assistant's may be left out (as null: its calls alone)
     name: str | None = None
     # an earlier answer's reasoning, as the responses give it (either spelling), for templates that render it
     reasoning_content: str | None = None
@@ -356,20 +361,24 @@ class ChatMessage(StrictModel):
     @field_validator("content", mode="before")
     @classmethod
     def _join_text_parts(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is None and info.data.get("role") == "assistant":
-            return ""
+        if value is None:
+            role = info.data.get("role")
+            if role == "assistant":
+                return ""
+            raise PydanticCustomError("missing", f"required: a {role!r} message needs its content")
         if not isinstance(value, list):
             return value
         texts = []
         for index, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
+            if kind not in TEXT_PARTS:
                 raise PydanticCustomError(
-                    "content_part", f"part {index} has type {kind!r}; only 'text' content parts are supported"
+                    "content_part",
+                    f"part {index} has type {kind!r}; only text content parts ({', '.join(TEXT_PARTS)}) are supported",
                 )
-            if not isinstance(part.get("text"), str):
-                raise PydanticCustomError("content_part", f"text part {index} needs a string 'text'")
-            texts.append(part["text"])
+            if not isinstance(part.get(TEXT_PARTS[kind]), str):
+                raise PydanticCustomError("content_part", f"{kind} part {index} needs a string {TEXT_PARTS[kind]!r}")
+            texts.append(part[TEXT_PARTS[kind]])
         return "\n".join(texts)
 
 

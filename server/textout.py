@@ -126,6 +126,7 @@ class _Phase(enum.Enum):
     """Where a ReasoningSplitter is in the generated text."""
 
     BEFORE = enum.auto()  # nothing but whitespace yet: a start tag may still open a think block
+    OPENED = enum.auto()  # the prompt opened the block, and nothing but whitespace came yet: a start tag is dropped
     REASONING = enum.auto()
     CONTENT = enum.auto()
 
@@ -133,12 +134,16 @@ class _Phase(enum.Enum):
 class ReasoningSplitter:
     """Split generated text into reasoning (inside a Qwen-style think block) and content (after it)."""
 
-    __slots__ = ("_end", "_held", "_phase", "_start", "_strip")
+    __slots__ = ("_call", "_end", "_held", "_phase", "_start", "_strip")
 
-    def __init__(self, thinking_open: bool, start: str = "<think>", end: str = "</think>") -> None:
-        """`thinking_open`: the rendered prompt ends inside a think block."""
-        self._start, self._end = start, end
-        self._phase = _Phase.REASONING if thinking_open else _Phase.BEFORE
+    def __init__(
+        self, thinking_open: bool, start: str = "<think>", end: str = "</think>", call: tuple[str, str] | None = None
+    ) -> None:
+        """`thinking_open`: the rendered prompt ends inside a think block (a start tag the model writes again is
+        dropped). `call`: (block tag, its body's opening), e.g. ("<tool_call>", "<function"): such a block begins the
+        content where a think block is left open, as vLLM's qwen3 reasoning parser takes it."""
+        self._start, self._end, self._call = start, end, call
+        self._phase = _Phase.OPENED if thinking_open else _Phase.BEFORE
         self._held = ""
         self._strip = 0  # newlines still to drop right after a tag
 
@@ -154,7 +159,7 @@ class ReasoningSplitter:
                     self._held = text
                     break
                 text, self._strip = text[min(newlines, self._strip) :], 0
-            elif self._phase is _Phase.BEFORE:
+            elif self._phase in (_Phase.BEFORE, _Phase.OPENED):
                 body = text.lstrip()
                 if body.startswith(self._start):
                     text, self._phase, self._strip = body[len(self._start) :], _Phase.REASONING, 1
@@ -162,14 +167,21 @@ class ReasoningSplitter:
                     self._held = text
                     break
                 else:
-                    self._phase = _Phase.CONTENT
+                    self._phase = _Phase.REASONING if self._phase is _Phase.OPENED else _Phase.CONTENT
             elif self._phase is _Phase.REASONING:
                 at = text.find(self._end)
-                if at >= 0:
+                call, undecided = self._call_at(text)
+                if call >= 0 and (at < 0 or call < at):  # the call stays in the content, tag and all
+                    reasoning.append(text[:call])
+                    if undecided:
+                        self._held = text[call:]
+                        break
+                    text, self._phase = text[call:], _Phase.CONTENT
+                elif at >= 0:
                     reasoning.append(text[:at])
                     text, self._phase, self._strip = text[at + len(self._end) :], _Phase.CONTENT, 2
                 else:
-                    cut = len(text) - partial_len(text, (self._end,))
+                    cut = len(text) - partial_len(text, (self._end, self._call[0]) if self._call else (self._end,))
                     reasoning.append(text[:cut])
                     self._held = text[cut:]
                     break
@@ -178,12 +190,26 @@ class ReasoningSplitter:
                 break
         return "".join(reasoning), "".join(content)
 
+    def _call_at(self, text: str) -> tuple[int, bool]:
+        """Where in reasoning text a call block opens (-1: nowhere), and whether what follows its tag may still turn
+        out not to be a call's body (to be held back)."""
+        if self._call is None:
+            return -1, False
+        tag, body = self._call
+        at = text.find(tag)
+        while at >= 0:
+            rest = text[at + len(tag) :].lstrip()
+            if rest.startswith(body) or body.startswith(rest):
+                return at, not rest.startswith(body)
+            at = text.find(tag, at + 1)
+        return -1, False
+
     def flush(self) -> tuple[str, str]:
         """The held-back text as (reasoning, content), for when the generation ends; held newlines are dropped."""
         held, self._held = self._held, ""
         if self._strip:
             return "", ""
-        return (held, "") if self._phase is _Phase.REASONING else ("", held)
+        return (held, "") if self._phase in (_Phase.REASONING, _Phase.OPENED) else ("", held)
 
 
 def prompt_opens_thinking(prompt_text: str, start: str = "<think>", end: str = "</think>") -> bool:

@@ -80,6 +80,7 @@ def hermes_call(inner: str) -> list[tuple[str, dict[str, Any]]] | None:
 
 
 FUNCTION, FUNCTION_END = "<function=", "</function>"
+CODER_OPENING = (START, FUNCTION)  # how a Qwen3-Coder call's block opens
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 INTEGER = re.compile(r"[+-]?\d+")
 NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")  # one way to match each text: linear time

@@ -312,6 +312,26 @@ def test_flush_returns_held_partial_tags() -> None:
     assert closed.flush() == ("", " <thi")
 
 
+CODER = ("<tool_call>", "<function=")
+
+
+def test_a_coder_call_ends_an_open_think_block_split_anywhere() -> None:
+    """With `call`, a call block opened in reasoning begins the content, tag and all, fed whole or a character at a
+    time; a call tag not followed by a function stays reasoning, as does a call tag without `call`."""
+    text = "Check it <tool_call> no.\n<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    want = ("Check it <tool_call> no.\n", "<tool_call>\n<function=f>\n</function>\n</tool_call>")
+    assert split_all(ReasoningSplitter(True, call=CODER), [text]) == want
+    assert split_all(ReasoningSplitter(True, call=CODER), list(text)) == want
+    assert split_all(ReasoningSplitter(True), list(text)) == (text, "")
+    assert split_all(ReasoningSplitter(True, call=CODER), ["a <tool_call>\n", "<func"]) == ("a <tool_call>\n<func", "")
+
+
+def test_a_start_tag_written_inside_an_opened_block_is_dropped() -> None:
+    """The prompt opened the block and the answer opens it again: the second tag is not reasoning text."""
+    assert split_all(ReasoningSplitter(True), list("\n<think>\nwhy</think>\n\nok")) == ("why", "ok")
+    assert split_all(ReasoningSplitter(True), ["\n", "why <think>", "</think>ok"]) == ("\nwhy <think>", "ok")
+
+
 def test_custom_tags() -> None:
     """Other tag strings work the same way."""
     assert split_all(ReasoningSplitter(False, "[R]", "[/R]"), ["[R", "]why[/", "R]\nok"]) == ("why", "ok")
