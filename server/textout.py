@@ -9,6 +9,7 @@ from typing import Any
 # Prompt tokens decoded ahead of the first generated ones, so tokenizers that shape a piece by its left
 # neighbour (sentencepiece's leading space) decode the first generated piece as they would in the full text.
 PROMPT_CONTEXT = 4
+PROMPT_CONTEXT_MAX = 24  # more, while the context would begin inside a character (vLLM's bound)
 REPLACEMENT = "\ufffd"
 
 
@@ -44,9 +45,17 @@ class IncrementalDetokenizer:
         special = {tid for tid, added in tokenizer.added_tokens_decoder.items() if added.special}
         self._tokenizer = tokenizer
         self._skip = (special | set(tokenizer.all_special_ids)) - keep if skip_special else set()
-        # The window: ids[:read] were already turned into text and only give context; ids[read:] are pending.
-        self._ids = [i for i in prompt_ids or () if i not in self._skip][-PROMPT_CONTEXT:]
+        # The window: ids[:read] were already turned into text and only give context; ids[read:] are pending. The
+        # context begins at a character's start, and a character the prompt leaves unfinished is pending, so that
+        # the output's text holds the character its tokens complete (as vLLM's detokenizer primed by the prompt).
+        ids = [i for i in prompt_ids or () if i not in self._skip]
+        size = min(PROMPT_CONTEXT, len(ids))
+        while size < min(PROMPT_CONTEXT_MAX, len(ids)) and tokenizer.decode(ids[-size:]).startswith(REPLACEMENT):
+            size += 1
+        self._ids = ids[len(ids) - size :]
         self._read = len(self._ids)
+        while self._read and tokenizer.decode(self._ids[: self._read], skip_special_tokens=False).endswith(REPLACEMENT):
+            self._read -= 1
         self._pieces: list[str] = []
 
     @property

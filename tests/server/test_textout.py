@@ -79,6 +79,17 @@ def test_random_splits_equal_full_decode(tok: Any, specials: dict[str, int], see
     assert detok.flush() == ""
 
 
+@pytest.mark.parametrize("text", TEXTS[1:])
+def test_a_character_the_prompt_leaves_unfinished_is_the_outputs_first(tok: Any, text: str) -> None:
+    """Cut anywhere, even inside a character, the output's text is the full text after the prompt's whole
+    characters: the character its first tokens complete included."""
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        detok = IncrementalDetokenizer(tok, ids[:cut])
+        whole = tok.decode(ids[:cut]).rstrip("\ufffd")
+        assert detok.add(ids[cut:]) + detok.flush() == text[len(whole) :], cut
+
+
 def test_emoji_bytes_are_held_until_complete(tok: Any) -> None:
     """An emoji spread over byte tokens comes out whole, once, when its last byte arrives."""
     ids = tok.encode("a😀b", add_special_tokens=False)
