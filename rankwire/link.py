@@ -61,6 +61,12 @@ class ControlLink:
         peer_digest, theirs = frame.payload[:32], frame.payload[32:]
         if hashlib.sha256(theirs).digest() != peer_digest:
             raise FrameError(f"rank {1 - self.rank}'s HELLO carries a hash that does not match its settings")
+        try:
+            canonical = _canonical(json.loads(theirs.decode("ascii"))) == theirs
+        except ValueError:  # not ASCII, or not JSON
+            canonical = False
+        if not canonical:
+            raise FrameError(f"rank {1 - self.rank}'s HELLO does not carry settings as canonical JSON")
         if peer_digest != digest:
             by_rank = (ours, theirs) if self.rank == 0 else (theirs, ours)
             raise SettingsMismatch(_describe_mismatch(*by_rank))
@@ -112,11 +118,14 @@ class ControlLink:
             return True
 
     def close(self) -> None:
-        """Say BYE (best effort) and close the socket."""
+        """Say BYE (best effort) and close the socket, ending a wait on it in another thread (a close alone does not
+        wake a poll already waiting)."""
         if self.sock.fileno() < 0:
             return
         with contextlib.suppress(PeerGone, OSError):
             send_frame(self.sock, Tag.BYE)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
     def __enter__(self) -> ControlLink:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import select
 import socket
@@ -65,7 +66,12 @@ def wait_readable(
     poll_timeout_s: float = 50e-6,
     poll: PollFn = poll_fd,
 ) -> bool:
-    """Wait until `sock` is readable or hung up (True) or `deadline`, a time.monotonic() value, passes (False)."""
+    """Wait until `sock` is readable or hung up (True) or `deadline`, a time.monotonic() value, passes (False);
+    an infinite deadline is none."""
+    if deadline is not None and math.isnan(deadline):
+        raise ValueError("deadline: NaN is no time")
+    if deadline == math.inf:
+        deadline = None
     fd = sock.fileno()
     if fd < 0:
         raise OSError(errno.EBADF, "wait on a closed socket")

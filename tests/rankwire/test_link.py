@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 import multiprocessing
 import socket
 import struct
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 
 from rankwire import link as link_module
-from rankwire.errors import FrameError, PeerFailed, PeerGone, SettingsMismatch
+from rankwire.errors import FrameError, LinkError, PeerFailed, PeerGone, SettingsMismatch
 from rankwire.frames import Tag, send_frame
 from rankwire.header import DrawSpec, LaneOp, LaneOpCode, LaneRows, RoundKind, RoundPlan
 from rankwire.link import ControlLink
@@ -290,3 +292,77 @@ def test_a_frame_sent_in_pieces_before_the_deadline_arrives_whole(links: tuple[C
     sender.start()
     assert rank0.recv_verdict(time.monotonic() + 30) == "no way"
     sender.join()
+
+
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Start `call` on a daemon thread; the list gets its result or the exception it raised."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # the test reads whatever ended the call
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_closing_the_link_ends_a_wait_on_it(links: tuple[ControlLink, ControlLink]) -> None:
+    """close() from another thread ends a blocked wait on the same link at once with a LinkError, not a hang."""
+    rank0, rank1 = links
+    waiter, outcome = in_thread(rank1.recv_header)  # no deadline, as rank 1's follow() waits
+    time.sleep(0.2)  # past the 50 ms window: the wait is in its blocking poll
+    rank1.close()
+    waiter.join(2.0)
+    hung = waiter.is_alive()
+    rank0.sock.close()  # the peer's hang-up releases a stuck waiter
+    waiter.join(2.0)
+    assert not hung, "the wait was still blocked 2 s after its own link was closed"
+    assert len(outcome) == 1 and isinstance(outcome[0], LinkError), outcome
+
+
+def hello(settings_bytes: bytes) -> bytes:
+    """A HELLO payload whose hash matches its settings bytes."""
+    return hashlib.sha256(settings_bytes).digest() + settings_bytes
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [b"not json at all", '{"context":4096,"model":"flash-n\u00e9xt"}'.encode()],
+    ids=["not_json", "utf8_not_canonical"],
+)
+def test_a_hello_that_is_not_canonical_settings_is_a_link_error(
+    links: tuple[ControlLink, ControlLink], theirs: bytes
+) -> None:
+    """A HELLO whose (hash-consistent) settings are not canonical ASCII JSON is refused as a LinkError naming HELLO."""
+    rank0, rank1 = links
+    send_frame(rank1.sock, Tag.HELLO, hello(theirs))
+    waiter, outcome = in_thread(lambda: rank0.handshake(SETTINGS, timeout=1.0))
+    waiter.join(2.0)
+    assert not waiter.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], LinkError), repr(outcome)
+
+
+def test_an_endless_deadline_waits_for_the_header(links: tuple[ControlLink, ControlLink]) -> None:
+    """recv_header(deadline=math.inf) waits as with no deadline and returns the header that comes 0.2 s later."""
+    rank0, rank1 = links
+    waiter, outcome = in_thread(lambda: rank1.recv_header(math.inf))
+    time.sleep(0.2)
+    rank0.send_header(RoundPlan(kind=RoundKind.STOP))
+    waiter.join(2.0)
+    assert not waiter.is_alive()
+    assert outcome == [RoundPlan(kind=RoundKind.STOP)], repr(outcome)
+
+
+def test_a_nan_deadline_is_refused_not_spun_on(links: tuple[ControlLink, ControlLink]) -> None:
+    """recv_header(deadline=nan) is refused at once (ValueError naming the deadline), not a poll spun forever."""
+    rank0, rank1 = links
+    waiter, outcome = in_thread(lambda: rank1.recv_header(math.nan))
+    waiter.join(1.0)
+    hung = waiter.is_alive()
+    rank0.sock.close()  # ends a spinning wait
+    waiter.join(2.0)
+    assert not hung, "the wait with a NaN deadline was still running (spinning on zero-timeout polls) after 1 s"
+    assert len(outcome) == 1 and isinstance(outcome[0], ValueError), repr(outcome)
