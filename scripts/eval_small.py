@@ -201,7 +201,7 @@ def per_position_delta(before: str, after: str) -> list[dict[str, float]]:
     """Drafted and accepted counts per position between two /metrics scrapes, and their ratio."""
 
     def counts(text: str, name: str) -> dict[int, float]:
-        pattern = re.compile(rf'^flashnext:{name}_total\{{position="(\d+)"\}} (\S+)$', re.M)
+        pattern = re.compile(rf'^flashnext:{name}_total\{{(?:[^}}]*,)?position="(\d+)"[^}}]*\}} (\S+)$', re.M)
         return {int(p): float(v) for p, v in pattern.findall(text)}
 
     def delta(name: str) -> dict[int, float]:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic_core import from_json
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -257,6 +258,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """A route or method that does not exist (404, 405): OpenAI's error body, its headers (Allow) kept."""
+        error = ApiError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(_: Request, __: ClientDisconnect) -> Response:
@@ -1014,8 +1021,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         body = await json_body(request)
         check_model(body.get("model"))
+        spelled = body.get("return_token_strs", False)
+        if not isinstance(spelled, bool):
+            raise ApiError("return_token_strs: expected true or false", param="return_token_strs")
         ids = await asyncio.to_thread(tokenize_body, body)  # on a worker thread, as the completion routes tokenize
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+        strs = state.tokenizer.convert_ids_to_tokens(ids) if spelled else None  # vLLM's token_strs
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context, "token_strs": strs}
 
     def tokenize_body(body: dict[str, Any]) -> list[int]:
         """The token ids of a /tokenize body's chat or prompt."""

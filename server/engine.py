@@ -658,7 +658,8 @@ class Engine:
     def _end(self, request: Request, update: Update) -> None:
         """Count a request's end in the metrics and queue its last update."""
         if self.metrics is not None:
-            self.metrics.finished.labels(finished_reason=update.finish_reason).inc()
+            seconds = time.monotonic() - request.arrival
+            self.metrics.count_end(update.finish_reason, seconds, len(request.prompt_ids), len(request.output))
         self.outbox.append((request, update))
 
     def _flush(self) -> None:

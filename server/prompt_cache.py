@@ -39,7 +39,7 @@ class PromptCache:
         self.budget = budget_bytes
         self.entries: OrderedDict[bytes, Kept] = OrderedDict()
         self.next_handle = 1
-        self.queries = self.hits = self.cached_tokens = 0
+        self.queries = self.hits = self.cached_tokens = self.queried_tokens = 0
         self.nbytes = 0  # of the entries: kept as a total, so other threads can read it while entries change
 
     @property
@@ -52,6 +52,7 @@ class PromptCache:
         if not self.enabled:
             return None
         self.queries += counted
+        self.queried_tokens += len(prompt) * counted
         lengths = sorted({e.length for e in self.entries.values() if e.length < len(prompt)})
         digests = prefix_digests(prompt, lengths, salt)
         for n in reversed(lengths):

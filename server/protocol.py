@@ -235,9 +235,10 @@ class NullAsAbsentModel(StrictModel):
 
 
 class StreamOptions(NullAsAbsentModel):
-    """`stream_options`: whether the last streamed chunk carries usage, and (vLLM's) every chunk, usage so far."""
+    """`stream_options`: whether the last streamed chunk carries usage (unless said otherwise, as vLLM reads it), and
+    (vLLM's) every chunk, usage so far."""
 
-    include_usage: bool = False
+    include_usage: bool = True
     continuous_usage_stats: bool = False
 
 

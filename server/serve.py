@@ -252,7 +252,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
     if tokenizer is not None:
         parser = tool_call_parser(args.tool_call_parser, tokenizer)
         log.info("tool calls: <tool_call> blocks read as %s (--tool-call-parser %s)", parser, args.tool_call_parser)
-    metrics = EngineMetrics(name)
+    metrics = EngineMetrics(name, context)
     runner = runner or ModelRunner(model, args.max_lanes)
     drafter = DRAFTERS[args.drafter]()
     if args.drafts and not runner.can_draft:

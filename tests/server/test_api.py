@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 from tests.server.live import Live, oracle, oracle_greedy, serve, tiny_chat_checkpoint
 from tests.tiny import ties_to_lower_index
@@ -867,7 +869,7 @@ def test_with_include_usage_every_chunk_but_the_last_has_null_usage(live, includ
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(live, route):
     """vLLM's continuous_usage_stats (with include_usage): every chunk carries the prompt's tokens and its own choice's
-    tokens so far; the last, usage-only chunk counts every choice; without include_usage there is no usage at all."""
+    tokens so far; the last, usage-only chunk counts every choice; with include_usage false there is no usage at all."""
     body = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True, "n": 2, "temperature": 1.0, "seed": 3}
     body |= {"prompt": PROMPT} if route == "completions" else {"messages": COLOR}
     options = {"include_usage": True, "continuous_usage_stats": True}
@@ -884,8 +886,8 @@ def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(live, 
         )
         assert chunk["usage"] == {**expected, "total_tokens": sum(expected.values())}  # no cached count: vLLM's shape
     assert counted == {0: 6, 1: 6} and chunks[-1]["usage"]["completion_tokens"] == 12 and chunks[-1]["choices"] == []
-    alone = sse_chunks(live, route, {**body, "stream_options": {"continuous_usage_stats": True}})
-    assert not any("usage" in c for c in alone)
+    off = sse_chunks(live, route, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    assert not any("usage" in c for c in off)
 
 
 def test_echo_puts_the_prompts_text_before_each_choices_streamed_or_not(live):
@@ -983,8 +985,8 @@ def test_models_metrics_tokenize_detokenize(live):
         "flashnext:generation_tokens_total",
         "flashnext:time_to_first_token_seconds_bucket",
         "flashnext:inter_token_latency_seconds_bucket",
-        'flashnext:collectives_total{op="combine"} 0.0',  # tp 1 makes no collectives
-        'flashnext:collective_bytes_total{op="gather"} 0.0',
+        f'flashnext:collectives_total{{model_name="{live.model}",op="combine"}} 0.0',  # tp 1 makes no collectives
+        f'flashnext:collective_bytes_total{{model_name="{live.model}",op="gather"}} 0.0',
     ):
         assert name in metrics
     assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
@@ -1021,7 +1023,8 @@ def test_a_non_streamed_request_whose_client_disconnects_frees_its_lane(ckpt, ke
             assert running == 1
         assert wait_for_running(one_lane, lambda n: n == 0) == 0  # within seconds, long before 3000 tokens
         metrics = httpx.get(f"{one_lane.url}/metrics").text
-        assert f'flashnext:request_success_total{{finished_reason="abort"}} {n}.0' in metrics
+        ended = f'flashnext:request_success_total{{finished_reason="abort",model_name="{one_lane.model}"}}'
+        assert f"{ended} {n}.0" in metrics
         assert httpx.get(f"{one_lane.url}/health").json()["requests_waiting"] == 0
 
 
@@ -1200,7 +1203,9 @@ def test_drafted_equals_draft_false_and_drafting_shows_in_metrics(live):
     assert drafted and float(drafted[0].split()[-1]) > 0
     assert "flashnext:spec_decode_num_accepted_tokens_total" in metrics
     first = [line for line in metrics.splitlines() if line.startswith("flashnext:spec_decode_num_draft_tokens_per_pos")]
-    assert first and first[0].startswith('flashnext:spec_decode_num_draft_tokens_per_pos_total{position="0"}')
+    assert first and first[0].startswith(
+        f'flashnext:spec_decode_num_draft_tokens_per_pos_total{{model_name="{live.model}",position="0"}}'
+    )
     assert len(health["draft_acceptance_per_position"]) == 3 and health["draft_acceptance_per_position"][0] is not None
 
 
@@ -1227,3 +1232,79 @@ def test_a_long_chat_keeps_states_at_its_last_message_ends_only():
     assert response.status_code == 200
     assert tokenizer.renders == 1 + MESSAGE_KEEPS
     assert engine.submitted[0].keep_at == tuple(range(100 - MESSAGE_KEEPS, 100))
+
+
+def families(live: Live) -> dict:
+    """The /metrics exposition parsed as Prometheus parses it: family name -> family."""
+    return {family.name: family for family in text_string_to_metric_families(httpx.get(f"{live.url}/metrics").text)}
+
+
+def test_tokenize_return_token_strs_gives_the_token_strings(live):
+    """vLLM's /tokenize with return_token_strs: true answers token_strs, the tokenizer's convert_ids_to_tokens of the
+    ids (prompt and messages forms alike)."""
+    tokenizer = AutoTokenizer.from_pretrained(live.path)
+    for body in ({"prompt": "def add(a, b):"}, {"messages": [{"role": "user", "content": "hi"}]}):
+        out = httpx.post(f"{live.url}/tokenize", json={**body, "return_token_strs": True}).json()
+        assert out.get("token_strs") == tokenizer.convert_ids_to_tokens(out["tokens"]), body
+
+
+def test_stream_options_without_include_usage_still_gives_usage_as_vllms(live):
+    """vLLM's StreamOptions.include_usage defaults to true: stream_options {"continuous_usage_stats": true} alone gives
+    every chunk its usage so far and ends the stream with the usage-only chunk."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}
+    chunks = sse_chunks(live, "completions", body)
+    assert all(chunk.get("usage") is not None for chunk in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_prefix_cache_queries_and_hits_are_counters_in_tokens(live):
+    """vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits are counters (scraped as *_total) counting queried
+    and hit prompt tokens, which dashboards take rate() of."""
+    prompt = list(range(5, 60))
+    for _ in range(2):  # the second resumes the first's kept prefix
+        httpx.post(f"{live.v1}/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120).raise_for_status()
+    found = families(live)
+    for name in ("flashnext:prefix_cache_queries", "flashnext:prefix_cache_hits"):
+        assert name in found and found[name].type == "counter", (name, found.get(name))
+    queried = found["flashnext:prefix_cache_queries"].samples[0].value
+    assert queried >= 2 * len(prompt)  # tokens queried, not lookups
+
+
+def test_metrics_carry_the_model_name_label_as_vllms(live):
+    """Every vLLM metric is labelled model_name (vLLM's Grafana dashboard filters each query by
+    {model_name="$model_name"})."""
+    httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=120).raise_for_status()
+    found = families(live)
+    for name in (
+        "flashnext:num_requests_running",
+        "flashnext:num_requests_waiting",
+        "flashnext:prompt_tokens",
+        "flashnext:generation_tokens",
+        "flashnext:time_to_first_token_seconds",
+        "flashnext:request_success",
+    ):
+        samples = [s for s in found[name].samples if not s.name.endswith("_created")]
+        assert samples and all(s.labels.get("model_name") == live.model for s in samples), (name, samples[:2])
+
+
+def test_metrics_have_vllms_request_histograms(live):
+    """vLLM exposes vllm:e2e_request_latency_seconds (the dashboard's "E2E Request Latency" panel) and the per-request
+    vllm:request_prompt_tokens / vllm:request_generation_tokens histograms; a finished request is observed in each."""
+    httpx.post(f"{live.v1}/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=120).raise_for_status()
+    found = families(live)
+    for name in (
+        "flashnext:e2e_request_latency_seconds",
+        "flashnext:request_prompt_tokens",
+        "flashnext:request_generation_tokens",
+    ):
+        assert name in found and found[name].type == "histogram", name
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/nothing"), ("GET", "/v1/chat/completions")])
+def test_unknown_routes_and_methods_answer_openais_error_shape(live, method, path):
+    """A route or method that does not exist gets its 404/405 with OpenAI's {"error": {"message", "type", "param",
+    "code"}} body (design.md section 8), not FastAPI's {"detail": ...}."""
+    response = httpx.request(method, f"{live.url}{path}")
+    assert response.status_code in (404, 405)
+    error = response.json().get("error")
+    assert isinstance(error, dict) and set(error) >= {"message", "type", "param", "code"}, response.json()

@@ -112,7 +112,8 @@ def test_a_failure_counts_the_waiting_requests_it_ends_in_the_finished_metric(tm
     for i in range(2):  # not started: both wait
         engine.submit(Request(f"r{i}", [5, 9], 4, GREEDY, frozenset(), Outcome().sink))
     engine.fail("rank 1 went away")
-    assert metrics.registry.get_sample_value("flashnext:request_success_total", {"finished_reason": "error"}) == 2
+    ended = {"model_name": "m", "finished_reason": "error"}
+    assert metrics.registry.get_sample_value("flashnext:request_success_total", ended) == 2
 
 
 def test_the_app_delivers_on_its_loop_and_shortens_the_switch_interval_while_it_runs(tmp_path) -> None:
@@ -242,7 +243,8 @@ def test_a_request_aborted_while_it_waits_for_a_lane_gets_its_finish(tmp_path) -
     finally:
         engine.stop()
     assert (first.finish, second.finish, second.tokens) == ("length", "abort", [])
-    assert metrics.registry.get_sample_value("flashnext:request_success_total", {"finished_reason": "abort"}) == 1
+    ended = {"model_name": "m", "finished_reason": "abort"}
+    assert metrics.registry.get_sample_value("flashnext:request_success_total", ended) == 1
 
 
 def test_a_failure_in_the_engines_own_work_ends_its_requests_and_stops_it(tmp_path) -> None:

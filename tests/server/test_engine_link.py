@@ -41,7 +41,8 @@ def engine_for(model, cache_bytes: int = 0) -> Engine:
 
 def finished(engine: Engine, reason: str) -> float:
     """Requests the engine ended for `reason`."""
-    value = engine.metrics.registry.get_sample_value("flashnext:request_success_total", {"finished_reason": reason})
+    labels = {"model_name": "m", "finished_reason": reason}
+    value = engine.metrics.registry.get_sample_value("flashnext:request_success_total", labels)
     return value or 0.0
 
 

@@ -162,8 +162,8 @@ def test_cache_figures_in_health_and_metrics(servers):
     assert health["hits"] > before["hits"] and health["queries"] >= before["queries"] + 2
     assert health["cached_tokens"] >= before["cached_tokens"] + len(prompt) - 1
     metrics = httpx.get(f"{on.url}/metrics").text
-    for name in ("queries", "hits", "cached_tokens", "bytes"):
-        assert f"flashnext:prefix_cache_{name} " in metrics
+    for name in ("queries_total", "hits_total", "bytes"):
+        assert f"flashnext:prefix_cache_{name}{{" in metrics
 
 
 def test_bench_cache_qualifies_a_reusing_server(servers, tmp_path):
