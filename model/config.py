@@ -12,6 +12,7 @@ WRAPPER_TYPES = ("qwen4_exp", "qwen3_8_flash_next")
 TEXT_TYPES = ("qwen4_exp_text", "qwen3_8_flash_next_text")
 LINEAR = "linear_attention"
 QSA = "qsa"
+NGRAM_BASE_MAX = 2**40  # a table head's rows; the real model's are 2e7 (a table of 2^40 rows holds no memory)
 # Every spelling transformers or the checkpoints have used for a QSA (indexed sparse attention) layer.
 QSA_SPELLINGS = ("full_attention", "indexed_attention", "qwen_sparse_attention")
 
@@ -172,7 +173,7 @@ class _Reader:
     def name(self, key: str) -> str:
         return self.prefix + key
 
-    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+    def int(self, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None) -> int:
         value = self.data.get(key, default)
         if value is None:
             raise ConfigError(f"{self.name(key)}: required")
@@ -180,6 +181,8 @@ class _Reader:
             raise ConfigError(f"{self.name(key)}: expected an integer, got {value!r}")
         if value < minimum:
             raise ConfigError(f"{self.name(key)}: must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{self.name(key)}: must be <= {maximum}, got {value}")
         return value
 
     def float(self, key: str, default: float | None = None) -> float:
@@ -347,7 +350,7 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
         ple_conv_kernel_size=r.int("ple_conv_kernel_size", 4),
         ngram_size=ngram_size,
         heads_per_ngram=per_ngram,
-        ngram_vocab_size_base=r.int("ngram_vocab_size_base", 20_000_000),
+        ngram_vocab_size_base=r.int("ngram_vocab_size_base", 20_000_000, maximum=NGRAM_BASE_MAX),
         make_ngram_vocab_size_divisible_by=r.int("make_ngram_vocab_size_divisible_by", 128),
         ngram_seed=r.int("seed", 1234, minimum=0),
         split_ngram_parts=r.int("split_ngram_parts", 512),

@@ -33,10 +33,31 @@ def hash_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int
     return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(ngram_size)]
 
 
+MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # exact for every n below 3.3e24
+
+
 def _is_prime(n: int) -> bool:
-    if n < 2 or n % 2 == 0:
-        return n == 2
-    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+    """Whether n is prime: Miller-Rabin over bases that decide every n below 3.3e24 (the table's sizes are far
+    below), so a large base costs as little as a small one."""
+    if n < 2:
+        return False
+    for p in MILLER_RABIN_BASES:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in MILLER_RABIN_BASES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
 
 
 @functools.cache

@@ -40,11 +40,14 @@ class TensorIndex:
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text()).get("weight_map")
-            except (json.JSONDecodeError, AttributeError) as exc:
+                weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+            except (ValueError, AttributeError) as exc:  # not UTF-8, not JSON, or not an object
                 raise CheckpointError(f"{index}: not a JSON object with a weight_map ({exc})") from exc
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no weight_map")
+            for name, f in weight_map.items():
+                if not isinstance(f, str):
+                    raise CheckpointError(f"{index}: weight_map[{name!r}] is {f!r}, not a file name")
             self.files = {name: model_dir / f for name, f in weight_map.items()}
         else:
             files = sorted(model_dir.glob("*.safetensors"))
@@ -53,13 +56,19 @@ class TensorIndex:
             self.files = {}
             for f in files:
                 with _open_safetensors(f) as handle:
-                    self.files.update(dict.fromkeys(handle.keys(), f))
+                    names = handle.keys()
+                    for name in names:
+                        if name in self.files:
+                            raise CheckpointError(f"tensor {name}: in both {self.files[name].name} and {f.name}")
+                        self.files[name] = f
         self._open: dict[Path, object] = {}
+        self.taken: set[str] = set()  # the tensors read
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def _handle(self, name: str):
+        self.taken.add(name)
         path = self.files.get(name)
         if path is None:
             raise CheckpointError(f"missing tensor {name}")
@@ -79,6 +88,10 @@ class TensorIndex:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's dtype as safetensors names it (F8_E4M3, BF16, ...), without reading it."""
+        return self._slice(name).get_dtype()
+
     def get(self, name: str) -> torch.Tensor:
         """The named tensor, or a refusal naming it."""
         try:
@@ -95,6 +108,12 @@ class TensorIndex:
         view = self._slice(name)
         lead = (slice(None),) * shard.dim
         return torch.cat([view[(*lead, slice(lo, hi))] for lo, hi in shard.ranges], dim=shard.dim)
+
+
+def _unread(name: str) -> bool:
+    """A checkpoint tensor this model never reads by design: the vision tower's, W4A16's activation scales, the hyper
+    connections' block inject weights, and the MTP layer's where the model is built without it."""
+    return name.startswith(("model.visual.", "mtp.")) or name.endswith(".input_scale") or "block_inject_weight" in name
 
 
 def _open_safetensors(path: Path):
@@ -124,8 +143,8 @@ def read_quant_plan(model_dir: Path, quantization_config: dict | None) -> QuantP
     hf_quant = model_dir / "hf_quant_config.json"
     if hf_quant.is_file():
         try:
-            quantization = json.loads(hf_quant.read_text()).get("quantization", {})
-        except (json.JSONDecodeError, AttributeError) as exc:
+            quantization = json.loads(hf_quant.read_text(encoding="utf-8")).get("quantization", {})
+        except (ValueError, AttributeError) as exc:  # not UTF-8, not JSON, or not an object
             raise CheckpointError(f"{hf_quant}: not a JSON object ({exc})") from exc
         if not isinstance(quantization, dict):
             raise CheckpointError(f"hf_quant_config.json quantization: expected an object, got {quantization!r}")
@@ -137,7 +156,10 @@ def read_quant_plan(model_dir: Path, quantization_config: dict | None) -> QuantP
         algo = qc.get("quant_algo")
         if algo != "MIXED_PRECISION":
             raise CheckpointError(f"{where}.quant_algo: unsupported value {algo!r} (only MIXED_PRECISION)")
-        for module, spec in (qc.get("quantized_layers") or {}).items():
+        quantized = qc.get("quantized_layers") or {}
+        if not isinstance(quantized, dict):
+            raise CheckpointError(f"{where}.quantized_layers: expected an object, got {type(quantized).__name__}")
+        for module, spec in quantized.items():
             layer_algo = spec.get("quant_algo") if isinstance(spec, dict) else None
             if layer_algo not in KNOWN_ALGOS:
                 raise CheckpointError(f"{where}.quantized_layers[{module!r}].quant_algo: unknown value {layer_algo!r}")
@@ -188,6 +210,10 @@ class WeightLoader:
         for name, module in model.named_modules():
             if isinstance(module, NGramEmbedding):
                 self._check_hash_constants(name, module)
+        unused = sorted(name for name in self.index.files if name not in self.index.taken and not _unread(name))
+        if unused:  # as transformers says of weights a model does not take: loud, yet a checkpoint may carry more
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            log.warning("%d checkpoint tensors are not part of this model (its config.json): %s", len(unused), shown)
 
     def _check_hash_constants(self, name: str, module: NGramEmbedding) -> None:
         """Checkpoints may store the hash constants; they must equal the ones derived from the config."""
@@ -329,7 +355,10 @@ class WeightLoader:
                 start += self.index.shape(key)[0]
         dim = module.weight.shape[1]
         total = 0
-        for key, _ in pieces:  # every shard as wide as the table, so their rows join
+        first = self.index.stored_dtype(pieces[0][0])
+        for key, _ in pieces:  # every shard as wide as the table, of one dtype, so their rows join
+            if self.index.stored_dtype(key) != first:
+                raise CheckpointError(f"tensor {key}: dtype {self.index.stored_dtype(key)}, its first shard's {first}")
             rows, *rest = self.index.shape(key)
             _check_shape(key, (rows, *rest), (rows, dim))
             total += rows

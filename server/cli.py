@@ -347,7 +347,7 @@ def run_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed if args.seed is not None else fresh_seed(),
-        eos_ids=eos_token_ids(args.model, tokenizer, model.cfg.eos_token_id),
+        eos_ids=eos_token_ids(args.model, tokenizer, model.cfg.eos_token_id, model.cfg.vocab_size),
         ignore_eos=args.ignore_eos,
     )
     tokens = generate(model, prompt_ids, params)
@@ -428,7 +428,7 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     tokenizer = load_tokenizer(args.model, getattr(args, "chat_template", None), args.tokenizer)
     if args.tokenizer is not None:
         check_vocab(tokenizer, cfg.vocab_size)
-    eos_token_ids(args.model, tokenizer, cfg.eos_token_id)
+    eos_token_ids(args.model, tokenizer, cfg.eos_token_id, cfg.vocab_size)
     if args.command == "generate":
         return generate_refusal(args, tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
     if args.context is not None and args.context > cfg.max_position_embeddings:

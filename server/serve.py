@@ -297,7 +297,7 @@ def create_serving(args: argparse.Namespace, model=None, runner=None, on_fatal=N
         model_aliases=tuple(aliases),
         context=context,
         vocab_size=cfg.vocab_size,
-        eos_ids=eos_token_ids(args.model, tokenizer, cfg.eos_token_id),
+        eos_ids=eos_token_ids(args.model, tokenizer, cfg.eos_token_id, cfg.vocab_size),
         api_key=args.api_key,
         chat_template=args.chat_template,
         tokenizer_path=args.tokenizer,

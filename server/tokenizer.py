@@ -126,13 +126,21 @@ def generation_eos_ids(model_dir: Path) -> list[int]:
     return ids
 
 
-def eos_token_ids(model_dir: Path, tokenizer, config_eos: int) -> tuple[int, ...]:
+def eos_token_ids(model_dir: Path, tokenizer, config_eos: int, vocab_size: int) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json's (the model config's where the model has no such file, as vLLM
     makes one from its config) and the tokenizer's (which --tokenizer may take from another folder); else the model
-    config's."""
+    config's. An id past the model's vocabulary is refused naming where it came from."""
     has_file = (model_dir / GENERATION_FILE).is_file()
     ids = generation_eos_ids(model_dir) if has_file else [config_eos]
+    outside = [i for i in ids if i >= vocab_size]
+    if has_file and outside:
+        raise TokenizerError(f"{GENERATION_FILE}: eos_token_id {outside[0]} is past the model's {vocab_size} tokens")
     if tokenizer is not None and tokenizer.eos_token_id is not None:
+        if tokenizer.eos_token_id >= vocab_size:
+            raise TokenizerError(
+                f"the tokenizer's eos_token {tokenizer.eos_token!r} has id {tokenizer.eos_token_id}, past the model's "
+                f"{vocab_size} tokens"
+            )
         ids.append(tokenizer.eos_token_id)
     if not ids:
         ids.append(config_eos)
