@@ -234,12 +234,12 @@ class NullAsAbsentModel(StrictModel):
     _drop_nulls = model_validator(mode="before")(without_nulls)
 
 
-class StreamOptions(NullAsAbsentModel):
-    """`stream_options`: whether the last streamed chunk carries usage (unless said otherwise, as vLLM reads it), and
-    (vLLM's) every chunk, usage so far."""
+class StreamOptions(StrictModel):
+    """`stream_options`: whether the last streamed chunk carries usage, and (vLLM's) every chunk, usage so far; as
+    vLLM reads them, include_usage left out is true and null is false."""
 
-    include_usage: bool = True
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class ChatTemplateKwargs(StrictModel):

@@ -53,10 +53,17 @@ class IncrementalDetokenizer:
         while size < min(PROMPT_CONTEXT_MAX, len(ids)) and tokenizer.decode(ids[-size:]).startswith(REPLACEMENT):
             size += 1
         self._ids = ids[len(ids) - size :]
-        self._read = len(self._ids)
-        while self._read and tokenizer.decode(self._ids[: self._read], skip_special_tokens=False).endswith(REPLACEMENT):
-            self._read -= 1
+        self._read = len(self._ids) - self._unfinished(tokenizer)
         self._pieces: list[str] = []
+
+    def _unfinished(self, tokenizer: Any) -> int:
+        """How many of the context's last ids spell one unfinished character and nothing else (at most 3, the bytes
+        such a character may have), 0 if none do: bytes that can begin no character are not held."""
+        for held in range(1, min(3, len(self._ids)) + 1):
+            head, tail = self._ids[:-held], self._ids[-held:]
+            if not tokenizer.decode(head, skip_special_tokens=False).endswith(REPLACEMENT):
+                return held if tokenizer.decode(tail, skip_special_tokens=False) == REPLACEMENT else 0
+        return 0
 
     @property
     def text(self) -> str:

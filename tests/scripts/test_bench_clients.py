@@ -443,7 +443,7 @@ def test_bench_concurrent_random_prompt_drafts_both(fake: FakeServer) -> None:
 def metric(url: str, name: str) -> float:
     """One counter read from the server's /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)  # its model_name label
     assert found is not None, f"{name} missing from /metrics"
     return float(found.group(1))
 

@@ -362,18 +362,19 @@ def test_chat_template_kwargs_that_are_arguments_of_the_template_call_are_refuse
     assert_names(chat_error(chat_template_kwargs={key: False}), "chat_template_kwargs", repr(key), "server sets")
 
 
-def test_a_null_stream_option_means_its_default() -> None:
-    """As a null request field does (vLLM takes it so); it was a 400 naming stream_options.include_usage."""
+def test_a_null_stream_option_is_off_and_one_left_out_includes_usage() -> None:
+    """As vLLM reads them (include_usage defaults to true, and null is false); a null was once a 400 naming
+    stream_options.include_usage."""
     body = {"messages": USER, "stream": True, "stream_options": {"include_usage": None}}
     request = parse_request(ChatCompletionRequest, body)
-    assert request.stream_options is not None and request.stream_options.include_usage is False
+    assert request.stream_options is not None and not request.stream_options.include_usage
+    request = parse_request(ChatCompletionRequest, {"messages": USER, "stream": True, "stream_options": {}})
+    assert request.stream_options is not None and request.stream_options.include_usage
 
 
 def test_stream_options_need_stream() -> None:
     assert_names(chat_error(stream_options={"include_usage": True}), "stream_options", "stream is true")
     assert_names(chat_error(stream=False, stream_options={"include_usage": True}), "stream_options")
-    request = parse_request(ChatCompletionRequest, {"messages": USER, "stream": True, "stream_options": {}})
-    assert request.stream_options is not None and not request.stream_options.include_usage
 
 
 def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
