@@ -125,7 +125,12 @@ class Flight:
 
 
 def check_context(request: Request, context: int, asked_by: str = "max_tokens") -> None:
-    """Refuse a request whose prompt plus max_tokens (the request field `asked_by`) can never fit `context` tokens."""
+    """Refuse a request with no prompt, or none to generate, or whose prompt plus max_tokens (the request field
+    `asked_by`) can never fit `context` tokens."""
+    if not request.prompt_ids:
+        raise ValueError("the prompt is empty: a request needs at least one prompt token")
+    if request.max_tokens < 1:
+        raise ValueError(f"{asked_by}: a request generates at least 1 token, got {request.max_tokens}")
     need = len(request.prompt_ids) + request.max_tokens
     if need > context:
         raise ContextLengthError(
