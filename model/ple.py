@@ -33,12 +33,12 @@ def hash_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int
     return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(ngram_size)]
 
 
-MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # exact for every n below 3.3e24
+MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # exact for every n below 3.1e23
 
 
 def _is_prime(n: int) -> bool:
-    """Whether n is prime: Miller-Rabin over bases that decide every n below 3.3e24 (the table's sizes are far
-    below), so a large base costs as little as a small one."""
+    """Whether n is prime: Miller-Rabin over bases that decide every n below 3.1e23 (the table's sizes, at most
+    config.NGRAM_BASE_MAX, are far below), so a large base costs as little as a small one."""
     if n < 2:
         return False
     for p in MILLER_RABIN_BASES:

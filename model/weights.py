@@ -111,9 +111,9 @@ class TensorIndex:
 
 
 def _unread(name: str) -> bool:
-    """A checkpoint tensor this model never reads by design: the vision tower's, W4A16's activation scales, the hyper
-    connections' block inject weights, and the MTP layer's where the model is built without it."""
-    return name.startswith(("model.visual.", "mtp.")) or name.endswith(".input_scale") or "block_inject_weight" in name
+    """A checkpoint tensor this model never reads by design: the vision tower's, W4A16's activation scales and the
+    hyper connections' block inject weights (the MTP layer's too where the model is built without it: `fill`)."""
+    return name.startswith("model.visual.") or name.endswith(".input_scale") or "block_inject_weight" in name
 
 
 def _open_safetensors(path: Path):
@@ -210,7 +210,12 @@ class WeightLoader:
         for name, module in model.named_modules():
             if isinstance(module, NGramEmbedding):
                 self._check_hash_constants(name, module)
-        unused = sorted(name for name in self.index.files if name not in self.index.taken and not _unread(name))
+        built_mtp = any(name.startswith("mtp.") for name in params)
+        unused = sorted(
+            name
+            for name in self.index.files
+            if name not in self.index.taken and not _unread(name) and (built_mtp or not name.startswith("mtp."))
+        )
         if unused:  # as transformers says of weights a model does not take: loud, yet a checkpoint may carry more
             shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
             log.warning("%d checkpoint tensors are not part of this model (its config.json): %s", len(unused), shown)

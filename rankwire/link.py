@@ -63,7 +63,7 @@ class ControlLink:
             raise FrameError(f"rank {1 - self.rank}'s HELLO carries a hash that does not match its settings")
         try:
             canonical = _canonical(json.loads(theirs.decode("ascii"))) == theirs
-        except ValueError:  # not ASCII, or not JSON
+        except (ValueError, RecursionError):  # not ASCII, not JSON, or nested past the parser's depth
             canonical = False
         if not canonical:
             raise FrameError(f"rank {1 - self.rank}'s HELLO does not carry settings as canonical JSON")

@@ -1021,7 +1021,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         body = await json_body(request)
         check_model(body.get("model"))
-        spelled = body.get("return_token_strs", False)
+        spelled = body.get("return_token_strs") or False  # vLLM's Optional[bool]: null is false
         if not isinstance(spelled, bool):
             raise ApiError("return_token_strs: expected true or false", param="return_token_strs")
         ids = await asyncio.to_thread(tokenize_body, body)  # on a worker thread, as the completion routes tokenize

@@ -130,6 +130,8 @@ class Generation:
         # call's tag that ends it before its body (not counted; its body is not looked at here)
         self.thinking_until = single_token_id(tokenizer, THINK_TAGS[1]) if thinking_open and tokenizer else None
         self.call_tag = single_token_id(tokenizer, call_opening[0]) if call_opening and tokenizer else None
+        self.counted = 0  # the think block's tokens counted so far
+        self.call_mark: int | None = None  # how many came before the latest call tag in it
         self.unwatched = params.min_tokens  # tokens still to come before a stop string may end the output
         self.done = False
 
@@ -170,15 +172,26 @@ class Generation:
         return outcome
 
     def _reasoning_tokens(self, tokens: list[int]) -> int:
-        """How many of a piece's tokens are the think block's (its end tag included, a call's tag that ends it not);
-        the block ends with them where either is among them."""
+        """How many of a piece's tokens are the think block's (its end tag included); the block ends with them
+        where the end tag is among them. A call tag's place is noted, for a call that turns out to end the block."""
         if self.thinking_until is None:
             return 0
         for at, token in enumerate(tokens):
-            if token in (self.thinking_until, self.call_tag):
+            if token == self.call_tag:
+                self.call_mark = self.counted + at
+            if token == self.thinking_until:
                 self.thinking_until = None
-                return at + (token != self.call_tag)
+                self.counted += at + 1
+                return at + 1
+        self.counted += len(tokens)
         return len(tokens)
+
+    def _call_ended_thinking(self, piece: Piece) -> None:
+        """Where the splitter found a call block ending the think block, take back the tokens counted from its tag
+        on (the count of this piece may go below zero: the request's sum is what is reported)."""
+        if self.thinking_until is not None and self.splitter.called and self.call_mark is not None:
+            piece.reasoning_tokens -= self.counted - self.call_mark
+            self.counted, self.thinking_until = self.call_mark, None
 
     def _piece(self, update: Update) -> Piece:
         """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the
@@ -221,6 +234,7 @@ class Generation:
             reasoning, content = self.splitter.flush()
             piece.reasoning += reasoning
             piece.content += content
+        self._call_ended_thinking(piece)
         return piece
 
 

@@ -55,9 +55,10 @@ class CacheCollector(Collector):
         self.cache, self.model_name = cache, model_name
 
     def collect(self) -> Iterator[CounterMetricFamily]:
+        hits = self.cache.cached_tokens  # read first: a lookup between the reads adds to queries, never hits alone
         for name, what, value in (
             ("queries", "Prompt tokens looked up in the prompt cache", self.cache.queried_tokens),
-            ("hits", "Prompt tokens found in the prompt cache", self.cache.cached_tokens),
+            ("hits", "Prompt tokens found in the prompt cache", hits),
         ):
             family = CounterMetricFamily(f"flashnext:prefix_cache_{name}", what, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -46,24 +46,14 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = (special | set(tokenizer.all_special_ids)) - keep if skip_special else set()
         # The window: ids[:read] were already turned into text and only give context; ids[read:] are pending. The
-        # context begins at a character's start, and a character the prompt leaves unfinished is pending, so that
-        # the output's text holds the character its tokens complete (as vLLM's detokenizer primed by the prompt).
+        # prompt's context begins at a character's start (grown back while it would not).
         ids = [i for i in prompt_ids or () if i not in self._skip]
         size = min(PROMPT_CONTEXT, len(ids))
         while size < min(PROMPT_CONTEXT_MAX, len(ids)) and tokenizer.decode(ids[-size:]).startswith(REPLACEMENT):
             size += 1
         self._ids = ids[len(ids) - size :]
-        self._read = len(self._ids) - self._unfinished(tokenizer)
+        self._read = len(self._ids)
         self._pieces: list[str] = []
-
-    def _unfinished(self, tokenizer: Any) -> int:
-        """How many of the context's last ids spell one unfinished character and nothing else (at most 3, the bytes
-        such a character may have), 0 if none do: bytes that can begin no character are not held."""
-        for held in range(1, min(3, len(self._ids)) + 1):
-            head, tail = self._ids[:-held], self._ids[-held:]
-            if not tokenizer.decode(head, skip_special_tokens=False).endswith(REPLACEMENT):
-                return held if tokenizer.decode(tail, skip_special_tokens=False) == REPLACEMENT else 0
-        return 0
 
     @property
     def text(self) -> str:
@@ -86,7 +76,14 @@ class IncrementalDetokenizer:
         full = self._tokenizer.decode(self._ids, skip_special_tokens=False)
         if full.endswith(REPLACEMENT) and not finished:
             return ""
-        delta = full[len(self._tokenizer.decode(self._ids[: self._read], skip_special_tokens=False)) :]
+        read = self._tokenizer.decode(self._ids[: self._read], skip_special_tokens=False)
+        # where the context's text ends in U+FFFD (a prompt ending inside a character, or in bytes that begin none),
+        # those replacement characters still one in the whole text are the context's; a character the new ids
+        # complete is theirs (as vLLM's detokenizer primed with the prompt gives it)
+        start = len(read.rstrip(REPLACEMENT))
+        while start < min(len(read), len(full)) and full[start] == REPLACEMENT:
+            start += 1
+        delta = full[start:]
         del self._ids[: self._read]
         self._read = len(self._ids)
         self._pieces.append(delta)
@@ -150,7 +147,7 @@ class _Phase(enum.Enum):
 class ReasoningSplitter:
     """Split generated text into reasoning (inside a Qwen-style think block) and content (after it)."""
 
-    __slots__ = ("_call", "_end", "_held", "_phase", "_start", "_strip")
+    __slots__ = ("_call", "_end", "_held", "_phase", "_start", "_strip", "called")
 
     def __init__(
         self, thinking_open: bool, start: str = "<think>", end: str = "</think>", call: tuple[str, str] | None = None
@@ -162,6 +159,7 @@ class ReasoningSplitter:
         self._phase = _Phase.OPENED if thinking_open else _Phase.BEFORE
         self._held = ""
         self._strip = 0  # newlines still to drop right after a tag
+        self.called = False  # whether a call block ended the reasoning
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning delta, content delta); tags are dropped, and text that may be part of one is held back."""
@@ -192,7 +190,7 @@ class ReasoningSplitter:
                     if undecided:
                         self._held = text[call:]
                         break
-                    text, self._phase = text[call:], _Phase.CONTENT
+                    text, self._phase, self.called = text[call:], _Phase.CONTENT, True
                 elif at >= 0:
                     reasoning.append(text[:at])
                     text, self._phase, self._strip = text[at + len(self._end) :], _Phase.CONTENT, 2

@@ -231,3 +231,23 @@ def test_the_table_primes_are_trial_divisions_primes_and_a_large_base_is_quick()
     assert [n for n in range(20_000) if _is_prime(n)] == [n for n in range(20_000) if by_division(n)]
     assert all(_is_prime(n) == by_division(n) for n in range(20_000_000 - 2_000, 20_000_000 + 2_000))
     assert all(by_division(p) for p in _primes_after(10**12, 4))
+
+
+def test_an_mtp_tensor_the_model_built_with_mtp_does_not_take_is_named(tmp_path, caplog):
+    """With MTP built (the checkpoint has mtp.*), an mtp.* tensor no parameter takes (here a q_proj bias) is named in
+    the unused-tensor warning, as the same tensor in the trunk is (only a model built without MTP skips mtp.*)."""
+    good = checkpoint(tmp_path / "good")
+    index = TensorIndex(good)
+    tensors = {name: index.get(name).clone() for name in index.files}
+    weight = "mtp.layers.0.self_attn.q_proj.weight"
+    assert weight in tensors
+    extra = "mtp.layers.0.self_attn.q_proj.bias"
+    tensors[extra] = torch.ones(tensors[weight].shape[0])
+    path = tmp_path / "m"
+    shutil.copytree(good, path, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    write_safetensors(tensors, path, 1)
+    with caplog.at_level("WARNING", logger="model.weights"):
+        model = load_model(path, dtype="float32")
+    assert any(name.startswith("mtp.") for name, _ in model.named_parameters()), "the model was built without MTP"
+    warned = "\n".join(r.getMessage() for r in caplog.records if "not part of this model" in r.getMessage())
+    assert extra in warned, f"no warning names {extra}: {warned!r}"

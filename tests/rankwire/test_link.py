@@ -366,3 +366,18 @@ def test_a_nan_deadline_is_refused_not_spun_on(links: tuple[ControlLink, Control
     waiter.join(2.0)
     assert not hung, "the wait with a NaN deadline was still running (spinning on zero-timeout polls) after 1 s"
     assert len(outcome) == 1 and isinstance(outcome[0], ValueError), repr(outcome)
+
+
+def test_a_hello_of_deeply_nested_json_is_a_frame_error():
+    """A (hash-consistent) HELLO whose settings are JSON nested past Python's recursion limit is refused as a
+    FrameError naming the HELLO, as any other non-canonical settings are, not a RecursionError."""
+    a, b = socket.socketpair()
+    rank0, rank1 = ControlLink(a, rank=0), ControlLink(b, rank=1)
+    try:
+        theirs = b"[" * 100_000 + b"]" * 100_000
+        send_frame(rank1.sock, Tag.HELLO, hashlib.sha256(theirs).digest() + theirs)
+        with pytest.raises(FrameError, match="HELLO"):
+            rank0.handshake({"model": "m"}, timeout=5.0)
+    finally:
+        rank0.close()
+        rank1.close()

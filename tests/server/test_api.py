@@ -1246,6 +1246,8 @@ def test_tokenize_return_token_strs_gives_the_token_strings(live):
     for body in ({"prompt": "def add(a, b):"}, {"messages": [{"role": "user", "content": "hi"}]}):
         out = httpx.post(f"{live.url}/tokenize", json={**body, "return_token_strs": True}).json()
         assert out.get("token_strs") == tokenizer.convert_ids_to_tokens(out["tokens"]), body
+    unasked = httpx.post(f"{live.url}/tokenize", json={"prompt": "ab", "return_token_strs": None})  # vLLM's default
+    assert unasked.status_code == 200 and unasked.json()["token_strs"] is None
 
 
 def test_stream_options_without_include_usage_still_gives_usage_as_vllms(live):

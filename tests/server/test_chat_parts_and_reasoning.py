@@ -15,6 +15,7 @@ from server.http_options import HttpOptions
 from tests.server.test_tool_calls_api import ASK, SHIPPED, WEATHER, Answering, http
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+PARAMETERS = WEATHER["function"]["parameters"]
 CODER_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 
 
@@ -76,3 +77,40 @@ def test_a_coder_tool_call_inside_an_unclosed_think_block_ends_the_reasoning(tok
     assert calls == [("get_weather", {"city": "Paris"})], choice
     assert choice["finish_reason"] == "tool_calls"
     assert "<tool_call>" not in (choice["message"]["reasoning_content"] or "")
+
+
+def test_reasoning_tokens_count_a_tool_call_tag_that_opens_no_call(tokenizer):
+    """With qwen3_coder calls and a one-token <tool_call>, a reasoning that mentions <tool_call> without a function
+    after it stays reasoning text to </think>, and its tokens (end tag included) are all counted as reasoning."""
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # one token each, not special, as in Qwen's vocabulary
+    reasoning = "Use <tool_call> maybe. Hmm.\n"
+    answer = reasoning + "</think>\n\nSunny."
+    engine = Answering(tok, answer)
+    state = ServerState(engine, tok, "m", 4096, len(tok), (0,), http=HttpOptions(tool_call_parser="qwen3_coder"))
+    client = TestClient(build_app(state))
+    tool = {"type": "function", "name": "get_weather", "description": "w", "parameters": PARAMETERS}
+    body = {"input": "Weather in Paris?", "tools": [tool], "reasoning": {"effort": "medium"}}
+    response = client.post("/v1/responses", json=body).json()
+    said = [part["text"] for item in response["output"] if item["type"] == "reasoning" for part in item["content"]]
+    assert said == [reasoning], response["output"]
+    expected = len(tok(reasoning + "</think>", add_special_tokens=False)["input_ids"])
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == expected, response["usage"]
+
+
+def test_reasoning_tokens_end_before_the_tag_of_a_call_that_ends_the_think_block(tokenizer):
+    """With qwen3_coder calls and a one-token <tool_call>, a call opened inside the think block ends it: the tokens
+    before its tag are the reasoning tokens, the call's are not."""
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    reasoning = "I should look it up.\n"
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    engine = Answering(tok, reasoning + call)
+    state = ServerState(engine, tok, "m", 4096, len(tok), (0,), http=HttpOptions(tool_call_parser="qwen3_coder"))
+    client = TestClient(build_app(state))
+    tool = {"type": "function", "name": "get_weather", "description": "w", "parameters": PARAMETERS}
+    body = {"input": "Weather in Paris?", "tools": [tool], "reasoning": {"effort": "medium"}}
+    response = client.post("/v1/responses", json=body).json()
+    assert [item["type"] for item in response["output"]] == ["reasoning", "function_call"], response["output"]
+    expected = len(tok(reasoning, add_special_tokens=False)["input_ids"])
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == expected, response["usage"]

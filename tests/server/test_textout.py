@@ -90,6 +90,72 @@ def test_a_character_the_prompt_leaves_unfinished_is_the_outputs_first(tok: Any,
         assert detok.add(ids[cut:]) + detok.flush() == text[len(whole) :], cut
 
 
+EOS_TEXT = "<|endoftext|>"
+
+
+def byte_units() -> dict[int, str]:
+    """GPT-2's byte-to-unicode table (byte-level BPE spells each byte as one of these characters)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = list(kept), 0
+    for b in range(256):
+        if b not in kept:
+            kept.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(kept, chars, strict=True)}
+
+
+UNITS = byte_units()
+
+
+@pytest.fixture(scope="module")
+def byte_tok() -> Any:
+    """A byte-level BPE tokenizer: one token per byte, one merged token " " + 0xE4 (a space and the first byte of
+    a CJK character, as real byte-level vocabularies hold), and a special EOS_TEXT."""
+    vocab = {UNITS[b]: b for b in range(256)}
+    space, lead = UNITS[0x20], UNITS[0xE4]
+    vocab[space + lead] = 256
+    vocab[EOS_TEXT] = 257
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[(space, lead)]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TEXT)
+
+
+def byte_id(b: int) -> int:
+    return b  # the fixture's vocabulary gives byte b the id b
+
+
+def test_a_prompt_token_with_text_and_the_start_of_a_character_keeps_that_character(byte_tok):
+    """A prompt ending in a token that holds a space and the first byte of 你: the output's text holds the 你 its
+    first tokens complete (its text is the full text after the prompt's whole characters)."""
+    text = "a 你好"
+    ids = byte_tok.encode(text, add_special_tokens=False)
+    assert byte_tok.decode(ids[1:2]) == " \ufffd"  # the merged token
+    detok = IncrementalDetokenizer(byte_tok, ids[:2])
+    out = detok.add(ids[2:]) + detok.flush()
+    assert out == "你好", out
+
+
+def test_an_answer_of_only_eos_after_a_prompt_ending_inside_a_character_has_no_text(byte_tok):
+    """A token-id prompt ending inside a character, answered by EOS_TEXT alone (skipped): the output's text is empty,
+    as the full decode of its tokens and vLLM give it, and as before the change (not a U+FFFD of the prompt's)."""
+    prompt = [byte_id(0x61), byte_id(0xE4)]  # "a" and the first byte of 你
+    eos = byte_tok.convert_tokens_to_ids(EOS_TEXT)
+    detok = IncrementalDetokenizer(byte_tok, prompt)
+    out = detok.add([eos]) + detok.flush()
+    assert out == byte_tok.decode([eos], skip_special_tokens=True) == "", repr(out)
+
+
+def test_a_prompt_byte_that_can_begin_no_character_is_not_output(byte_tok):
+    """A prompt ending in a lone continuation byte (0x80, which begins no character) is not held for the output:
+    the output "hi" reads "hi", not U+FFFD + "hi" (IncrementalDetokenizer._unfinished's own contract)."""
+    prompt = [byte_id(0x61), byte_id(0x80)]
+    detok = IncrementalDetokenizer(byte_tok, prompt)
+    out = detok.add(byte_tok.encode("hi", add_special_tokens=False)) + detok.flush()
+    assert out == "hi", repr(out)
+
+
 def test_emoji_bytes_are_held_until_complete(tok: Any) -> None:
     """An emoji spread over byte tokens comes out whole, once, when its last byte arrives."""
     ids = tok.encode("a😀b", add_special_tokens=False)
