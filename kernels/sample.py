@@ -19,8 +19,9 @@ How each row stays identical to the one-row call:
   the parity of S/u. Each element is therefore a map on that parity (two integer increments), maps compose
   associatively, and a parallel scan over them gives every S exactly; the chunk stops at the first element whose
   sum leaves the binade (a result rounded up onto 2^(c+1) is still exact) and the next chunk restarts there.
-- top_p's cut, min_p's cut and the inverse-CDF pick are binary searches over those exact sums (and the sorted fp32
-  probabilities) with the same fp64 products as the host: top_p · cdf[keep0-1], min_p · p[0], u · cdf[keep-1].
+- min_p's cut, top_p's cut and the inverse-CDF pick, in that order (vLLM's: top_p measures the mass min_p and top_k
+  leave), are binary searches over those exact sums (and the sorted fp32 probabilities) with the same fp64 products
+  as the host: min_p · p[0], top_p · cdf[keep1-1], u · cdf[keep-1].
 - The uniform is splitmix64 of (seed, position) in 64-bit unsigned integer arithmetic, as `draw_uniform`.
 Greedy rows (temperature 0) take the first maximal id. A greedy round whose parameters are on the host (as the runner
 passes them) is one launch: `greedy_tokens`, one program per row keeping each lane's first maximum over the row.
@@ -73,6 +74,14 @@ def sequential_cumsum_reference(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values.double().cpu(), dim=-1).to(values.device)
 
 
+def top_k_kept(sorted_probs: torch.Tensor, top_k: int) -> int:
+    """How many of a row's sorted probabilities top_k keeps: the first top_k and every one tied with the last of
+    them (vLLM keeps each logit not below the k-th); all where top_k is 0 or covers the row."""
+    if not 0 < top_k < sorted_probs.numel():
+        return sorted_probs.numel()
+    return int(torch.count_nonzero(sorted_probs >= sorted_probs[top_k - 1]))
+
+
 def sample_row_reference(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, seed: int, position: int
 ) -> int:
@@ -86,15 +95,15 @@ def sample_row_reference(
     if temperature == 0:
         return int(torch.nonzero(row == best)[0, 0])
     sorted_probs, sorted_ids = torch.sort(torch.softmax(row / temperature, dim=-1), descending=True, stable=True)
-    keep = min(top_k, sorted_probs.numel()) if top_k > 0 else sorted_probs.numel()
+    keep = top_k_kept(sorted_probs, top_k)
     mass = sorted_probs[:keep].to(device="cpu", dtype=torch.float64)
     if not math.isfinite(mass[0].item()):
         return -1
     cdf = torch.cumsum(mass, dim=0)
-    if top_p < 1:
-        keep = min(keep, int(torch.searchsorted(cdf, top_p * cdf[-1].item())) + 1)
     if min_p > 0:
         keep = min(keep, int(torch.count_nonzero(mass[:keep] >= min_p * mass[0].item())))
+    if top_p < 1:
+        keep = min(keep, int(torch.searchsorted(cdf[:keep], top_p * cdf[keep - 1].item())) + 1)
     target = draw_uniform_reference(seed, position) * cdf[keep - 1].item()
     return int(sorted_ids[min(int(torch.searchsorted(cdf[:keep], target, right=True)), keep - 1)])
 
@@ -227,7 +236,8 @@ def _sample_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One sampled row over its sorted probabilities: exact fp64 cdf, top_k, top_p and min_p cuts, keyed pick."""
+    """One sampled row over its sorted probabilities: exact fp64 cdf, top_k (with its ties), min_p and top_p cuts,
+    keyed pick."""
     enter(PDL)
     row = tl.program_id(0)
     probs = probs_ptr + row.to(tl.int64) * stride_probs
@@ -237,14 +247,16 @@ def _sample_kernel(
         if first < float("inf"):
             top_k = tl.load(top_k_ptr + row)
             keep = tl.where(top_k > 0, tl.minimum(top_k, V), V).to(tl.int32)
-            total = _scan_row(probs, cdf, keep, BLOCK)
+            if keep < V:  # and every probability tied with the k-th
+                keep = _leading(probs, V, tl.load(probs + keep - 1).to(tl.float64), 2).to(tl.int32)
+            _scan_row(probs, cdf, keep, BLOCK)
             tl.debug_barrier()  # the searches below read sums other threads of this program stored
-            top_p = tl.load(top_p_ptr + row)
-            if top_p < 1:
-                keep = tl.minimum(keep, _leading(cdf, keep, top_p * total, 0) + 1)
             min_p = tl.load(min_p_ptr + row)
             if min_p > 0:
                 keep = tl.minimum(keep, _leading(probs, keep, min_p * first.to(tl.float64), 2))
+            top_p = tl.load(top_p_ptr + row)
+            if top_p < 1:
+                keep = tl.minimum(keep, _leading(cdf, keep, top_p * tl.load(cdf + keep - 1), 0) + 1)
             target = _draw(tl.load(seed_ptr + row), tl.load(position_ptr + row)) * tl.load(cdf + keep - 1)
             index = tl.minimum(_leading(cdf, keep, target, 1), keep - 1)
             tl.store(tokens_ptr + row, tl.load(ids_ptr + row.to(tl.int64) * stride_ids + index))

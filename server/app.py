@@ -409,7 +409,7 @@ def build_app(state: ServerState) -> FastAPI:
                 raise ApiError(
                     f"{field}: token id {outside[0]} is outside the vocabulary (size {state.vocab_size})", param=field
                 )
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(state.eos_ids))
+        stops = set(params.stop_token_ids) | set(state.eos_ids)  # what min_tokens holds back, ignore_eos or not
         if params.min_tokens and params.allowed_token_ids and stops.issuperset(params.allowed_token_ids):
             raise ApiError(
                 "allowed_token_ids: every allowed id is a stop token, which min_tokens rules out: nothing is left to "

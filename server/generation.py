@@ -94,7 +94,8 @@ class Generation:
             self.seed,
             params.logit_bias,
             params.logprobs,
-            tuple(sorted(stop_ids)) if params.min_tokens else (),
+            # min_tokens holds back every stop id, EOS too where ignore_eos lets it through later (as vLLM's does)
+            tuple(sorted(set(stop_ids) | set(eos_ids))) if params.min_tokens else (),
             len(prompt_ids) + params.min_tokens,  # the position of the first token that may stop it
             params.repetition_penalty,
             params.frequency_penalty,

@@ -23,7 +23,8 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # The round header carries top_k in 32 bits; any top_k of the vocabulary's size or more keeps every token.
 MAX_TOP_K = 2**31 - 1
 # OpenAI's logit_bias range; and the most token ids one request may bias (each crosses the control link every round).
-MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ABS_LOGIT_BIAS = 100.0  # a bias beyond it is clamped to it, as vLLM clamps
+MIN_TEMPERATURE = 0.01  # a temperature above 0 and below it is raised to it, as vLLM raises it
 MAX_LOGIT_BIAS_IDS = 1024
 # The repetition penalty's range: a logit divided or multiplied by it stays finite in fp32 (vLLM takes any value > 0,
 # and a tiny one there overflows the logits)
@@ -126,6 +127,11 @@ class SamplingDefaults:
 
 
 NO_DEFAULTS = SamplingDefaults()
+
+
+def clamped_bias(bias: float) -> float:
+    """A logit bias within [-100, 100]."""
+    return max(-MAX_ABS_LOGIT_BIAS, min(MAX_ABS_LOGIT_BIAS, float(bias)))
 
 
 class ApiError(Exception):
@@ -588,16 +594,6 @@ class _SamplingRequest(NullAsAbsentModel):
         """Guides of a route's own fields (a chat's forced tool choice)."""
         return []
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _same_as_max_tokens(cls, value: int, info: ValidationInfo) -> int:
-        max_tokens = info.data.get("max_tokens")
-        if max_tokens is not None and max_tokens != value:
-            raise PydanticCustomError(
-                "conflict", f"must equal max_tokens ({max_tokens}) when both are given; send only one"
-            )
-        return value
-
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _kept_tokens(cls, value: int | None) -> int | None:
@@ -642,9 +638,6 @@ class _SamplingRequest(NullAsAbsentModel):
             raise PydanticCustomError("logit_bias", f"keys are token ids written in decimal, got {bad!r}")
         if len(set(ids)) != len(ids):
             raise PydanticCustomError("logit_bias", "a token id is given twice")
-        outside = [bias for bias in value.values() if abs(bias) > MAX_ABS_LOGIT_BIAS]
-        if outside:
-            raise PydanticCustomError("logit_bias", f"bias {outside[0]} is outside [-100, 100]")
         return value
 
     def sampling_params(self, defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingParams:
@@ -657,12 +650,13 @@ class _SamplingRequest(NullAsAbsentModel):
             value = getattr(defaults, name)
             return getattr(self, name) if name in given or value is None else value
 
+        temperature = chosen("temperature")
         return SamplingParams(
-            temperature=chosen("temperature"),
+            temperature=max(temperature, MIN_TEMPERATURE) if temperature else temperature,  # vLLM's floor
             top_p=chosen("top_p"),
             top_k=min(max(chosen("top_k"), 0), MAX_TOP_K),
             min_p=chosen("min_p"),
-            seed=self.seed,
+            seed=None if self.seed == -1 else self.seed,  # vLLM's -1: a fresh seed
             max_tokens=self.max_completion_tokens or self.max_tokens or self.default_max_tokens,
             stop=tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids),
@@ -671,7 +665,7 @@ class _SamplingRequest(NullAsAbsentModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
             priority=self.priority,
-            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
+            logit_bias=tuple(sorted((int(k), clamped_bias(v)) for k, v in (self.logit_bias or {}).items() if v != 0)),
             logprobs=self.logprobs_count(),
             min_tokens=self.min_tokens,
             repetition_penalty=chosen("repetition_penalty"),

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from kernels.sample import top_k_kept
+
 MASK64 = (1 << 64) - 1
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
@@ -57,16 +59,16 @@ def sample_token(
     probs = torch.softmax(row / temperature, dim=-1)
     # A stable sort keeps equal probabilities in ascending id order, so tied candidates have one fixed order.
     sorted_probs, sorted_ids = torch.sort(probs, descending=True, stable=True)
-    keep = min(top_k, sorted_probs.numel()) if top_k > 0 else sorted_probs.numel()
+    keep = top_k_kept(sorted_probs, top_k)
     mass = sorted_probs[:keep].to(device="cpu", dtype=torch.float64)
     if not math.isfinite(mass[0].item()):
         raise SamplingParamError(f"temperature {temperature} overflows these logits", "temperature")
     cdf = torch.cumsum(mass, dim=0)
-    if top_p < 1:
-        # Mass is measured after top_k, as if the dropped tokens had never been candidates.
-        keep = min(keep, int(torch.searchsorted(cdf, top_p * cdf[-1].item())) + 1)
     if min_p > 0:
         keep = min(keep, int(torch.count_nonzero(mass[:keep] >= min_p * mass[0].item())))
+    if top_p < 1:
+        # Mass is measured after top_k and min_p (vLLM's order), as if the dropped tokens had never been candidates.
+        keep = min(keep, int(torch.searchsorted(cdf[:keep], top_p * cdf[keep - 1].item())) + 1)
     target = draw_uniform(seed, position) * cdf[keep - 1].item()
     index = min(int(torch.searchsorted(cdf[:keep], target, right=True)), keep - 1)
     return int(sorted_ids[index])

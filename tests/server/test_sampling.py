@@ -95,11 +95,12 @@ def test_top_k_one_is_greedy_and_top_k_limits_candidates() -> None:
     assert {draw(LOGITS, top_k=2, position=p) for p in range(300)} == {0, 1}
 
 
-def test_top_k_ties_keep_the_lower_id() -> None:
-    """Among tied probabilities the stable order keeps the lower ids when top_k cuts through the tie."""
+def test_top_k_keeps_every_id_tied_with_the_kth() -> None:
+    """A top_k that cuts through tied probabilities keeps the whole tie (vLLM keeps each logit not below the k-th)."""
     tied = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0])
-    assert {draw(tied, top_k=1, position=p) for p in range(100)} == {1}
-    assert {draw(tied, top_k=2, position=p) for p in range(200)} == {1, 2}
+    assert {draw(tied, top_k=1, position=p) for p in range(200)} == {1, 2, 3}
+    assert {draw(tied, top_k=2, position=p) for p in range(200)} == {1, 2, 3}
+    assert {draw(torch.tensor([2.0, 1.0, 1.0, 0.5]), top_k=1, position=p) for p in range(100)} == {0}
 
 
 def test_top_p_tiny_keeps_only_the_top_token() -> None:
