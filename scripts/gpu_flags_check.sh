@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vLLM's flags and the generation config's sampling defaults on one GPU, then the API check and the whole GPU suite,
 # in one call on nvidia-h200 or nvidia-h100-x1 (carry .whl from `../shared/tools/gpu-wheels.sh anthropic
-# docstring-parser`: the suite's Messages tests import anthropic). The shipped model at --tp 1 with CUDA graphs:
+# docstring-parser jsonschema jsonschema-specifications referencing rpds-py attrs`: the suite's Messages tests import
+# anthropic, its grammar conformance tests jsonschema). The shipped model at --tp 1 with CUDA graphs:
 #   1. served as it is: the lane pool and prompt cache it plans, the GPU's memory in use, gpu_api_check.py, and
 #      Anthropic's Messages API against the chat (scripts/messages_check.py);
 #   2. served from a vLLM command line (--gpu-memory-utilization 0.3, --speculative-config, the parser flags, the
