@@ -80,12 +80,9 @@ BODIES = (
     {"prompt": "some text", "max_tokens": 9, "temperature": 0, "stop": ["e"], "stream": True},
     {"prompt": [3, 1, 4], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3, "stream": True},
     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "seed": 9, "logprobs": True, "top_logprobs": 2},
+    {"prompt": [5, 9, 14, 3], "max_tokens": 4, "temperature": 1e-40, "seed": 2},  # drawn at vLLM's floor, 0.01
+    {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 4, "temperature": 1e-40, "seed": 4, "stream": True},
 )
-OVERFLOWS = (  # every draw fails on the request's own temperature: a 400, streamed an error event, naming it
-    {"prompt": [5, 9, 14, 3], "max_tokens": 4, "temperature": 1e-40},
-    {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 1e-40, "stream": True},
-)
-REFUSED = [("400", "invalid_request_error: temperature"), ("error event", "invalid_request_error: temperature")]
 
 
 def answer(url: str, body: dict) -> tuple[str, str]:
@@ -112,9 +109,9 @@ def answer(url: str, body: dict) -> tuple[str, str]:
 
 
 def answers(url: str) -> list[tuple[str, str]]:
-    """Every body's answer, those that overflow too, sent all at once."""
-    with concurrent.futures.ThreadPoolExecutor(len(BODIES) + len(OVERFLOWS)) as pool:
-        return list(pool.map(lambda body: answer(url, body), BODIES + OVERFLOWS))
+    """Every body's answer, sent all at once."""
+    with concurrent.futures.ThreadPoolExecutor(len(BODIES)) as pool:
+        return list(pool.map(lambda body: answer(url, body), BODIES))
 
 
 def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_stops_both(ckpt) -> None:
@@ -130,7 +127,7 @@ def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_s
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
             assert wait_until(lambda: not any(running(f) for f in fronts), 10)  # noqa: B023
-    assert all(sha for sha, _ in got["process"]) and got["process"][len(BODIES) :] == REFUSED
+    assert all(sha for sha, _ in got["process"])
     asked = [i for i, body in enumerate(BODIES) if "logprobs" in body]
     assert all('"logprob":' in got["process"][i][1] or '"token_logprobs":' in got["process"][i][1] for i in asked)
     assert got["process"] == got["thread"]
