@@ -95,10 +95,10 @@ def sample_row_reference(
     if temperature == 0:
         return int(torch.nonzero(row == best)[0, 0])
     sorted_probs, sorted_ids = torch.sort(torch.softmax(row / temperature, dim=-1), descending=True, stable=True)
+    if not math.isfinite(sorted_probs[0].item()):
+        return -1
     keep = top_k_kept(sorted_probs, top_k)
     mass = sorted_probs[:keep].to(device="cpu", dtype=torch.float64)
-    if not math.isfinite(mass[0].item()):
-        return -1
     cdf = torch.cumsum(mass, dim=0)
     if min_p > 0:
         keep = min(keep, int(torch.count_nonzero(mass[:keep] >= min_p * mass[0].item())))

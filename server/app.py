@@ -418,7 +418,7 @@ def build_app(state: ServerState) -> FastAPI:
             )
         params = guided(body, params, thinking_open)
         bad_words = checked_bad_words(params)
-        asked_by = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
+        asked_by = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"  # the one that counts
         generations: list[Generation] = []
         # a coder call opened inside a think block ends it, where the answer's calls are read in that form
         coder = calls_as == "qwen3_coder" and isinstance(body, ChatCompletionRequest) and body.parses_tool_calls()
@@ -1021,7 +1021,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         body = await json_body(request)
         check_model(body.get("model"))
-        spelled = body.get("return_token_strs") or False  # vLLM's Optional[bool]: null is false
+        spelled = body.get("return_token_strs")
+        spelled = False if spelled is None else spelled  # vLLM's Optional[bool]: null is false
         if not isinstance(spelled, bool):
             raise ApiError("return_token_strs: expected true or false", param="return_token_strs")
         ids = await asyncio.to_thread(tokenize_body, body)  # on a worker thread, as the completion routes tokenize

@@ -132,7 +132,8 @@ class Generation:
         self.thinking_until = single_token_id(tokenizer, THINK_TAGS[1]) if thinking_open and tokenizer else None
         self.call_tag = single_token_id(tokenizer, call_opening[0]) if call_opening and tokenizer else None
         self.counted = 0  # the think block's tokens counted so far
-        self.call_mark: int | None = None  # how many came before the latest call tag in it
+        self.call_marks: list[int] = []  # how many came before each call tag in it
+        self.call_taken = False  # whether the count was cut back to a call's tag
         self.unwatched = params.min_tokens  # tokens still to come before a stop string may end the output
         self.done = False
 
@@ -179,7 +180,7 @@ class Generation:
             return 0
         for at, token in enumerate(tokens):
             if token == self.call_tag:
-                self.call_mark = self.counted + at
+                self.call_marks.append(self.counted + at)
             if token == self.thinking_until:
                 self.thinking_until = None
                 self.counted += at + 1
@@ -188,11 +189,14 @@ class Generation:
         return len(tokens)
 
     def _call_ended_thinking(self, piece: Piece) -> None:
-        """Where the splitter found a call block ending the think block, take back the tokens counted from its tag
-        on (the count of this piece may go below zero: the request's sum is what is reported)."""
-        if self.thinking_until is not None and self.splitter.called and self.call_mark is not None:
-            piece.reasoning_tokens -= self.counted - self.call_mark
-            self.counted, self.thinking_until = self.call_mark, None
+        """Where the splitter found a call block ending the think block, take back the tokens counted from the tag
+        of that call on, the tags it left in the reasoning passed over (the count of this piece may go below zero:
+        the request's sum is what is reported); the same however the tokens came grouped."""
+        taken = self.splitter.tags_passed
+        if self.call_taken or not self.splitter.called or taken >= len(self.call_marks):
+            return
+        piece.reasoning_tokens -= self.counted - self.call_marks[taken]
+        self.counted, self.thinking_until, self.call_taken = self.call_marks[taken], None, True
 
     def _piece(self, update: Update) -> Piece:
         """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the

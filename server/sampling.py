@@ -59,10 +59,10 @@ def sample_token(
     probs = torch.softmax(row / temperature, dim=-1)
     # A stable sort keeps equal probabilities in ascending id order, so tied candidates have one fixed order.
     sorted_probs, sorted_ids = torch.sort(probs, descending=True, stable=True)
+    if not math.isfinite(sorted_probs[0].item()):
+        raise SamplingParamError(f"temperature {temperature} overflows these logits", "temperature")
     keep = top_k_kept(sorted_probs, top_k)
     mass = sorted_probs[:keep].to(device="cpu", dtype=torch.float64)
-    if not math.isfinite(mass[0].item()):
-        raise SamplingParamError(f"temperature {temperature} overflows these logits", "temperature")
     cdf = torch.cumsum(mass, dim=0)
     if min_p > 0:
         keep = min(keep, int(torch.count_nonzero(mass[:keep] >= min_p * mass[0].item())))

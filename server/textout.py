@@ -77,12 +77,16 @@ class IncrementalDetokenizer:
         if full.endswith(REPLACEMENT) and not finished:
             return ""
         read = self._tokenizer.decode(self._ids[: self._read], skip_special_tokens=False)
-        # where the context's text ends in U+FFFD (a prompt ending inside a character, or in bytes that begin none),
-        # those replacement characters still one in the whole text are the context's; a character the new ids
-        # complete is theirs (as vLLM's detokenizer primed with the prompt gives it)
-        start = len(read.rstrip(REPLACEMENT))
-        while start < min(len(read), len(full)) and full[start] == REPLACEMENT:
-            start += 1
+        start = len(read)
+        ending = start - len(read.rstrip(REPLACEMENT))
+        if ending:  # the context's text ends in U+FFFD: a prompt ending inside a character, or in bytes that begin none
+            new = self._tokenizer.decode(self._ids[self._read :], skip_special_tokens=False)
+            leading = len(new) - len(new.lstrip(REPLACEMENT))
+            whole = full[start - ending :]
+            run = len(whole) - len(whole.lstrip(REPLACEMENT))
+            # fewer than both texts' replacement characters: the new bytes complete or continue the context's last
+            # character, which is then theirs (as vLLM's detokenizer primed with the prompt gives it)
+            start -= run < ending + leading
         delta = full[start:]
         del self._ids[: self._read]
         self._read = len(self._ids)
@@ -147,7 +151,7 @@ class _Phase(enum.Enum):
 class ReasoningSplitter:
     """Split generated text into reasoning (inside a Qwen-style think block) and content (after it)."""
 
-    __slots__ = ("_call", "_end", "_held", "_phase", "_start", "_strip", "called")
+    __slots__ = ("_call", "_end", "_held", "_phase", "_start", "_strip", "called", "tags_passed")
 
     def __init__(
         self, thinking_open: bool, start: str = "<think>", end: str = "</think>", call: tuple[str, str] | None = None
@@ -160,6 +164,7 @@ class ReasoningSplitter:
         self._held = ""
         self._strip = 0  # newlines still to drop right after a tag
         self.called = False  # whether a call block ended the reasoning
+        self.tags_passed = 0  # call tags the reasoning text holds (none of them a call's), before any call
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning delta, content delta); tags are dropped, and text that may be part of one is held back."""
@@ -186,23 +191,29 @@ class ReasoningSplitter:
                 at = text.find(self._end)
                 call, undecided = self._call_at(text)
                 if call >= 0 and (at < 0 or call < at):  # the call stays in the content, tag and all
-                    reasoning.append(text[:call])
+                    self._reason(reasoning, text[:call])
                     if undecided:
                         self._held = text[call:]
                         break
                     text, self._phase, self.called = text[call:], _Phase.CONTENT, True
                 elif at >= 0:
-                    reasoning.append(text[:at])
+                    self._reason(reasoning, text[:at])
                     text, self._phase, self._strip = text[at + len(self._end) :], _Phase.CONTENT, 2
                 else:
                     cut = len(text) - partial_len(text, (self._end, self._call[0]) if self._call else (self._end,))
-                    reasoning.append(text[:cut])
+                    self._reason(reasoning, text[:cut])
                     self._held = text[cut:]
                     break
             else:
                 content.append(text)
                 break
         return "".join(reasoning), "".join(content)
+
+    def _reason(self, reasoning: list[str], text: str) -> None:
+        """Add text to the reasoning delta, counting the call tags it holds (whole: a partial one is held back)."""
+        reasoning.append(text)
+        if self._call is not None:
+            self.tags_passed += text.count(self._call[0])
 
     def _call_at(self, text: str) -> tuple[int, bool]:
         """Where in reasoning text a call block opens (-1: nowhere), and whether what follows its tag may still turn

@@ -114,3 +114,45 @@ def test_reasoning_tokens_end_before_the_tag_of_a_call_that_ends_the_think_block
     assert [item["type"] for item in response["output"]] == ["reasoning", "function_call"], response["output"]
     expected = len(tok(reasoning, add_special_tokens=False)["input_ids"])
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == expected, response["usage"]
+
+
+CODER_CALL_OF = "<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
+REASONING = "I should look it up.\n"
+
+
+def reasoning_tokens(tok: Any, answer: str, per_update: int) -> int:
+    """usage.output_tokens_details.reasoning_tokens of a /v1/responses answer, `per_update` tokens an update."""
+    engine = Answering(tok, answer, per_update)
+    state = ServerState(engine, tok, "m", 4096, len(tok), (0,), http=HttpOptions(tool_call_parser="qwen3_coder"))
+    client = TestClient(build_app(state))
+    parameters = WEATHER["function"]["parameters"]
+    tool = {"type": "function", "name": "get_weather", "description": "w", "parameters": parameters}
+    body = {"input": "Weather in Paris?", "tools": [tool], "reasoning": {"effort": "medium"}}
+    response = client.post("/v1/responses", json=body).json()
+    assert response["output"][0]["type"] == "reasoning", response["output"]
+    return response["usage"]["output_tokens_details"]["reasoning_tokens"]
+
+
+@pytest.fixture(scope="module")
+def call_tok() -> Any:
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # one token each, as in Qwen's vocabulary
+    return tok
+
+
+@pytest.mark.parametrize("per_update", [1, 500])
+def test_reasoning_tokens_of_two_calls_end_at_the_first_calls_tag_however_updates_group_them(call_tok, per_update):
+    """Two parallel calls end the think block: the reasoning tokens are those before the first call's tag, whether
+    the tokens come one an update (undrafted) or many (drafts accepted, the last update)."""
+    answer = REASONING + CODER_CALL_OF.format(city="Paris") + "\n" + CODER_CALL_OF.format(city="Rome")
+    expected = len(call_tok(REASONING, add_special_tokens=False)["input_ids"])
+    assert reasoning_tokens(call_tok, answer, per_update) == expected
+
+
+@pytest.mark.parametrize("per_update", [1, 500])
+def test_reasoning_tokens_end_at_the_call_even_where_think_closes_in_the_same_update(call_tok, per_update):
+    """A call ends the think block before a later </think>: the reasoning tokens are those before the call's tag,
+    whether the </think> comes in a later update or in the same one."""
+    answer = REASONING + CODER_CALL_OF.format(city="Paris") + "\n</think>\n\n"
+    expected = len(call_tok(REASONING, add_special_tokens=False)["input_ids"])
+    assert reasoning_tokens(call_tok, answer, per_update) == expected

@@ -422,3 +422,26 @@ def test_prompt_opens_thinking(tok: Any) -> None:
     assert prompt_opens_thinking(opened) and not prompt_opens_thinking(closed)
     assert not prompt_opens_thinking("no tags") and not prompt_opens_thinking(closed + "<thinkish")
     assert prompt_opens_thinking("<think>a</think><think>", "<think>", "</think>")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_replacement_character_holding_output_bytes_is_the_outputs(byte_tok, chunked):
+    """A prompt ending in E4 (a character's first byte) and an output BD 'a' (BD continues it, 'a' cuts it short):
+    the whole text's U+FFFD holds the output's byte BD, so the output's text is U+FFFD + 'a' (not 'a')."""
+    prompt = [0x61, 0xE4]  # byte ids: "a", first byte of 你
+    output = [0xBD, 0x61]
+    whole = bytes(prompt + output).decode("utf-8", "replace")
+    assert whole == "a\ufffda" and bytes(prompt).decode("utf-8", "replace") == "a\ufffd"
+    assert bytes([0xE4, 0xBD]).decode("utf-8", "replace") == "\ufffd"  # one character of prompt and output bytes
+    detok = IncrementalDetokenizer(byte_tok, prompt)
+    pieces = [detok.add([t]) for t in output] if chunked else [detok.add(output)]
+    out = "".join(pieces) + detok.flush()
+    assert out == "\ufffda", repr(out)
+
+
+def test_an_output_byte_continuing_the_prompts_last_character_is_not_lost_at_the_end(byte_tok):
+    """Prompt "a" + E4, output BD alone then the end: the unfinished character of prompt and output bytes shows as
+    U+FFFD in the output (flush's contract), not as nothing."""
+    detok = IncrementalDetokenizer(byte_tok, [0x61, 0xE4])
+    out = detok.add([0xBD]) + detok.flush()
+    assert out == "\ufffd", repr(out)

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from kernels.sample import sample_row_reference
 from server.protocol import ChatCompletionRequest, parse_request
-from server.sampling import sample_token
+from server.sampling import SamplingParamError, sample_token
 from tests.server.test_tool_calls_api import SHIPPED, http
 
 ASK = [{"role": "user", "content": "Name a color."}]
@@ -67,3 +67,16 @@ def test_a_logit_bias_beyond_100_is_clamped_not_refused(tokenizer):
     """vLLM's SamplingParams.from_optional clamps each logit_bias value to [-100, 100]; it does not refuse it."""
     request = submitted(tokenizer, logit_bias={"5": 150, "6": -250.5})
     assert request.draw.logit_bias == ((5, 100.0), (6, -100.0))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_an_overflowing_temperature_with_top_k_is_a_parameter_error_not_an_index_error(top_k):
+    """Logits that overflow at temperature 0.5 (NaN probabilities) with top_k set: sample_token raises
+    SamplingParamError (as with top_k 0, and as the kernel gives -1) and the kernel's reference gives -1; top_k_kept
+    now keeps 0 of them, and mass[0] raises IndexError, which _draw_row does not catch."""
+    row = torch.tensor([3e38, 1.0, 0.0, -1.0])
+    with pytest.raises(SamplingParamError):
+        sample_token(row, 0.5, 0, 1.0, 0.0, 1, 2)  # top_k off: refused as a parameter error
+    with pytest.raises(SamplingParamError):
+        sample_token(row, 0.5, top_k, 1.0, 0.0, 1, 2)
+    assert sample_row_reference(row, 0.5, top_k, 1.0, 0.0, 1, 2) == -1
