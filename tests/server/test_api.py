@@ -1293,6 +1293,8 @@ def test_metrics_have_vllms_request_histograms(live):
         "flashnext:request_generation_tokens",
     ):
         assert name in found and found[name].type == "histogram", name
+        count = [s.value for s in found[name].samples if s.name == f"{name}_count"]
+        assert count and count[0] >= 1, (name, count)
 
 
 @pytest.mark.parametrize(("method", "path"), [("GET", "/v1/nothing"), ("GET", "/v1/chat/completions")])
