@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -127,13 +128,13 @@ class Generation:
         # the request's own stop tokens, reported as its stop_reason; an EOS it also lists stays EOS (null), as vLLM's
         self.stop_token_ids = frozenset(params.stop_token_ids) - (frozenset() if params.ignore_eos else set(eos_ids))
         self.splitter = ReasoningSplitter(thinking_open, call=call_opening) if thinking_open is not None else None
-        # the think block's end, while the output is inside one (counted as reasoning tokens up to it), and the tool
-        # call's tag that ends it before its body (not counted; its body is not looked at here)
+        # the think block's end, while the output is inside one (counted as reasoning tokens up to it)
         self.thinking_until = single_token_id(tokenizer, THINK_TAGS[1]) if thinking_open and tokenizer else None
-        self.call_tag = single_token_id(tokenizer, call_opening[0]) if call_opening and tokenizer else None
         self.counted = 0  # the think block's tokens counted so far
-        self.call_marks: list[int] = []  # how many came before each call tag in it
-        self.call_taken = False  # whether the count was cut back to a call's tag
+        # while a call may end the block (the splitter says where its tag begins in the text), the output's text
+        # length after each token, by which the count is cut back to the tokens before the tag
+        self.call_may_end = bool(call_opening) and self.thinking_until is not None
+        self.token_ends: list[int] = []
         self.unwatched = params.min_tokens  # tokens still to come before a stop string may end the output
         self.done = False
 
@@ -175,12 +176,10 @@ class Generation:
 
     def _reasoning_tokens(self, tokens: list[int]) -> int:
         """How many of a piece's tokens are the think block's (its end tag included); the block ends with them
-        where the end tag is among them. A call tag's place is noted, for a call that turns out to end the block."""
+        where the end tag is among them."""
         if self.thinking_until is None:
             return 0
         for at, token in enumerate(tokens):
-            if token == self.call_tag:
-                self.call_marks.append(self.counted + at)
             if token == self.thinking_until:
                 self.thinking_until = None
                 self.counted += at + 1
@@ -189,14 +188,14 @@ class Generation:
         return len(tokens)
 
     def _call_ended_thinking(self, piece: Piece) -> None:
-        """Where the splitter found a call block ending the think block, take back the tokens counted from the tag
-        of that call on, the tags it left in the reasoning passed over (the count of this piece may go below zero:
-        the request's sum is what is reported); the same however the tokens came grouped."""
-        taken = self.splitter.tags_passed
-        if self.call_taken or not self.splitter.called or taken >= len(self.call_marks):
+        """Where the splitter found a call block ending the think block, take back the tokens counted from the one
+        whose text reaches into the call's tag (the count of this piece may go below zero: the request's sum is what
+        is reported); by text, so the same however the tag is spelled in tokens and the tokens came grouped."""
+        if not self.call_may_end or not self.splitter.called:
             return
-        piece.reasoning_tokens -= self.counted - self.call_marks[taken]
-        self.counted, self.thinking_until, self.call_taken = self.call_marks[taken], None, True
+        before = bisect.bisect_right(self.token_ends, self.splitter.call_offset)
+        piece.reasoning_tokens -= self.counted - before
+        self.counted, self.thinking_until, self.call_may_end, self.token_ends = before, None, False, []
 
     def _piece(self, update: Update) -> Piece:
         """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the
@@ -205,7 +204,8 @@ class Generation:
         # a stop token (from stop_token_ids, or EOS) is kept among the ids but its text is not, as vLLM does
         silent = finish == "stop" and bool(tokens) and tokens[-1] in self.request.stop_ids and not self.speak_stop_token
         spoken = tokens[:-1] if silent else tokens
-        if self.stops.watching:  # a token at a time, so the output can end at the token that completes a stop string
+        if self.stops.watching or self.call_may_end:  # a token at a time: the output may end at the token that
+            # completes a stop string; a call's tag is placed among the tokens by their text
             texts = [self.detok.add((token,)) if self.detok else "" for token in spoken] + ([""] if silent else [])
         else:  # nothing can end it early: the update's text at once
             texts = [self.detok.add(spoken) if self.detok else ""]
@@ -227,6 +227,9 @@ class Generation:
             if finish == "stop" and tokens and tokens[-1] in self.stop_token_ids:
                 stop_reason = tokens[-1]
         self.unwatched = max(self.unwatched - len(update.token_ids), 0)
+        if self.call_may_end:
+            for text in texts[: len(tokens)]:
+                self.token_ends.append((self.token_ends[-1] if self.token_ends else 0) + len(text))
         piece = Piece(
             tokens, finish_reason=finish, stop_reason=stop_reason, logprobs=update.logprobs[: len(tokens)],
             prompt_logprobs=update.prompt_logprobs, reasoning_tokens=self._reasoning_tokens(tokens),

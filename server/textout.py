@@ -151,7 +151,7 @@ class _Phase(enum.Enum):
 class ReasoningSplitter:
     """Split generated text into reasoning (inside a Qwen-style think block) and content (after it)."""
 
-    __slots__ = ("_call", "_end", "_held", "_phase", "_start", "_strip", "called", "tags_passed")
+    __slots__ = ("_call", "_end", "_fed", "_held", "_phase", "_start", "_strip", "call_offset", "called")
 
     def __init__(
         self, thinking_open: bool, start: str = "<think>", end: str = "</think>", call: tuple[str, str] | None = None
@@ -164,13 +164,15 @@ class ReasoningSplitter:
         self._held = ""
         self._strip = 0  # newlines still to drop right after a tag
         self.called = False  # whether a call block ended the reasoning
-        self.tags_passed = 0  # call tags the reasoning text holds (none of them a call's), before any call
+        self.call_offset = 0  # where that call's tag begins in the text fed
+        self._fed = 0  # characters fed so far
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning delta, content delta); tags are dropped, and text that may be part of one is held back."""
         reasoning: list[str] = []
         content: list[str] = []
-        text, self._held = self._held + text, ""
+        self._fed += len(text)
+        text, self._held = self._held + text, ""  # ever a suffix of what was fed: text[i] is at _fed - len(text) + i
         while text:
             if self._strip:
                 newlines = len(text) - len(text.lstrip("\n"))
@@ -191,29 +193,24 @@ class ReasoningSplitter:
                 at = text.find(self._end)
                 call, undecided = self._call_at(text)
                 if call >= 0 and (at < 0 or call < at):  # the call stays in the content, tag and all
-                    self._reason(reasoning, text[:call])
+                    reasoning.append(text[:call])
                     if undecided:
                         self._held = text[call:]
                         break
+                    self.call_offset = self._fed - len(text) + call
                     text, self._phase, self.called = text[call:], _Phase.CONTENT, True
                 elif at >= 0:
-                    self._reason(reasoning, text[:at])
+                    reasoning.append(text[:at])
                     text, self._phase, self._strip = text[at + len(self._end) :], _Phase.CONTENT, 2
                 else:
                     cut = len(text) - partial_len(text, (self._end, self._call[0]) if self._call else (self._end,))
-                    self._reason(reasoning, text[:cut])
+                    reasoning.append(text[:cut])
                     self._held = text[cut:]
                     break
             else:
                 content.append(text)
                 break
         return "".join(reasoning), "".join(content)
-
-    def _reason(self, reasoning: list[str], text: str) -> None:
-        """Add text to the reasoning delta, counting the call tags it holds (whole: a partial one is held back)."""
-        reasoning.append(text)
-        if self._call is not None:
-            self.tags_passed += text.count(self._call[0])
 
     def _call_at(self, text: str) -> tuple[int, bool]:
         """Where in reasoning text a call block opens (-1: nowhere), and whether what follows its tag may still turn
