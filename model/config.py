@@ -12,7 +12,7 @@ WRAPPER_TYPES = ("qwen4_exp", "qwen3_8_flash_next")
 TEXT_TYPES = ("qwen4_exp_text", "qwen3_8_flash_next_text")
 LINEAR = "linear_attention"
 QSA = "qsa"
-NGRAM_BASE_MAX = 2**40  # a table head's rows; the real model's are 2e7 (a table of 2^40 rows holds no memory)
+NGRAM_BASE_MAX = 2**40  # a table head's rows at most (the real model's are 2e7; no memory holds 2^40 rows)
 # Every spelling transformers or the checkpoints have used for a QSA (indexed sparse attention) layer.
 QSA_SPELLINGS = ("full_attention", "indexed_attention", "qwen_sparse_attention")
 

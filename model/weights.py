@@ -362,8 +362,8 @@ class WeightLoader:
         total = 0
         first = self.index.stored_dtype(pieces[0][0])
         for key, _ in pieces:  # every shard as wide as the table, of one dtype, so their rows join
-            if self.index.stored_dtype(key) != first:
-                raise CheckpointError(f"tensor {key}: dtype {self.index.stored_dtype(key)}, its first shard's {first}")
+            if (stored := self.index.stored_dtype(key)) != first:
+                raise CheckpointError(f"tensor {key}: dtype {stored}, its first shard's {first}")
             rows, *rest = self.index.shape(key)
             _check_shape(key, (rows, *rest), (rows, dim))
             total += rows

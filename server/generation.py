@@ -188,14 +188,17 @@ class Generation:
         return len(tokens)
 
     def _call_ended_thinking(self, piece: Piece) -> None:
-        """Where the splitter found a call block ending the think block, take back the tokens counted from the one
+        """Once the think block is over: where a call block ended it, take back the tokens counted from the one
         whose text reaches into the call's tag (the count of this piece may go below zero: the request's sum is what
-        is reported); by text, so the same however the tag is spelled in tokens and the tokens came grouped."""
-        if not self.call_may_end or not self.splitter.called:
+        is reported); by text, so the same however the tag is spelled in tokens and the tokens came grouped. Either
+        way the tokens' text is no longer taken one at a time for it."""
+        if not self.call_may_end or self.splitter.reasoning:
             return
-        before = bisect.bisect_right(self.token_ends, self.splitter.call_offset)
-        piece.reasoning_tokens -= self.counted - before
-        self.counted, self.thinking_until, self.call_may_end, self.token_ends = before, None, False, []
+        if self.splitter.called:
+            before = bisect.bisect_right(self.token_ends, self.splitter.call_offset)
+            piece.reasoning_tokens -= self.counted - before
+            self.counted, self.thinking_until = before, None
+        self.call_may_end, self.token_ends = False, []  # the block is over: no call can end it now
 
     def _piece(self, update: Update) -> Piece:
         """The update's tokens taken one at a time, as an undrafted request's would come: a stop string ends the

@@ -75,43 +75,46 @@ class EngineMetrics:
         labels = {"model_name": model_name}
         names = list(labels)
 
-        def histogram(name: str, what: str, buckets: tuple[float, ...]):
-            return Histogram(name, what, names, buckets=buckets, registry=self.registry).labels(**labels)
+        def labelled(kind, name: str, what: str, **options):
+            """A metric of `kind` whose one series is this model's."""
+            return kind(name, what, names, registry=self.registry, **options).labels(**labels)
 
-        self.running = Gauge("flashnext:num_requests_running", "Requests holding a lane", names, registry=self.registry)
-        self.waiting = Gauge("flashnext:num_requests_waiting", "Requests waiting", names, registry=self.registry)
-        self.running, self.waiting = self.running.labels(**labels), self.waiting.labels(**labels)
-        self.prompt_tokens = Counter(
-            "flashnext:prompt_tokens", "Prompt tokens admitted", names, registry=self.registry
-        ).labels(**labels)
-        self.generation_tokens = Counter(
-            "flashnext:generation_tokens", "Tokens generated", names, registry=self.registry
-        ).labels(**labels)
-        self.time_to_first_token = histogram(
-            "flashnext:time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS
+        self.running = labelled(Gauge, "flashnext:num_requests_running", "Requests holding a lane")
+        self.waiting = labelled(Gauge, "flashnext:num_requests_waiting", "Requests waiting for a lane")
+        self.prompt_tokens = labelled(Counter, "flashnext:prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = labelled(Counter, "flashnext:generation_tokens", "Tokens generated")
+        self.time_to_first_token = labelled(
+            Histogram, "flashnext:time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS
         )
-        self.inter_token_latency = histogram(
-            "flashnext:inter_token_latency_seconds", "Time between a request's tokens", LATENCY_BUCKETS
+        self.inter_token_latency = labelled(
+            Histogram,
+            "flashnext:inter_token_latency_seconds",
+            "Time between a request's tokens",
+            buckets=LATENCY_BUCKETS,
         )
-        self.e2e_request_latency = histogram(
-            "flashnext:e2e_request_latency_seconds", "Arrival to a request's end", REQUEST_BUCKETS
+        self.e2e_request_latency = labelled(
+            Histogram, "flashnext:e2e_request_latency_seconds", "Arrival to a request's end", buckets=REQUEST_BUCKETS
         )
-        self.request_prompt_tokens = histogram(
-            "flashnext:request_prompt_tokens", "Prompt tokens of each ended request", token_buckets(context)
+        self.request_prompt_tokens = labelled(
+            Histogram,
+            "flashnext:request_prompt_tokens",
+            "Prompt tokens of each ended request",
+            buckets=token_buckets(context),
         )
-        self.request_generation_tokens = histogram(
-            "flashnext:request_generation_tokens", "Tokens generated for each ended request", token_buckets(context)
+        self.request_generation_tokens = labelled(
+            Histogram,
+            "flashnext:request_generation_tokens",
+            "Tokens generated for each ended request",
+            buckets=token_buckets(context),
         )
-        self.round_seconds = histogram(
-            "flashnext:round_seconds", "Wall time of one engine round on rank 0: plan, forward, tokens handed out",
-            ROUND_BUCKETS,
-        )  # fmt: skip
-        self.draft_tokens = Counter(
-            "flashnext:spec_decode_num_draft_tokens", "Draft tokens verified", names, registry=self.registry
-        ).labels(**labels)
-        self.accepted_tokens = Counter(
-            "flashnext:spec_decode_num_accepted_tokens", "Draft tokens accepted", names, registry=self.registry
-        ).labels(**labels)
+        self.round_seconds = labelled(
+            Histogram,
+            "flashnext:round_seconds",
+            "Wall time of one engine round on rank 0: plan, forward, tokens handed out",
+            buckets=ROUND_BUCKETS,
+        )
+        self.draft_tokens = labelled(Counter, "flashnext:spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.accepted_tokens = labelled(Counter, "flashnext:spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.draft_tokens_per_pos = Counter(
             "flashnext:spec_decode_num_draft_tokens_per_pos",
             "Draft tokens verified, by position in the window",
@@ -125,7 +128,9 @@ class EngineMetrics:
             registry=self.registry,
         )
         reasons = [*names, "finished_reason"]
-        self.finished = Counter("flashnext:request_success", "Requests ended, by why", reasons, registry=self.registry)
+        self.finished = Counter(
+            "flashnext:request_success", "Requests ended, by reason", reasons, registry=self.registry
+        )
         self.model_info = Gauge("flashnext:model_info", "The served model", names, registry=self.registry)
         self.model_info.labels(**labels).set(1)
 

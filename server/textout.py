@@ -212,6 +212,11 @@ class ReasoningSplitter:
                 break
         return "".join(reasoning), "".join(content)
 
+    @property
+    def reasoning(self) -> bool:
+        """Whether the text fed so far ends inside the think block (a call or its end tag may still come)."""
+        return self._phase in (_Phase.OPENED, _Phase.REASONING)
+
     def _call_at(self, text: str) -> tuple[int, bool]:
         """Where in reasoning text a call block opens (-1: nowhere), and whether what follows its tag may still turn
         out not to be a call's body (to be held back)."""
@@ -231,7 +236,7 @@ class ReasoningSplitter:
         held, self._held = self._held, ""
         if self._strip:
             return "", ""
-        return (held, "") if self._phase in (_Phase.REASONING, _Phase.OPENED) else ("", held)
+        return (held, "") if self.reasoning else ("", held)
 
 
 def prompt_opens_thinking(prompt_text: str, start: str = "<think>", end: str = "</think>") -> bool:

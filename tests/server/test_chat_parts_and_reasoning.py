@@ -120,15 +120,17 @@ CODER_CALL_OF = "<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n
 REASONING = "I should look it up.\n"
 
 
+def coder_response(tok: Any, engine: Any) -> dict[str, Any]:
+    """A /v1/responses answer, thinking on and get_weather offered, with calls read as qwen3_coder's."""
+    state = ServerState(engine, tok, "m", 4096, len(tok), (0,), http=HttpOptions(tool_call_parser="qwen3_coder"))
+    tool = {"type": "function", "name": "get_weather", "description": "w", "parameters": PARAMETERS}
+    body = {"input": "Weather in Paris?", "tools": [tool], "reasoning": {"effort": "medium"}}
+    return TestClient(build_app(state)).post("/v1/responses", json=body).json()
+
+
 def reasoning_tokens(tok: Any, answer: str, per_update: int) -> int:
     """usage.output_tokens_details.reasoning_tokens of a /v1/responses answer, `per_update` tokens an update."""
-    engine = Answering(tok, answer, per_update)
-    state = ServerState(engine, tok, "m", 4096, len(tok), (0,), http=HttpOptions(tool_call_parser="qwen3_coder"))
-    client = TestClient(build_app(state))
-    parameters = WEATHER["function"]["parameters"]
-    tool = {"type": "function", "name": "get_weather", "description": "w", "parameters": parameters}
-    body = {"input": "Weather in Paris?", "tools": [tool], "reasoning": {"effort": "medium"}}
-    response = client.post("/v1/responses", json=body).json()
+    response = coder_response(tok, Answering(tok, answer, per_update))
     assert response["output"][0]["type"] == "reasoning", response["output"]
     return response["usage"]["output_tokens_details"]["reasoning_tokens"]
 

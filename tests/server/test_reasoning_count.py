@@ -6,15 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from server.app import ServerState, build_app
 from server.engine import Update
-from server.http_options import HttpOptions
-from tests.server.test_chat_parts_and_reasoning import CODER_CALL_OF, REASONING, reasoning_tokens
+from tests.server.test_chat_parts_and_reasoning import CODER_CALL_OF, REASONING, coder_response, reasoning_tokens
 from tests.server.test_generation import RecordingEngine
-from tests.server.test_tool_calls_api import SHIPPED, WEATHER
+from tests.server.test_tool_calls_api import SHIPPED
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +46,7 @@ class AnsweringIds(RecordingEngine):
 
 def reasoning_tokens_of_ids(tok: Any, ids: list[int], per_update: int) -> tuple[int, list[str]]:
     """(reasoning_tokens, output item types) of a /v1/responses answer made of `ids`."""
-    engine = AnsweringIds(ids, per_update)
-    state = ServerState(engine, tok, "m", 4096, len(tok), (0,), http=HttpOptions(tool_call_parser="qwen3_coder"))
-    client = TestClient(build_app(state))
-    parameters = WEATHER["function"]["parameters"]
-    tool = {"type": "function", "name": "get_weather", "description": "w", "parameters": parameters}
-    body = {"input": "Weather in Paris?", "tools": [tool], "reasoning": {"effort": "medium"}}
-    response = client.post("/v1/responses", json=body).json()
+    response = coder_response(tok, AnsweringIds(ids, per_update))
     return response["usage"]["output_tokens_details"]["reasoning_tokens"], [item["type"] for item in response["output"]]
 
 
