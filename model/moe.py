@@ -106,10 +106,10 @@ class SparseMoE(nn.Module):
         """Rows x [N, d] -> [N, d]; each row's expert sum runs in ascending expert id, whatever the batch."""
         shared = self.shared_expert(x)
         weights, ids = self.gate(x)
-        routed = torch.zeros_like(x)
+        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # summed in fp32, rounded once
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
             gate_up, down = self.experts.expert(e, x.dtype)
             out = swiglu(x[rows], gate_up, down) * weights[rows, slot, None]
-            routed[rows] = routed[rows] + out.to(x.dtype)  # a row meets each expert at most once
-        return self.tp.combine(routed + torch.sigmoid(self.shared_expert_gate(x)) * shared)
+            routed[rows] = routed[rows] + out.to(x.dtype).float()  # a row meets each expert at most once
+        return self.tp.combine(routed.to(x.dtype) + torch.sigmoid(self.shared_expert_gate(x)) * shared)

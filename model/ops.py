@@ -58,16 +58,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_conv(
     x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor, dilation: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv of x [T, C] after the kept tail [S, C], taps summed oldest first; (out, new tail)."""
+    """Depthwise causal conv of x [T, C] after the kept tail [S, C], taps summed oldest first in fp32 and rounded
+    once to x's dtype, as transformers' conv1d rounds; (out, new tail)."""
     seq, kernel = x.shape[0], weight.shape[-1]
     full = torch.cat((tail.to(x.dtype), x))
-    taps = weight[:, 0, :].transpose(0, 1)
+    wide, taps = full.float(), weight[:, 0, :].transpose(0, 1).float()
     offset = full.shape[0] - seq - (kernel - 1) * dilation
-    out = full[offset : offset + seq] * taps[0]
+    out = wide[offset : offset + seq] * taps[0]
     for k in range(1, kernel):
         start = offset + k * dilation
-        out = out + full[start : start + seq] * taps[k]
-    return out, full[full.shape[0] - tail.shape[0] :].clone()
+        out = out + wide[start : start + seq] * taps[k]
+    return out.to(x.dtype), full[full.shape[0] - tail.shape[0] :].clone()
 
 
 def gated_delta_rule(
