@@ -13,8 +13,10 @@ TEXT_TYPES = ("qwen4_exp_text", "qwen3_8_flash_next_text")
 LINEAR = "linear_attention"
 QSA = "qsa"
 NGRAM_BASE_MAX = 2**40  # a table head's rows at most (the real model's are 2e7; no memory holds 2^40 rows)
-# Every spelling transformers or the checkpoints have used for a QSA (indexed sparse attention) layer.
-QSA_SPELLINGS = ("full_attention", "indexed_attention", "qwen_sparse_attention")
+# Every spelling transformers or the checkpoints have used for a QSA (indexed sparse attention) layer, and for a
+# GDN layer (transformers' legacy-name map reads `deepseek_sparse_attention` and `mamba` as these kinds).
+QSA_SPELLINGS = ("full_attention", "indexed_attention", "qwen_sparse_attention", "deepseek_sparse_attention")
+LINEAR_SPELLINGS = (LINEAR, "mamba")
 
 
 class ConfigError(ValueError):
@@ -217,12 +219,12 @@ def _layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
         raise ConfigError(f"{r.name('layer_types')}: has {len(raw)} entries but num_hidden_layers is {num_layers}")
     types = []
     for i, kind in enumerate(raw):
-        if kind == LINEAR:
+        if kind in LINEAR_SPELLINGS:
             types.append(LINEAR)
         elif kind in QSA_SPELLINGS:
             types.append(QSA)
         else:
-            allowed = (LINEAR, *QSA_SPELLINGS)
+            allowed = (*LINEAR_SPELLINGS, *QSA_SPELLINGS)
             raise ConfigError(f"{r.name('layer_types')}[{i}]: unknown layer type {kind!r}; expected one of {allowed}")
     return tuple(types)
 
@@ -242,7 +244,9 @@ def _eos(r: _Reader) -> int:
     return eos
 
 
-def _mtp_layers(r: _Reader) -> int:
+def _mtp_layers(r: _Reader, rope_theta: float) -> int:
+    """The MTP layers (0 or 1); the MTP settings this loader cannot honour (its own embeddings, a GDN layer, a
+    hidden state from another layer, another rope theta) are refused by name."""
     mtp = r.data.get("mtp")
     default = 0
     if isinstance(mtp, dict):
@@ -250,6 +254,22 @@ def _mtp_layers(r: _Reader) -> int:
     value = r.int("mtp_num_hidden_layers", default, minimum=0)
     if value > 1:
         raise ConfigError(f"{r.name('mtp_num_hidden_layers')}: only one MTP layer is supported, got {value}")
+    if value and r.bool("mtp_use_dedicated_embeddings", False):
+        raise ConfigError(
+            f"{r.name('mtp_use_dedicated_embeddings')}: an MTP layer with its own embeddings is not supported"
+        )
+    if not value or not isinstance(mtp, dict):
+        return value
+    m = _Reader(mtp, r.name("mtp") + ".")
+    kinds = mtp.get("layer_types", [QSA_SPELLINGS[0]])
+    if not isinstance(kinds, list) or any(kind not in QSA_SPELLINGS for kind in kinds):
+        raise ConfigError(f"{m.name('layer_types')}: only a QSA MTP layer is supported, got {kinds!r}")
+    if mtp.get("mtp_use_hidden_state_from_layer") is not None:
+        raise ConfigError(
+            f"{m.name('mtp_use_hidden_state_from_layer')}: only the trunk's last hidden state is supported"
+        )
+    if m.float("rope_theta", rope_theta) != rope_theta:
+        raise ConfigError(f"{m.name('rope_theta')}: must equal the trunk's rope_theta {rope_theta:g}")
     return value
 
 
@@ -359,7 +379,7 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
         indexer_budget=idx["indexer_budget"],
         indexer_compress_ratio=idx["indexer_compress_ratio"],
         eos_token_id=_eos(r),
-        mtp_num_hidden_layers=_mtp_layers(r),
+        mtp_num_hidden_layers=_mtp_layers(r, theta),
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
         torch_dtype=dtype,
         quantization_config=_quantization_config(r),

@@ -109,3 +109,34 @@ def test_refusals_name_the_field():
     refuse({**base, "eos_token_id": None}, "eos_token_id")
     refuse({**base, "mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers")
     refuse({"model_type": "qwen4_exp", "text_config": {**base, "hc_count": 1}}, "text_config.hc_count")
+
+
+def test_transformers_legacy_layer_type_spellings_parse():
+    """`deepseek_sparse_attention` and `mamba`, which transformers' legacy-name map reads as a QSA and a GDN layer,
+    parse as those kinds."""
+    text = text_config("base", layer_types=["mamba", "deepseek_sparse_attention", "linear_attention", "full_attention"])
+    assert parse_config(text).layer_types == (LINEAR, QSA, LINEAR, QSA)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"mtp_use_dedicated_embeddings": True}, "mtp_use_dedicated_embeddings"),
+        ({"mtp": {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}}, "mtp.layer_types"),
+        (
+            {"mtp": {"num_hidden_layers": 1, "mtp_use_hidden_state_from_layer": 3}},
+            "mtp.mtp_use_hidden_state_from_layer",
+        ),
+        ({"mtp": {"num_hidden_layers": 1, "rope_theta": 123.0}}, "mtp.rope_theta"),
+    ],
+)
+def test_mtp_settings_the_loader_cannot_honour_are_refused_by_name(fields: dict, named: str):
+    """An MTP layer with its own embeddings, of GDN kind, fed another layer's hidden state or with its own rope theta
+    is refused at start with the field named, not served as the trunk's kind of MTP layer."""
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        parse_config(text_config("base", mtp_num_hidden_layers=1, **fields))
+
+
+def test_the_real_configs_mtp_settings_parse():
+    """The real config's `mtp` object (a QSA layer, the trunk's hidden state and rope theta) is taken."""
+    assert parse_config(real_text()).mtp_num_hidden_layers == 1
