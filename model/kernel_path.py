@@ -23,7 +23,7 @@ import torch
 from kernels.gdn import LONG_RUN, kept_row_places, run_firsts
 from kernels.gdn_chunk import CHUNK, Run, chunk_spans, plan_chunks, recurrent_lanes
 from kernels.host import to_device
-from kernels.norm import zc_rms_norm
+from kernels.norm import MAX_BLOCK, zc_rms_norm
 from model.config import LINEAR, FlashNextConfig
 from model.flashnext import FlashNextModel, ForwardOutput
 from model.graphs import LISTED_LOGITS, RoundGraphs
@@ -56,6 +56,14 @@ def check(cfg: FlashNextConfig, dtype: torch.dtype, device: torch.device, tp: Te
     for name, (value, least) in powers.items():
         if value < least or value & (value - 1):
             raise ValueError(f"--kernels on: {name} must be a power of two >= {least} for the kernels, got {value}")
+    for name in ("head_dim", "indexer_head_dim"):  # norm + RoPE takes a head in one chunk
+        if powers[name][0] > MAX_BLOCK:
+            raise ValueError(f"--kernels on: {name} must be at most {MAX_BLOCK} for the kernels, got {powers[name][0]}")
+    convs = {"linear_conv_kernel_dim": (cfg.linear_conv_kernel_dim, LINEAR in cfg.layer_types)}
+    convs["ple_conv_kernel_size"] = (cfg.ple_conv_kernel_size, bool(cfg.ple_layers))
+    for name, (taps, used) in convs.items():
+        if used and taps < 2:
+            raise ValueError(f"--kernels on: {name} must be at least 2 for the conv kernel, got {taps}")
     if cfg.hidden_size % 16 or not 1 <= cfg.hc_count <= 16:
         raise ValueError(
             f"--kernels on: hidden_size must be a multiple of 16 and hc_count at most 16, got {cfg.hidden_size} "

@@ -469,6 +469,31 @@ def test_bad_combinations_are_refused_by_setting(models, paths, monkeypatch) -> 
         kernel_path.check(ker.cfg, torch.float32, torch.device("cpu"), ker.tp)
 
 
+@pytest.mark.parametrize(
+    ("setting", "changes"),
+    [
+        ("linear_conv_kernel_dim", {"linear_conv_kernel_dim": 1}),
+        ("ple_conv_kernel_size", {"ple_conv_kernel_size": 1}),
+        ("head_dim", {"head_dim": 2048}),
+        ("indexer_head_dim", {"indexer_head_dim": 2048}),
+    ],
+)
+def test_sizes_the_kernels_cannot_take_are_refused_at_load_by_setting(models, setting: str, changes: dict) -> None:
+    """A conv of one tap (the conv kernel needs two) or a head wider than norm + RoPE's one chunk (1,024) is refused
+    before any weight is read, naming the setting, not at the first forward by a kernel's argument."""
+    _, ker = models
+    with pytest.raises(ValueError, match=setting):
+        kernel_path.check(dataclasses.replace(ker.cfg, **changes), torch.bfloat16, torch.device("cpu"), ker.tp)
+
+
+def test_a_one_tap_ple_conv_is_taken_without_ple_layers(models) -> None:
+    """The PLE conv's width is not checked where the model has no PLE layer to run it."""
+    _, ker = models
+    kernel_path.check(
+        dataclasses.replace(ker.cfg, ple_conv_kernel_size=1, ple_layers=()), torch.bfloat16, torch.device("cpu"), ker.tp
+    )
+
+
 def test_the_kernels_setting_is_checked_at_start_and_agreed_by_the_ranks(paths, capsys) -> None:
     from server.cli import build_parser, main
     from server.serve import canonical_settings
