@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp32_ops import add_rn, exp_f32, mul_rn
+from kernels.fp32_ops import add_rn, exp_f32, mul_rn, round_to_act
 from kernels.pdl import enter, launch_options
 
 SCAN_ROWS = 256
@@ -364,7 +364,7 @@ def _causal_conv_kernel(
             tail_ptr,
             out_ptr,
             kept_ptr,
-            acc.to(out_ptr.dtype.element_ty),
+            round_to_act(acc, out_ptr.dtype.element_ty == tl.bfloat16, INTERPRET),
             rows,
             lanes,
             local,
@@ -451,7 +451,7 @@ def _conv_head(
         tail_ptr,
         out_ptr,
         kept_ptr,
-        acc.to(out_ptr.dtype.element_ty),
+        round_to_act(acc, out_ptr.dtype.element_ty == tl.bfloat16, INTERPRET),
         rows,
         lanes,
         local,

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.conv import lane_run_end, lane_runs
-from kernels.fp32_ops import exp_f32, mul_rn, pairwise_row_sums, pairwise_sum
+from kernels.fp32_ops import exp_f32, mul_rn, pairwise_row_sums, pairwise_sum, round_to_act
 from kernels.pdl import enter, launch_options
 
 L2_EPS = 1e-6
@@ -317,7 +317,10 @@ def unit_k_rows(k, ROWS: tl.constexpr, EPS: tl.constexpr, DK: tl.constexpr, INTE
 @triton.jit
 def read_out(s, q, out_ptr, INTERPRET: tl.constexpr):
     """A row's output from its state and unit q, in the output's dtype."""
-    return tl.sum(mul_rn(s, q[:, None], INTERPRET), axis=0).to(out_ptr.dtype.element_ty)
+    out = round_to_act(
+        tl.sum(mul_rn(s, q[:, None], INTERPRET), axis=0), out_ptr.dtype.element_ty == tl.bfloat16, INTERPRET
+    )
+    return out.to(out_ptr.dtype.element_ty)
 
 
 @triton.jit

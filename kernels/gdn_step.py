@@ -31,7 +31,7 @@ from kernels.conv import (
     store_row_tails,
 )
 from kernels.counters import CounterPool
-from kernels.fp32_ops import negative_zeros
+from kernels.fp32_ops import negative_zeros, round_to_act
 from kernels.gates import check_gdn_gates, contiguous_columns, gdn_gate_values, gdn_gates_reference
 from kernels.gdn import (
     BLOCK_V,
@@ -69,7 +69,7 @@ def _conv_rows(
         x_ptr, tail_ptr, w_ptr, rows, tl.zeros_like(rows) + lane, local, cols, mask, cols >= 0, stride_xt, stride_tl,
         stride_ts, stride_wc, stride_wk, K, 1, S, True, True, INTERPRET,
     )  # fmt: skip
-    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return round_to_act(acc, x_ptr.dtype.element_ty == tl.bfloat16, INTERPRET).to(tl.float32)
 
 
 @triton.jit

@@ -189,3 +189,19 @@ def test_a_run_longer_than_two_scan_windows_ends_where_its_rows_do() -> None:
     want = call(causal_conv_update_reference, inputs, lanes, 1, None)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_bf16_outputs_round_to_nearest_as_the_reference(activation) -> None:
+    """The kernel's bf16 outputs are its fp32 sums rounded to nearest even, the reference's bits (the interpreter's
+    cast truncates), for a PLE-like conv: dilation 3, 11 rows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 96, generator=g).bfloat16()
+    tail = torch.randn(2, 9, 96, generator=g).bfloat16()
+    weight = torch.randn(96, 4, generator=g).bfloat16()
+    lanes = torch.ones(11, dtype=torch.long)
+    out = causal_conv_update(x, tail.clone(), weight, lanes, 3, activation)
+    ref = causal_conv_update_reference(x, tail.clone(), weight, lanes, 3, activation)
+    exact = causal_conv_update(x.float(), tail.float(), weight.float(), lanes, 3, activation)
+    assert torch.equal(exact.bfloat16(), ref)  # the fp32 sums are the reference's: only the last rounding may differ
+    assert torch.equal(out, ref), f"{(out != ref).float().mean().item():.0%} of the outputs differ"

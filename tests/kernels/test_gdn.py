@@ -65,12 +65,15 @@ def test_matches_reference(key_heads: int, long_runs: bool) -> None:
 
 
 def test_bf16_output() -> None:
+    """A bf16 output is the kernel's fp32 output rounded to nearest even (the interpreter's cast truncates)."""
     lens = [2, 4]
     inputs, lanes = make_inputs(lens, 1, seed=1), lanes_of(lens, [1, 0])
     out, _, _ = call(gdn_recurrent, inputs, lanes, out_dtype=torch.bfloat16)
+    wide, _, _ = call(gdn_recurrent, inputs, lanes)
     ref, _, _ = call(gdn_recurrent_reference, inputs, lanes)
     assert out.dtype == torch.bfloat16
     assert rel(out.float(), ref) <= 1e-2
+    assert torch.equal(out, wide.bfloat16())
 
 
 def test_closed_form_first_row() -> None:
