@@ -16,10 +16,9 @@ def round_to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> act, round to nearest even (on the bits under the interpreter, whose cast truncates)."""
     if not ACT_BF16:
         return x
-    elif INTERPRET:
+    elif INTERPRET:  # the top half of the rounded bits: the interpreter's float cast garbles subnormals too
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16)
 

@@ -42,18 +42,9 @@ def _f32(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def to_act(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> act (bf16 if ACT_BF16, else fp32), to nearest even; under the interpreter bf16 is cut from the bits."""
-    if INTERPRET and ACT_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return round_to_act(x, ACT_BF16, INTERPRET)
-
-
-@triton.jit
 def _round(x, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """x rounded to act, kept in fp32 for the next operation."""
-    return _f32(to_act(x, ACT_BF16, INTERPRET), INTERPRET)
+    return _f32(round_to_act(x, ACT_BF16, INTERPRET), INTERPRET)
 
 
 @triton.jit
@@ -121,7 +112,7 @@ def _gdn_gates_kernel(
 def gdn_gate_values(b, a, a_log, dt_bias, B_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """(act_b(sigmoid(b)), (-exp(a_log)) · softplus(a + dt_bias) in fp32) from the loaded values, every sum and
     product rounded apart (the bits of a kernel compiled with FMA contraction too)."""
-    beta = to_act(_sigmoid(_f32(b, INTERPRET), INTERPRET), B_BF16, INTERPRET)
+    beta = round_to_act(_sigmoid(_f32(b, INTERPRET), INTERPRET), B_BF16, INTERPRET)
     x = add_rn(_f32(a, INTERPRET), _f32(dt_bias, INTERPRET), INTERPRET)
     decay = -_exp(_f32(a_log, INTERPRET), INTERPRET)
     return beta, mul_rn(decay, _softplus(x, INTERPRET), INTERPRET)
@@ -133,7 +124,7 @@ def silu_mul_value(gate, up, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     multiply-adds, subnormals kept: `_launch`'s options)."""
     g = _f32(gate, INTERPRET)
     act = _round(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), ACT_BF16, INTERPRET)
-    return to_act(act * _f32(up, INTERPRET), ACT_BF16, INTERPRET)
+    return round_to_act(act * _f32(up, INTERPRET), ACT_BF16, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -184,7 +175,7 @@ def _gated_add_kernel(
     shared = tl.load(shared_ptr + offs, mask=ok, other=0.0)
     routed = tl.load(routed_ptr + offs, mask=ok, other=0.0)
     value = gated_value(routed, z, shared, ACT_BF16, INTERPRET)
-    tl.store(out_ptr + offs, value if OUT_F32 else to_act(value, ACT_BF16, INTERPRET), mask=ok)
+    tl.store(out_ptr + offs, value if OUT_F32 else round_to_act(value, ACT_BF16, INTERPRET), mask=ok)
 
 
 @triton.jit
@@ -203,7 +194,9 @@ def sigmoid_gated(x, gate, ACT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """act(act(x) · act(sigmoid(gate))) for x and gate as loaded (bf16 or fp32): `sigmoid_mul`'s element. x is rounded
     to act first (nothing for an act x), so a kernel can gate its fp32 results as their act values."""
     x = _round(_f32(x, INTERPRET), ACT_BF16, INTERPRET)
-    return to_act(x * _round(_sigmoid(_f32(gate, INTERPRET), INTERPRET), ACT_BF16, INTERPRET), ACT_BF16, INTERPRET)
+    return round_to_act(
+        x * _round(_sigmoid(_f32(gate, INTERPRET), INTERPRET), ACT_BF16, INTERPRET), ACT_BF16, INTERPRET
+    )
 
 
 @triton.jit(do_not_specialize=["total"])

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels.counters import CounterPool
 from kernels.fp32_ops import hyper_gates, round_to_act
-from kernels.gates import silu_mul_value, to_act
+from kernels.gates import silu_mul_value
 from kernels.pdl import enter, launch_options, prefetch_enabled, prefetch_l2
 from kernels.router import PICKS as ROUTER_PICKS
 from kernels.router import router_topk, topk_row
@@ -221,8 +221,8 @@ def _store_pairs(total, out_ptr, logit_ptr, rows, cols, ok, H: tl.constexpr, INT
     col, _ = _pair_halves(tl.broadcast_to(cols, total.shape))
     here, _ = _pair_halves(tl.broadcast_to(ok, total.shape))
     j = col // 2
-    gate = to_act(gate, True, INTERPRET)
-    tl.store(out_ptr + row * H + j, silu_mul_value(gate, to_act(up, True, INTERPRET), True, INTERPRET),
+    gate = round_to_act(gate, True, INTERPRET)
+    tl.store(out_ptr + row * H + j, silu_mul_value(gate, round_to_act(up, True, INTERPRET), True, INTERPRET),
              mask=here & (j < H))  # fmt: skip
     tl.store(logit_ptr + row, gate, mask=here & (j == H))
 

@@ -48,7 +48,8 @@ import triton.language as tl
 from kernels import moe_gluon
 from kernels.counters import CounterPool
 from kernels.fp4_words import PACKED_KEYS, from_words, natural_scales, span_k
-from kernels.gates import contiguous_columns, gated_value, to_act
+from kernels.fp32_ops import round_to_act
+from kernels.gates import contiguous_columns, gated_value
 from kernels.pdl import enter, launch_options, load_settled
 
 NVFP4_GROUP = 16
@@ -371,16 +372,6 @@ def _weight_tile(
 
 
 @triton.jit
-def _round_bf16(x, INTERPRET: tl.constexpr):
-    """fp32 -> bf16, round to nearest even (done on the bits under the interpreter, whose cast truncates)."""
-    if INTERPRET:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
 def _mma(a, w, acc, INTERPRET: tl.constexpr):
     """acc + a·wᵀ in fp32 (operands upcast under the interpreter, whose bf16 dot is wrong)."""
     if INTERPRET:
@@ -415,7 +406,7 @@ def _gate_up_tile(
     if FP4:
         gate = gate * (tl.load(s2_ptr + e * 2) * 128.0)
         up = up * (tl.load(s2_ptr + e * 2 + 1) * 128.0)
-    return _round_bf16(gate * tl.sigmoid(gate) * up, INTERPRET)
+    return round_to_act(gate * tl.sigmoid(gate) * up, True, INTERPRET)
 
 
 @triton.jit
@@ -628,9 +619,9 @@ def _combine_kernel(
     out = out_ptr + row.to(tl.int64) * D + cols
     if GATED:  # a gated value is exact in bf16: stored from its bits (the interpreter's cast drops subnormals)
         acc = gated_value(acc, logit, shared, True, INTERPRET)
-        tl.store(out, to_act(acc, True, INTERPRET) if OUT_BF16 else acc, mask=col_ok)
+        tl.store(out, round_to_act(acc, True, INTERPRET) if OUT_BF16 else acc, mask=col_ok)
     elif OUT_BF16:
-        tl.store(out, _round_bf16(acc, INTERPRET), mask=col_ok)
+        tl.store(out, round_to_act(acc, True, INTERPRET), mask=col_ok)
     else:
         tl.store(out, acc, mask=col_ok)
 
@@ -718,7 +709,7 @@ def _down_pairs_kernel(
             z = tl.load(logit_ptr + row.to(tl.int64) * stride_logit + no_rows)
             total = gated_value(total, z, shared, True, INTERPRET)  # rounds the routed sum to bf16 first
         if OUT_BF16:  # a gated value is exact in bf16: stored from its bits (the interpreter's cast drops subnormals)
-            tl.store(out, to_act(total, True, INTERPRET) if GATED else _round_bf16(total, INTERPRET), mask=mask)
+            tl.store(out, round_to_act(total, True, INTERPRET), mask=mask)
         else:
             tl.store(out, total, mask=mask)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from kernels.counters import CounterPool
-from kernels.gates import sigmoid_gated, to_act
+from kernels.fp32_ops import round_to_act
+from kernels.gates import sigmoid_gated
 from kernels.pdl import enter, launch_options
 
 NBINS = 2048  # histogram bins of the radix select; passes use bits 20..30, 10..19 and 0..9 of the score bits
@@ -399,7 +400,7 @@ def _attn_chunk_kernel(
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
-            pb = p.to(v.dtype)
+            pb = round_to_act(p, v.dtype == tl.bfloat16, INTERPRET)  # the interpreter's cast truncates
             pv = tl.dot(pb.to(tl.float32), v.to(tl.float32)) if INTERPRET else tl.dot(pb, v)
             acc = acc * alpha[:, None] + pv
             m = m_new
@@ -462,7 +463,7 @@ def _attn_merge_kernel(
         gptrs = gate_ptr + t.to(tl.int64) * stride_gt + (kvh * GROUP + heads)[:, None] * stride_gh + d[None, :]
         out = sigmoid_gated(out, tl.load(gptrs, mask=live[:, None], other=0.0), act_bf16, INTERPRET)
     else:
-        out = to_act(out, act_bf16, INTERPRET)
+        out = round_to_act(out, act_bf16, INTERPRET)
     optrs = out_ptr + t.to(tl.int64) * stride_ot + (kvh * GROUP + heads)[:, None] * stride_oh + d[None, :]
     tl.store(optrs, out, mask=live[:, None])
 
