@@ -286,7 +286,7 @@ def run_rep(
             f"  stream {s.index} seed {s.body.get('seed')}: {show(r.decode_tok_s, 1, 'tok/s')},"
             f" TTFT {show(r.ttft, 1e3, 'ms')}, {r.tokens} tokens, token_sha {r.token_sha}"
         )
-        if is_short(args, r):
+        if r.is_short(args.tokens):
             print(f"  SHORT: stream {s.index} ended after {r.tokens} of {args.tokens} tokens ({r.finish_reason})")
         record["streams"].append(
             {
@@ -300,11 +300,6 @@ def run_rep(
             }
         )
     return batch, record
-
-
-def is_short(args: argparse.Namespace, result: StreamResult) -> bool:
-    """Whether a stream ended before --tokens: the load at its level was then lighter than the level says."""
-    return result.finish_reason != "length" or result.tokens != args.tokens
 
 
 def summarize(streams: list[Stream]) -> list[dict[str, Any]]:
@@ -367,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     except StreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    short = sum(is_short(args, s.result) for s in streams)
+    short = sum(s.result.is_short(args.tokens) for s in streams)
     if short:
         print(f"{short} streams ended before {args.tokens} tokens: their levels' figures ran a lighter load")
     if args.json:

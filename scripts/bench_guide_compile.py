@@ -20,11 +20,13 @@ import httpx
 
 
 def stream_times(base: str, tokens: int, started: threading.Event, times: list[float]) -> None:
-    """Append the perf_counter time of each of a streamed completion's chunks (its first one sets `started`)."""
-    body = {"prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    """Append the perf_counter time of each of a streamed completion's chunks that carry tokens (the first sets
+    `started`; the token-less opening chunk comes before the stream's wait for its first token)."""
+    body = {"prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True, "stream": True, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():
-            if line.startswith("data: {"):
+            if line.startswith("data: {") and any(c.get("token_ids") for c in json.loads(line[6:]).get("choices", [])):
                 times.append(time.perf_counter())
                 started.set()
 

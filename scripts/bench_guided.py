@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import httpx
-from openai_stream import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, resolve_model
+from openai_stream import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, open_client, resolve_model
 
 from server.grammar import Grammar
 from server.grammar_ebnf import ebnf_grammar
@@ -101,7 +101,7 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int, 
         body = {"model": model, "prompt": PROMPT, "max_tokens": args.tokens, "temperature": 0.8, "seed": index,
                 "return_token_ids": True, **guide}  # fmt: skip
         start = time.perf_counter()
-        reply = httpx.post(url, json=body, timeout=DEFAULT_TIMEOUT)
+        reply = client.post(url, json=body)
         reply.raise_for_status()
         choice = reply.json()["choices"][0]
         if len(choice["token_ids"]) != args.tokens:
@@ -111,10 +111,10 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, concurrency: int, 
         return time.perf_counter() - start
 
     before = drafts(args.base_url)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
+    with open_client(DEFAULT_TIMEOUT, concurrency) as client, ThreadPoolExecutor(concurrency) as pool:
+        start = time.perf_counter()  # the client made before: making one loads TLS certificates
         latencies = list(pool.map(one, range(args.requests)))
-    wall = time.perf_counter() - start
+        wall = time.perf_counter() - start
     after = drafts(args.base_url)
     total = args.requests * args.tokens
     mean_latency = sum(latencies) / len(latencies)

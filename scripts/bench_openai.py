@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model or resolve_model(args.base_url, args.api_key, args.timeout)
         cells: list[dict[str, Any]] = []
+        short = 0
         for label, prompt in prompts.items():
             for temperature in args.temperatures:
                 runs = run_cell(args, model, prompt, temperature)
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"  rep {rep} seed {seed}: {show(r.decode_tok_s, 1, 'tok/s')}, TTFT {show(r.ttft, 1e3, 'ms')},"
                         f" {r.tokens} tokens, token_sha {r.token_sha}"
                     )
+                    if r.is_short(args.tokens):
+                        short += 1
+                        print(f"  SHORT: rep {rep} ended after {r.tokens} of {args.tokens} tokens ({r.finish_reason})")
                 cells.append(
                     {
                         "prompt": label,
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "decode_tok_s": r.decode_tok_s,
                                 "ttft_s": r.ttft,
                                 "tokens": r.tokens,
+                                "finish_reason": r.finish_reason,
                                 "token_sha": r.token_sha,
                             }
                             for seed, r in runs
@@ -129,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps({"base_url": args.base_url, "model": model, "tokens": args.tokens, "cells": cells}))
+    if short:
+        print(
+            f"error: {short} reps ended before --tokens {args.tokens}: their figures are not of that length",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -72,7 +72,7 @@ def run_mode(args: argparse.Namespace, model: str, mode: str, prompts: list[list
             raise SystemExit(f"scored: {len(entries or ())} prompt logprob entries for {len(prompt)} tokens")
         return latency
 
-    with open_client(DEFAULT_TIMEOUT) as client, ThreadPoolExecutor(args.concurrency) as pool:
+    with open_client(DEFAULT_TIMEOUT, args.concurrency) as client, ThreadPoolExecutor(args.concurrency) as pool:
         begin = time.perf_counter()
         latencies = list(pool.map(lambda prompt: one(client, prompt), prompts))
         wall = time.perf_counter() - begin

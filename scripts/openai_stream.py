@@ -44,6 +44,10 @@ class StreamResult:
             return len(self.token_ids)
         return int((self.usage or {}).get("completion_tokens", 0))
 
+    def is_short(self, asked: int) -> bool:
+        """Whether it ended before the `asked` tokens (a stop or a server cap): its figures are of a shorter run."""
+        return self.finish_reason != "length" or self.tokens != asked
+
     @property
     def decode_tok_s(self) -> float | None:
         """Decode speed: (tokens - 1) over the time from the first piece to the last."""
@@ -81,9 +85,11 @@ def headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def open_client(timeout: float = DEFAULT_TIMEOUT) -> httpx.Client:
-    """An HTTP client for streams; making one loads TLS certificates (milliseconds), so make it before the clock."""
-    return httpx.Client(timeout=timeout, trust_env=False)
+def open_client(timeout: float = DEFAULT_TIMEOUT, connections: int | None = None) -> httpx.Client:
+    """An HTTP client for streams; making one loads TLS certificates (milliseconds), so make it before the clock.
+    `connections`: requests it keeps in flight at once (httpx's default pool holds 100)."""
+    limits = httpx.Limits() if connections is None else httpx.Limits(max_connections=connections)
+    return httpx.Client(timeout=timeout, trust_env=False, limits=limits)
 
 
 def resolve_model(base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str:
