@@ -248,19 +248,19 @@ def _mtp_layers(r: _Reader, rope_theta: float) -> int:
     """The MTP layers (0 or 1); the MTP settings this loader cannot honour (its own embeddings, a GDN layer, a
     hidden state from another layer, another rope theta) are refused by name."""
     mtp = r.data.get("mtp")
-    default = 0
-    if isinstance(mtp, dict):
-        default = mtp.get("num_hidden_layers", 1)
-    value = r.int("mtp_num_hidden_layers", default, minimum=0)
+    m = _Reader(mtp if isinstance(mtp, dict) else {}, r.name("mtp") + ".")
+    if "mtp_num_hidden_layers" in r.data or not isinstance(mtp, dict):
+        name, value = r.name("mtp_num_hidden_layers"), r.int("mtp_num_hidden_layers", 0, minimum=0)
+    else:  # the count comes from the mtp object
+        name, value = m.name("num_hidden_layers"), m.int("num_hidden_layers", 1, minimum=0)
     if value > 1:
-        raise ConfigError(f"{r.name('mtp_num_hidden_layers')}: only one MTP layer is supported, got {value}")
+        raise ConfigError(f"{name}: only one MTP layer is supported, got {value}")
     if value and r.bool("mtp_use_dedicated_embeddings", False):
         raise ConfigError(
             f"{r.name('mtp_use_dedicated_embeddings')}: an MTP layer with its own embeddings is not supported"
         )
     if not value or not isinstance(mtp, dict):
         return value
-    m = _Reader(mtp, r.name("mtp") + ".")
     kinds = mtp.get("layer_types", [QSA_SPELLINGS[0]])
     if not isinstance(kinds, list) or any(kind not in QSA_SPELLINGS for kind in kinds):
         raise ConfigError(f"{m.name('layer_types')}: only a QSA MTP layer is supported, got {kinds!r}")
@@ -337,9 +337,10 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
     if ple_layers and ple_dim % ((ngram_size - 1) * per_ngram):
         raise ConfigError(f"{r.name('ple_embed_dim')}: {ple_dim} is not divisible by the n-gram head count")
 
-    dtype = data.get("dtype") or data.get("torch_dtype") or "bfloat16"
+    dtype_key = "dtype" if data.get("dtype") else "torch_dtype"
+    dtype = data.get(dtype_key) or "bfloat16"
     if dtype not in ("bfloat16", "float32", "float16"):
-        raise ConfigError(f"{r.name('dtype')}: unknown value {dtype!r}")
+        raise ConfigError(f"{r.name(dtype_key)}: unknown value {dtype!r}")
     return FlashNextConfig(
         vocab_size=r.int("vocab_size"),
         hidden_size=hidden,

@@ -140,3 +140,22 @@ def test_mtp_settings_the_loader_cannot_honour_are_refused_by_name(fields: dict,
 def test_the_real_configs_mtp_settings_parse():
     """The real config's `mtp` object (a QSA layer, the trunk's hidden state and rope theta) is taken."""
     assert parse_config(real_text()).mtp_num_hidden_layers == 1
+
+
+@pytest.mark.parametrize("value", [2, "one", -1])
+def test_an_mtp_objects_layer_count_is_refused_by_its_own_name(value: object) -> None:
+    """A bad `mtp.num_hidden_layers` (no top-level mtp_num_hidden_layers) is refused naming `mtp.num_hidden_layers`."""
+    text = text_config("base", mtp={"num_hidden_layers": value})
+    text.pop("mtp_num_hidden_layers", None)
+    with pytest.raises(ConfigError) as refused:
+        parse_config(text)
+    assert "mtp.num_hidden_layers" in str(refused.value), str(refused.value)
+
+
+def test_a_bad_torch_dtype_is_refused_by_its_own_name() -> None:
+    """A config whose dtype is given as `torch_dtype` (the older spelling) is refused naming `torch_dtype`."""
+    text = text_config("base", torch_dtype="int8")
+    text.pop("dtype", None)
+    with pytest.raises(ConfigError) as refused:
+        parse_config(text)
+    assert "torch_dtype" in str(refused.value), str(refused.value)
