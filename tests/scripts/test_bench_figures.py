@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import httpx
@@ -252,3 +252,50 @@ def test_bench_guide_compile_times_gaps_between_tokens_not_before_the_first(caps
         assert all(r["stream_outlasted"] for r in results)
         gaps = [r["longest_gap_ms"] for r in results]
         assert max(gaps) < 60, f"longest gaps {gaps} ms, tokens came 5 ms apart"
+
+
+def _clock_that_counts_clients(bench, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making an httpx client moves the script's clock on by 1,000 s; the script's sleeps past 100 s return at once."""
+    offset, real_init, real_clock, real_sleep = [0.0], httpx.Client.__init__, time.perf_counter, time.sleep
+
+    def init_that_takes_long(self: httpx.Client, *args: Any, **kwargs: Any) -> None:
+        offset[0] += 1000.0
+        real_init(self, *args, **kwargs)
+
+    def sleep(seconds: float) -> None:
+        if seconds < 100:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(httpx.Client, "__init__", init_that_takes_long)
+    clock = SimpleNamespace(perf_counter=lambda: real_clock() + offset[0], sleep=sleep, time_ns=time.time_ns)
+    monkeypatch.setattr(bench, "time", clock)
+
+
+def test_bench_guide_compile_span_excludes_making_an_http_client(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The compile's span (and the window the longest gap is looked for in) must not count making an HTTP client, as
+    bench_guided's latencies no longer do: here making one moves the clock on by 1,000 s."""
+    bench = load_script("bench_guide_compile")
+    _clock_that_counts_clients(bench, monkeypatch)
+    for fake in running(gap=0.002, hold=0.05):
+        bench.main(["--base-url", fake.url, "--tokens", "400", "--reps", "1"])
+        results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert results[0]["mode"] == "beside a compile"
+        assert results[0]["span_s"] < 1000, results[0]
+
+
+def test_bench_guide_compile_longest_gap_is_never_negative() -> None:
+    """The longest gap within [begin, end] is at least 0: a stream whose last chunk came before `begin` (it ended
+    while the script slept its 0.2 s) gave -198 ms."""
+    bench = load_script("bench_guide_compile")
+    assert bench.longest_gap([1.0, 1.1, 1.2], begin=1.5, end=2.0) >= 0
+
+
+def test_bench_guide_compile_fails_when_the_stream_ends_before_the_window() -> None:
+    """A run whose measured stream ended before the compile's window closed (its figure looks at no tokens after
+    that) must exit non-zero, as bench_openai now fails reps that end short: here the server stops it at 3 tokens."""
+    bench = load_script("bench_guide_compile")
+    for fake in running(stop_after=3, gap=0.001, hold=0.3):
+        code = bench.main(["--base-url", fake.url, "--tokens", "50", "--reps", "1"])
+        assert code != 0
