@@ -142,7 +142,11 @@ class FakeHandler(BaseHTTPRequestHandler):
 
 def serve(vary: bool, stop_after: int | None = None) -> Iterator[FakeServer]:
     """Run a fake server in a thread for one test."""
-    server = FakeServer(vary, stop_after)
+    yield from serving(FakeServer(vary, stop_after))
+
+
+def serving(server: ThreadingHTTPServer) -> Iterator[ThreadingHTTPServer]:
+    """Serve `server` on a thread until the loop over it ends."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server

@@ -15,13 +15,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.scripts.test_bench_clients import FakeHandler, serving
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -62,30 +64,14 @@ class Fake(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
+        """The server's base URL."""
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(FakeHandler):
+    """test_bench_clients' handler's replies and events, with timing, stops and in-flight counts set per server."""
+
     server: Fake
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet."""
-
-    def send_json(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-        self.close_connection = True
-
-    def event(self, payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
 
     def do_GET(self) -> None:
         if self.path.startswith("/health"):
@@ -163,13 +149,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def running(**settings: Any) -> Iterator[Fake]:
     """A fake server with these settings, serving on a thread until the loop over it ends."""
-    server = Fake(**settings)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    yield from serving(Fake(**settings))
 
 
 @pytest.fixture
