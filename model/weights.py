@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import re
@@ -126,17 +127,39 @@ def _open_safetensors(path: Path):
 
 @dataclass(slots=True)
 class QuantPlan:
-    """Which modules a ModelOpt MIXED_PRECISION checkpoint quantized, and how."""
+    """Which modules a ModelOpt checkpoint quantized, and how: a MIXED_PRECISION export's `quantized_layers` (by
+    module, or by each projection under one), or a single-format export's algorithm for every module its
+    `exclude_modules` (or `ignore`) patterns leave."""
 
     layers: dict[str, str]
+    default: str | None = None
+    exclude: tuple[str, ...] = ()
 
     def algo(self, module: str) -> str | None:
-        return self.layers.get(module)
+        """The module's algorithm; the projections under it must agree (ModelOpt writes one key per Linear)."""
+        if module in self.layers:
+            return self.layers[module]
+        under = {algo for name, algo in self.layers.items() if name.startswith(module + ".")}
+        if len(under) > 1:
+            raise CheckpointError(f"quantized_layers: the modules under {module} use {sorted(under)}, not one format")
+        if under:
+            return under.pop()
+        excluded = any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude)
+        return None if excluded else self.default
+
+
+def _algo(value: object, where: str) -> str:
+    """A quant_algo as the loader knows it (ModelOpt may write lower case; W4A16_NVFP4 is NVFP4's packing)."""
+    algo = value.upper() if isinstance(value, str) else value
+    algo = "NVFP4" if algo == "W4A16_NVFP4" else algo
+    if algo not in KNOWN_ALGOS:
+        raise CheckpointError(f"{where}: unknown value {value!r}")
+    return algo
 
 
 def read_quant_plan(model_dir: Path, quantization_config: dict | None) -> QuantPlan:
     """Merge `quantization_config` (config.json) and `hf_quant_config.json`; refuse unknown algorithms."""
-    layers: dict[str, str] = {}
+    plan = QuantPlan({})
     sources = []
     if quantization_config is not None:
         sources.append(("config.json quantization_config", quantization_config))
@@ -153,18 +176,20 @@ def read_quant_plan(model_dir: Path, quantization_config: dict | None) -> QuantP
         method = qc.get("quant_method", "modelopt")
         if method != "modelopt":
             raise CheckpointError(f"{where}.quant_method: unsupported value {method!r} (only modelopt)")
-        algo = qc.get("quant_algo")
-        if algo != "MIXED_PRECISION":
-            raise CheckpointError(f"{where}.quant_algo: unsupported value {algo!r} (only MIXED_PRECISION)")
+        if str(qc.get("quant_algo")).upper() != "MIXED_PRECISION":
+            plan.default = _algo(qc.get("quant_algo"), f"{where}.quant_algo")
+            patterns = qc.get("exclude_modules", qc.get("ignore")) or []
+            if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+                raise CheckpointError(f"{where}.exclude_modules: expected a list of module patterns, got {patterns!r}")
+            plan.exclude = tuple(patterns)
+            continue
         quantized = qc.get("quantized_layers") or {}
         if not isinstance(quantized, dict):
             raise CheckpointError(f"{where}.quantized_layers: expected an object, got {type(quantized).__name__}")
         for module, spec in quantized.items():
             layer_algo = spec.get("quant_algo") if isinstance(spec, dict) else None
-            if layer_algo not in KNOWN_ALGOS:
-                raise CheckpointError(f"{where}.quantized_layers[{module!r}].quant_algo: unknown value {layer_algo!r}")
-            layers[module] = layer_algo
-    return QuantPlan(layers)
+            plan.layers[module] = _algo(layer_algo, f"{where}.quantized_layers[{module!r}].quant_algo")
+    return plan
 
 
 def experts_nvfp4(model_dir: Path, cfg: FlashNextConfig, load_format: str) -> bool:
@@ -172,7 +197,10 @@ def experts_nvfp4(model_dir: Path, cfg: FlashNextConfig, load_format: str) -> bo
     if load_format == "dummy":
         return True
     plan = read_quant_plan(model_dir, cfg.quantization_config)
-    return any(module.endswith(".experts") and algo == "NVFP4" for module, algo in plan.layers.items())
+    modules = (
+        f"{prefix}layers.{layer}.mlp.experts" for prefix in TRUNK_PREFIXES for layer in range(cfg.num_hidden_layers)
+    )
+    return any(plan.algo(module) == "NVFP4" for module in modules)
 
 
 class WeightLoader:
