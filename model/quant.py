@@ -32,15 +32,21 @@ def fp4_round(x: Tensor) -> Tensor:
     return (code | (torch.signbit(x).long() << 3)).to(torch.uint8)
 
 
-def quantize_nvfp4(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """ModelOpt NVFP4 of a [out, in] weight: (uint8 codes [out, in//2], e4m3 scales [out, in//16], fp32 scale_2)."""
+def nvfp4_scale_2(*weights: Tensor) -> Tensor:
+    """The fp32 global scale NVFP4 gives these weights together: their amax / (6 · 448)."""
+    return max(w.float().abs().amax() for w in weights) / (FP4_MAX * FP8_E4M3_MAX)
+
+
+def quantize_nvfp4(weight: Tensor, scale_2: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """ModelOpt NVFP4 of a [out, in] weight: (uint8 codes [out, in//2], e4m3 scales [out, in//16], fp32 scale_2);
+    `scale_2` shared with modules that take the same input (an expert's gate and up), else the weight's own."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     if cols % NVFP4_GROUP:
         raise ValueError(f"weight: in={cols} is not a multiple of the NVFP4 group size {NVFP4_GROUP}")
     w = weight.float().reshape(rows, cols // NVFP4_GROUP, NVFP4_GROUP)
-    scale_2 = w.abs().amax() / (FP4_MAX * FP8_E4M3_MAX)
+    scale_2 = nvfp4_scale_2(w) if scale_2 is None else scale_2.float()
     block_amax = w.abs().amax(dim=-1)
     want = torch.where(scale_2 > 0, block_amax / FP4_MAX / scale_2, torch.zeros_like(block_amax))
     block_scale = want.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)

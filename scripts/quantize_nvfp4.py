@@ -76,14 +76,19 @@ class Source:
         return math.prod(self.handles[self.files[key]].get_slice(key).get_shape())
 
 
-def quantize_expert(prefix: str, weight: torch.Tensor, mtp: bool) -> dict[str, torch.Tensor]:
-    """One routed expert projection: NVFP4 in the trunk, FP8 128x128 blocks in the MTP layer."""
+def quantize_expert(
+    prefix: str, weight: torch.Tensor, mtp: bool, sibling: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """One routed expert projection: NVFP4 in the trunk, FP8 128x128 blocks in the MTP layer. A gate or up projection
+    shares its global scale with its `sibling` (up or gate), as ModelOpt exports them and vLLM's fused MoE reads
+    one scale for both."""
     try:
         if mtp:
             q, scale_inv = quant.quantize_fp8_block(weight)
             return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": scale_inv}
         # No input_scale: that is an activation amax, and we have no calibration data (weight-only W4A16 use).
-        packed, scale, scale_2 = quant.quantize_nvfp4(weight)
+        shared = None if sibling is None else quant.nvfp4_scale_2(weight, sibling)
+        packed, scale, scale_2 = quant.quantize_nvfp4(weight, shared)
     except ValueError as err:
         raise ValueError(f"{prefix}: {err}") from err
     return {f"{prefix}.weight": packed, f"{prefix}.weight_scale": scale, f"{prefix}.weight_scale_2": scale_2}
@@ -126,15 +131,18 @@ class Converter:
         if m := EXPERTS.match(name):
             mod, mtp = m["mod"], name.startswith("mtp.")
             if m["proj"]:
-                return quantize_expert(f"{mod}.{m['e']}.{m['proj']}", tensor, mtp)
+                pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(m["proj"])
+                sibling_key = self.sources.get(f"{mod}.{m['e']}.{pair}.weight")
+                sibling = self.src.get(sibling_key) if sibling_key else None  # none: the loader refuses the expert
+                return quantize_expert(f"{mod}.{m['e']}.{m['proj']}", tensor, mtp, sibling)
             out: dict[str, torch.Tensor] = {}
             for e, w in enumerate(tensor):
                 if m["fused"] == "down_proj":  # [E, d, I]
                     out |= quantize_expert(f"{mod}.{e}.down_proj", w, mtp)
                 else:  # [E, 2I, d]: the gate rows first, then the up rows
                     half = w.shape[0] // 2
-                    out |= quantize_expert(f"{mod}.{e}.gate_proj", w[:half], mtp)
-                    out |= quantize_expert(f"{mod}.{e}.up_proj", w[half:], mtp)
+                    out |= quantize_expert(f"{mod}.{e}.gate_proj", w[:half], mtp, w[half:])
+                    out |= quantize_expert(f"{mod}.{e}.up_proj", w[half:], mtp, w[:half])
             return out
         if m := NGRAM.match(name):
             # Quantizing every shard with the table-wide scale equals quantizing the concatenated table once.

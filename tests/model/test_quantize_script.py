@@ -19,6 +19,7 @@ from model.quant import (
     dequantize_fp8_block,
     dequantize_fp8_per_tensor,
     dequantize_nvfp4,
+    nvfp4_scale_2,
     quantize_fp8_block,
     quantize_fp8_per_tensor,
     quantize_nvfp4,
@@ -155,7 +156,16 @@ def test_config_is_the_full_quantized_layout(converted: Converted) -> None:
     }
 
 
+def shared_scale_2(weights: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    """The global scale an expert's gate or up projection shares with the other (None for down)."""
+    pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+    proj = next((p for p in pair if f".{p}." in key), None)
+    return None if proj is None else nvfp4_scale_2(weights[key], weights[key.replace(proj, pair[proj])])
+
+
 def test_experts_are_nvfp4_grid_projections(converted: Converted) -> None:
+    """Each expert projection is its NVFP4 grid image; gate and up share one global scale (ModelOpt's export, which
+    vLLM's fused MoE reads as one), down has its own."""
     _, dst, orig = converted
     out = load_all(dst)
     assert not any(k.endswith("input_scale") for k in out)
@@ -168,7 +178,7 @@ def test_experts_are_nvfp4_grid_projections(converted: Converted) -> None:
         assert scale.dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0], w.shape[1] // 16)
         assert scale_2.dtype == torch.float32 and scale_2.dim() == 0
         dq = dequantize_nvfp4(packed, scale, scale_2)
-        assert torch.equal(dq, dequantize_nvfp4(*quantize_nvfp4(w))), prefix
+        assert torch.equal(dq, dequantize_nvfp4(*quantize_nvfp4(w, shared_scale_2(orig, key)))), prefix
         assert (dq - w).abs().max() <= w.abs().max() / 6  # at most half the top grid step of the global scale
 
 
@@ -255,9 +265,13 @@ def test_full_layout_fused_experts_and_mtp(converted: Converted, tmp_path: Path)
         for i in range(EXPERTS):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 prefix = f"{TRUNK}layers.{layer}.mlp.experts.{i}.{proj}"
-                w = orig[f"model.layers.{layer}.mlp.experts.{i}.{proj}.weight"].bfloat16()
+                key = f"model.layers.{layer}.mlp.experts.{i}.{proj}.weight"
+                bf16 = {
+                    k: v.bfloat16() for k, v in orig.items() if k.startswith(f"model.layers.{layer}.mlp.experts.{i}.")
+                }
                 got = (out[f"{prefix}.weight"], out[f"{prefix}.weight_scale"], out[f"{prefix}.weight_scale_2"])
-                assert torch.equal(dequantize_nvfp4(*got), dequantize_nvfp4(*quantize_nvfp4(w))), prefix
+                want = quantize_nvfp4(bf16[key], shared_scale_2(bf16, key))
+                assert torch.equal(dequantize_nvfp4(*got), dequantize_nvfp4(*want)), prefix
     for i in range(EXPERTS):
         parts = {"gate_proj": mtp_gate_up[i, :32], "up_proj": mtp_gate_up[i, 32:], "down_proj": mtp_down[i]}
         for proj, w in parts.items():
