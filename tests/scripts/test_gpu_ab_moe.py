@@ -13,8 +13,8 @@ import pytest
 
 from kernels import moe
 
-H = "gate * tl.sigmoid(gate) * up, INTERPRET)"  # the gate-up kernels' h, before its bf16 rounding
-H_OFF = "gate * tl.sigmoid(gate) * up * 1.01, INTERPRET)"
+H = "gate * tl.sigmoid(gate) * up, True, INTERPRET)"  # the gate-up kernels' h, before its bf16 rounding
+H_OFF = "gate * tl.sigmoid(gate) * up * 1.01, True, INTERPRET)"
 
 
 def test_a_copy_of_the_kernel_gives_the_same_bits(tmp_path: Path, capsys) -> None:
