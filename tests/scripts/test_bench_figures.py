@@ -167,14 +167,11 @@ def run_script(name: str, url: str, *flags: str) -> subprocess.CompletedProcess[
 # --- bench_openai -------------------------------------------------------------------------------------------------
 
 
-def test_bench_openai_fails_a_rep_that_stops_short(tmp_path: Path) -> None:
+def test_bench_openai_fails_a_rep_that_stops_short() -> None:
     """A rep that ends before --tokens must fail the run (as bench_concurrent's SHORT does), not enter the medians:
-    here the server caps every request at 2 tokens (its generation config) and bench_openai asks for 8."""
-    from tests.server.live import serve, tiny_chat_checkpoint
-
-    cap = json.dumps({"max_new_tokens": 2})
-    with serve(tiny_chat_checkpoint(tmp_path / "chat"), "--override-generation-config", cap) as live:
-        done = run_script("bench_openai", live.url, "--tokens", "8", "--reps", "2", "--temperatures", "0",
+    here the server stops every request at 2 tokens and bench_openai asks for 8."""
+    for fake in running(stop_after=2):
+        done = run_script("bench_openai", fake.url, "--tokens", "8", "--reps", "2", "--temperatures", "0",
                           "--prompt", "Hello", "--json")  # fmt: skip
     assert done.stdout, done.stderr
     reps = json.loads(done.stdout.splitlines()[-1])["cells"][0]["reps"]
