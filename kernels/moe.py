@@ -860,15 +860,14 @@ def _pairs_forward(
     if gated is not None:  # joined and laid out before the gate-up, so that the down launches right behind it
         gated.ready()
         shared, logit = gated.shared.contiguous(), contiguous_columns(gated.gate_logit)
-    if not (gate_up_span and moe_gluon.gate_up_pairs(x, ids, wb, h, interpret)):
-        _gate_up_pairs_kernel[(n * top_k * triton.cdiv(wb.inter, tiles.gate_up_n),)](
-            x, ids, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, wb.d, wb.inter,
-            x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
-            wb.gate_up_scale.stride(1), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k, EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4,
-            INTERPRET=interpret, SPAN=gate_up_span, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            **launch_options(_gate_up_pairs_kernel, x.device),
-        )  # fmt: skip
+    _gate_up_pairs_kernel[(n * top_k * triton.cdiv(wb.inter, tiles.gate_up_n),)](
+        x, ids, wb.gate_up, wb.gate_up_scale, wb.gate_up_scale_2, h, wb.d, wb.inter,
+        x.stride(0), wb.gate_up.stride(0), wb.gate_up.stride(1), wb.gate_up_scale.stride(0),
+        wb.gate_up_scale.stride(1), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k, EVEN_K=wb.d % gate_up_k == 0, FP4=wb.fp4,
+        INTERPRET=interpret, SPAN=gate_up_span, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **launch_options(_gate_up_pairs_kernel, x.device),
+    )  # fmt: skip
     n_cols = triton.cdiv(wb.d, tiles.down_n)
     y = torch.empty(n * top_k, wb.d, dtype=torch.float32, device=x.device)
     _down_pairs_kernel[(n * top_k * n_cols,)](

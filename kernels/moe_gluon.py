@@ -38,10 +38,6 @@ GATE_UP_SPAN = 128  # the gate-up's span width, and its K step in spans
 GATE_UP_SPANS = 2
 PLAN_BLOCK_M = 16  # the decode batches' plan row tile
 PROMPT_BLOCK_M = 32  # the prompts' plan row tile (kernels/moe.py's moe_tiles)
-PAIRS_WARPS = 2  # the pairs gate-up's warps, 8 columns of gate and up each
-PAIRS_B = False  # the pairs gate-up with the weights as the MMA's second operand
-PAIRS_RING = 1  # the pairs gate-up's K steps of weights loaded ahead
-PAIRS_AHEAD = False  # form b decodes each step's weights while the step before runs its MMAs
 GATE_UP_ROWS = DOWN_ROWS = 8  # rows of a 16-row plan tile a program takes (8: halves; 16: the whole tile)
 PROMPT_ROWS = 16  # rows of a prompt's 32-row plan tile a down program takes (the gate-up leaves prompts to Triton)
 # Where these kernels beat kernels/moe.py's on an H200 (docs/performance.md, sixteenth and seventeenth sessions): the
@@ -132,13 +128,9 @@ def _halves(r):
 
 
 @_jit
-def _weights(
-    words, scales, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPAN: gl.constexpr, W_OP: gl.constexpr,
-    AS_B: gl.constexpr = False,
-):  # fmt: skip
+def _weights(words, scales, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPAN: gl.constexpr, W_OP: gl.constexpr):
     """Spanned words [BLOCK_N, BLOCK_K / 8] and their block scales -> bf16 fp4·scale·2^-7 [BLOCK_N, BLOCK_K]
-    in k order, in W_OP (AS_B: transposed, [BLOCK_K, BLOCK_N], the MMA's second operand); kernels/moe.py's four
-    extractions (kernels/fp4_words.py owns the bits)."""
+    in k order, in W_OP; kernels/moe.py's four extractions (kernels/fp4_words.py owns the bits)."""
     w = words.to(gl.uint32, bitcast=True)
     m = _scale_pairs(scales)
     r0 = _packed_mul(w & 0x81C081C0, m)
@@ -148,8 +140,6 @@ def _weights(
     lo, hi = _halves(gl.join(gl.join(r0, r2), gl.join(r1, r3)))  # [.., k bit 2, k bit 1]
     v = gl.join(lo, hi).reshape([BLOCK_N, BLOCK_K // SPAN, 4, SPAN // 32, 8])  # [column, span, lane t, block b, k]
     v = v.permute((0, 1, 3, 2, 4)).reshape([BLOCK_N, BLOCK_K])  # k = span·s + 32b + 8t + element
-    if AS_B:
-        v = v.permute((1, 0))
     return gl.convert_layout(v, W_OP)  # a renaming of registers: no data moves
 
 
@@ -224,194 +214,6 @@ def _gate_up_kernel(
     pos_o = first + gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
     cols = nb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     gl.store(h_ptr + pos_o.to(gl.int64)[None, :] * INTER + cols[:, None], h, mask=(pos_o < end)[None, :])
-
-
-@_jit
-def _pairs_weight_rows(nb, INTER, BLOCK_N: gl.constexpr, L_W: gl.constexpr):
-    """The bank rows of a pairs program's weight tile: warp w's 16 rows are gate columns nb·BLOCK_N + 8w + (0..7)
-    and then the same columns of up, so a thread's gate and up sums land in one MMA accumulator's two row halves."""
-    r = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(1, L_W))
-    return nb * BLOCK_N + 8 * (r // 16) + r % 8 + (r // 8 % 2) * INTER
-
-
-@_jit
-def _step_weights(wp, sp, i, BLOCK_K: gl.constexpr):
-    """K step i's words and scales."""
-    return gl.load(wp + i * (BLOCK_K // 8)), gl.load(sp + i * (BLOCK_K // 16))
-
-
-@_jit
-def _a_step(
-    acc, xa, w, s, xp, nxt, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, SPAN: gl.constexpr,
-    W_OP: gl.constexpr, X_OP: gl.constexpr,
-):  # fmt: skip
-    """Form a's MMA of one K step (weights first), with K step nxt's x loaded for the next."""
-    x_next = gl.load(xp + nxt * (BLOCK_K // 2))
-    acc = gl.nvidia.ampere.mma_v2(
-        _weights(w, s, 2 * BLOCK_N, BLOCK_K, SPAN, W_OP), _x_operand(xa, ROWS, BLOCK_K, X_OP), acc
-    )
-    return acc, x_next
-
-
-@_jit
-def _b_step(
-    acc, xa, w, s, xp, nxt, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPAN: gl.constexpr, W_OP: gl.constexpr,
-    X_OP: gl.constexpr,
-):  # fmt: skip
-    """Form b's MMA of one K step (x first, the weights second), with K step nxt's x loaded for the next."""
-    x_next = gl.load(xp + nxt * (BLOCK_K // 2))
-    lo, hi = _halves(xa)
-    xo = gl.convert_layout(gl.join(lo, hi).reshape([16, BLOCK_K]), X_OP)
-    acc = gl.nvidia.ampere.mma_v2(xo, _weights(w, s, 2 * BLOCK_N, BLOCK_K, SPAN, W_OP, True), acc)
-    return acc, x_next
-
-
-@_jit
-def _gate_up_pairs_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, D, INTER, stride_xn, stride_we, stride_wn, stride_se, stride_sn,
-    TOP_K: gl.constexpr, K_POW2: gl.constexpr, WARPS: gl.constexpr, ROWS: gl.constexpr, SPAN: gl.constexpr,
-    BLOCK_K: gl.constexpr, MMA: gl.constexpr, W_OP: gl.constexpr, X_OP: gl.constexpr, L_W: gl.constexpr,
-    L_X: gl.constexpr, L_IDS: gl.constexpr, L_H: gl.constexpr, L_H3: gl.constexpr, PDL: gl.constexpr,
-    RING: gl.constexpr,
-):  # fmt: skip
-    """h of one (row, slot) pair over 8·WARPS columns, stored at the pair's place in its row's ascending-expert order,
-    as kernels/moe.py's `_gate_up_pairs_kernel` stores it: each warp sums 8 columns of gate and the same 8 of up (16
-    MMA rows), so one pair's gate-up spreads over twice the warps of a program that sums both for 16 columns; RING (1, 2
-    or 5, dividing the K steps) K steps of weights are loaded ahead."""
-    enter(PDL)
-    BLOCK_N: gl.constexpr = 8 * WARPS
-    n_blocks = gl.cdiv(INTER, BLOCK_N)
-    pair = gl.program_id(0) // n_blocks
-    nb = gl.program_id(0) % n_blocks
-    row = pair // TOP_K
-    slots = gl.arange(0, K_POW2, layout=L_IDS)
-    row_ids = gl.load(ids_ptr + row * TOP_K + slots, mask=slots < TOP_K, other=2147483647)
-    e = gl.load(ids_ptr + pair)
-    before = (row_ids < e) | ((row_ids == e) & (slots < pair % TOP_K))
-    place = row * TOP_K + gl.sum(before.to(gl.int32), 0)
-    x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    x_rows = gl.zeros([ROWS], gl.int64, gl.SliceLayout(1, L_X)) + row.to(gl.int64) * (stride_xn // 2)
-    xp = x32 + x_rows[:, None] + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, L_X))[None, :]
-    rows = _pairs_weight_rows(nb, INTER, BLOCK_N, L_W)
-    kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, L_W))
-    wp = w_ptr + e.to(gl.int64) * stride_we + rows[:, None] * stride_wn + kw[None, :]
-    sp = s_ptr + e.to(gl.int64) * stride_se + rows[:, None] * stride_sn + _scale_positions(kw, SPAN)[None, :]
-    steps = D // BLOCK_K
-    acc = gl.zeros([2 * BLOCK_N, ROWS], gl.float32, MMA)
-    last = steps - 1
-    w0, s0 = _step_weights(wp, sp, 0, BLOCK_K)
-    if RING >= 2:
-        w1, s1 = _step_weights(wp, sp, 1, BLOCK_K)
-    if RING >= 5:
-        w2, s2 = _step_weights(wp, sp, 2, BLOCK_K)
-        w3, s3 = _step_weights(wp, sp, 3, BLOCK_K)
-        w4, s4 = _step_weights(wp, sp, 4, BLOCK_K)
-    xa = gl.load(xp)
-    for i in range(0, steps, RING):  # slot j holds step i + j; each is loaded again, RING steps on, once used
-        acc, xa = _a_step(acc, xa, w0, s0, xp, gl.minimum(i + 1, last), BLOCK_N, ROWS, BLOCK_K, SPAN, W_OP, X_OP)
-        w0, s0 = _step_weights(wp, sp, gl.minimum(i + RING, last), BLOCK_K)
-        if RING >= 2:
-            acc, xa = _a_step(acc, xa, w1, s1, xp, gl.minimum(i + 2, last), BLOCK_N, ROWS, BLOCK_K, SPAN, W_OP, X_OP)
-            w1, s1 = _step_weights(wp, sp, gl.minimum(i + 1 + RING, last), BLOCK_K)
-        if RING >= 5:
-            acc, xa = _a_step(acc, xa, w2, s2, xp, gl.minimum(i + 3, last), BLOCK_N, ROWS, BLOCK_K, SPAN, W_OP, X_OP)
-            w2, s2 = _step_weights(wp, sp, gl.minimum(i + 2 + RING, last), BLOCK_K)
-            acc, xa = _a_step(acc, xa, w3, s3, xp, gl.minimum(i + 4, last), BLOCK_N, ROWS, BLOCK_K, SPAN, W_OP, X_OP)
-            w3, s3 = _step_weights(wp, sp, gl.minimum(i + 3 + RING, last), BLOCK_K)
-            acc, xa = _a_step(acc, xa, w4, s4, xp, gl.minimum(i + 5, last), BLOCK_N, ROWS, BLOCK_K, SPAN, W_OP, X_OP)
-            w4, s4 = _step_weights(wp, sp, gl.minimum(i + 4 + RING, last), BLOCK_K)
-    gate, up = gl.convert_layout(acc.reshape([WARPS, 2, 8, ROWS]).permute((0, 2, 3, 1)), L_H).split()
-    gate = gl.convert_layout(gate, L_H3) * (gl.load(s2_ptr + e * 2) * 128.0)
-    up = gl.convert_layout(up, L_H3) * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
-    h = (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)  # as tl.sigmoid forms it
-    warp = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_H3)))[:, None, None]
-    col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_H3)))[None, :, None]
-    tile_row = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_H3)))[None, None, :]
-    h_cols = h_ptr + place.to(gl.int64) * INTER + nb * BLOCK_N + 8 * warp + col + 0 * tile_row
-    gl.store(h_cols, h, mask=tile_row == 0)  # the tile's other rows repeat the pair's
-
-
-@_jit
-def _c_step(acc, xa, wop, xp, nxt, BLOCK_K: gl.constexpr, X_OP: gl.constexpr):
-    """Form b's MMAs of one K step on weights decoded before, with K step nxt's x loaded for the next."""
-    x_next = gl.load(xp + nxt * (BLOCK_K // 2))
-    lo, hi = _halves(xa)
-    xo = gl.convert_layout(gl.join(lo, hi).reshape([16, BLOCK_K]), X_OP)
-    return gl.nvidia.ampere.mma_v2(xo, wop, acc), x_next
-
-
-@_jit
-def _gate_up_pairs_b_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, s2_ptr, h_ptr, D, INTER, stride_xn, stride_we, stride_wn, stride_se, stride_sn,
-    TOP_K: gl.constexpr, K_POW2: gl.constexpr, WARPS: gl.constexpr, SPAN: gl.constexpr, BLOCK_K: gl.constexpr,
-    MMA: gl.constexpr, W_OP: gl.constexpr, X_OP: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr,
-    L_IDS: gl.constexpr, L_H: gl.constexpr, L_H2: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr,
-    AHEAD: gl.constexpr,
-):  # fmt: skip
-    """h of one (row, slot) pair over 4·WARPS columns, stored at the pair's place in its row's ascending-expert order:
-    the weights are the MMA's second operand, 8 columns a warp, the first half of the warps gate's and the second
-    up's, and x its first (16 rows, all the pair's row); RING (1, 2 or 5, dividing the K steps) K steps of
-    weights are loaded ahead, or with AHEAD each step's weights are decoded while the step before runs its MMAs."""
-    enter(PDL)
-    BLOCK_N: gl.constexpr = 4 * WARPS
-    n_blocks = gl.cdiv(INTER, BLOCK_N)
-    pair = gl.program_id(0) // n_blocks
-    nb = gl.program_id(0) % n_blocks
-    row = pair // TOP_K
-    slots = gl.arange(0, K_POW2, layout=L_IDS)
-    row_ids = gl.load(ids_ptr + row * TOP_K + slots, mask=slots < TOP_K, other=2147483647)
-    e = gl.load(ids_ptr + pair)
-    before = (row_ids < e) | ((row_ids == e) & (slots < pair % TOP_K))
-    place = row * TOP_K + gl.sum(before.to(gl.int32), 0)
-    x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    x_rows = gl.zeros([16], gl.int64, gl.SliceLayout(1, L_X)) + row.to(gl.int64) * (stride_xn // 2)
-    xp = x32 + x_rows[:, None] + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, L_X))[None, :]
-    r = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(1, L_W))
-    rows = nb * BLOCK_N + r % BLOCK_N + (r // BLOCK_N) * INTER
-    kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, L_W))
-    wp = w_ptr + e.to(gl.int64) * stride_we + rows[:, None] * stride_wn + kw[None, :]
-    sp = s_ptr + e.to(gl.int64) * stride_se + rows[:, None] * stride_sn + _scale_positions(kw, SPAN)[None, :]
-    steps = D // BLOCK_K
-    acc = gl.zeros([16, 2 * BLOCK_N], gl.float32, MMA)
-    last = steps - 1
-    w0, s0 = _step_weights(wp, sp, 0, BLOCK_K)
-    if RING >= 2:
-        w1, s1 = _step_weights(wp, sp, 1, BLOCK_K)
-    if RING >= 5:
-        w2, s2 = _step_weights(wp, sp, 2, BLOCK_K)
-        w3, s3 = _step_weights(wp, sp, 3, BLOCK_K)
-        w4, s4 = _step_weights(wp, sp, 4, BLOCK_K)
-    xa = gl.load(xp)
-    if AHEAD:  # two steps of words in flight; w1 holds step i + 1 and w0 step i + 2 (the K steps even)
-        wop = _weights(w0, s0, 2 * BLOCK_N, BLOCK_K, SPAN, W_OP, True)
-        w0, s0 = _step_weights(wp, sp, gl.minimum(2, last), BLOCK_K)
-        for i in range(0, steps, 2):
-            nxt = _weights(w1, s1, 2 * BLOCK_N, BLOCK_K, SPAN, W_OP, True)
-            w1, s1 = _step_weights(wp, sp, gl.minimum(i + 3, last), BLOCK_K)
-            acc, xa = _c_step(acc, xa, wop, xp, gl.minimum(i + 1, last), BLOCK_K, X_OP)
-            wop = _weights(w0, s0, 2 * BLOCK_N, BLOCK_K, SPAN, W_OP, True)
-            w0, s0 = _step_weights(wp, sp, gl.minimum(i + 4, last), BLOCK_K)
-            acc, xa = _c_step(acc, xa, nxt, xp, gl.minimum(i + 2, last), BLOCK_K, X_OP)
-    for i in range(0, steps if not AHEAD else 0, RING):  # slot j holds step i + j; loaded again RING steps on
-        acc, xa = _b_step(acc, xa, w0, s0, xp, gl.minimum(i + 1, last), BLOCK_N, BLOCK_K, SPAN, W_OP, X_OP)
-        w0, s0 = _step_weights(wp, sp, gl.minimum(i + RING, last), BLOCK_K)
-        if RING >= 2:
-            acc, xa = _b_step(acc, xa, w1, s1, xp, gl.minimum(i + 2, last), BLOCK_N, BLOCK_K, SPAN, W_OP, X_OP)
-            w1, s1 = _step_weights(wp, sp, gl.minimum(i + 1 + RING, last), BLOCK_K)
-        if RING >= 5:
-            acc, xa = _b_step(acc, xa, w2, s2, xp, gl.minimum(i + 3, last), BLOCK_N, BLOCK_K, SPAN, W_OP, X_OP)
-            w2, s2 = _step_weights(wp, sp, gl.minimum(i + 2 + RING, last), BLOCK_K)
-            acc, xa = _b_step(acc, xa, w3, s3, xp, gl.minimum(i + 4, last), BLOCK_N, BLOCK_K, SPAN, W_OP, X_OP)
-            w3, s3 = _step_weights(wp, sp, gl.minimum(i + 3 + RING, last), BLOCK_K)
-            acc, xa = _b_step(acc, xa, w4, s4, xp, gl.minimum(i + 5, last), BLOCK_N, BLOCK_K, SPAN, W_OP, X_OP)
-            w4, s4 = _step_weights(wp, sp, gl.minimum(i + 4 + RING, last), BLOCK_K)
-    gate, up = gl.convert_layout(acc.reshape([16, 2, BLOCK_N]).permute((0, 2, 1)), L_H).split()
-    gate = gl.convert_layout(gate, L_H2) * (gl.load(s2_ptr + e * 2) * 128.0)
-    up = gl.convert_layout(up, L_H2) * (gl.load(s2_ptr + e * 2 + 1) * 128.0)
-    h = (gate * (1 / (1 + gl.exp(-gate))) * up).to(gl.bfloat16)  # as tl.sigmoid forms it
-    tile_row = gl.arange(0, 16, layout=gl.SliceLayout(1, L_H2))[:, None]
-    col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_H2))[None, :]
-    gl.store(h_ptr + place.to(gl.int64) * INTER + nb * BLOCK_N + col + 0 * tile_row, h, mask=tile_row == 0)
 
 
 @_jit
@@ -506,16 +308,14 @@ def _nvidia_ampere_or_later(index: int) -> bool:
     )
 
 
-def _runs_on(device: torch.device, interpreting: bool) -> bool:
-    """Whether Gluon kernels can run on `device`: compiled (not the interpreter), not turned off, mma.sync there."""
-    if gluon is None or interpreting or os.environ.get(ENV) == "0" or device.type != "cuda":
-        return False
-    return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _usable(weights: object, plan: object, interpreting: bool) -> bool:
     """Whether these kernels can run for this bank (`kernels.moe._Weights`) and plan."""
-    return plan.block_m in (PLAN_BLOCK_M, PROMPT_BLOCK_M) and _runs_on(weights.gate_up.device, interpreting)
+    device = weights.gate_up.device
+    if gluon is None or interpreting or os.environ.get(ENV) == "0" or device.type != "cuda":
+        return False
+    if plan.block_m not in (PLAN_BLOCK_M, PROMPT_BLOCK_M):
+        return False
+    return _nvidia_ampere_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gate_up_usable(weights: object, plan: object, interpreting: bool = False) -> bool:
@@ -527,71 +327,6 @@ def gate_up_usable(weights: object, plan: object, interpreting: bool = False) ->
     if plan.block_m != PLAN_BLOCK_M or pairs < GATE_UP_MIN_PAIRS or pairs > MAX_PAIRS_PER_EXPERT * weights.experts:
         return False
     return _usable(weights, plan, interpreting)
-
-
-def gate_up_pairs_usable(weights: object, interpreting: bool = False) -> bool:
-    """Whether `gate_up_pairs` runs for this NVFP4 bank: d in whole gate-up steps, I in whole program tiles."""
-    block_k = GATE_UP_SPAN * GATE_UP_SPANS
-    if span_k(weights.d) != GATE_UP_SPAN or weights.d % (block_k * PAIRS_RING) or weights.inter % (8 * PAIRS_WARPS):
-        return False
-    return _runs_on(weights.gate_up.device, interpreting)
-
-
-@functools.cache
-def _pairs_layouts(warps: int, rows: int) -> dict[str, object]:
-    """The pairs gate-up's layouts beside `_layouts`': a row's slots, and its sums as (gate, up) pairs, then alone."""
-    return {
-        "L_IDS": gl.BlockedLayout([1], [32], [warps], [0]),
-        "L_H": gl.BlockedLayout([1, 1, 1, 2], [1, 32 // rows, rows, 1], [warps, 1, 1, 1], [3, 2, 1, 0]),
-        "L_H3": gl.BlockedLayout([1, 1, 1], [1, 32 // rows, rows], [warps, 1, 1], [2, 1, 0]),
-    }
-
-
-@functools.cache
-def _pairs_b_layouts(span: int, block_k: int, warps: int) -> dict[str, object]:
-    """The layouts of `_gate_up_pairs_b_kernel`: the weights' words [8·warps, block_k / 8] as the MMA's second
-    operand takes them (8 columns a warp), x as int32 pairs [16, block_k / 2] as its first takes it, and the sums."""
-    blocks = span // 32
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, warps], instr_shape=[16, 8])
-    words = gl.DistributedLinearLayout(
-        reg_bases=[[0, b] for b in _bits(blocks)] + [[0, 4 * blocks * b] for b in _bits(block_k // span)],
-        lane_bases=[[0, blocks], [0, 2 * blocks], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[8 * b, 0] for b in _bits(warps)], block_bases=[], shape=[8 * warps, block_k // 8])  # fmt: skip
-    pairs = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2]] + [[0, 16 * b] for b in _bits(block_k // 32)] + [[8, 0]],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[0, 0] for _ in _bits(warps)],
-        block_bases=[], shape=[16, block_k // 2])  # fmt: skip
-    return {
-        "MMA": mma, "W_OP": gl.DotOperandLayout(1, mma, MMA_K_WIDTH), "X_OP": gl.DotOperandLayout(0, mma, MMA_K_WIDTH),
-        "L_W": words, "L_X": pairs, "L_IDS": gl.BlockedLayout([1], [32], [warps], [0]),
-        "L_H": gl.BlockedLayout([1, 1, 2], [16, 2, 1], [1, warps, 1], [2, 1, 0]),
-        "L_H2": gl.BlockedLayout([1, 1], [16, 2], [1, warps], [1, 0]),
-    }  # fmt: skip
-
-
-def gate_up_pairs(x: torch.Tensor, ids: torch.Tensor, weights: object, h: torch.Tensor, interpreting: bool) -> bool:
-    """h by place in each row's ascending-expert order, as kernels/moe.py's pairs path stores it, from x, the rows'
-    expert ids and the spanned NVFP4 gate-up weights; False, doing nothing, where this kernel does not run."""
-    if not gate_up_pairs_usable(weights, interpreting):
-        return False
-    w, s = weights.gate_up, weights.gate_up_scale
-    block_k = GATE_UP_SPAN * GATE_UP_SPANS
-    top_k = ids.shape[1]
-    args = (x, ids, w, s, weights.gate_up_scale_2, h, weights.d, weights.inter, x.stride(0), w.stride(0), w.stride(1),
-            s.stride(0), s.stride(1))  # fmt: skip
-    common = {"TOP_K": top_k, "K_POW2": triton.next_power_of_2(top_k), "WARPS": PAIRS_WARPS, "SPAN": GATE_UP_SPAN,
-              "BLOCK_K": block_k, "num_warps": PAIRS_WARPS}  # fmt: skip
-    if PAIRS_B:
-        _gate_up_pairs_b_kernel[(ids.numel() * (weights.inter // (4 * PAIRS_WARPS)),)](
-            *args, **common, **_pairs_b_layouts(GATE_UP_SPAN, block_k, PAIRS_WARPS), RING=PAIRS_RING, AHEAD=PAIRS_AHEAD,
-            **launch_options(_gate_up_pairs_b_kernel, x.device),
-        )  # fmt: skip
-        return True
-    _gate_up_pairs_kernel[(ids.numel() * (weights.inter // (8 * PAIRS_WARPS)),)](
-        *args, **common, ROWS=GATE_UP_ROWS, **_layouts(GATE_UP_SPAN, block_k, PAIRS_WARPS, GATE_UP_ROWS),
-        **_pairs_layouts(PAIRS_WARPS, GATE_UP_ROWS), RING=PAIRS_RING, **launch_options(_gate_up_pairs_kernel, x.device),
-    )  # fmt: skip
-    return True
 
 
 def down_shape(pairs: int) -> tuple[int, int]:

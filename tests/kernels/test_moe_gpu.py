@@ -151,34 +151,6 @@ def test_the_gluon_gate_up_gives_the_triton_kernels_bits(n: int, monkeypatch) ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("form", ["a2", "b2", "b2r5", "b1r2p", "b2r2p", "b4r2p"])
-def test_the_gluon_pairs_gate_up_gives_the_triton_kernels_bits(seed: int, form: str, monkeypatch) -> None:
-    """At one row kernels/moe_gluon.py's pairs gate-up runs, and the output is the Triton pairs kernel's, bit for bit,
-    with the row's experts distinct or one of them named twice (seed 0)."""
-    kind, _, ring = form.removesuffix("p").partition("r")
-    monkeypatch.setattr(moe_gluon, "PAIRS_B", kind[0] == "b")
-    monkeypatch.setattr(moe_gluon, "PAIRS_WARPS", int(kind[1:]))
-    monkeypatch.setattr(moe_gluon, "PAIRS_RING", int(ring or 1))
-    monkeypatch.setattr(moe_gluon, "PAIRS_AHEAD", form.endswith("p"))
-    bank, (x, ids, w) = bank_and_routing(1)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(1, D, device="cuda", generator=gen).bfloat16()
-    ids = torch.rand(1, E, device="cuda", generator=gen).argsort(dim=1)[:, :TOP_K].to(torch.int32)
-    if seed == 0:
-        ids[0, 3] = ids[0, 7]
-    gluon_pairs = moe_gluon.gate_up_pairs
-    ran: list[bool] = []
-    monkeypatch.setattr(moe_gluon, "gate_up_pairs", lambda *args: ran.append(gluon_pairs(*args)) or ran[-1])
-    with_gluon = moe_forward(x, ids, w, bank, torch.float32)
-    assert ran == [True]
-    monkeypatch.setattr(moe_gluon, "gate_up_pairs", lambda *args: False)
-    without = moe_forward(x, ids, w, bank, torch.float32)
-    assert torch.equal(with_gluon.view(torch.int32), without.view(torch.int32))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled kernels")
 @pytest.mark.parametrize("n", [2, 8, 64, 512])
 def test_the_gluon_down_gives_the_triton_kernels_bits(n: int, monkeypatch) -> None:
     """kernels/moe_gluon.py's down projection runs on these widths (I = 320: spans of 64 k) in each of its shapes
@@ -207,10 +179,8 @@ def test_flashnext_gluon_0_runs_the_triton_kernels(monkeypatch) -> None:
     h = torch.empty(ids.numel(), INTER, dtype=torch.bfloat16, device="cuda")
     y = torch.empty(ids.numel(), D, device="cuda")
     assert moe_gluon.gate_up(x, plan, weights, h, TOP_K, False) and moe_gluon.down(h, plan, weights, y, False)
-    assert moe_gluon.gate_up_pairs(x[:1], ids[:1], weights, h, False)
     monkeypatch.setenv(moe_gluon.ENV, "0")
     assert not moe_gluon.gate_up(x, plan, weights, h, TOP_K, False)
-    assert not moe_gluon.gate_up_pairs(x[:1], ids[:1], weights, h, False)
     assert not moe_gluon.down(h, plan, weights, y, False)
 
 
