@@ -617,13 +617,9 @@ def _combine_kernel(
         y = tl.load(y_ptr + (row * TOP_K + slot).to(tl.int64) * D + cols, mask=col_ok, other=0.0)
         acc = acc + w * y
     out = out_ptr + row.to(tl.int64) * D + cols
-    if GATED:  # a gated value is exact in bf16: stored from its bits (the interpreter's cast drops subnormals)
+    if GATED:
         acc = gated_value(acc, logit, shared, True, INTERPRET)
-        tl.store(out, round_to_act(acc, True, INTERPRET) if OUT_BF16 else acc, mask=col_ok)
-    elif OUT_BF16:
-        tl.store(out, round_to_act(acc, True, INTERPRET), mask=col_ok)
-    else:
-        tl.store(out, acc, mask=col_ok)
+    tl.store(out, round_to_act(acc, OUT_BF16, INTERPRET), mask=col_ok)  # fp32 stays as it is
 
 
 @triton.jit
@@ -708,10 +704,7 @@ def _down_pairs_kernel(
             shared = tl.load(shared_ptr + row.to(tl.int64) * D + no_rows + cols[None, :], mask=mask, other=0.0)
             z = tl.load(logit_ptr + row.to(tl.int64) * stride_logit + no_rows)
             total = gated_value(total, z, shared, True, INTERPRET)  # rounds the routed sum to bf16 first
-        if OUT_BF16:  # a gated value is exact in bf16: stored from its bits (the interpreter's cast drops subnormals)
-            tl.store(out, round_to_act(total, True, INTERPRET), mask=mask)
-        else:
-            tl.store(out, total, mask=mask)
+        tl.store(out, round_to_act(total, OUT_BF16, INTERPRET), mask=mask)  # fp32 stays as it is
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
