@@ -1,89 +1,19 @@
 """NVIDIA ModelOpt's quantization configs as ModelOpt exports them and vLLM reads them: per-projection
-`quantized_layers` keys, W4A16_NVFP4, single-format configs with wildcard exclusions, lower-case algorithms; and the
-quantize script's shared gate/up global scale."""
+`quantized_layers` keys, W4A16_NVFP4, single-format configs with wildcard exclusions, lower-case algorithms."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from model.quant import dequantize_nvfp4
 from model.weights import load_model
 from tests.tiny import checkpoint
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "quantize_nvfp4.py"
 TRUNK = "model.language_model."
-
-
-def load_script() -> ModuleType:
-    """scripts/quantize_nvfp4.py as a module."""
-    spec = importlib.util.spec_from_file_location("quantize_nvfp4_formats", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_all(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded checkpoint folder."""
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(set(index["weight_map"].values())):
-        out |= load_file(folder / file)
-    return out
-
-
-def convert_one_expert(tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict, tuple[torch.Tensor, ...]]:
-    """scripts/quantize_nvfp4.py on a source holding one expert whose gate and up differ in amax: (output tensors,
-    config.json, (gate, up, down))."""
-    script = load_script()
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    src.mkdir()
-    g = torch.Generator().manual_seed(0)
-    gate = torch.randn(32, 64, generator=g)
-    up = torch.randn(32, 64, generator=g) * 4.0  # a different amax, as real gate/up pairs have
-    down = torch.randn(64, 32, generator=g)
-    base = "model.layers.0.mlp.experts.0"
-    save_file(
-        {f"{base}.gate_proj.weight": gate, f"{base}.up_proj.weight": up, f"{base}.down_proj.weight": down},
-        src / "model.safetensors",
-    )
-    (src / "config.json").write_text(json.dumps({"model_type": "qwen4_exp_text"}))
-    script.convert_checkpoint(src, dst, shards=1)
-    return load_all(dst), json.loads((dst / "config.json").read_text()), (gate, up, down)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# scripts/quantize_nvfp4.py: gate and up of one expert must share weight_scale_2 (ModelOpt fuses their amax; vLLM's
-# fused w13 MoE keeps only one global scale per expert)
-
-
-def test_script_gate_and_up_share_weight_scale_2(tmp_path: Path) -> None:
-    """The quantize script writes one weight_scale_2 per expert for gate_proj and up_proj (max of their amaxes)."""
-    out, _, (gate, up, _) = convert_one_expert(tmp_path)
-    prefix = f"{TRUNK}layers.0.mlp.experts.0"
-    s_gate, s_up = out[f"{prefix}.gate_proj.weight_scale_2"], out[f"{prefix}.up_proj.weight_scale_2"]
-    # What vLLM computes for this expert: w13's global scale is gate's (it warns "w1_weight_scale_2 must match
-    # w3_weight_scale_2"), so the up rows come out scaled by s_gate / s_up.
-    vllm_up = dequantize_nvfp4(out[f"{prefix}.up_proj.weight"], out[f"{prefix}.up_proj.weight_scale"], s_gate)
-    rel = ((vllm_up - up).norm() / up.norm()).item()
-    assert s_gate.item() == s_up.item(), (
-        f"gate weight_scale_2 {s_gate.item():.6g} != up {s_up.item():.6g}; vLLM's reading of up is off by "
-        f"relative error {rel:.3f}"
-    )
-    expected = torch.maximum(gate.abs().amax(), up.abs().amax()) / (6 * 448)
-    assert torch.allclose(s_up, expected, rtol=1e-6)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# model/weights.py: which modules a ModelOpt quantization config marks as NVFP4
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +39,12 @@ def expert_banks(model) -> list[torch.Tensor]:
     return [layer.mlp.experts.nvfp4["gate_up_packed"] for layer in model.layers]
 
 
+def assert_same_experts(path: Path, nvfp4: Path) -> None:
+    """The checkpoint at `path` loads the NVFP4 experts the released-layout one at `nvfp4` loads."""
+    got, want = expert_banks(load_model(path, dtype="float32")), expert_banks(load_model(nvfp4, dtype="float32"))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_per_projection_quantized_layers_keys_load_as_nvfp4(nvfp4: Path, tmp_path: Path) -> None:
     """quantized_layers keyed per expert projection (ModelOpt's per-module export, which vLLM also resolves) loads."""
     num_experts = json.loads((nvfp4 / "config.json").read_text())["text_config"]["num_experts"]
@@ -125,9 +61,7 @@ def test_per_projection_quantized_layers_keys_load_as_nvfp4(nvfp4: Path, tmp_pat
         return dict(q, quantized_layers=layers)
 
     path = with_quant_config(nvfp4, tmp_path / "per_proj", per_projection)
-    want = expert_banks(load_model(nvfp4, dtype="float32"))
-    got = expert_banks(load_model(path, dtype="float32"))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_same_experts(path, nvfp4)
 
 
 def test_w4a16_nvfp4_quant_algo_loads_as_nvfp4(nvfp4: Path, tmp_path: Path) -> None:
@@ -141,9 +75,7 @@ def test_w4a16_nvfp4_quant_algo_loads_as_nvfp4(nvfp4: Path, tmp_path: Path) -> N
         return dict(q, quantized_layers=layers)
 
     path = with_quant_config(nvfp4, tmp_path / "w4a16", w4a16)
-    want = expert_banks(load_model(nvfp4, dtype="float32"))
-    got = expert_banks(load_model(path, dtype="float32"))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_same_experts(path, nvfp4)
 
 
 def test_single_format_nvfp4_config_with_exclude_wildcards_loads(nvfp4: Path, tmp_path: Path) -> None:
@@ -177,9 +109,7 @@ def test_single_format_nvfp4_config_with_exclude_wildcards_loads(nvfp4: Path, tm
     (path / "hf_quant_config.json").write_text(
         json.dumps({"producer": {"name": "modelopt", "version": "0.39"}, "quantization": single})
     )
-    want = expert_banks(load_model(nvfp4, dtype="float32"))
-    got = expert_banks(load_model(path, dtype="float32"))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_same_experts(path, nvfp4)
 
 
 def test_lowercase_quant_algo_is_read(nvfp4: Path, tmp_path: Path) -> None:

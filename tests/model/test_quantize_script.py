@@ -330,3 +330,40 @@ def test_cli_prints_a_line_per_shard(converted: Converted, tmp_path: Path) -> No
     assert [line.split()[0] for line in lines] == ["[1/3]", "[2/3]", "[3/3]"]
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["model_type"] == "qwen4_exp"
     assert len(load_all(tmp_path / "cli")) == len(load_all(converted[1]))
+
+
+def convert_one_expert(tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict, tuple[torch.Tensor, ...]]:
+    """scripts/quantize_nvfp4.py on a source holding one expert whose gate and up differ in amax: (output tensors,
+    config.json, (gate, up, down))."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(32, 64, generator=g)
+    up = torch.randn(32, 64, generator=g) * 4.0  # a different amax, as real gate/up pairs have
+    down = torch.randn(64, 32, generator=g)
+    base = "model.layers.0.mlp.experts.0"
+    save_file(
+        {f"{base}.gate_proj.weight": gate, f"{base}.up_proj.weight": up, f"{base}.down_proj.weight": down},
+        src / "model.safetensors",
+    )
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen4_exp_text"}))
+    quantize_script.convert_checkpoint(src, dst, shards=1)
+    return load_all(dst), json.loads((dst / "config.json").read_text()), (gate, up, down)
+
+
+def test_script_gate_and_up_share_weight_scale_2(tmp_path: Path) -> None:
+    """One weight_scale_2 per expert for gate_proj and up_proj (the larger amax), as ModelOpt fuses them; vLLM's
+    fused MoE keeps one global scale for both."""
+    out, _, (gate, up, _) = convert_one_expert(tmp_path)
+    prefix = f"{TRUNK}layers.0.mlp.experts.0"
+    s_gate, s_up = out[f"{prefix}.gate_proj.weight_scale_2"], out[f"{prefix}.up_proj.weight_scale_2"]
+    # What vLLM computes for this expert: w13's global scale is gate's (it warns "w1_weight_scale_2 must match
+    # w3_weight_scale_2"), so the up rows come out scaled by s_gate / s_up.
+    vllm_up = dequantize_nvfp4(out[f"{prefix}.up_proj.weight"], out[f"{prefix}.up_proj.weight_scale"], s_gate)
+    rel = ((vllm_up - up).norm() / up.norm()).item()
+    assert s_gate.item() == s_up.item(), (
+        f"gate weight_scale_2 {s_gate.item():.6g} != up {s_up.item():.6g}; vLLM's reading of up is off by "
+        f"relative error {rel:.3f}"
+    )
+    expected = torch.maximum(gate.abs().amax(), up.abs().amax()) / (6 * 448)
+    assert torch.allclose(s_up, expected, rtol=1e-6)

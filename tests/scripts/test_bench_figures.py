@@ -7,8 +7,6 @@ Most tests run a client against an in-process fake OpenAI-style server (streamed
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,31 +14,13 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.scripts.test_bench_clients import FakeHandler, serving
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def load_script(name: str) -> ModuleType:
-    """Import a script by path under its own name (dataclasses look their module up there)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def sha_of(ids: list[int]) -> str:
-    """The server's token_sha of these ids."""
-    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+from tests.scripts.test_bench_clients import SCRIPTS, FakeHandler, load_script, serving, sha_of
 
 
 class Fake(ThreadingHTTPServer):
