@@ -22,7 +22,7 @@ from server.engine_link import EngineClient, EngineHost
 from server.http_options import DEFAULT_HTTP, HttpOptions
 from server.metrics import EngineMetrics
 from server.protocol import NO_DEFAULTS, SamplingDefaults
-from server.tokenizer import load_tokenizer
+from server.tokenizer import import_transformers_without_torch, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,8 @@ def run_frontend(settings: FrontSettings, sock: socket.socket, listener: socket.
         if server is not None:
             server.should_exit = True
 
+    if not import_transformers_without_torch():
+        log.info("transformers imported with torch (it needs torch, or torch was imported already)")
     client = EngineClient(sock, settings.context, settings.cache_enabled, engine_lost, settings.priority_scheduling)
     state = ServerState(
         client,

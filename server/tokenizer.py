@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,26 @@ def load_tokenizer(model_dir: Path, chat_template: str | None = None, tokenizer_
     check_chat_template(tokenizer, "--chat-template: the" if chat_template is not None else f"{named}: its")
     clear_presets(tokenizer)
     return tokenizer
+
+
+def import_transformers_without_torch() -> bool:
+    """Import transformers with torch hidden while it imports, in a process that runs no model (the front end), so it
+    takes torch as absent and never imports it; whether it did (else it imported as usual: torch was in already, or
+    this transformers needs it)."""
+    if "torch" in sys.modules or "transformers" in sys.modules:
+        return False
+    sys.modules["torch"] = None  # importlib's find_spec answers None, so transformers' torch check says absent
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found" advice
+    try:
+        import transformers  # noqa: F401
+
+        return True
+    except ImportError:
+        for name in [name for name in sys.modules if name.partition(".")[0] == "transformers"]:
+            del sys.modules[name]
+        return False
+    finally:
+        del sys.modules["torch"]
 
 
 def check_vocab(tokenizer, vocab_size: int) -> None:

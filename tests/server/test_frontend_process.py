@@ -64,6 +64,11 @@ def running(pid: int) -> bool:
         return False
 
 
+def maps_torch(pid: int) -> bool:
+    """Whether a live process has torch's library mapped (Linux), that is, has imported torch."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def wait_until(condition, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -114,13 +119,16 @@ def answers(url: str) -> list[tuple[str, str]]:
         return list(pool.map(lambda body: answer(url, body), BODIES))
 
 
-def test_a_front_end_process_serves_what_the_in_process_one_serves_and_sigterm_stops_both(ckpt) -> None:
+def test_a_front_end_process_serves_what_the_in_process_one_serves_without_torch_and_sigterm_stops_both(ckpt) -> None:
+    """Every body's answer is the in-process front end's; the front-end process tokenized, rendered and streamed them
+    with transformers but never imported torch."""
     got = {}
     for frontend in ("process", "thread"):
         with served(ckpt, frontend) as (proc, url):
             fronts = children(proc.pid)
             assert len(fronts) == (frontend == "process")
             got[frontend] = answers(url)
+            assert not any(maps_torch(front) for front in fronts)
             metrics = httpx.get(f"{url}/metrics").text
             assert "flashnext:generation_tokens_total" in metrics
             assert "flashnext:num_requests_running{model_name=" in metrics
