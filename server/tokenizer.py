@@ -58,7 +58,7 @@ def import_transformers_without_torch() -> bool:
         import transformers  # noqa: F401
 
         return True
-    except ImportError:
+    except Exception:  # ImportError where it needs torch; any other failure is tried again with torch
         for name in [name for name in sys.modules if name.partition(".")[0] == "transformers"]:
             del sys.modules[name]
         return False
