@@ -150,7 +150,9 @@ class QuantPlan:
 
 def _algo(value: object, where: str) -> str:
     """A quant_algo as the loader knows it (ModelOpt may write lower case; W4A16_NVFP4 is NVFP4's packing)."""
-    algo = value.upper() if isinstance(value, str) else value
+    if not isinstance(value, str):
+        raise CheckpointError(f"{where}: {value!r} is not a string")
+    algo = value.upper()
     algo = "NVFP4" if algo == "W4A16_NVFP4" else algo
     if algo not in KNOWN_ALGOS:
         raise CheckpointError(f"{where}: unknown value {value!r}")

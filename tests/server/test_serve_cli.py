@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -506,8 +507,6 @@ def test_a_broken_tokenizer_or_generation_config_is_refused_before_the_model_loa
 
 def test_a_chat_template_with_a_syntax_error_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """It was found only at the first chat request, each answered 400 blaming the request's messages."""
-    import shutil
-
     import server.serve
 
     folder = broken_checkpoint(tmp_path / "broken", (SHIPPED_MODEL / "config.json").read_text())
@@ -599,3 +598,70 @@ def test_an_engine_that_fails_between_rounds_ends_the_request_and_the_server_exi
         assert proc.wait(timeout=30) == 1
     finally:
         stop([proc])
+
+
+QUANT_MIXED = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}
+QUANT_EXPERTS = "model.language_model.layers.0.mlp.experts"
+
+
+@pytest.mark.parametrize(
+    ("where", "quantization"),
+    [
+        ("config.json", {"quant_method": "modelopt", "quant_algo": ["FP8"]}),
+        ("config.json", {**QUANT_MIXED, "quantized_layers": {QUANT_EXPERTS: {"quant_algo": ["NVFP4"]}}}),
+        ("config.json", {**QUANT_MIXED, "quantized_layers": {QUANT_EXPERTS: {"quant_algo": {"x": 1}}}}),
+        ("hf_quant_config.json", {"quant_method": "modelopt", "quant_algo": ["NVFP4"]}),
+    ],
+)
+def test_a_quant_algo_that_is_no_string_is_refused_naming_it(tmp_path, capsys, monkeypatch, where, quantization):
+    """A quant_algo that is a list or an object raised TypeError (unhashable) from the quant plan: a traceback, exit
+    1."""
+    import server.serve
+
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(SHIPPED_MODEL / name, folder / name)
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    if where == "config.json":
+        config["quantization_config"] = quantization
+    else:
+        config.pop("quantization_config", None)
+        (folder / "hf_quant_config.json").write_text(json.dumps({"quantization": quantization}))
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", str(folder), "--host", "127.0.0.1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "quant_algo" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_chat_template_that_is_no_text_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A tokenizer_config.json chat_template that is a number loaded as "no template", and every chat request was
+    then answered 400 blaming its messages."""
+    import server.serve
+
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        shutil.copy(SHIPPED_MODEL / name, folder / name)
+    tokenizer_config = json.loads((SHIPPED_MODEL / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = 5
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", str(folder), "--host", "127.0.0.1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert str(folder) in err and "chat template" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1]"])
+def test_a_named_folders_broken_generation_config_is_refused_naming_its_path(tmp_path, capsys, monkeypatch, text):
+    """`--generation-config FOLDER` with a broken file was refused as "generation_config.json: ...", which reads as
+    the model's own (valid) file."""
+    import server.serve
+
+    folder = tmp_path / "defaults"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(text)
+    monkeypatch.setattr(server.serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", "--generation-config", str(folder), "--host", "127.0.0.1", "--port", "0"]) == 2
+    assert str(folder / "generation_config.json") in capsys.readouterr().err
