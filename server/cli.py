@@ -318,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer, no chat template)")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens to generate at most (default 16)")
-    gen.add_argument("--temperature", type=_temperature, default=1.0, help="0 is greedy (default 1.0)")
+    gen.add_argument(
+        "--temperature", type=_temperature, default=1.0, help="0 is greedy; below 0.01 is taken as 0.01 (default 1.0)"
+    )
     gen.add_argument("--seed", type=_seed, help="sampling seed (default: a fresh random seed)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     return parser
@@ -328,7 +330,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Load, tokenize, generate, print one JSON line."""
     from model.weights import load_model
     from server.generate import GenerateParams, generate
-    from server.protocol import fresh_seed
+    from server.protocol import MIN_TEMPERATURE, fresh_seed
     from server.settings import read_environment
     from server.tokenizer import eos_token_ids, load_tokenizer
 
@@ -345,7 +347,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     params = GenerateParams(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
+        temperature=max(args.temperature, MIN_TEMPERATURE) if args.temperature else 0.0,  # the API's floor
         seed=args.seed if args.seed is not None else fresh_seed(),
         eos_ids=eos_token_ids(args.model, tokenizer, model.cfg.eos_token_id, model.cfg.vocab_size),
         ignore_eos=args.ignore_eos,

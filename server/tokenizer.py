@@ -91,6 +91,10 @@ def check_chat_template(tokenizer, whose: str) -> None:
     completions need none)."""
     from jinja2 import TemplateSyntaxError
 
+    template = getattr(tokenizer, "chat_template", None)
+    named = template.values() if isinstance(template, dict) else [template]
+    if template is not None and not all(isinstance(source, str) for source in named):
+        raise TokenizerError(f"{whose} chat template is not text (got {template!r:.60})")
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     except TemplateSyntaxError as exc:
@@ -132,9 +136,9 @@ def read_generation_config(folder: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except ValueError as exc:  # not JSON, or not UTF-8
-        raise TokenizerError(f"{path.name}: not valid JSON ({exc})") from exc
+        raise TokenizerError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
-        raise TokenizerError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 

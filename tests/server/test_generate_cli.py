@@ -98,3 +98,13 @@ def test_a_malformed_environment_setting_is_refused_by_name_before_the_model_loa
     monkeypatch.setattr(model.weights, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     assert main(["generate", "--prompt-ids", "1,2", "--max-tokens", "1"]) == 2
     assert name in capsys.readouterr().err
+
+
+def test_a_tiny_positive_temperature_is_raised_to_the_apis_floor(capsys):
+    """1e-300 passed the parser's [0, 100] and then overflowed the logits: a traceback after the model loaded. It is
+    drawn at 0.01, as the API (and vLLM) raise it."""
+    at_floor = main(["generate", "--prompt-ids", "1,2", "--max-tokens", "3", "--temperature", "1e-300", "--seed", "4"])
+    tiny = capsys.readouterr().out
+    assert at_floor == 0 and main(["generate", "--prompt-ids", "1,2", "--max-tokens", "3", "--temperature", "0.01",
+                                   "--seed", "4"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == tiny
