@@ -46,7 +46,7 @@ def quantize_nvfp4(weight: Tensor, scale_2: Tensor | None = None) -> tuple[Tenso
     if cols % NVFP4_GROUP:
         raise ValueError(f"weight: in={cols} is not a multiple of the NVFP4 group size {NVFP4_GROUP}")
     w = weight.float().reshape(rows, cols // NVFP4_GROUP, NVFP4_GROUP)
-    scale_2 = nvfp4_scale_2(w) if scale_2 is None else scale_2.float()
+    scale_2 = nvfp4_scale_2(w) if scale_2 is None else scale_2.float().clone()  # its own: not the caller's tensor
     block_amax = w.abs().amax(dim=-1)
     want = torch.where(scale_2 > 0, block_amax / FP4_MAX / scale_2, torch.zeros_like(block_amax))
     block_scale = want.clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)

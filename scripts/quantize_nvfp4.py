@@ -77,18 +77,17 @@ class Source:
 
 
 def quantize_expert(
-    prefix: str, weight: torch.Tensor, mtp: bool, sibling: torch.Tensor | None = None
+    prefix: str, weight: torch.Tensor, mtp: bool, scale_2: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """One routed expert projection: NVFP4 in the trunk, FP8 128x128 blocks in the MTP layer. A gate or up projection
-    shares its global scale with its `sibling` (up or gate), as ModelOpt exports them and vLLM's fused MoE reads
-    one scale for both."""
+    takes the global scale `scale_2` it shares with its pair, as ModelOpt exports them and vLLM's fused MoE reads one
+    scale for both; None: the weight's own."""
     try:
         if mtp:
             q, scale_inv = quant.quantize_fp8_block(weight)
             return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": scale_inv}
         # No input_scale: that is an activation amax, and we have no calibration data (weight-only W4A16 use).
-        shared = None if sibling is None else quant.nvfp4_scale_2(weight, sibling)
-        packed, scale, scale_2 = quant.quantize_nvfp4(weight, shared)
+        packed, scale, scale_2 = quant.quantize_nvfp4(weight, scale_2)
     except ValueError as err:
         raise ValueError(f"{prefix}: {err}") from err
     return {f"{prefix}.weight": packed, f"{prefix}.weight_scale": scale, f"{prefix}.weight_scale_2": scale_2}
@@ -109,6 +108,7 @@ class Converter:
             if m := NGRAM.match(name):
                 self.tables.setdefault(m["mod"], []).append(name)
         self.table_scales: dict[str, torch.Tensor] = {}
+        self.pair_scales: dict[str, torch.Tensor | None] = {}
         self.quantized: dict[str, dict[str, Any]] = {}
         for name in self.sources:
             if m := EXPERTS.match(name):
@@ -126,23 +126,32 @@ class Converter:
             self.table_scales[mod] = (amax / quant.FP8_E4M3_MAX).float().reshape(())
         return self.table_scales[mod]
 
+    def pair_scale(self, expert: str) -> torch.Tensor | None:
+        """An expert's gate and up NVFP4 global scale, over both, read once for the pair (None: one is missing, and
+        the loader refuses that expert)."""
+        if expert not in self.pair_scales:
+            keys = [self.sources.get(f"{expert}.{proj}.weight") for proj in ("gate_proj", "up_proj")]
+            pair = None if None in keys else [self.src.get(key) for key in keys]
+            self.pair_scales[expert] = None if pair is None else quant.nvfp4_scale_2(*pair)
+        return self.pair_scales[expert]
+
     def convert(self, name: str) -> dict[str, torch.Tensor]:
         tensor = self.src.get(self.sources[name])
         if m := EXPERTS.match(name):
             mod, mtp = m["mod"], name.startswith("mtp.")
             if m["proj"]:
-                pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(m["proj"])
-                sibling_key = self.sources.get(f"{mod}.{m['e']}.{pair}.weight")
-                sibling = self.src.get(sibling_key) if sibling_key else None  # none: the loader refuses the expert
-                return quantize_expert(f"{mod}.{m['e']}.{m['proj']}", tensor, mtp, sibling)
+                paired = not mtp and m["proj"] in ("gate_proj", "up_proj")
+                scale_2 = self.pair_scale(f"{mod}.{m['e']}") if paired else None
+                return quantize_expert(f"{mod}.{m['e']}.{m['proj']}", tensor, mtp, scale_2)
             out: dict[str, torch.Tensor] = {}
             for e, w in enumerate(tensor):
                 if m["fused"] == "down_proj":  # [E, d, I]
                     out |= quantize_expert(f"{mod}.{e}.down_proj", w, mtp)
                 else:  # [E, 2I, d]: the gate rows first, then the up rows
                     half = w.shape[0] // 2
-                    out |= quantize_expert(f"{mod}.{e}.gate_proj", w[:half], mtp, w[half:])
-                    out |= quantize_expert(f"{mod}.{e}.up_proj", w[half:], mtp, w[:half])
+                    scale_2 = None if mtp else quant.nvfp4_scale_2(w)  # the gate and up rows together
+                    out |= quantize_expert(f"{mod}.{e}.gate_proj", w[:half], mtp, scale_2)
+                    out |= quantize_expert(f"{mod}.{e}.up_proj", w[half:], mtp, scale_2)
             return out
         if m := NGRAM.match(name):
             # Quantizing every shard with the table-wide scale equals quantizing the concatenated table once.
