@@ -330,7 +330,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Load, tokenize, generate, print one JSON line."""
     from model.weights import load_model
     from server.generate import GenerateParams, generate
-    from server.protocol import MIN_TEMPERATURE, fresh_seed
+    from server.protocol import floored_temperature, fresh_seed
     from server.settings import read_environment
     from server.tokenizer import eos_token_ids, load_tokenizer
 
@@ -347,7 +347,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model = load_model(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     params = GenerateParams(
         max_tokens=args.max_tokens,
-        temperature=max(args.temperature, MIN_TEMPERATURE) if args.temperature else 0.0,  # the API's floor
+        temperature=floored_temperature(args.temperature),
         seed=args.seed if args.seed is not None else fresh_seed(),
         eos_ids=eos_token_ids(args.model, tokenizer, model.cfg.eos_token_id, model.cfg.vocab_size),
         ignore_eos=args.ignore_eos,

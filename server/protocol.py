@@ -72,6 +72,11 @@ TEMPLATE_CALL_ARGS = frozenset(
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
+def floored_temperature(temperature: float) -> float:
+    """A sampling temperature as drawn: one above 0 and below MIN_TEMPERATURE is raised to it (vLLM's floor)."""
+    return max(temperature, MIN_TEMPERATURE) if temperature else temperature
+
+
 def fresh_seed() -> int:
     """A random 63-bit seed for a request that did not bring one."""
     return secrets.randbits(63)
@@ -650,9 +655,8 @@ class _SamplingRequest(NullAsAbsentModel):
             value = getattr(defaults, name)
             return getattr(self, name) if name in given or value is None else value
 
-        temperature = chosen("temperature")
         return SamplingParams(
-            temperature=max(temperature, MIN_TEMPERATURE) if temperature else temperature,  # vLLM's floor
+            temperature=floored_temperature(chosen("temperature")),
             top_p=chosen("top_p"),
             top_k=min(max(chosen("top_k"), 0), MAX_TOP_K),
             min_p=chosen("min_p"),

@@ -92,8 +92,7 @@ def check_chat_template(tokenizer, whose: str) -> None:
     from jinja2 import TemplateSyntaxError
 
     template = getattr(tokenizer, "chat_template", None)
-    named = template.values() if isinstance(template, dict) else [template]
-    if template is not None and not all(isinstance(source, str) for source in named):
+    if template is not None and not all(isinstance(source, str) for source in _template_sources(tokenizer)):
         raise TokenizerError(f"{whose} chat template is not text (got {template!r:.60})")
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
@@ -108,9 +107,13 @@ def check_chat_template(tokenizer, whose: str) -> None:
 def template_reads(tokenizer, name: str) -> bool:
     """Whether the tokenizer's chat template (any of its named ones) reads the variable `name` (`tools`,
     `documents`): one that does not would drop what the request gives there without a word."""
+    return any(name in _variables(source) for source in _template_sources(tokenizer) if isinstance(source, str))
+
+
+def _template_sources(tokenizer) -> list[Any]:
+    """The tokenizer's chat template sources: each named template's, or its one (None where it has none)."""
     template = getattr(tokenizer, "chat_template", None)
-    sources = template.values() if isinstance(template, dict) else [template]
-    return any(name in _variables(source) for source in sources if isinstance(source, str))
+    return list(template.values()) if isinstance(template, dict) else [template]
 
 
 @functools.lru_cache(maxsize=8)
