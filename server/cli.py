@@ -331,14 +331,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from model.weights import load_model
     from server.generate import GenerateParams, generate
     from server.protocol import floored_temperature, fresh_seed
-    from server.settings import read_environment
     from server.tokenizer import eos_token_ids, load_tokenizer
 
-    try:
-        read_environment(os.environ)  # the kernels read FLASHNEXT_PDL, _GLUON and _OVERLAP here too
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
     tokenizer = load_tokenizer(args.model, tokenizer_dir=args.tokenizer)
     prompt_ids = generate_prompt(args, tokenizer)
     if isinstance(prompt_ids, str):  # refused at start already, where main runs it
@@ -382,12 +376,15 @@ def generate_refusal(args: argparse.Namespace, tokenizer: Any | None, vocab: int
 
 def start_refusal(args: argparse.Namespace) -> str | None:
     """Why these flags cannot start, naming the flag, found before any model loads or device work (None: they can);
-    a --kernels setting the model cannot run on raises ValueError naming the setting, and a tokenizer or
-    generation_config.json that does not load a TokenizerError naming the file."""
+    a --kernels setting the model cannot run on, or an environment variable that does not parse, raises ValueError
+    naming it, and a tokenizer or generation_config.json that does not load a TokenizerError naming the file."""
     import torch
 
     from model.config import load_config
     from model.weights import experts_nvfp4, resolve_dtype, resolve_kernels
+    from server.settings import read_environment
+
+    settings = read_environment(os.environ)  # the kernels read FLASHNEXT_PDL, _GLUON and _OVERLAP too
 
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available to this process (torch.cuda.is_available() is False)"
@@ -400,6 +397,12 @@ def start_refusal(args: argparse.Namespace) -> str | None:
 
     env = rank_env(args.tp) if args.command == "serve" else RankEnv()
     world = env.world
+    if args.command == "serve":
+        from server.serve import peer_sums_refusal
+
+        refusal = peer_sums_refusal(settings, world, args)
+        if refusal is not None:
+            return refusal
     if kernels:
         from model.kernel_path import check
 
@@ -458,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         refusal = start_refusal(args)
-    except (ValueError, SystemExit) as exc:  # a ConfigError names the field; resolve_graphs' refusal the flag
+    except (ValueError, SystemExit) as exc:  # each names its field, flag or variable
         refusal = str(exc)
     if refusal is not None:
         print(refusal, file=sys.stderr)

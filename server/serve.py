@@ -379,15 +379,9 @@ def rank_runner(model, max_lanes: int, rank: int, env: EnvSettings) -> ModelRunn
 
 def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
     """Serve at tp 1, start both ranks for `--tp 2`, or be one rank under torchrun."""
-    try:
-        env = read_environment(os.environ)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
+    env = read_environment(os.environ)  # main's start_refusal has refused a malformed one
     args.api_key = tuple(args.api_key or ()) or ((env.api_key,) if env.api_key else None)  # --api-key's, else the env's
     ranks = rank_env(args.tp)
-    refusal = peer_sums_refusal(env, ranks.world, args)
-    if refusal is not None:
-        raise SystemExit(refusal)
     if launches_ranks(ranks):
         return launch(argv, ranks.world, cpu=args.device == "cpu")
     listener = listen_socket(args.host, args.port) if ranks.rank == 0 else None  # before minutes of loading

@@ -59,8 +59,30 @@ def test_vllms_api_key_variable_is_honoured_after_ours(monkeypatch, capsys):
     assert main(["serve", "--host", "127.0.0.1", "--port", "0", "--api-key", "flag"]) == 0
     assert seen[1:] == [("ours",), ("flag",)]  # the flag first, then this server's variable, then vLLM's
     monkeypatch.setenv("VLLM_API_KEY", "sesame ")
-    with pytest.raises(SystemExit, match="VLLM_API_KEY: malformed"):  # refused as a FLASHNEXT_ setting is
-        main(["serve", "--host", "127.0.0.1", "--port", "0"])
+    assert main(["serve", "--host", "127.0.0.1", "--port", "0"]) == 2  # refused as a FLASHNEXT_ setting is
+    assert "VLLM_API_KEY: malformed" in _last_error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("FLASHNEXT_PDL", "2"),
+        ("TRITON_DEFAULT_FP_FUSION", "0"),
+        ("VLLM_API_KEY", "sesame "),
+        ("FLASHNEXT_PEER_SUMS", "1"),
+    ],
+)
+def test_serve_refuses_an_environment_setting_as_generate_and_the_flags_do(monkeypatch, capsys, name, value):
+    """A setting the environment cannot give (malformed, or peer sums at --tp 1 on the CPU) is a refusal at start:
+    exit 2 naming the variable, before serving begins, as generate and every flag refuse (serve exited 1)."""
+    import server.serve
+
+    for other in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(server.serve, "serve_rank", lambda *_args: pytest.fail("serving began"))
+    assert main(["serve", "--host", "127.0.0.1", "--port", "0"]) == 2
+    assert name in _last_error_line(capsys)
 
 
 # --- --api-key ------------------------------------------------------------------------------------------------------
