@@ -10,6 +10,7 @@ from typing import Any
 
 WRAPPER_TYPES = ("qwen4_exp", "qwen3_8_flash_next")
 TEXT_TYPES = ("qwen4_exp_text", "qwen3_8_flash_next_text")
+DTYPES = ("bfloat16", "float32", "float16")  # the checkpoint dtypes a config may name
 LINEAR = "linear_attention"
 QSA = "qsa"
 NGRAM_BASE_MAX = 2**40  # a table head's rows at most (the real model's are 2e7; no memory holds 2^40 rows)
@@ -158,7 +159,11 @@ def parse_config(data: dict[str, Any]) -> FlashNextConfig:
         text_type = text.get("model_type", model_type + "_text")
         if text_type not in TEXT_TYPES:
             raise ConfigError(f"text_config.model_type: unknown value {text_type!r}; expected one of {TEXT_TYPES}")
-        text.setdefault("tie_word_embeddings", data.get("tie_word_embeddings", False))
+        top = _Reader(data, "")  # transformers reads these top-level fields too: refused here by name
+        text.setdefault("tie_word_embeddings", top.bool("tie_word_embeddings", False))
+        top_dtype = _dtype(data, "")
+        if not (text.get("dtype") or text.get("torch_dtype")):
+            text["dtype"] = top_dtype
         text.setdefault("quantization_config", data.get("quantization_config"))
         return _parse_text(text, prefix="text_config.")
     if model_type in TEXT_TYPES:
@@ -337,10 +342,7 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
     if ple_layers and ple_dim % ((ngram_size - 1) * per_ngram):
         raise ConfigError(f"{r.name('ple_embed_dim')}: {ple_dim} is not divisible by the n-gram head count")
 
-    dtype_key = "dtype" if data.get("dtype") else "torch_dtype"
-    dtype = data.get(dtype_key) or "bfloat16"
-    if dtype not in ("bfloat16", "float32", "float16"):
-        raise ConfigError(f"{r.name(dtype_key)}: unknown value {dtype!r}")
+    dtype = _dtype(data, prefix)
     return FlashNextConfig(
         vocab_size=r.int("vocab_size"),
         hidden_size=hidden,
@@ -385,6 +387,15 @@ def _parse_text(data: dict[str, Any], prefix: str) -> FlashNextConfig:
         torch_dtype=dtype,
         quantization_config=_quantization_config(r),
     )
+
+
+def _dtype(data: dict[str, Any], prefix: str) -> str:
+    """The checkpoint's dtype from `dtype` (or the older `torch_dtype`); bfloat16 where neither is given."""
+    key = "dtype" if data.get("dtype") else "torch_dtype"
+    dtype = data.get(key) or "bfloat16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"{prefix}{key}: unknown value {dtype!r}; expected one of {DTYPES}")
+    return dtype
 
 
 def _quantization_config(r: _Reader) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,40 @@ def test_wrapper_spellings_parse_their_text_config(model_type):
     direct = parse_config(text)
     assert wrapped == direct
     assert wrapped.layer_types == (LINEAR, QSA, LINEAR, QSA)
+
+
+def text_without_dtype() -> dict:
+    """A tiny text_config for a wrapper, naming no dtype."""
+    text = {**text_config(), "model_type": "qwen4_exp_text"}
+    return {key: value for key, value in text.items() if key not in ("dtype", "torch_dtype")}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("tie_word_embeddings", "yes", "tie_word_embeddings: expected true or false, got 'yes'"),
+        ("tie_word_embeddings", None, "tie_word_embeddings: expected true or false, got None"),
+        ("dtype", "float99", "dtype: unknown value 'float99'"),
+        ("dtype", 7, "dtype: unknown value 7"),
+        ("torch_dtype", "float99", "torch_dtype: unknown value 'float99'"),
+    ],
+)
+def test_a_wrappers_bad_top_level_field_is_refused_by_name(field, value, message):
+    """transformers reads the wrapper's own tie_word_embeddings and dtype too: a bad one was refused only as the
+    tokenizer not loading (or, for a dtype of 7, not at all); it is refused by its name."""
+    text = text_without_dtype()
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        parse_config({"model_type": "qwen4_exp", "text_config": text, field: value})
+
+
+def test_a_wrappers_dtype_is_its_text_configs_when_that_names_none():
+    """A wrapper's top-level dtype (as transformers' composite configs carry it) is the model's where text_config
+    names none; text_config's own wins where it does."""
+    text = text_without_dtype()
+    assert parse_config({"model_type": "qwen4_exp", "text_config": text, "dtype": "float16"}).torch_dtype == "float16"
+    both = {"model_type": "qwen4_exp", "text_config": {**text, "dtype": "float32"}, "dtype": "float16"}
+    assert parse_config(both).torch_dtype == "float32"
+    assert parse_config({"model_type": "qwen4_exp", "text_config": text}).torch_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("spelling", ["full_attention", "indexed_attention", "qwen_sparse_attention"])

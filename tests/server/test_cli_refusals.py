@@ -6,6 +6,7 @@ disagree."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -228,6 +229,23 @@ def test_a_vllm_flag_and_this_servers_that_disagree_are_refused_naming_both(caps
     assert build_parser().parse_args(["serve", *flags[:2], *flags[:2]]).given_spellings
     agreeing = build_parser().parse_args(["serve", *flags[:2], flags[2], flags[1]])  # the same value twice: taken
     assert str(vars(agreeing)[next(iter(agreeing.given_spellings))]) == flags[1]
+
+
+# --- config.json ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("field", "value"), [("tie_word_embeddings", "yes"), ("dtype", "float99"), ("dtype", 7)])
+def test_a_bad_top_level_config_field_is_refused_by_name_not_as_the_tokenizer(tmp_path, capsys, field, value):
+    """The shipped model's folder with its wrapper's own tie_word_embeddings or dtype bad: refused at start naming
+    the field (it was "its tokenizer does not load", from transformers reading the same file; a dtype of 7 ran)."""
+    for item in SHIPPED_MODEL.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "config.json").unlink()
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    assert main(["generate", str(tmp_path), "--prompt-ids", "1,2", "--max-tokens", "1"]) == 2
+    line = _last_error_line(capsys)
+    assert line.startswith(f"{field}: ") and "tokenizer" not in line
 
 
 # --- messages and help ----------------------------------------------------------------------------------------------
