@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import torch
 
+from model.config import FlashNextConfig
 from model.flashnext import FlashNextModel
 from model.hyper import set_parameter
 from model.moe import ExpertBank
@@ -13,6 +15,28 @@ from model.ple import NGramTable
 
 WEIGHT_STD = 0.02
 TABLE_CHUNK_ROWS = 1 << 20  # the n-gram table is drawn in slices: a full fp32 draw would not fit beside it
+
+
+def machine_memory_bytes(device: torch.device) -> int:
+    """What this machine could hold weights in: the host's memory, and the GPU's where the device is one."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device.type != "cuda":
+        return host
+    return host + torch.cuda.get_device_properties(device.index or 0).total_memory
+
+
+def size_refusal(cfg: FlashNextConfig, world: int, device: torch.device) -> str | None:
+    """Why dummy weights of `cfg`'s shapes cannot be made on this machine at `world` ranks (None: they may): the
+    weights, every one at 4 bits at the least, a rank's share above all its memory (a config that overflows a size or
+    has millions of layers ended in a traceback or a hang)."""
+    need = sum(cfg.parameter_counts().values()) // (2 * world)
+    have = machine_memory_bytes(device)
+    if need <= have:
+        return None
+    return (
+        f"--load-format dummy: config.json's shapes need at least {need / 2**30:,.0f} GiB of weights a rank at "
+        f"--tp {world}, more than this machine's {have / 2**30:,.0f} GiB of memory"
+    )
 
 
 def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:

@@ -403,6 +403,12 @@ def start_refusal(args: argparse.Namespace) -> str | None:
         refusal = peer_sums_refusal(settings, world, args)
         if refusal is not None:
             return refusal
+    if getattr(args, "load_format", "auto") == "dummy":  # before a rank's half is built, even on no device
+        from model.dummy import size_refusal
+
+        refusal = size_refusal(cfg, world, device)
+        if refusal is not None:
+            return refusal
     if kernels:
         from model.kernel_path import check
 

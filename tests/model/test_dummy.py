@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from model.dummy import fill_dummy
+from model.config import parse_config
+from model.dummy import fill_dummy, size_refusal
 from model.flashnext import single_lane_batch
 from model.parallel import TensorParallel
 from model.weights import load_model
@@ -80,3 +81,23 @@ def test_loading_leaves_experts_and_table_unallocated_until_they_are_filled(tmp_
     model = load_model(tmp_path, dtype="float32", load_format="dummy")
     assert seen and all(seen)  # a dense real-shape copy of these would not fit on a GPU
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_dummy_weights_past_the_machines_memory_are_refused_naming_the_setting(monkeypatch):
+    """A rank's share of the weights at 4 bits each, at the least, against the machine's memory: refused above it
+    (a config that overflowed a size or had millions of layers ended in a traceback or a hang), halved at --tp 2."""
+    import model.dummy
+
+    cfg = parse_config(text_config())
+    need = sum(cfg.parameter_counts().values()) // 2
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(model.dummy, "machine_memory_bytes", lambda device: need)
+    assert size_refusal(cfg, 1, cpu) is None
+    monkeypatch.setattr(model.dummy, "machine_memory_bytes", lambda device: need - 1)
+    refusal = size_refusal(cfg, 1, cpu)
+    assert refusal is not None and refusal.startswith("--load-format dummy: ") and "--tp 1" in refusal
+    assert size_refusal(cfg, 2, cpu) is None
+    monkeypatch.undo()
+    assert size_refusal(cfg, 1, cpu) is None  # the tiny model fits this machine
+    huge = parse_config(text_config(hc_count=10**9))  # its streams overflowed a storage size
+    assert size_refusal(huge, 2, cpu) is not None

@@ -234,18 +234,43 @@ def test_a_vllm_flag_and_this_servers_that_disagree_are_refused_naming_both(caps
 # --- config.json ----------------------------------------------------------------------------------------------------
 
 
+def shipped_with(folder, top: dict | None = None, text: dict | None = None) -> str:
+    """The shipped model's files linked into `folder`, its config.json with `top` and `text_config` fields set."""
+    for item in SHIPPED_MODEL.iterdir():
+        (folder / item.name).symlink_to(item)
+    (folder / "config.json").unlink()
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    config = {**config, **(top or {}), "text_config": {**config["text_config"], **(text or {})}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 @pytest.mark.parametrize(("field", "value"), [("tie_word_embeddings", "yes"), ("dtype", "float99"), ("dtype", 7)])
 def test_a_bad_top_level_config_field_is_refused_by_name_not_as_the_tokenizer(tmp_path, capsys, field, value):
     """The shipped model's folder with its wrapper's own tie_word_embeddings or dtype bad: refused at start naming
     the field (it was "its tokenizer does not load", from transformers reading the same file; a dtype of 7 ran)."""
-    for item in SHIPPED_MODEL.iterdir():
-        (tmp_path / item.name).symlink_to(item)
-    (tmp_path / "config.json").unlink()
-    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
-    assert main(["generate", str(tmp_path), "--prompt-ids", "1,2", "--max-tokens", "1"]) == 2
+    model = shipped_with(tmp_path, top={field: value})
+    assert main(["generate", model, "--prompt-ids", "1,2", "--max-tokens", "1"]) == 2
     line = _last_error_line(capsys)
     assert line.startswith(f"{field}: ") and "tokenizer" not in line
+
+
+@pytest.mark.parametrize(
+    "text", [{"hc_count": 10**9}, {"make_ngram_vocab_size_divisible_by": 2**40}, {"num_hidden_layers": 10**6}]
+)
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_dummy_weights_no_memory_holds_are_refused_at_start(tmp_path, monkeypatch, capsys, text, tp):
+    """Sizes no machine holds, served with dummy weights: refused naming --load-format (they overflowed a storage
+    size, failed to allocate 12 TB, or built layers without end)."""
+    import server.serve
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(server.serve, "serve_rank", lambda *_args: pytest.fail("serving began"))
+    monkeypatch.setattr(server.serve, "launch", lambda *_args, **_kw: pytest.fail("the ranks were started"))
+    model = shipped_with(tmp_path, text=text)
+    assert main(["serve", model, "--load-format", "dummy", "--tp", tp, "--host", "127.0.0.1", "--port", "0"]) == 2
+    assert _last_error_line(capsys).startswith("--load-format dummy: config.json's shapes need at least")
 
 
 # --- messages and help ----------------------------------------------------------------------------------------------
