@@ -382,7 +382,7 @@ def start_refusal(args: argparse.Namespace) -> str | None:
 
     from model.config import load_config
     from model.weights import experts_nvfp4, resolve_dtype, resolve_kernels
-    from server.settings import read_environment
+    from server.settings import peer_sums_refusal, read_environment
 
     settings = read_environment(os.environ)  # the kernels read FLASHNEXT_PDL, _GLUON and _OVERLAP too
 
@@ -398,8 +398,6 @@ def start_refusal(args: argparse.Namespace) -> str | None:
     env = rank_env(args.tp) if args.command == "serve" else RankEnv()
     world = env.world
     if args.command == "serve":
-        from server.serve import peer_sums_refusal
-
         refusal = peer_sums_refusal(settings, world, args)
         if refusal is not None:
             return refusal

@@ -360,13 +360,6 @@ def load_rank(args: argparse.Namespace, ranks: RankEnv, env: EnvSettings) -> Mod
     return rank_runner(model, args.max_lanes, ranks.rank, env)
 
 
-def peer_sums_refusal(env: EnvSettings, world: int, args: argparse.Namespace) -> str | None:
-    """Why FLASHNEXT_PEER_SUMS=1 cannot run with these flags (None: it can, or it is not asked for)."""
-    if env.peer_sums and (world != 2 or args.device != "cuda" or args.kernels == "off"):
-        return "FLASHNEXT_PEER_SUMS=1: peer sums need --tp 2, --device cuda and the kernels on (--kernels auto or on)"
-    return None
-
-
 def rank_runner(model, max_lanes: int, rank: int, env: EnvSettings) -> ModelRunner:
     """This rank's runner, writing the round digests and trace the environment asks for into rank{r}.* files."""
     digests = None if env.round_digests is None else Path(env.round_digests) / f"rank{rank}.digests"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -150,3 +151,10 @@ def read_environment(environ: Mapping[str, str]) -> EnvSettings:
         round_pyprofile=values.get("FLASHNEXT_ROUND_PYPROFILE"),
         peer_sums=values.get("FLASHNEXT_PEER_SUMS", False),
     )
+
+
+def peer_sums_refusal(env: EnvSettings, world: int, args: argparse.Namespace) -> str | None:
+    """Why FLASHNEXT_PEER_SUMS=1 cannot run with these flags (None: it can, or it is not asked for)."""
+    if env.peer_sums and (world != 2 or args.device != "cuda" or args.kernels == "off"):
+        return "FLASHNEXT_PEER_SUMS=1: peer sums need --tp 2, --device cuda and the kernels on (--kernels auto or on)"
+    return None

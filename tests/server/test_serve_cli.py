@@ -149,7 +149,7 @@ def test_cuda_graphs_on_without_their_needs_is_refused_by_flag():
 
 
 def test_peer_sums_without_two_cuda_ranks_on_the_kernels_are_refused_by_name():
-    from server.serve import peer_sums_refusal
+    from server.settings import peer_sums_refusal
 
     on, off = read_environment({"FLASHNEXT_PEER_SUMS": "1"}), read_environment({})
     assert on.peer_sums and not off.peer_sums
